@@ -1,0 +1,39 @@
+"""rl_jax: JAX/TPU-first RL post-training of language models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="rl_jax",
+    version="0.1.0",
+    description="Exact, fast RL post-training (GRPO family, VCPO, PPO) for language models in JAX",
+    packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10,<0.13",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "chex>=0.1.90",
+        "ml-collections>=1.0",
+        "absl-py",
+        "tensorflow-datasets>=4.9.9",
+        "array_record",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "math-verify>=0.8",
+        "tqdm",
+        "matplotlib",
+        "tensorboardX",
+        "numpy",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "hypothesis",
+            "transformers>=4.50",
+            # CPU build; an open range pulls a multi-GB CUDA wheel.
+            "torch==2.13.0",
+        ],
+    },
+)
