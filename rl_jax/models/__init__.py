@@ -1,0 +1,23 @@
+"""Llama / Qwen2 / Qwen3 decoders as pure sharded functions, value heads, HF interop.
+
+Public API (see shared Contract)::
+
+    cfg, params = models.load_hf(path, dtype=jnp.float32)
+    models.save_hf(cfg, params, path)
+    logits = models.forward(cfg, params, tokens)            # [B,T] -> [B,T,V]
+    lp = models.response_logprobs(cfg, params, prompt_tokens, prompt_lengths,
+                                  response_tokens, response_mask, shared_prefix=True)
+"""
+
+from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to_hf_dict
+from rl_jax.models.grouped import (packed_hidden, replicated_hidden, response_hidden,
+                                   response_logprobs, token_reduction)
+from rl_jax.models.hf import hf_state_dict, load_hf, read_hf_config, save_hf
+from rl_jax.models.transformer import (apply_rope, causal_mask, dense_attention, embed, forward,
+                                       hidden_states, init_params, init_sharded, lm_head_weight,
+                                       logits_from_hidden, mask_attend, param_axes, param_shapes,
+                                       param_shardings, rms_norm, rope_tables, sequence_logprobs,
+                                       token_logprobs, trunk)
+from rl_jax.models.value import init_value_params, response_values, value_axes, values
+
+__all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,0 +1,151 @@
+"""Grouped responses: N responses per prompt, in the packed prompt-once layout or replicated.
+
+Shapes (group letters, distinct from the model legend): G groups (prompts), M responses per
+group (the Contract's N), P padded prompt length, R padded response length, D model width.
+
+Packed (DualKV) layout, one row per group of length P + M·R::
+
+    [prompt_g (P, right-padded)][resp_1 (R)]...[resp_M (R)]
+
+Prompt token t has position t; token j of every response has position len_g + j (RoPE
+positions as in the unpacked sequence). Prompt queries attend causally to the valid prompt;
+response query j of response i attends to the valid prompt and to response i's tokens 0..j.
+Per-token work (projections, MLP, norms, LM head) runs on the prompt once per group instead
+of M times: the whole-model token reduction is rho = M(P+R)/(P+M·R).
+
+Replicated layout: M·G rows of [prompt_g (P)][resp_i (R)] with the prompt padding masked out.
+Both give identical log-probs and gradients (tests/test_grouped.py).
+
+The logit that predicts response token 0 sits at the last *valid* prompt position len_g − 1,
+the one predicting token j > 0 at response position j − 1: a plain shift-by-one over the packed
+row would be wrong at every segment boundary.
+
+References: DualKV (shared-prompt flash attention for RL training, 2025).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.errors import ModelError
+from rl_jax.models import transformer as tx
+from rl_jax.models.config import ModelConfig
+
+import pallas_kernels
+
+
+def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask):
+  if prompt_tokens.ndim != 2:
+    raise ModelError(f"prompt_tokens must be [G,P], got shape {prompt_tokens.shape}")
+  G, P = prompt_tokens.shape
+  if prompt_lengths.shape != (G,):
+    raise ModelError(f"prompt_lengths must be [G]={G}, got shape {prompt_lengths.shape}")
+  if response_tokens.ndim != 3 or response_tokens.shape[0] != G:
+    raise ModelError(f"response_tokens must be [G,N,R] with G={G}, got {response_tokens.shape}")
+  if response_mask is not None and response_mask.shape != response_tokens.shape:
+    raise ModelError(f"response_mask shape {response_mask.shape} != response_tokens shape "
+                     f"{response_tokens.shape}")
+  if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer) or not jnp.issubdtype(
+      response_tokens.dtype, jnp.integer):
+    raise ModelError("prompt_tokens and response_tokens must be integer token ids")
+  if not isinstance(prompt_lengths, jax.core.Tracer):
+    lengths = jax.device_get(prompt_lengths)
+    if (lengths < 1).any() or (lengths > P).any():
+      raise ModelError(f"prompt_lengths must lie in [1, P={P}], got {lengths.tolist()}")
+
+
+def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int):
+  """AttendFn for the packed layout: causal prompt + shared-prefix responses."""
+
+  def attend(q, k, v, state):
+    G = q.shape[0]
+    pos = jnp.arange(P)
+    valid = pos[None, :] < prompt_lengths[:, None]
+    prompt_mask = (pos[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
+    out_p = tx.dense_attention(q[:, :P], k[:, :P], v[:, :P], prompt_mask)
+    split = lambda a: a[:, P:].reshape(G, M, R, *a.shape[2:])
+    out_r = pallas_kernels.shared_prefix_attention(
+        split(q), k[:, :P], v[:, :P], split(k), split(v), ctx_lengths=prompt_lengths)
+    return jnp.concatenate([out_p, out_r.reshape(G, M * R, *out_r.shape[3:])], axis=1), state
+
+  return attend
+
+
+def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens):
+  """Hidden states at the predictor position of every response token, packed layout.
+
+  Args:
+    prompt_tokens int [G,P] right-padded; prompt_lengths int [G]; response_tokens int [G,M,R].
+  Returns:
+    [G,M,R,D]: the hidden state whose logits predict response_tokens[g,i,j].
+  """
+  G, P = prompt_tokens.shape
+  _, M, R = response_tokens.shape
+  tokens = jnp.concatenate([prompt_tokens, response_tokens.reshape(G, M * R)], axis=1)
+  resp_pos = prompt_lengths[:, None, None] + jnp.arange(R)[None, None, :]
+  positions = jnp.concatenate(
+      [jnp.broadcast_to(jnp.arange(P), (G, P)), jnp.broadcast_to(resp_pos, (G, M, R)).reshape(G, -1)],
+      axis=1).astype(jnp.int32)
+  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions,
+                  _packed_attend(prompt_lengths, P, M, R))
+  first = jnp.take_along_axis(h, (prompt_lengths - 1)[:, None, None], axis=1)  # [G,1,D]
+  resp = h[:, P:].reshape(G, M, R, -1)
+  first = jnp.broadcast_to(first[:, None], (G, M, 1, h.shape[-1]))
+  return jnp.concatenate([first, resp[:, :, :-1]], axis=2)
+
+
+def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens):
+  """Same as ``packed_hidden`` computed on M·G rows of [prompt (P)][response (R)]."""
+  G, P = prompt_tokens.shape
+  _, M, R = response_tokens.shape
+  prompts = jnp.repeat(prompt_tokens, M, axis=0)  # [G·M,P]
+  lengths = jnp.repeat(prompt_lengths, M, axis=0)
+  tokens = jnp.concatenate([prompts, response_tokens.reshape(G * M, R)], axis=1)
+  positions = jnp.concatenate(
+      [jnp.broadcast_to(jnp.arange(P), (G * M, P)), lengths[:, None] + jnp.arange(R)[None]],
+      axis=1).astype(jnp.int32)
+  valid = jnp.concatenate([jnp.arange(P)[None] < lengths[:, None],
+                           jnp.ones((G * M, R), bool)], axis=1)
+  mask = tx.causal_mask(positions, positions, valid)
+  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, tx.mask_attend(mask))
+  first = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [G·M,1,D]
+  pred = jnp.concatenate([first, h[:, P:P + R - 1]], axis=1)
+  return pred.reshape(G, M, R, -1)
+
+
+def response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
+                    shared_prefix: bool = True):
+  """Predictor hidden states [G,M,R,D] in the packed (default) or replicated layout."""
+  fn = packed_hidden if shared_prefix else replicated_hidden
+  return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens)
+
+
+def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
+                      response_mask=None, shared_prefix: bool = True, temperature: float = 1.0,
+                      with_entropy: bool = False):
+  """Per-token log-probs of grouped responses.
+
+  Args:
+    prompt_tokens int32 [G,P] right-padded; prompt_lengths int32 [G] in [1,P];
+    response_tokens int32 [G,M,R]; response_mask bool [G,M,R] (None = all valid);
+    shared_prefix: packed P+M·R layout (True) or replicated M·(P+R) (False); equal results.
+    temperature: log-probs of softmax(logits / temperature) (the sampling distribution).
+  Returns:
+    float32 [G,M,R], zero where response_mask is False (and entropy [G,M,R] if asked).
+  """
+  _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask)
+  G, M, R = response_tokens.shape
+  h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix)
+  out = tx.token_logprobs(cfg, params, h.reshape(G, M * R, -1),
+                          response_tokens.reshape(G, M * R), temperature, with_entropy)
+  mask = jnp.ones((G, M, R), bool) if response_mask is None else response_mask
+  if with_entropy:
+    lp, ent = out
+    return (jnp.where(mask, lp.reshape(G, M, R), 0.0), jnp.where(mask, ent.reshape(G, M, R), 0.0))
+  return jnp.where(mask, out.reshape(G, M, R), 0.0)
+
+
+def token_reduction(M: int, P: int, R: int) -> float:
+  """rho = M(P+R)/(P+M·R): tokens of the replicated layout over tokens of the packed one."""
+  return M * (P + R) / (P + M * R)

@@ -1,0 +1,267 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + safetensors (single or sharded).
+
+Tensors are read lazily with ``safe_open`` (memory-mapped, no pickle) and converted one at
+a time into rl_jax's stacked layout, so peak host memory is about one copy of the weights.
+``save_hf`` writes to a temporary directory and renames it into place, so an interrupted
+export never leaves a half-written model where a finished one was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rl_jax.errors import ModelError
+from rl_jax.models import transformer as tx
+from rl_jax.models.config import ModelConfig, dump_hf_config, from_hf_dict
+
+# (our layer key, HF suffix, kind) kind: how to turn the HF tensor into ours.
+_LAYER_MAP = (
+    ("attn_norm", "input_layernorm.weight", "vector"),
+    ("q", "self_attn.q_proj.weight", "in_heads_q"),
+    ("k", "self_attn.k_proj.weight", "in_heads_kv"),
+    ("v", "self_attn.v_proj.weight", "in_heads_kv"),
+    ("o", "self_attn.o_proj.weight", "out_heads"),
+    ("q_bias", "self_attn.q_proj.bias", "bias_q"),
+    ("k_bias", "self_attn.k_proj.bias", "bias_kv"),
+    ("v_bias", "self_attn.v_proj.bias", "bias_kv"),
+    ("o_bias", "self_attn.o_proj.bias", "vector"),
+    ("q_norm", "self_attn.q_norm.weight", "vector"),
+    ("k_norm", "self_attn.k_norm.weight", "vector"),
+    ("mlp_norm", "post_attention_layernorm.weight", "vector"),
+    ("gate", "mlp.gate_proj.weight", "transpose"),
+    ("up", "mlp.up_proj.weight", "transpose"),
+    ("down", "mlp.down_proj.weight", "transpose"),
+)
+
+
+def _to_ours(cfg: ModelConfig, kind: str, w: np.ndarray) -> np.ndarray:
+  D, H = cfg.hidden_size, cfg.head_dim
+  if kind == "vector":
+    return w
+  if kind == "transpose":
+    return w.T
+  if kind == "in_heads_q":  # [N·H, D] -> [D, N, H]
+    return w.T.reshape(D, cfg.num_heads, H)
+  if kind == "in_heads_kv":
+    return w.T.reshape(D, cfg.num_kv_heads, H)
+  if kind == "out_heads":  # [D, N·H] -> [N, H, D]
+    return w.T.reshape(cfg.num_heads, H, D)
+  if kind == "bias_q":
+    return w.reshape(cfg.num_heads, H)
+  if kind == "bias_kv":
+    return w.reshape(cfg.num_kv_heads, H)
+  raise AssertionError(kind)
+
+
+def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
+  if kind == "vector":
+    return w
+  if kind == "transpose":
+    return w.T
+  if kind in ("in_heads_q", "in_heads_kv"):  # [D, n, H] -> [n·H, D]
+    return w.reshape(w.shape[0], -1).T
+  if kind == "out_heads":  # [N, H, D] -> [D, N·H]
+    return w.reshape(-1, w.shape[-1]).T
+  if kind in ("bias_q", "bias_kv"):
+    return w.reshape(-1)
+  raise AssertionError(kind)
+
+
+class _TensorIndex:
+  """Name -> file for a single or sharded safetensors checkpoint; lazy, memory-mapped reads."""
+
+  def __init__(self, path: str):
+    self._handles: dict[str, Any] = {}
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+      try:
+        with open(index) as f:
+          weight_map = json.load(f)["weight_map"]
+      except (json.JSONDecodeError, KeyError) as e:
+        raise ModelError(f"{index} is not a valid safetensors index ({e})") from None
+      self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+    else:
+      files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+      if not files:
+        raise ModelError(f"no *.safetensors file in {path}")
+      self.files: dict[str, str] = {}
+      for fname in files:
+        for name in self._open(os.path.join(path, fname)).keys():
+          self.files[name] = os.path.join(path, fname)
+
+  def _open(self, fname: str):
+    if fname not in self._handles:
+      if not os.path.exists(fname):
+        raise ModelError(f"safetensors file {fname} is missing")
+      try:
+        handle = safe_open(fname, framework="flax")
+      except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ModelError(f"safetensors file {fname} is corrupt or unreadable: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+      self._handles[fname] = handle
+    return self._handles[fname]
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.files
+
+  def get(self, name: str) -> np.ndarray:
+    if name not in self.files:
+      raise ModelError(f"checkpoint lacks tensor {name!r}")
+    fname = self.files[name]
+    try:
+      arr = self._open(fname).get_tensor(name)
+    except ModelError:
+      raise
+    except Exception as e:
+      raise ModelError(f"cannot read tensor {name!r} from {fname}: {e}") from None
+    return np.asarray(jax.device_get(arr).astype(jnp.float32))
+
+
+def read_hf_config(path: str, **overrides) -> ModelConfig:
+  """ModelConfig from ``path/config.json`` (overrides: dtype, param_dtype, remat, ...)."""
+  if not os.path.isdir(path):
+    raise ModelError(f"model directory {path} does not exist")
+  cfg_file = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_file):
+    raise ModelError(f"{cfg_file} is missing")
+  try:
+    with open(cfg_file) as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
+  return from_hf_dict(hf, **overrides)
+
+
+def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=None,
+            **overrides):
+  """Load a Llama/Qwen2/Qwen3 HF directory.
+
+  Args:
+    path: directory with config.json and model.safetensors (or sharded files + index).
+    dtype: parameter storage dtype (float32 or bfloat16).
+    compute_dtype: activation/matmul dtype (default: same as ``dtype``); float32 master
+      weights with bfloat16 compute is ``dtype=jnp.float32, compute_dtype="bfloat16"``.
+    shardings: optional pytree of NamedShardings (``transformer.param_shardings``); each
+      tensor is placed straight onto its shards.
+    overrides: ModelConfig fields to override (e.g. ``dtype="bfloat16", remat="full"``).
+  Returns:
+    (cfg, params).
+  """
+  dtype = jnp.dtype(dtype)
+  compute = jnp.dtype(compute_dtype or dtype).name
+  cfg = read_hf_config(path, param_dtype=dtype.name, dtype=compute, **overrides)
+  idx = _TensorIndex(path)
+  expected = tx.param_shapes(cfg)
+  prefix = "model."
+
+  def place(arr, where):
+    return jax.device_put(jnp.asarray(arr, dtype), where) if where is not None else jnp.asarray(
+        arr, dtype)
+
+  def check(name, arr, shape):
+    if tuple(arr.shape) != tuple(shape):
+      raise ModelError(f"tensor {name!r} has shape {tuple(arr.shape)}, config.json implies "
+                       f"{tuple(shape)}")
+    return arr
+
+  sh = shardings or {}
+  params: dict[str, Any] = {}
+  params["embed"] = place(check("embed", idx.get(prefix + "embed_tokens.weight"),
+                                expected["embed"]), sh.get("embed"))
+  params["final_norm"] = place(check("final_norm", idx.get(prefix + "norm.weight"),
+                                     expected["final_norm"]), sh.get("final_norm"))
+  if not cfg.tie_word_embeddings:
+    if "lm_head.weight" not in idx:
+      raise ModelError(f"checkpoint lacks 'lm_head.weight' but config.json says the "
+                       f"embeddings are untied")
+    params["lm_head"] = place(check("lm_head", idx.get("lm_head.weight").T, expected["lm_head"]),
+                              sh.get("lm_head"))
+  layers = {}
+  for key, suffix, kind in _LAYER_MAP:
+    if key not in expected["layers"]:
+      continue
+    per_layer = []
+    for i in range(cfg.num_layers):
+      name = f"{prefix}layers.{i}.{suffix}"
+      per_layer.append(check(name, _to_ours(cfg, kind, idx.get(name)),
+                             expected["layers"][key][1:]))
+    layers[key] = place(np.stack(per_layer), sh.get("layers", {}).get(key))
+  params["layers"] = layers
+  return cfg, params
+
+
+def hf_state_dict(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+  """HF tensor names -> host arrays (float32 or the parameter dtype)."""
+  host = jax.device_get(params)
+  out = {"model.embed_tokens.weight": np.asarray(host["embed"]),
+         "model.norm.weight": np.asarray(host["final_norm"])}
+  if not cfg.tie_word_embeddings:
+    out["lm_head.weight"] = np.asarray(host["lm_head"]).T
+  for key, suffix, kind in _LAYER_MAP:
+    if key not in host["layers"]:
+      continue
+    stacked = np.asarray(host["layers"][key])
+    for i in range(cfg.num_layers):
+      out[f"model.layers.{i}.{suffix}"] = _to_hf(kind, stacked[i])
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30) -> str:
+  """Write ``path`` (config.json + safetensors, sharded above ``max_shard_bytes``) atomically.
+
+  The directory is assembled beside ``path`` and renamed into place; an existing ``path`` is
+  replaced only once the new one is complete. bfloat16 weights are written as float32
+  (numpy has no native bfloat16 in safetensors' numpy writer).
+  """
+  tensors = hf_state_dict(cfg, params)
+  tensors = {k: v.astype(np.float32) if v.dtype not in (np.float32, np.float16) else v
+             for k, v in tensors.items()}
+  parent = os.path.dirname(os.path.abspath(path)) or "."
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp_hf_", dir=parent)
+  try:
+    hf_cfg = json.loads(dump_hf_config(cfg))
+    hf_cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(hf_cfg, f, indent=2, sort_keys=True)
+    shards, cur, size = [], {}, 0
+    for name, arr in tensors.items():
+      if cur and size + arr.nbytes > max_shard_bytes:
+        shards.append(cur)
+        cur, size = {}, 0
+      cur[name] = arr
+      size += arr.nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+      save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    else:
+      weight_map = {}
+      for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+      total = sum(a.nbytes for a in tensors.values())
+      with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if os.path.exists(path):
+      old = path + ".old"
+      shutil.rmtree(old, ignore_errors=True)
+      os.replace(path, old)
+      os.replace(tmp, path)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.replace(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return path

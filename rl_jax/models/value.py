@@ -1,0 +1,46 @@
+"""Value model for PPO: the decoder trunk with a scalar head instead of the LM head.
+
+Value parameters are ``{"trunk": <decoder params without lm_head>, "head": [D]}``; the
+trunk can be initialised from the policy (the usual PPO critic warm start).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.models import grouped
+from rl_jax.models import transformer as tx
+from rl_jax.models.config import ModelConfig
+
+
+def value_axes(cfg: ModelConfig):
+  axes = dict(tx.param_axes(cfg))
+  axes.pop("lm_head", None)
+  return {"trunk": axes, "head": ("embed",)}
+
+
+def init_value_params(cfg: ModelConfig, rng: jax.Array, policy_params=None):
+  """Critic parameters; the trunk is copied from ``policy_params`` if given, head zeros."""
+  trunk = policy_params if policy_params is not None else tx.init_params(cfg, rng)
+  trunk = {k: v for k, v in trunk.items() if k != "lm_head"}
+  return {"trunk": trunk, "head": jnp.zeros((cfg.hidden_size,), jnp.dtype(cfg.param_dtype))}
+
+
+def _head(cfg: ModelConfig, vparams, h):
+  return jnp.einsum("...d,d->...", h.astype(jnp.float32), vparams["head"].astype(jnp.float32))
+
+
+def values(cfg: ModelConfig, vparams, tokens, positions=None, attention_mask=None):
+  """V(s_t) for every prefix: tokens int [B,T] -> float32 [B,T]."""
+  return _head(cfg, vparams, tx.hidden_states(cfg, vparams["trunk"], tokens, positions,
+                                              attention_mask))
+
+
+def response_values(cfg: ModelConfig, vparams, prompt_tokens, prompt_lengths, response_tokens,
+                    response_mask=None, shared_prefix: bool = True):
+  """Value of the state before each response token: [G,M,R] float32 (0 where masked)."""
+  h = grouped.response_hidden(cfg, vparams["trunk"], prompt_tokens, prompt_lengths,
+                              response_tokens, shared_prefix)
+  v = _head(cfg, vparams, h)
+  return v if response_mask is None else jnp.where(response_mask, v, 0.0)
