@@ -6,7 +6,7 @@ setup(
     name="rl_jax",
     version="0.1.0",
     description="Exact, fast RL post-training (GRPO family, VCPO, PPO) for language models in JAX",
-    packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*", "configs"]),
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.13",

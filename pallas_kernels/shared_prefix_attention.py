@@ -1,0 +1,291 @@
+"""Shared-prefix (DualKV) attention for GRPO-style groups: one prompt, N responses.
+
+The prompt of a group is stored once (the context); each of its N responses attends to the
+context and, causally, to its own tokens. Response query j of response i sees context keys
+0..ctx_len-1 and response i's keys 0..j, with one softmax over both regions.
+
+Layouts (letters: G groups, N responses per group, R response length, P padded context
+length, H query heads, K kv heads (H a multiple of K, grouped-query attention), D head dim):
+  q              [G,N,R,H,D]
+  k_ctx, v_ctx   [G,P,K,D]        context (prompt) keys and values, right-padded
+  k_resp, v_resp [G,N,R,K,D]      each response's own keys and values
+  ctx_lengths    int32 [G]        valid context length of each group (None = P)
+  out            [G,N,R,H,D]      lse float32 [G,N,R,H]
+
+Backends (one function, chosen by ``backend``):
+  "tpu"        Mosaic kernels; key tiles walked by the grid, state in VMEM scratch
+               (shared_prefix_tpu.py).
+  "gpu"        Triton kernels; key tiles walked by an in-kernel loop (shared_prefix_gpu.py).
+  "reference"  the pure-jnp two-region computation below, the fast path on CPU.
+  "auto"       by ``jax.default_backend()``; on CPU the reference, or the TPU kernel in the
+               Pallas interpreter when ``interpret=True``.
+The kernels are differentiable through ``jax.custom_vjp``: the backward recomputes
+probabilities from the saved log-sum-exp; context dK/dV are summed over the N responses in
+float32 in a fixed order.
+
+References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl);
+FlashAttention-2 (Dao, 2023).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import block_sizes as _bs
+from pallas_kernels import shared_prefix_gpu, shared_prefix_tpu
+from pallas_kernels.block_sizes import BlockSizes
+
+BACKENDS = ("auto", "tpu", "gpu", "reference")
+_KERNELS = {"tpu": shared_prefix_tpu, "gpu": shared_prefix_gpu}
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation (static shapes and dtypes; context lengths when they are concrete).
+
+
+def _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths):
+  """Raises ValueError naming the first problem with the inputs."""
+  names = ("q", "k_ctx", "v_ctx", "k_resp", "v_resp")
+  arrays = (q, k_ctx, v_ctx, k_resp, v_resp)
+  for name, x, ndim in zip(names, arrays, (5, 4, 4, 5, 5)):
+    if not hasattr(x, "shape") or len(x.shape) != ndim:
+      raise ValueError(f"{name} must have {ndim} dims, got shape {getattr(x, 'shape', None)}")
+  g, n, r, hq, d = q.shape
+  p, hkv = k_ctx.shape[1], k_ctx.shape[2]
+  if v_ctx.shape != k_ctx.shape:
+    raise ValueError(f"v_ctx shape {v_ctx.shape} != k_ctx shape {k_ctx.shape}")
+  if k_ctx.shape[0] != g or k_ctx.shape[3] != d:
+    raise ValueError(f"k_ctx shape {k_ctx.shape} must be [G={g}, P, Hkv, D={d}]")
+  for name, x in (("k_resp", k_resp), ("v_resp", v_resp)):
+    if x.shape != (g, n, r, hkv, d):
+      raise ValueError(f"{name} shape {x.shape} must be [G,N,R,Hkv,D] = {(g, n, r, hkv, d)}")
+  if min(g, n, r, hq, d, p, hkv) < 1:
+    raise ValueError(f"all dims must be >= 1, got q {q.shape} and k_ctx {k_ctx.shape}")
+  if hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+  dtypes = {jnp.dtype(x.dtype) for x in arrays}
+  if len(dtypes) != 1:
+    raise ValueError(f"q, k_ctx, v_ctx, k_resp, v_resp must share one dtype, got "
+                     f"{[str(jnp.dtype(x.dtype)) for x in arrays]}")
+  if dtypes.pop() not in {jnp.dtype(t) for t in _DTYPES}:
+    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {q.dtype}")
+  if ctx_lengths is None:
+    return
+  if not hasattr(ctx_lengths, "shape") or ctx_lengths.shape != (g,):
+    raise ValueError(f"ctx_lengths must have shape [G] = ({g},), got "
+                     f"{getattr(ctx_lengths, 'shape', None)}")
+  if not jnp.issubdtype(ctx_lengths.dtype, jnp.integer):
+    raise ValueError(f"ctx_lengths must be integers, got {ctx_lengths.dtype}")
+  if not isinstance(ctx_lengths, jax.core.Tracer):
+    lengths = np.asarray(ctx_lengths)
+    if lengths.min() < 0 or lengths.max() > p:
+      raise ValueError(f"ctx_lengths must lie in [0, P={p}], got {lengths.tolist()}")
+
+
+def _resolve_backend(backend: str, interpret: bool) -> str:
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if not isinstance(interpret, bool):
+    raise ValueError(f"interpret must be a bool, got {interpret!r}")
+  if backend != "auto":
+    return backend
+  platform = jax.default_backend()
+  if platform == "tpu":
+    return "tpu"
+  if platform in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  return "tpu" if interpret else "reference"
+
+
+def _fit_blocks(backend, block_sizes, r, p, d):
+  sizes = _bs.DEFAULT_BLOCK_SIZES[backend] if block_sizes is None else block_sizes
+  if not isinstance(sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a BlockSizes, got {type(sizes).__name__}")
+  sizes.check(backend)
+  if backend == "gpu" and (d < 16 or d & (d - 1)):
+    raise ValueError(f"the GPU kernel needs a power-of-two head dim >= 16, got D={d}")
+  return _bs.fit(sizes, r=r, p=p, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------
+# Public API.
+
+
+def shared_prefix_attention_lse(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=None,
+                                interpret=False, *, backend="auto",
+                                block_sizes: BlockSizes | None = None):
+  """Shared-prefix attention and its log-sum-exp (both differentiable).
+
+  Args:
+    q: [G,N,R,H,D] response queries.
+    k_ctx, v_ctx: [G,P,K,D] context keys/values (right-padded to P).
+    k_resp, v_resp: [G,N,R,K,D] response keys/values.
+    ctx_lengths: int [G] valid context lengths in [0, P]; None means all P.
+    interpret: run the Pallas kernel in the interpreter (any platform, slow).
+    backend: "auto" | "tpu" | "gpu" | "reference" (see the module docstring).
+    block_sizes: kernel block sizes; None takes the backend's defaults (block_sizes.py).
+
+  Returns:
+    out [G,N,R,H,D] in the dtype of q, and lse float32 [G,N,R,H], the log of each query's
+    softmax denominator over both regions.
+
+  Raises:
+    ValueError: on inconsistent shapes, mixed or unsupported dtypes, H not a multiple of K,
+      concrete ctx_lengths outside [0, P], or an unknown backend / bad block sizes.
+
+  References: DualKV (amazon-science/dualkv-flash-attn-for-rl).
+  """
+  _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths)
+  backend = _resolve_backend(backend, interpret)
+  g, p = q.shape[0], k_ctx.shape[1]
+  lengths = (jnp.full((g,), p, jnp.int32) if ctx_lengths is None
+             else jnp.asarray(ctx_lengths).astype(jnp.int32))
+  if backend == "reference":
+    return _reference_jit(q, k_ctx, v_ctx, k_resp, v_resp, lengths)
+  fitted = _fit_blocks(backend, block_sizes, q.shape[2], p, q.shape[4])
+  return _kernel_attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths, backend=backend,
+                           fitted=fitted, interpret=interpret)
+
+
+def shared_prefix_attention(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=None,
+                            interpret=False, *, backend="auto",
+                            block_sizes: BlockSizes | None = None):
+  """Shared-prefix attention: each response attends to its group's context and itself.
+
+  Response query j of response i in group g attends to context keys 0..ctx_lengths[g]-1
+  and to keys 0..j of response i, softmax(q k^T / sqrt(D)) over both regions.
+
+  Args:
+    q: [G,N,R,H,D] response queries.
+    k_ctx, v_ctx: [G,P,K,D] context keys/values (right-padded to P).
+    k_resp, v_resp: [G,N,R,K,D] response keys/values.
+    ctx_lengths: int [G] valid context lengths in [0, P]; None means all P.
+    interpret: run the Pallas kernel in the interpreter (any platform, slow).
+    backend: "auto" | "tpu" | "gpu" | "reference" (see the module docstring).
+    block_sizes: kernel block sizes; None takes the backend's defaults (block_sizes.py).
+
+  Returns:
+    [G,N,R,H,D] in the dtype of q. Differentiable in q, k_ctx, v_ctx, k_resp, v_resp.
+
+  Raises:
+    ValueError: see ``shared_prefix_attention_lse``.
+
+  References: DualKV (amazon-science/dualkv-flash-attn-for-rl).
+  """
+  return shared_prefix_attention_lse(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths,
+                                     interpret, backend=backend, block_sizes=block_sizes)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel path: pad to whole blocks, custom_vjp over the backend's kernels, slice back.
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "fitted", "interpret"))
+def _kernel_attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths, *, backend, fitted,
+                      interpret):
+  r, p = q.shape[2], k_ctx.shape[1]
+  pad_r = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, fitted.r_pad - r), (0, 0), (0, 0)])
+  pad_p = lambda x: jnp.pad(x, [(0, 0), (0, fitted.p_pad - p), (0, 0), (0, 0)])
+  # Padded response rows only see real and padded response keys (never a real query sees
+  # them: they come after every real position); padded context keys are past ctx_lengths.
+  out, lse = _attention_vjp(pad_r(q), pad_p(k_ctx), pad_p(v_ctx), pad_r(k_resp),
+                            pad_r(v_resp), lengths, backend, fitted,
+                            1.0 / math.sqrt(q.shape[-1]), interpret)
+  return out[:, :, :r], lse[:, :, :r]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention_vjp(q, k_ctx, v_ctx, k_resp, v_resp, lengths, backend, fitted, scale,
+                   interpret):
+  return _KERNELS[backend].forward(q, k_ctx, v_ctx, k_resp, v_resp, lengths, fitted=fitted,
+                                   scale=scale, interpret=interpret)
+
+
+def _attention_fwd(q, k_ctx, v_ctx, k_resp, v_resp, lengths, backend, fitted, scale,
+                   interpret):
+  out, lse = _attention_vjp(q, k_ctx, v_ctx, k_resp, v_resp, lengths, backend, fitted, scale,
+                            interpret)
+  return (out, lse), (q, k_ctx, v_ctx, k_resp, v_resp, lengths, out, lse)
+
+
+def _attention_bwd(backend, fitted, scale, interpret, residuals, cotangents):
+  q, k_ctx, v_ctx, k_resp, v_resp, lengths, out, lse = residuals
+  d_out, d_lse = cotangents
+  # d lse / d s = p, so the lse cotangent folds into the usual rowsum(dO * O) term.
+  di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+  grads = _KERNELS[backend].backward(q, k_ctx, v_ctx, k_resp, v_resp, lengths,
+                                     d_out.astype(q.dtype), lse, di, fitted=fitted,
+                                     scale=scale, interpret=interpret)
+  return (*grads, None)
+
+
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------------------------
+# Pure-jnp reference: two regions computed separately, merged by log-sum-exp.
+
+
+def _masked_softmax_parts(s, mask, v_einsum, v):
+  """Normalised output and log-sum-exp of one region (lse = -inf where nothing is visible)."""
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(jnp.where(mask, s, _MASK), axis=-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  safe_l = jnp.where(l > 0, l, 1.0)
+  out = jnp.einsum(v_einsum, p / safe_l, v)
+  lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)[..., 0]
+  return out, lse
+
+
+_MASK = -0.7 * float(np.finfo(np.float32).max)
+
+
+def shared_prefix_attention_reference(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=None, *,
+                                      return_lse=False):
+  """Pure-jnp shared-prefix attention (same contract as ``shared_prefix_attention``).
+
+  The context region is one matmul of all N responses' queries against the group's
+  context; the own-response region is a causal matmul per response. The two partial
+  results (o_a, s_a) and (o_b, s_b) merge by log-sum-exp:
+  s = logaddexp(s_a, s_b), o = e^{s_a - s} o_a + e^{s_b - s} o_b. Computed in float32.
+
+  Args:
+    q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths: as in ``shared_prefix_attention``.
+    return_lse: also return the log-sum-exp float32 [G,N,R,H].
+
+  Returns:
+    out [G,N,R,H,D] in the dtype of q (and lse if ``return_lse``).
+
+  References: DualKV (amazon-science/dualkv-flash-attn-for-rl).
+  """
+  _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths)
+  g, p = q.shape[0], k_ctx.shape[1]
+  lengths = (jnp.full((g,), p, jnp.int32) if ctx_lengths is None
+             else jnp.asarray(ctx_lengths).astype(jnp.int32))
+  out, lse = _reference_jit(q, k_ctx, v_ctx, k_resp, v_resp, lengths)
+  return (out, lse) if return_lse else out
+
+
+@jax.jit
+def _reference_jit(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
+  g, n, r, hq, d = q.shape
+  p, hkv = k_ctx.shape[1], k_ctx.shape[2]
+  f32 = lambda x: x.astype(jnp.float32)
+  # Query heads grouped by their kv head: [G,N,R,K,Q/K,D] (letter j = heads per kv head).
+  qg = f32(q).reshape(g, n, r, hkv, hq // hkv, d) / math.sqrt(d)
+  s_a = jnp.einsum("gnrkjd,gpkd->gnrkjp", qg, f32(k_ctx))
+  mask_a = (jnp.arange(p) < lengths[:, None])[:, None, None, None, None, :]
+  o_a, lse_a = _masked_softmax_parts(s_a, mask_a, "gnrkjp,gpkd->gnrkjd", f32(v_ctx))
+  s_b = jnp.einsum("gnrkjd,gnskd->gnrkjs", qg, f32(k_resp))
+  mask_b = (jnp.arange(r)[None, :] <= jnp.arange(r)[:, None])[None, None, :, None, None, :]
+  o_b, lse_b = _masked_softmax_parts(s_b, mask_b, "gnrkjs,gnskd->gnrkjd", f32(v_resp))
+  lse = jnp.logaddexp(lse_a, lse_b)
+  out = jnp.exp(lse_a - lse)[..., None] * o_a + jnp.exp(lse_b - lse)[..., None] * o_b
+  return out.reshape(q.shape).astype(q.dtype), lse.reshape(g, n, r, hq)

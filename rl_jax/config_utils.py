@@ -1,0 +1,535 @@
+"""Loading, overriding and validating ml-collections configs; the CLI error guard.
+
+A config is a ``.py`` file defining ``get_config(arg=None) -> ConfigDict``. It is named on
+the command line as ``--config=configs/x.py`` or ``--config=configs/x.py:arg`` (everything
+after the first ``:`` is passed to ``get_config`` as one string) and refined with
+``--config.KEY.PATH=VALUE`` overrides::
+
+    python -m rl_jax.train --config=configs/quickstart.py:small --workdir=/tmp/run \\
+        --config.model.num_layers=4 --config.rollout.temperature=0.7
+
+Override values are parsed against the type of the field they replace:
+
+  int     ``4``, ``-1``                      (not ``4.5``, not ``true``)
+  float   ``0.5``, ``3e-4``, ``2``           (an int literal is widened)
+  bool    ``true false 1 0 yes no`` (any case)
+  str     taken verbatim; surrounding quotes are stripped
+  tuple   ``(1, 2)``, ``1,2``, ``(fsdp,tensor)`` (bare words become strings)
+  list    as tuple, with ``[...]``
+  None    ``None`` / ``none`` / ``null``, allowed only where the field is a placeholder
+          (``config_dict.placeholder(int)``) or currently None
+
+A field whose current value is None and that is not a typed placeholder accepts any Python
+literal (and otherwise the raw string). After overrides the config is locked, so a typo in
+code (``config.modle``) fails loudly too.
+
+Why not ``ml_collections.config_flags``: it defers a missing config file to the first
+attribute access, wraps errors into multi-line tracebacks inside absl's flag errors, and
+silently turns a typed field into an untyped one when it is set to None. Here every mistake
+(unknown key, wrong type, missing file, file without ``get_config``, bad ``:arg``) is one
+``ConfigError`` whose message names the key or file, and ``main_guard`` prints it as one
+line. Flags other than ``--config``/``--workdir`` are handed to absl, so absl's own flags
+(``--verbosity`` ...) keep working.
+
+Validation is declarative: ``check(config, "rollout.top_p", probability)`` or
+``validate(config, {"train.steps": positive_int, "loss.preset": one_of(...)})``; each check
+is a predicate returning ``None`` when fine or a short requirement such as
+``"must be in [0, 1]"``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import difflib
+import functools
+import importlib.util
+import inspect
+import math
+import os
+import sys
+import uuid
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import ml_collections
+from ml_collections import config_dict
+
+from rl_jax.errors import ConfigError, RLJaxError
+
+__all__ = [
+    "ConfigError", "load_config", "load_config_file", "split_config_spec", "apply_overrides",
+    "set_value", "parse_value", "parse_cli", "main_guard", "get_value", "Check", "check",
+    "check_choice", "validate",
+    "positive_int", "nonnegative_int", "positive", "nonnegative", "probability",
+    "in_range", "one_of", "optional",
+]
+
+_NONE_WORDS = ("none", "null")
+_TRUE_WORDS = ("true", "t", "yes", "y", "1")
+_FALSE_WORDS = ("false", "f", "no", "n", "0")
+
+
+# ------------------------------------------------------------------ loading config files
+def split_config_spec(spec: str) -> tuple[str, str | None]:
+  """``"configs/x.py:arg"`` -> ``("configs/x.py", "arg")``; no colon -> ``(path, None)``."""
+  if not isinstance(spec, str) or not spec.strip():
+    raise ConfigError(f"config must be a path like configs/x.py[:arg], got {spec!r}")
+  path, sep, arg = spec.partition(":")
+  return path, (arg if sep else None)
+
+
+@contextlib.contextmanager
+def _importable_from(path: str):
+  """Puts the config's grandparent on sys.path so ``from configs import common`` works."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+  added = root not in sys.path
+  if added:
+    sys.path.insert(0, root)
+  try:
+    yield
+  finally:
+    if added and root in sys.path:
+      sys.path.remove(root)
+
+
+def _exec_module(path: str):
+  """Executes a config file as a fresh module and returns it."""
+  name = f"_rl_jax_config_{uuid.uuid4().hex[:8]}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  if spec is None or spec.loader is None:
+    raise ConfigError(f"config file {path} is not a Python file")
+  module = importlib.util.module_from_spec(spec)
+  try:
+    with _importable_from(path):
+      spec.loader.exec_module(module)
+  except Exception as e:  # The config file itself is broken: report where, in one line.
+    raise ConfigError(f"config file {path} failed to import: {type(e).__name__}: {e}") from e
+  return module
+
+
+def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """Calls ``get_config(arg)`` (or ``get_config()`` when ``arg`` is None) from ``path``.
+
+  Args:
+    path: a ``.py`` file defining ``get_config``.
+    arg: the string after ``:`` in ``--config=path:arg``, or None.
+
+  Returns:
+    The (unlocked) ConfigDict that ``get_config`` returned.
+
+  Raises:
+    ConfigError: the file is missing or broken, has no ``get_config``, rejects ``arg``, or
+      does not return a ConfigDict.
+  """
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file not found: {path}")
+  module = _exec_module(path)
+  get_config = getattr(module, "get_config", None)
+  if not callable(get_config):
+    raise ConfigError(f"config file {path} defines no get_config() function")
+  call = f"get_config({arg!r})" if arg is not None else "get_config()"
+  try:
+    with _importable_from(path):
+      config = get_config(arg) if arg is not None else get_config()
+  except TypeError as e:
+    if arg is not None and _takes_no_argument(get_config):
+      raise ConfigError(f"config file {path}: get_config() takes no argument, "
+                        f"but ':{arg}' was given") from e
+    raise ConfigError(f"config file {path}: {call} failed: TypeError: {e}") from e
+  except Exception as e:  # get_config raised for a bad arg or a bug in the file.
+    raise ConfigError(f"config file {path}: {call} failed: {type(e).__name__}: {e}") from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"config file {path}: {call} returned {type(config).__name__}, "
+                      "expected an ml_collections.ConfigDict")
+  return config
+
+
+def _takes_no_argument(fn: Callable[..., Any]) -> bool:
+  try:
+    return not inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def load_config(spec: str, overrides: Sequence[str] = (), *,
+                lock: bool = True) -> ml_collections.ConfigDict:
+  """Loads ``path[:arg]``, applies ``overrides`` and locks the result.
+
+  Args:
+    spec: ``"configs/x.py"`` or ``"configs/x.py:arg"``.
+    overrides: strings ``"model.num_layers=4"``; a leading ``--config.`` or ``config.`` is
+      accepted, so the CLI arguments can be passed through unchanged.
+    lock: lock the config afterwards (no new keys can be added).
+
+  Returns:
+    The ConfigDict.
+
+  Raises:
+    ConfigError: see ``load_config_file`` and ``apply_overrides``.
+  """
+  path, arg = split_config_spec(spec)
+  config = load_config_file(path, arg)
+  apply_overrides(config, overrides)
+  if lock:
+    config.lock()
+  return config
+
+
+# ------------------------------------------------------------------ overrides
+def _split_override(override: str) -> tuple[str, str]:
+  """``"--config.a.b=3"`` -> ``("a.b", "3")``."""
+  if not isinstance(override, str) or "=" not in override:
+    raise ConfigError(f"config override {override!r} must look like KEY=VALUE, "
+                      "e.g. model.num_layers=4")
+  key, _, raw = override.partition("=")
+  key = key.strip()
+  for prefix in ("--config.", "-config.", "config."):
+    if key.startswith(prefix):
+      key = key[len(prefix):]
+      break
+  if not key or any(not part for part in key.split(".")):
+    raise ConfigError(f"config override {override!r} has an empty key")
+  return key, raw
+
+
+def _child_names(node: Any) -> list[str]:
+  return sorted(str(k) for k in node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+
+
+def _unknown_key(key: str, parent_path: str, parent: Any) -> ConfigError:
+  names = _child_names(parent)
+  leaf = key.split(".")[-1]
+  close = difflib.get_close_matches(leaf, names, n=1)
+  hint = f"; did you mean {'.'.join(filter(None, [parent_path, close[0]]))!r}?" if close else ""
+  where = f"config.{parent_path}" if parent_path else "config"
+  return ConfigError(f"unknown config key {key!r} ({where} has: {', '.join(names)}){hint}")
+
+
+def _resolve_parent(config: ml_collections.ConfigDict, key: str):
+  """Walks to the ConfigDict holding ``key``'s last component; raises on unknown keys."""
+  parts = key.split(".")
+  node = config
+  for i, part in enumerate(parts[:-1]):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise _unknown_key(key, ".".join(parts[:i]), node)
+    node = node[part]
+  if not isinstance(node, ml_collections.ConfigDict) or parts[-1] not in node:
+    raise _unknown_key(key, ".".join(parts[:-1]), node)
+  return node, parts[-1]
+
+
+def get_value(config: ml_collections.ConfigDict, key: str) -> Any:
+  """``config`` at dotted ``key`` (``"rollout.top_p"``); ConfigError naming it if absent."""
+  parent, leaf = _resolve_parent(config, key)
+  return parent[leaf]
+
+
+def _literal(raw: str) -> Any:
+  try:
+    return ast.literal_eval(raw)
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    return raw
+
+
+def _parse_sequence(raw: str) -> list[Any]:
+  """``"(1, 2)"``, ``"1,2"``, ``"[a, b]"`` -> list of literals / bare strings."""
+  text = raw.strip()
+  value = _literal(text)
+  if isinstance(value, (tuple, list)):
+    return list(value)
+  if text[:1] in "([" and text[-1:] in ")]":
+    text = text[1:-1]
+  if not text.strip():
+    return []
+  return [_literal(item.strip()) for item in text.split(",") if item.strip()]
+
+
+def _strip_quotes(raw: str) -> str:
+  if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+    return raw[1:-1]
+  return raw
+
+
+def parse_value(raw: str, field_type: type | None, *, key: str = "value",
+                allow_none: bool = True) -> Any:
+  """Parses the string ``raw`` as a value of ``field_type`` (None: any Python literal).
+
+  Args:
+    raw: the text after ``=`` on the command line.
+    field_type: type of the field being replaced (``int``, ``float``, ``bool``, ``str``,
+      ``tuple``, ``list``) or ``None``/``type(None)``/``object`` for an untyped field.
+    key: the dotted key, used in error messages only.
+    allow_none: whether ``None``/``none``/``null`` is accepted.
+
+  Returns:
+    The parsed value.
+
+  Raises:
+    ConfigError: ``raw`` is not a valid ``field_type``.
+  """
+  text = raw.strip()
+  if text.lower() in _NONE_WORDS:
+    if not allow_none:
+      name = getattr(field_type, "__name__", str(field_type))
+      raise ConfigError(f"config.{key} is a {name} field and cannot be None "
+                        f"(declare it with config_dict.placeholder({name}) to allow None)")
+    return None
+  if field_type in (None, type(None), object):
+    return _literal(text)
+  if field_type is bool:
+    if text.lower() in _TRUE_WORDS:
+      return True
+    if text.lower() in _FALSE_WORDS:
+      return False
+    raise ConfigError(f"config.{key} is a bool field; got {raw!r} (use true or false)")
+  if field_type is int:
+    value = _literal(text)
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    raise ConfigError(f"config.{key} is an int field; got {raw!r}")
+  if field_type is float:
+    value = _literal(text)
+    if text.lower() in ("inf", "+inf", "-inf", "nan"):
+      return float(text)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise ConfigError(f"config.{key} is a float field; got {raw!r}")
+  if field_type is str:
+    return _strip_quotes(raw)
+  if field_type in (tuple, list):
+    return field_type(_parse_sequence(text))
+  if isinstance(field_type, type) and issubclass(field_type, ml_collections.ConfigDict):
+    raise ConfigError(f"config.{key} is a section; override its fields instead, "
+                      f"e.g. config.{key}.<field>=...")
+  raise ConfigError(f"config.{key} has type {getattr(field_type, '__name__', field_type)}, "
+                    "which cannot be set from the command line")
+
+
+def _field_info(parent: ml_collections.ConfigDict, leaf: str) -> tuple[type | None, bool]:
+  """(type to parse against, whether None is allowed) for ``parent[leaf]``."""
+  raw_field = parent._fields[leaf]  # pylint: disable=protected-access
+  if isinstance(raw_field, config_dict.FieldReference):
+    return raw_field.get_type(), True
+  if raw_field is None:
+    return None, True
+  return type(raw_field), False
+
+
+def set_value(config: ml_collections.ConfigDict, key: str, raw: str) -> None:
+  """Parses ``raw`` against the existing field at dotted ``key`` and assigns it."""
+  parent, leaf = _resolve_parent(config, key)
+  field_type, allow_none = _field_info(parent, leaf)
+  value = parse_value(raw, field_type, key=key, allow_none=allow_none)
+  try:
+    parent[leaf] = value
+  except (TypeError, ValueError, AttributeError, KeyError) as e:
+    raise ConfigError(f"config.{key}: cannot set {raw!r}: {e}") from e
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> None:
+  """Applies ``KEY=VALUE`` overrides in order (in place); see the module docstring."""
+  if isinstance(overrides, str):
+    raise ConfigError("config overrides must be a list of KEY=VALUE strings, not one string")
+  with config.unlocked() if config.is_locked else contextlib.nullcontext():
+    for override in overrides:
+      key, raw = _split_override(override)
+      set_value(config, key, raw)
+
+
+# ------------------------------------------------------------------ command line
+def _take_value(argv: Sequence[str], i: int, name: str) -> tuple[str, int]:
+  """Value of ``--name=v`` or ``--name v`` at ``argv[i]``; returns (value, next index)."""
+  arg = argv[i]
+  if "=" in arg:
+    return arg.split("=", 1)[1], i + 1
+  if i + 1 >= len(argv) or (argv[i + 1].startswith("-") and not _is_number_text(argv[i + 1])):
+    raise ConfigError(f"--{name} needs a value")
+  return argv[i + 1], i + 2
+
+
+def _is_number_text(text: str) -> bool:
+  return _is_number(_literal(text))
+
+
+def _flag_name(arg: str) -> str:
+  return arg.lstrip("-").split("=", 1)[0]
+
+
+def parse_cli(argv: Sequence[str], *, require_workdir: bool = True,
+              lock: bool = True) -> tuple[ml_collections.ConfigDict, str | None]:
+  """Parses ``prog --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]``.
+
+  Arguments other than these are handed to absl's flag parser (so absl's own flags such as
+  ``--verbosity`` keep working); an unknown one is a ConfigError.
+
+  Args:
+    argv: the full ``sys.argv`` (``argv[0]`` is the program name).
+    require_workdir: whether ``--workdir`` is mandatory.
+    lock: lock the returned config.
+
+  Returns:
+    ``(config, workdir)``; ``workdir`` is None only when not required and not given.
+
+  Raises:
+    ConfigError: a missing/unknown flag, or anything ``load_config`` rejects.
+  """
+  argv = list(argv)
+  spec, workdir, overrides, rest = None, None, [], argv[:1]
+  i = 1
+  while i < len(argv):
+    arg = argv[i]
+    name = _flag_name(arg) if arg.startswith("-") else None
+    if name == "config":
+      spec, i = _take_value(argv, i, "config")
+    elif name == "workdir":
+      workdir, i = _take_value(argv, i, "workdir")
+    elif name is not None and name.startswith("config."):
+      value, i = _take_value(argv, i, name)
+      overrides.append(f"{name[len('config.'):]}={value}")
+    else:
+      rest.append(arg)
+      i += 1
+  if spec is None:
+    raise ConfigError("missing --config=FILE[:ARG], e.g. --config=configs/quickstart.py")
+  if require_workdir and not workdir:
+    raise ConfigError("missing --workdir=DIR (where metrics, checkpoints and exports go)")
+  _parse_absl_flags(rest)
+  return load_config(spec, overrides, lock=lock), workdir
+
+
+def _parse_absl_flags(argv: list[str]) -> None:
+  """Lets absl parse the remaining flags; turns its errors into one-line ConfigErrors."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    leftover = flags.FLAGS(argv, known_only=False)
+  except flags.Error as e:
+    raise ConfigError(f"command line: {str(e).splitlines()[0]}") from e
+  if len(leftover) > 1:
+    raise ConfigError(f"unexpected positional arguments {leftover[1:]}")
+
+
+def main_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps a CLI entry point: an ``RLJaxError`` prints ``error: <msg>`` and exits with 2.
+
+  Any other exception is a bug and propagates with its traceback. Use as a decorator or as
+  ``main_guard(main)()``.
+  """
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except RLJaxError as e:
+      message = " ".join(str(e).split()) or type(e).__name__
+      print(f"error: {message}", file=sys.stderr, flush=True)
+      sys.exit(2)
+
+  return wrapper
+
+
+# ------------------------------------------------------------------ validation
+# A check takes a value and returns None when it is fine, or a requirement it violates
+# (e.g. "must be a positive int"), which `check` turns into a ConfigError naming the key.
+Check = Callable[[Any], "str | None"]
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def positive_int(x: Any) -> str | None:
+  """Requires an int > 0."""
+  return None if _is_int(x) and x > 0 else "must be a positive int"
+
+
+def nonnegative_int(x: Any) -> str | None:
+  """Requires an int >= 0."""
+  return None if _is_int(x) and x >= 0 else "must be an int >= 0"
+
+
+def positive(x: Any) -> str | None:
+  """Requires a finite number > 0."""
+  return None if _is_number(x) and math.isfinite(x) and x > 0 else "must be a number > 0"
+
+
+def nonnegative(x: Any) -> str | None:
+  """Requires a finite number >= 0."""
+  return None if _is_number(x) and math.isfinite(x) and x >= 0 else "must be a number >= 0"
+
+
+def probability(x: Any) -> str | None:
+  """Requires a number in [0, 1]."""
+  return None if _is_number(x) and 0 <= x <= 1 else "must be a number in [0, 1]"
+
+
+def in_range(low: float | None = None, high: float | None = None, *,
+             low_inclusive: bool = True, high_inclusive: bool = True) -> Check:
+  """A check for a number in the interval given (None: unbounded on that side)."""
+  left = "[" if low_inclusive else "("
+  right = "]" if high_inclusive else ")"
+  text = (f"must be a number in {left}{'-inf' if low is None else low}, "
+          f"{'inf' if high is None else high}{right}")
+
+  def check_range(x: Any) -> str | None:
+    if not _is_number(x) or math.isnan(x):
+      return text
+    if low is not None and (x < low or (x == low and not low_inclusive)):
+      return text
+    if high is not None and (x > high or (x == high and not high_inclusive)):
+      return text
+    return None
+
+  return check_range
+
+
+def one_of(choices: Iterable[Any]) -> Check:
+  """A check for membership in ``choices``."""
+  allowed = tuple(choices)
+
+  def check_choice_(x: Any) -> str | None:
+    return None if x in allowed else f"must be one of {list(allowed)}"
+
+  return check_choice_
+
+
+def optional(inner: Check) -> Check:
+  """``inner``, but None is also accepted."""
+
+  def check_optional(x: Any) -> str | None:
+    return None if x is None else inner(x)
+
+  return check_optional
+
+
+def check(config: ml_collections.ConfigDict, key: str, *checks: Check) -> Any:
+  """Applies ``checks`` to ``config.<key>``; returns the value.
+
+  Raises:
+    ConfigError: the key is unknown, or the first failing check, as
+      ``"config.rollout.top_p must be a number in [0, 1], got 1.5"``.
+  """
+  value = get_value(config, key)
+  if isinstance(value, config_dict.FieldReference):
+    value = value.get()
+  for fn in checks:
+    problem = fn(value)
+    if problem:
+      raise ConfigError(f"config.{key} {problem}, got {value!r}")
+  return value
+
+
+def check_choice(config: ml_collections.ConfigDict, key: str, choices: Iterable[Any]) -> Any:
+  """``check(config, key, one_of(choices))``."""
+  return check(config, key, one_of(choices))
+
+
+def validate(config: ml_collections.ConfigDict,
+             schema: Mapping[str, Check | Sequence[Check]]) -> None:
+  """Runs ``check`` for every ``key -> check(s)`` in ``schema``; first failure raises."""
+  for key, checks in schema.items():
+    checks = tuple(checks) if isinstance(checks, (tuple, list)) else (checks,)
+    check(config, key, *checks)

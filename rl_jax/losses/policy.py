@@ -1,0 +1,301 @@
+"""Policy-loss formulas: ratios, clipping, off-policy corrections, value loss.
+
+Plain functions of arrays; the composable stages in ``compose.py`` call these.
+
+Axis letters: B rows, T tokens. ``logp`` current policy, ``old_logp`` the policy the ratio is
+taken against (the proximal policy for decoupled PPO), ``behaviour_logp`` (mu) the sampler's
+log-probs, ``ref_logp`` the reference policy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.losses._utils import (LOG_RATIO_CLAMP, Array, check_choice, check_rank,
+                                  check_same_shape, clamped_exp, masked_mean, safe_divide)
+from rl_jax.losses.aggregation import aggregate_parts
+
+DUAL_CLIP_DEFAULT = 3.0
+
+
+def broadcast_advantages(advantages: Array, shape: tuple[int, int]) -> Array:
+  """Sequence-level [B] or token-level [B,T] advantages -> [B,T]."""
+  if advantages.ndim == 1 and advantages.shape[0] == shape[0]:
+    return jnp.broadcast_to(advantages[:, None], shape)
+  if tuple(advantages.shape) == tuple(shape):
+    return advantages
+  raise ValueError(f"advantages must have shape ({shape[0]},) or {tuple(shape)}, got "
+                   f"{tuple(advantages.shape)}")
+
+
+def resolve_dual_clip(dual_clip) -> float | None:
+  """None/False -> off; True -> 3.0; a number must be > 1."""
+  if dual_clip is None or dual_clip is False:
+    return None
+  if dual_clip is True:
+    return DUAL_CLIP_DEFAULT
+  if not float(dual_clip) > 1.0:
+    raise ValueError(f"dual_clip must be > 1 (the bound c), got {dual_clip!r}")
+  return float(dual_clip)
+
+
+def check_eps(eps_low: float, eps_high: float) -> None:
+  if not 0.0 <= eps_low < 1.0:
+    raise ValueError(f"eps_low must be in [0, 1), got {eps_low!r}")
+  if not eps_high >= 0.0:
+    raise ValueError(f"eps_high must be >= 0, got {eps_high!r}")
+
+
+def ppo_clip_per_token(log_ratio: Array, advantages: Array, eps_low: float = 0.2,
+                       eps_high: float = 0.2, dual_clip: float | None = None
+                       ) -> tuple[Array, Array]:
+  """PPO clipped surrogate per token, with clip-higher and optional dual clip.
+
+  ``r = exp(clip(log_ratio, -20, 20))``,
+  ``Lc = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; with dual clip c:
+  ``l = where(A < 0, min(-c A, Lc), Lc)``.
+
+  Args:
+    log_ratio: float [B,T] ``logp - old_logp`` (carries the gradient).
+    advantages: float [B,T].
+    eps_low, eps_high: asymmetric clip range (DAPO clip-higher: 0.2, 0.28).
+    dual_clip: bound c > 1 or None.
+
+  Returns:
+    ``(loss [B,T], clipped [B,T] bool)``; ``clipped`` marks tokens whose loss came from a
+    clipped branch (the gradient through the ratio is zero there).
+
+  References: Schulman et al. 2017 (PPO); Ye et al. 2020 (dual clip); Yu et al. 2025 (DAPO).
+  """
+  ratio = clamped_exp(log_ratio)
+  unclipped = -advantages * ratio
+  clipped_loss = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  loss = jnp.maximum(unclipped, clipped_loss)
+  clipped = clipped_loss > unclipped
+  if dual_clip is not None:
+    cap = -dual_clip * advantages
+    dual = (advantages < 0) & (cap < loss)
+    loss = jnp.where(dual, cap, loss)
+    clipped = clipped | dual
+  return loss, clipped
+
+
+def sequence_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+  """GSPO length-normalised sequence log-ratio ``sum_t m (logp - old) / sum_t m``: [B,T] -> [B]."""
+  return masked_mean(logp - old_logp, mask, axis=1)
+
+
+def gspo_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+  """Per-token log-ratio whose value is GSPO's ``log s_i`` and whose gradient is per token.
+
+  ``logp - sg(logp) + sg(clip(log s_i, -20, 20))``.
+
+  Returns:
+    float [B,T].
+
+  References: Zheng et al. 2025, Group Sequence Policy Optimization (GSPO-token).
+  """
+  log_s = jax.lax.stop_gradient(
+      jnp.clip(sequence_log_ratio(logp, old_logp, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  return logp - jax.lax.stop_gradient(logp) + log_s[:, None]
+
+
+def truncated_is_weights(old_logp: Array, behaviour_logp: Array, mask: Array,
+                         cap: float | None = 2.0, level: str = "token") -> Array:
+  """Truncated importance weights correcting sampler/trainer mismatch (detached).
+
+  token: ``min(exp(old - mu), C)``; sequence: ``min(exp(sum_t m (old - mu)), C)`` broadcast
+  over the row. ``cap=None`` leaves the weight untruncated. Log-weights are clamped to
+  [-20, 20] before exp.
+
+  Returns:
+    float [B,T] (0 on invalid tokens).
+
+  References: Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training (TIS).
+  """
+  check_choice("TIS level", level, ("token", "sequence"))
+  d = jnp.where(mask, old_logp - behaviour_logp, 0.0)
+  if level == "sequence":
+    d = jnp.broadcast_to(jnp.sum(d, axis=1, keepdims=True), d.shape)
+  w = clamped_exp(d)
+  if cap is not None:
+    w = jnp.minimum(w, cap)
+  return jax.lax.stop_gradient(jnp.where(mask, w, 0.0))
+
+
+def decoupled_weights(prox_logp: Array, behaviour_logp: Array, mask: Array,
+                      cap: float = 5.0, mode: str = "mask") -> tuple[Array, Array]:
+  """AReaL behaviour weights ``w = exp(prox - mu)`` (detached) and the kept-token mask.
+
+  mode "mask": tokens with ``w > cap`` are dropped from the numerator (``keep`` False);
+  mode "clamp": ``w = min(w, cap)`` and every valid token is kept.
+
+  Returns:
+    ``(w [B,T], keep [B,T] bool)``.
+
+  References: Fu et al. 2025, AReaL: A Large-Scale Asynchronous RL System (decoupled PPO).
+  """
+  check_choice("decoupled mode", mode, ("mask", "clamp"))
+  w = jax.lax.stop_gradient(clamped_exp(jnp.where(mask, prox_logp - behaviour_logp, 0.0)))
+  if mode == "clamp":
+    return jnp.where(mask, jnp.minimum(w, cap), 0.0), mask
+  keep = mask & (w <= cap)
+  return jnp.where(mask, w, 0.0), keep
+
+
+def m2po_mask(delta: Array, mask: Array, tau: float = 0.04) -> Array:
+  """M2PO second-moment mask: drop the fewest largest-``delta^2`` tokens so the rest average < tau.
+
+  Sort ``delta^2`` over all valid tokens in descending order; drop the top k with the
+  smallest k such that the mean of the kept ``delta^2`` is below ``tau`` (an empty set has
+  mean 0). Ties are broken by position, so exactly k tokens are dropped.
+
+  Args:
+    delta: float [B,T], ``mu - prox`` per token.
+    mask: bool [B,T].
+    tau: second-moment threshold.
+
+  Returns:
+    bool [B,T] kept tokens (a subset of ``mask``).
+
+  References: Zheng et al. 2025, Prosperity before Collapse: How Far Can Off-Policy RL Reach
+  with Stale Data on LLMs? (M2PO).
+  """
+  check_same_shape("delta", delta, mask=mask)
+  mask = mask.astype(bool)
+  d2 = jnp.where(mask, jax.lax.stop_gradient(delta) ** 2, 0.0).reshape(-1)
+  valid = mask.reshape(-1)
+  n = jnp.sum(valid)
+  key = jnp.where(valid, -d2, jnp.inf)  # descending d2, invalid last
+  order = jnp.argsort(key, stable=True)
+  sorted_d2 = d2[order]
+  total = jnp.sum(sorted_d2)
+  # dropped_k = sum of the k largest, k = 0..size
+  dropped = jnp.concatenate([jnp.zeros((1,), d2.dtype), jnp.cumsum(sorted_d2)])
+  k = jnp.arange(d2.shape[0] + 1)
+  kept_n = (n - k).astype(d2.dtype)
+  kept_mean = safe_divide(total - dropped, kept_n)
+  ok = (kept_mean < tau) | (kept_n <= 0)
+  k_min = jnp.argmax(ok)
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+  keep = valid & (rank >= k_min)
+  return keep.reshape(mask.shape)
+
+
+def m2po_clip_bound(delta: Array, mask: Array, tau: float = 0.04) -> Array:
+  """M2PO clip-budget variant: the bound b with ``sum_t min(delta_t^2, b^2) = tau * n``.
+
+  Solved exactly on the sorted ``delta^2``; ``b = inf`` when the unclipped second moment is
+  already within budget. The ratio is then clipped PPO-style to ``[e^-b, e^b]`` so only
+  tokens whose update would push past the bound (the harmful ones) lose their gradient.
+
+  Returns:
+    float scalar ``b`` (may be inf).
+  """
+  check_same_shape("delta", delta, mask=mask)
+  mask = mask.astype(bool)
+  d2 = jnp.where(mask, jax.lax.stop_gradient(delta) ** 2, 0.0).reshape(-1)
+  n = jnp.sum(mask).astype(d2.dtype)
+  budget = tau * n
+  s = jnp.sort(d2)[::-1]  # descending; invalid entries are 0 and sit at the end
+  tail = jnp.sum(s) - jnp.concatenate([jnp.zeros((1,), s.dtype), jnp.cumsum(s)])
+  k = jnp.arange(s.shape[0] + 1).astype(s.dtype)
+  b2 = safe_divide(budget - tail, k)  # b^2 if exactly the k largest are clipped
+  upper = jnp.concatenate([jnp.full((1,), jnp.inf, s.dtype), s])  # s_k (k-th largest)
+  lower = jnp.concatenate([s, jnp.zeros((1,), s.dtype)])           # s_{k+1}
+  ok = (k > 0) & (b2 >= lower) & (b2 <= upper)
+  b2_sol = jnp.max(jnp.where(ok, b2, -1.0))
+  within = jnp.sum(s) <= budget
+  return jnp.where(within | (b2_sol < 0), jnp.inf, jnp.sqrt(jnp.maximum(b2_sol, 0.0)))
+
+
+def ace_scale(seq_log_ratio_ref: Array, advantages: Array, alpha: float = 1.0) -> Array:
+  """ACE asymmetric confidence factor for negative advantages (detached).
+
+  ``1 + alpha * softplus(c_i)`` where ``A_i < 0`` and 1 elsewhere;
+  ``c_i = log pi_theta(y_i) / pi_ref(y_i)`` (sequence sum of token log-ratios). Errors the
+  policy grew more confident in than the reference get a larger penalty.
+
+  Args:
+    seq_log_ratio_ref: float [B], c_i.
+    advantages: float [B,T].
+    alpha: strength.
+
+  Returns:
+    float [B,T] factor multiplying the per-token policy loss.
+
+  References: Xu et al. 2026, Overconfident Errors Need Stronger Correction: Asymmetric
+  Confidence Penalties for RL (ACE).
+  """
+  c = jax.lax.stop_gradient(seq_log_ratio_ref)[:, None]
+  return jnp.where(advantages < 0, 1.0 + alpha * jax.nn.softplus(c), 1.0)
+
+
+def value_loss_per_token(values: Array, old_values: Array, returns: Array,
+                         clip: float | None = 0.2) -> tuple[Array, Array]:
+  """Clipped value loss ``0.5 max((v - R)^2, (clip(v, v_old +- eps) - R)^2)``.
+
+  Returns:
+    ``(loss [B,T], clipped [B,T] bool)``; ``clip=None`` is the plain squared error.
+
+  References: Schulman et al. 2017 (PPO, baselines value clipping); verl critic loss.
+  """
+  l1 = (values - returns) ** 2
+  if clip is None:
+    return 0.5 * l1, jnp.zeros(l1.shape, bool)
+  vclip = old_values + jnp.clip(values - old_values, -clip, clip)
+  l2 = (vclip - returns) ** 2
+  return 0.5 * jnp.maximum(l1, l2), l2 > l1
+
+
+def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array,
+                eps_low: float = 0.2, eps_high: float = 0.2, dual_clip=None,
+                ratio_level: str = "token", agg: str = "token-mean",
+                agg_norm: float | None = None) -> tuple[Array, dict]:
+  """Clipped policy loss (PPO / DAPO clip-higher / dual clip / GSPO), aggregated.
+
+  Args:
+    logp: float [B,T] current log-probs (differentiated).
+    old_logp: float [B,T] log-probs the ratio is taken against.
+    advantages: float [B] or [B,T].
+    mask: bool [B,T].
+    eps_low, eps_high: clip range.
+    dual_clip: None, True (c = 3) or the bound c > 1 (token level only).
+    ratio_level: "token" (PPO) or "sequence" (GSPO).
+    agg: aggregation mode (see ``aggregate_parts``).
+    agg_norm: C for seq-mean-token-sum-norm.
+
+  Returns:
+    ``(loss, metrics)``; loss is 0.0 for an all-masked batch. metrics: clip_frac,
+    approx_kl (mean k3 of current vs old), ratio_mean, num_tokens.
+
+  References: Schulman et al. 2017 (PPO); Yu et al. 2025 (DAPO); Zheng et al. 2025 (GSPO).
+  """
+  check_rank("logp", logp, (2,))
+  check_same_shape("logp", logp, old_logp=old_logp, mask=mask)
+  check_choice("ratio_level", ratio_level, ("token", "sequence"))
+  check_eps(eps_low, eps_high)
+  c = resolve_dual_clip(dual_clip)
+  if ratio_level == "sequence" and c is not None:
+    raise ValueError("dual_clip is not defined for ratio_level='sequence' (GSPO)")
+  mask = mask.astype(bool)
+  adv = jnp.where(mask, broadcast_advantages(advantages, logp.shape), 0.0)
+  lp = jnp.where(mask, logp, 0.0)
+  old = jnp.where(mask, old_logp, 0.0)
+  log_ratio = gspo_log_ratio(lp, old, mask) if ratio_level == "sequence" else lp - old
+  per_token, clipped = ppo_clip_per_token(log_ratio, adv, eps_low, eps_high, c)
+  num, den = aggregate_parts(per_token, mask, agg, agg_norm)
+  metrics = dict(
+      clip_frac=masked_mean(clipped.astype(jnp.float32), mask),
+      approx_kl=masked_mean(_k3(lp - old), mask),
+      ratio_mean=masked_mean(clamped_exp(log_ratio), mask),
+      num_tokens=jnp.sum(mask).astype(jnp.float32),
+  )
+  return safe_divide(num, den), jax.lax.stop_gradient(metrics)
+
+
+def _k3(d: Array) -> Array:
+  k = jnp.clip(-d, -20.0, 20.0)
+  return jnp.clip(jnp.exp(k) - k - 1.0, -10.0, 10.0)

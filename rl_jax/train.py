@@ -1,0 +1,516 @@
+"""The canonical trainer: supervised warm start, then RL (GRPO family / PPO) on verifiable tasks.
+
+    python -m rl_jax.train --config=configs/quickstart.py --workdir=DIR [--config.x.y=v ...]
+
+One step (synchronous mode)::
+
+    prompts (seeded sampler) -> rollout.generate (N samples per prompt, behaviour log-probs)
+      -> rewards (isolated verifiers) -> advantages (objective)
+      -> old / reference log-probs (packed prompt-once layout)
+      -> `train.minibatches` optax updates of the objective's loss
+
+Writes DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/, DIR/curves.png and DIR/hf/
+(the final policy in HF format). Rerunning the same command resumes from the newest
+checkpoint, bit-exactly: every random draw is a function of (seed, step) and the data
+position is part of the checkpoint. SIGTERM saves a checkpoint and exits cleanly.
+
+Shapes: G prompts per step, M samples per prompt (config ``rollout.n``), P prompt bucket,
+R = rollout.max_new_tokens, B = G·M rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from rl_jax import checkpoint as ckpt_lib
+from rl_jax import config_utils
+from rl_jax import losses
+from rl_jax import metrics as metrics_lib
+from rl_jax import models
+from rl_jax import rollout
+from rl_jax import sharding
+from rl_jax.data import rewards as rewards_lib
+from rl_jax.data import selection
+from rl_jax.data import tasks as tasks_lib
+from rl_jax.data import tokenizers as tok_lib
+from rl_jax.errors import ConfigError, RLJaxError
+
+
+class TrainState(NamedTuple):
+  """Everything a resumed run needs (a pytree; checkpointed whole).
+
+  step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
+  optimizer state. sft_opt_state: optimizer state of the supervised stage. ref_params: the
+  frozen reference policy (the policy when RL starts; ``{}`` if the objective has no KL).
+  data: int64 [2] (epoch, position) of the prompt sampler.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  sft_opt_state: Any
+  ref_params: Any
+  data: jax.Array
+
+
+class Rollouts(NamedTuple):
+  """One step's groups, device arrays. prompt_tokens [G,P]; prompt_lengths [G];
+  tokens/mask/behaviour_logp [G,M,R]; rewards/advantages [G,M]; old/ref logp [G,M,R]."""
+
+  prompt_tokens: jax.Array
+  prompt_lengths: jax.Array
+  tokens: jax.Array
+  mask: jax.Array
+  behaviour_logp: jax.Array
+  advantages: jax.Array
+  old_logp: jax.Array
+  ref_logp: jax.Array | None
+
+
+# ------------------------------------------------------------------------------ set-up
+@dataclasses.dataclass
+class Setup:
+  """Static objects derived from the config (no training state)."""
+
+  config: ml_collections.ConfigDict
+  tokenizer: Any
+  task: Any
+  train_examples: list
+  eval_examples: list
+  model_cfg: models.ModelConfig
+  hf_path: str | None
+  mesh: jax.sharding.Mesh
+  rules: str
+  objective: losses.Objective
+  rl_tx: optax.GradientTransformation
+  sft_tx: optax.GradientTransformation
+  prompt_len: int
+
+
+def _mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:
+  shape = {k: int(v) for k, v in dict(shape_cfg).items()}
+  free = [k for k, v in shape.items() if v == -1]
+  if len(free) > 1:
+    raise ConfigError(f"mesh.shape: at most one axis may be -1, got {free}")
+  known = math.prod(v for v in shape.values() if v != -1)
+  if free:
+    if n_devices % known:
+      raise ConfigError(f"mesh.shape {shape} does not divide {n_devices} devices")
+    shape[free[0]] = n_devices // known
+  if math.prod(shape.values()) != n_devices:
+    raise ConfigError(f"mesh.shape {shape} needs {math.prod(shape.values())} devices, "
+                      f"have {n_devices}")
+  return shape
+
+
+def _objective(config) -> losses.Objective:
+  knobs = {k: v for k, v in config.loss.to_dict().items() if k != "preset" and v is not None}
+  unknown = sorted(set(knobs) - set(losses.PRESET_KNOBS))
+  if unknown:
+    raise ConfigError(f"loss: unknown knobs {unknown}; known: {sorted(losses.PRESET_KNOBS)}")
+  try:
+    obj = losses.get_objective(config.loss.preset, **knobs)
+  except ValueError as e:
+    raise ConfigError(f"loss: {e}") from None
+  if obj.needs_values or obj.needs_grad_norms:
+    raise ConfigError(f"loss.preset={config.loss.preset!r} needs a value model or per-row "
+                      f"gradient norms, which this trainer does not provide yet; use a "
+                      f"critic-free preset (grpo, dapo, dr_grpo, gspo, rloo, ...)")
+  return obj
+
+
+def _optimizer(o, lr: float, steps: int) -> optax.GradientTransformation:
+  if o.schedule == "cosine":
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(o.warmup_steps, 1), max(steps, 2))
+  else:
+    sched = optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, max(o.warmup_steps, 1)), optax.constant_schedule(lr)],
+        [o.warmup_steps]) if o.warmup_steps else lr
+  parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  parts.append(optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+  return optax.chain(*parts)
+
+
+def build_setup(config) -> Setup:
+  """Validate the config and build everything static; fails in one line before compiling."""
+  from configs import common  # pylint: disable=import-outside-toplevel
+  config_utils.validate(config, common.checks())
+  tokenizer = tok_lib.load_tokenizer(config.data.tokenizer or "char")
+  if config.data.task in ("jsonl", "file"):
+    from rl_jax.data import files  # pylint: disable=import-outside-toplevel
+    if not config.data.path:
+      raise ConfigError("data.path must name a JSONL/Parquet file when data.task='jsonl'")
+    task = files.FileTask(config.data.path, fmt=config.data.format)
+  else:
+    try:
+      task = tasks_lib.get_task(config.data.task, difficulty=config.data.difficulty,
+                                seed=config.data.seed)
+    except ValueError as e:
+      raise ConfigError(f"data: {e}") from None
+  train_examples = list(task.split("train"))
+  eval_examples = list(task.split("eval"))[:config.data.eval_size]
+  if not train_examples:
+    raise ConfigError(f"data: the train split of {config.data.task!r} is empty")
+  if config.train.eval_every and not eval_examples:
+    raise ConfigError(f"data: the eval split of {config.data.task!r} is empty")
+  prompt_len = max(len(tokenizer.encode(e.prompt)) for e in train_examples + eval_examples) + 1
+  if prompt_len > config.data.max_prompt_len:
+    raise ConfigError(f"data: a prompt has {prompt_len} tokens > data.max_prompt_len="
+                      f"{config.data.max_prompt_len}")
+  m = config.model
+  if m.hf_path:
+    model_cfg = models.read_hf_config(m.hf_path, dtype=m.dtype, param_dtype=m.param_dtype,
+                                      remat=m.remat)
+  else:
+    model_cfg = models.ModelConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, architecture=m.architecture,
+        rope_theta=m.rope_theta, max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=m.tie_word_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
+        remat=m.remat, qkv_bias=m.architecture == "qwen2", qk_norm=m.architecture == "qwen3",
+        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+  if model_cfg.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                      f"{model_cfg.vocab_size}")
+  mesh = sharding.make_mesh(_mesh_shape(config.mesh.shape, jax.device_count()))
+  objective = _objective(config)
+  rl_tx = optax.chain(_optimizer(config.optim, config.optim.lr, config.train.steps),
+                      objective.update_transform)
+  sft_tx = _optimizer(config.optim, config.sft.lr, config.sft.steps)
+  return Setup(config, tokenizer, task, train_examples, eval_examples, model_cfg, m.hf_path,
+               mesh, config.mesh.rules, objective, rl_tx, sft_tx, prompt_len)
+
+
+# ------------------------------------------------------------------------------ state
+def init_state(s: Setup) -> TrainState:
+  """Fresh state: params from ``model.hf_path`` or a seeded random init, placed sharded."""
+  shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
+  if s.hf_path:
+    _, params = models.load_hf(s.hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
+                               shardings=shardings)
+  else:
+    params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
+                                 s.rules, std=s.config.model.init_std)
+  ref = params if s.objective.needs_ref else {}
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=jax.jit(s.rl_tx.init)(params),
+                    sft_opt_state=jax.jit(s.sft_tx.init)(params), ref_params=ref,
+                    data=jnp.zeros((2,), jnp.int32))
+
+
+def _seed_int(seed: int, step: int, stream: int) -> int:
+  return int(np.random.default_rng([seed, stream, step]).integers(0, 2**31 - 1))
+
+
+# ------------------------------------------------------------------------------ jitted steps
+def _finite_update(tx, params, opt_state, grads, loss, **extra):
+  """One optax update, skipped (params and state unchanged) if loss or grads are not finite."""
+  finite = jnp.isfinite(loss) & jnp.all(jnp.asarray(
+      [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  updates, new_opt = tx.update(grads, opt_state, params, **extra)
+  new_params = optax.apply_updates(params, updates)
+  pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  return pick(new_params, params), pick(new_opt, opt_state), finite
+
+
+def make_sft_step(s: Setup):
+  """Jitted supervised step on prompt+answer sequences (loss on answer tokens only)."""
+  cfg = s.model_cfg
+
+  def step(params, opt_state, tokens, attn_mask, loss_mask):
+    def loss_fn(p):
+      lp = models.sequence_logprobs(cfg, p, tokens, attention_mask=attn_mask)
+      return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    params, opt_state, finite = _finite_update(s.sft_tx, params, opt_state, grads, loss)
+    return params, opt_state, {"sft_loss": loss, "grad_norm": optax.global_norm(grads),
+                               "update_skipped": 1 - finite.astype(jnp.int32)}
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_logprob_fn(s: Setup):
+  """Jitted per-token log-probs [G,M,R] of grouped responses (packed layout by default)."""
+  temp = s.config.rollout.temperature or 1.0
+  shared = s.config.train.shared_prefix
+  return jax.jit(lambda p, pt, pl, rt, rm: models.response_logprobs(
+      s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared, temperature=temp))
+
+
+def make_rl_update(s: Setup):
+  """Jitted RL update on one minibatch of groups; returns params, opt_state, metrics."""
+  cfg, obj = s.model_cfg, s.objective
+  temp = s.config.rollout.temperature or 1.0
+  shared = s.config.train.shared_prefix
+
+  def update(params, opt_state, r: Rollouts):
+    G, M, R = r.tokens.shape
+    batch = losses.Batch(mask=r.mask.reshape(G * M, R), advantages=r.advantages.reshape(G * M),
+                         old_logp=r.old_logp.reshape(G * M, R),
+                         behaviour_logp=r.behaviour_logp.reshape(G * M, R),
+                         ref_logp=None if r.ref_logp is None else r.ref_logp.reshape(G * M, R))
+    batch = obj.prepare(batch)
+
+    def loss_fn(p):
+      lp = models.response_logprobs(cfg, p, r.prompt_tokens, r.prompt_lengths, r.tokens, r.mask,
+                                    shared_prefix=shared, temperature=temp)
+      loss_sum, denom, mets = obj.loss(lp.reshape(G * M, R), batch)
+      return losses.finalize(loss_sum, denom), mets
+
+    (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    extra = {"ess_ratio": mets["ess_ratio"]} if "ess_ratio" in mets else {}
+    params, opt_state, finite = _finite_update(s.rl_tx, params, opt_state, grads, loss, **extra)
+    mets = dict(mets, loss=loss, grad_norm=optax.global_norm(grads),
+                update_skipped=1 - finite.astype(jnp.int32))
+    return params, opt_state, mets
+
+  return jax.jit(update, donate_argnums=(0, 1))
+
+
+# ------------------------------------------------------------------------------ host side
+def _encode_prompts(s: Setup, examples) -> list[list[int]]:
+  return [s.tokenizer.encode(e.prompt) for e in examples]
+
+
+def _pad_prompts(prompts: list[list[int]], P: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+  out = np.full((len(prompts), P), pad, np.int32)
+  for i, p in enumerate(prompts):
+    out[i, :len(p)] = p
+  return out, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def _decode(s: Setup, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
+  return [s.tokenizer.decode([int(t) for t, m in zip(row, mrow) if m]) for row, mrow in
+          zip(tokens, mask)]
+
+
+def _sft_batch(s: Setup, examples) -> tuple[np.ndarray, ...]:
+  """[prompt][answer][eos] rows, right-padded; loss mask on answer and eos targets."""
+  tok = s.tokenizer
+  rows, prompt_lens = [], []
+  for e in examples:
+    p = tok.encode(e.prompt)
+    rows.append(p + tok.encode(e.answer) + [tok.eos_id])
+    prompt_lens.append(len(p))
+  T = s.prompt_len + s.config.rollout.max_new_tokens
+  tokens = np.full((len(rows), T), tok.pad_id, np.int32)
+  attn = np.zeros((len(rows), T), bool)
+  loss_mask = np.zeros((len(rows), T), np.float32)
+  for i, (row, pl) in enumerate(zip(rows, prompt_lens)):
+    row = row[:T]
+    tokens[i, :len(row)] = row
+    attn[i, :len(row)] = True
+    loss_mask[i, pl:len(row)] = 1.0  # targets at positions >= prompt length
+  return tokens, attn, loss_mask
+
+
+def _next_examples(s: Setup, data: np.ndarray, n: int):
+  state = selection.SamplerState(int(s.config.data.seed), int(data[0]), int(data[1]))
+  idx, state = selection.sampler_next(state, len(s.train_examples), n)
+  return [s.train_examples[i] for i in idx], np.asarray([state.epoch, state.position], np.int32)
+
+
+def evaluate(s: Setup, params, step: int) -> dict[str, float]:
+  """Greedy accuracy (and pass@k if ``eval.pass_k`` > 0) on the held-out split."""
+  c = s.config
+  examples = s.eval_examples
+  prompts = _encode_prompts(s, examples)
+  out = rollout.generate(s.model_cfg, params, prompts, n=1, max_new_tokens=c.rollout.max_new_tokens,
+                         temperature=0.0, eos_id=s.tokenizer.eos_id, seed=0)
+  completions = _decode(s, np.asarray(out.tokens), np.asarray(out.mask))
+  rewards, _ = rewards_lib.compute_rewards(s.task.verify, completions, [e.answer for e in examples],
+                                           timeout_s=c.data.reward_timeout_s)
+  result = {"eval_accuracy": float(np.mean(rewards >= 1.0))}
+  k = c.eval.pass_k
+  if k > 0:
+    out = rollout.generate(s.model_cfg, params, prompts, n=k, max_new_tokens=c.rollout.max_new_tokens,
+                           temperature=c.rollout.temperature or 1.0, eos_id=s.tokenizer.eos_id,
+                           seed=_seed_int(c.train.seed, step, 7))
+    completions = _decode(s, np.asarray(out.tokens), np.asarray(out.mask))
+    refs = [e.answer for e in examples for _ in range(k)]
+    r, _ = rewards_lib.compute_rewards(s.task.verify, completions, refs,
+                                       timeout_s=c.data.reward_timeout_s)
+    result[f"eval_pass@{k}"] = float(np.mean((r.reshape(len(examples), k) >= 1.0).any(axis=1)))
+  return result
+
+
+def rl_rollouts(s: Setup, state: TrainState, logprob_fn) -> tuple[Rollouts, dict, np.ndarray]:
+  """Sample groups, score them, compute advantages and old/ref log-probs."""
+  c = s.config
+  G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
+  step = int(state.step)
+  examples, data = _next_examples(s, np.asarray(state.data), G)
+  prompts = _encode_prompts(s, examples)
+  t0 = time.perf_counter()
+  out = rollout.generate(s.model_cfg, state.params, prompts, n=M, max_new_tokens=R,
+                         temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                         top_k=c.rollout.top_k, eos_id=s.tokenizer.eos_id,
+                         seed=_seed_int(c.train.seed, step, 1))
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  rollout_s = time.perf_counter() - t0
+  completions = _decode(s, tokens, mask)
+  refs = [e.answer for e in examples for _ in range(M)]
+  rewards, stats = rewards_lib.compute_rewards(s.task.verify, completions, refs,
+                                               timeout_s=c.data.reward_timeout_s)
+  rewards = rewards.reshape(G, M)
+  adv = s.objective.advantages(jnp.asarray(rewards))
+  pt, pl = _pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id)
+  pt, pl = jnp.asarray(pt), jnp.asarray(pl)
+  rt = jnp.asarray(tokens.reshape(G, M, R))
+  rm = jnp.asarray(mask.reshape(G, M, R))
+  old = logprob_fn(state.params, pt, pl, rt, rm)
+  ref = logprob_fn(state.ref_params, pt, pl, rt, rm) if s.objective.needs_ref else None
+  mu = jnp.asarray(np.asarray(out.logprobs).reshape(G, M, R))
+  n_tok = int(mask.sum())
+  info = {
+      "reward_mean": float(rewards.mean()),
+      "reward_std": float(rewards.std()),
+      "response_length": n_tok / (G * M),
+      "rollout_tokens_per_s": n_tok / max(rollout_s, 1e-9),
+      "reward_exceptions": stats["exceptions"],
+      "reward_timeouts": stats["timeouts"],
+      "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
+      "sampler_mismatch": float(jnp.sum(jnp.abs(old - mu) * rm) / max(n_tok, 1)),
+  }
+  return Rollouts(pt, pl, rt, rm, mu, adv, old, ref), info, data
+
+
+def _split_groups(r: Rollouts, k: int) -> list[Rollouts]:
+  G = r.tokens.shape[0]
+  if G % k:
+    raise ConfigError(f"train.batch_groups={G} is not divisible by train.minibatches={k}")
+  size = G // k
+  return [jax.tree.map(lambda a: a[i * size:(i + 1) * size], r) for i in range(k)]
+
+
+# ------------------------------------------------------------------------------ the loop
+class _Preempted:
+  def __init__(self):
+    self.flag = False
+
+  def __call__(self, signum, frame):
+    self.flag = True
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> TrainState:
+  """Run (or resume) the configured training in ``workdir``; returns the final state."""
+  s = build_setup(config)
+  os.makedirs(workdir, exist_ok=True)
+  c = config
+  sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep,
+                               save_every=c.train.checkpoint_every or total)
+  state = init_state(s)
+  latest = ckpt.latest_step()
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  if latest is not None:
+    state, _ = ckpt.restore(_abstract(state), step=latest)
+    if os.path.exists(metrics_path):
+      metrics_lib.truncate_after(metrics_path, latest)
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
+  sft_step, rl_update, logprob_fn = make_sft_step(s), make_rl_update(s), make_logprob_fn(s)
+  preempted = _Preempted()
+  old_handler = signal.signal(signal.SIGTERM, preempted)
+  bar = _progress(progress, total, int(state.step))
+  bad_steps = 0
+  try:
+    while int(state.step) < total:
+      if preempted.flag:
+        ckpt.save(int(state.step), state, force=True)
+        ckpt.wait()
+        print(f"SIGTERM: saved checkpoint at step {int(state.step)}; rerun to resume",
+              file=sys.stderr)
+        break
+      step = int(state.step)
+      t0 = time.perf_counter()
+      if step < sft_steps:
+        examples, data = _next_examples(s, np.asarray(state.data), c.sft.batch_size)
+        tokens, attn, lmask = _sft_batch(s, examples)
+        params, sft_opt, mets = sft_step(state.params, state.sft_opt_state, tokens, attn, lmask)
+        state = state._replace(params=params, sft_opt_state=sft_opt)
+        record = {"phase": "sft", **jax.device_get(mets)}
+      else:
+        if step == sft_steps and s.objective.needs_ref:
+          state = state._replace(ref_params=jax.tree.map(jnp.copy, state.params))
+        r, record, data = rl_rollouts(s, state, logprob_fn)
+        params, opt_state = state.params, state.opt_state
+        mets_all = []
+        for mb in _split_groups(r, c.train.minibatches):
+          params, opt_state, mets = rl_update(params, opt_state, mb)
+          mets_all.append(jax.device_get(mets))
+        state = state._replace(params=params, opt_state=opt_state)
+        record = {"phase": "rl", **record,
+                  **{k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}}
+      skipped = int(record.get("update_skipped", 0))
+      bad_steps = bad_steps + 1 if skipped else 0
+      if bad_steps >= c.train.max_bad_steps:
+        raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient "
+                         f"(last at step {step}); stopping. Lower optim.lr or check the data.")
+      state = state._replace(step=state.step + 1, data=jnp.asarray(data))
+      step += 1
+      record["step_time_s"] = time.perf_counter() - t0
+      if c.train.eval_every and (step % c.train.eval_every == 0 or step == total or
+                                 step == sft_steps):
+        record.update(evaluate(s, state.params, step))
+      writer.write(step, record)
+      _update_progress(bar, record)
+      if ckpt.should_save(step) or step == total:
+        ckpt.save(step, state, force=step == total)
+    ckpt.wait()
+    if int(state.step) >= total:
+      models.save_hf(s.model_cfg, state.params, os.path.join(workdir, "hf"))
+      metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
+  finally:
+    signal.signal(signal.SIGTERM, old_handler)
+    writer.close()
+    ckpt.close()
+    if bar is not None:
+      bar.close()
+  return state
+
+
+def _progress(enabled: bool, total: int, initial: int):
+  if not enabled:
+    return None
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  return tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stderr)
+
+
+def _update_progress(bar, record: dict) -> None:
+  if bar is None:
+    return
+  post = {}
+  for key, short in (("sft_loss", "loss"), ("reward_mean", "reward"),
+                     ("eval_accuracy", "acc"), ("rollout_tokens_per_s", "tok/s")):
+    if key in record:
+      post[short] = f"{record[key]:.3g}"
+  bar.set_postfix(post, refresh=False)
+  bar.update(1)
+
+
+@config_utils.main_guard
+def main(argv=None) -> None:
+  config, workdir = config_utils.parse_cli(sys.argv if argv is None else argv)
+  train(config, workdir)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,294 @@
+"""Config loading, overrides, validation and the one-line CLI error guard."""
+
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from rl_jax import config_utils as cu
+from rl_jax.errors import CheckpointNotFoundError, ConfigError, RLJaxError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONFIG_FILE = '''
+import ml_collections
+from ml_collections import config_dict
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.name = arg or "default"
+  c.model = ml_collections.ConfigDict(dict(num_layers=2, dropout=0.1, use_bias=True))
+  c.mesh = ml_collections.ConfigDict(dict(axes=("data", "fsdp"), sizes=(1, 8)))
+  c.seed = config_dict.placeholder(int)
+  c.extra = None
+  c.tag = "x"
+  if arg == "big":
+    c.model.num_layers = 24
+  elif arg not in (None, "small"):
+    raise ValueError(f"unknown variant {arg!r}; choose small or big")
+  return c
+'''
+
+
+@pytest.fixture
+def cfg_path(tmp_path):
+  path = tmp_path / "cfg.py"
+  path.write_text(CONFIG_FILE)
+  return str(path)
+
+
+def test_load_plain_and_locked(cfg_path):
+  c = cu.load_config(cfg_path)
+  assert c.name == "default" and c.model.num_layers == 2
+  with pytest.raises(AttributeError):
+    c.new_field = 1  # locked: no new keys
+
+
+def test_arg_is_passed(cfg_path):
+  assert cu.load_config(f"{cfg_path}:big").model.num_layers == 24
+  assert cu.load_config(f"{cfg_path}:small").name == "small"
+
+
+def test_bad_arg_is_one_line_naming_file(cfg_path):
+  with pytest.raises(ConfigError, match=r"cfg\.py.*get_config\('huge'\).*unknown variant") as e:
+    cu.load_config(f"{cfg_path}:huge")
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("model.num_layers=4", "model.num_layers", 4),
+    ("--config.model.num_layers=-3", "model.num_layers", -3),
+    ("config.model.dropout=0.25", "model.dropout", 0.25),
+    ("model.dropout=1", "model.dropout", 1.0),
+    ("model.dropout=3e-4", "model.dropout", 3e-4),
+    ("model.use_bias=false", "model.use_bias", False),
+    ("model.use_bias=True", "model.use_bias", True),
+    ("model.use_bias=0", "model.use_bias", False),
+    ("tag=hello world", "tag", "hello world"),
+    ("tag='quoted'", "tag", "quoted"),
+    ("tag=12", "tag", "12"),
+    ("mesh.sizes=(2, 4)", "mesh.sizes", (2, 4)),
+    ("mesh.sizes=2,4", "mesh.sizes", (2, 4)),
+    ("mesh.axes=(data,tensor)", "mesh.axes", ("data", "tensor")),
+    ("mesh.axes=('fsdp',)", "mesh.axes", ("fsdp",)),
+    ("seed=7", "seed", 7),
+    ("seed=None", "seed", None),
+    ("extra=[1, 2]", "extra", [1, 2]),
+    ("extra=some text", "extra", "some text"),
+])
+def test_override_parsing(cfg_path, override, key, expected):
+  c = cu.load_config(cfg_path, [override])
+  value = cu.get_value(c, key)
+  assert value == expected and type(value) is type(expected)
+
+
+def test_overrides_apply_in_order(cfg_path):
+  c = cu.load_config(cfg_path, ["model.num_layers=4", "model.num_layers=6"])
+  assert c.model.num_layers == 6
+
+
+def test_placeholder_keeps_its_type_after_none(cfg_path):
+  c = cu.load_config(cfg_path, ["seed=None"], lock=False)
+  with pytest.raises(ConfigError, match="seed"):
+    cu.apply_overrides(c, ["seed=abc"])
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("model.num_layerz=4",
+     r"unknown config key 'model.num_layerz'.*did you mean 'model.num_layers'"),
+    ("modle.num_layers=4", r"unknown config key 'modle.num_layers'"),
+    ("model.num_layers.deeper=4", r"unknown config key 'model.num_layers.deeper'"),
+])
+def test_unknown_key_names_key(cfg_path, override, pattern):
+  with pytest.raises(ConfigError, match=pattern) as e:
+    cu.load_config(cfg_path, [override])
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("model.num_layers=4.5", r"config.model.num_layers is an int field; got '4.5'"),
+    ("model.num_layers=true", r"model.num_layers is an int field"),
+    ("model.dropout=high", r"model.dropout is a float field"),
+    ("model.use_bias=maybe", r"model.use_bias is a bool field"),
+    ("model.num_layers=None", r"model.num_layers is a int field and cannot be None"),
+    ("seed=1.5", r"config.seed is an int field"),
+    ("model=3", r"config.model is a section"),
+    ("model.num_layers", r"must look like KEY=VALUE"),
+])
+def test_wrong_type_is_config_error(cfg_path, override, pattern):
+  with pytest.raises(ConfigError, match=pattern):
+    cu.load_config(cfg_path, [override])
+
+
+def test_missing_file(tmp_path):
+  with pytest.raises(ConfigError, match=r"config file not found: .*nope\.py"):
+    cu.load_config(str(tmp_path / "nope.py"))
+
+
+def test_file_without_get_config(tmp_path):
+  path = tmp_path / "empty.py"
+  path.write_text("X = 1\n")
+  with pytest.raises(ConfigError, match=r"empty\.py defines no get_config"):
+    cu.load_config(str(path))
+
+
+def test_file_with_syntax_error(tmp_path):
+  path = tmp_path / "broken.py"
+  path.write_text("def get_config(:\n")
+  with pytest.raises(ConfigError, match=r"broken\.py failed to import: SyntaxError"):
+    cu.load_config(str(path))
+
+
+def test_arg_to_get_config_without_parameter(tmp_path):
+  path = tmp_path / "noarg.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config():\n  return ml_collections.ConfigDict()\n")
+  with pytest.raises(ConfigError, match=r"takes no argument, but ':x' was given"):
+    cu.load_config(f"{path}:x")
+
+
+def test_get_config_returning_wrong_type(tmp_path):
+  path = tmp_path / "dict.py"
+  path.write_text("def get_config(arg=None):\n  return {'a': 1}\n")
+  with pytest.raises(ConfigError, match=r"returned dict, expected an ml_collections.ConfigDict"):
+    cu.load_config(str(path))
+
+
+def test_common_config_loads_and_validates():
+  from configs import common  # pylint: disable=g-import-not-at-top
+  c = common.base_config()
+  required = {"model", "mesh", "data", "rollout", "loss", "optim", "train", "log"}
+  assert required <= set(c.keys())
+  cu.validate(c, common.checks())
+  cu.apply_overrides(c, ["model.hf_path=/ckpt/qwen", "rollout.eos_id=2", "mesh.shape.fsdp=8"])
+  assert (c.model.hf_path, c.rollout.eos_id, c.mesh.shape.fsdp) == ("/ckpt/qwen", 2, 8)
+  with pytest.raises(ConfigError, match="rollout.eos_id is an int field"):
+    cu.apply_overrides(c, ["rollout.eos_id=eos"])
+  cu.apply_overrides(c, ["rollout.top_p=1.5"])
+  with pytest.raises(ConfigError, match=r"config.rollout.top_p must be a number in \[0, 1\]"):
+    cu.validate(c, common.checks())
+
+
+def test_config_file_can_import_its_sibling_package(tmp_path):
+  package = tmp_path / "proj" / "cfgs_sibling_test"
+  package.mkdir(parents=True)
+  (package / "shared.py").write_text("N = 16\n")
+  (package / "user.py").write_text(
+      "import ml_collections\nfrom cfgs_sibling_test import shared\n"
+      "def get_config(arg=None):\n"
+      "  return ml_collections.ConfigDict(dict(n=shared.N, arg=arg))\n")
+  c = cu.load_config(f"{package / 'user.py'}:x:y")
+  assert (c.n, c.arg) == (16, "x:y")
+  assert str(tmp_path / "proj") not in sys.path
+
+
+# ------------------------------------------------------------------ validation
+def _small():
+  return ml_collections.ConfigDict(dict(
+      rl=dict(num_samples=4, top_p=0.9, temp=1.0, name="grpo", limit=None)))
+
+
+@pytest.mark.parametrize("key,check,value,bad", [
+    ("rl.num_samples", cu.positive_int, 0, "must be a positive int, got 0"),
+    ("rl.num_samples", cu.positive_int, 2.0, "must be a positive int, got 2.0"),
+    ("rl.num_samples", cu.nonnegative_int, -1, "must be an int >= 0, got -1"),
+    ("rl.top_p", cu.probability, 1.5, "must be a number in [0, 1], got 1.5"),
+    ("rl.temp", cu.positive, 0.0, "must be a number > 0, got 0.0"),
+    ("rl.temp", cu.nonnegative, -0.1, "must be a number >= 0, got -0.1"),
+    ("rl.temp", cu.in_range(0, 2, high_inclusive=False), 2.0,
+     "must be a number in [0, 2), got 2.0"),
+    ("rl.name", cu.one_of(["grpo", "ppo"]), "gpro", "must be one of ['grpo', 'ppo'], got 'gpro'"),
+])
+def test_checks(key, check, value, bad):
+  cu.check(_small(), key, check)  # The defaults pass.
+  section, leaf = key.split(".")
+  c = ml_collections.ConfigDict({section: {leaf: value}})
+  with pytest.raises(ConfigError) as e:
+    cu.check(c, key, check)
+  assert str(e.value) == f"config.{key} {bad}"
+
+
+def test_optional_and_choice_and_validate():
+  c = _small()
+  cu.check(c, "rl.limit", cu.optional(cu.positive_int))
+  c.rl.limit = 0
+  with pytest.raises(ConfigError, match="config.rl.limit must be a positive int, got 0"):
+    cu.validate(c, {"rl.num_samples": cu.positive_int, "rl.limit": cu.optional(cu.positive_int)})
+  with pytest.raises(ConfigError, match=r"config.rl.name must be one of \['ppo'\]"):
+    cu.check_choice(c, "rl.name", ["ppo"])
+  with pytest.raises(ConfigError, match="unknown config key 'rl.nope'"):
+    cu.check(c, "rl.nope", cu.positive_int)
+
+
+# ------------------------------------------------------------------ command line
+def test_parse_cli(cfg_path, tmp_path):
+  argv = ["prog", f"--config={cfg_path}:big", "--workdir", str(tmp_path),
+          "--config.model.dropout=0.5", "--config.seed", "-2"]
+  c, workdir = cu.parse_cli(argv)
+  assert (c.model.num_layers, c.model.dropout, c.seed, workdir) == (24, 0.5, -2, str(tmp_path))
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["prog", "--workdir=/tmp/x"], "missing --config"),
+    (["prog", "--config=CFG"], "missing --workdir"),
+    (["prog", "--config=CFG", "--workdir=/tmp/x", "--bogus_flag=1"], "command line: .*bogus_flag"),
+    (["prog", "--config=CFG", "--workdir=/tmp/x", "--config.model.num_layerz=1"], "num_layerz"),
+])
+def test_parse_cli_errors(cfg_path, argv, pattern):
+  argv = [a.replace("CFG", cfg_path) for a in argv]
+  with pytest.raises(ConfigError, match=pattern):
+    cu.parse_cli(argv)
+
+
+def test_errors_hierarchy():
+  assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, RLJaxError)
+  assert issubclass(CheckpointNotFoundError, FileNotFoundError)
+
+
+GUARDED_SCRIPT = '''
+import sys
+sys.path.insert(0, {repo!r})
+from rl_jax import config_utils
+from rl_jax.errors import CheckpointNotFoundError
+
+@config_utils.main_guard
+def main(argv):
+  if argv[1:2] == ["ckpt"]:
+    raise CheckpointNotFoundError("no checkpoint in /tmp/nowhere")
+  if argv[1:2] == ["bug"]:
+    raise RuntimeError("a real bug")
+  config, workdir = config_utils.parse_cli(argv)
+  print("ok", config.model.num_layers, workdir)
+
+main(sys.argv)
+'''
+
+
+def _run_guarded(tmp_path, *args):
+  script = tmp_path / "guarded.py"
+  script.write_text(GUARDED_SCRIPT.format(repo=REPO))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                        env=env, timeout=60, check=False)
+
+
+def test_cli_guard_one_line_exit_2(tmp_path, cfg_path):
+  ok = _run_guarded(tmp_path, f"--config={cfg_path}", "--workdir=W", "--config.model.num_layers=3")
+  assert ok.returncode == 0 and ok.stdout.strip() == "ok 3 W", ok.stderr
+
+  bad = _run_guarded(tmp_path, f"--config={cfg_path}", "--workdir=W", "--config.model.layers=3")
+  assert bad.returncode == 2
+  assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+  assert bad.stderr.startswith("error: unknown config key 'model.layers'")
+
+  missing = _run_guarded(tmp_path, "--config=/nonexistent/cfg.py", "--workdir=W")
+  assert missing.returncode == 2
+  assert missing.stderr == "error: config file not found: /nonexistent/cfg.py\n"
+
+  ckpt = _run_guarded(tmp_path, "ckpt")
+  assert (ckpt.returncode, ckpt.stderr) == (2, "error: no checkpoint in /tmp/nowhere\n")
+
+  bug = _run_guarded(tmp_path, "bug")
+  assert bug.returncode == 1 and "Traceback" in bug.stderr

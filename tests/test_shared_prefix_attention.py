@@ -1,0 +1,196 @@
+"""Shared-prefix attention: kernels (Pallas interpreter) and reference vs plain attention.
+
+The plain attention below is written independently of the package: for every (group g,
+response i) it builds the sequence [ctx_g[:len_g]; resp_{g,i}] and runs ordinary causal
+softmax attention over it, keeping the response rows.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import pallas_kernels
+from pallas_kernels import BlockSizes
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _plain_attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
+  """Causal attention over each concatenated sequence; returns (out, lse) of response rows."""
+  g_, n_, r_, hq, d = q.shape
+  rep = hq // k_ctx.shape[2]
+  outs, lses = [], []
+  for g in range(g_):
+    ln = int(lengths[g])
+    for i in range(n_):
+      k = jnp.concatenate([k_ctx[g, :ln], k_resp[g, i]], axis=0).astype(jnp.float32)
+      v = jnp.concatenate([v_ctx[g, :ln], v_resp[g, i]], axis=0).astype(jnp.float32)
+      k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)  # [T,Hq,D]
+      qi = q[g, i].astype(jnp.float32)  # [R,Hq,D], positions ln .. ln+R-1
+      s = jnp.einsum("rhd,thd->hrt", qi, k) / np.sqrt(d)
+      visible = np.arange(ln + r_)[None, :] <= (ln + np.arange(r_))[:, None]
+      s = jnp.where(visible[None], s, -jnp.inf)
+      lse = jax.scipy.special.logsumexp(s, axis=-1)  # [Hq,R]
+      outs.append(jnp.einsum("hrt,thd->rhd", jnp.exp(s - lse[..., None]), v))
+      lses.append(lse.T)
+  out = jnp.stack(outs).reshape(q.shape).astype(q.dtype)
+  return out, jnp.stack(lses).reshape(g_, n_, r_, hq)
+
+
+def _inputs(key, g, n, r, hq, hkv, d, p, dtype):
+  ks = jax.random.split(key, 7)
+  normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)
+  return dict(q=normal(ks[0], (g, n, r, hq, d)), k_ctx=normal(ks[1], (g, p, hkv, d)),
+              v_ctx=normal(ks[2], (g, p, hkv, d)), k_resp=normal(ks[3], (g, n, r, hkv, d)),
+              v_resp=normal(ks[4], (g, n, r, hkv, d))), ks[5], ks[6]
+
+
+def _loss_and_grads(attn, args, lengths, w_out, w_lse):
+  """Value and gradients (wrt all five float inputs) of sum(w_out*out) + sum(w_lse*lse)."""
+  def loss(q, k_ctx, v_ctx, k_resp, v_resp):
+    out, lse = attn(q, k_ctx, v_ctx, k_resp, v_resp, lengths)
+    return (jnp.sum(w_out * out.astype(jnp.float32)) + jnp.sum(w_lse * lse)), (out, lse)
+  (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(
+      *(args[k] for k in ("q", "k_ctx", "v_ctx", "k_resp", "v_resp")))
+  return out, lse, grads
+
+
+def _assert_close(actual, expected, tol, what):
+  actual = np.asarray(actual, np.float32)
+  expected = np.asarray(expected, np.float32)
+  assert np.all(np.isfinite(actual)), what
+  err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-6)
+  assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+def _check_against_plain(attn, shape, lengths, dtype, seed=0):
+  g, n, r, hq, hkv, d, p = shape
+  args, k1, k2 = _inputs(jax.random.PRNGKey(seed), g, n, r, hq, hkv, d, p, dtype)
+  w_out = jax.random.normal(k1, (g, n, r, hq, d), jnp.float32)
+  w_lse = jax.random.normal(k2, (g, n, r, hq), jnp.float32)
+  full = np.full((g,), p) if lengths is None else np.asarray(lengths)
+  expected = _loss_and_grads(_plain_attention, args, full, w_out, w_lse)
+  got = _loss_and_grads(attn, args, None if lengths is None else jnp.asarray(lengths, jnp.int32),
+                        w_out, w_lse)
+  tol = TOL[dtype]
+  _assert_close(got[0], expected[0], tol, "out")
+  _assert_close(got[1], expected[1], tol, "lse")
+  for name, a, b in zip(("dq", "dk_ctx", "dv_ctx", "dk_resp", "dv_resp"), got[2], expected[2]):
+    assert a.dtype == dtype, name
+    _assert_close(a, b, tol, name)
+
+
+def _kernel(backend, sizes):
+  return functools.partial(pallas_kernels.shared_prefix_attention_lse, interpret=True,
+                           backend=backend, block_sizes=sizes)
+
+
+def _reference(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
+  return pallas_kernels.shared_prefix_attention_reference(q, k_ctx, v_ctx, k_resp, v_resp,
+                                                          lengths, return_lse=True)
+
+
+# (G, N, R, Hq, Hkv, D, P), ctx_lengths, block sizes. R and P are not multiples of the
+# blocks; lengths below P (including an empty context); GQA 2 and 4; N = 1.
+TPU_CASES = [
+    ((2, 3, 20, 4, 2, 16, 27), [27, 11], BlockSizes(8, 8, 8, 8)),
+    ((1, 1, 40, 4, 1, 8, 13), None, BlockSizes(16, 8, 8, 16)),
+    ((2, 2, 9, 2, 2, 16, 8), [0, 5], BlockSizes(8, 8, 8, 8)),
+]
+GPU_CASES = [
+    ((2, 3, 20, 4, 2, 16, 37), [37, 11], BlockSizes(16, 16, 16, 16)),
+    ((1, 1, 40, 4, 1, 32, 16), None, BlockSizes(32, 16, 16, 32)),
+    ((2, 2, 9, 2, 2, 16, 8), [0, 5], BlockSizes(16, 16, 16, 16)),
+]
+
+
+@pytest.mark.parametrize("shape,lengths,sizes", TPU_CASES)
+def test_tpu_kernel_matches_plain_attention(shape, lengths, sizes):
+  _check_against_plain(_kernel("tpu", sizes), shape, lengths, jnp.float32)
+
+
+@pytest.mark.parametrize("shape,lengths,sizes", GPU_CASES)
+def test_gpu_kernel_matches_plain_attention(shape, lengths, sizes):
+  _check_against_plain(_kernel("gpu", sizes), shape, lengths, jnp.float32)
+
+
+@pytest.mark.parametrize("backend,sizes", [("tpu", BlockSizes(8, 8, 8, 8)),
+                                           ("gpu", BlockSizes(16, 16, 16, 16))])
+def test_kernels_bf16(backend, sizes):
+  _check_against_plain(_kernel(backend, sizes), (2, 2, 24, 4, 2, 16, 21), [21, 7],
+                       jnp.bfloat16)
+
+
+@settings(max_examples=8, deadline=None)
+@given(g=st.integers(1, 2), n=st.integers(1, 3), r=st.integers(1, 12), hkv=st.integers(1, 2),
+       rep=st.sampled_from([1, 2]), d=st.sampled_from([4, 8]), p=st.integers(1, 10),
+       data=st.data())
+def test_reference_matches_plain_attention(g, n, r, hkv, rep, d, p, data):
+  lengths = data.draw(st.lists(st.integers(0, p), min_size=g, max_size=g))
+  _check_against_plain(_reference, (g, n, r, hkv * rep, hkv, d, p), lengths, jnp.float32)
+
+
+def test_auto_backend_on_cpu_is_reference_and_jits():
+  args, _, _ = _inputs(jax.random.PRNGKey(1), 2, 2, 8, 2, 1, 8, 6, jnp.float32)
+  lengths = jnp.array([6, 3], jnp.int32)
+  expected = _plain_attention(*args.values(), lengths)[0]
+  fn = jax.jit(pallas_kernels.shared_prefix_attention)  # lengths traced: no value check
+  _assert_close(fn(*args.values(), lengths), expected, 1e-5, "auto")
+  interp = pallas_kernels.shared_prefix_attention(*args.values(), lengths, interpret=True)
+  _assert_close(interp, expected, 1e-5, "auto, interpret")
+
+
+def _good():
+  args, _, _ = _inputs(jax.random.PRNGKey(2), 2, 2, 4, 4, 2, 8, 5, jnp.float32)
+  return args
+
+
+def _call(**changes):
+  args = _good()
+  lengths = changes.pop("ctx_lengths", None)
+  kwargs = {k: changes.pop(k) for k in ("backend", "interpret", "block_sizes") if k in changes}
+  args.update(changes)
+  return pallas_kernels.shared_prefix_attention(*args.values(), lengths, **kwargs)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(q=jnp.zeros((2, 2, 4, 4))), "q must have 5 dims"),
+    (dict(v_ctx=jnp.zeros((2, 6, 2, 8))), "v_ctx shape"),
+    (dict(k_ctx=jnp.zeros((3, 5, 2, 8)), v_ctx=jnp.zeros((3, 5, 2, 8))), "k_ctx shape"),
+    (dict(k_resp=jnp.zeros((2, 2, 3, 2, 8))), "k_resp shape"),
+    (dict(v_resp=jnp.zeros((2, 2, 4, 2, 4))), "v_resp shape"),
+    (dict(q=jnp.zeros((2, 2, 4, 3, 8))), "multiple of kv heads"),
+    (dict(q=jnp.zeros((2, 2, 4, 4, 8), jnp.bfloat16)), "share one dtype"),
+    (dict(q=jnp.zeros((2, 2, 4, 4, 8), jnp.int32), k_ctx=jnp.zeros((2, 5, 2, 8), jnp.int32),
+          v_ctx=jnp.zeros((2, 5, 2, 8), jnp.int32), k_resp=jnp.zeros((2, 2, 4, 2, 8), jnp.int32),
+          v_resp=jnp.zeros((2, 2, 4, 2, 8), jnp.int32)), "dtype must be"),
+    (dict(ctx_lengths=jnp.array([5], jnp.int32)), "ctx_lengths must have shape"),
+    (dict(ctx_lengths=jnp.array([5.0, 1.0])), "ctx_lengths must be integers"),
+    (dict(ctx_lengths=jnp.array([6, 1], jnp.int32)), r"ctx_lengths must lie in \[0, P=5\]"),
+    (dict(ctx_lengths=jnp.array([-1, 1], jnp.int32)), r"ctx_lengths must lie in \[0, P=5\]"),
+    (dict(backend="cuda"), "backend must be one of"),
+    (dict(interpret="yes"), "interpret must be a bool"),
+    (dict(backend="gpu", interpret=True, block_sizes=BlockSizes(8, 8, 8, 8)),
+     "GPU block sizes must be powers of two"),
+    (dict(backend="tpu", interpret=True, block_sizes=BlockSizes(24, 16, 16, 16)),
+     "must divide the largest"),
+    (dict(backend="tpu", interpret=True, block_sizes=(8, 8, 8, 8)), "must be a BlockSizes"),
+])
+def test_bad_inputs_raise(changes, message):
+  with pytest.raises(ValueError, match=message):
+    _call(**changes)
+
+
+def test_gpu_kernel_rejects_odd_head_dim():
+  args, _, _ = _inputs(jax.random.PRNGKey(3), 1, 1, 4, 1, 1, 24, 4, jnp.float32)
+  with pytest.raises(ValueError, match="power-of-two head dim"):
+    pallas_kernels.shared_prefix_attention(*args.values(), backend="gpu", interpret=True)
+
+
+def test_block_sizes_must_be_multiples_of_8():
+  with pytest.raises(ValueError, match="multiple of 8"):
+    BlockSizes(12, 8, 8, 8)
