@@ -56,6 +56,7 @@ def mesh_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       shape=dict(data=1, fsdp=-1, sequence=1, tensor=1),
       rules="fsdp",  # a key of rl_jax.sharding.RULES
+      num_devices=0,  # use the first k devices (0: all)
   ))
 
 
@@ -105,6 +106,13 @@ def loss_config() -> ml_collections.ConfigDict:
   ))
 
 
+def loss_extra_config() -> ml_collections.ConfigDict:
+  """Trainer-side settings of objectives (not knobs of the loss itself)."""
+  return ml_collections.ConfigDict(dict(
+      grad_norm_method="vmap",  # VCPO per-trajectory gradient norms: vmap | map | jvp
+  ))
+
+
 def optim_config() -> ml_collections.ConfigDict:
   """AdamW with linear warmup then constant or cosine decay."""
   return ml_collections.ConfigDict(dict(
@@ -116,6 +124,7 @@ def optim_config() -> ml_collections.ConfigDict:
       eps=1e-8,
       weight_decay=0.0,
       grad_clip=1.0,  # global-norm clip; 0 disables
+      value_lr=config_dict.placeholder(float),  # PPO critic learning rate (None: lr)
   ))
 
 
@@ -167,6 +176,7 @@ def base_config() -> ml_collections.ConfigDict:
       data=data_config(),
       rollout=rollout_config(),
       loss=loss_config(),
+      loss_extra=loss_extra_config(),
       optim=optim_config(),
       train=train_config(),
       sft=sft_config(),
@@ -182,6 +192,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.num_layers": cu.positive_int,
       "model.remat": cu.one_of(("none", "full", "dots")),
       "mesh.rules": cu.one_of(SHARDING_RULES),
+      "mesh.num_devices": cu.nonnegative_int,
       "data.max_prompt_len": cu.positive_int,
       "rollout.n": cu.positive_int,
       "rollout.max_new_tokens": cu.positive_int,
@@ -194,6 +205,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.eps_high": cu.optional(cu.nonnegative),
       "loss.kl_beta": cu.optional(cu.nonnegative),
       "optim.lr": cu.positive,
+      "loss_extra.grad_norm_method": cu.one_of(("vmap", "map", "jvp")),
       "optim.schedule": cu.one_of(("constant", "cosine")),
       "optim.warmup_steps": cu.nonnegative_int,
       "optim.weight_decay": cu.nonnegative,

@@ -20,8 +20,8 @@ def get_config(arg=None):
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                       max_position_embeddings=64)
   config.mesh.shape = dict(data=1, fsdp=-1, sequence=1, tensor=1)
-  config.data.update(task="sorting", difficulty=0, eval_size=128, max_prompt_len=24)
-  config.rollout.update(n=8, max_new_tokens=6, temperature=1.0)
+  config.data.update(task="arithmetic", difficulty=0, eval_size=128, max_prompt_len=24)
+  config.rollout.update(n=8, max_new_tokens=5, temperature=1.0)
   config.loss.update(preset="grpo", kl_beta=0.0)
   config.optim.update(lr=1e-3, grad_clip=1.0)
   config.sft.update(steps=60, lr=3e-3, batch_size=32)

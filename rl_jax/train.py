@@ -54,7 +54,8 @@ class TrainState(NamedTuple):
   step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
   optimizer state. sft_opt_state: optimizer state of the supervised stage. ref_params: the
   frozen reference policy (the policy when RL starts; ``{}`` if the objective has no KL).
-  data: int64 [2] (epoch, position) of the prompt sampler.
+  value_params / value_opt_state: the PPO critic and its optimizer state (``{}`` otherwise).
+  data: int32 [2] (epoch, position) of the prompt sampler.
   """
 
   step: jax.Array
@@ -62,12 +63,15 @@ class TrainState(NamedTuple):
   opt_state: Any
   sft_opt_state: Any
   ref_params: Any
+  value_params: Any
+  value_opt_state: Any
   data: jax.Array
 
 
 class Rollouts(NamedTuple):
   """One step's groups, device arrays. prompt_tokens [G,P]; prompt_lengths [G];
-  tokens/mask/behaviour_logp [G,M,R]; rewards/advantages [G,M]; old/ref logp [G,M,R]."""
+  tokens/mask/behaviour_logp [G,M,R]; advantages [G,M] (sequence) or [G,M,R] (GAE);
+  old/ref logp [G,M,R]; returns/old_values [G,M,R] for PPO (None otherwise)."""
 
   prompt_tokens: jax.Array
   prompt_lengths: jax.Array
@@ -76,7 +80,9 @@ class Rollouts(NamedTuple):
   behaviour_logp: jax.Array
   advantages: jax.Array
   old_logp: jax.Array
-  ref_logp: jax.Array | None
+  ref_logp: jax.Array | None = None
+  returns: jax.Array | None = None
+  old_values: jax.Array | None = None
 
 
 # ------------------------------------------------------------------------------ set-up
@@ -96,6 +102,7 @@ class Setup:
   objective: losses.Objective
   rl_tx: optax.GradientTransformation
   sft_tx: optax.GradientTransformation
+  value_tx: optax.GradientTransformation
   prompt_len: int
 
 
@@ -124,10 +131,6 @@ def _objective(config) -> losses.Objective:
     obj = losses.get_objective(config.loss.preset, **knobs)
   except ValueError as e:
     raise ConfigError(f"loss: {e}") from None
-  if obj.needs_values or obj.needs_grad_norms:
-    raise ConfigError(f"loss.preset={config.loss.preset!r} needs a value model or per-row "
-                      f"gradient norms, which this trainer does not provide yet; use a "
-                      f"critic-free preset (grpo, dapo, dr_grpo, gspo, rloo, ...)")
   return obj
 
 
@@ -185,13 +188,18 @@ def build_setup(config) -> Setup:
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                       f"{model_cfg.vocab_size}")
-  mesh = sharding.make_mesh(_mesh_shape(config.mesh.shape, jax.device_count()))
+  n_dev = config.mesh.num_devices or jax.device_count()
+  if n_dev > jax.device_count():
+    raise ConfigError(f"mesh.num_devices={n_dev} but only {jax.device_count()} devices exist")
+  mesh = sharding.make_mesh(_mesh_shape(config.mesh.shape, n_dev), jax.devices()[:n_dev])
   objective = _objective(config)
   rl_tx = optax.chain(_optimizer(config.optim, config.optim.lr, config.train.steps),
                       objective.update_transform)
   sft_tx = _optimizer(config.optim, config.sft.lr, config.sft.steps)
+  value_tx = _optimizer(config.optim, config.optim.value_lr or config.optim.lr,
+                        config.train.steps)
   return Setup(config, tokenizer, task, train_examples, eval_examples, model_cfg, m.hf_path,
-               mesh, config.mesh.rules, objective, rl_tx, sft_tx, prompt_len)
+               mesh, config.mesh.rules, objective, rl_tx, sft_tx, value_tx, prompt_len)
 
 
 # ------------------------------------------------------------------------------ state
@@ -205,9 +213,14 @@ def init_state(s: Setup) -> TrainState:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std)
   ref = params if s.objective.needs_ref else {}
+  value, value_opt = {}, {}
+  if s.objective.needs_values:  # critic warm-started from the policy trunk, zero head
+    value = models.init_value_params(s.model_cfg, jax.random.key(0), policy_params=params)
+    value_opt = jax.jit(s.value_tx.init)(value)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=jax.jit(s.rl_tx.init)(params),
                     sft_opt_state=jax.jit(s.sft_tx.init)(params), ref_params=ref,
+                    value_params=value, value_opt_state=value_opt,
                     data=jnp.zeros((2,), jnp.int32))
 
 
@@ -251,34 +264,76 @@ def make_logprob_fn(s: Setup):
       s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared, temperature=temp))
 
 
+def make_value_fn(s: Setup):
+  """Jitted critic values [G,M,R] of grouped responses (PPO)."""
+  shared = s.config.train.shared_prefix
+  return jax.jit(lambda v, pt, pl, rt, rm: models.response_values(
+      s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared))
+
+
 def make_rl_update(s: Setup):
-  """Jitted RL update on one minibatch of groups; returns params, opt_state, metrics."""
+  """Jitted RL update on one minibatch of groups (policy, and the critic for PPO).
+
+  ``update(params, opt_state, value_params, value_opt_state, rollouts)`` returns the four
+  updated and a metrics dict. A non-finite loss or gradient skips the whole update.
+  """
   cfg, obj = s.model_cfg, s.objective
   temp = s.config.rollout.temperature or 1.0
   shared = s.config.train.shared_prefix
 
-  def update(params, opt_state, r: Rollouts):
+  def update(params, opt_state, value_params, value_opt_state, r: Rollouts):
     G, M, R = r.tokens.shape
-    batch = losses.Batch(mask=r.mask.reshape(G * M, R), advantages=r.advantages.reshape(G * M),
-                         old_logp=r.old_logp.reshape(G * M, R),
-                         behaviour_logp=r.behaviour_logp.reshape(G * M, R),
-                         ref_logp=None if r.ref_logp is None else r.ref_logp.reshape(G * M, R))
+    rows = lambda a: None if a is None else a.reshape(G * M, *a.shape[2:])
+    batch = losses.Batch(mask=rows(r.mask), advantages=rows(r.advantages),
+                         old_logp=rows(r.old_logp), behaviour_logp=rows(r.behaviour_logp),
+                         ref_logp=rows(r.ref_logp), returns=rows(r.returns),
+                         old_values=rows(r.old_values))
     batch = obj.prepare(batch)
 
-    def loss_fn(p):
+    def loss_fn(p, v):
       lp = models.response_logprobs(cfg, p, r.prompt_tokens, r.prompt_lengths, r.tokens, r.mask,
                                     shared_prefix=shared, temperature=temp)
-      loss_sum, denom, mets = obj.loss(lp.reshape(G * M, R), batch)
+      values = None
+      if obj.needs_values:
+        values = rows(models.response_values(cfg, v, r.prompt_tokens, r.prompt_lengths,
+                                             r.tokens, r.mask, shared_prefix=shared))
+      loss_sum, denom, mets = obj.loss(rows(lp), batch, values=values)
       return losses.finalize(loss_sum, denom), mets
 
-    (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, mets), (grads, vgrads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        params, value_params)
     extra = {"ess_ratio": mets["ess_ratio"]} if "ess_ratio" in mets else {}
     params, opt_state, finite = _finite_update(s.rl_tx, params, opt_state, grads, loss, **extra)
+    if obj.needs_values:
+      value_params, value_opt_state, vfinite = _finite_update(
+          s.value_tx, value_params, value_opt_state, vgrads, loss)
+      finite &= vfinite
     mets = dict(mets, loss=loss, grad_norm=optax.global_norm(grads),
                 update_skipped=1 - finite.astype(jnp.int32))
-    return params, opt_state, mets
+    return params, opt_state, value_params, value_opt_state, mets
 
-  return jax.jit(update, donate_argnums=(0, 1))
+  return jax.jit(update, donate_argnums=(0, 1, 2, 3))
+
+
+def make_grad_norm_fn(s: Setup):
+  """Jitted per-trajectory squared gradient norms [G,M] of summed response log-probs (VCPO)."""
+  cfg, temp = s.model_cfg, s.config.rollout.temperature or 1.0
+  method = s.config.loss_extra.grad_norm_method
+
+  def row_logp(p, x):
+    pt, pl, rt, rm = x
+    lp = models.response_logprobs(cfg, p, pt, pl, rt[:, None], rm[:, None], shared_prefix=False,
+                                  temperature=temp)
+    return lp.sum(axis=(1, 2))
+
+  def fn(params, pt, pl, rt, rm, key):
+    G, M, R = rt.shape
+    x = (jnp.repeat(pt, M, axis=0), jnp.repeat(pl, M, axis=0), rt.reshape(G * M, R),
+         rm.reshape(G * M, R))
+    sq = losses.per_row_grad_sq_norms(row_logp, params, x, method=method, key=key)
+    return sq.reshape(G, M)
+
+  return jax.jit(fn)
 
 
 # ------------------------------------------------------------------------------ host side
@@ -348,7 +403,14 @@ def evaluate(s: Setup, params, step: int) -> dict[str, float]:
   return result
 
 
-def rl_rollouts(s: Setup, state: TrainState, logprob_fn) -> tuple[Rollouts, dict, np.ndarray]:
+def _last_token_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
+  """Sequence rewards [G,M] placed on the last valid token: [G,M,R] (GAE's token rewards)."""
+  last = jnp.maximum(jnp.sum(mask, axis=-1) - 1, 0)
+  onehot = jnp.arange(mask.shape[-1]) == last[..., None]
+  return jnp.where(onehot & mask, rewards[..., None], 0.0)
+
+
+def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict, np.ndarray]:
   """Sample groups, score them, compute advantages and old/ref log-probs."""
   c = s.config
   G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
@@ -367,14 +429,28 @@ def rl_rollouts(s: Setup, state: TrainState, logprob_fn) -> tuple[Rollouts, dict
   rewards, stats = rewards_lib.compute_rewards(s.task.verify, completions, refs,
                                                timeout_s=c.data.reward_timeout_s)
   rewards = rewards.reshape(G, M)
-  adv = s.objective.advantages(jnp.asarray(rewards))
   pt, pl = _pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id)
   pt, pl = jnp.asarray(pt), jnp.asarray(pl)
   rt = jnp.asarray(tokens.reshape(G, M, R))
   rm = jnp.asarray(mask.reshape(G, M, R))
-  old = logprob_fn(state.params, pt, pl, rt, rm)
-  ref = logprob_fn(state.ref_params, pt, pl, rt, rm) if s.objective.needs_ref else None
+  obj = s.objective
+  old = fns["logprob"](state.params, pt, pl, rt, rm)
+  ref = fns["logprob"](state.ref_params, pt, pl, rt, rm) if obj.needs_ref else None
   mu = jnp.asarray(np.asarray(out.logprobs).reshape(G, M, R))
+  returns = old_values = None
+  if obj.needs_values:  # PPO: GAE over token rewards with the critic's values
+    old_values = fns["values"](state.value_params, pt, pl, rt, rm)
+    adv, returns = obj.advantages(_last_token_rewards(jnp.asarray(rewards), rm).reshape(G * M, R),
+                                  values=old_values.reshape(G * M, R), mask=rm.reshape(G * M, R))
+    adv, returns = adv.reshape(G, M, R), returns.reshape(G, M, R)
+  elif obj.needs_grad_norms:  # VCPO: off-policy optimal baseline
+    log_w = losses.sequence_log_weights(old.reshape(G * M, R), mu.reshape(G * M, R),
+                                        rm.reshape(G * M, R)).reshape(G, M)
+    sq = fns["grad_norms"](state.params, pt, pl, rt, rm,
+                           jax.random.key(_seed_int(c.train.seed, step, 3)))
+    adv = obj.advantages(jnp.asarray(rewards), log_w=log_w, grad_sq_norms=sq)
+  else:
+    adv = obj.advantages(jnp.asarray(rewards))
   n_tok = int(mask.sum())
   info = {
       "reward_mean": float(rewards.mean()),
@@ -386,7 +462,7 @@ def rl_rollouts(s: Setup, state: TrainState, logprob_fn) -> tuple[Rollouts, dict
       "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
       "sampler_mismatch": float(jnp.sum(jnp.abs(old - mu) * rm) / max(n_tok, 1)),
   }
-  return Rollouts(pt, pl, rt, rm, mu, adv, old, ref), info, data
+  return Rollouts(pt, pl, rt, rm, mu, adv, old, ref, returns, old_values), info, data
 
 
 def _split_groups(r: Rollouts, k: int) -> list[Rollouts]:
@@ -426,7 +502,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
     if os.path.exists(metrics_path):
       metrics_lib.truncate_after(metrics_path, latest)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
-  sft_step, rl_update, logprob_fn = make_sft_step(s), make_rl_update(s), make_logprob_fn(s)
+  sft_step, rl_update = make_sft_step(s), make_rl_update(s)
+  fns = {"logprob": make_logprob_fn(s), "values": make_value_fn(s)}
+  if s.objective.needs_grad_norms:
+    fns["grad_norms"] = make_grad_norm_fn(s)
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
   bar = _progress(progress, total, int(state.step))
@@ -450,13 +529,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
       else:
         if step == sft_steps and s.objective.needs_ref:
           state = state._replace(ref_params=jax.tree.map(jnp.copy, state.params))
-        r, record, data = rl_rollouts(s, state, logprob_fn)
-        params, opt_state = state.params, state.opt_state
+        r, record, data = rl_rollouts(s, state, fns)
+        carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
         mets_all = []
         for mb in _split_groups(r, c.train.minibatches):
-          params, opt_state, mets = rl_update(params, opt_state, mb)
+          *carry, mets = rl_update(*carry, mb)
           mets_all.append(jax.device_get(mets))
-        state = state._replace(params=params, opt_state=opt_state)
+        state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],
+                               value_opt_state=carry[3])
         record = {"phase": "rl", **record,
                   **{k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}}
       skipped = int(record.get("update_skipped", 0))

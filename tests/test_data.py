@@ -100,15 +100,17 @@ def test_splits_disjoint_deterministic_and_verified(name, difficulty):
     assert max(len(e.prompt) for e in train + held) <= 24
 
 
-def test_easiest_arithmetic_covers_all_single_digit_sums():
+def test_easiest_arithmetic_enumerates_two_digit_sums():
   task = tasks.get_task("arithmetic", 0, seed=0)
   train, held = task.split("train"), task.split("eval")
   both = {e.prompt: e.answer for e in train + held}
-  assert len(both) == 100 and 10 <= len(held) <= 30
-  assert both["7+8="] == "15" and both["0+0="] == "0"
+  assert len(both) == 10_000 and 1800 <= len(held) <= 2200
+  assert both["57+68="] == "125" and both["0+0="] == "0"
   # Membership depends on the prompt only; the seed only reorders.
   other = tasks.get_task("arithmetic", 0, seed=1).split("eval")
   assert sorted(other) == sorted(held) and other != held
+  small = tasks.get_task("arithmetic", 0, digits=1)
+  assert len(small.split("train")) + len(small.split("eval")) == 100
 
 
 def test_arithmetic_precedence():
@@ -168,4 +170,4 @@ def test_get_task_errors():
     tasks.get_task("arithmetic").split("test")
   with pytest.raises(ValueError, match="eval_fraction"):
     tasks.get_task("arithmetic", eval_fraction=1.5)
-  assert tasks.get_task("arithmetic", 0, digits=2).digits == 2
+  assert tasks.get_task("arithmetic", 0, digits=3).digits == 3

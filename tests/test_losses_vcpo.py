@@ -121,18 +121,18 @@ def _inputs(key, b=4, t=3, v=6):
 def test_per_row_grad_norms_exact_methods_agree_with_loop():
   params, fn = _toy_model(jax.random.key(0))
   inp = _inputs(jax.random.key(1))
+  row_grad = jax.jit(jax.grad(lambda p, row: fn(p, row)[0]))
   ref = []
   for i in range(4):
-    row = jax.tree.map(lambda x: x[i:i + 1], inp)
-    g = jax.grad(lambda p: fn(p, row)[0])(params)
+    g = row_grad(params, jax.tree.map(lambda x: x[i:i + 1], inp))
     ref.append(sum(float(jnp.sum(x ** 2)) for x in jax.tree.leaves(g)))
-  close(losses.per_row_grad_sq_norms(fn, params, inp, method="vmap"), ref, tol=1e-4)
-  close(losses.per_row_grad_sq_norms(fn, params, inp, method="map", chunk_size=2), ref,
-        tol=1e-4)
-  est = losses.per_row_grad_sq_norms(fn, params, inp, method="jvp", num_probes=4000,
-                                     key=jax.random.key(2))
-  # Rademacher estimator: unbiased, relative std <= sqrt(2/K) ~ 2.2%; allow 5 sigma
-  np.testing.assert_allclose(np.asarray(est), ref, rtol=0.12)
+  norms = jax.jit(losses.per_row_grad_sq_norms, static_argnums=0,
+                  static_argnames=("method", "chunk_size", "num_probes"))
+  close(norms(fn, params, inp, method="vmap"), ref, tol=1e-4)
+  close(norms(fn, params, inp, method="map", chunk_size=2), ref, tol=1e-4)
+  est = norms(fn, params, inp, method="jvp", num_probes=1000, key=jax.random.key(2))
+  # Rademacher estimator: unbiased, relative std <= sqrt(2/K) ~ 4.5%; allow ~4.5 sigma
+  np.testing.assert_allclose(np.asarray(est), ref, rtol=0.2)
 
 
 def test_head_grad_norms_exact_for_the_head():

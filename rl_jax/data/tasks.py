@@ -6,7 +6,7 @@ function of the prompt string (a stable hash against ``eval_fraction``), so the 
 can never share a prompt whatever the seed; the seed only orders (or, for large spaces,
 draws) the examples.
 
-Prompts at difficulty 0 are a few characters (``"3+4="``, ``"sort 312:"``, ``"3,5>8:"``),
+Prompts at difficulty 0 are a few characters (``"12+34="``, ``"sort 312:"``, ``"3,5>8:"``),
 all inside the char tokenizer's vocabulary, so a tiny model can learn them on CPU.
 
 Usage::
@@ -201,19 +201,25 @@ class SyntheticTask:
 class Arithmetic(SyntheticTask):
   """``"12+7="`` -> ``"19"``. Operands have up to ``digits`` digits; precedence as usual.
 
-  Difficulty: 0 one-digit a+b (100 prompts), 1 one-digit a±b, 2 two-digit a±b,
+  Difficulty: 0 two-digit a+b (10,000 prompts), 1 two-digit a±b, 2 three-digit a±b,
   3 two-digit a±b±c, 4 three-digit with ``+ - *`` over three operands.
+
+  Difficulty 0 is two-digit rather than one-digit on purpose: every held-out sum is built
+  from digit sums and carries that the training split contains, so a tiny model can
+  generalise to it (a 2-layer, width-64 char transformer reached 0.96 held-out accuracy
+  after 800 supervised steps of batch 128). One-digit a+b (``digits=1``) has only 100
+  facts; held-out ones cannot be inferred from the rest (the same model: 0.5).
   """
 
-  digits: int = 1
+  digits: int = 2
   operands: int = 2
   ops: str = "+"
 
   name = "arithmetic"
   presets = (
-      dict(digits=1, operands=2, ops="+"),
-      dict(digits=1, operands=2, ops="+-"),
+      dict(digits=2, operands=2, ops="+"),
       dict(digits=2, operands=2, ops="+-"),
+      dict(digits=3, operands=2, ops="+-"),
       dict(digits=2, operands=3, ops="+-"),
       dict(digits=3, operands=3, ops="+-*"),
   )

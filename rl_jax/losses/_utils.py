@@ -40,13 +40,6 @@ def check_choice(name: str, value: Any, choices) -> None:
     raise ValueError(f"unknown {name} {value!r}; choose one of {sorted(choices)}")
 
 
-def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
-  if value is None and allow_none:
-    return
-  if value is None or not float(value) > 0:
-    raise ValueError(f"{name} must be > 0, got {value!r}")
-
-
 def safe_divide(num: Array, den: Array) -> Array:
   """``num / den`` with 0 where ``den == 0`` (no NaN, zero gradient there)."""
   ok = den != 0
@@ -78,11 +71,3 @@ def masked_whiten(x: Array, mask: Array, eps: float = 1e-8) -> Array:
   var = safe_divide(masked_sum((x - mean) ** 2, mask), n - 1.0)
   var = jnp.where(n > 1, var, 0.0)
   return jnp.where(mask, (x - mean) * jax.lax.rsqrt(var + eps), 0.0)
-
-
-def as_float_mask(mask: Array) -> Array:
-  return mask.astype(jnp.float32)
-
-
-def is_concrete(x: Any) -> bool:
-  return not isinstance(x, jax.core.Tracer)

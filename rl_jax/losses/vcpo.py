@@ -8,13 +8,18 @@ D hidden width, V vocabulary.
 Per-trajectory gradient norms ``||grad_theta log pi(tau_i)||^2`` (see
 ``per_row_grad_sq_norms``), cost per minibatch of B rows with P parameters:
 
-  method   exact?      time                         memory
-  "vmap"   exact       ~ one batched backward       B x P (all per-row gradients at once)
-  "map"    exact       B / chunk sequential bwd     chunk x P
-  "jvp"    unbiased    K forward-mode passes        one tangent (P) per probe; no B x P
-                       (K probes, independent of B)  relative std ~ sqrt(2/K)
-  head     exact for   one T x T Gram per row,      B x T x T
-  (ghost)  the LM head O(B T^2 (D + V)), no backward (``head_grad_sq_norms``)
+  method   exact?      time                           memory
+  "vmap"   exact       ~ one batched backward         B x P (all per-row gradients at once)
+  "map"    exact       B / chunk batched backwards    chunk x P
+  "jvp"    unbiased    K forward-mode passes over     K x P tangents; nothing grows with B
+                       the whole batch (relative std ~ sqrt(2/K)); slower than "map" in
+                       time at small sizes, it saves memory only
+  head     exact for   two T x T Gram matrices per    B x T x T
+  (ghost)  the LM head row, no backward               (``head_grad_sq_norms``; a proxy for
+                                                       the full-model norm)
+
+Measured numbers: docs/bench/losses.md (scripts/bench_grad_norms.py). On CPU the exact
+"map" with a small chunk is the recommended default.
 
 References: VCPO (Variance-Controlled Policy Optimization, mit-han-lab), papers.md;
 Kong 1992 / Owen 2013 for the ESS; Katharopoulos & Fleuret 2018 and Goodfellow 2015 for
@@ -23,7 +28,7 @@ last-layer and per-example gradient norms.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -189,7 +194,8 @@ def per_row_grad_sq_norms(row_logp_fn: Callable[[Any, Any], Array], params: Any,
     method: "vmap" (exact, all per-row gradients at once), "map" (exact, ``chunk_size``
       rows at a time), or "jvp" (unbiased Rademacher sketch with ``num_probes`` forward-mode
       passes: ``E[(g . v)^2] = ||g||^2``).
-    chunk_size: rows per chunk for "map" (default 1).
+    chunk_size: rows per chunk for "map" (default 1); probes evaluated together for "jvp"
+      (default all, vectorised).
     num_probes: probes K for "jvp".
     key: PRNG key for "jvp".
 
@@ -228,7 +234,9 @@ def per_row_grad_sq_norms(row_logp_fn: Callable[[Any, Any], Array], params: Any,
                       (jax.tree.unflatten(treedef, v),))
     return dots.astype(jnp.float32) ** 2
 
-  return jnp.mean(jax.lax.map(probe, jax.random.split(key, num_probes)), axis=0)
+  keys = jax.random.split(key, num_probes)
+  bs = num_probes if chunk_size is None else int(chunk_size)
+  return jnp.mean(jax.lax.map(probe, keys, batch_size=bs), axis=0)
 
 
 def head_grad_sq_norms(hidden: Array, logits: Array, targets: Array, mask: Array,

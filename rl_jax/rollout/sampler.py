@@ -1,0 +1,426 @@
+"""Jitted KV-cache sampler over group slots with a shared (prompt-once) prefix cache.
+
+Axis letters (model legend plus): G group slots, M samples per group, P prefix (prompt)
+cache length, R response length (suffix cache), T query block length, L layers,
+K kv heads, Q query heads per kv head, H head dim, V vocab.
+
+Layout. Each slot g holds one prompt, prefilled once into the prefix cache
+``prefix_k/v [L,G,P,K,H]``, and M samples that keep only their own response K/V in the
+suffix cache ``suffix_k/v [L,G,M,R,K,H]``. Prompt token t has RoPE position t, response
+token j of every sample position ``prefix_len + j`` (the positions of the unpacked sequence,
+so log-probs equal ``models.forward`` teacher forcing). The replicated layout is the same
+code with M = 1 and the prompt repeated in N slots.
+
+Attention of a response query combines three exact partial softmaxes with a log-sum-exp
+merge: the shared prefix (keys s < prefix_len), the sample's cached suffix (r < cache fill)
+and the current query block (causal). See ``merge_partials``.
+
+Every sampled token is drawn with a key that depends only on (request id, sample id, token
+index) (``sampling.row_keys``), so results do not depend on batching, slots or the mesh.
+
+Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
+heads over ``act_kv_heads`` (tensor) and cache length over ``kv_length`` (sequence).
+
+References: Kwon et al. 2023, "Efficient Memory Management for LLM Serving with
+PagedAttention" (prefix sharing); Milakov & Gimelshein 2018, "Online normalizer calculation
+for softmax" (log-sum-exp merge); DualKV (shared-prompt attention for RL, 2025).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax import sharding
+from rl_jax.models import transformer as tx
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout import sampling
+
+# Number of times each jitted entry point was traced (a retrace means a recompile).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+# finish-reason codes stored in DecodeState.reason
+RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
+REASON_NAMES = {RUNNING: "running", EOS: "eos", STOP: "stop", LENGTH: "length"}
+
+
+class DecodeState(NamedTuple):
+  """Device state of all slots (a pytree; every field has a logical-axes entry).
+
+  Attributes:
+    prefix_k, prefix_v: [L,G,P,K,H] prompt K/V, one copy per slot.
+    prefix_len: int32 [G] prompt length of each slot.
+    suffix_k, suffix_v: [L,G,M,R,K,H] each sample's own response K/V.
+    tokens: int32 [G,M,R] response tokens (index j = j-th generated token).
+    logprobs: float32 [G,M,R] behaviour log-prob of each token.
+    versions: int32 [G,M,R] policy version that sampled each token.
+    length: int32 [G,M] tokens generated so far (the last one is not yet in the cache).
+    budget: int32 [G,M] maximum response length of each sample.
+    reason: int32 [G,M] RUNNING, EOS, STOP or LENGTH.
+    active: bool [G] slot holds a group.
+    request_id: int32 [G]; sample_id: int32 [G,M] (PRNG stream identifiers).
+  """
+
+  prefix_k: jax.Array
+  prefix_v: jax.Array
+  prefix_len: jax.Array
+  suffix_k: jax.Array
+  suffix_v: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  versions: jax.Array
+  length: jax.Array
+  budget: jax.Array
+  reason: jax.Array
+  active: jax.Array
+  request_id: jax.Array
+  sample_id: jax.Array
+
+
+CACHE_AXES = DecodeState(
+    prefix_k=("layers", "batch", "kv_length", "act_kv_heads", None),
+    prefix_v=("layers", "batch", "kv_length", "act_kv_heads", None),
+    prefix_len=("batch",),
+    suffix_k=("layers", "batch", None, "kv_length", "act_kv_heads", None),
+    suffix_v=("layers", "batch", None, "kv_length", "act_kv_heads", None),
+    tokens=("batch", None, None),
+    logprobs=("batch", None, None),
+    versions=("batch", None, None),
+    length=("batch", None),
+    budget=("batch", None),
+    reason=("batch", None),
+    active=("batch",),
+    request_id=("batch",),
+    sample_id=("batch", None),
+)
+
+
+def _context(ctx):
+  return sharding.use(*ctx) if ctx is not None else contextlib.nullcontext()
+
+
+def _constrain_state(state: DecodeState) -> DecodeState:
+  return DecodeState(*[sharding.constrain(x, a) for x, a in zip(state, CACHE_AXES)])
+
+
+def kv_cache_bytes(cfg: ModelConfig, groups: int, samples: int, prompt_len: int,
+                   response_len: int, prompt_once: bool = True) -> int:
+  """Bytes of K and V held for ``groups`` prompts with ``samples`` responses each.
+
+  Prompt-once keeps ``G·P + G·M·R`` token positions, replicated ``G·M·(P + R)``.
+  """
+  per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+  if prompt_once:
+    positions = groups * prompt_len + groups * samples * response_len
+  else:
+    positions = groups * samples * (prompt_len + response_len)
+  return int(per_token * positions)
+
+
+# ------------------------------------------------------------------------------ attention
+def _partial(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Unnormalised softmax pieces of masked scores [..., S]: (weights, log-sum-exp [...])."""
+  scores = jnp.where(mask, scores, -jnp.inf)
+  m = jnp.max(scores, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+  total = jnp.sum(p, axis=-1)
+  lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + m[..., 0], -jnp.inf)
+  return p / jnp.where(total > 0, total, 1.0)[..., None], lse
+
+
+def merge_partials(outs: list[jax.Array], lses: list[jax.Array]) -> jax.Array:
+  """Exact softmax attention from partial results over disjoint key sets.
+
+  ``lse = logaddexp(lse_1, ..., lse_n)``, ``out = sum_i exp(lse_i - lse) · out_i``.
+
+  Args:
+    outs: each [G,M,K,Q,T,H] normalised over its own keys; lses: each [G,M,K,Q,T].
+  Returns:
+    [G,M,K,Q,T,H].
+  """
+  total = functools.reduce(jnp.logaddexp, lses)
+  safe = jnp.where(jnp.isfinite(total), total, 0.0)
+  return sum(jnp.exp(l - safe)[..., None] * o for o, l in zip(outs, lses))
+
+
+def grouped_attention(q, block_k, block_v, block_mask, prefix=None, suffix=None):
+  """Attention of grouped queries over prefix, cached suffix and the current block.
+
+  Args:
+    q: [G,M,T,N,H]. block_k, block_v: [G,M,T,K,H] K/V of the queries' own tokens;
+      block_mask: bool [G,M,T,T] (query t may see block key s).
+    prefix: optional (k [G,P,K,H], v [G,P,K,H], valid bool [G,P]) shared by the M samples.
+    suffix: optional (k [G,M,R,K,H], v [G,M,R,K,H], valid bool [G,M,R]) per-sample cache.
+  Returns:
+    [G,M,T,N,H] in q's dtype.
+  """
+  G, M, T, N, H = q.shape
+  K = block_k.shape[3]
+  qg = q.reshape(G, M, T, K, N // K, H).astype(jnp.float32) / np.float32(np.sqrt(H))
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  outs, lses = [], []
+  s = f32("gmtkqh,gmskh->gmkqts", qg, block_k)
+  p, l = _partial(s, block_mask[:, :, None, None])
+  outs.append(f32("gmkqts,gmskh->gmkqth", p, block_v)); lses.append(l)
+  if prefix is not None:
+    pk, pv, pvalid = prefix
+    s = f32("gmtkqh,gpkh->gmkqtp", qg, pk)
+    p, l = _partial(s, pvalid[:, None, None, None, None, :])
+    outs.append(f32("gmkqtp,gpkh->gmkqth", p, pv)); lses.append(l)
+  if suffix is not None:
+    sk, sv, svalid = suffix
+    s = f32("gmtkqh,gmrkh->gmkqtr", qg, sk)
+    p, l = _partial(s, svalid[:, :, None, None, None, :])
+    outs.append(f32("gmkqtr,gmrkh->gmkqth", p, sv)); lses.append(l)
+  out = merge_partials(outs, lses)  # [G,M,K,Q,T,H]
+  return jnp.moveaxis(out, 4, 2).reshape(G, M, T, N, H).astype(q.dtype)
+
+
+def _run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None, suffix=None):
+  """Trunk over tokens [G·M,T] with grouped attention; returns hidden and new K/V [L,G,M,T,K,H].
+
+  ``prefix``/``suffix`` hold [L,...] caches (scanned with the layers) plus a validity mask.
+  """
+  T = tokens.shape[1]
+  pre_kv = None if prefix is None else (prefix[0], prefix[1])
+  suf_kv = None if suffix is None else (suffix[0], suffix[1])
+
+  def attend(q, k, v, layer):
+    pre, suf = layer
+    split = lambda a: a.reshape(G, M, T, *a.shape[2:])
+    out = grouped_attention(
+        split(q), split(k), split(v), block_mask,
+        prefix=None if pre is None else (pre[0], pre[1], prefix[2]),
+        suffix=None if suf is None else (suf[0], suf[1], suffix[2]))
+    return out.reshape(G * M, T, *out.shape[3:]), (split(k), split(v))
+
+  x = tx.embed(cfg, params, tokens)
+  h, (k_new, v_new) = tx.trunk(cfg, params, x, positions, attend, (pre_kv, suf_kv))
+  return h, k_new, v_new
+
+
+# ------------------------------------------------------------------------------ bookkeeping
+def _record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingParams):
+  """Append token ``tok`` [G,M] (log-prob ``lp``) to rows where ``take``; update reasons."""
+  R = state.tokens.shape[-1]
+  idx = state.length
+  hot = (jnp.arange(R) == idx[..., None]) & take[..., None]
+  tokens = jnp.where(hot, tok[..., None], state.tokens)
+  logprobs = jnp.where(hot, lp[..., None], state.logprobs)
+  versions = jnp.where(hot, version, state.versions)
+  length = state.length + take.astype(jnp.int32)
+  is_eos = jnp.any(tok[..., None] == sp.eos_ids, axis=-1)
+  W = sp.stop_seqs.shape[-1]
+  window_idx = length[..., None] - W + jnp.arange(W)  # [G,M,W]
+  window = jnp.take_along_axis(tokens, jnp.clip(window_idx, 0, R - 1), axis=-1)
+  match = (sp.stop_seqs[None, None] < 0) | (window[:, :, None, :] == sp.stop_seqs[None, None])
+  is_stop = jnp.any(jnp.all(match, axis=-1) & (sp.stop_lens > 0)
+                    & (sp.stop_lens <= length[..., None]), axis=-1)
+  reason = jnp.where(is_eos, EOS, jnp.where(is_stop, STOP, jnp.where(
+      length >= state.budget, LENGTH, RUNNING)))
+  reason = jnp.where(take, reason, state.reason)
+  return state._replace(tokens=tokens, logprobs=logprobs, versions=versions, length=length,
+                        reason=reason)
+
+
+def _write_rows(cache, new, start):
+  """cache [L,G,M,R,K,H] <- new [L,G,M,T,K,H] at per-row offsets start [G,M] (one scatter)."""
+  upd = lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=1)
+  per_m = jax.vmap(upd, in_axes=(1, 1, 0), out_axes=1)
+  return jax.vmap(per_m, in_axes=(1, 1, 0), out_axes=1)(cache, new, start)
+
+
+# ------------------------------------------------------------------------------ entry points
+def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int) -> DecodeState:
+  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  dt = jnp.dtype(cfg.dtype)
+  return DecodeState(
+      prefix_k=jnp.zeros((L, G, P, K, H), dt), prefix_v=jnp.zeros((L, G, P, K, H), dt),
+      prefix_len=jnp.ones((G,), jnp.int32),
+      suffix_k=jnp.zeros((L, G, M, R, K, H), dt), suffix_v=jnp.zeros((L, G, M, R, K, H), dt),
+      tokens=jnp.zeros((G, M, R), jnp.int32), logprobs=jnp.zeros((G, M, R), jnp.float32),
+      versions=jnp.full((G, M, R), -1, jnp.int32), length=jnp.zeros((G, M), jnp.int32),
+      budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),
+      active=jnp.zeros((G,), bool), request_id=jnp.zeros((G,), jnp.int32),
+      sample_id=jnp.zeros((G, M), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "ctx"))
+def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None) -> DecodeState:
+  """Empty state for G slots of M samples, prefix length P, response length R."""
+  TRACE_COUNTS["init_state"] += 1
+  with _context(ctx):
+    return _constrain_state(_init_state(cfg, G, M, P, R))
+
+
+class Admission(NamedTuple):
+  """Groups to place into slots (host arrays, Bn = admission bucket).
+
+  Attributes:
+    slots: int32 [Bn] target slot (>= G for padding rows, which are dropped).
+    prompt: int32 [Bn,Pb] right-padded prompts; prompt_len: int32 [Bn].
+    tokens, logprobs, versions: [Bn,M,R] tokens already generated (resumed samples).
+    length: int32 [Bn,M] tokens already generated; reason: int32 [Bn,M] (RUNNING unless the
+      sample already finished); budget: int32 [Bn,M] maximum response length.
+    request_id: int32 [Bn]; sample_id: int32 [Bn,M].
+  """
+
+  slots: Any
+  prompt: Any
+  prompt_len: Any
+  tokens: Any
+  logprobs: Any
+  versions: Any
+  length: Any
+  reason: Any
+  budget: Any
+  request_id: Any
+  sample_id: Any
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "suffix_len", "filtered", "ctx"),
+                   donate_argnames=("state",))
+def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, version, base_key,
+          suffix_len: int, filtered: bool, ctx=None) -> DecodeState:
+  """Prefill prompts (once per group) and resumed responses into slots; sample first tokens.
+
+  Args:
+    params: model parameters (a jit argument: new weights never recompile).
+    state: DecodeState (donated). adm: Admission. sp: SamplingParams. version: int32 scalar
+      policy version of tokens sampled here. base_key: typed PRNG key.
+    suffix_len: static; resumed tokens re-prefilled per sample (0 = none resumed).
+    filtered: static; top-k/top-p active.
+  Returns:
+    Updated DecodeState. Samples with no token yet get their first token from the prompt's
+    last logits; resumed samples keep their tokens (the last one becomes the next input).
+  """
+  TRACE_COUNTS["admit"] += 1
+  with _context(ctx):
+    Bn, Pb = adm.prompt.shape
+    M = adm.length.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (Bn, Pb))
+    pvalid = pos < adm.prompt_len[:, None]
+    causal = (pos[:, None, :] <= pos[:, :, None]) & pvalid[:, None, :]
+    h, pk, pv = _run_trunk(cfg, params, adm.prompt, pos, Bn, 1, causal[:, None])
+    pk, pv = pk[:, :, 0], pv[:, :, 0]  # [L,Bn,Pb,K,H]
+    last = jnp.take_along_axis(h, (adm.prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    logits = tx.logits_from_hidden(cfg, params, last)  # [Bn,V]
+
+    sub = DecodeState(pk, pv, adm.prompt_len, None, None, jnp.asarray(adm.tokens),
+                      jnp.asarray(adm.logprobs), jnp.asarray(adm.versions),
+                      jnp.asarray(adm.length), jnp.asarray(adm.budget),
+                      jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id)
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    R = state.tokens.shape[-1]
+    sk = jnp.zeros((L, Bn, M, R, K, H), state.suffix_k.dtype)
+    sv = jnp.zeros_like(sk)
+    if suffix_len:
+      S = suffix_len
+      rtok = sub.tokens[:, :, :S].reshape(Bn * M, S)
+      j = jnp.arange(S, dtype=jnp.int32)
+      rpos = jnp.broadcast_to(adm.prompt_len[:, None, None] + j, (Bn, M, S)).reshape(Bn * M, S)
+      rvalid = j[None, None, :] < (sub.length - 1)[..., None]  # [Bn,M,S]
+      bmask = (j[:, None] >= j[None, :])[None, None] & rvalid[:, :, None, :]
+      _, rk, rv = _run_trunk(cfg, params, rtok, rpos, Bn, M, bmask,
+                             prefix=(pk, pv, pvalid))
+      sk = sk.at[:, :, :, :S].set(rk.astype(sk.dtype))
+      sv = sv.at[:, :, :, :S].set(rv.astype(sv.dtype))
+
+    first = (sub.length == 0) & (sub.reason == RUNNING)
+    keys = sampling.row_keys(base_key, jnp.repeat(adm.request_id, M),
+                             adm.sample_id.reshape(-1), jnp.zeros((Bn * M,), jnp.int32))
+    tok, lp = sampling.sample_logits(keys, jnp.repeat(logits, M, axis=0), sp, filtered)
+    sub = _record(sub, tok.reshape(Bn, M), lp.reshape(Bn, M), first, version, sp)
+
+    put = lambda a, u, lead=0: a.at[(slice(None),) * lead + (adm.slots,)].set(
+        u.astype(a.dtype), mode="drop")
+    Pfull = state.prefix_k.shape[2]
+    pad_p = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, Pfull - Pb), (0, 0), (0, 0)))
+    new = state._replace(
+        prefix_k=put(state.prefix_k, pad_p(pk), 1), prefix_v=put(state.prefix_v, pad_p(pv), 1),
+        prefix_len=put(state.prefix_len, adm.prompt_len),
+        suffix_k=put(state.suffix_k, sk, 1), suffix_v=put(state.suffix_v, sv, 1),
+        tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
+        versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
+        budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason),
+        active=put(state.active, jnp.ones((Bn,), bool)),
+        request_id=put(state.request_id, adm.request_id),
+        sample_id=put(state.sample_id, adm.sample_id))
+    return _constrain_state(new)
+
+
+def decode_step(cfg: ModelConfig, params, state: DecodeState, sp, version, base_key,
+                filtered: bool) -> DecodeState:
+  """Feed every running sample's last token, append one sampled token.
+
+  Args / Returns: see ``decode``; one step, no loop.
+  """
+  G, M, R = state.tokens.shape
+  take = (state.reason == RUNNING) & state.active[:, None]
+  cur = jnp.maximum(state.length - 1, 0)  # index of the token fed now
+  feed = jnp.take_along_axis(state.tokens, cur[..., None], axis=-1)[..., 0]
+  pos = (state.prefix_len[:, None] + cur).reshape(G * M, 1)
+  P = state.prefix_k.shape[2]
+  pvalid = jnp.arange(P)[None, :] < state.prefix_len[:, None]
+  svalid = jnp.arange(R)[None, None, :] < cur[..., None]
+  h, k_new, v_new = _run_trunk(
+      cfg, params, feed.reshape(G * M, 1), pos, G, M, jnp.ones((G, M, 1, 1), bool),
+      prefix=(state.prefix_k, state.prefix_v, pvalid),
+      suffix=(state.suffix_k, state.suffix_v, svalid))
+  suffix_k = _write_rows(state.suffix_k, k_new.astype(state.suffix_k.dtype), cur)
+  suffix_v = _write_rows(state.suffix_v, v_new.astype(state.suffix_v.dtype), cur)
+  logits = tx.logits_from_hidden(cfg, params, h[:, 0])  # [G·M,V]
+  keys = sampling.row_keys(base_key, jnp.repeat(state.request_id, M),
+                           state.sample_id.reshape(-1), state.length.reshape(-1))
+  tok, lp = sampling.sample_logits(keys, logits, sp, filtered)
+  state = state._replace(suffix_k=suffix_k, suffix_v=suffix_v)
+  return _constrain_state(_record(state, tok.reshape(G, M), lp.reshape(G, M), take, version, sp))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
+                   donate_argnames=("state",))
+def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, base_key, max_steps,
+           min_finished, filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
+  """Decode inside one ``lax.while_loop`` until enough groups finish.
+
+  Stops when no sample is running, after ``max_steps`` steps, or once at least
+  ``min_finished`` active slots have all their samples finished (so the caller can refill
+  them: continuous batching).
+
+  Args:
+    params: model parameters (jit argument). state: DecodeState (donated).
+    sp: SamplingParams. version: int32 policy version recorded for new tokens.
+    base_key: typed PRNG key. max_steps, min_finished: int32 scalars (traced).
+    filtered: static; top-k/top-p active.
+  Returns:
+    (state, steps run).
+  """
+  TRACE_COUNTS["decode"] += 1
+  with _context(ctx):
+
+    def finished(s):
+      return jnp.sum(s.active & jnp.all(s.reason != RUNNING, axis=1))
+
+    def cond(carry):
+      s, step = carry
+      running = jnp.any((s.reason == RUNNING) & s.active[:, None])
+      return running & (step < max_steps) & (finished(s) < min_finished)
+
+    def body(carry):
+      s, step = carry
+      return decode_step(cfg, params, s, sp, version, base_key, filtered), step + 1
+
+    return jax.lax.while_loop(cond, body, (_constrain_state(state), jnp.int32(0)))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def cast_params(params, dtype: str):
+  """Jitted cast of the trainer's parameters to the sampler's storage dtype."""
+  return jax.tree.map(lambda x: x.astype(dtype), params)

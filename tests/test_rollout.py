@@ -1,0 +1,202 @@
+"""Sampler correctness: HF greedy parity, exact behaviour log-probs, sampling distribution,
+prompt-once == replicated, EOS / stop, no recompiles, 8 devices == 1, input errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from rl_jax import models, rollout, sharding
+from rl_jax.rollout import sampler
+from tests.hf_utils import tiny_hf_model
+
+# Shapes shared by most tests (3 prompts -> 4 slots, prompt bucket 8, response bucket 8) so
+# the jitted sampler compiles once per model and setting.
+PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 4, 6], [11]]
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+  """Tiny random HF models (llama, qwen2, qwen3) and the same weights loaded by rl_jax."""
+  out = {}
+  for arch, kw in [("llama", {}), ("qwen2", {}), ("qwen3", dict(head_dim=16))]:
+    path = tmp_path_factory.mktemp(arch)
+    model = tiny_hf_model(arch, path, **kw)
+    cfg, params = models.load_hf(str(path), dtype=jnp.float32)
+    out[arch] = (model, cfg, params)
+  return out
+
+
+def _hf_greedy(model, prompt, max_new):
+  ids = torch.tensor([prompt], dtype=torch.long)
+  with torch.no_grad():
+    seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                         min_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+  return seq[0, len(prompt):].tolist()
+
+
+def _teacher_forced_logits(cfg, params, prompt, response):
+  tokens = jnp.asarray([list(prompt) + list(response)], jnp.int32)
+  logits = models.forward(cfg, params, tokens)[0]
+  return np.asarray(logits[len(prompt) - 1:len(prompt) + len(response) - 1], np.float64)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers_generate(hf, arch):
+  model, cfg, params = hf[arch]
+  out = rollout.generate(cfg, params, PROMPTS, n=1, max_new_tokens=MAX_NEW, temperature=0.0)
+  assert out.tokens.shape == (3, MAX_NEW) and out.tokens.dtype == np.int32
+  for i, prompt in enumerate(PROMPTS):
+    assert out.tokens[i].tolist() == _hf_greedy(model, prompt, MAX_NEW)
+  assert out.mask.all() and (out.finish_reason == "length").all()
+  assert (out.lengths == MAX_NEW).all()
+  np.testing.assert_array_equal(out.logprobs, 0.0)  # a greedy token has probability 1
+
+
+def test_logprobs_equal_teacher_forcing_and_no_recompile(hf):
+  _, cfg, params = hf["llama"]
+  T = 0.8
+  out = rollout.generate(cfg, params, PROMPTS, n=3, max_new_tokens=MAX_NEW, temperature=T,
+                         seed=1)
+  assert out.tokens.shape == (9, MAX_NEW)
+  np.testing.assert_array_equal(out.prompt_index, np.repeat(np.arange(3), 3))
+  # Teacher forcing with models.sequence_logprobs on each full sequence, at temperature T.
+  for row in range(9):
+    prompt = PROMPTS[row // 3]
+    seq = jnp.asarray([prompt + out.tokens[row].tolist()], jnp.int32)
+    ref = models.sequence_logprobs(cfg, params, seq, temperature=T)[0, len(prompt):]
+    np.testing.assert_allclose(out.logprobs[row], np.asarray(ref), atol=1e-5, rtol=0)
+  # the n samples of a prompt differ (independent keys), and the seed matters
+  assert len({tuple(r) for r in out.tokens[:3].tolist()}) > 1
+
+  # Same buckets, new prompt values, new weights, new temperature: no retrace.
+  before = dict(sampler.TRACE_COUNTS)
+  params2 = jax.tree.map(lambda x: x * 1.01, params)
+  other = rollout.generate(cfg, params2, [[3, 3], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9]], n=3,
+                           max_new_tokens=MAX_NEW - 2, temperature=1.3, seed=2)
+  assert dict(sampler.TRACE_COUNTS) == before
+  assert other.tokens.shape == (9, MAX_NEW - 2)
+
+
+def test_sampling_frequencies_match_softmax():
+  V, B = 12, 20000
+  logits = jnp.asarray(np.random.default_rng(0).normal(0, 1.5, V), jnp.float32)
+  keys = jax.random.split(jax.random.key(0), B)
+
+  def draw(temperature, top_k, top_p):
+    sp = rollout.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                                jnp.full((4,), -1, jnp.int32), jnp.full((4, 4), -1, jnp.int32),
+                                jnp.zeros((4,), jnp.int32))
+    fn = jax.jit(rollout.sample_logits, static_argnames="filtered")
+    tok, lp = fn(keys, jnp.broadcast_to(logits, (B, V)), sp, filtered=True)
+    return np.asarray(tok), np.asarray(lp)
+
+  z = np.asarray(logits, np.float64)
+  for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0),
+                                    (1.0, 0, 0.8), (0.9, 6, 0.7)]:
+    tok, lp = draw(temperature, top_k, top_p)
+    # Independent reference: numpy softmax, top-k set, then smallest top-p prefix.
+    p = np.exp(z / temperature - np.max(z / temperature))
+    order = np.argsort(-z)
+    keep = np.zeros(V, bool)
+    keep[order[:top_k or V]] = True
+    p = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+    cum = np.cumsum(p[order]) - p[order]
+    allowed = np.zeros(V, bool)
+    allowed[order[cum < top_p]] = True
+    p = np.where(allowed, p, 0.0) / np.where(allowed, p, 0.0).sum()
+    assert allowed[tok].all(), "an excluded token was emitted"
+    np.testing.assert_allclose(lp, np.log(p[tok]), atol=1e-5)
+    counts = np.bincount(tok, minlength=V)[allowed]
+    expected = B * p[allowed]
+    stat, pvalue = scipy.stats.chisquare(counts, expected)
+    assert pvalue > 1e-4, (temperature, top_k, top_p, stat)
+
+
+def test_prompt_once_equals_replicated_with_filtering(hf):
+  _, cfg, params = hf["llama"]
+  kw = dict(n=3, max_new_tokens=MAX_NEW, temperature=0.9, top_k=5, top_p=0.9, seed=3)
+  once = rollout.generate(cfg, params, PROMPTS, prompt_once=True, **kw)
+  rep = rollout.generate(cfg, params, PROMPTS, prompt_once=False, **kw)
+  np.testing.assert_array_equal(once.tokens, rep.tokens)
+  np.testing.assert_allclose(once.logprobs, rep.logprobs, atol=1e-5)
+  assert once.stats["kv_bytes"] < once.stats["kv_bytes_replicated"]
+  # End to end: every token is in the top-5 / top-0.9 set of the teacher-forced logits and
+  # its log-prob is that of the renormalised filtered distribution.
+  for row in range(9):
+    prompt, resp = PROMPTS[row // 3], once.tokens[row].tolist()
+    z = _teacher_forced_logits(cfg, params, prompt, resp) / 0.9
+    for j, t in enumerate(resp):
+      order = np.argsort(-z[j])[:5]
+      p = np.exp(z[j][order] - z[j][order].max())
+      p /= p.sum()
+      kept = order[(np.cumsum(p) - p) < 0.9]
+      pk = np.exp(z[j][kept] - z[j][kept].max())
+      pk /= pk.sum()
+      assert t in kept
+      np.testing.assert_allclose(once.logprobs[row, j], np.log(pk[list(kept).index(t)]),
+                                 atol=1e-5)
+
+
+def test_eos_and_stop_sequences(hf):
+  _, cfg, params = hf["llama"]
+  full = rollout.generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
+  ref = full.tokens[1].tolist()
+  eos = ref[3]
+  out = rollout.generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0,
+                         eos_id=eos)
+  first = ref.index(eos)
+  assert out.finish_reason[1] == "eos" and out.lengths[1] == first + 1
+  assert out.mask[1].tolist() == [j <= first for j in range(MAX_NEW)]
+  np.testing.assert_array_equal(out.tokens[1, :first + 1], ref[:first + 1])
+  np.testing.assert_array_equal(out.tokens[1, first + 1:], 0)
+  for row in (0, 2):  # rows without that token run to the budget
+    if eos not in full.tokens[row]:
+      assert out.finish_reason[row] == "length"
+  stop = ref[4:6]
+  out = rollout.generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0,
+                         stop=[[cfg.vocab_size - 1, 0, 0], stop])
+  end = next(j for j in range(1, MAX_NEW) if ref[j - 1:j + 1] == stop)
+  assert out.finish_reason[1] == "stop" and out.lengths[1] == end + 1
+  np.testing.assert_array_equal(out.tokens[1, :end + 1], ref[:end + 1])
+
+
+def test_mesh_8_devices_equals_1(hf):
+  _, cfg, params = hf["llama"]
+  kw = dict(n=3, max_new_tokens=MAX_NEW, temperature=0.8, seed=1)
+  ref = rollout.generate(cfg, params, PROMPTS, **kw)
+  mesh = sharding.make_mesh({"data": 2, "sequence": 2, "tensor": 2})
+  out = rollout.generate(cfg, params, PROMPTS, mesh=mesh, rules="fsdp_tp", **kw)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+  # the cache really is laid out over the mesh: slots over data, length over sequence
+  state = sampler.init_state(cfg, 4, 3, 8, 8, ctx=(mesh, sharding.get_rules("fsdp_tp")))
+  spec = state.prefix_k.sharding.spec
+  assert spec[1] == "data" and spec[2] == "sequence" and spec[3] == "tensor"
+
+
+def test_bad_inputs_raise_one_clear_error(hf):
+  _, cfg, params = hf["llama"]
+  gen = lambda prompts, **kw: rollout.generate(cfg, params, prompts, max_new_tokens=4, **kw)
+  with pytest.raises(rollout.RolloutError, match="prompt 1 is empty"):
+    gen([[1, 2], []])
+  with pytest.raises(rollout.RolloutError, match="exceeds the context"):
+    gen([[1] * cfg.max_position_embeddings])
+  with pytest.raises(rollout.RolloutError, match="n must be an integer >= 1"):
+    gen([[1]], n=0)
+  with pytest.raises(rollout.RolloutError, match="stop sequence 0 has token id"):
+    gen([[1]], stop=[[cfg.vocab_size]])
+  with pytest.raises(rollout.RolloutError, match="eos_id has token id"):
+    gen([[1]], eos_id=-3)
+  with pytest.raises(rollout.RolloutError, match="outside the vocabulary"):
+    gen([[1, cfg.vocab_size + 5]])
+  with pytest.raises(rollout.RolloutError, match="prompts is empty"):
+    gen([])
+  with pytest.raises(rollout.RolloutError, match="top_p"):
+    gen([[1]], top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    gen([[1]], temperature=-1.0)
