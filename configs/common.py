@@ -109,7 +109,7 @@ def loss_config() -> ml_collections.ConfigDict:
 def loss_extra_config() -> ml_collections.ConfigDict:
   """Trainer-side settings of objectives (not knobs of the loss itself)."""
   return ml_collections.ConfigDict(dict(
-      grad_norm_method="vmap",  # VCPO per-trajectory gradient norms: vmap | map | jvp
+      grad_norm_method="map",  # VCPO per-trajectory gradient norms: vmap | map | jvp
   ))
 
 

@@ -23,9 +23,9 @@ def get_config(arg=None):
   config.data.update(task="arithmetic", difficulty=0, eval_size=128, max_prompt_len=24)
   config.rollout.update(n=8, max_new_tokens=5, temperature=1.0)
   config.loss.update(preset="grpo", kl_beta=0.0)
-  config.optim.update(lr=1e-3, grad_clip=1.0)
-  config.sft.update(steps=60, lr=3e-3, batch_size=32)
-  config.train.update(steps=60, batch_groups=16, minibatches=1, seed=0, eval_every=10,
+  config.optim.update(lr=5e-4, grad_clip=1.0)
+  config.sft.update(steps=250, lr=1e-3, batch_size=128)
+  config.train.update(steps=200, batch_groups=32, minibatches=1, seed=0, eval_every=25,
                       checkpoint_every=20, keep=2)
   config.eval.pass_k = 0
   return config

@@ -77,9 +77,10 @@ def _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths):
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {q.dtype}")
   if ctx_lengths is None:
     return
-  if not hasattr(ctx_lengths, "shape") or ctx_lengths.shape != (g,):
-    raise ValueError(f"ctx_lengths must have shape [G] = ({g},), got "
-                     f"{getattr(ctx_lengths, 'shape', None)}")
+  if not hasattr(ctx_lengths, "shape"):
+    ctx_lengths = np.asarray(ctx_lengths)
+  if ctx_lengths.shape != (g,):
+    raise ValueError(f"ctx_lengths must have shape [G] = ({g},), got {ctx_lengths.shape}")
   if not jnp.issubdtype(ctx_lengths.dtype, jnp.integer):
     raise ValueError(f"ctx_lengths must be integers, got {ctx_lengths.dtype}")
   if not isinstance(ctx_lengths, jax.core.Tracer):
@@ -103,14 +104,20 @@ def _resolve_backend(backend: str, interpret: bool) -> str:
   return "tpu" if interpret else "reference"
 
 
-def _fit_blocks(backend, block_sizes, r, p, d):
+def _fit_blocks(backend, block_sizes, r, p, d, interpret):
   sizes = _bs.DEFAULT_BLOCK_SIZES[backend] if block_sizes is None else block_sizes
   if not isinstance(sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes, got {type(sizes).__name__}")
   sizes.check(backend)
   if backend == "gpu" and (d < 16 or d & (d - 1)):
     raise ValueError(f"the GPU kernel needs a power-of-two head dim >= 16, got D={d}")
-  return _bs.fit(sizes, r=r, p=p, backend=backend)
+  fitted = _bs.fit(sizes, r=r, p=p, backend=backend)
+  # Mosaic: the log-sum-exp rows have the query block as their lane (last) dim.
+  bqs = (fitted.sizes.block_q, fitted.sizes.block_q_bwd)
+  if backend == "tpu" and not interpret and any(b % 128 and b != fitted.r_pad for b in bqs):
+    raise ValueError(f"TPU query blocks must be multiples of 128 (or cover all of R), got "
+                     f"{fitted.sizes}")
+  return fitted
 
 
 # ---------------------------------------------------------------------------------------
@@ -148,7 +155,7 @@ def shared_prefix_attention_lse(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=Non
              else jnp.asarray(ctx_lengths).astype(jnp.int32))
   if backend == "reference":
     return _reference_jit(q, k_ctx, v_ctx, k_resp, v_resp, lengths)
-  fitted = _fit_blocks(backend, block_sizes, q.shape[2], p, q.shape[4])
+  fitted = _fit_blocks(backend, block_sizes, q.shape[2], p, q.shape[4], interpret)
   return _kernel_attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths, backend=backend,
                            fitted=fitted, interpret=interpret)
 
@@ -231,9 +238,22 @@ _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 # ---------------------------------------------------------------------------------------
 # Pure-jnp reference: two regions computed separately, merged by log-sum-exp.
 
+_MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: max over an empty row stays finite
+
 
 def _masked_softmax_parts(s, mask, v_einsum, v):
-  """Normalised output and log-sum-exp of one region (lse = -inf where nothing is visible)."""
+  """Softmax attention restricted to one region.
+
+  Args:
+    s: float32 [..., T] scaled scores against the region's T keys.
+    mask: bool, broadcastable to s: keys each query may see.
+    v_einsum: einsum spec contracting probabilities [..., T] with v.
+    v: float32 values of the region.
+
+  Returns:
+    The normalised output (zero where nothing is visible) and lse float32 [...]
+    (-inf where nothing is visible).
+  """
   s = jnp.where(mask, s, -jnp.inf)
   m = jnp.max(jnp.where(mask, s, _MASK), axis=-1, keepdims=True)
   p = jnp.where(mask, jnp.exp(s - m), 0.0)
@@ -242,9 +262,6 @@ def _masked_softmax_parts(s, mask, v_einsum, v):
   out = jnp.einsum(v_einsum, p / safe_l, v)
   lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)[..., 0]
   return out, lse
-
-
-_MASK = -0.7 * float(np.finfo(np.float32).max)
 
 
 def shared_prefix_attention_reference(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=None, *,

@@ -42,7 +42,7 @@ def _num_visible_resp_blocks(i, bq, bk):
   return lax.div((i + 1) * bq - 1, bk) + 1
 
 
-def _query_specs(n_, rep, bq, bk, p_, r_, d_):
+def _query_specs(n_, rep, bq, p_, r_, d_):
   """Block specs of the (i, g*N + n, h) grid for the query-tile kernels (forward, dq)."""
   def q_map(i, gn, h):
     return lax.div(gn, n_), lax.rem(gn, n_), i, h, 0
@@ -110,7 +110,7 @@ def forward(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths, *, fitted: FittedBlock
   p_, k_ = k_ctx.shape[1], k_ctx.shape[2]
   bq, bk = fitted.sizes.block_q, fitted.sizes.block_kv
   len_spec, q_spec, ctx_spec, resp_spec, row_spec = _query_specs(
-      n_, h_ // k_, bq, bk, p_, r_, d_)
+      n_, h_ // k_, bq, p_, r_, d_)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, scale=scale, bk=bk),
       grid=(r_ // bq, g_ * n_, h_),
@@ -216,7 +216,7 @@ def _dq(ctx_lengths, q, k_ctx, v_ctx, k_resp, v_resp, do, lse, di, *, fitted, sc
   p_, k_ = k_ctx.shape[1], k_ctx.shape[2]
   bq, bk = fitted.sizes.block_q, fitted.sizes.block_kv
   len_spec, q_spec, ctx_spec, resp_spec, row_spec = _query_specs(
-      n_, h_ // k_, bq, bk, p_, r_, d_)
+      n_, h_ // k_, bq, p_, r_, d_)
   return pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, bk=bk),
       grid=(r_ // bq, g_ * n_, h_),

@@ -30,6 +30,7 @@ from pallas_kernels import _tiles
 from pallas_kernels.block_sizes import FittedBlocks
 
 _PAR, _ARB = "parallel", "arbitrary"
+_LANES = 128
 
 
 def _last_ctx_block(ctx_len, bk):
@@ -39,7 +40,7 @@ def _last_ctx_block(ctx_len, bk):
 
 def _col_to_row(x):
   """float32 [Q,1] -> [1,Q] (via a lane-dense transpose, which Mosaic supports)."""
-  return jnp.broadcast_to(x, (x.shape[0], 128)).T[:1]
+  return jnp.broadcast_to(x, (x.shape[0], _LANES)).T[:1]
 
 
 def _row_to_col(ref):
@@ -68,14 +69,20 @@ def _fwd_kernel(lens_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, o_ref, lse_ref,
   bq, bk = q_ref.shape[0], kc_ref.shape[0]
   ctx_len = lens_ref[g]
 
+  # m and l live lane-broadcast in [Q,128] scratch (lane-dense VMEM); column [Q,1] values.
+  lanes = lambda x: jnp.broadcast_to(x, (bq, _LANES))
+  column = lambda ref: ref[...][:, :1]
+
   @pl.when(t == 0)
   def _init():
-    m_sc[...], l_sc[...], acc_sc[...] = _tiles.init_carry(bq, q_ref.shape[1])
+    m, l, acc = _tiles.init_carry(bq, q_ref.shape[1])
+    m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
 
   def update(k_ref, v_ref, mask):
     s = _tiles.scores(q_ref[...], k_ref[...], scale)
-    m_sc[...], l_sc[...], acc_sc[...] = _tiles.online_softmax_step(
-        m_sc[...], l_sc[...], acc_sc[...], s, mask, v_ref[...])
+    m, l, acc = _tiles.online_softmax_step(column(m_sc), column(l_sc), acc_sc[...], s, mask,
+                                           v_ref[...])
+    m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
 
   k_start = t * bk
 
@@ -91,7 +98,7 @@ def _fwd_kernel(lens_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, o_ref, lse_ref,
 
   @pl.when(t == pl.num_programs(4) - 1)
   def _finalize():
-    o, lse = _tiles.finalize(m_sc[...], l_sc[...], acc_sc[...])
+    o, lse = _tiles.finalize(column(m_sc), column(l_sc), acc_sc[...])
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = _col_to_row(lse)
 
@@ -146,7 +153,8 @@ def forward(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths, *, fitted: FittedBlock
           grid=(g_, h_, n_, r_ // bq, nc + nr),
           in_specs=[q_spec, ctx_spec, ctx_spec, resp_spec, resp_spec],
           out_specs=[q_spec, row_spec],
-          scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+          scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
+                          pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, d_), jnp.float32)],
       ),
       out_shape=[jax.ShapeDtypeStruct(q_t.shape, q.dtype),

@@ -193,6 +193,11 @@ class RolloutEngine:
     self._ready: collections.deque[GroupRequest] = collections.deque()
     self._uids = itertools.count()
 
+  @property
+  def ready(self) -> tuple[GroupRequest, ...]:
+    """Complete groups beyond K from the previous call; returned first at the next call."""
+    return tuple(self._ready)
+
   # ---------------------------------------------------------------- parameters
   def prepare_params(self, params):
     """Trainer parameters -> sampler parameters (jitted dtype cast, mesh placement)."""
@@ -299,7 +304,7 @@ class RolloutEngine:
           a["reason"][b, m] = _REASON_CODES[s.finish_reason]
         elif t:
           longest = max(longest, t - 1)
-    suffix_len = 0 if longest == 0 else min(R, _pow2(longest, 16))
+    suffix_len = 0 if longest == 0 else min(R, _pow2(longest, max(16, R // 4)))  # <= 3 shapes
     return sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp, version, key,
                          suffix_len=suffix_len, filtered=self.filtered, ctx=self.ctx)
 
@@ -362,7 +367,8 @@ class RolloutEngine:
     result: list[GroupRequest] = []
     while self._ready and len(result) < k_groups:
       result.append(self._ready.popleft())
-    in_flight = math.ceil(self.over_sampling * k_groups) - len(result)
+    need = k_groups - len(result)
+    in_flight = math.ceil(self.over_sampling * k_groups) - len(result) if need > 0 else 0
     submit: list[GroupRequest] = []
     while self.buffer and len(submit) < in_flight:
       submit.append(self.buffer.popleft())
@@ -373,9 +379,8 @@ class RolloutEngine:
         break
       submit.append(self.new_request(prompt, index))
       index += 1
-    need = k_groups - len(result)
     aborted = 0
-    if need > 0 and submit:
+    if submit:
       complete, unfinished = self.run(params, submit, policy_version=policy_version,
                                       min_complete=need)
       result.extend(complete[:need])
@@ -385,8 +390,6 @@ class RolloutEngine:
           req.resumed += 1
           aborted += 1
       self.buffer.extendleft(reversed(unfinished))
-    else:
-      self.buffer.extendleft(reversed(submit))
     out = assemble(result, self.max_new_tokens)
     toks = out.mask.sum()
     stale = (out.versions < policy_version) & out.mask

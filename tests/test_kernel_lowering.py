@@ -1,0 +1,85 @@
+"""Shared-prefix attention kernels lower for TPU (Mosaic) and GPU (Triton) at real shapes.
+
+Lowering is shape-only (``jax.ShapeDtypeStruct`` inputs, no data), so it runs on this CPU
+machine and catches block-shape, layout and lowering-rule errors without hardware.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels
+
+S = jax.ShapeDtypeStruct
+_TRITON = "__gpu$xla.gpu.triton"
+# Platform -> (kernel backend, custom-call target that carries a Pallas kernel).
+_TARGETS = {"tpu": ("tpu", "tpu_custom_call"), "cuda": ("gpu", _TRITON)}
+
+# (G, N, R, Hq, Hkv, D, P, dtype): P from 1K to 32K, R from 256 to 4K, D 64 and 128, GQA 1
+# to 8, and an R / P that are not multiples of the blocks (padded inside the wrapper).
+SHAPES = [
+    (1, 16, 256, 8, 8, 64, 1024, jnp.bfloat16),
+    (2, 8, 512, 8, 2, 64, 4096, jnp.float32),
+    (1, 8, 1024, 16, 4, 128, 8192, jnp.bfloat16),
+    (1, 4, 4096, 32, 4, 128, 32768, jnp.bfloat16),
+    (1, 4, 1000, 8, 1, 128, 3000, jnp.bfloat16),
+]
+
+
+def _abstract_inputs(g, n, r, hq, hkv, d, p, dtype):
+  return (S((g, n, r, hq, d), dtype), S((g, p, hkv, d), dtype), S((g, p, hkv, d), dtype),
+          S((g, n, r, hkv, d), dtype), S((g, n, r, hkv, d), dtype), S((g,), jnp.int32))
+
+
+def _export(fn, platform, args):
+  return jax.export.export(
+      jax.jit(fn), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON)])(*args)
+
+
+def _attention(backend):
+  def attn(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
+    return pallas_kernels.shared_prefix_attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths,
+                                                  backend=backend)
+  return attn
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}N{}R{}H{}K{}D{}P{}".format(*s[:7]))
+def test_forward_lowers(platform, shape):
+  backend, target = _TARGETS[platform]
+  args = _abstract_inputs(*shape)
+  exported = _export(_attention(backend), platform, args)
+  assert exported.platforms == (platform,)
+  assert exported.out_avals[0].shape == args[0].shape
+  assert exported.out_avals[0].dtype == args[0].dtype
+  assert exported.mlir_module().count(target) == 1  # the forward kernel, nothing else
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}N{}R{}H{}K{}D{}P{}".format(*s[:7]))
+def test_gradient_lowers(platform, shape):
+  backend, target = _TARGETS[platform]
+  args = _abstract_inputs(*shape)
+  attn = _attention(backend)
+
+  def loss(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
+    return jnp.sum(attn(q, k_ctx, v_ctx, k_resp, v_resp, lengths).astype(jnp.float32))
+
+  exported = _export(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), platform, args)
+  assert exported.platforms == (platform,)
+  assert [a.shape for a in exported.out_avals] == [a.shape for a in args[:5]]
+  assert all(a.dtype == args[0].dtype for a in exported.out_avals)
+  # Forward (recomputed for the residuals) + dq + context dK/dV + response dK/dV.
+  assert exported.mlir_module().count(target) == 4
+
+
+def test_illegal_tpu_block_is_rejected_before_lowering():
+  args = _abstract_inputs(1, 2, 1024, 4, 2, 64, 2048, jnp.bfloat16)
+
+  def attn(*a):
+    return pallas_kernels.shared_prefix_attention(
+        *a, backend="tpu", block_sizes=pallas_kernels.BlockSizes(64, 64, 64, 64))
+
+  with pytest.raises(ValueError, match="multiples of 128"):
+    _export(attn, "tpu", args)
