@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*", "configs"]),
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.10,<0.13",
+        "jax>=0.10.2,<0.11",
         "flax>=0.12",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",

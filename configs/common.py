@@ -63,11 +63,13 @@ def mesh_config() -> ml_collections.ConfigDict:
 def data_config() -> ml_collections.ConfigDict:
   """Prompt source: a built-in task, or a JSONL / TFDS dataset."""
   return ml_collections.ConfigDict(dict(
-      task="arithmetic",  # a built-in synthetic task, or "jsonl" / "tfds"
+      task="arithmetic",  # arithmetic | countdown | sorting (built in), or "file" (data.path)
       path=config_dict.placeholder(str),  # JSONL file or TFDS name when task is jsonl/tfds
       tokenizer=config_dict.placeholder(str),  # None: the task's own tokenizer
       difficulty=0,  # the task's difficulty knob
       format="auto",  # file tasks: gsm8k | math | auto
+      eval_path=config_dict.placeholder(str),  # file tasks: held-out file (None: hash split)
+      template="{question}",  # file tasks: prompt template
       max_prompt_len=64,
       eval_size=128,
       reward_timeout_s=5.0,  # per verifier call; a time-out scores 0 and is counted

@@ -45,7 +45,7 @@ from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
-from rl_jax.errors import ConfigError, RLJaxError
+from rl_jax.errors import ConfigError, DataError, RLJaxError
 
 
 class TrainState(NamedTuple):
@@ -150,25 +150,29 @@ def build_setup(config) -> Setup:
   """Validate the config and build everything static; fails in one line before compiling."""
   from configs import common  # pylint: disable=import-outside-toplevel
   config_utils.validate(config, common.checks())
-  tokenizer = tok_lib.load_tokenizer(config.data.tokenizer or "char")
-  if config.data.task in ("jsonl", "file"):
-    from rl_jax.data import files  # pylint: disable=import-outside-toplevel
-    if not config.data.path:
-      raise ConfigError("data.path must name a JSONL/Parquet file when data.task='jsonl'")
-    task = files.FileTask(config.data.path, fmt=config.data.format)
-  else:
-    try:
-      task = tasks_lib.get_task(config.data.task, difficulty=config.data.difficulty,
-                                seed=config.data.seed)
-    except ValueError as e:
-      raise ConfigError(f"data: {e}") from None
-  train_examples = list(task.split("train"))
-  eval_examples = list(task.split("eval"))[:config.data.eval_size]
+  if config.train.batch_groups % config.train.minibatches:
+    raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
+                      f"train.minibatches={config.train.minibatches}")
+  d = config.data
+  try:
+    tokenizer = tok_lib.load_tokenizer(d.tokenizer or config.model.hf_path or "char")
+    if d.task == "file":
+      task = tasks_lib.get_task("file", path=d.path or "", format=d.format,
+                                eval_path=d.eval_path, template=d.template, seed=d.seed)
+    else:
+      task = tasks_lib.get_task(d.task, difficulty=d.difficulty, seed=d.seed)
+    train_examples = list(task.split("train"))
+    eval_examples = list(task.split("eval"))[:d.eval_size]
+    prompt_len = max((len(tokenizer.encode(e.prompt)) for e in train_examples + eval_examples),
+                     default=0) + 1
+  except (ValueError, FileNotFoundError, OSError) as e:
+    if isinstance(e, RLJaxError):
+      raise
+    raise DataError(f"data: {' '.join(str(e).split())}") from None
   if not train_examples:
     raise ConfigError(f"data: the train split of {config.data.task!r} is empty")
   if config.train.eval_every and not eval_examples:
     raise ConfigError(f"data: the eval split of {config.data.task!r} is empty")
-  prompt_len = max(len(tokenizer.encode(e.prompt)) for e in train_examples + eval_examples) + 1
   if prompt_len > config.data.max_prompt_len:
     raise ConfigError(f"data: a prompt has {prompt_len} tokens > data.max_prompt_len="
                       f"{config.data.max_prompt_len}")
@@ -379,22 +383,27 @@ def _next_examples(s: Setup, data: np.ndarray, n: int):
   return [s.train_examples[i] for i in idx], np.asarray([state.epoch, state.position], np.int32)
 
 
+def _generate(s: Setup, params, prompts, **kw):
+  """``rollout.generate`` on the trainer's mesh with the task's EOS and length budget."""
+  return rollout.generate(s.model_cfg, params, prompts,
+                          max_new_tokens=s.config.rollout.max_new_tokens,
+                          eos_id=s.tokenizer.eos_id, mesh=s.mesh, rules=s.rules, **kw)
+
+
 def evaluate(s: Setup, params, step: int) -> dict[str, float]:
   """Greedy accuracy (and pass@k if ``eval.pass_k`` > 0) on the held-out split."""
   c = s.config
   examples = s.eval_examples
   prompts = _encode_prompts(s, examples)
-  out = rollout.generate(s.model_cfg, params, prompts, n=1, max_new_tokens=c.rollout.max_new_tokens,
-                         temperature=0.0, eos_id=s.tokenizer.eos_id, seed=0)
+  out = _generate(s, params, prompts, n=1, temperature=0.0, seed=0)
   completions = _decode(s, np.asarray(out.tokens), np.asarray(out.mask))
   rewards, _ = rewards_lib.compute_rewards(s.task.verify, completions, [e.answer for e in examples],
                                            timeout_s=c.data.reward_timeout_s)
   result = {"eval_accuracy": float(np.mean(rewards >= 1.0))}
   k = c.eval.pass_k
   if k > 0:
-    out = rollout.generate(s.model_cfg, params, prompts, n=k, max_new_tokens=c.rollout.max_new_tokens,
-                           temperature=c.rollout.temperature or 1.0, eos_id=s.tokenizer.eos_id,
-                           seed=_seed_int(c.train.seed, step, 7))
+    out = _generate(s, params, prompts, n=k, temperature=c.rollout.temperature or 1.0,
+                    seed=_seed_int(c.train.seed, step, 7))
     completions = _decode(s, np.asarray(out.tokens), np.asarray(out.mask))
     refs = [e.answer for e in examples for _ in range(k)]
     r, _ = rewards_lib.compute_rewards(s.task.verify, completions, refs,
@@ -418,10 +427,9 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
   examples, data = _next_examples(s, np.asarray(state.data), G)
   prompts = _encode_prompts(s, examples)
   t0 = time.perf_counter()
-  out = rollout.generate(s.model_cfg, state.params, prompts, n=M, max_new_tokens=R,
-                         temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                         top_k=c.rollout.top_k, eos_id=s.tokenizer.eos_id,
-                         seed=_seed_int(c.train.seed, step, 1))
+  out = _generate(s, state.params, prompts, n=M, temperature=c.rollout.temperature,
+                  top_p=c.rollout.top_p, top_k=c.rollout.top_k,
+                  seed=_seed_int(c.train.seed, step, 1))
   tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   rollout_s = time.perf_counter() - t0
   completions = _decode(s, tokens, mask)
@@ -466,10 +474,7 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
 
 
 def _split_groups(r: Rollouts, k: int) -> list[Rollouts]:
-  G = r.tokens.shape[0]
-  if G % k:
-    raise ConfigError(f"train.batch_groups={G} is not divisible by train.minibatches={k}")
-  size = G // k
+  size = r.tokens.shape[0] // k
   return [jax.tree.map(lambda a: a[i * size:(i + 1) * size], r) for i in range(k)]
 
 

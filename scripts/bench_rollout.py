@@ -9,7 +9,7 @@
 Usage::
 
     python scripts/bench_rollout.py                  # default run, a few minutes on 2 CPU cores
-    python scripts/bench_rollout.py --out docs/bench/rollout.md
+    python scripts/bench_rollout.py
 
 References: Zhou et al. 2025 (APRIL); Kwon et al. 2023 (prefix sharing).
 """

@@ -27,8 +27,8 @@ replicated concatenated sequences (forward + backward); on CPU that part is skip
 
 Usage::
 
-    python scripts/bench_shared_prefix.py                       # default run, ~5 min on 2 cores
-    python scripts/bench_shared_prefix.py --out docs/bench/shared_prefix.md
+    python scripts/bench_shared_prefix.py                       # default run, ~4 min on 2 shared cores
+    python scripts/bench_shared_prefix.py
     python scripts/bench_shared_prefix.py --quick               # toy sizes, seconds
 
 References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl).
@@ -53,7 +53,9 @@ from rl_jax.models import transformer as tx
 
 import pallas_kernels
 
-DEFAULT_CONFIGS = ((8, 512, 128), (16, 1024, 256), (16, 2048, 256))
+DEFAULT_CONFIGS = ((8, 512, 128), (16, 1024, 256))
+# Also measured in docs/BENCHMARKS.md; ~3 more minutes and ~12 GB for the replicated
+# step: --configs "8,512,128;16,1024,256;16,2048,256".
 QUICK_CONFIGS = ((4, 32, 8),)
 LOGPROB_TOL = 1e-4
 VARIANTS = (("replicated", False), ("packed", True))
@@ -343,9 +345,10 @@ def main(argv=None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="toy model and sizes (smoke test)")
-  ap.add_argument("--configs", default=None, help="'N,P,R;N,P,R' (default: 3 configs)")
+  ap.add_argument("--configs", default=None,
+                  help="'N,P,R;N,P,R' (default: 8,512,128;16,1024,256)")
   ap.add_argument("--groups", type=int, default=1, help="prompts per batch (G)")
-  ap.add_argument("--repeats", type=int, default=5, help="timed steps per layout")
+  ap.add_argument("--repeats", type=int, default=3, help="timed steps per layout")
   ap.add_argument("--out", default=None, help="write a markdown report here")
   args = ap.parse_args(argv)
   cfg = model_config(args.quick)

@@ -18,7 +18,7 @@ Per-trajectory gradient norms ``||grad_theta log pi(tau_i)||^2`` (see
   (ghost)  the LM head row, no backward               (``head_grad_sq_norms``; a proxy for
                                                        the full-model norm)
 
-Measured numbers: docs/bench/losses.md (scripts/bench_grad_norms.py). On CPU the exact
+Measured numbers: docs/BENCHMARKS.md (scripts/bench_grad_norms.py). On CPU the exact
 "map" with a small chunk is the recommended default.
 
 References: VCPO (Variance-Controlled Policy Optimization, mit-han-lab), papers.md;

@@ -1,0 +1,52 @@
+"""Smoke tests of the benchmark scripts at toy sizes (they are not timed here)."""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def _load(name):
+  """Imports scripts/<name>.py as a module (scripts/ is not a package)."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(_SCRIPTS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bench_shared_prefix_quick_reports_both_layouts(tmp_path):
+  bench = _load("bench_shared_prefix")
+  out = tmp_path / "report.md"
+  result = bench.main(["--quick", "--repeats", "1", "--out", str(out)])
+  (row,) = result["rows"]
+  assert set(row["ms"]) == {"replicated", "packed"}
+  assert all(ms > 0 for ms in row["ms"].values())
+  assert row["diff"] <= bench.LOGPROB_TOL
+  assert row["rho"] == bench.models.token_reduction(row["n"], row["p"], row["r"])
+  assert row["flop_ratio"] > 1.0
+  assert row["memory"]["packed"]["temp"] < row["memory"]["replicated"]["temp"]
+  text = out.read_text()
+  assert "| N | P | R | rho |" in text and "skipped" in text
+
+
+def test_bench_shared_prefix_packed_logprobs_equal_replicated():
+  bench = _load("bench_shared_prefix")
+  cfg = bench.model_config(quick=True)
+  params = bench.models.init_params(cfg, jax.random.key(3), std=0.2)
+  batch = bench.make_batch(cfg, groups=2, n=3, p=10, r=5, seed=1)
+  packed = bench.batch_logprobs(cfg, params, batch, shared_prefix=True)
+  replicated = bench.batch_logprobs(cfg, params, batch, shared_prefix=False)
+  np.testing.assert_allclose(packed, replicated, atol=1e-5)
+  assert bench.max_logprob_diff(cfg, params, batch) <= 1e-5
+
+
+def test_bench_shared_prefix_kernel_part_in_interpreter():
+  bench = _load("bench_shared_prefix")
+  res = bench.bench_kernel(2, 16, 8, heads=4, kv_heads=2, head_dim=8, dtype=jnp.float32,
+                           repeats=1, interpret=True)
+  assert set(res["ms"]) == {"kernel", "reference", "replicated"}
+  assert res["max_diff"] < 1e-4
