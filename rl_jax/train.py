@@ -218,14 +218,28 @@ def init_state(s: Setup) -> TrainState:
                                  s.rules, std=s.config.model.init_std)
   ref = params if s.objective.needs_ref else {}
   value, value_opt = {}, {}
-  if s.objective.needs_values:  # critic warm-started from the policy trunk, zero head
-    value = models.init_value_params(s.model_cfg, jax.random.key(0), policy_params=params)
+  if s.objective.needs_values:  # critic warm-started from (a copy of) the policy trunk
+    value = models.init_value_params(s.model_cfg, jax.random.key(0),
+                                     policy_params=jax.tree.map(jnp.copy, params))
     value_opt = jax.jit(s.value_tx.init)(value)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=jax.jit(s.rl_tx.init)(params),
-                    sft_opt_state=jax.jit(s.sft_tx.init)(params), ref_params=ref,
-                    value_params=value, value_opt_state=value_opt,
-                    data=jnp.zeros((2,), jnp.int32))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     opt_state=jax.jit(s.rl_tx.init)(params),
+                     sft_opt_state=jax.jit(s.sft_tx.init)(params), ref_params=ref,
+                     value_params=value, value_opt_state=value_opt,
+                     data=jnp.zeros((2,), jnp.int32))
+  return _replicate_rest(state, s.mesh)
+
+
+def _replicate_rest(tree, mesh):
+  """Every array not already laid out on ``mesh`` (optimizer counts, step, data position)
+  becomes replicated on it, so a restored state has the same placement as a fresh one."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def place(x):
+    on_mesh = isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+    return x if on_mesh else jax.device_put(x, replicated)
+
+  return jax.tree.map(place, tree)
 
 
 def _seed_int(seed: int, step: int, stream: int) -> int:
@@ -306,13 +320,16 @@ def make_rl_update(s: Setup):
 
     (loss, mets), (grads, vgrads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         params, value_params)
-    extra = {"ess_ratio": mets["ess_ratio"]} if "ess_ratio" in mets else {}
+    # VCPO: rho = ESS/B of this optimizer step's minibatch scales the final update.
+    ess = (losses.ess_ratio_from_sums(mets["vcpo/sum_w"], mets["vcpo/sum_w2"],
+                                      mets["vcpo/num_seqs"]) if "vcpo/sum_w" in mets else 1.0)
+    extra = {"ess_ratio": ess}
     params, opt_state, finite = _finite_update(s.rl_tx, params, opt_state, grads, loss, **extra)
     if obj.needs_values:
       value_params, value_opt_state, vfinite = _finite_update(
           s.value_tx, value_params, value_opt_state, vgrads, loss)
       finite &= vfinite
-    mets = dict(mets, loss=loss, grad_norm=optax.global_norm(grads),
+    mets = dict(mets, loss=loss, grad_norm=optax.global_norm(grads), ess_ratio=ess,
                 update_skipped=1 - finite.astype(jnp.int32))
     return params, opt_state, value_params, value_opt_state, mets
 

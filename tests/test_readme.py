@@ -1,0 +1,24 @@
+"""README's two set-up commands: CI runs the test command verbatim; the quickstart command
+names the config and entry point that exist."""
+
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _commands():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    text = f.read()
+  section = text.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+  return re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
+
+
+def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
+  commands = _commands()
+  assert len(commands) == 2
+  quickstart, tests = commands
+  with open(os.path.join(ROOT, ".ci", "run")) as f:
+    assert tests in f.read().splitlines()
+  assert "python -m rl_jax.train --config=configs/quickstart.py --workdir=" in quickstart
+  assert os.path.exists(os.path.join(ROOT, "configs", "quickstart.py"))
