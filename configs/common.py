@@ -165,7 +165,7 @@ def log_config() -> ml_collections.ConfigDict:
   """Metrics output."""
   return ml_collections.ConfigDict(dict(
       every=1,
-      tensorboard=False,
+      tensorboard=True,  # DIR/tensorboard event files (tensorboardX)
   ))
 
 
