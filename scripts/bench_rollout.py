@@ -120,6 +120,37 @@ def bench_april(cfg, params, k, n, slots, new_tokens, eos, steps, warmup=4):
   return res
 
 
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+  """Machine copy bandwidth in bytes/s (read + write) of a large numpy copy."""
+  src = np.ones(nbytes // 4, np.float32)
+  dst = np.empty_like(src)
+  t, _ = _timeit(lambda: np.copyto(dst, src), repeats)
+  return 2 * nbytes / t
+
+
+def bench_bandwidth(cfg, params, batch, prompt_len, repeats):
+  """Bytes a decode step must read (weights + KV cache) over its measured time.
+
+  The per-step time is the slope between two generation lengths, which removes prefill.
+  """
+  rng = np.random.default_rng(3)
+  prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+  times = {}
+  for T in (16, 64):
+    times[T], out = _timeit(lambda: rollout.generate(cfg, params, prompts, max_new_tokens=T,
+                                                     temperature=0.0), repeats)
+  step_s = (times[64] - times[16]) / 48
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  kv = out.stats["kv_bytes"]  # the whole static cache is read by every step
+  achieved = (weights + kv) / step_s
+  peak = copy_bandwidth()
+  print(f"  batch {batch}: {step_s * 1e3:.2f} ms/step, weights {weights / 2**20:.1f} MiB + "
+        f"KV {kv / 2**20:.1f} MiB -> {achieved / 1e9:.2f} GB/s; numpy copy "
+        f"{peak / 1e9:.2f} GB/s ({achieved / peak:.1%})", flush=True)
+  return dict(batch=batch, step_ms=step_s * 1e3, weights=weights, kv=kv, achieved=achieved,
+              peak=peak)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default=None, help="write a markdown report here")
@@ -145,6 +176,8 @@ def main(argv=None):
   eos = list(range(0, cfg.vocab_size, 40))  # ~2.5% EOS mass per token: geometric tail
   ap_res = bench_april(cfg, params, k=4, n=4, slots=8, new_tokens=128, eos=eos,
                        steps=args.april_steps)
+  print("4. decode-step memory traffic vs copy bandwidth", flush=True)
+  bw = bench_bandwidth(cfg, params, batch=16, prompt_len=32, repeats=args.repeats)
 
   if args.out:
     cmd = "python scripts/bench_rollout.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -176,6 +209,13 @@ def main(argv=None):
       lines.append(f"| {name} | {r['groups_s']:.2f} | {r['tok_s']:.0f} | {r['step_s']:.2f} | "
                    f"{r['mean_len']:.1f} | {r['p99_len']:.0f} | {r['stale']:.3f} | "
                    f"{r['compiles']} |")
+    lines += ["", "## 4. Decode step: bytes read vs machine copy bandwidth (greedy, batch "
+              f"{bw['batch']}, prompt 32)", "",
+              "| ms / decode step | weights MiB | KV cache MiB | achieved GB/s | numpy copy GB/s "
+              "| fraction |", "|---|---|---|---|---|---|",
+              f"| {bw['step_ms']:.2f} | {bw['weights'] / 2**20:.1f} | {bw['kv'] / 2**20:.1f} | "
+              f"{bw['achieved'] / 1e9:.2f} | {bw['peak'] / 1e9:.2f} | "
+              f"{bw['achieved'] / bw['peak']:.1%} |"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       f.write("\n".join(lines) + "\n")
