@@ -101,8 +101,14 @@ def bench_april(cfg, params, k, n, slots, new_tokens, eos, steps, warmup=4):
                                 max_prompt_len=16, temperature=1.0, eos_id=eos,
                                 over_sampling=factor, seed=0)
     it = iter(pool)
-    for _ in range(warmup):  # warm-up: compiles the admission buckets a resume needs
+    # Warm-up: at least `warmup` steps, then until two steps in a row compile nothing (a
+    # resume meets a few admission shape buckets; their compiles are not decode cost).
+    quiet, done = 0, 0
+    while done < warmup or (quiet < 2 and done < 10 * warmup):
+      before = sum(sampler.TRACE_COUNTS.values())
       eng.rollout_groups(params, it, k, policy_version=0)
+      quiet = quiet + 1 if sum(sampler.TRACE_COUNTS.values()) == before else 0
+      done += 1
     traces = sum(sampler.TRACE_COUNTS.values())
     t = time.perf_counter()
     toks, lengths, stale = 0, [], []
