@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from rl_jax import config_utils, losses, metrics, train
+from rl_jax import checkpoint, config_utils, metrics, train
 from rl_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +79,26 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
   ref_rows = metrics.read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
   rows = metrics.read_jsonl(path)
   assert [r.get("reward_mean") for r in rows] == [r.get("reward_mean") for r in ref_rows]
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+  workdir = str(tmp_path / "run")
+  cmd = [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={workdir}"]
+  cmd += [f"--config.{o}" for o in TINY] + ["--config.train.checkpoint_every=0",
+                                            "--config.train.steps=200"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None and len(metrics.read_jsonl(path)) < 5:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err
+  assert "SIGTERM: saved checkpoint" in err
+  last = metrics.read_jsonl(path)[-1]["step"]
+  assert 5 <= last < 203
+  assert checkpoint.latest_step(os.path.join(workdir, "checkpoints")) == last
 
 
 def test_rerun_of_finished_run_changes_nothing(tmp_path):
