@@ -73,7 +73,6 @@ def data_config() -> ml_collections.ConfigDict:
       max_prompt_len=64,
       eval_size=128,
       reward_timeout_s=5.0,  # per verifier call; a time-out scores 0 and is counted
-      selector="uniform",  # uniform | greso | beta
       seed=0,
   ))
 
@@ -87,7 +86,6 @@ def rollout_config() -> ml_collections.ConfigDict:
       top_p=1.0,
       top_k=0,  # 0 disables top-k
       eos_id=config_dict.placeholder(int),  # None: the tokenizer's EOS
-      mode="sync",  # sync | async
   ))
 
 
@@ -164,7 +162,6 @@ def eval_config() -> ml_collections.ConfigDict:
 def log_config() -> ml_collections.ConfigDict:
   """Metrics output."""
   return ml_collections.ConfigDict(dict(
-      every=1,
       tensorboard=True,  # DIR/tensorboard event files (tensorboardX)
   ))
 
@@ -201,7 +198,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "rollout.temperature": cu.nonnegative,
       "rollout.top_p": (cu.probability, cu.in_range(0.0, 1.0, low_inclusive=False)),
       "rollout.top_k": cu.nonnegative_int,
-      "rollout.mode": cu.one_of(("sync", "async")),
       "loss.preset": cu.one_of(LOSS_PRESETS),
       "loss.eps_low": cu.optional(cu.nonnegative),
       "loss.eps_high": cu.optional(cu.nonnegative),
@@ -218,7 +214,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.eval_every": cu.nonnegative_int,
       "train.checkpoint_every": cu.nonnegative_int,
       "train.keep": cu.positive_int,
-      "log.every": cu.positive_int,
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,

@@ -96,7 +96,6 @@ class Setup:
   train_examples: list
   eval_examples: list
   model_cfg: models.ModelConfig
-  hf_path: str | None
   mesh: jax.sharding.Mesh
   rules: str
   objective: losses.Objective
@@ -202,7 +201,7 @@ def build_setup(config) -> Setup:
   sft_tx = _optimizer(config.optim, config.sft.lr, config.sft.steps)
   value_tx = _optimizer(config.optim, config.optim.value_lr or config.optim.lr,
                         config.train.steps)
-  return Setup(config, tokenizer, task, train_examples, eval_examples, model_cfg, m.hf_path,
+  return Setup(config, tokenizer, task, train_examples, eval_examples, model_cfg,
                mesh, config.mesh.rules, objective, rl_tx, sft_tx, value_tx, prompt_len)
 
 
@@ -210,8 +209,9 @@ def build_setup(config) -> Setup:
 def init_state(s: Setup) -> TrainState:
   """Fresh state: params from ``model.hf_path`` or a seeded random init, placed sharded."""
   shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
-  if s.hf_path:
-    _, params = models.load_hf(s.hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
+  hf_path = s.config.model.hf_path
+  if hf_path:
+    _, params = models.load_hf(hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
                                shardings=shardings)
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
@@ -380,7 +380,7 @@ def _sft_batch(s: Setup, examples) -> tuple[np.ndarray, ...]:
   rows, prompt_lens = [], []
   for e in examples:
     p = tok.encode(e.prompt)
-    rows.append(p + tok.encode(e.answer) + [tok.eos_id])
+    rows.append(p + tok.encode(e.answer) + [_eos_id(s)])
     prompt_lens.append(len(p))
   T = s.prompt_len + s.config.rollout.max_new_tokens
   tokens = np.full((len(rows), T), tok.pad_id, np.int32)
@@ -400,11 +400,17 @@ def _next_examples(s: Setup, data: np.ndarray, n: int):
   return [s.train_examples[i] for i in idx], np.asarray([state.epoch, state.position], np.int32)
 
 
+def _eos_id(s: Setup) -> int:
+  """``rollout.eos_id`` if set, else the tokenizer's EOS."""
+  eos = s.config.rollout.eos_id
+  return s.tokenizer.eos_id if eos is None else eos
+
+
 def _generate(s: Setup, params, prompts, **kw):
   """``rollout.generate`` on the trainer's mesh with the task's EOS and length budget."""
   return rollout.generate(s.model_cfg, params, prompts,
                           max_new_tokens=s.config.rollout.max_new_tokens,
-                          eos_id=s.tokenizer.eos_id, mesh=s.mesh, rules=s.rules, **kw)
+                          eos_id=_eos_id(s), mesh=s.mesh, rules=s.rules, **kw)
 
 
 def evaluate(s: Setup, params, step: int) -> dict[str, float]:
@@ -485,7 +491,6 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
       "reward_exceptions": stats["exceptions"],
       "reward_timeouts": stats["timeouts"],
       "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
-      "sampler_mismatch": float(jnp.sum(jnp.abs(old - mu) * rm) / max(n_tok, 1)),
   }
   return Rollouts(pt, pl, rt, rm, mu, adv, old, ref, returns, old_values), info, data
 
