@@ -98,14 +98,14 @@ def test_logprobs_equal_teacher_forcing_and_no_recompile(hf):
 def test_sampling_frequencies_match_softmax():
   V, B = 12, 20000
   logits = jnp.asarray(np.random.default_rng(0).normal(0, 1.5, V), jnp.float32)
-  keys = jax.random.split(jax.random.key(0), B)
+  uniforms = jax.random.uniform(jax.random.key(0), (B,))
 
   def draw(temperature, top_k, top_p):
     sp = rollout.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
                                 jnp.full((4,), -1, jnp.int32), jnp.full((4, 4), -1, jnp.int32),
                                 jnp.zeros((4,), jnp.int32))
     fn = jax.jit(rollout.sample_logits, static_argnames="filtered")
-    tok, lp = fn(keys, jnp.broadcast_to(logits, (B, V)), sp, filtered=True)
+    tok, lp = fn(uniforms, jnp.broadcast_to(logits, (B, V)), sp, filtered=True)
     return np.asarray(tok), np.asarray(lp)
 
   z = np.asarray(logits, np.float64)
@@ -188,8 +188,8 @@ def test_mesh_8_devices_equals_1(hf):
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
   # the cache really is laid out over the mesh: slots over data, length over sequence
   state = sampler.init_state(cfg, 4, 3, 8, 8, ctx=(mesh, sharding.get_rules("fsdp_tp")))
-  spec = state.prefix_k.sharding.spec
-  assert spec[1] == "data" and spec[2] == "sequence" and spec[3] == "tensor"
+  spec = state.prefix_k[0].sharding.spec
+  assert spec[0] == "data" and spec[1] == "tensor" and spec[2] == "sequence"
 
 
 def test_bad_inputs_raise_one_clear_error(hf):

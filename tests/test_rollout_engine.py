@@ -47,7 +47,7 @@ def test_april_returns_k_groups_and_resumes_exactly():
   eng = _engine()
   it = iter(PROMPTS)
   groups, resumed = {}, 0
-  for step in range(3):
+  for step in range(6):
     out = eng.rollout_groups(PARAMS, it, k_groups=1, policy_version=step)
     assert out.tokens.shape == (N, MAX_NEW) and len(out.group_ids) == 1
     resumed += out.stats["resumed_groups"]

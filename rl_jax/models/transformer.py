@@ -236,6 +236,34 @@ def trunk(cfg: ModelConfig, params: Params, x: jax.Array, positions: jax.Array,
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), layer_state
 
 
+def unstack_layers(params: Params) -> list[Params]:
+  """The stacked ``params["layers"]`` ([L,...] leaves) as a list of L per-layer dicts."""
+  layers = params["layers"]
+  L = jax.tree.leaves(layers)[0].shape[0]
+  return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
+
+
+def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: jax.Array,
+                   positions: jax.Array, attend: AttendFn,
+                   layer_states: list[Any]) -> tuple[jax.Array, list[Any]]:
+  """``trunk`` with a Python loop over per-layer weights (``unstack_layers``).
+
+  For decode steps inside a ``while_loop``: no per-step slicing of stacked weights or caches.
+
+  Args:
+    layers: L per-layer parameter dicts; layer_states: L per-layer attention states.
+  Returns:
+    hidden [B,T,D] after the final RMSNorm, list of L updated states.
+  """
+  cos, sin = rope_tables(cfg, positions)
+  x = x.astype(jnp.dtype(cfg.dtype))
+  out = []
+  for lp, st in zip(layers, layer_states):
+    x, st = _layer(cfg, lp, x, cos, sin, attend, st)
+    out.append(st)
+  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), out
+
+
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
   """tokens int [B,T] -> embeddings [B,T,D] in the compute dtype."""
   x = jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(cfg.dtype))

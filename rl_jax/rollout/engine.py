@@ -246,7 +246,7 @@ class RolloutEngine:
     complete = [r for r in requests if r.done]
     slot_unit: list[Any] = [None] * G
     state = sampler.init_state(cfg, G, M, self.P, self.R, ctx=self.ctx)
-    key = jax.random.key(self.seed)
+    key = jax.random.key(self.seed, impl="threefry2x32")
     version = jnp.int32(policy_version)
     remaining = {id(r): sum(1 for u in units if u[0] is r) for r in requests}
     while len(complete) < want:
@@ -255,7 +255,8 @@ class RolloutEngine:
       if batch:
         for g, unit in batch:
           slot_unit[g] = unit
-        state = self._admit(params, state, batch, version, key)
+        fresh = len(free) == G  # first admission of this call: no scatter into old slots
+        state = self._admit(params, state, batch, version, key, fresh)
       state, done_slots = self._harvest(state, slot_unit, remaining, complete)
       if len(complete) >= want:
         break
@@ -266,7 +267,7 @@ class RolloutEngine:
       if done_slots:
         continue
       need = 1 if units else max(1, want - len(complete))
-      state, _ = sampler.decode(cfg, params, state, self.sp, version, key, jnp.int32(self.R),
+      state, _ = sampler.decode(cfg, params, state, self.sp, version, jnp.int32(self.R),
                                 jnp.int32(need), filtered=self.filtered, ctx=self.ctx)
     # abort whatever is still in a slot: keep its partial samples
     if any(u is not None for u in slot_unit):
@@ -275,7 +276,7 @@ class RolloutEngine:
     unfinished = [r for r in requests if id(r) not in done_ids]
     return complete, unfinished
 
-  def _admit(self, params, state, batch, version, key):
+  def _admit(self, params, state, batch, version, key, fresh=False):
     """Prefill the (slot, unit) pairs of ``batch`` into their slots."""
     M, R = self.M, self.R
     Bn = min(self.G, _pow2(len(batch), 4))  # coarse buckets: few admission compiles
@@ -306,7 +307,8 @@ class RolloutEngine:
           longest = max(longest, t - 1)
     suffix_len = 0 if longest == 0 else min(R, _pow2(longest, max(16, R // 4)))  # <= 3 shapes
     return sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp, version, key,
-                         suffix_len=suffix_len, filtered=self.filtered, ctx=self.ctx)
+                         suffix_len=suffix_len, filtered=self.filtered,
+                         fresh=fresh and Bn == self.G, ctx=self.ctx)
 
   def _harvest(self, state, slot_unit, remaining, complete):
     """Move groups whose samples all finished out of their slots."""

@@ -5,8 +5,10 @@ cache length, R response length (suffix cache), T query block length, L layers,
 K kv heads, Q query heads per kv head, H head dim, V vocab.
 
 Layout. Each slot g holds one prompt, prefilled once into the prefix cache
-``prefix_k/v [L,G,P,K,H]``, and M samples that keep only their own response K/V in the
-suffix cache ``suffix_k/v [L,G,M,R,K,H]``. Prompt token t has RoPE position t, response
+``prefix_k/v`` (L arrays [G,K,P,H], one per layer), and M samples that keep only their own
+response K/V in the suffix cache ``suffix_k/v`` (L arrays [G,M,K,R,H]). One array per layer
+and kv heads before length let the decode step read the caches in place: no per-step slice
+or transpose copies. Prompt token t has RoPE position t, response
 token j of every sample position ``prefix_len + j`` (the positions of the unpacked sequence,
 so log-probs equal ``models.forward`` teacher forcing). The replicated layout is the same
 code with M = 1 and the prompt repeated in N slots.
@@ -15,8 +17,9 @@ Attention of a response query combines three exact partial softmaxes with a log-
 merge: the shared prefix (keys s < prefix_len), the sample's cached suffix (r < cache fill)
 and the current query block (causal). See ``merge_partials``.
 
-Every sampled token is drawn with a key that depends only on (request id, sample id, token
-index) (``sampling.row_keys``), so results do not depend on batching, slots or the mesh.
+Every sampled token is drawn from a uniform that depends only on (request id, sample id,
+token index) (``sampling.stream_words`` once per sample at admission, then
+``sampling.token_uniforms``), so results do not depend on batching, slots or the mesh.
 
 Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
 heads over ``act_kv_heads`` (tensor) and cache length over ``kv_length`` (sequence).
@@ -54,9 +57,9 @@ class DecodeState(NamedTuple):
   """Device state of all slots (a pytree; every field has a logical-axes entry).
 
   Attributes:
-    prefix_k, prefix_v: [L,G,P,K,H] prompt K/V, one copy per slot.
+    prefix_k, prefix_v: tuples of L arrays [G,K,P,H], prompt K/V, one copy per slot.
     prefix_len: int32 [G] prompt length of each slot.
-    suffix_k, suffix_v: [L,G,M,R,K,H] each sample's own response K/V.
+    suffix_k, suffix_v: tuples of L arrays [G,M,K,R,H], each sample's own response K/V.
     tokens: int32 [G,M,R] response tokens (index j = j-th generated token).
     logprobs: float32 [G,M,R] behaviour log-prob of each token.
     versions: int32 [G,M,R] policy version that sampled each token.
@@ -65,6 +68,7 @@ class DecodeState(NamedTuple):
     reason: int32 [G,M] RUNNING, EOS, STOP or LENGTH.
     active: bool [G] slot holds a group.
     request_id: int32 [G]; sample_id: int32 [G,M] (PRNG stream identifiers).
+    stream: uint32 [G,M,2] key words of each sample's random stream.
   """
 
   prefix_k: jax.Array
@@ -81,14 +85,15 @@ class DecodeState(NamedTuple):
   active: jax.Array
   request_id: jax.Array
   sample_id: jax.Array
+  stream: jax.Array
 
 
 CACHE_AXES = DecodeState(
-    prefix_k=("layers", "batch", "kv_length", "act_kv_heads", None),
-    prefix_v=("layers", "batch", "kv_length", "act_kv_heads", None),
+    prefix_k=("batch", "act_kv_heads", "kv_length", None),  # each layer's array
+    prefix_v=("batch", "act_kv_heads", "kv_length", None),
     prefix_len=("batch",),
-    suffix_k=("layers", "batch", None, "kv_length", "act_kv_heads", None),
-    suffix_v=("layers", "batch", None, "kv_length", "act_kv_heads", None),
+    suffix_k=("batch", None, "act_kv_heads", "kv_length", None),
+    suffix_v=("batch", None, "act_kv_heads", "kv_length", None),
     tokens=("batch", None, None),
     logprobs=("batch", None, None),
     versions=("batch", None, None),
@@ -98,6 +103,7 @@ CACHE_AXES = DecodeState(
     active=("batch",),
     request_id=("batch",),
     sample_id=("batch", None),
+    stream=("batch", None, None),
 )
 
 
@@ -105,8 +111,14 @@ def _context(ctx):
   return sharding.use(*ctx) if ctx is not None else contextlib.nullcontext()
 
 
+def _constrain(x, axes):
+  if isinstance(x, tuple):  # per-layer caches
+    return tuple(sharding.constrain(c, axes) for c in x)
+  return sharding.constrain(x, axes)
+
+
 def _constrain_state(state: DecodeState) -> DecodeState:
-  return DecodeState(*[sharding.constrain(x, a) for x, a in zip(state, CACHE_AXES)])
+  return DecodeState(*[_constrain(x, a) for x, a in zip(state, CACHE_AXES)])
 
 
 def kv_cache_bytes(cfg: ModelConfig, groups: int, samples: int, prompt_len: int,
@@ -183,6 +195,40 @@ def grouped_attention(q, block_k, block_v, block_mask, prefix=None, suffix=None)
   return jnp.moveaxis(out, 4, 2).reshape(G, M, T, N, H).astype(q.dtype)
 
 
+def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid):
+  """One query per sample over its group's shared prefix and its own suffix cache.
+
+  The current token's K/V must already be in the suffix cache (``suffix_valid`` includes it).
+  The prefix scores [.., P] (prefix K/V read once per group) and the sample's suffix scores
+  [.., R] share one softmax; this equals the log-sum-exp merge of the two partial softmaxes
+  (``merge_partials``) with fewer passes, which matters in the per-token loop.
+
+  Args:
+    q: [G,M,N,H]. prefix_k, prefix_v: [G,K,P,H]; prefix_valid: bool [G,P].
+    suffix_k, suffix_v: [G,M,K,R,H]; suffix_valid: bool [G,M,R].
+  Returns:
+    [G,M,N,H] in q's dtype.
+  """
+  G, M, N, H = q.shape
+  K, P = prefix_k.shape[1], prefix_k.shape[2]
+  Q = N // K
+  qg = q.reshape(G, M, K, Q, H).astype(jnp.float32) / np.float32(np.sqrt(H))
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  # batch dims leading in both operands: plain batched matmuls over (g,k) and (g,m,k)
+  q_pre = jnp.swapaxes(qg, 1, 2).reshape(G, K, M * Q, H)
+  s_pre = f32("gkah,gkph->gkap", q_pre, prefix_k).reshape(G, K, M, Q, P)
+  s_pre = jnp.swapaxes(s_pre, 1, 2)  # [G,M,K,Q,P]
+  s_suf = f32("gmkqh,gmkrh->gmkqr", qg, suffix_k)
+  valid = jnp.concatenate([jnp.broadcast_to(prefix_valid[:, None, :], (G, M, P)),
+                           suffix_valid], axis=-1)[:, :, None, None, :]
+  scores = jnp.where(valid, jnp.concatenate([s_pre, s_suf], axis=-1), -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)  # at least the current token is valid
+  p_pre = jnp.swapaxes(probs[..., :P], 1, 2).reshape(G, K, M * Q, P)
+  o_pre = jnp.swapaxes(f32("gkap,gkph->gkah", p_pre, prefix_v).reshape(G, K, M, Q, H), 1, 2)
+  out = o_pre + f32("gmkqr,gmkrh->gmkqh", probs[..., P:], suffix_v)
+  return out.reshape(G, M, N, H).astype(q.dtype)
+
+
 def _run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None, suffix=None):
   """Trunk over tokens [G·M,T] with grouped attention; returns hidden and new K/V [L,G,M,T,K,H].
 
@@ -230,26 +276,20 @@ def _record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPar
                         reason=reason)
 
 
-def _write_rows(cache, new, start):
-  """cache [L,G,M,R,K,H] <- new [L,G,M,T,K,H] at per-row offsets start [G,M] (one scatter)."""
-  upd = lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=1)
-  per_m = jax.vmap(upd, in_axes=(1, 1, 0), out_axes=1)
-  return jax.vmap(per_m, in_axes=(1, 1, 0), out_axes=1)(cache, new, start)
-
-
 # ------------------------------------------------------------------------------ entry points
 def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int) -> DecodeState:
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
+  layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
   return DecodeState(
-      prefix_k=jnp.zeros((L, G, P, K, H), dt), prefix_v=jnp.zeros((L, G, P, K, H), dt),
+      prefix_k=layers((G, K, P, H)), prefix_v=layers((G, K, P, H)),
       prefix_len=jnp.ones((G,), jnp.int32),
-      suffix_k=jnp.zeros((L, G, M, R, K, H), dt), suffix_v=jnp.zeros((L, G, M, R, K, H), dt),
+      suffix_k=layers((G, M, K, R, H)), suffix_v=layers((G, M, K, R, H)),
       tokens=jnp.zeros((G, M, R), jnp.int32), logprobs=jnp.zeros((G, M, R), jnp.float32),
       versions=jnp.full((G, M, R), -1, jnp.int32), length=jnp.zeros((G, M), jnp.int32),
       budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),
       active=jnp.zeros((G,), bool), request_id=jnp.zeros((G,), jnp.int32),
-      sample_id=jnp.zeros((G, M), jnp.int32))
+      sample_id=jnp.zeros((G, M), jnp.int32), stream=jnp.zeros((G, M, 2), jnp.uint32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "ctx"))
@@ -285,10 +325,10 @@ class Admission(NamedTuple):
   sample_id: Any
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "suffix_len", "filtered", "ctx"),
+@functools.partial(jax.jit, static_argnames=("cfg", "suffix_len", "filtered", "fresh", "ctx"),
                    donate_argnames=("state",))
 def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, version, base_key,
-          suffix_len: int, filtered: bool, ctx=None) -> DecodeState:
+          suffix_len: int, filtered: bool, fresh: bool = False, ctx=None) -> DecodeState:
   """Prefill prompts (once per group) and resumed responses into slots; sample first tokens.
 
   Args:
@@ -297,6 +337,8 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
       policy version of tokens sampled here. base_key: typed PRNG key.
     suffix_len: static; resumed tokens re-prefilled per sample (0 = none resumed).
     filtered: static; top-k/top-p active.
+    fresh: static; every slot is free and ``adm.slots`` is ``0, 1, ..`` then padding (>= G)
+      with Bn == G, so the state's arrays are replaced instead of scattered into.
   Returns:
     Updated DecodeState. Samples with no token yet get their first token from the prompt's
     last logits; resumed samples keep their tokens (the last one becomes the next input).
@@ -316,11 +358,9 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     sub = DecodeState(pk, pv, adm.prompt_len, None, None, jnp.asarray(adm.tokens),
                       jnp.asarray(adm.logprobs), jnp.asarray(adm.versions),
                       jnp.asarray(adm.length), jnp.asarray(adm.budget),
-                      jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id)
-    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+                      jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id, None)
     R = state.tokens.shape[-1]
-    sk = jnp.zeros((L, Bn, M, R, K, H), state.suffix_k.dtype)
-    sv = jnp.zeros_like(sk)
+    suffix = None  # fresh samples: the slot's old suffix K/V stays, masked by the fill length
     if suffix_len:
       S = suffix_len
       rtok = sub.tokens[:, :, :S].reshape(Bn * M, S)
@@ -330,63 +370,84 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
       bmask = (j[:, None] >= j[None, :])[None, None] & rvalid[:, :, None, :]
       _, rk, rv = _run_trunk(cfg, params, rtok, rpos, Bn, M, bmask,
                              prefix=(pk, pv, pvalid))
-      sk = sk.at[:, :, :, :S].set(rk.astype(sk.dtype))
-      sv = sv.at[:, :, :, :S].set(rv.astype(sv.dtype))
+      # [L,Bn,M,S,K,H] -> cache layout [L,Bn,M,K,R,H]
+      pad_r = lambda a: jnp.pad(jnp.swapaxes(a, 3, 4), ((0, 0),) * 4 + ((0, R - S), (0, 0)))
+      suffix = (pad_r(rk), pad_r(rv))
 
     first = (sub.length == 0) & (sub.reason == RUNNING)
-    keys = sampling.row_keys(base_key, jnp.repeat(adm.request_id, M),
-                             adm.sample_id.reshape(-1), jnp.zeros((Bn * M,), jnp.int32))
-    tok, lp = sampling.sample_logits(keys, jnp.repeat(logits, M, axis=0), sp, filtered)
+    stream = sampling.stream_words(base_key, jnp.repeat(adm.request_id, M),
+                                   adm.sample_id.reshape(-1))
+    uniforms = lambda: sampling.token_uniforms(stream, jnp.zeros((Bn * M,), jnp.int32))
+    tok, lp = sampling.sample_logits(uniforms, jnp.repeat(logits, M, axis=0), sp, filtered)
     sub = _record(sub, tok.reshape(Bn, M), lp.reshape(Bn, M), first, version, sp)
 
-    put = lambda a, u, lead=0: a.at[(slice(None),) * lead + (adm.slots,)].set(
-        u.astype(a.dtype), mode="drop")
-    Pfull = state.prefix_k.shape[2]
-    pad_p = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, Pfull - Pb), (0, 0), (0, 0)))
+    if fresh:  # every slot was free and slots == [0, 1, ...] + padding: replace wholesale
+      put = lambda a, u, lead=0: u.astype(a.dtype)
+    else:
+      put = lambda a, u, lead=0: a.at[(slice(None),) * lead + (adm.slots,)].set(
+          u.astype(a.dtype), mode="drop")
+    Pfull = state.prefix_k[0].shape[2]
+    # [L,Bn,Pb,K,H] -> cache layout [L,Bn,K,P,H]
+    pad_p = lambda a: jnp.pad(jnp.swapaxes(a, 2, 3), ((0, 0),) * 3 + ((0, Pfull - Pb), (0, 0)))
+    per_layer = lambda cache, u: tuple(put(c, u[l]) for l, c in enumerate(cache))
     new = state._replace(
-        prefix_k=put(state.prefix_k, pad_p(pk), 1), prefix_v=put(state.prefix_v, pad_p(pv), 1),
+        prefix_k=per_layer(state.prefix_k, pad_p(pk)), prefix_v=per_layer(state.prefix_v, pad_p(pv)),
         prefix_len=put(state.prefix_len, adm.prompt_len),
-        suffix_k=put(state.suffix_k, sk, 1), suffix_v=put(state.suffix_v, sv, 1),
         tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
         budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason),
-        active=put(state.active, jnp.ones((Bn,), bool)),
+        active=put(state.active, adm.slots < state.active.shape[0]),
         request_id=put(state.request_id, adm.request_id),
-        sample_id=put(state.sample_id, adm.sample_id))
+        sample_id=put(state.sample_id, adm.sample_id),
+        stream=put(state.stream, stream.reshape(Bn, M, 2)))
+    if suffix is not None:
+      new = new._replace(suffix_k=per_layer(state.suffix_k, suffix[0]),
+                         suffix_v=per_layer(state.suffix_v, suffix[1]))
     return _constrain_state(new)
 
 
-def decode_step(cfg: ModelConfig, params, state: DecodeState, sp, version, base_key,
+def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
                 filtered: bool) -> DecodeState:
   """Feed every running sample's last token, append one sampled token.
 
-  Args / Returns: see ``decode``; one step, no loop.
+  Per layer, the fed token's K/V is scattered into the sample's suffix cache at its fill
+  position (in place), then the query attends its prefix and suffix (``decode_attention``).
+
+  Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params)``. One step.
   """
   G, M, R = state.tokens.shape
+  P = state.prefix_k[0].shape[2]
   take = (state.reason == RUNNING) & state.active[:, None]
   cur = jnp.maximum(state.length - 1, 0)  # index of the token fed now
   feed = jnp.take_along_axis(state.tokens, cur[..., None], axis=-1)[..., 0]
   pos = (state.prefix_len[:, None] + cur).reshape(G * M, 1)
-  P = state.prefix_k.shape[2]
   pvalid = jnp.arange(P)[None, :] < state.prefix_len[:, None]
-  svalid = jnp.arange(R)[None, None, :] < cur[..., None]
-  h, k_new, v_new = _run_trunk(
-      cfg, params, feed.reshape(G * M, 1), pos, G, M, jnp.ones((G, M, 1, 1), bool),
-      prefix=(state.prefix_k, state.prefix_v, pvalid),
-      suffix=(state.suffix_k, state.suffix_v, svalid))
-  suffix_k = _write_rows(state.suffix_k, k_new.astype(state.suffix_k.dtype), cur)
-  suffix_v = _write_rows(state.suffix_v, v_new.astype(state.suffix_v.dtype), cur)
+  svalid = jnp.arange(R)[None, None, :] <= cur[..., None]
+  gi = jnp.broadcast_to(jnp.arange(G)[:, None], (G, M))
+  mi = jnp.broadcast_to(jnp.arange(M)[None, :], (G, M))
+  caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
+
+  def attend(q, k, v, layer):
+    l = layer
+    put = lambda c, x: c.at[gi, mi, :, cur].set(x.reshape(G, M, *x.shape[2:]).astype(c.dtype))
+    caches["sk"][l], caches["sv"][l] = put(caches["sk"][l], k), put(caches["sv"][l], v)
+    out = decode_attention(q.reshape(G, M, *q.shape[2:]), state.prefix_k[l], state.prefix_v[l],
+                           pvalid, caches["sk"][l], caches["sv"][l], svalid)
+    return out.reshape(G * M, 1, *out.shape[2:]), layer
+
+  x = tx.embed(cfg, params, feed.reshape(G * M, 1))
+  h, _ = tx.trunk_unrolled(cfg, params, layers, x, pos, attend, list(range(len(layers))))
   logits = tx.logits_from_hidden(cfg, params, h[:, 0])  # [G·M,V]
-  keys = sampling.row_keys(base_key, jnp.repeat(state.request_id, M),
-                           state.sample_id.reshape(-1), state.length.reshape(-1))
-  tok, lp = sampling.sample_logits(keys, logits, sp, filtered)
-  state = state._replace(suffix_k=suffix_k, suffix_v=suffix_v)
+  uniforms = lambda: sampling.token_uniforms(state.stream.reshape(G * M, 2),
+                                             state.length.reshape(-1))
+  tok, lp = sampling.sample_logits(uniforms, logits, sp, filtered)
+  state = state._replace(suffix_k=tuple(caches["sk"]), suffix_v=tuple(caches["sv"]))
   return _constrain_state(_record(state, tok.reshape(G, M), lp.reshape(G, M), take, version, sp))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
                    donate_argnames=("state",))
-def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, base_key, max_steps,
+def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
            min_finished, filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
   """Decode inside one ``lax.while_loop`` until enough groups finish.
 
@@ -397,7 +458,7 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, base_key, 
   Args:
     params: model parameters (jit argument). state: DecodeState (donated).
     sp: SamplingParams. version: int32 policy version recorded for new tokens.
-    base_key: typed PRNG key. max_steps, min_finished: int32 scalars (traced).
+    max_steps, min_finished: int32 scalars (traced).
     filtered: static; top-k/top-p active.
   Returns:
     (state, steps run).
@@ -413,9 +474,11 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, base_key, 
       running = jnp.any((s.reason == RUNNING) & s.active[:, None])
       return running & (step < max_steps) & (finished(s) < min_finished)
 
+    layers = tx.unstack_layers(params)  # sliced once per call, not per step
+
     def body(carry):
       s, step = carry
-      return decode_step(cfg, params, s, sp, version, base_key, filtered), step + 1
+      return decode_step(cfg, params, layers, s, sp, version, filtered), step + 1
 
     return jax.lax.while_loop(cond, body, (_constrain_state(state), jnp.int32(0)))
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 
 class SamplingParams(NamedTuple):
@@ -68,44 +69,80 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
   return jnp.where(z >= threshold, z, -jnp.inf)
 
 
-def sample_logits(keys: jax.Array, logits: jax.Array, params: SamplingParams,
+def sample_logits(uniforms, logits: jax.Array, params: SamplingParams,
                   filtered: bool) -> tuple[jax.Array, jax.Array]:
   """Draw one token per row and its log-prob under the distribution it was drawn from.
 
+  Draws by inversion: one uniform ``u`` per row, token = first index whose cumulative
+  probability exceeds ``u · total`` (one random number per row instead of one per vocabulary
+  entry for Gumbel-max). Tokens of probability 0 (filtered out) are never drawn. At
+  temperature 0 a ``lax.cond`` skips the softmax and the draw entirely.
+
   Args:
-    keys: typed PRNG keys [B] (one per row). logits: float32 [B,V].
+    uniforms: float32 [B] in [0, 1), one per row, or a function of no arguments returning
+      them (then only evaluated when sampling, not at temperature 0). logits: float32 [B,V].
     params: SamplingParams. filtered: static; False skips the top-k/top-p sort (use it
       when top_k == 0 and top_p == 1).
   Returns:
     tokens int32 [B]; logprobs float32 [B] (0 for greedy rows).
   """
   greedy = params.temperature <= 0.0
-  temp = jnp.where(greedy, 1.0, params.temperature)
-  if filtered:
-    z = filter_logits(logits, temp, params.top_k, params.top_p)
-  else:
-    z = logits.astype(jnp.float32) / temp
-  drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
-  logp = jax.nn.log_softmax(z, axis=-1)
-  drawn_lp = jnp.take_along_axis(logp, drawn[:, None], axis=-1)[:, 0]
-  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jnp.where(greedy, best, drawn), jnp.where(greedy, 0.0, drawn_lp)
+
+  def argmax(_):
+    return (jnp.argmax(logits, axis=-1).astype(jnp.int32),
+            jnp.zeros(logits.shape[:1], jnp.float32))
+
+  def draw(_):
+    if filtered:
+      z = filter_logits(logits, params.temperature, params.top_k, params.top_p)
+    else:
+      z = logits.astype(jnp.float32) / params.temperature
+    logp = jax.nn.log_softmax(z, axis=-1)
+    p = jnp.exp(logp)
+    cdf = jnp.cumsum(p, axis=-1)
+    u = uniforms() if callable(uniforms) else uniforms
+    x = u * cdf[:, -1]
+    tok = jnp.minimum(jnp.sum(cdf <= x[:, None], axis=-1), logits.shape[-1] - 1)
+    tok = tok.astype(jnp.int32)
+    lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    # Rounding can put x at the very top of the CDF, past the last kept token: take the mode.
+    bad = ~jnp.isfinite(lp)
+    best = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    tok = jnp.where(bad, best, tok)
+    lp = jnp.where(bad, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], lp)
+    return tok, lp
+
+  return jax.lax.cond(greedy, argmax, draw, None)
 
 
-def row_keys(base_key: jax.Array, request_ids: jax.Array, sample_ids: jax.Array,
-             token_index: jax.Array) -> jax.Array:
-  """PRNG key of token ``token_index`` of sample ``sample_ids`` of request ``request_ids``.
+def stream_words(base_key: jax.Array, request_ids: jax.Array,
+                 sample_ids: jax.Array) -> jax.Array:
+  """Key words of the random stream of each (request, sample).
 
-  Keys depend only on (request, sample, token index), never on slot or batch layout, so the
-  same request samples the same tokens in any batch, slot, mesh or after a resume.
+  Streams depend only on (request id, sample id), never on slot, batch layout or mesh, so a
+  request samples the same tokens in any batch, after a resume, or on another mesh.
 
   Args:
-    base_key: typed key scalar; request_ids, sample_ids, token_index: int [B].
+    base_key: typed threefry key scalar. request_ids, sample_ids: int [B].
   Returns:
-    typed keys [B].
+    uint32 [B,2].
   """
 
-  def one(r, s, t):
-    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base_key, r), s), t)
+  def one(r, s):
+    return jax.random.key_data(jax.random.fold_in(jax.random.fold_in(base_key, r), s))
 
-  return jax.vmap(one)(request_ids, sample_ids, token_index)
+  return jax.vmap(one)(request_ids, sample_ids)
+
+
+def token_uniforms(words: jax.Array, token_index: jax.Array) -> jax.Array:
+  """Uniform in [0, 1) for token ``token_index`` of each stream: one threefry block per row.
+
+  Args:
+    words: uint32 [B,2] (``stream_words``). token_index: int [B].
+  Returns:
+    float32 [B].
+  """
+  count = token_index.astype(jnp.uint32)
+  bits, _ = threefry2x32_p.bind(words[:, 0], words[:, 1], count, jnp.zeros_like(count))
+  mantissa = (bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000)
+  return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
