@@ -287,7 +287,7 @@ class RolloutEngine:
              length=np.zeros((Bn, M), np.int32), reason=np.zeros((Bn, M), np.int32),
              budget=np.full((Bn, M), self.max_new_tokens, np.int32),
              request_id=np.zeros(Bn, np.int32), sample_id=np.zeros((Bn, M), np.int32))
-    longest = 0
+    resume = []  # (row, sample, slot) of running samples with response K/V to re-prefill
     for b, (g, (req, sids)) in enumerate(batch):
       a["slots"][b] = g
       a["prompt"][b, :len(req.prompt)] = req.prompt
@@ -303,9 +303,18 @@ class RolloutEngine:
         a["length"][b, m] = t
         if s.finish_reason is not None:
           a["reason"][b, m] = _REASON_CODES[s.finish_reason]
-        elif t:
-          longest = max(longest, t - 1)
-    suffix_len = 0 if longest == 0 else min(R, _pow2(longest, max(16, R // 4)))  # <= 3 shapes
+        elif t > 1:
+          resume.append((b, m, g, t - 1))
+    # Coarse buckets keep admission compiles few: Br a power of two >= 4, the re-prefilled
+    # length a power of two >= R/4 (at most 3 lengths).
+    Br = _pow2(len(resume), 4) if resume else 0
+    longest = max((r[3] for r in resume), default=0)
+    suffix_len = 0 if not resume else min(R, _pow2(longest, max(16, R // 4)))
+    a["resume_row"] = np.zeros(Br, np.int32)
+    a["resume_sample"] = np.zeros(Br, np.int32)
+    a["resume_slot"] = np.full(Br, self.G, np.int32)
+    for r, (b, m, g, _) in enumerate(resume):
+      a["resume_row"][r], a["resume_sample"][r], a["resume_slot"][r] = b, m, g
     return sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp, version, key,
                          suffix_len=suffix_len, filtered=self.filtered,
                          fresh=fresh and Bn == self.G, ctx=self.ctx)

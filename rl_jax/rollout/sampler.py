@@ -310,6 +310,9 @@ class Admission(NamedTuple):
     length: int32 [Bn,M] tokens already generated; reason: int32 [Bn,M] (RUNNING unless the
       sample already finished); budget: int32 [Bn,M] maximum response length.
     request_id: int32 [Bn]; sample_id: int32 [Bn,M].
+    resume_row, resume_sample: int32 [Br] the (row, sample) of each resumed, still running
+      sample whose response K/V must be re-prefilled (Br = bucket; padding repeats row 0).
+    resume_slot: int32 [Br] its target slot (>= G for padding, dropped).
   """
 
   slots: Any
@@ -323,6 +326,9 @@ class Admission(NamedTuple):
   budget: Any
   request_id: Any
   sample_id: Any
+  resume_row: Any
+  resume_sample: Any
+  resume_slot: Any
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "suffix_len", "filtered", "fresh", "ctx"),
@@ -335,7 +341,8 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     params: model parameters (a jit argument: new weights never recompile).
     state: DecodeState (donated). adm: Admission. sp: SamplingParams. version: int32 scalar
       policy version of tokens sampled here. base_key: typed PRNG key.
-    suffix_len: static; resumed tokens re-prefilled per sample (0 = none resumed).
+    suffix_len: static; resumed tokens re-prefilled per listed sample (0 = none resumed).
+      Only the listed samples are prefilled (finished samples and fresh groups are not).
     filtered: static; top-k/top-p active.
     fresh: static; every slot is free and ``adm.slots`` is ``0, 1, ..`` then padding (>= G)
       with Bn == G, so the state's arrays are replaced instead of scattered into.
@@ -359,20 +366,20 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
                       jnp.asarray(adm.logprobs), jnp.asarray(adm.versions),
                       jnp.asarray(adm.length), jnp.asarray(adm.budget),
                       jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id, None)
-    R = state.tokens.shape[-1]
     suffix = None  # fresh samples: the slot's old suffix K/V stays, masked by the fill length
     if suffix_len:
       S = suffix_len
-      rtok = sub.tokens[:, :, :S].reshape(Bn * M, S)
+      rb, rm = adm.resume_row, adm.resume_sample  # [Br]
+      Br = rb.shape[0]
       j = jnp.arange(S, dtype=jnp.int32)
-      rpos = jnp.broadcast_to(adm.prompt_len[:, None, None] + j, (Bn, M, S)).reshape(Bn * M, S)
-      rvalid = j[None, None, :] < (sub.length - 1)[..., None]  # [Bn,M,S]
-      bmask = (j[:, None] >= j[None, :])[None, None] & rvalid[:, :, None, :]
-      _, rk, rv = _run_trunk(cfg, params, rtok, rpos, Bn, M, bmask,
-                             prefix=(pk, pv, pvalid))
-      # [L,Bn,M,S,K,H] -> cache layout [L,Bn,M,K,R,H]
-      pad_r = lambda a: jnp.pad(jnp.swapaxes(a, 3, 4), ((0, 0),) * 4 + ((0, R - S), (0, 0)))
-      suffix = (pad_r(rk), pad_r(rv))
+      rtok = sub.tokens[rb, rm, :S]  # [Br,S]
+      rpos = adm.prompt_len[rb][:, None] + j
+      rvalid = j[None, :] < (sub.length[rb, rm] - 1)[:, None]  # the last token is fed next
+      bmask = (j[:, None] >= j[None, :])[None] & rvalid[:, None, :]
+      _, rk, rv = _run_trunk(cfg, params, rtok, rpos, Br, 1, bmask[:, None],
+                             prefix=(pk[:, rb], pv[:, rb], pvalid[rb]))
+      # [L,Br,1,S,K,H] -> [L,Br,K,S,H], scattered into (slot, sample) rows of the cache
+      suffix = tuple(jnp.swapaxes(a[:, :, 0], 2, 3) for a in (rk, rv))
 
     first = (sub.length == 0) & (sub.reason == RUNNING)
     stream = sampling.stream_words(base_key, jnp.repeat(adm.request_id, M),
@@ -401,8 +408,12 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
         sample_id=put(state.sample_id, adm.sample_id),
         stream=put(state.stream, stream.reshape(Bn, M, 2)))
     if suffix is not None:
-      new = new._replace(suffix_k=per_layer(state.suffix_k, suffix[0]),
-                         suffix_v=per_layer(state.suffix_v, suffix[1]))
+      S = suffix_len
+      place = lambda cache, u: tuple(
+          c.at[adm.resume_slot, adm.resume_sample, :, :S].set(u[l].astype(c.dtype), mode="drop")
+          for l, c in enumerate(cache))
+      new = new._replace(suffix_k=place(state.suffix_k, suffix[0]),
+                         suffix_v=place(state.suffix_v, suffix[1]))
     return _constrain_state(new)
 
 
