@@ -4,7 +4,11 @@
    (PyTorch) at a few batch sizes, same weights (rl_jax saves them with ``models.save_hf``).
 2. Prompt-once vs replicated prompts at N = 16 samples per prompt: time and KV-cache bytes.
 3. APRIL (over-provision 2x, stop at K complete groups) vs wait-for-all on a long-tailed
-   length distribution: complete groups per second over several steps, same slot count.
+   length distribution: complete groups per second over several steps, same slot count;
+   also APRIL under the staleness bound η = 1.
+4. Bytes a decode step reads vs the machine's measured copy bandwidth.
+5. Weight sync from the trainer's layout (f32, FSDP) to the sampler's (bf16, data x tensor):
+   jitted cast + reshard vs a host round trip (a subprocess with 8 host devices).
 
 Usage::
 
@@ -94,34 +98,36 @@ def bench_prompt_once(cfg, params, groups, n, prompt_len, new_tokens, repeats):
 
 def bench_april(cfg, params, k, n, slots, new_tokens, eos, steps, warmup=4):
   rng = np.random.default_rng(2)
-  pool = rng.integers(0, cfg.vocab_size, (10_000, 16)).tolist()
+  pool = rng.integers(0, cfg.vocab_size, (10_000, 16)).tolist()  # prompts of 16 tokens
   res = {}
-  for name, factor in (("wait-for-all", 1.0), ("APRIL 2x", 2.0)):
+  for name, factor, eta in (("wait-for-all", 1.0, None), ("APRIL 2x", 2.0, None),
+                            ("APRIL 2x, staleness bound 1", 2.0, 1)):
     eng = rollout.RolloutEngine(cfg, n=n, max_slots=slots, max_new_tokens=new_tokens,
                                 max_prompt_len=16, temperature=1.0, eos_id=eos,
-                                over_sampling=factor, seed=0)
+                                over_sampling=factor, max_staleness=eta, seed=0)
     it = iter(pool)
-    # Warm-up: at least `warmup` steps, then until two steps in a row compile nothing (a
-    # resume meets a few admission shape buckets; their compiles are not decode cost).
-    quiet, done = 0, 0
-    while done < warmup or (quiet < 2 and done < 10 * warmup):
-      before = sum(sampler.TRACE_COUNTS.values())
+    # Compile every admission / resume / decode shape first (engine.warmup), then a few
+    # untimed steps so the buffer of partial groups reaches its steady state.
+    t0 = time.perf_counter()
+    compiled = eng.warmup(params)
+    warmup_s = time.perf_counter() - t0
+    for _ in range(warmup):
       eng.rollout_groups(params, it, k, policy_version=0)
-      quiet = quiet + 1 if sum(sampler.TRACE_COUNTS.values()) == before else 0
-      done += 1
     traces = sum(sampler.TRACE_COUNTS.values())
     t = time.perf_counter()
-    toks, lengths, stale = 0, [], []
+    toks, lengths, stale, lag = 0, [], [], 0
     for step in range(steps):
       out = eng.rollout_groups(params, it, k, policy_version=step + 1)
       toks += int(out.mask.sum())
       lengths.extend(out.lengths.tolist())
       stale.append(out.stats["off_policy_token_fraction"])
+      lag = max(lag, out.stats["max_token_lag"])
     dt = time.perf_counter() - t
     res[name] = dict(groups_s=steps * k / dt, tok_s=toks / dt, step_s=dt / steps,
                      mean_len=float(np.mean(lengths)), p99_len=float(np.percentile(lengths, 99)),
-                     stale=float(np.mean(stale)),
-                     compiles=sum(sampler.TRACE_COUNTS.values()) - traces)
+                     stale=float(np.mean(stale)), lag=lag,
+                     compiles=sum(sampler.TRACE_COUNTS.values()) - traces,
+                     warmup_programs=compiled, warmup_s=warmup_s)
     print(f"  {name}: {res[name]}", flush=True)
   return res
 
@@ -157,6 +163,54 @@ def bench_bandwidth(cfg, params, batch, prompt_len, repeats):
               peak=peak)
 
 
+def weight_sync_worker(repeats: int) -> dict:
+  """Trainer (f32, FSDP over 8 devices) -> sampler (bf16, data 2 x tensor 4) parameter sync.
+
+  Runs in a process with 8 host devices. Compares the engine's ``prepare_params`` (jitted
+  cast, then a device-to-device reshard) with a round trip through host numpy arrays.
+  """
+  from rl_jax import sharding
+  cfg = models.ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408,
+                           num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                           max_position_embeddings=1024)
+  train_mesh = sharding.make_mesh({"fsdp": 8})
+  params = models.init_sharded(cfg, jax.random.key(0), train_mesh, "fsdp")
+  sample_mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  eng = rollout.RolloutEngine(cfg, n=1, max_slots=2, max_new_tokens=8, max_prompt_len=8,
+                              mesh=sample_mesh, rules="fsdp_tp", dtype="bfloat16")
+  target = models.param_shardings(eng.cfg, sample_mesh, sharding.get_rules("fsdp_tp"))
+
+  def on_device():
+    return jax.block_until_ready(eng.prepare_params(params))
+
+  def via_host():
+    host = jax.tree.map(lambda x: np.asarray(x).astype(jax.numpy.bfloat16), params)
+    return jax.block_until_ready(jax.device_put(host, target))
+
+  t_dev, a = _timeit(on_device, repeats)
+  t_host, b = _timeit(via_host, repeats)
+  same = all(bool((np.asarray(x) == np.asarray(y)).all())
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  return dict(params=cfg.num_params(), bytes=nbytes, on_device_s=t_dev, host_s=t_host,
+              same=same, devices=len(jax.devices()))
+
+
+def bench_weight_sync(repeats: int) -> dict:
+  """``weight_sync_worker`` in a subprocess with 8 host devices (the main run has one)."""
+  import json
+  import subprocess
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--weight-sync-worker",
+                         "--repeats", str(repeats)], env=env, capture_output=True, text=True,
+                        check=True)
+  res = json.loads(proc.stdout.strip().splitlines()[-1])
+  print(f"  {res['params'] / 1e6:.1f}M params ({res['bytes'] / 2**20:.0f} MiB f32): jitted cast + "
+        f"reshard {res['on_device_s'] * 1e3:.1f} ms, host round trip {res['host_s'] * 1e3:.1f} ms "
+        f"(identical: {res['same']})", flush=True)
+  return res
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default=None, help="write a markdown report here")
@@ -164,7 +218,12 @@ def main(argv=None):
   ap.add_argument("--batch-sizes", default="1,4,16")
   ap.add_argument("--new-tokens", type=int, default=32)
   ap.add_argument("--april-steps", type=int, default=4)
+  ap.add_argument("--weight-sync-worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.weight_sync_worker:
+    import json
+    print(json.dumps(weight_sync_worker(args.repeats)))
+    return
 
   cfg = models.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4,
                            num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024)
@@ -184,6 +243,8 @@ def main(argv=None):
                        steps=args.april_steps)
   print("4. decode-step memory traffic vs copy bandwidth", flush=True)
   bw = bench_bandwidth(cfg, params, batch=16, prompt_len=32, repeats=args.repeats)
+  print("5. weight sync: trainer f32 / FSDP x8 -> sampler bf16 / data 2 x tensor 4", flush=True)
+  ws = bench_weight_sync(args.repeats)
 
   if args.out:
     cmd = "python scripts/bench_rollout.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -209,19 +270,32 @@ def main(argv=None):
               f"{po['t_rep'] / po['t_once']:.2f}x; identical tokens: {po['same']}.", "",
               "## 3. APRIL vs wait-for-all (K=4 groups x n=4, 8 slots, max 128 new tokens, "
               f"EOS ids = every 40th token, {args.april_steps} steps)", "",
-              "| mode | complete groups/s | tokens/s | s/step | mean len | p99 len | "
-              "off-policy token fraction | compiles while timed |", "|---|---|---|---|---|---|---|---|"]
+              "| mode | complete groups/s | vs wait-for-all | tokens/s | s/step | mean len | "
+              "p99 len | off-policy token fraction | max token lag | compiles while timed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    base = ap_res["wait-for-all"]["groups_s"]
     for name, r in ap_res.items():
-      lines.append(f"| {name} | {r['groups_s']:.2f} | {r['tok_s']:.0f} | {r['step_s']:.2f} | "
-                   f"{r['mean_len']:.1f} | {r['p99_len']:.0f} | {r['stale']:.3f} | "
-                   f"{r['compiles']} |")
+      lines.append(f"| {name} | {r['groups_s']:.2f} | {r['groups_s'] / base:.2f}x | "
+                   f"{r['tok_s']:.0f} | {r['step_s']:.3f} | {r['mean_len']:.1f} | "
+                   f"{r['p99_len']:.0f} | {r['stale']:.3f} | {r['lag']} | {r['compiles']} |")
+    w = ap_res["wait-for-all"]
+    lines += ["", f"Before timing, `engine.warmup` compiled every admission / resume / decode "
+              f"shape ({w['warmup_programs']} programs, {w['warmup_s']:.1f} s; the engines "
+              "share them), then each mode ran 4 untimed steps."]
     lines += ["", "## 4. Decode step: bytes read vs machine copy bandwidth (greedy, batch "
               f"{bw['batch']}, prompt 32)", "",
               "| ms / decode step | weights MiB | KV cache MiB | achieved GB/s | numpy copy GB/s "
               "| fraction |", "|---|---|---|---|---|---|",
               f"| {bw['step_ms']:.2f} | {bw['weights'] / 2**20:.1f} | {bw['kv'] / 2**20:.1f} | "
               f"{bw['achieved'] / 1e9:.2f} | {bw['peak'] / 1e9:.2f} | "
-              f"{bw['achieved'] / bw['peak']:.1%} |"]
+              f"{bw['achieved'] / bw['peak']:.1%} |", "",
+              "## 5. Weight sync: trainer f32 on FSDP x8 -> sampler bf16 on data 2 x tensor 4 "
+              f"(8 host devices, {ws['params'] / 1e6:.1f}M parameters, "
+              f"{ws['bytes'] / 2**20:.0f} MiB f32)", "",
+              "| path | ms | identical result |", "|---|---|---|",
+              f"| engine.prepare_params (jitted cast + device-to-device reshard) | "
+              f"{ws['on_device_s'] * 1e3:.1f} | {ws['same']} |",
+              f"| host round trip (numpy cast, device_put) | {ws['host_s'] * 1e3:.1f} | - |"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       f.write("\n".join(lines) + "\n")

@@ -50,3 +50,17 @@ def test_bench_shared_prefix_kernel_part_in_interpreter():
                            repeats=1, interpret=True)
   assert set(res["ms"]) == {"kernel", "reference", "replicated"}
   assert res["max_diff"] < 1e-4
+
+
+def test_bench_rollout_april_section_runs_at_toy_size():
+  bench = _load("bench_rollout")
+  cfg = bench.models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48,
+                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                                 max_position_embeddings=64)
+  params = bench.models.init_params(cfg, jax.random.key(0), std=0.2)
+  res = bench.bench_april(cfg, params, k=2, n=2, slots=4, new_tokens=16,
+                          eos=list(range(3, 61, 5)), steps=2, warmup=1)
+  assert set(res) == {"wait-for-all", "APRIL 2x", "APRIL 2x, staleness bound 1"}
+  assert res["wait-for-all"]["stale"] == 0.0 and res["wait-for-all"]["lag"] == 0
+  assert res["APRIL 2x, staleness bound 1"]["lag"] <= 1
+  assert all(r["groups_s"] > 0 for r in res.values())

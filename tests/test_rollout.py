@@ -186,6 +186,12 @@ def test_mesh_8_devices_equals_1(hf):
   out = rollout.generate(cfg, params, PROMPTS, mesh=mesh, rules="fsdp_tp", **kw)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+  # trainer weights laid out for another mesh (FSDP over 8) are resharded for the sampler's
+  train_mesh = sharding.make_mesh({"fsdp": 8})
+  trained = jax.device_put(params, models.param_shardings(cfg, train_mesh,
+                                                          sharding.get_rules("fsdp")))
+  moved = rollout.generate(cfg, trained, PROMPTS, mesh=mesh, rules="fsdp_tp", **kw)
+  np.testing.assert_array_equal(moved.tokens, ref.tokens)
   # the cache really is laid out over the mesh: slots over data, length over sequence
   state = sampler.init_state(cfg, 4, 3, 8, 8, ctx=(mesh, sharding.get_rules("fsdp_tp")))
   spec = state.prefix_k[0].sharding.spec

@@ -128,7 +128,50 @@ def test_april_bookkeeping_property(seed, k, n_eos, steps):
         assert len(s.tokens) == len(s.logprobs) == len(s.versions) <= MAX_NEW
 
 
+def test_staleness_bound_zero_is_synchronous():
+  sync, wait = _engine(max_staleness=0), _engine(over_sampling=1.0)
+  it_sync, it_wait = iter(PROMPTS), iter(PROMPTS)
+  for step in range(3):
+    a = sync.rollout_groups(PARAMS, it_sync, k_groups=2, policy_version=step)
+    b = wait.rollout_groups(PARAMS, it_wait, k_groups=2, policy_version=step)
+    assert a.stats["aborted_groups"] == 0 and a.stats["max_token_lag"] == 0
+    assert (a.versions[a.mask] == step).all() and not sync.buffer
+    np.testing.assert_array_equal(a.group_ids, b.group_ids)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_staleness_bound_restarts_stale_samples():
+  eta = 1
+  eng = _engine(max_staleness=eta, over_sampling=3.0)
+  prompts = (PROMPTS[i % len(PROMPTS)] for i in itertools.count())
+  restarted = 0
+  for step in range(10):
+    out = eng.rollout_groups(PARAMS, prompts, k_groups=1, policy_version=step)
+    assert out.tokens.shape == (N, MAX_NEW)
+    assert ((step - out.versions)[out.mask] <= eta).all()
+    assert out.stats["max_token_lag"] <= eta
+    assert len(eng.buffer) + len(eng.ready) <= eta + 1  # in flight capped at (η+1)·K
+    restarted += out.stats["restarted_samples"]
+  assert restarted > 0, "no sample outlived the bound; the test would not exercise it"
+
+
+def test_warmup_compiles_every_shape_up_front():
+  from rl_jax.rollout import sampler
+  eng = _engine(max_staleness=2)
+  eng.warmup(PARAMS)
+  assert eng.warmup(PARAMS) == 0  # everything already compiled
+  before = dict(sampler.TRACE_COUNTS)
+  prompts = (PROMPTS[i % len(PROMPTS)] for i in itertools.count())
+  resumed = 0
+  for step in range(8):
+    out = eng.rollout_groups(PARAMS, prompts, k_groups=1, policy_version=step)
+    resumed += out.stats["resumed_groups"]
+  assert resumed > 0 and dict(sampler.TRACE_COUNTS) == before
+
+
 def test_engine_bad_inputs():
+  with pytest.raises(rollout.RolloutError, match="max_staleness"):
+    _engine(max_staleness=-1)
   with pytest.raises(rollout.RolloutError, match="k_groups"):
     _engine().rollout_groups(PARAMS, iter(PROMPTS), k_groups=0)
   with pytest.raises(rollout.RolloutError, match="over_sampling"):

@@ -12,14 +12,19 @@ The engine drives the jitted pieces in ``rl_jax.rollout.sampler`` from Python:
   flight, stops as soon as K are complete, and pushes every unfinished group (with its
   tokens, per-token behaviour log-probs and per-token policy versions) into a FIFO buffer that
   is served first at the next call. A resumed sample is re-prefilled from prompt + partial
-  response and continues with ``max_new_tokens − len(partial)`` tokens left.
+  response and continues with ``max_new_tokens − len(partial)`` tokens left. Only the
+  still-running resumed samples are re-prefilled (the weights changed, so their old K/V is
+  stale); finished samples and fresh groups are not.
+* Staleness bound (AReaL's η, ``max_staleness``): at most ``(η+1)·K`` groups in flight, and a
+  held sample with a token more than η versions old is restarted, so no returned token lags
+  the current policy by more than η versions. η = 0 is synchronous.
 
 Every token records the policy version that sampled it.
 
 References: Zhou et al. 2025, "APRIL: Active Partial Rollouts in Reinforcement Learning to
 Tame Long-tail Generation"; Yu et al. 2022, "Orca: A Distributed Serving System for
 Transformer-Based Generative Models" (iteration-level scheduling); Fu et al. 2025, "AReaL"
-(per-token policy versions).
+(per-token policy versions, staleness-bounded admission).
 """
 
 from __future__ import annotations
@@ -148,6 +153,10 @@ class RolloutEngine:
     eos_id: int, list of ints, or None (no EOS). stop: list of token-id sequences that end a
       sample (included in the response and the mask).
     over_sampling: APRIL over-provisioning factor (>= 1; groups in flight = ceil(f·K)).
+    max_staleness: AReaL staleness bound η (None = unbounded). At most ``(η+1)·K`` groups
+      are in flight per call, and a resumed sample holding a token sampled more than η
+      versions ago is restarted from its prompt, so every returned token has
+      ``version >= policy_version − η``. η = 0 is synchronous (no partial rollouts).
     prompt_once: share each prompt's K/V across its n samples (False = replicated baseline).
     seed: base PRNG seed. mesh, rules: run under this mesh with these sharding rules.
     dtype: sampler compute/storage dtype; trainer parameters of another dtype are cast by a
@@ -158,7 +167,8 @@ class RolloutEngine:
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
                max_new_tokens: int = 128, max_prompt_len: int = 128, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, eos_id=None, stop=None,
-               over_sampling: float = 2.0, prompt_once: bool = True, seed: int = 0,
+               over_sampling: float = 2.0, max_staleness: int | None = None,
+               prompt_once: bool = True, seed: int = 0,
                mesh=None, rules=None, dtype: str | None = None, context: int | None = None):
     self.context = int(context or cfg.max_position_embeddings)
     _check_int("n", n, 1)
@@ -173,6 +183,8 @@ class RolloutEngine:
       raise RolloutError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
     if not float(over_sampling) >= 1.0:
       raise RolloutError(f"over_sampling must be >= 1, got {over_sampling!r}")
+    if max_staleness is not None:
+      _check_int("max_staleness", max_staleness, 0)
     if max_prompt_len + max_new_tokens > self.context:
       raise RolloutError(f"max_prompt_len={max_prompt_len} + max_new_tokens={max_new_tokens} "
                          f"exceeds the context of {self.context} positions")
@@ -183,6 +195,7 @@ class RolloutEngine:
     self.cfg, self.n, self.max_new_tokens = cfg, int(n), int(max_new_tokens)
     self.max_prompt_len, self.prompt_once = int(max_prompt_len), bool(prompt_once)
     self.over_sampling, self.seed = float(over_sampling), int(seed)
+    self.max_staleness = None if max_staleness is None else int(max_staleness)
     self.M = self.n if prompt_once else 1
     self.G = int(max_slots)
     self.P = _pow2(self.max_prompt_len, 8)
@@ -278,16 +291,37 @@ class RolloutEngine:
 
   def _admit(self, params, state, batch, version, key, fresh=False):
     """Prefill the (slot, unit) pairs of ``batch`` into their slots."""
-    M, R = self.M, self.R
     Bn = min(self.G, _pow2(len(batch), 4))  # coarse buckets: few admission compiles
     Pb = min(self.P, _pow2(max(len(u[0].prompt) for _, u in batch), 8))
+    a, resume = self._admission(batch, Bn, Pb)
+    state = sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp, version,
+                          key, filtered=self.filtered, fresh=fresh and Bn == self.G,
+                          ctx=self.ctx)
+    if resume:
+      Br, S = self._resume_shape(len(resume), max(r[3] for r in resume))
+      res = self._resume_rows(Br, S)
+      for r, (b, m, g, _) in enumerate(resume):
+        res.slot[r], res.sample[r], res.length[r] = g, m, a["length"][b, m]
+        res.tokens[r] = a["tokens"][b, m, :S]
+      state = sampler.resume(self.cfg, params, state, res, ctx=self.ctx)
+    return state
+
+  def _resume_rows(self, Br: int, S: int) -> sampler.Resume:
+    """An all-padding Resume of shape (Br, S)."""
+    return sampler.Resume(np.full(Br, self.G, np.int32), np.zeros(Br, np.int32),
+                          np.zeros((Br, S), np.int32), np.ones(Br, np.int32))
+
+  def _admission(self, batch, Bn: int, Pb: int):
+    """Host arrays of an Admission of shape (Bn, Pb) for ``batch`` (the rest padding), and
+    the (row, sample, slot, tokens to prefill) of every resumed running sample."""
+    M, R = self.M, self.R
     a = dict(slots=np.full(Bn, self.G, np.int32), prompt=np.zeros((Bn, Pb), np.int32),
              prompt_len=np.ones(Bn, np.int32), tokens=np.zeros((Bn, M, R), np.int32),
              logprobs=np.zeros((Bn, M, R), np.float32), versions=np.full((Bn, M, R), -1, np.int32),
              length=np.zeros((Bn, M), np.int32), reason=np.zeros((Bn, M), np.int32),
              budget=np.full((Bn, M), self.max_new_tokens, np.int32),
              request_id=np.zeros(Bn, np.int32), sample_id=np.zeros((Bn, M), np.int32))
-    resume = []  # (row, sample, slot) of running samples with response K/V to re-prefill
+    resume = []  # (row, sample, slot, tokens to prefill) of resumed running samples
     for b, (g, (req, sids)) in enumerate(batch):
       a["slots"][b] = g
       a["prompt"][b, :len(req.prompt)] = req.prompt
@@ -305,19 +339,50 @@ class RolloutEngine:
           a["reason"][b, m] = _REASON_CODES[s.finish_reason]
         elif t > 1:
           resume.append((b, m, g, t - 1))
-    # Coarse buckets keep admission compiles few: Br a power of two >= 4, the re-prefilled
-    # length a power of two >= R/4 (at most 3 lengths).
-    Br = _pow2(len(resume), 4) if resume else 0
-    longest = max((r[3] for r in resume), default=0)
-    suffix_len = 0 if not resume else min(R, _pow2(longest, max(16, R // 4)))
-    a["resume_row"] = np.zeros(Br, np.int32)
-    a["resume_sample"] = np.zeros(Br, np.int32)
-    a["resume_slot"] = np.full(Br, self.G, np.int32)
-    for r, (b, m, g, _) in enumerate(resume):
-      a["resume_row"][r], a["resume_sample"][r], a["resume_slot"][r] = b, m, g
-    return sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp, version, key,
-                         suffix_len=suffix_len, filtered=self.filtered,
-                         fresh=fresh and Bn == self.G, ctx=self.ctx)
+    return a, resume
+
+  def warmup(self, params) -> int:
+    """Compile every shape this engine can meet, so no later call compiles.
+
+    Admission buckets (groups x prompt length, and the all-slots-free variant), resume
+    buckets (samples x response length) and the decode loop, run once on padding rows.
+
+    Returns:
+      The number of jitted programs traced (0 if all were already compiled).
+    """
+    before = sum(sampler.TRACE_COUNTS.values())
+    params = self.prepare_params(params)
+    key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
+    state = sampler.init_state(self.cfg, self.G, self.M, self.P, self.R, ctx=self.ctx)
+    ladder = lambda lo, top: sorted({min(top, lo << i) for i in range(max(1, top).bit_length() + 1)})
+    for Bn in ladder(4, self.G):
+      for Pb in ladder(8, self.P):
+        for fresh in ((False, True) if Bn == self.G else (False,)):
+          a, _ = self._admission([], Bn, Pb)
+          state = sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp,
+                                version, key, filtered=self.filtered, fresh=fresh,
+                                ctx=self.ctx)
+    shapes = {self._resume_shape(rows, longest)
+              for rows in range(1, self.G * self.M + 1) for longest in range(1, self.R)}
+    for Br, S in sorted(shapes):
+      state = sampler.resume(self.cfg, params, state, self._resume_rows(Br, S), ctx=self.ctx)
+    state, _ = sampler.decode(self.cfg, params, state, self.sp, version, jnp.int32(1),
+                              jnp.int32(1), filtered=self.filtered, ctx=self.ctx)
+    jax.block_until_ready(state)
+    return sum(sampler.TRACE_COUNTS.values()) - before
+
+  def _resume_shape(self, rows: int, longest: int) -> tuple[int, int]:
+    """(Br, S) bucket for re-prefilling ``rows`` samples of up to ``longest`` tokens.
+
+    Br steps by 4x from 4 up to all G·M samples; S is R/4, R/2 or R. At most 3·3 shapes.
+    """
+    Br = 4
+    while Br < rows:
+      Br *= 4
+    S = max(1, self.R // 4)
+    while S < longest:
+      S *= 2
+    return min(Br, self.G * self.M), min(S, self.R)
 
   def _harvest(self, state, slot_unit, remaining, complete):
     """Move groups whose samples all finished out of their slots."""
@@ -370,16 +435,23 @@ class RolloutEngine:
       k_groups: K, complete groups to return. policy_version: version of ``params``.
     Returns:
       Rollout with K·n rows (group-major, completion order); ``stats`` holds
-      ``aborted_groups``, ``resumed_groups``, ``off_policy_token_fraction``, ``buffer_size``.
+      ``aborted_groups``, ``resumed_groups``, ``off_policy_token_fraction``, ``buffer_size``,
+      ``restarted_samples`` (staleness bound) and ``max_token_lag``.
     """
     _check_int("k_groups", k_groups, 1)
     params = self.prepare_params(params)
     it: Iterator = iter(prompts)
+    restarted = self._enforce_staleness(policy_version)
     result: list[GroupRequest] = []
     while self._ready and len(result) < k_groups:
       result.append(self._ready.popleft())
     need = k_groups - len(result)
-    in_flight = math.ceil(self.over_sampling * k_groups) - len(result) if need > 0 else 0
+    in_flight = math.ceil(self.over_sampling * k_groups)
+    if self.max_staleness is not None:
+      # AReaL capacity (η + v + 1)·K − (accepted + running) with K groups accepted per
+      # version: (η + 1)·K − running.
+      in_flight = min(in_flight, (self.max_staleness + 1) * k_groups)
+    in_flight = in_flight - len(result) if need > 0 else 0
     submit: list[GroupRequest] = []
     while self.buffer and len(submit) < in_flight:
       submit.append(self.buffer.popleft())
@@ -404,11 +476,34 @@ class RolloutEngine:
     out = assemble(result, self.max_new_tokens)
     toks = out.mask.sum()
     stale = (out.versions < policy_version) & out.mask
+    lag = np.where(out.mask, policy_version - out.versions, 0)
     out.stats.update(aborted_groups=aborted, buffer_size=len(self.buffer),
+                     restarted_samples=restarted, max_token_lag=int(lag.max(initial=0)),
                      resumed_groups=sum(1 for r in result if r.resumed),
                      off_policy_token_fraction=float(stale.sum() / max(toks, 1)),
                      kv_bytes=kv_bytes(self, self.G))
     return out
+
+
+  def _enforce_staleness(self, policy_version: int) -> int:
+    """Restart held samples with a token older than ``policy_version − η``; returns how many.
+
+    Complete groups held from the previous call that hold such a sample go back to the
+    front of the buffer.
+    """
+    if self.max_staleness is None:
+      return 0
+    oldest = policy_version - self.max_staleness
+    restarted = 0
+    for req in list(self.buffer) + list(self._ready):
+      for i, smp in enumerate(req.samples):
+        if smp.versions and min(smp.versions) < oldest:
+          req.samples[i] = Sample()
+          restarted += 1
+    stale = [r for r in self._ready if not r.done]
+    self._ready = collections.deque(r for r in self._ready if r.done)
+    self.buffer.extendleft(reversed(stale))
+    return restarted
 
 
 def kv_bytes(engine: RolloutEngine, groups: int) -> int:

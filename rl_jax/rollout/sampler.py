@@ -8,14 +8,20 @@ Layout. Each slot g holds one prompt, prefilled once into the prefix cache
 ``prefix_k/v`` (L arrays [G,K,P,H], one per layer), and M samples that keep only their own
 response K/V in the suffix cache ``suffix_k/v`` (L arrays [G,M,K,R,H]). One array per layer
 and kv heads before length let the decode step read the caches in place: no per-step slice
-or transpose copies. Prompt token t has RoPE position t, response
-token j of every sample position ``prefix_len + j`` (the positions of the unpacked sequence,
-so log-probs equal ``models.forward`` teacher forcing). The replicated layout is the same
-code with M = 1 and the prompt repeated in N slots.
+or transpose copies. Prompt token t has RoPE position t, response token j of every sample
+position ``prefix_len + j`` (the positions of the unpacked sequence, so log-probs equal
+``models.forward`` teacher forcing). The replicated layout is the same code with M = 1 and
+the prompt repeated in N slots.
 
-Attention of a response query combines three exact partial softmaxes with a log-sum-exp
-merge: the shared prefix (keys s < prefix_len), the sample's cached suffix (r < cache fill)
-and the current query block (causal). See ``merge_partials``.
+Attention of a response query is exact softmax attention over two key sets: the group's
+shared prefix (keys s < prefix_len, stored once) and the sample's own suffix (r <= its fill).
+Prefill of resumed responses combines the prefix and the causal block as two partial
+softmaxes with a log-sum-exp merge (``merge_partials``); a decode step puts both score sets
+under one softmax (``decode_attention``), the same result with fewer passes.
+
+Entry points: ``init_state``; ``admit`` (prefill prompts into free slots, first tokens);
+``resume`` (rebuild the response K/V of resumed partial samples); ``decode`` (the
+``while_loop``). Shapes are bucketed by the engine, so each compiles a few times at most.
 
 Every sampled token is drawn from a uniform that depends only on (request id, sample id,
 token index) (``sampling.stream_words`` once per sample at admission, then
@@ -162,14 +168,13 @@ def merge_partials(outs: list[jax.Array], lses: list[jax.Array]) -> jax.Array:
   return sum(jnp.exp(l - safe)[..., None] * o for o, l in zip(outs, lses))
 
 
-def grouped_attention(q, block_k, block_v, block_mask, prefix=None, suffix=None):
-  """Attention of grouped queries over prefix, cached suffix and the current block.
+def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
+  """Attention of grouped queries (prefill) over a shared prefix and their own block.
 
   Args:
     q: [G,M,T,N,H]. block_k, block_v: [G,M,T,K,H] K/V of the queries' own tokens;
       block_mask: bool [G,M,T,T] (query t may see block key s).
     prefix: optional (k [G,P,K,H], v [G,P,K,H], valid bool [G,P]) shared by the M samples.
-    suffix: optional (k [G,M,R,K,H], v [G,M,R,K,H], valid bool [G,M,R]) per-sample cache.
   Returns:
     [G,M,T,N,H] in q's dtype.
   """
@@ -186,11 +191,6 @@ def grouped_attention(q, block_k, block_v, block_mask, prefix=None, suffix=None)
     s = f32("gmtkqh,gpkh->gmkqtp", qg, pk)
     p, l = _partial(s, pvalid[:, None, None, None, None, :])
     outs.append(f32("gmkqtp,gpkh->gmkqth", p, pv)); lses.append(l)
-  if suffix is not None:
-    sk, sv, svalid = suffix
-    s = f32("gmtkqh,gmrkh->gmkqtr", qg, sk)
-    p, l = _partial(s, svalid[:, :, None, None, None, :])
-    outs.append(f32("gmkqtr,gmrkh->gmkqth", p, sv)); lses.append(l)
   out = merge_partials(outs, lses)  # [G,M,K,Q,T,H]
   return jnp.moveaxis(out, 4, 2).reshape(G, M, T, N, H).astype(q.dtype)
 
@@ -229,26 +229,23 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
   return out.reshape(G, M, N, H).astype(q.dtype)
 
 
-def _run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None, suffix=None):
-  """Trunk over tokens [G·M,T] with grouped attention; returns hidden and new K/V [L,G,M,T,K,H].
+def _run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None):
+  """Prefill trunk over tokens [G·M,T] with grouped attention.
 
-  ``prefix``/``suffix`` hold [L,...] caches (scanned with the layers) plus a validity mask.
+  ``prefix`` = (k [L,G,P,K,H], v [L,G,P,K,H], valid bool [G,P]) is scanned with the layers.
+  Returns hidden [G·M,T,D] and the block's new K/V, each [L,G,M,T,K,H].
   """
   T = tokens.shape[1]
   pre_kv = None if prefix is None else (prefix[0], prefix[1])
-  suf_kv = None if suffix is None else (suffix[0], suffix[1])
 
-  def attend(q, k, v, layer):
-    pre, suf = layer
+  def attend(q, k, v, pre):
     split = lambda a: a.reshape(G, M, T, *a.shape[2:])
-    out = grouped_attention(
-        split(q), split(k), split(v), block_mask,
-        prefix=None if pre is None else (pre[0], pre[1], prefix[2]),
-        suffix=None if suf is None else (suf[0], suf[1], suffix[2]))
+    out = grouped_attention(split(q), split(k), split(v), block_mask,
+                            prefix=None if pre is None else (pre[0], pre[1], prefix[2]))
     return out.reshape(G * M, T, *out.shape[3:]), (split(k), split(v))
 
   x = tx.embed(cfg, params, tokens)
-  h, (k_new, v_new) = tx.trunk(cfg, params, x, positions, attend, (pre_kv, suf_kv))
+  h, (k_new, v_new) = tx.trunk(cfg, params, x, positions, attend, pre_kv)
   return h, k_new, v_new
 
 
@@ -310,9 +307,6 @@ class Admission(NamedTuple):
     length: int32 [Bn,M] tokens already generated; reason: int32 [Bn,M] (RUNNING unless the
       sample already finished); budget: int32 [Bn,M] maximum response length.
     request_id: int32 [Bn]; sample_id: int32 [Bn,M].
-    resume_row, resume_sample: int32 [Br] the (row, sample) of each resumed, still running
-      sample whose response K/V must be re-prefilled (Br = bucket; padding repeats row 0).
-    resume_slot: int32 [Br] its target slot (>= G for padding, dropped).
   """
 
   slots: Any
@@ -326,23 +320,20 @@ class Admission(NamedTuple):
   budget: Any
   request_id: Any
   sample_id: Any
-  resume_row: Any
-  resume_sample: Any
-  resume_slot: Any
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "suffix_len", "filtered", "fresh", "ctx"),
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "fresh", "ctx"),
                    donate_argnames=("state",))
 def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, version, base_key,
-          suffix_len: int, filtered: bool, fresh: bool = False, ctx=None) -> DecodeState:
-  """Prefill prompts (once per group) and resumed responses into slots; sample first tokens.
+          filtered: bool, fresh: bool = False, ctx=None) -> DecodeState:
+  """Prefill prompts (once per group) into slots; sample first tokens of fresh samples.
+
+  Resumed samples keep their tokens; their response K/V is rebuilt by ``resume``.
 
   Args:
     params: model parameters (a jit argument: new weights never recompile).
     state: DecodeState (donated). adm: Admission. sp: SamplingParams. version: int32 scalar
       policy version of tokens sampled here. base_key: typed PRNG key.
-    suffix_len: static; resumed tokens re-prefilled per listed sample (0 = none resumed).
-      Only the listed samples are prefilled (finished samples and fresh groups are not).
     filtered: static; top-k/top-p active.
     fresh: static; every slot is free and ``adm.slots`` is ``0, 1, ..`` then padding (>= G)
       with Bn == G, so the state's arrays are replaced instead of scattered into.
@@ -366,21 +357,6 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
                       jnp.asarray(adm.logprobs), jnp.asarray(adm.versions),
                       jnp.asarray(adm.length), jnp.asarray(adm.budget),
                       jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id, None)
-    suffix = None  # fresh samples: the slot's old suffix K/V stays, masked by the fill length
-    if suffix_len:
-      S = suffix_len
-      rb, rm = adm.resume_row, adm.resume_sample  # [Br]
-      Br = rb.shape[0]
-      j = jnp.arange(S, dtype=jnp.int32)
-      rtok = sub.tokens[rb, rm, :S]  # [Br,S]
-      rpos = adm.prompt_len[rb][:, None] + j
-      rvalid = j[None, :] < (sub.length[rb, rm] - 1)[:, None]  # the last token is fed next
-      bmask = (j[:, None] >= j[None, :])[None] & rvalid[:, None, :]
-      _, rk, rv = _run_trunk(cfg, params, rtok, rpos, Br, 1, bmask[:, None],
-                             prefix=(pk[:, rb], pv[:, rb], pvalid[rb]))
-      # [L,Br,1,S,K,H] -> [L,Br,K,S,H], scattered into (slot, sample) rows of the cache
-      suffix = tuple(jnp.swapaxes(a[:, :, 0], 2, 3) for a in (rk, rv))
-
     first = (sub.length == 0) & (sub.reason == RUNNING)
     stream = sampling.stream_words(base_key, jnp.repeat(adm.request_id, M),
                                    adm.sample_id.reshape(-1))
@@ -407,13 +383,58 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
         request_id=put(state.request_id, adm.request_id),
         sample_id=put(state.sample_id, adm.sample_id),
         stream=put(state.stream, stream.reshape(Bn, M, 2)))
-    if suffix is not None:
-      S = suffix_len
-      place = lambda cache, u: tuple(
-          c.at[adm.resume_slot, adm.resume_sample, :, :S].set(u[l].astype(c.dtype), mode="drop")
-          for l, c in enumerate(cache))
-      new = new._replace(suffix_k=place(state.suffix_k, suffix[0]),
-                         suffix_v=place(state.suffix_v, suffix[1]))
+    return _constrain_state(new)
+
+
+class Resume(NamedTuple):
+  """Resumed, still running samples whose response K/V is rebuilt (host arrays).
+
+  Attributes (Br = bucket; padding rows have slot >= G and are dropped):
+    slot: int32 [Br]; sample: int32 [Br] index within the slot.
+    tokens: int32 [Br,S] the sample's tokens so far (the last one is fed by the next decode
+      step, so K/V is built for the first ``length − 1``); length: int32 [Br].
+  """
+
+  slot: Any
+  sample: Any
+  tokens: Any
+  length: Any
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx"), donate_argnames=("state",))
+def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) -> DecodeState:
+  """Re-prefill the response K/V of resumed samples (after ``admit`` placed their prompts).
+
+  Each listed sample's tokens attend the prefix K/V of its slot and their own causal past;
+  the K/V is written into the sample's rows of the suffix cache. Only these samples are
+  computed (finished samples and fresh groups are not).
+
+  Args:
+    params: model parameters (jit argument). state: DecodeState (donated). res: Resume.
+  Returns:
+    Updated DecodeState.
+  """
+  TRACE_COUNTS["resume"] += 1
+  with _context(ctx):
+    Br, S = res.tokens.shape
+    G = state.active.shape[0]
+    slot = jnp.minimum(res.slot, G - 1)  # padding rows read slot G-1 and are dropped below
+    j = jnp.arange(S, dtype=jnp.int32)
+    plen = state.prefix_len[slot]
+    P = state.prefix_k[0].shape[2]
+    pvalid = jnp.arange(P)[None, :] < plen[:, None]
+    rpos = plen[:, None] + j
+    rvalid = j[None, :] < (res.length - 1)[:, None]  # the last token is fed next
+    bmask = (j[:, None] >= j[None, :])[None] & rvalid[:, None, :]
+    # prefix of each row's slot, [L,Br,K,P,H] -> [L,Br,P,K,H] for grouped_attention
+    gather = lambda cache: jnp.swapaxes(jnp.stack([c[slot] for c in cache]), 2, 3)
+    _, rk, rv = _run_trunk(cfg, params, res.tokens, rpos, Br, 1, bmask[:, None],
+                           prefix=(gather(state.prefix_k), gather(state.prefix_v), pvalid))
+    place = lambda cache, u: tuple(
+        c.at[res.slot, res.sample, :, :S].set(jnp.swapaxes(u[l, :, 0], 1, 2).astype(c.dtype),
+                                              mode="drop")
+        for l, c in enumerate(cache))
+    new = state._replace(suffix_k=place(state.suffix_k, rk), suffix_v=place(state.suffix_v, rv))
     return _constrain_state(new)
 
 
