@@ -205,6 +205,7 @@ class RolloutEngine:
     self.buffer: collections.deque[GroupRequest] = collections.deque()
     self._ready: collections.deque[GroupRequest] = collections.deque()
     self._uids = itertools.count()
+    self._target = self._sync = None  # sampler parameter layout, jitted cast + reshard
 
   @property
   def ready(self) -> tuple[GroupRequest, ...]:
@@ -213,15 +214,34 @@ class RolloutEngine:
 
   # ---------------------------------------------------------------- parameters
   def prepare_params(self, params):
-    """Trainer parameters -> sampler parameters (jitted dtype cast, mesh placement)."""
-    leaves = jax.tree.leaves(params)
+    """Trainer parameters -> sampler parameters, on device.
+
+    With a mesh: one jitted program casts to the sampler dtype and reshards to the sampler's
+    layout (``out_shardings``), so XLA moves shards device to device (collectives), never
+    through host memory; compiled once per input layout. A no-op when the parameters are
+    already in the sampler's dtype and layout. Parameters on devices outside the sampler's
+    mesh (disaggregated trainer / sampler) are copied over with ``jax.device_put`` first.
+    """
     want = jnp.dtype(self.cfg.param_dtype)
-    if any(leaf.dtype != want for leaf in leaves):
-      params = sampler.cast_params(params, str(want))
-    if self.ctx is not None:
-      mesh, rules = self.ctx
-      params = jax.device_put(params, models.param_shardings(self.cfg, mesh, rules))
-    return params
+    leaves = jax.tree.leaves(params)
+    if self.ctx is None:
+      if any(leaf.dtype != want for leaf in leaves):
+        params = sampler.cast_params(params, str(want))
+      return params
+    mesh, rules = self.ctx
+    if self._target is None:
+      self._target = models.param_shardings(self.cfg, mesh, rules)
+      self._sync = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(want), p),
+                           out_shardings=self._target)
+    targets = jax.tree.leaves(self._target)
+    if all(leaf.dtype == want and isinstance(leaf, jax.Array)
+           and leaf.sharding.is_equivalent_to(t, leaf.ndim) for leaf, t in zip(leaves, targets)):
+      return params
+    devices = set(mesh.devices.flat)
+    if not all(isinstance(leaf, jax.Array) and leaf.sharding.device_set <= devices
+               for leaf in leaves):
+      params = jax.device_put(params, self._target)
+    return self._sync(params)
 
   def new_request(self, prompt: Sequence[int], index: int = 0) -> GroupRequest:
     """A fresh group for ``prompt`` (validated)."""
