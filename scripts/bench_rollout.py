@@ -1,7 +1,8 @@
 """Rollout benchmarks on one set of random weights, in one run.
 
 1. Decode throughput (greedy, no EOS) of ``rollout.generate`` vs ``transformers`` generate
-   (PyTorch) at a few batch sizes, same weights (rl_jax saves them with ``models.save_hf``).
+   (PyTorch) at a few batch sizes, and a 4x longer response at the largest batch; same
+   weights (rl_jax saves them with ``models.save_hf``); the two are timed alternately.
 2. Prompt-once vs replicated prompts at N = 16 samples per prompt: time and KV-cache bytes.
 3. APRIL (over-provision 2x, stop at K complete groups) vs wait-for-all on a long-tailed
    length distribution: complete groups per second over several steps, same slot count;
@@ -12,8 +13,8 @@
 
 Usage::
 
-    python scripts/bench_rollout.py                  # default run, a few minutes on 2 CPU cores
-    python scripts/bench_rollout.py
+    python scripts/bench_rollout.py                  # about 2 minutes on 2 CPU cores
+    python scripts/bench_rollout.py --april-steps 16 --repeats 5 --out report.md
 
 References: Zhou et al. 2025 (APRIL); Kwon et al. 2023 (prefix sharing).
 """
@@ -47,6 +48,19 @@ def _timeit(fn, repeats: int) -> tuple[float, object]:
   return best, out
 
 
+def _timeit_interleaved(fns, repeats: int) -> list[tuple[float, object]]:
+  """Best wall time of each function over ``repeats`` rounds, alternating them within a
+  round (after one warm-up call each), so machine-load drift hits all of them alike."""
+  outs = [fn() for fn in fns]
+  best = [float("inf")] * len(fns)
+  for _ in range(repeats):
+    for i, fn in enumerate(fns):
+      t = time.perf_counter()
+      outs[i] = fn()
+      best[i] = min(best[i], time.perf_counter() - t)
+  return list(zip(best, outs))
+
+
 def bench_vs_hf(cfg, params, batch_sizes, prompt_len, new_tokens, repeats):
   import torch
   import transformers
@@ -61,9 +75,10 @@ def bench_vs_hf(cfg, params, batch_sizes, prompt_len, new_tokens, repeats):
     t0 = time.perf_counter()
     rollout.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0)
     compile_s = time.perf_counter() - t0
-    ours, out = _timeit(lambda: rollout.generate(cfg, params, prompts, max_new_tokens=new_tokens,
-                                                 temperature=0.0), repeats)
     ids = torch.tensor(prompts, dtype=torch.long)
+
+    def run_ours():
+      return rollout.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0)
 
     def run_hf():
       with torch.no_grad():
@@ -71,7 +86,7 @@ def bench_vs_hf(cfg, params, batch_sizes, prompt_len, new_tokens, repeats):
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            eos_token_id=None, pad_token_id=0)
 
-    theirs, seq = _timeit(run_hf, repeats)
+    (ours, out), (theirs, seq) = _timeit_interleaved([run_ours, run_hf], repeats)
     same = bool((seq[:, prompt_len:].numpy() == out.tokens).all())
     toks = B * new_tokens
     rows.append((B, toks / ours, toks / theirs, ours / 1.0, theirs, compile_s, same))
@@ -220,7 +235,7 @@ def bench_weight_sync(repeats: int) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default=None, help="write a markdown report here")
-  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--batch-sizes", default="1,4,16")
   ap.add_argument("--new-tokens", type=int, default=32)
   ap.add_argument("--april-steps", type=int, default=4)
@@ -238,8 +253,12 @@ def main(argv=None):
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
 
   print("1. decode throughput vs transformers generate (greedy)", flush=True)
-  hf_rows = bench_vs_hf(cfg, params, [int(b) for b in args.batch_sizes.split(",")], 32,
-                        args.new_tokens, args.repeats)
+  hf_rows = [(args.new_tokens, *row) for row in bench_vs_hf(
+      cfg, params, [int(b) for b in args.batch_sizes.split(",")], 32, args.new_tokens,
+      args.repeats)]
+  long = 4 * args.new_tokens  # a longer response at the largest batch
+  hf_rows += [(long, *row) for row in bench_vs_hf(
+      cfg, params, [int(args.batch_sizes.split(",")[-1])], 32, long, args.repeats)]
   print("2. prompt-once vs replicated, N=16", flush=True)
   po = bench_prompt_once(cfg, params, groups=2, n=16, prompt_len=256, new_tokens=16,
                          repeats=args.repeats)
@@ -262,12 +281,12 @@ def main(argv=None):
         f"Model: random Llama-style decoder, {cfg.num_params() / 1e6:.2f}M parameters "
         f"(V={cfg.vocab_size}, D={cfg.hidden_size}, L={cfg.num_layers}, "
         f"N={cfg.num_heads}, K={cfg.num_kv_heads}), float32.", "",
-        f"## 1. Greedy decode, prompt 32, {args.new_tokens} new tokens",
-        "", "| batch | rl_jax tok/s | transformers tok/s | speed-up | rl_jax first call (s, incl. "
-        "compile) | identical tokens |", "|---|---|---|---|---|---|"]
-    for B, ours, theirs, _, _, comp, same in hf_rows:
-      lines.append(f"| {B} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x | {comp:.1f} | "
-                   f"{same} |")
+        "## 1. Greedy decode, prompt 32 tokens (timings interleaved with transformers)",
+        "", "| batch | new tokens | rl_jax tok/s | transformers tok/s | speed-up | rl_jax first "
+        "call (s, incl. compile) | identical tokens |", "|---|---|---|---|---|---|---|"]
+    for T, B, ours, theirs, _, _, comp, same in hf_rows:
+      lines.append(f"| {B} | {T} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x | "
+                   f"{comp:.1f} | {same} |")
     lines += ["", "## 2. Prompt-once vs replicated prompts (2 prompts x N=16, prompt 256, "
               "16 new tokens)", "", "| layout | time (s) | KV cache (MiB) |", "|---|---|---|",
               f"| prompt-once | {po['t_once']:.3f} | {po['kv_once'] / 2**20:.2f} |",

@@ -69,6 +69,15 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
   return jnp.where(z >= threshold, z, -jnp.inf)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+  """``argmax`` over the last axis (first maximum) as two plain reductions: max, then the
+  smallest index attaining it. XLA's CPU backend runs the fused (value, index) reduction of
+  ``jnp.argmax`` an order of magnitude slower. x [B,V] -> int32 [B]."""
+  V = x.shape[-1]
+  hit = x == jnp.max(x, axis=-1, keepdims=True)
+  return jnp.minimum(jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1), V - 1)
+
+
 def sample_logits(uniforms, logits: jax.Array, params: SamplingParams,
                   filtered: bool) -> tuple[jax.Array, jax.Array]:
   """Draw one token per row and its log-prob under the distribution it was drawn from.
@@ -89,8 +98,7 @@ def sample_logits(uniforms, logits: jax.Array, params: SamplingParams,
   greedy = params.temperature <= 0.0
 
   def argmax(_):
-    return (jnp.argmax(logits, axis=-1).astype(jnp.int32),
-            jnp.zeros(logits.shape[:1], jnp.float32))
+    return first_argmax(logits), jnp.zeros(logits.shape[:1], jnp.float32)
 
   def draw(_):
     if filtered:
@@ -107,7 +115,7 @@ def sample_logits(uniforms, logits: jax.Array, params: SamplingParams,
     lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
     # Rounding can put x at the very top of the CDF, past the last kept token: take the mode.
     bad = ~jnp.isfinite(lp)
-    best = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    best = first_argmax(z)
     tok = jnp.where(bad, best, tok)
     lp = jnp.where(bad, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], lp)
     return tok, lp
