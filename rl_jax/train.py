@@ -21,6 +21,7 @@ R = rollout.max_new_tokens, B = G·M rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -216,18 +217,45 @@ def init_state(s: Setup) -> TrainState:
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std)
+  return _replicate_rest(_state_from_params(s, params), s.mesh)
+
+
+def _state_from_params(s: Setup, params) -> TrainState:
+  """The rest of a fresh state (optimizer states, reference, critic) from the policy params."""
   ref = params if s.objective.needs_ref else {}
   value, value_opt = {}, {}
   if s.objective.needs_values:  # critic warm-started from (a copy of) the policy trunk
     value = models.init_value_params(s.model_cfg, jax.random.key(0),
                                      policy_params=jax.tree.map(jnp.copy, params))
     value_opt = jax.jit(s.value_tx.init)(value)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                     opt_state=jax.jit(s.rl_tx.init)(params),
-                     sft_opt_state=jax.jit(s.sft_tx.init)(params), ref_params=ref,
-                     value_params=value, value_opt_state=value_opt,
-                     data=jnp.zeros((2,), jnp.int32))
-  return _replicate_rest(state, s.mesh)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=jax.jit(s.rl_tx.init)(params),
+                    sft_opt_state=jax.jit(s.sft_tx.init)(params), ref_params=ref,
+                    value_params=value, value_opt_state=value_opt,
+                    data=jnp.zeros((2,), jnp.int32))
+
+
+def abstract_state(s: Setup) -> TrainState:
+  """Shapes, dtypes and shardings of ``init_state(s)``, computing and loading nothing.
+
+  The restore target on resume: no HF weights are read and no second copy of the state is
+  allocated just to be overwritten by the checkpoint.
+  """
+  cfg = s.model_cfg
+  dtype = jnp.dtype(cfg.param_dtype)
+  params = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
+                        models.param_shapes(cfg), models.param_shardings(cfg, s.mesh, s.rules),
+                        is_leaf=lambda x: isinstance(x, tuple))
+  build = jax.jit(functools.partial(_state_from_params, s))
+  shapes = jax.eval_shape(build, params)
+  out = build.lower(params).compile().output_shardings
+  replicated = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+
+  def spec(x, sh):
+    on_mesh = isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == s.mesh
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh if on_mesh else replicated)
+
+  return jax.tree.map(spec, shapes, out)
 
 
 def _replicate_rest(tree, mesh):
@@ -509,10 +537,6 @@ class _Preempted:
     self.flag = True
 
 
-def _abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> TrainState:
   """Run (or resume) the configured training in ``workdir``; returns the final state."""
   s = build_setup(config)
@@ -521,11 +545,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep,
                                save_every=c.train.checkpoint_every or total)
-  state = init_state(s)
   latest = ckpt.latest_step()
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  if latest is not None:
-    state, _ = ckpt.restore(_abstract(state), step=latest)
+  if latest is None:
+    state = init_state(s)
+  else:
+    state, _ = ckpt.restore(abstract_state(s), step=latest)
     if os.path.exists(metrics_path):
       metrics_lib.truncate_after(metrics_path, latest)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)

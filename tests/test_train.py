@@ -120,6 +120,19 @@ def test_eight_devices_match_one(tmp_path):
                                                        atol=2e-5, rtol=1e-4), s1.params, s8.params)
 
 
+@pytest.mark.parametrize("overrides", [["mesh.num_devices=1"],
+                                       ["mesh.num_devices=8", "mesh.rules=fsdp",
+                                        "loss.preset=ppo"]])
+def test_restore_target_matches_a_fresh_state(overrides):
+  """The abstract restore target has the fresh state's structure, shapes, dtypes, layout."""
+  setup = train.build_setup(_config(overrides))
+  fresh, target = train.init_state(setup), train.abstract_state(setup)
+  assert jax.tree.structure(fresh) == jax.tree.structure(target)
+  for x, t in zip(jax.tree.leaves(fresh), jax.tree.leaves(target)):
+    assert (x.shape, x.dtype) == (t.shape, t.dtype)
+    assert x.sharding.is_equivalent_to(t.sharding, x.ndim), (x.sharding, t.sharding)
+
+
 @pytest.mark.parametrize("preset", ["ppo", "vcpo"])
 def test_critic_and_off_policy_presets_train(tmp_path, preset):
   """PPO (critic + GAE) and VCPO (OPOB baseline from per-row gradient norms) run end to end."""

@@ -53,3 +53,9 @@ def test_gsm8k_config_with_hf_checkpoint(tmp_path):
   assert all(np.isfinite(r["loss"]) for r in rows)
   exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "hf"))
   assert exported.config.model_type == "qwen3"
+  # Resuming restores onto an abstract target: the base weights are not read again.
+  for f in model_dir.glob("*.safetensors"):
+    f.write_bytes(b"corrupt")
+  state = train.train(config, str(tmp_path / "run"), progress=False)
+  assert int(state.step) == 2
+  assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
