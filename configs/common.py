@@ -86,6 +86,13 @@ def rollout_config() -> ml_collections.ConfigDict:
       top_p=1.0,
       top_k=0,  # 0 disables top-k
       eos_id=config_dict.placeholder(int),  # None: the tokenizer's EOS
+      # Active partial rollouts (APRIL): keep ceil(over_sampling·batch_groups) groups in
+      # flight, train on the first batch_groups that complete, carry the rest (with their
+      # tokens, behaviour log-probs and policy versions) into the next step.
+      partial=False,
+      over_sampling=2.0,
+      max_staleness=1,  # η: no token more than η policy versions old; -1 = unbounded
+      mask_stale=False,  # drop tokens sampled by an older policy from the loss
   ))
 
 
@@ -198,6 +205,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "rollout.temperature": cu.nonnegative,
       "rollout.top_p": (cu.probability, cu.in_range(0.0, 1.0, low_inclusive=False)),
       "rollout.top_k": cu.nonnegative_int,
+      "rollout.over_sampling": cu.in_range(1.0, None),
+      "rollout.max_staleness": cu.in_range(-1, None),
       "loss.preset": cu.one_of(LOSS_PRESETS),
       "loss.eps_low": cu.optional(cu.nonnegative),
       "loss.eps_high": cu.optional(cu.nonnegative),

@@ -57,6 +57,8 @@ class TrainState(NamedTuple):
   frozen reference policy (the policy when RL starts; ``{}`` if the objective has no KL).
   value_params / value_opt_state: the PPO critic and its optimizer state (``{}`` otherwise).
   data: int32 [2] (epoch, position) of the prompt sampler.
+  rollout_buffer: with ``rollout.partial``, the rollout engine's held groups (partial and
+  extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
   """
 
   step: jax.Array
@@ -67,6 +69,7 @@ class TrainState(NamedTuple):
   value_params: Any
   value_opt_state: Any
   data: jax.Array
+  rollout_buffer: Any
 
 
 class Rollouts(NamedTuple):
@@ -217,7 +220,9 @@ def init_state(s: Setup) -> TrainState:
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std)
-  return _replicate_rest(_state_from_params(s, params), s.mesh)
+  state = _state_from_params(s, params)
+  state = state._replace(rollout_buffer=jax.tree.map(jnp.asarray, _empty_buffer(s)))
+  return _replicate_rest(state, s.mesh)
 
 
 def _state_from_params(s: Setup, params) -> TrainState:
@@ -232,7 +237,32 @@ def _state_from_params(s: Setup, params) -> TrainState:
                     opt_state=jax.jit(s.rl_tx.init)(params),
                     sft_opt_state=jax.jit(s.sft_tx.init)(params), ref_params=ref,
                     value_params=value, value_opt_state=value_opt,
-                    data=jnp.zeros((2,), jnp.int32))
+                    data=jnp.zeros((2,), jnp.int32), rollout_buffer={})
+
+
+def _held_capacity(s: Setup) -> int:
+  """Most groups the partial-rollout engine can hold between steps."""
+  c = s.config.train, s.config.rollout
+  return math.ceil(c[1].over_sampling * c[0].batch_groups)
+
+
+def make_engine(s: Setup) -> rollout.RolloutEngine | None:
+  """The APRIL rollout engine of ``rollout.partial`` runs (None otherwise)."""
+  r = s.config.rollout
+  if not r.partial:
+    return None
+  return rollout.RolloutEngine(
+      s.model_cfg, n=r.n, max_slots=_held_capacity(s), max_new_tokens=r.max_new_tokens,
+      max_prompt_len=s.prompt_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+      eos_id=_eos_id(s), over_sampling=r.over_sampling,
+      max_staleness=None if r.max_staleness < 0 else r.max_staleness,
+      seed=_seed_int(s.config.train.seed, 0, 5), mesh=s.mesh, rules=s.rules,
+      context=s.model_cfg.max_position_embeddings)
+
+
+def _empty_buffer(s: Setup) -> dict:
+  engine = make_engine(s)
+  return {} if engine is None else engine.export_held(_held_capacity(s))
 
 
 def abstract_state(s: Setup) -> TrainState:
@@ -255,7 +285,10 @@ def abstract_state(s: Setup) -> TrainState:
     on_mesh = isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == s.mesh
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh if on_mesh else replicated)
 
-  return jax.tree.map(spec, shapes, out)
+  state = jax.tree.map(spec, shapes, out)
+  buffer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                       sharding=replicated), _empty_buffer(s))
+  return state._replace(rollout_buffer=buffer)
 
 
 def _replicate_rest(tree, mesh):
@@ -475,14 +508,24 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
   c = s.config
   G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
   step = int(state.step)
-  examples, data = _next_examples(s, np.asarray(state.data), G)
-  prompts = _encode_prompts(s, examples)
   t0 = time.perf_counter()
-  out = _generate(s, state.params, prompts, n=M, temperature=c.rollout.temperature,
-                  top_p=c.rollout.top_p, top_k=c.rollout.top_k,
-                  seed=_seed_int(c.train.seed, step, 1))
+  engine = fns.get("engine")
+  if engine is None:
+    examples, data = _next_examples(s, np.asarray(state.data), G)
+    prompts = _encode_prompts(s, examples)
+    out = _generate(s, state.params, prompts, n=M, temperature=c.rollout.temperature,
+                    top_p=c.rollout.top_p, top_k=c.rollout.top_k,
+                    seed=_seed_int(c.train.seed, step, 1))
+    updates = {"data": data}
+  else:
+    out, updates = _partial_rollouts(s, state, engine)
+    examples = [s.train_examples[i] for i in out.group_meta]
+    prompts = out.prompts
   tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   rollout_s = time.perf_counter() - t0
+  loss_mask = mask
+  if engine is not None and c.rollout.mask_stale:  # only tokens of the current policy
+    loss_mask = mask & (np.asarray(out.versions) >= step)
   completions = _decode(s, tokens, mask)
   refs = [e.answer for e in examples for _ in range(M)]
   rewards, stats = rewards_lib.compute_rewards(s.task.verify, completions, refs,
@@ -491,7 +534,7 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
   pt, pl = _pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id)
   pt, pl = jnp.asarray(pt), jnp.asarray(pl)
   rt = jnp.asarray(tokens.reshape(G, M, R))
-  rm = jnp.asarray(mask.reshape(G, M, R))
+  rm = jnp.asarray(loss_mask.reshape(G, M, R))
   obj = s.objective
   old = fns["logprob"](state.params, pt, pl, rt, rm)
   ref = fns["logprob"](state.ref_params, pt, pl, rt, rm) if obj.needs_ref else None
@@ -520,7 +563,36 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
       "reward_timeouts": stats["timeouts"],
       "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
   }
-  return Rollouts(pt, pl, rt, rm, mu, adv, old, ref, returns, old_values), info, data
+  if engine is not None:
+    info.update({k: float(out.stats[k]) for k in (
+        "off_policy_token_fraction", "max_token_lag", "aborted_groups", "restarted_samples",
+        "buffer_size")})
+  return Rollouts(pt, pl, rt, rm, mu, adv, old, ref, returns, old_values), info, updates
+
+
+def _partial_rollouts(s: Setup, state: TrainState, engine: rollout.RolloutEngine):
+  """K complete groups from the APRIL engine, whose held groups live in the train state.
+
+  The engine is reloaded from ``state.rollout_buffer`` and saved back after the call, and
+  prompts are drawn lazily from the data sampler, so a resumed run continues exactly.
+  Returns the Rollout (``group_meta`` = dataset indices) and the train-state updates.
+  """
+  engine.import_held(jax.device_get(state.rollout_buffer))
+  position = [np.asarray(state.data)]
+
+  def prompts():
+    while True:
+      e, p = (int(x) for x in position[0])
+      idx, nxt = selection.sampler_next(
+          selection.SamplerState(int(s.config.data.seed), e, p), len(s.train_examples), 1)
+      position[0] = np.asarray([nxt.epoch, nxt.position], np.int32)
+      i = int(idx[0])
+      yield rollout.Prompt(_encode_prompts(s, [s.train_examples[i]])[0], meta=i)
+
+  out = engine.rollout_groups(state.params, prompts(), s.config.train.batch_groups,
+                              policy_version=int(state.step))
+  held = jax.tree.map(jnp.asarray, engine.export_held(_held_capacity(s)))
+  return out, {"data": position[0], "rollout_buffer": held}
 
 
 def _split_groups(r: Rollouts, k: int) -> list[Rollouts]:
@@ -555,7 +627,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
       metrics_lib.truncate_after(metrics_path, latest)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
   sft_step, rl_update = make_sft_step(s), make_rl_update(s)
-  fns = {"logprob": make_logprob_fn(s), "values": make_value_fn(s)}
+  fns = {"logprob": make_logprob_fn(s), "values": make_value_fn(s), "engine": make_engine(s)}
   if s.objective.needs_grad_norms:
     fns["grad_norms"] = make_grad_norm_fn(s)
   preempted = _Preempted()
@@ -581,7 +653,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
       else:
         if step == sft_steps and s.objective.needs_ref:
           state = state._replace(ref_params=jax.tree.map(jnp.copy, state.params))
-        r, record, data = rl_rollouts(s, state, fns)
+        r, record, updates = rl_rollouts(s, state, fns)
+        data = updates["data"]
+        if "rollout_buffer" in updates:
+          state = state._replace(rollout_buffer=updates["rollout_buffer"])
         carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
         mets_all = []
         for mb in _split_groups(r, c.train.minibatches):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,31 @@ def test_eight_devices_match_one(tmp_path):
                                                        atol=2e-5, rtol=1e-4), s1.params, s8.params)
 
 
+def test_partial_rollouts_train_and_resume_exactly(tmp_path):
+  """APRIL in the trainer: held groups live in the checkpoint, so a resume is exact."""
+  partial = ["rollout.partial=True", "rollout.max_staleness=1", "train.steps=4", "train.keep=10"]
+  ref_dir = tmp_path / "ref"
+  train.train(_config(partial), str(ref_dir), progress=False)
+  rows = [r for r in metrics.read_jsonl(str(ref_dir / "metrics.jsonl")) if r["phase"] == "rl"]
+  assert len(rows) == 4 and all(r["max_token_lag"] <= 1 for r in rows)
+  assert any(r["off_policy_token_fraction"] > 0 for r in rows)  # carried-over groups used
+  # resume from the first RL step's checkpoint, where the engine holds groups
+  target = train.abstract_state(train.build_setup(_config(partial)))
+  held, _ = checkpoint.restore(str(ref_dir / "checkpoints"), target, step=4)
+  assert np.asarray(held.rollout_buffer["valid"]).any()
+  resumed = tmp_path / "resumed"
+  shutil.copytree(ref_dir / "checkpoints", resumed / "checkpoints")
+  for step in checkpoint.all_steps(str(resumed / "checkpoints")):
+    if step > 4:
+      shutil.rmtree(resumed / "checkpoints" / str(step))
+  shutil.copy(ref_dir / "metrics.jsonl", resumed / "metrics.jsonl")
+  train.train(_config(partial), str(resumed), progress=False)
+  _assert_same_weights(_final_weights(str(ref_dir)), _final_weights(str(resumed)))
+  ref_rows = metrics.read_jsonl(str(ref_dir / "metrics.jsonl"))
+  assert ([r.get("reward_mean") for r in metrics.read_jsonl(str(resumed / "metrics.jsonl"))]
+          == [r.get("reward_mean") for r in ref_rows])
+
+
 @pytest.mark.parametrize("overrides", [["mesh.num_devices=1"],
                                        ["mesh.num_devices=8", "mesh.rules=fsdp",
                                         "loss.preset=ppo"]])
@@ -197,6 +223,8 @@ def test_non_finite_loss_skips_update():
     ("--config.rollout.nn=3", "rollout.nn"),
     ("--config.data.task=nosuchtask", "nosuchtask"),
     ("--config.rollout.n=0", "rollout.n"),
+    ("--config.rollout.over_sampling=0.5", "rollout.over_sampling"),
+    ("--config.rollout.max_staleness=-2", "rollout.max_staleness"),
 ])
 def test_bad_config_fails_in_one_line(tmp_path, override, message):
   proc = subprocess.run(

@@ -8,8 +8,8 @@ Public API::
     out = engine.rollout_groups(params, prompt_iter, k_groups=32, policy_version=step)
 """
 
-from rl_jax.rollout.engine import (GroupRequest, Rollout, RolloutEngine, RolloutError, Sample,
-                                   assemble, generate)
+from rl_jax.rollout.engine import (GroupRequest, Prompt, Rollout, RolloutEngine, RolloutError,
+                                   Sample, assemble, generate)
 from rl_jax.rollout.sampler import DecodeState, cast_params, kv_cache_bytes, merge_partials
 from rl_jax.rollout.sampling import SamplingParams, filter_logits, sample_logits
 

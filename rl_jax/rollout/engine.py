@@ -61,6 +61,14 @@ class Sample:
 
 
 @dataclasses.dataclass
+class Prompt:
+  """A prompt with a caller's tag (e.g. its dataset index), returned with its group."""
+
+  tokens: Sequence[int]
+  meta: Any = None
+
+
+@dataclasses.dataclass
 class GroupRequest:
   """A prompt and its n samples; ``uid`` identifies its PRNG streams."""
 
@@ -68,6 +76,7 @@ class GroupRequest:
   prompt: list[int]
   samples: list[Sample]
   resumed: int = 0  # how many times this group was aborted and resumed
+  meta: Any = None  # the caller's tag (``Prompt.meta``)
 
   @property
   def done(self) -> bool:
@@ -92,6 +101,7 @@ class Rollout:
     prompt_index: int32 [B] the row's prompt (index into ``prompts``).
     prompts: list of the G prompts (token-id lists). group_ids: int [G] request uids.
     stats: dict of scalars (tokens, kv bytes, aborted groups, off-policy token fraction ...).
+    group_meta: the caller's tag of each group (``Prompt.meta``; None for plain prompts).
   """
 
   tokens: np.ndarray
@@ -104,6 +114,7 @@ class Rollout:
   prompts: list[list[int]]
   group_ids: np.ndarray
   stats: dict[str, float]
+  group_meta: list = dataclasses.field(default_factory=list)
 
 
 def _pow2(x: int, lo: int = 1) -> int:
@@ -243,13 +254,16 @@ class RolloutEngine:
       params = jax.device_put(params, self._target)
     return self._sync(params)
 
-  def new_request(self, prompt: Sequence[int], index: int = 0) -> GroupRequest:
-    """A fresh group for ``prompt`` (validated)."""
+  def new_request(self, prompt: Sequence[int] | Prompt, index: int = 0) -> GroupRequest:
+    """A fresh group for ``prompt`` (validated; a ``Prompt`` keeps its tag)."""
+    meta = None
+    if isinstance(prompt, Prompt):
+      prompt, meta = prompt.tokens, prompt.meta
     ids = check_prompt(prompt, index, self.cfg, self.max_new_tokens, self.context)
     if len(ids) > self.max_prompt_len:
       raise RolloutError(f"prompt {index} has {len(ids)} tokens, more than max_prompt_len="
                          f"{self.max_prompt_len}")
-    return GroupRequest(next(self._uids), ids, [Sample() for _ in range(self.n)])
+    return GroupRequest(next(self._uids), ids, [Sample() for _ in range(self.n)], meta=meta)
 
   # ---------------------------------------------------------------- continuous batching
   def run(self, params, requests: Sequence[GroupRequest], *, policy_version: int = 0,
@@ -505,6 +519,68 @@ class RolloutEngine:
     return out
 
 
+  def export_held(self, capacity: int) -> dict[str, np.ndarray]:
+    """The held groups (complete extras, then the buffer) as fixed-shape host arrays.
+
+    For checkpoints: ``import_held`` rebuilds the same engine state, so a resumed run
+    continues exactly. Group tags must be integers (e.g. dataset indices).
+
+    Args:
+      capacity: H, rows of the arrays (>= number of held groups).
+    Returns:
+      dict: valid, ready bool [H]; uid, resumed, meta, prompt_len int32 [H];
+      prompt int32 [H,P]; tokens, versions int32 [H,n,R]; logprobs float32 [H,n,R];
+      length, reason int32 [H,n] (reason -1 = unfinished); next_uid int32 [].
+    """
+    held = [(r, True) for r in self._ready] + [(r, False) for r in self.buffer]
+    if len(held) > capacity:
+      raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
+    H, n, R = capacity, self.n, self.max_new_tokens
+    d = dict(valid=np.zeros(H, bool), ready=np.zeros(H, bool), uid=np.zeros(H, np.int32),
+             resumed=np.zeros(H, np.int32), meta=np.zeros(H, np.int32),
+             prompt_len=np.zeros(H, np.int32), prompt=np.zeros((H, self.max_prompt_len), np.int32),
+             tokens=np.zeros((H, n, R), np.int32), versions=np.full((H, n, R), -1, np.int32),
+             logprobs=np.zeros((H, n, R), np.float32), length=np.zeros((H, n), np.int32),
+             reason=np.full((H, n), -1, np.int32))
+    for h, (req, ready) in enumerate(held):
+      d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, ready, req.uid, req.resumed
+      d["meta"][h] = -1 if req.meta is None else int(req.meta)
+      d["prompt_len"][h] = len(req.prompt)
+      d["prompt"][h, :len(req.prompt)] = req.prompt
+      for i, smp in enumerate(req.samples):
+        t = len(smp.tokens)
+        d["tokens"][h, i, :t], d["versions"][h, i, :t] = smp.tokens, smp.versions
+        d["logprobs"][h, i, :t], d["length"][h, i] = smp.logprobs, t
+        if smp.finish_reason is not None:
+          d["reason"][h, i] = _REASON_CODES[smp.finish_reason]
+    d["next_uid"] = np.int32(self._next_uid())
+    return d
+
+  def import_held(self, d) -> None:
+    """Replace the held groups and the uid counter with ``export_held``'s arrays."""
+    d = {k: np.asarray(v) for k, v in d.items()}
+    self._ready.clear()
+    self.buffer.clear()
+    for h in np.flatnonzero(d["valid"]):
+      samples = []
+      for i in range(self.n):
+        t = int(d["length"][h, i])
+        code = int(d["reason"][h, i])
+        samples.append(Sample(d["tokens"][h, i, :t].tolist(), d["logprobs"][h, i, :t].tolist(),
+                              d["versions"][h, i, :t].tolist(),
+                              None if code < 0 else sampler.REASON_NAMES[code]))
+      meta = int(d["meta"][h])
+      req = GroupRequest(int(d["uid"][h]), d["prompt"][h, :int(d["prompt_len"][h])].tolist(),
+                         samples, int(d["resumed"][h]), None if meta < 0 else meta)
+      (self._ready if d["ready"][h] else self.buffer).append(req)
+    self._uids = itertools.count(int(d["next_uid"]))
+
+  def _next_uid(self) -> int:
+    """The uid the next new request gets (without consuming it)."""
+    nxt = next(self._uids)
+    self._uids = itertools.count(nxt)
+    return nxt
+
   def _enforce_staleness(self, policy_version: int) -> int:
     """Restart held samples with a token older than ``policy_version − η``; returns how many.
 
@@ -588,7 +664,8 @@ def assemble(groups: Sequence[GroupRequest], width: int) -> Rollout:
   mask = np.arange(width)[None, :] < lengths[:, None]
   return Rollout(tokens, mask, logprobs, versions, lengths, reasons.astype(str), index,
                  [list(r.prompt) for r in groups], np.asarray([r.uid for r in groups], np.int64),
-                 {"tokens": int(lengths.sum()), "groups": len(groups)})
+                 {"tokens": int(lengths.sum()), "groups": len(groups)},
+                 [r.meta for r in groups])
 
 
 # ------------------------------------------------------------------------------ generate
