@@ -408,7 +408,7 @@ class RolloutEngine:
   def _resume_shape(self, rows: int, longest: int) -> tuple[int, int]:
     """(Br, S) bucket for re-prefilling ``rows`` samples of up to ``longest`` tokens.
 
-    Br steps by 4x from 4 up to all G·M samples; S is R/4, R/2 or R. At most 3·3 shapes.
+    Br steps by 4x from 4 up to all G·M samples; S is R/4, R/2 or R (3 lengths).
     """
     Br = 4
     while Br < rows:
