@@ -242,8 +242,7 @@ def _state_from_params(s: Setup, params) -> TrainState:
 
 def _held_capacity(s: Setup) -> int:
   """Most groups the partial-rollout engine can hold between steps."""
-  c = s.config.train, s.config.rollout
-  return math.ceil(c[1].over_sampling * c[0].batch_groups)
+  return math.ceil(s.config.rollout.over_sampling * s.config.train.batch_groups)
 
 
 def make_engine(s: Setup) -> rollout.RolloutEngine | None:
@@ -261,6 +260,7 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
 
 
 def _empty_buffer(s: Setup) -> dict:
+  """``TrainState.rollout_buffer`` of a fresh run: host arrays with nothing held."""
   engine = make_engine(s)
   return {} if engine is None else engine.export_held(_held_capacity(s))
 
