@@ -59,6 +59,24 @@ def _rows(x):
   return x.transpose(0, 3, 1, 2)[:, :, :, None, :]
 
 
+def _visit_key_tile(update, t, i, bq, bk, ctx_len, num_ctx_blocks, kc_ref, vc_ref, kr_ref,
+                    vr_ref):
+  """Calls ``update(k_ref, v_ref, mask)`` for key tile t of query tile i, if any key in it is
+  visible: tiles t < num_ctx_blocks are context (keys < ctx_len), the rest are the query's
+  own response (causal)."""
+  k_start = t * bk
+
+  @pl.when(jnp.logical_and(t < num_ctx_blocks, k_start < ctx_len))
+  def _context():
+    update(kc_ref, vc_ref, _tiles.context_mask(bq, bk, k_start, ctx_len))
+
+  r_start = (t - num_ctx_blocks) * bk
+
+  @pl.when(jnp.logical_and(t >= num_ctx_blocks, r_start < (i + 1) * bq))
+  def _response():
+    update(kr_ref, vr_ref, _tiles.causal_mask(bq, bk, i * bq, r_start))
+
+
 # ---------------------------------------------------------------------------------------
 # Forward.
 
@@ -84,17 +102,8 @@ def _fwd_kernel(lens_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, o_ref, lse_ref,
                                            v_ref[...])
     m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
 
-  k_start = t * bk
-
-  @pl.when(jnp.logical_and(t < num_ctx_blocks, k_start < ctx_len))
-  def _context():
-    update(kc_ref, vc_ref, _tiles.context_mask(bq, bk, k_start, ctx_len))
-
-  r_start = (t - num_ctx_blocks) * bk
-
-  @pl.when(jnp.logical_and(t >= num_ctx_blocks, r_start < (i + 1) * bq))
-  def _response():
-    update(kr_ref, vr_ref, _tiles.causal_mask(bq, bk, i * bq, r_start))
+  _visit_key_tile(update, t, i, bq, bk, ctx_len, num_ctx_blocks, kc_ref, vc_ref, kr_ref,
+                  vr_ref)
 
   @pl.when(t == pl.num_programs(4) - 1)
   def _finalize():
@@ -187,17 +196,8 @@ def _dq_kernel(lens_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, do_ref, lse_ref,
                                      _row_to_col(lse_ref), _row_to_col(di_ref), mask, scale)
     dq_sc[...] += _tiles.matmul(ds.astype(k.dtype), k) * scale
 
-  k_start = t * bk
-
-  @pl.when(jnp.logical_and(t < num_ctx_blocks, k_start < ctx_len))
-  def _context():
-    update(kc_ref, vc_ref, _tiles.context_mask(bq, bk, k_start, ctx_len))
-
-  r_start = (t - num_ctx_blocks) * bk
-
-  @pl.when(jnp.logical_and(t >= num_ctx_blocks, r_start < (i + 1) * bq))
-  def _response():
-    update(kr_ref, vr_ref, _tiles.causal_mask(bq, bk, i * bq, r_start))
+  _visit_key_tile(update, t, i, bq, bk, ctx_len, num_ctx_blocks, kc_ref, vc_ref, kr_ref,
+                  vr_ref)
 
   @pl.when(t == pl.num_programs(4) - 1)
   def _finalize():
