@@ -134,6 +134,10 @@ def _objective(config) -> losses.Objective:
     obj = losses.get_objective(config.loss.preset, **knobs)
   except ValueError as e:
     raise ConfigError(f"loss: {e}") from None
+  if obj.estimator == "mc_grpo":
+    raise ConfigError("loss: the mc_grpo advantage needs N+1 samples per prompt with the "
+                      "pivot dropped, which the trainer does not do; use it through "
+                      "rl_jax.losses directly")
   return obj
 
 
@@ -551,6 +555,12 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
     sq = fns["grad_norms"](state.params, pt, pl, rt, rm,
                            jax.random.key(_seed_int(c.train.seed, step, 3)))
     adv = obj.advantages(jnp.asarray(rewards), log_w=log_w, grad_sq_norms=sq)
+  elif obj.estimator == "reinforce_pp":  # token-level returns, KL to the reference folded in
+    kl = (losses.kl_penalty(old, ref, "k1").reshape(G * M, R) if obj.needs_ref else None)
+    adv = obj.advantages(jnp.asarray(rewards).reshape(G * M), mask=rm.reshape(G * M, R),
+                         kl=kl).reshape(G, M, R)
+  elif obj.estimator == "reinforce_pp_baseline":  # whitened over valid tokens
+    adv = obj.advantages(jnp.asarray(rewards), lengths=jnp.sum(rm, axis=-1))
   else:
     adv = obj.advantages(jnp.asarray(rewards))
   n_tok = int(mask.sum())

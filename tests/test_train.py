@@ -1,5 +1,6 @@
 """The trainer end to end: learning, exact resume after SIGKILL, 8 devices == 1, errors."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -159,6 +160,34 @@ def test_restore_target_matches_a_fresh_state(overrides):
     assert x.sharding.is_equivalent_to(t.sharding, x.ndim), (x.sharding, t.sharding)
 
 
+@pytest.mark.parametrize("preset", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_presets_get_their_inputs(tmp_path, preset):
+  """REINFORCE++ gets the token mask and the k1 KL of old vs reference (token-level
+  advantages); REINFORCE++-baseline gets the response lengths."""
+  setup = train.build_setup(_config([f"loss.preset={preset}", "sft.steps=0"]))
+  seen = {}
+
+  def spy(rewards, **kwargs):
+    seen.update(kwargs, rewards=rewards)
+    return real(rewards, **kwargs)
+
+  real = setup.objective.advantages
+  setup = dataclasses.replace(setup, objective=setup.objective._replace(advantages=spy))
+  state = train.init_state(setup)
+  fns = {"logprob": train.make_logprob_fn(setup), "values": train.make_value_fn(setup)}
+  r, _, _ = train.rl_rollouts(setup, state, fns)
+  mask = np.asarray(r.mask)
+  G, M, R = mask.shape
+  if preset == "reinforce_pp":
+    np.testing.assert_array_equal(np.asarray(seen["mask"]), mask.reshape(G * M, R))
+    kl = np.where(mask, np.asarray(r.old_logp) - np.asarray(r.ref_logp), 0.0).reshape(G * M, R)
+    np.testing.assert_allclose(np.where(mask.reshape(G * M, R), seen["kl"], 0.0), kl, atol=1e-6)
+    assert np.asarray(r.advantages).shape == (G, M, R)
+  else:
+    np.testing.assert_array_equal(np.asarray(seen["lengths"]), mask.sum(-1))
+    assert np.asarray(r.advantages).shape == (G, M)
+
+
 @pytest.mark.parametrize("preset", ["ppo", "vcpo"])
 def test_critic_and_off_policy_presets_train(tmp_path, preset):
   """PPO (critic + GAE) and VCPO (OPOB baseline from per-row gradient norms) run end to end."""
@@ -225,6 +254,7 @@ def test_non_finite_loss_skips_update():
     ("--config.rollout.n=0", "rollout.n"),
     ("--config.rollout.over_sampling=0.5", "rollout.over_sampling"),
     ("--config.rollout.max_staleness=-2", "rollout.max_staleness"),
+    ("--config.loss.preset=mc_grpo", "mc_grpo"),
 ])
 def test_bad_config_fails_in_one_line(tmp_path, override, message):
   proc = subprocess.run(

@@ -135,6 +135,7 @@ class Objective(NamedTuple):
     uses_kl / needs_ref / needs_values / needs_entropy / needs_grad_norms: what the trainer
       must supply.
     name: preset name or "custom".
+    estimator: name of the advantage estimator (its input contract; None if there is none).
   """
 
   advantages: Callable[..., Any]
@@ -148,6 +149,7 @@ class Objective(NamedTuple):
   needs_entropy: bool
   needs_grad_norms: bool
   name: str = "custom"
+  estimator: str | None = None
 
 
 def finalize(loss_sum: Array, denom: Array) -> Array:
@@ -560,4 +562,5 @@ def chain(*parts: Any, name: str = "custom") -> Objective:
       advantages=advantages, loss=loss, prepare=prepare, update_transform=tx,
       default_agg=agg.mode, uses_kl="kl" in needs, needs_ref="ref_logp" in needs,
       needs_values="values" in needs, needs_entropy="entropy" in needs,
-      needs_grad_norms="grad_norms" in needs, name=name)
+      needs_grad_norms="grad_norms" in needs, name=name,
+      estimator=estimator.name if estimator else None)
