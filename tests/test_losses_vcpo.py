@@ -148,3 +148,14 @@ def test_head_grad_norms_exact_for_the_head():
   ref = [float(jnp.sum(jax.grad(head_logp)(params["head"], i) ** 2)) for i in range(4)]
   out = losses.head_grad_sq_norms(hidden, hidden @ params["head"], targets, mask, 0.7)
   close(out, ref, tol=1e-4)
+
+
+def test_ess_ratio_stays_scale_invariant_for_small_weights():
+  """Sequence log-weights far below 0 (long responses, small per-token drift) keep rho."""
+  log_w = jnp.asarray(np.linspace(-0.5, 0.5, 16), jnp.float32)
+  rho = lambda lw: float(losses.ess_ratio_from_sums(*losses.ess_sums(lw)))
+  w = np.exp(np.linspace(-0.5, 0.5, 16))
+  for shift in (0.0, -12.0, -25.0, 20.0):
+    close(rho(log_w + shift), w.sum() ** 2 / (w ** 2).sum() / 16, tol=1e-4)
+  close(losses.effective_sample_size(jnp.asarray(w * 1e-9, jnp.float32)),
+        w.sum() ** 2 / (w ** 2).sum(), tol=1e-3)

@@ -59,18 +59,22 @@ def ess_sums(log_w: Array, row_valid: Array | None = None) -> tuple[Array, Array
 
 
 def ess_ratio_from_sums(sum_w: Array, sum_w2: Array, count: Array) -> Array:
-  """``rho = ESS / B`` with ``ESS = (sum w)^2 / (sum w^2 + 1e-8)``; 1.0 when B = 0."""
-  ess = sum_w * sum_w / (sum_w2 + 1e-8)
+  """``rho = ESS / B`` with ``ESS = (sum w)^2 / sum w^2``; 1.0 when B = 0.
+
+  No additive epsilon: rho is invariant to a common scale of the weights over the whole
+  clamp range of ``ess_sums`` (an absolute epsilon would drag rho to 0 for small weights).
+  """
+  ess = safe_divide(sum_w * sum_w, sum_w2)
   return jnp.where(count > 0, safe_divide(ess, count), 1.0)
 
 
 def effective_sample_size(weights: Array) -> Array:
-  """``ESS = (sum w)^2 / (sum w^2 + 1e-8)`` of importance weights [B] (scale invariant).
+  """``ESS = (sum w)^2 / sum w^2`` of importance weights [B] (scale invariant; 0 if all 0).
 
   References: Kong 1992; VCPO.
   """
   check_rank("weights", weights, (1,))
-  return jnp.sum(weights) ** 2 / (jnp.sum(weights ** 2) + 1e-8)
+  return safe_divide(jnp.sum(weights) ** 2, jnp.sum(weights ** 2))
 
 
 def ess_lr_multiplier(ess_ratio: Array, rho_base: float = 1.0, rule: str = "sqrt") -> Array:
