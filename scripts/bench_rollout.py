@@ -39,13 +39,7 @@ from rl_jax.rollout import sampler  # noqa: E402
 
 def _timeit(fn, repeats: int) -> tuple[float, object]:
   """Best wall time of ``repeats`` calls after one warm-up call (compile excluded)."""
-  out = fn()
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - t)
-  return best, out
+  return _timeit_interleaved([fn], repeats)[0]
 
 
 def _timeit_interleaved(fns, repeats: int) -> list[tuple[float, object]]:
@@ -142,7 +136,7 @@ def bench_april(cfg, params, k, n, slots, new_tokens, eos, steps, warmup=4):
                      mean_len=float(np.mean(lengths)), p99_len=float(np.percentile(lengths, 99)),
                      stale=float(np.mean(stale)), lag=lag,
                      compiles=sum(sampler.TRACE_COUNTS.values()) - traces,
-                     warmup_programs=compiled, warmup_s=warmup_s)
+                     warmup_programs=compiled, warmup_s=warmup_s, warmup_steps=warmup)
     print(f"  {name}: {res[name]}", flush=True)
   return res
 
@@ -306,7 +300,7 @@ def main(argv=None):
     w = ap_res["wait-for-all"]
     lines += ["", f"Before timing, `engine.warmup` compiled every admission / resume / decode "
               f"shape ({w['warmup_programs']} programs, {w['warmup_s']:.1f} s; the engines "
-              "share them), then each mode ran 4 untimed steps."]
+              f"share them), then each mode ran {w['warmup_steps']} untimed steps."]
     lines += ["", "## 4. Decode step: bytes read vs machine copy bandwidth (greedy, batch "
               f"{bw['batch']}, prompt 32)", "",
               "| ms / decode step | weights MiB | KV cache MiB | achieved GB/s | numpy copy GB/s "

@@ -295,7 +295,7 @@ class RolloutEngine:
     state = sampler.init_state(cfg, G, M, self.P, self.R, ctx=self.ctx)
     key = jax.random.key(self.seed, impl="threefry2x32")
     version = jnp.int32(policy_version)
-    remaining = {id(r): sum(1 for u in units if u[0] is r) for r in requests}
+    remaining = collections.Counter(id(u[0]) for u in units)
     while len(complete) < want:
       free = [g for g in range(G) if slot_unit[g] is None]
       batch = [(g, units.popleft()) for g in free[:len(units)]]
@@ -396,8 +396,9 @@ class RolloutEngine:
           state = sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp,
                                 version, key, filtered=self.filtered, fresh=fresh,
                                 ctx=self.ctx)
-    shapes = {self._resume_shape(rows, longest)
-              for rows in range(1, self.G * self.M + 1) for longest in range(1, self.R)}
+    rows = [4 ** i for i in range(1, (self.G * self.M).bit_length()) if 4 ** i < self.G * self.M]
+    lengths = [self.R >> j for j in range(3) if self.R >> j >= 1]
+    shapes = {self._resume_shape(r, n) for r in [1, *rows, self.G * self.M] for n in lengths}
     for Br, S in sorted(shapes):
       state = sampler.resume(self.cfg, params, state, self._resume_rows(Br, S), ctx=self.ctx)
     state, _ = sampler.decode(self.cfg, params, state, self.sp, version, jnp.int32(1),
@@ -685,7 +686,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
       its own key stream, so results do not depend on batching, slots or mesh.
     stop: list of token-id stop sequences. prompt_once: share each prompt's K/V across its
       n samples (False = replicate the prompt per sample; same tokens).
-    max_slots: groups decoded together (default all; fewer uses continuous batching).
+    max_slots: groups decoded together (default: the number of groups, rounded up to a
+      power of two; fewer uses continuous batching).
     mesh, rules: run sharded (batch over data/fsdp, heads over tensor, cache over sequence).
   Returns:
     Rollout with G·n rows, prompt-major: tokens int32 [G·n, max_new_tokens], mask, logprobs,

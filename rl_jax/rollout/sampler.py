@@ -143,7 +143,7 @@ def kv_cache_bytes(cfg: ModelConfig, groups: int, samples: int, prompt_len: int,
 
 # ------------------------------------------------------------------------------ attention
 def _partial(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Unnormalised softmax pieces of masked scores [..., S]: (weights, log-sum-exp [...])."""
+  """Softmax of masked scores [..., S] over its own keys, and their log-sum-exp [...]."""
   scores = jnp.where(mask, scores, -jnp.inf)
   m = jnp.max(scores, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -347,7 +347,7 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     M = adm.length.shape[1]
     pos = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (Bn, Pb))
     pvalid = pos < adm.prompt_len[:, None]
-    causal = (pos[:, None, :] <= pos[:, :, None]) & pvalid[:, None, :]
+    causal = tx.causal_mask(pos, pos, pvalid)
     h, pk, pv = _run_trunk(cfg, params, adm.prompt, pos, Bn, 1, causal[:, None])
     pk, pv = pk[:, :, 0], pv[:, :, 0]  # [L,Bn,Pb,K,H]
     last = jnp.take_along_axis(h, (adm.prompt_len - 1)[:, None, None], axis=1)[:, 0]
