@@ -117,6 +117,7 @@ def loss_extra_config() -> ml_collections.ConfigDict:
   """Trainer-side settings of objectives (not knobs of the loss itself)."""
   return ml_collections.ConfigDict(dict(
       grad_norm_method="map",  # VCPO per-trajectory gradient norms: vmap | map | jvp
+      grad_norm_chunk=4,  # rows per chunk of "map" (docs/BENCHMARKS.md: grad-norm section)
   ))
 
 
@@ -213,6 +214,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.kl_beta": cu.optional(cu.nonnegative),
       "optim.lr": cu.positive,
       "loss_extra.grad_norm_method": cu.one_of(("vmap", "map", "jvp")),
+      "loss_extra.grad_norm_chunk": cu.positive_int,
       "optim.schedule": cu.one_of(("constant", "cosine")),
       "optim.warmup_steps": cu.nonnegative_int,
       "optim.weight_decay": cu.nonnegative,

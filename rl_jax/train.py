@@ -405,6 +405,7 @@ def make_grad_norm_fn(s: Setup):
   """Jitted per-trajectory squared gradient norms [G,M] of summed response log-probs (VCPO)."""
   cfg, temp = s.model_cfg, s.config.rollout.temperature or 1.0
   method = s.config.loss_extra.grad_norm_method
+  chunk = s.config.loss_extra.grad_norm_chunk
 
   def row_logp(p, x):
     pt, pl, rt, rm = x
@@ -416,7 +417,8 @@ def make_grad_norm_fn(s: Setup):
     G, M, R = rt.shape
     x = (jnp.repeat(pt, M, axis=0), jnp.repeat(pl, M, axis=0), rt.reshape(G * M, R),
          rm.reshape(G * M, R))
-    sq = losses.per_row_grad_sq_norms(row_logp, params, x, method=method, key=key)
+    sq = losses.per_row_grad_sq_norms(row_logp, params, x, method=method, key=key,
+                                      chunk_size=chunk if method == "map" else None)
     return sq.reshape(G, M)
 
   return jax.jit(fn)

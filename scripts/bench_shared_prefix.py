@@ -28,7 +28,6 @@ replicated concatenated sequences (forward + backward); on CPU that part is skip
 Usage::
 
     python scripts/bench_shared_prefix.py                       # default run, ~4 min on 2 shared cores
-    python scripts/bench_shared_prefix.py
     python scripts/bench_shared_prefix.py --quick               # toy sizes, seconds
 
 References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl).
@@ -135,11 +134,12 @@ def compiled_flops(compiled) -> float:
 
 
 def compiled_memory(compiled) -> dict:
-  """temp bytes and temp + argument + output bytes from ``memory_analysis()``."""
+  """temp bytes and temp + argument + output bytes from ``memory_analysis()`` (donated
+  parameters and optimizer state are counted as both argument and output)."""
   mem = compiled.memory_analysis()
   temp = int(mem.temp_size_in_bytes)
   total = temp + int(mem.argument_size_in_bytes) + int(mem.output_size_in_bytes)
-  return {"temp": temp, "total": total, "alias": int(getattr(mem, "alias_size_in_bytes", 0))}
+  return {"temp": temp, "total": total}
 
 
 def exact_flops(cfg, optimizer, params, batch) -> dict:
