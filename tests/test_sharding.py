@@ -1,7 +1,6 @@
 """The same forward pass on 1 device and on 8 fake CPU devices under two rule sets."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any, Mapping
 
@@ -255,7 +254,3 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
   if (cfg.architecture == "qwen3") != cfg.qk_norm:
     raise ModelError("qk_norm is exactly the qwen3 architecture in HF format")
   return out
-
-
-def dump_hf_config(cfg: ModelConfig) -> str:
-  return json.dumps(to_hf_dict(cfg), indent=2, sort_keys=True)

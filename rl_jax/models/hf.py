@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from rl_jax.errors import ModelError
 from rl_jax.models import transformer as tx
-from rl_jax.models.config import ModelConfig, dump_hf_config, from_hf_dict
+from rl_jax.models.config import ModelConfig, from_hf_dict, to_hf_dict
 
 # (our layer key, HF suffix, kind) kind: how to turn the HF tensor into ours.
 _LAYER_MAP = (
@@ -230,7 +230,7 @@ def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".tmp_hf_", dir=parent)
   try:
-    hf_cfg = json.loads(dump_hf_config(cfg))
+    hf_cfg = to_hf_dict(cfg)
     hf_cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_cfg, f, indent=2, sort_keys=True)

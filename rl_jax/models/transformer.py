@@ -98,9 +98,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
 
 def param_shardings(cfg: ModelConfig, mesh, rules) -> Params:
   """NamedShardings of every parameter under ``rules`` on ``mesh``."""
-  return sharding.logical_to_sharding(param_axes(cfg), mesh, rules,
-                                      jax.tree.map(lambda s: s, param_shapes(cfg),
-                                                   is_leaf=lambda s: isinstance(s, tuple)))
+  return sharding.logical_to_sharding(param_axes(cfg), mesh, rules, param_shapes(cfg))
 
 
 def init_sharded(cfg: ModelConfig, rng: jax.Array, mesh, rules, std: float = 0.02) -> Params:

@@ -27,13 +27,13 @@ def init_value_params(cfg: ModelConfig, rng: jax.Array, policy_params=None):
   return {"trunk": trunk, "head": jnp.zeros((cfg.hidden_size,), jnp.dtype(cfg.param_dtype))}
 
 
-def _head(cfg: ModelConfig, vparams, h):
+def _head(vparams, h):
   return jnp.einsum("...d,d->...", h.astype(jnp.float32), vparams["head"].astype(jnp.float32))
 
 
 def values(cfg: ModelConfig, vparams, tokens, positions=None, attention_mask=None):
   """V(s_t) for every prefix: tokens int [B,T] -> float32 [B,T]."""
-  return _head(cfg, vparams, tx.hidden_states(cfg, vparams["trunk"], tokens, positions,
+  return _head(vparams, tx.hidden_states(cfg, vparams["trunk"], tokens, positions,
                                               attention_mask))
 
 
@@ -42,5 +42,5 @@ def response_values(cfg: ModelConfig, vparams, prompt_tokens, prompt_lengths, re
   """Value of the state before each response token: [G,M,R] float32 (0 where masked)."""
   h = grouped.response_hidden(cfg, vparams["trunk"], prompt_tokens, prompt_lengths,
                               response_tokens, shared_prefix)
-  v = _head(cfg, vparams, h)
+  v = _head(vparams, h)
   return v if response_mask is None else jnp.where(response_mask, v, 0.0)
