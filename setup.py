@@ -32,7 +32,8 @@ setup(
             "pytest-xdist",
             "hypothesis",
             "transformers>=4.50",
-            # CPU build; an open range pulls a multi-GB CUDA wheel.
+            # Pinned for the parity tests. On Linux from PyPI this is the CUDA build (GBs); for a
+            # CPU-only machine install torch from https://download.pytorch.org/whl/cpu first.
             "torch==2.13.0",
         ],
     },

@@ -61,10 +61,10 @@ def mesh_config() -> ml_collections.ConfigDict:
 
 
 def data_config() -> ml_collections.ConfigDict:
-  """Prompt source: a built-in task, or a JSONL / TFDS dataset."""
+  """Prompt source: a built-in task, or a JSONL / Parquet file (task="file")."""
   return ml_collections.ConfigDict(dict(
       task="arithmetic",  # arithmetic | countdown | sorting (built in), or "file" (data.path)
-      path=config_dict.placeholder(str),  # JSONL file or TFDS name when task is jsonl/tfds
+      path=config_dict.placeholder(str),  # .jsonl or .parquet file when task is "file"
       tokenizer=config_dict.placeholder(str),  # None: the task's own tokenizer
       difficulty=0,  # the task's difficulty knob
       format="auto",  # file tasks: gsm8k | math | auto

@@ -134,6 +134,9 @@ def _objective(config) -> losses.Objective:
     obj = losses.get_objective(config.loss.preset, **knobs)
   except ValueError as e:
     raise ConfigError(f"loss: {e}") from None
+  if obj.needs_entropy:
+    raise ConfigError("loss.entropy_coef: the trainer does not compute per-token entropy; "
+                      "leave it unset (an entropy bonus is available in rl_jax.losses)")
   if obj.estimator == "mc_grpo":
     raise ConfigError("loss: the mc_grpo advantage needs N+1 samples per prompt with the "
                       "pivot dropped, which the trainer does not do; use it through "
@@ -203,6 +206,10 @@ def build_setup(config) -> Setup:
   if n_dev > jax.device_count():
     raise ConfigError(f"mesh.num_devices={n_dev} but only {jax.device_count()} devices exist")
   mesh = sharding.make_mesh(_mesh_shape(config.mesh.shape, n_dev), jax.devices()[:n_dev])
+  if prompt_len + config.rollout.max_new_tokens > model_cfg.max_position_embeddings:
+    raise ConfigError(f"data: prompts of {prompt_len} tokens + rollout.max_new_tokens="
+                      f"{config.rollout.max_new_tokens} exceed the model's "
+                      f"{model_cfg.max_position_embeddings} positions")
   objective = _objective(config)
   rl_tx = optax.chain(_optimizer(config.optim, config.optim.lr, config.train.steps),
                       objective.update_transform)
@@ -231,7 +238,8 @@ def init_state(s: Setup) -> TrainState:
 
 def _state_from_params(s: Setup, params) -> TrainState:
   """The rest of a fresh state (optimizer states, reference, critic) from the policy params."""
-  ref = params if s.objective.needs_ref else {}
+  # a copy: the supervised step donates params, which must not free the reference's buffers
+  ref = jax.tree.map(jnp.copy, params) if s.objective.needs_ref else {}
   value, value_opt = {}, {}
   if s.objective.needs_values:  # critic warm-started from (a copy of) the policy trunk
     value = models.init_value_params(s.model_cfg, jax.random.key(0),
@@ -358,7 +366,8 @@ def make_rl_update(s: Setup):
   """Jitted RL update on one minibatch of groups (policy, and the critic for PPO).
 
   ``update(params, opt_state, value_params, value_opt_state, rollouts)`` returns the four
-  updated and a metrics dict. A non-finite loss or gradient skips the whole update.
+  updated and a metrics dict. A non-finite loss or policy gradient skips the policy update, a
+  non-finite critic gradient the critic update; either counts as a skipped step.
   """
   cfg, obj = s.model_cfg, s.objective
   temp = s.config.rollout.temperature or 1.0
@@ -548,7 +557,8 @@ def rl_rollouts(s: Setup, state: TrainState, fns: dict) -> tuple[Rollouts, dict,
   returns = old_values = None
   if obj.needs_values:  # PPO: GAE over token rewards with the critic's values
     old_values = fns["values"](state.value_params, pt, pl, rt, rm)
-    adv, returns = obj.advantages(_last_token_rewards(jnp.asarray(rewards), rm).reshape(G * M, R),
+    full = jnp.asarray(mask.reshape(G, M, R))  # the last generated token, stale or not
+    adv, returns = obj.advantages(_last_token_rewards(jnp.asarray(rewards), full).reshape(G * M, R),
                                   values=old_values.reshape(G * M, R), mask=rm.reshape(G * M, R))
     adv, returns = adv.reshape(G, M, R), returns.reshape(G, M, R)
   elif obj.needs_grad_norms:  # VCPO: off-policy optimal baseline
@@ -633,6 +643,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if latest is None:
     state = init_state(s)
+    if os.path.exists(metrics_path):  # an earlier attempt died before its first checkpoint
+      metrics_lib.truncate_after(metrics_path, 0)
   else:
     state, _ = ckpt.restore(abstract_state(s), step=latest)
     if os.path.exists(metrics_path):

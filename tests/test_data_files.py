@@ -102,6 +102,10 @@ def test_file_task_splits(tmp_path):
   tr, ev = list(hashed.split("train")), list(hashed.split("eval"))
   assert len(tr) + len(ev) == 40 and ev and not {e.prompt for e in tr} & {e.prompt for e in ev}
   assert len(hashed.split("train", size=4)) == 4
+  # other braces in the template are literal text (MATH prompts ask for \boxed{})
+  boxed = tasks.get_task("file", path=train_path, eval_path=test_path, backend="memory",
+                         template="{question} Put the answer in \\boxed{}.")
+  assert boxed.split("train")[5].prompt == "What is 5 plus 5? Put the answer in \\boxed{}."
 
 
 @pytest.mark.parametrize("text,answer", [

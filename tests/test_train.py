@@ -103,6 +103,23 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
   assert checkpoint.latest_step(os.path.join(workdir, "checkpoints")) == last
 
 
+def test_kl_run_checkpoints_during_the_supervised_stage(tmp_path):
+  """The reference must not share (donated) buffers with the policy during SFT."""
+  state = train.train(_config(["loss.kl_beta=0.01"]), str(tmp_path), progress=False)
+  assert int(state.step) == 6 and state.ref_params
+  assert checkpoint.all_steps(str(tmp_path / "checkpoints"))
+
+
+def test_rerun_before_the_first_checkpoint_rewrites_metrics(tmp_path):
+  """A run that died before saving anything starts over; its metrics rows are not kept."""
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 1, "phase": "sft", "sft_loss": 123.0}) + "\n")
+  train.train(_config(), str(tmp_path), progress=False)
+  rows = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  assert rows[0]["sft_loss"] != 123.0
+
+
 def test_rerun_of_finished_run_changes_nothing(tmp_path):
   train.train(_config(), str(tmp_path), progress=False)
   before = _final_weights(str(tmp_path))
@@ -255,6 +272,8 @@ def test_non_finite_loss_skips_update():
     ("--config.rollout.over_sampling=0.5", "rollout.over_sampling"),
     ("--config.rollout.max_staleness=-2", "rollout.max_staleness"),
     ("--config.loss.preset=mc_grpo", "mc_grpo"),
+    ("--config.loss.entropy_coef=0.01", "entropy_coef"),
+    ("--config.rollout.max_new_tokens=5000", "max_new_tokens"),
 ])
 def test_bad_config_fails_in_one_line(tmp_path, override, message):
   proc = subprocess.run(

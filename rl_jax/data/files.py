@@ -255,7 +255,8 @@ class _ExampleView(Sequence):
     if isinstance(i, slice):
       return [self[j] for j in range(*i.indices(len(self)))]
     qa = self._source[int(self._indices[i])]
-    return tasks_lib.Example(self._template.format(question=qa["question"]), qa["reference"])
+    prompt = self._template.replace("{question}", qa["question"])  # other braces stay literal
+    return tasks_lib.Example(prompt, qa["reference"])
 
 
 @dataclasses.dataclass(frozen=True)
