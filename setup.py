@@ -6,18 +6,17 @@ setup(
     name="rl_jax",
     version="0.1.0",
     description="Exact, fast RL post-training (GRPO family, VCPO, PPO) for language models in JAX",
-    packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*", "configs"]),
+    packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*"]),
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10.2,<0.11",
-        "flax>=0.12",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
-        "chex>=0.1.90",
         "ml-collections>=1.0",
         "absl-py",
         "tensorflow-datasets>=4.9.9",
-        "array_record",
+        "array_record",  # the file format of the TFDS data source (read by tensorflow-datasets)
+        "etils",
         "safetensors>=0.4",
         "tokenizers>=0.20",
         "math-verify>=0.8",
@@ -29,6 +28,7 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "chex>=0.1.90",
             "pytest-xdist",
             "hypothesis",
             "transformers>=4.50",

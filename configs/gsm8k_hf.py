@@ -14,12 +14,12 @@ Recipe (DeepSeekMath GRPO): N = 8 samples per prompt (rollout.n), ε = 0.2, k3 K
 weights, per-layer rematerialisation.
 """
 
-from configs import common
+from rl_jax import config as base
 
 
 def get_config(arg=None):
   del arg
-  config = common.base_config()
+  config = base.base_config()
   config.model.update(dtype="bfloat16", param_dtype="float32", remat="full")
   config.data.update(task="file", format="gsm8k", max_prompt_len=512, eval_size=256,
                      template="Question: {question}\nAnswer (end with '#### <number>'):",

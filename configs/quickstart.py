@@ -14,12 +14,12 @@ held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.932 at 
 (step 275), pass@4 0.068 -> 0.952; training reward 0.03 -> 0.89. Curves: DIR/curves.png.
 """
 
-from configs import common
+from rl_jax import config as base
 
 
 def get_config(arg=None):
   del arg
-  config = common.base_config()
+  config = base.base_config()
   config.model.update(architecture="qwen3", hidden_size=64, intermediate_size=192,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                       max_position_embeddings=64)

@@ -1,4 +1,4 @@
-"""Loading, overriding and validating ml-collections configs; the CLI error guard.
+"""Loading and overriding ml-collections configs from the command line; the CLI error guard.
 
 A config is a ``.py`` file defining ``get_config(arg=None) -> ConfigDict``. It is named on
 the command line as ``--config=configs/x.py`` or ``--config=configs/x.py:arg`` (everything
@@ -31,29 +31,31 @@ silently turns a typed field into an untyped one when it is set to None. Here ev
 line. Flags other than ``--config``/``--workdir`` are handed to absl, so absl's own flags
 (``--verbosity`` ...) keep working.
 
-Validation is declarative: ``check(config, "rollout.top_p", probability)`` or
-``validate(config, {"train.steps": positive_int, "loss.preset": one_of(...)})``; each check
-is a predicate returning ``None`` when fine or a short requirement such as
-``"must be in [0, 1]"``.
+Config files are plain Python files executed by path; they import what they need from the
+installed package (``from rl_jax import config``), and nothing is added to ``sys.path``.
+
+The declarative value checks (``check``, ``validate``, ``positive_int``, ``one_of`` ...) live
+in ``rl_jax.config_checks`` and are importable from here too.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import difflib
 import functools
 import importlib.util
 import inspect
-import math
 import os
 import sys
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import ml_collections
 from ml_collections import config_dict
 
+from rl_jax.config_checks import (Check, check, check_choice, get_value, in_range, is_number,
+                                  nonnegative, nonnegative_int, one_of, optional, positive,
+                                  positive_int, probability, resolve_parent, validate)
 from rl_jax.errors import ConfigError, RLJaxError
 
 __all__ = [
@@ -78,20 +80,6 @@ def split_config_spec(spec: str) -> tuple[str, str | None]:
   return path, (arg if sep else None)
 
 
-@contextlib.contextmanager
-def _importable_from(path: str):
-  """Puts the config's grandparent on sys.path so ``from configs import common`` works."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-  added = root not in sys.path
-  if added:
-    sys.path.insert(0, root)
-  try:
-    yield
-  finally:
-    if added and root in sys.path:
-      sys.path.remove(root)
-
-
 def _exec_module(path: str):
   """Executes a config file as a fresh module and returns it."""
   name = f"_rl_jax_config_{uuid.uuid4().hex[:8]}"
@@ -100,8 +88,7 @@ def _exec_module(path: str):
     raise ConfigError(f"config file {path} is not a Python file")
   module = importlib.util.module_from_spec(spec)
   try:
-    with _importable_from(path):
-      spec.loader.exec_module(module)
+    spec.loader.exec_module(module)
   except Exception as e:  # The config file itself is broken: report where, in one line.
     raise ConfigError(f"config file {path} failed to import: {type(e).__name__}: {e}") from e
   return module
@@ -129,8 +116,7 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
     raise ConfigError(f"config file {path} defines no get_config() function")
   call = f"get_config({arg!r})" if arg is not None else "get_config()"
   try:
-    with _importable_from(path):
-      config = get_config(arg) if arg is not None else get_config()
+    config = get_config(arg) if arg is not None else get_config()
   except TypeError as e:
     if arg is not None and _takes_no_argument(get_config):
       raise ConfigError(f"config file {path}: get_config() takes no argument, "
@@ -190,38 +176,6 @@ def _split_override(override: str) -> tuple[str, str]:
   if not key or any(not part for part in key.split(".")):
     raise ConfigError(f"config override {override!r} has an empty key")
   return key, raw
-
-
-def _child_names(node: Any) -> list[str]:
-  return sorted(str(k) for k in node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-
-
-def _unknown_key(key: str, parent_path: str, parent: Any) -> ConfigError:
-  names = _child_names(parent)
-  leaf = key.split(".")[-1]
-  close = difflib.get_close_matches(leaf, names, n=1)
-  hint = f"; did you mean {'.'.join(filter(None, [parent_path, close[0]]))!r}?" if close else ""
-  where = f"config.{parent_path}" if parent_path else "config"
-  return ConfigError(f"unknown config key {key!r} ({where} has: {', '.join(names)}){hint}")
-
-
-def _resolve_parent(config: ml_collections.ConfigDict, key: str):
-  """Walks to the ConfigDict holding ``key``'s last component; raises on unknown keys."""
-  parts = key.split(".")
-  node = config
-  for i, part in enumerate(parts[:-1]):
-    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      raise _unknown_key(key, ".".join(parts[:i]), node)
-    node = node[part]
-  if not isinstance(node, ml_collections.ConfigDict) or parts[-1] not in node:
-    raise _unknown_key(key, ".".join(parts[:-1]), node)
-  return node, parts[-1]
-
-
-def get_value(config: ml_collections.ConfigDict, key: str) -> Any:
-  """``config`` at dotted ``key`` (``"rollout.top_p"``); ConfigError naming it if absent."""
-  parent, leaf = _resolve_parent(config, key)
-  return parent[leaf]
 
 
 def _literal(raw: str) -> Any:
@@ -317,7 +271,7 @@ def _field_info(parent: ml_collections.ConfigDict, leaf: str) -> tuple[type | No
 
 def set_value(config: ml_collections.ConfigDict, key: str, raw: str) -> None:
   """Parses ``raw`` against the existing field at dotted ``key`` and assigns it."""
-  parent, leaf = _resolve_parent(config, key)
+  parent, leaf = resolve_parent(config, key)
   field_type, allow_none = _field_info(parent, leaf)
   value = parse_value(raw, field_type, key=key, allow_none=allow_none)
   try:
@@ -348,7 +302,7 @@ def _take_value(argv: Sequence[str], i: int, name: str) -> tuple[str, int]:
 
 
 def _is_number_text(text: str) -> bool:
-  return _is_number(_literal(text))
+  return is_number(_literal(text))
 
 
 def _flag_name(arg: str) -> str:
@@ -425,111 +379,3 @@ def main_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
       sys.exit(2)
 
   return wrapper
-
-
-# ------------------------------------------------------------------ validation
-# A check takes a value and returns None when it is fine, or a requirement it violates
-# (e.g. "must be a positive int"), which `check` turns into a ConfigError naming the key.
-Check = Callable[[Any], "str | None"]
-
-
-def _is_int(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def positive_int(x: Any) -> str | None:
-  """Requires an int > 0."""
-  return None if _is_int(x) and x > 0 else "must be a positive int"
-
-
-def nonnegative_int(x: Any) -> str | None:
-  """Requires an int >= 0."""
-  return None if _is_int(x) and x >= 0 else "must be an int >= 0"
-
-
-def positive(x: Any) -> str | None:
-  """Requires a finite number > 0."""
-  return None if _is_number(x) and math.isfinite(x) and x > 0 else "must be a number > 0"
-
-
-def nonnegative(x: Any) -> str | None:
-  """Requires a finite number >= 0."""
-  return None if _is_number(x) and math.isfinite(x) and x >= 0 else "must be a number >= 0"
-
-
-def probability(x: Any) -> str | None:
-  """Requires a number in [0, 1]."""
-  return None if _is_number(x) and 0 <= x <= 1 else "must be a number in [0, 1]"
-
-
-def in_range(low: float | None = None, high: float | None = None, *,
-             low_inclusive: bool = True, high_inclusive: bool = True) -> Check:
-  """A check for a number in the interval given (None: unbounded on that side)."""
-  left = "[" if low_inclusive else "("
-  right = "]" if high_inclusive else ")"
-  text = (f"must be a number in {left}{'-inf' if low is None else low}, "
-          f"{'inf' if high is None else high}{right}")
-
-  def check_range(x: Any) -> str | None:
-    if not _is_number(x) or math.isnan(x):
-      return text
-    if low is not None and (x < low or (x == low and not low_inclusive)):
-      return text
-    if high is not None and (x > high or (x == high and not high_inclusive)):
-      return text
-    return None
-
-  return check_range
-
-
-def one_of(choices: Iterable[Any]) -> Check:
-  """A check for membership in ``choices``."""
-  allowed = tuple(choices)
-
-  def check_choice_(x: Any) -> str | None:
-    return None if x in allowed else f"must be one of {list(allowed)}"
-
-  return check_choice_
-
-
-def optional(inner: Check) -> Check:
-  """``inner``, but None is also accepted."""
-
-  def check_optional(x: Any) -> str | None:
-    return None if x is None else inner(x)
-
-  return check_optional
-
-
-def check(config: ml_collections.ConfigDict, key: str, *checks: Check) -> Any:
-  """Applies ``checks`` to ``config.<key>``; returns the value.
-
-  Raises:
-    ConfigError: the key is unknown, or the first failing check, as
-      ``"config.rollout.top_p must be a number in [0, 1], got 1.5"``.
-  """
-  value = get_value(config, key)
-  if isinstance(value, config_dict.FieldReference):
-    value = value.get()
-  for fn in checks:
-    problem = fn(value)
-    if problem:
-      raise ConfigError(f"config.{key} {problem}, got {value!r}")
-  return value
-
-
-def check_choice(config: ml_collections.ConfigDict, key: str, choices: Iterable[Any]) -> Any:
-  """``check(config, key, one_of(choices))``."""
-  return check(config, key, one_of(choices))
-
-
-def validate(config: ml_collections.ConfigDict,
-             schema: Mapping[str, Check | Sequence[Check]]) -> None:
-  """Runs ``check`` for every ``key -> check(s)`` in ``schema``; first failure raises."""
-  for key, checks in schema.items():
-    checks = tuple(checks) if isinstance(checks, (tuple, list)) else (checks,)
-    check(config, key, *checks)

@@ -12,6 +12,9 @@ Each class also derives from the matching builtin so callers can catch it the or
 
 from __future__ import annotations
 
+__all__ = ["RLJaxError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
+           "DataError", "ModelError"]
+
 
 class RLJaxError(Exception):
   """Base class of every error rl_jax raises for a user mistake."""

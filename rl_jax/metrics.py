@@ -11,6 +11,8 @@ import math
 import os
 from typing import Any, Mapping
 
+__all__ = ["MetricsWriter", "read_jsonl", "truncate_after", "plot_curves"]
+
 
 def _clean(value: Any) -> Any:
   if hasattr(value, "item"):

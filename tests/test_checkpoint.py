@@ -1,13 +1,19 @@
 """Checkpoint save/restore: bitwise round trips, re-sharding across meshes, keep-last-k,
-clear errors on mismatches, and partial saves never being restored."""
+clear errors on mismatches, partial saves (and a SIGKILL mid-save) never being restored, and
+the on-disk layout being read whoever wrote it."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from rl_jax import checkpoint
@@ -43,18 +49,11 @@ def _abstract(tree):
   return jax.tree.map(one, tree)
 
 
-def _assert_bitwise_equal(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert type(x) is type(y), (type(x), type(y))
-    if isinstance(x, (int, float)):
-      assert x == y
-      continue
-    assert x.dtype == y.dtype and x.shape == y.shape
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x, y = jax.random.key_data(x), jax.random.key_data(y)
-    np.testing.assert_array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8),
-                                  np.atleast_1d(np.asarray(y)).view(np.uint8))
+def _assert_bitwise_equal(want, got):
+  """Same tree, leaf types (Python number / numpy / jax), shapes, dtypes and exact values."""
+  chex.assert_trees_all_equal_structs(want, got)
+  assert jax.tree.leaves(jax.tree.map(type, want)) == jax.tree.leaves(jax.tree.map(type, got))
+  chex.assert_trees_all_equal(want, got, strict=True)  # strict: shapes and dtypes too.
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -155,12 +154,16 @@ def test_restore_onto_different_mesh(tmp_path, shape, rules):
 def test_keep_last_k_and_save_every(tmp_path):
   state = {"w": jnp.zeros(3)}
   ckpt = checkpoint.Checkpointer(tmp_path, keep=2, save_every=2)
+  assert not ckpt.should_save(0) and not ckpt.should_save(1) and ckpt.should_save(2)
   saved = [step for step in range(1, 8) if ckpt.save(step, {"w": jnp.full(3, step)})]
   assert saved == [2, 4, 6]
+  assert ckpt.all_steps()[-1] == 6  # Known to the manager while it may still be written.
   assert ckpt.should_save(8) and not ckpt.should_save(7) and not ckpt.should_save(0)
-  assert ckpt.save(7, {"w": jnp.full(3, 7)}, force=True)
+  assert not ckpt.should_save(6) and not ckpt.should_save(4)  # Saved / older than saved.
+  assert ckpt.save(7, {"w": jnp.full(3, 7)}, force=True)  # Forced: off the interval.
   ckpt.wait()
   assert ckpt.all_steps() == [6, 7] and ckpt.latest_step() == 7
+  assert checkpoint.all_steps(tmp_path) == [6, 7] and checkpoint.latest_step(tmp_path) == 7
   assert sorted(os.listdir(tmp_path)) == ["6", "7"]
   assert not ckpt.save(7, state, force=True)  # Already saved: nothing to do.
   with pytest.raises(CheckpointError, match="cannot save step 5 .* newer step 7"):
@@ -168,6 +171,18 @@ def test_keep_last_k_and_save_every(tmp_path):
   restored, _ = ckpt.restore({"w": np.zeros(3, np.float32)}, step=6)
   np.testing.assert_array_equal(restored["w"], [6, 6, 6])
   ckpt.close()
+  # A new manager on the directory starts from what is on disk.
+  with checkpoint.Checkpointer(tmp_path, keep=2, save_every=2) as again:
+    assert again.all_steps() == [6, 7] and not again.should_save(6) and again.should_save(8)
+
+
+def test_keep_none_and_only_forced_saves(tmp_path):
+  with checkpoint.Checkpointer(tmp_path, keep=None, save_every=0) as ckpt:
+    assert not any(ckpt.should_save(step) for step in range(10))
+    assert not ckpt.save(3, {"w": jnp.ones(2)})
+    for step in range(1, 6):
+      assert ckpt.save(step, {"w": jnp.ones(2)}, force=True)
+  assert checkpoint.all_steps(tmp_path) == [1, 2, 3, 4, 5]
 
 
 def test_mismatch_errors_name_the_leaf(tmp_path):
@@ -197,32 +212,110 @@ def test_mismatch_errors_name_the_leaf(tmp_path):
 
 def test_partial_checkpoints_are_ignored(tmp_path):
   state = {"w": jnp.arange(4.0)}
+  target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
   with checkpoint.Checkpointer(tmp_path) as ckpt:
     ckpt.save(3, state)
-  # What a crash leaves behind: orbax's tmp dir of an unfinished save, and (on filesystems
-  # without atomic rename, or a half-copied run) a numbered dir without the commit marker.
-  (tmp_path / "5.orbax-checkpoint-tmp-1700000000").mkdir()
-  (tmp_path / "5.orbax-checkpoint-tmp-1700000000" / "state").mkdir()
+  # What a crash leaves behind: orbax's tmp dir of an unfinished save (even with a commit
+  # marker), and (on filesystems without atomic rename, or a half-copied run) a numbered dir
+  # without the commit marker.
+  tmp_save = tmp_path / "5.orbax-checkpoint-tmp-1700000000"
+  (tmp_save / "state").mkdir(parents=True)
+  (tmp_save / "commit_success.txt").write_text("done")
   (tmp_path / "9" / "state").mkdir(parents=True)
   (tmp_path / "9" / "manifest").mkdir()
   (tmp_path / "not_a_step").mkdir()
   assert checkpoint.latest_step(tmp_path) == 3
   assert checkpoint.all_steps(tmp_path) == [3]
-  restored, _ = checkpoint.restore(tmp_path, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+  restored, _ = checkpoint.restore(tmp_path, target)
   np.testing.assert_array_equal(restored["w"], np.arange(4.0))
   with pytest.raises(CheckpointNotFoundError, match=r"no complete checkpoint for step 9 .* \[3\]"):
-    checkpoint.restore(tmp_path, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, step=9)
+    checkpoint.restore(tmp_path, target, step=9)
 
   ckpt = checkpoint.Checkpointer(tmp_path)
-  with pytest.raises(CheckpointError, match=r"newer step 9 \(an incomplete checkpoint"):
-    ckpt.save(4, state)
-  shutil.rmtree(tmp_path / "9")
-  ckpt.close()
-  ckpt = checkpoint.Checkpointer(tmp_path)
-  assert ckpt.save(4, state)
-  ckpt.close()
+  assert ckpt.all_steps() == [3] and ckpt.latest_step() == 3
+  assert ckpt.save(4, state)  # The incomplete 9/ is not a step, so 4 is the newest.
+  ckpt.wait()
+  assert not tmp_save.exists()  # Unfinished saves are deleted once a manager opens the dir.
   assert checkpoint.latest_step(tmp_path) == 4
-  assert not (tmp_path / "5.orbax-checkpoint-tmp-1700000000").exists()  # Cleaned by orbax.
+  with pytest.raises(CheckpointError, match=r"9 exists but is not a complete checkpoint"):
+    ckpt.save(9, state)
+  shutil.rmtree(tmp_path / "9")
+  assert ckpt.save(9, state)
+  ckpt.close()
+  assert checkpoint.all_steps(tmp_path) == [3, 4, 9]
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from etils import epath
+from rl_jax import checkpoint
+
+directory = epath.Path(sys.argv[1])
+ckpt = checkpoint.Checkpointer(directory, async_save=True)
+ckpt.save(1, {"w": jnp.full(4, 1.0)})
+ckpt.wait()
+rename = ocp.path.atomicity.AtomicRenameTemporaryPath.finalize
+
+async def finalize(self):
+  if self.get_final().parent == directory:  # The step dir: every item is already written.
+    (self.get() / "commit_success.txt").write_text("written, not yet renamed")
+    os.kill(os.getpid(), signal.SIGKILL)
+  return await rename(self)
+
+ocp.path.atomicity.AtomicRenameTemporaryPath.finalize = finalize
+ckpt.save(2, {"w": jnp.full(4, 2.0)})
+ckpt.wait()
+print("not killed")
+"""
+
+
+def test_sigkill_mid_save_is_never_restored(tmp_path):
+  """A process killed while saving step 2 (all files written, the final rename not done)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], env=env,
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == -9, proc.stdout + proc.stderr
+  leftovers = [p for p in os.listdir(tmp_path) if p.startswith("2.")]
+  assert leftovers and os.path.exists(tmp_path / leftovers[0] / "commit_success.txt")
+  target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+  assert checkpoint.all_steps(tmp_path) == [1] and checkpoint.latest_step(tmp_path) == 1
+  restored, _ = checkpoint.restore(tmp_path, target)
+  chex.assert_trees_all_equal(restored, {"w": jnp.full(4, 1.0)})
+  with checkpoint.Checkpointer(tmp_path) as ckpt:  # The rerun: same view, then step 2 again.
+    assert ckpt.latest_step() == 1
+    assert ckpt.save(2, {"w": jnp.full(4, 2.0)})
+  assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+  restored, _ = checkpoint.restore(tmp_path, target)
+  chex.assert_trees_all_equal(restored, {"w": jnp.full(4, 2.0)})
+
+
+def test_reads_layout_written_by_plain_orbax(tmp_path):
+  """The documented layout, written without rl_jax or a CheckpointManager, restores (cast)."""
+  w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+  pos = np.array([5, 6], np.int64)
+  manifest = {"format": 1, "leaves": {
+      "params/w": {"shape": [3, 4], "dtype": "float32"},
+      "data/pos": {"shape": [2], "dtype": "int64"},
+      "step": {"shape": [], "dtype": "int64"}}}
+  writer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  writer.save(tmp_path / "12", args=ocp.args.Composite(
+      state=ocp.args.StandardSave({"params": {"w": w}, "data": {"pos": pos},
+                                   "step": np.asarray(12)}),
+      metadata=ocp.args.JsonSave({"data_position": 40}),
+      manifest=ocp.args.JsonSave(manifest)))
+  assert json.loads((tmp_path / "12" / "manifest" / "metadata").read_text()) == manifest
+  assert os.path.exists(tmp_path / "12" / "commit_success.txt")
+
+  target = {"params": {"w": jax.ShapeDtypeStruct((3, 4), jnp.bfloat16)},
+            "data": {"pos": np.zeros(2, np.int64)}, "step": 0}
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    assert ckpt.all_steps() == [12] and ckpt.metadata() == {"data_position": 40}
+    restored, meta = ckpt.restore(target)
+  assert meta == {"data_position": 40}
+  _assert_bitwise_equal({"params": {"w": jnp.asarray(w, jnp.bfloat16)}, "data": {"pos": pos},
+                         "step": 12}, restored)
 
 
 def test_not_found_and_bad_inputs(tmp_path):

@@ -156,32 +156,39 @@ def test_get_config_returning_wrong_type(tmp_path):
     cu.load_config(str(path))
 
 
-def test_common_config_loads_and_validates():
-  from configs import common  # pylint: disable=g-import-not-at-top
-  c = common.base_config()
-  required = {"model", "mesh", "data", "rollout", "loss", "optim", "train", "log"}
-  assert required <= set(c.keys())
-  cu.validate(c, common.checks())
-  cu.apply_overrides(c, ["model.hf_path=/ckpt/qwen", "rollout.eos_id=2", "mesh.shape.fsdp=8"])
-  assert (c.model.hf_path, c.rollout.eos_id, c.mesh.shape.fsdp) == ("/ckpt/qwen", 2, 8)
-  with pytest.raises(ConfigError, match="rollout.eos_id is an int field"):
-    cu.apply_overrides(c, ["rollout.eos_id=eos"])
-  cu.apply_overrides(c, ["rollout.top_p=1.5"])
-  with pytest.raises(ConfigError, match=r"config.rollout.top_p must be a number in \[0, 1\]"):
-    cu.validate(c, common.checks())
+def test_config_file_anywhere_imports_the_package(tmp_path):
+  """A config file outside the repo imports rl_jax; sys.path is left alone."""
+  path = tmp_path / "elsewhere" / "mine.py"
+  path.parent.mkdir()
+  path.write_text(
+      "import ml_collections\n"
+      "from rl_jax import config_utils\n"
+      "from rl_jax.errors import ConfigError\n"
+      "def get_config(arg=None):\n"
+      "  c = ml_collections.ConfigDict(dict(n=4, arg=arg, error=ConfigError.__name__))\n"
+      "  config_utils.check(c, 'n', config_utils.positive_int)\n"
+      "  return c\n")
+  before = list(sys.path)
+  c = cu.load_config(f"{path}:x:y")
+  assert (c.n, c.arg, c.error) == (4, "x:y", "ConfigError")
+  assert sys.path == before
 
 
-def test_config_file_can_import_its_sibling_package(tmp_path):
+def test_config_file_cannot_import_a_sibling_top_level_package(tmp_path):
+  """Nothing puts the config's grandparent on sys.path: share code through a package."""
   package = tmp_path / "proj" / "cfgs_sibling_test"
   package.mkdir(parents=True)
+  (package / "__init__.py").write_text("")
   (package / "shared.py").write_text("N = 16\n")
   (package / "user.py").write_text(
       "import ml_collections\nfrom cfgs_sibling_test import shared\n"
       "def get_config(arg=None):\n"
-      "  return ml_collections.ConfigDict(dict(n=shared.N, arg=arg))\n")
-  c = cu.load_config(f"{package / 'user.py'}:x:y")
-  assert (c.n, c.arg) == (16, "x:y")
-  assert str(tmp_path / "proj") not in sys.path
+      "  return ml_collections.ConfigDict(dict(n=shared.N))\n")
+  before = list(sys.path)
+  with pytest.raises(ConfigError, match=r"user\.py failed to import: ModuleNotFoundError: "
+                     r"No module named 'cfgs_sibling_test'"):
+    cu.load_config(str(package / "user.py"))
+  assert sys.path == before
 
 
 # ------------------------------------------------------------------ validation
@@ -220,6 +227,34 @@ def test_optional_and_choice_and_validate():
     cu.check_choice(c, "rl.name", ["ppo"])
   with pytest.raises(ConfigError, match="unknown config key 'rl.nope'"):
     cu.check(c, "rl.nope", cu.positive_int)
+
+
+def test_one_of_reads_a_live_view_at_check_time():
+  registry = {"grpo": None}
+  check = cu.one_of(registry.keys())
+  c = ml_collections.ConfigDict(dict(loss=dict(advantage="rloo")))
+  with pytest.raises(ConfigError, match=r"config.loss.advantage must be one of \['grpo'\], got"):
+    cu.validate(c, {"loss.advantage": cu.optional(check)})
+  registry["rloo"] = None  # Registered after the check was built, e.g. by a config file.
+  cu.validate(c, {"loss.advantage": cu.optional(check)})
+  assert cu.check_choice(c, "loss.advantage", registry) == "rloo"  # A dict: its keys.
+
+  class View:  # Any iterable, e.g. a registry's read-only name view.
+    def __iter__(self):
+      return iter(registry)
+
+  assert cu.one_of(View())("rloo") is None
+  assert cu.one_of(View())("ppo") == "must be one of ['grpo', 'rloo']"
+  once = cu.one_of(name for name in ("a", "b"))  # A generator is read once, up front.
+  assert once("b") is None and once("b") is None and once("c") == "must be one of ['a', 'b']"
+
+
+def test_checks_are_importable_from_both_modules():
+  from rl_jax import config_checks  # pylint: disable=g-import-not-at-top
+  for name in config_checks.__all__:
+    assert getattr(cu, name) is getattr(config_checks, name)
+  assert set(config_checks.__all__) <= set(cu.__all__)
+  assert all(hasattr(cu, name) for name in cu.__all__)
 
 
 # ------------------------------------------------------------------ command line

@@ -3,6 +3,7 @@
 import threading
 import time
 
+import chex
 import numpy as np
 import pytest
 
@@ -21,7 +22,9 @@ def _raises(c, r):
 
 def test_rewards_and_exceptions():
   out, stats = rewards.compute_rewards(_raises, ["a", "boom", "b", "c"], ["a", "x", "x", "c"])
-  assert out.dtype == np.float32 and out.tolist() == [1.0, 0.0, 0.0, 1.0]
+  chex.assert_shape(out, (4,))  # [B]
+  chex.assert_type(out, np.float32)
+  assert out.tolist() == [1.0, 0.0, 0.0, 1.0]
   assert stats == {"exceptions": 1, "timeouts": 0}
   out, stats = rewards.compute_rewards(lambda c, r: float("nan") if c else "x", ["a", ""],
                                        [None, None])
@@ -99,7 +102,8 @@ def test_argument_errors():
 def test_overlong_penalty_hand_values():
   # L_max = 20, L_cache = 4: free up to 16, then −1/4 per token, −1 past 20.
   got = rewards.overlong_penalty([0, 10, 16, 17, 18, 20, 21, 50], 20, 4)
-  np.testing.assert_allclose(got, [0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0])
-  assert got.dtype == np.float32
+  chex.assert_type(got, np.float32)
+  chex.assert_trees_all_close(got, np.array([0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0],
+                                            np.float32))
   with pytest.raises(ValueError, match="cache_length"):
     rewards.overlong_penalty([1], 10, 0)

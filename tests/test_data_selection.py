@@ -1,5 +1,6 @@
 """Prompt selection (rl_jax.data.selection): uniform sampler, GRESO, Beta posterior, DAPO."""
 
+import chex
 import numpy as np
 import pytest
 
@@ -29,7 +30,9 @@ def test_sampler_epochs_and_exact_resume():
 
 def test_sampler_batch_larger_than_dataset():
   idx, state = sel.sampler_next(sel.sampler_init(0), 3, 7)
-  assert len(idx) == 7 and sorted(idx[:3].tolist()) == [0, 1, 2]
+  chex.assert_shape(idx, (7,))
+  chex.assert_type(idx, np.int64)
+  assert sorted(idx[:3].tolist()) == [0, 1, 2]
   assert sorted(idx[3:6].tolist()) == [0, 1, 2] and state.epoch == 2 and state.position == 1
 
 
@@ -38,7 +41,8 @@ def test_dynamic_sampling_mask():
   r = np.array([[1, 1, 1], [0, 1, 0], [0, 0, 0], [0.1, 0.1, 0.1], [0.5, -0.5, 0.5]])
   assert sel.dynamic_sampling_mask(r).tolist() == [False, True, False, False, True]
   assert sel.zero_variance_kind(r).tolist() == [1, 0, -1, -1, 0]
-  with pytest.raises(ValueError, match=r"\[K, N\]"):
+  chex.assert_shape([sel.dynamic_sampling_mask(r), sel.zero_variance_kind(r)], (5,))  # [G]
+  with pytest.raises(ValueError, match=r"\[G, M\]"):
     sel.dynamic_sampling_mask(np.zeros(3))
 
 
@@ -94,10 +98,10 @@ def test_greso_select_fills_batch_and_is_deterministic():
                                       kind=np.ones(20, np.int8))
   state.streak[:3] = 0  # three unseen prompts, always kept
   idx, sampler, skipped = sel.greso_select(sel.sampler_init(1), state, 6, step=4)
-  assert len(idx) == 6 and {0, 1, 2} <= set(idx.tolist()) and skipped > 0
+  chex.assert_shape(idx, (6,))
+  assert {0, 1, 2} <= set(idx.tolist()) and skipped > 0
   again = sel.greso_select(sel.sampler_init(1), state, 6, step=4)
-  np.testing.assert_array_equal(idx, again[0])
-  assert sampler == again[1]
+  chex.assert_trees_all_equal((idx, sampler), again[:2])
 
 
 # ------------------------------------------------------------------ Beta posterior
@@ -137,3 +141,14 @@ def test_beta_select_prefers_uncertain_prompts(mode):
     sel.beta_select(state, 5, step=0, mode=mode)
   with pytest.raises(ValueError, match="unknown Beta selection mode"):
     sel.beta_select(state, 1, step=0, mode="ucb")
+
+
+def test_selector_states_roundtrip_as_trees():
+  """A checkpointed state (``_asdict``) restores to an equal tree of [dataset_size] arrays."""
+  rewards = np.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])  # [G, M]
+  greso = sel.greso_update(sel.greso_init(10, seed=2), np.array([1, 4, 7]), rewards)
+  beta = sel.beta_update(sel.beta_init(10), np.array([1, 4, 7]), rewards.sum(1),
+                         np.full(3, 2.0))
+  chex.assert_shape([greso.streak, greso.kind, beta.alpha, beta.beta], (10,))
+  chex.assert_trees_all_equal(sel.GresoState(**greso._asdict()), greso)
+  chex.assert_trees_all_equal(sel.BetaState(**beta._asdict()), beta)

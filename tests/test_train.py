@@ -1,6 +1,5 @@
 """The trainer end to end: learning, exact resume after SIGKILL, 8 devices == 1, errors."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from rl_jax import checkpoint, config_utils, metrics, train
+from rl_jax import checkpoint, config_utils, losses, metrics, train
 from rl_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,34 +176,6 @@ def test_restore_target_matches_a_fresh_state(overrides):
     assert x.sharding.is_equivalent_to(t.sharding, x.ndim), (x.sharding, t.sharding)
 
 
-@pytest.mark.parametrize("preset", ["reinforce_pp", "reinforce_pp_baseline"])
-def test_reinforce_pp_presets_get_their_inputs(tmp_path, preset):
-  """REINFORCE++ gets the token mask and the k1 KL of old vs reference (token-level
-  advantages); REINFORCE++-baseline gets the response lengths."""
-  setup = train.build_setup(_config([f"loss.preset={preset}", "sft.steps=0"]))
-  seen = {}
-
-  def spy(rewards, **kwargs):
-    seen.update(kwargs, rewards=rewards)
-    return real(rewards, **kwargs)
-
-  real = setup.objective.advantages
-  setup = dataclasses.replace(setup, objective=setup.objective._replace(advantages=spy))
-  state = train.init_state(setup)
-  fns = {"logprob": train.make_logprob_fn(setup), "values": train.make_value_fn(setup)}
-  r, _, _ = train.rl_rollouts(setup, state, fns)
-  mask = np.asarray(r.mask)
-  G, M, R = mask.shape
-  if preset == "reinforce_pp":
-    np.testing.assert_array_equal(np.asarray(seen["mask"]), mask.reshape(G * M, R))
-    kl = np.where(mask, np.asarray(r.old_logp) - np.asarray(r.ref_logp), 0.0).reshape(G * M, R)
-    np.testing.assert_allclose(np.where(mask.reshape(G * M, R), seen["kl"], 0.0), kl, atol=1e-6)
-    assert np.asarray(r.advantages).shape == (G, M, R)
-  else:
-    np.testing.assert_array_equal(np.asarray(seen["lengths"]), mask.sum(-1))
-    assert np.asarray(r.advantages).shape == (G, M)
-
-
 @pytest.mark.parametrize("preset", ["ppo", "vcpo"])
 def test_critic_and_off_policy_presets_train(tmp_path, preset):
   """PPO (critic + GAE) and VCPO (OPOB baseline from per-row gradient norms) run end to end."""
@@ -231,9 +202,11 @@ def test_ppo_update_trains_the_critic():
   mask = jnp.ones((G, M, R), bool)
   old = train.make_logprob_fn(setup)(state.params, prompts, lengths, tokens, mask)
   returns = jnp.asarray(rng.uniform(0.5, 1.0, (G, M, R)), jnp.float32)
-  r = train.Rollouts(prompts, lengths, tokens, mask, behaviour_logp=old,
-                     advantages=jnp.zeros((G, M, R)), old_logp=old, returns=returns,
-                     old_values=returns - 0.1)  # so the value clip (0.2) does not bind
+  inputs = losses.ObjectiveInputs(rewards=jnp.zeros((G, M)), mask=mask, old_logp=old,
+                                  behaviour_logp=old, values=returns - 0.1)
+  # values 0.1 below the returns, so the value clip (0.2) does not bind
+  r = train.UpdateBatch(prompts, lengths, tokens, inputs,
+                        losses.Advantages(jnp.zeros((G, M, R)), returns=returns))
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   vf = []
   for _ in range(10):
@@ -247,18 +220,19 @@ def test_non_finite_loss_skips_update():
   state = train.init_state(setup)
   update = train.make_rl_update(setup)
   G, M, R, P = 2, 4, 5, setup.prompt_len
-  r = train.Rollouts(
-      prompt_tokens=jnp.ones((G, P), jnp.int32), prompt_lengths=jnp.full((G,), 3, jnp.int32),
-      tokens=jnp.ones((G, M, R), jnp.int32), mask=jnp.ones((G, M, R), bool),
-      behaviour_logp=jnp.full((G, M, R), -1.0), advantages=jnp.full((G, M), jnp.nan),
-      old_logp=jnp.full((G, M, R), -1.0), ref_logp=None)
+  inputs = losses.ObjectiveInputs(
+      rewards=jnp.zeros((G, M)), mask=jnp.ones((G, M, R), bool),
+      old_logp=jnp.full((G, M, R), -1.0), behaviour_logp=jnp.full((G, M, R), -1.0))
+  r = train.UpdateBatch(jnp.ones((G, P), jnp.int32), jnp.full((G,), 3, jnp.int32),
+                        jnp.ones((G, M, R), jnp.int32), inputs,
+                        losses.Advantages(jnp.full((G, M), jnp.nan)))
   before = jax.tree.map(np.asarray, state.params)
   fresh = lambda: (jax.tree.map(jnp.copy, state.params), jax.tree.map(jnp.copy, state.opt_state),
                    {}, {})
   params, _, _, _, mets = update(*fresh(), r)
   assert int(mets["update_skipped"]) == 1
   jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, params))
-  r = r._replace(advantages=jnp.ones((G, M)))
+  r = r._replace(advantages=losses.Advantages(jnp.ones((G, M))))
   params, _, _, _, mets = update(*fresh(), r)
   assert int(mets["update_skipped"]) == 0
   assert not np.array_equal(before["embed"], np.asarray(params["embed"]))
@@ -271,8 +245,10 @@ def test_non_finite_loss_skips_update():
     ("--config.rollout.n=0", "rollout.n"),
     ("--config.rollout.over_sampling=0.5", "rollout.over_sampling"),
     ("--config.rollout.max_staleness=-2", "rollout.max_staleness"),
-    ("--config.loss.preset=mc_grpo", "mc_grpo"),
-    ("--config.loss.entropy_coef=0.01", "entropy_coef"),
+    ("--config.loss.entropy_coef=0.01", "entropy"),
+    ("--config.loss.advantage=nosuch", "loss.advantage"),
+    ("--config.loss.m2po_tau=-1", "loss.m2po_tau"),
+    ("--config.train.minibatches=3", "minibatches"),
     ("--config.rollout.max_new_tokens=5000", "max_new_tokens"),
 ])
 def test_bad_config_fails_in_one_line(tmp_path, override, message):

@@ -1,17 +1,32 @@
 """Data: synthetic tasks, local GSM8K/MATH files, tokenizers, rewards and prompt selection.
 
-Modules: ``tasks`` (synthetic tasks and ``get_task``), ``files`` (JSONL/Parquet via TFDS),
-``tokenizers`` (char and HF), ``verifiers`` (final-answer extraction, math-verify),
-``rewards`` (isolated time-limited rewards, DAPO overlong shaping), ``selection``
-(uniform sampler, GRESO, Beta posterior, DAPO dynamic sampling).
+Modules, each importing only those before it (no import cycles):
+  ``base``         ``Example``, the ``Task`` interface, the hash split ``split_of``.
+  ``expressions``  safe integer expressions and the countdown reward.
+  ``synthetic``    arithmetic, countdown and sorting tasks with difficulty presets.
+  ``verifiers``    final-answer extraction and math-verify checking.
+  ``records``      GSM8K/MATH records streamed from JSONL or Parquet.
+  ``files``        file tasks: TFDS array_record data sources read lazily (``FileTask``).
+  ``tasks``        the task registry: ``get_task(name, ...)``, ``register_task``.
+  ``tokenizers``   char and HF tokenizers.
+  ``rewards``      isolated time-limited rewards, DAPO overlong shaping.
+  ``selection``    uniform sampler, GRESO, Beta posterior, DAPO dynamic sampling.
+
+Axis letters in docstrings: B batch rows, T tokens,
+G groups (prompts), M samples per prompt (group size), P prompt length, R response length.
+Sizes that are not batch axes are named by the argument that sets them
+(e.g. ``[dataset_size]``, ``[batch_size]``).
 """
 
-from rl_jax.data import files, rewards, selection, tasks, tokenizers, verifiers
+from rl_jax.data import (base, expressions, files, records, rewards, selection, synthetic,
+                         tasks, tokenizers, verifiers)
+from rl_jax.data.base import Example, Task
 from rl_jax.data.rewards import compute_rewards, overlong_penalty
-from rl_jax.data.tasks import Example, get_task
+from rl_jax.data.tasks import get_task, register_task
 from rl_jax.data.tokenizers import load_tokenizer
 
 __all__ = [
-    "Example", "compute_rewards", "files", "get_task", "load_tokenizer", "overlong_penalty",
-    "rewards", "selection", "tasks", "tokenizers", "verifiers",
+    "Example", "Task", "base", "compute_rewards", "expressions", "files", "get_task",
+    "load_tokenizer", "overlong_penalty", "records", "register_task", "rewards", "selection",
+    "synthetic", "tasks", "tokenizers", "verifiers",
 ]

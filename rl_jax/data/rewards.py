@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+__all__ = ["VerifierTimeout", "VerifyFn", "compute_rewards", "overlong_penalty"]
+
 VerifyFn = Callable[[str, Any], float]
 
 

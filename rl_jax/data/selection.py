@@ -5,7 +5,8 @@ every function is pure: same state (and step) in, same batch and state out. Rand
 from ``np.random.default_rng([seed, ...])`` with the seed stored in the state, so a
 checkpointed state (``state._asdict()``) resumes exactly (``Cls(**d)`` restores it).
 
-Shapes: K prompts in a step, N samples per prompt, D prompts in the dataset.
+Shapes (the ``rl_jax.data`` legend): G prompts (groups) in a step, M samples per prompt;
+per-prompt state has one entry per train prompt, ``[dataset_size]``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
+__all__ = [
+    "BetaState", "GresoState", "SamplerState", "beta_init", "beta_scores", "beta_select",
+    "beta_update", "dynamic_sampling_mask", "greso_init", "greso_keep", "greso_select",
+    "greso_skip_prob", "greso_update", "sampler_init", "sampler_next", "zero_variance_kind",
+]
 
 
 # ------------------------------------------------------------------ uniform sampler
@@ -41,7 +48,7 @@ def sampler_next(state: SamplerState, dataset_size: int, batch_size: int
 
   Args:
     state: current position.
-    dataset_size: D > 0.
+    dataset_size: number of prompts in the dataset (> 0).
     batch_size: number of indices (> 0).
 
   Returns:
@@ -69,15 +76,15 @@ def dynamic_sampling_mask(rewards: np.ndarray) -> np.ndarray:
   Uses max − min > 0, which is exactly std > 0 without float round-off in the std.
 
   Args:
-    rewards: float [K, N].
+    rewards: float [G, M].
 
   Returns:
-    bool [K].
+    bool [G].
   References: Yu et al. 2025, "DAPO", dynamic sampling.
   """
   rewards = np.asarray(rewards)
   if rewards.ndim != 2:
-    raise ValueError(f"rewards must be [K, N], got shape {rewards.shape}")
+    raise ValueError(f"rewards must be [G, M], got shape {rewards.shape}")
   return np.ptp(rewards, axis=1) > 0
 
 
@@ -85,11 +92,11 @@ def zero_variance_kind(rewards: np.ndarray, threshold: float = 0.5) -> np.ndarra
   """Per group: +1 all-correct (all equal and > threshold), −1 all-wrong, 0 mixed.
 
   Args:
-    rewards: float [K, N].
+    rewards: float [G, M].
     threshold: reward above which an all-equal group counts as solved.
 
   Returns:
-    int8 [K].
+    int8 [G].
   """
   rewards = np.asarray(rewards)
   zero_var = ~dynamic_sampling_mask(rewards)
@@ -101,9 +108,9 @@ def zero_variance_kind(rewards: np.ndarray, threshold: float = 0.5) -> np.ndarra
 class GresoState(NamedTuple):
   """Per-prompt zero-variance history and the two exploration probabilities.
 
-  streak: int32 [D], consecutive most recent rollouts of the prompt whose group had zero
+  streak: int32 [dataset_size], consecutive most recent rollouts of the prompt whose group had zero
     reward variance (0 for unseen prompts and after any mixed group).
-  kind: int8 [D], +1 if that streak is all-correct (easy), −1 all-wrong (hard), 0 none.
+  kind: int8 [dataset_size], +1 if that streak is all-correct (easy), −1 all-wrong (hard), 0 none.
   p_easy, p_hard: exploration probabilities p.
   seed: randomness of the skip decisions.
   """
@@ -126,11 +133,11 @@ def greso_skip_prob(state: GresoState, indices: np.ndarray, floor: float = 0.01)
 
   Args:
     state: GRESO state.
-    indices: int [K] prompt indices.
+    indices: int [G] prompt indices.
     floor: minimum keep probability (0.01).
 
   Returns:
-    float64 [K].
+    float64 [G].
   References: Li et al. 2025, "Act Only When It Pays: Efficient RL for LLM Reasoning via
     Selective Rollouts" (GRESO).
   """
@@ -147,13 +154,13 @@ def greso_keep(state: GresoState, indices: np.ndarray, step: int, attempt: int =
 
   Args:
     state: GRESO state.
-    indices: int [K] candidates.
+    indices: int [G] candidates.
     step: training step (seeds the draw together with ``state.seed`` and ``attempt``).
     attempt: index of the candidate batch within the step.
     floor: see ``greso_skip_prob``.
 
   Returns:
-    bool [K].
+    bool [G].
   """
   u = np.random.default_rng([state.seed, step, attempt]).random(len(indices))
   return u >= greso_skip_prob(state, indices, floor)
@@ -172,8 +179,8 @@ def greso_update(state: GresoState, indices: np.ndarray, rewards: np.ndarray, *,
 
   Args:
     state: GRESO state.
-    indices: int [K] distinct prompt indices rolled out this step.
-    rewards: float [K, N] their rewards.
+    indices: int [G] distinct prompt indices rolled out this step.
+    rewards: float [G, M] their rewards.
     target_easy, target_hard: target zero-variance ratios.
     delta: adaptation step of p.
     p_min, p_max: bounds of p.
@@ -205,7 +212,7 @@ def greso_select(sampler: SamplerState, state: GresoState, batch_size: int, step
   (first drawn first), so a step never stalls.
 
   Args:
-    sampler: uniform sampler state over the D prompts (D = len(state.streak)).
+    sampler: uniform sampler state over the prompts (``dataset_size = len(state.streak)``).
     state: GRESO state.
     batch_size: prompts wanted.
     step: training step (for the random draws).
@@ -232,7 +239,7 @@ def greso_select(sampler: SamplerState, state: GresoState, batch_size: int, step
 class BetaState(NamedTuple):
   """Per-prompt Beta(alpha, beta) posterior over the success rate.
 
-  alpha, beta: float64 [D]; alpha0, beta0: the prior; decay: λ; seed: Thompson draws.
+  alpha, beta: float64 [dataset_size]; alpha0, beta0: the prior; decay: λ; seed: Thompson draws.
   """
 
   alpha: np.ndarray
@@ -262,9 +269,9 @@ def beta_update(state: BetaState, indices: np.ndarray, successes: np.ndarray,
 
   Args:
     state: Beta state.
-    indices: int [K] prompts rolled out (repeats accumulate).
-    successes: float [K] k (e.g. the sum of a group's rewards in [0, 1]).
-    counts: float [K] n (samples per group).
+    indices: int [G] prompts rolled out (repeats accumulate).
+    successes: float [G] k (e.g. the sum of a group's rewards in [0, 1]).
+    counts: float [G] n (samples per group).
 
   Returns:
     The new state.
@@ -292,12 +299,12 @@ def beta_scores(state: BetaState, indices: np.ndarray, step: int,
 
   Args:
     state: Beta state.
-    indices: int [K] candidates.
+    indices: int [G] candidates.
     step: training step (Thompson draws).
     mode: ``"thompson"`` or ``"variance"``.
 
   Returns:
-    float64 [K].
+    float64 [G].
   """
   a, b = state.alpha[indices], state.beta[indices]
   if mode == "thompson":
@@ -317,7 +324,7 @@ def beta_select(state: BetaState, batch_size: int, step: int,
     state: Beta state.
     batch_size: prompts wanted (≤ number of candidates).
     step: training step.
-    candidates: int [C] pool (default: all D prompts).
+    candidates: int [num_candidates] pool (default: all ``dataset_size`` prompts).
     mode: see ``beta_scores``.
 
   Returns:

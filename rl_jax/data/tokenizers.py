@@ -17,6 +17,11 @@ import os
 import string
 from typing import Any, Iterable, Protocol
 
+__all__ = [
+    "BOS", "CHARS", "EOS", "PAD", "CharTokenizer", "HFTokenizer", "Tokenizer",
+    "load_tokenizer",
+]
+
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 
 # Fixed character set: order defines the ids, so never reorder (append only).

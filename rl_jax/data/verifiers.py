@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import re
 
+__all__ = ["after_hashes", "final_answer", "last_boxed", "last_number", "math_equal",
+           "math_reward"]
+
 # A number: optional sign, digits with optional thousands commas, optional decimals, or a
 # simple fraction a/b.
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")

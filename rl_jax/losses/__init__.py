@@ -1,28 +1,76 @@
 """RL objectives as composable, jittable transforms.
 
-Plain formulas (``grpo_advantages``, ``kl_penalty``, ``aggregate``, ``policy_loss`` ...) for
-direct use; stage factories combined with ``chain(...)`` into an ``Objective``; named
-presets via ``get_objective``. See compose.py for the composition model and presets.py for
-the recipes.
+* Records (inputs.py): ``ObjectiveInputs`` (one step's groups, [G,M,...]) -> an estimator's
+  ``Advantages`` -> ``loss_batch`` -> the per-row ``Batch`` the loss reads.
+* Plain formulas (``grpo_advantages``, ``kl_penalty``, ``aggregate``, ``policy_loss`` ...)
+  for direct use.
+* Parts combined with ``chain(...)`` into an ``Objective``: advantage estimators
+  (estimators.py, a registry: ``register_advantage``), loss stages (stages.py, policy
+  registry: ``register_policy``), an aggregation and an optax update transform.
+* Named recipes: ``get_objective`` (presets.py), each one ``chain`` of parts.
+
+Axis letters: B batch rows, T tokens (padded length), G groups (prompts), M samples per
+prompt (group size), P prompt length, R response length, C reward components, S kv length,
+N query heads, K kv heads, H head dim, D model width, F ffw width, V vocab, L layers.
+The formulas are derived in docs/ALGORITHMS.md.
 """
 
 from rl_jax.losses.advantages import (gae_advantages, gdpo_advantages, grpo_advantages,
                                       mc_grpo_advantages, reinforce_pp_advantages,
                                       reinforce_pp_baseline_advantages, rloo_advantages)
-from rl_jax.losses.aggregation import AGG_MODES, aggregate, aggregate_parts
-from rl_jax.losses.compose import (AdvantageEstimator, Aggregation, Batch, LossInputs,
-                                   LossStage, LossTerms, Objective, ace, aggregation, chain,
-                                   decoupled, dr_grpo, entropy_bonus, ess_metrics, finalize,
-                                   gae, gdpo, grpo, gspo_clip, kl_term, m2po, m2po_clip_budget,
-                                   mc_grpo, opob, ppo_clip, reinforce, reinforce_pp,
-                                   reinforce_pp_baseline, rloo, truncated_is, value_loss)
+from rl_jax.losses.aggregation import (AGG_MODES, Aggregation, aggregate, aggregate_parts,
+                                       aggregation)
+from rl_jax.losses.compose import Objective, chain, finalize, policy_loss
+from rl_jax.losses.estimators import (ADVANTAGES, AdvantageEstimator, advantage_names,
+                                      dr_grpo, gae, gdpo, grpo, mc_grpo, opob,
+                                      register_advantage, reinforce_pp,
+                                      reinforce_pp_baseline, rloo)
+from rl_jax.losses.inputs import (INPUT_FIELDS, Advantages, Batch, ObjectiveInputs,
+                                  check_inputs, loss_batch)
 from rl_jax.losses.kl import KL_KINDS, entropy_from_logits, kl_penalty, kl_reward
-from rl_jax.losses.policy import (ace_scale, decoupled_weights, gspo_log_ratio, m2po_clip_bound,
-                                  m2po_mask, policy_loss, ppo_clip_per_token,
-                                  sequence_log_ratio, truncated_is_weights,
-                                  value_loss_per_token)
-from rl_jax.losses.presets import PRESET_KNOBS, PRESETS, build, get_objective
-from rl_jax.losses.vcpo import (effective_sample_size, ess_lr_multiplier, ess_ratio_from_sums,
-                                ess_sums, head_grad_sq_norms, identity_transform,
-                                opob_advantages, opob_baseline, per_row_grad_sq_norms,
-                                scale_by_ess, sequence_log_weights)
+from rl_jax.losses.policy import (DECOUPLED_MODES, RATIO_LEVELS, TIS_LEVELS, ace_scale,
+                                  decoupled_weights, gspo_log_ratio, m2po_clip_bound,
+                                  m2po_mask, ppo_clip_per_token, sequence_log_ratio,
+                                  truncated_is_weights, value_loss_per_token)
+from rl_jax.losses.presets import (PRESET_KNOB_DEFAULTS, PRESET_KNOB_TYPES, PRESET_KNOBS,
+                                   PRESETS, build, get_objective)
+from rl_jax.losses.stages import (POLICIES, LossInputs, LossStage, LossTerms, ace, decoupled,
+                                  entropy_bonus, ess_metrics, gspo_clip, kl_term, m2po,
+                                  m2po_clip_budget, policy_names, ppo_clip, register_policy,
+                                  reinforce, truncated_is, value_loss)
+from rl_jax.losses.vcpo import (ESS_RULES, GRAD_NORM_METHODS, effective_sample_size,
+                                ess_lr_multiplier, ess_ratio_from_sums, ess_sums,
+                                head_grad_sq_norms, identity_transform, opob_advantages,
+                                opob_baseline, per_row_grad_sq_norms, scale_by_ess,
+                                sequence_log_weights)
+
+__all__ = [
+    # records
+    "INPUT_FIELDS", "Advantages", "Batch", "ObjectiveInputs", "check_inputs", "loss_batch",
+    # advantage formulas
+    "gae_advantages", "gdpo_advantages", "grpo_advantages", "mc_grpo_advantages",
+    "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_advantages",
+    # advantage estimators and their registry
+    "ADVANTAGES", "AdvantageEstimator", "advantage_names", "dr_grpo", "gae", "gdpo", "grpo",
+    "mc_grpo", "opob", "register_advantage", "reinforce_pp", "reinforce_pp_baseline", "rloo",
+    # policy-loss formulas
+    "DECOUPLED_MODES", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale", "decoupled_weights",
+    "gspo_log_ratio", "m2po_clip_bound", "m2po_mask", "policy_loss", "ppo_clip_per_token",
+    "sequence_log_ratio", "truncated_is_weights", "value_loss_per_token",
+    # loss stages and the policy registry
+    "POLICIES", "LossInputs", "LossStage", "LossTerms", "ace", "decoupled", "entropy_bonus",
+    "ess_metrics", "gspo_clip", "kl_term", "m2po", "m2po_clip_budget", "policy_names",
+    "ppo_clip", "register_policy", "reinforce", "truncated_is", "value_loss",
+    # KL and entropy
+    "KL_KINDS", "entropy_from_logits", "kl_penalty", "kl_reward",
+    # aggregation
+    "AGG_MODES", "Aggregation", "aggregate", "aggregate_parts", "aggregation",
+    # composition and presets
+    "Objective", "chain", "finalize", "PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS",
+    "PRESET_KNOB_TYPES", "build", "get_objective",
+    # VCPO
+    "ESS_RULES", "GRAD_NORM_METHODS", "effective_sample_size", "ess_lr_multiplier",
+    "ess_ratio_from_sums", "ess_sums", "head_grad_sq_norms", "identity_transform",
+    "opob_advantages", "opob_baseline", "per_row_grad_sq_norms", "scale_by_ess",
+    "sequence_log_weights",
+]

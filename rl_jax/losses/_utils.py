@@ -1,6 +1,6 @@
 """Shared helpers for rl_jax.losses: validation, masked statistics, safe division.
 
-Axis letters: G groups (prompts), N samples per group, B rows, T tokens.
+Axis letters: G groups (prompts), M samples per prompt, B rows, T tokens.
 """
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+__all__ = ["LOG_RATIO_CLAMP", "Array", "check_choice", "check_rank", "check_same_shape",
+           "clamped_exp", "masked_mean", "masked_sum", "masked_whiten", "safe_divide"]
+
 Array = jax.Array
 
-LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped to [-20, 20] before exp (ALGORITHMS.md)
+LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped to [-20, 20] before exp (docs/ALGORITHMS.md)
 
 
 def check_rank(name: str, x: Any, ranks: tuple[int, ...]) -> None:
@@ -65,6 +68,8 @@ def masked_whiten(x: Array, mask: Array, eps: float = 1e-8) -> Array:
 
   Entries outside ``mask`` are returned as 0. With fewer than two valid entries the
   variance is taken as 0.
+
+  References: Sheng et al. 2024, HybridFlow/verl (masked_whiten).
   """
   n = jnp.sum(mask).astype(x.dtype)
   mean = safe_divide(masked_sum(x, mask), n)

@@ -1,7 +1,9 @@
 """Advantage estimators: plain functions from rewards to advantages.
 
-Axis letters: G groups (one prompt each), N samples per group, M = N + 1 (MC-GRPO draws one
-extra sample), B rows, T tokens, K reward components.
+Axis letters: G groups (one prompt each), M samples per prompt (MC-GRPO draws M and trains
+M - 1 of them), B rows, T tokens, C reward components. The estimator form of each
+(``ObjectiveInputs -> Advantages``) is in ``estimators.py``; docs/ALGORITHMS.md,
+"Advantages", derives them.
 
 Non-finite rewards (NaN, +-inf) are treated as missing samples by every group estimator
 here: they are left out of every group statistic and their advantage is exactly 0. This is
@@ -16,11 +18,14 @@ import jax.numpy as jnp
 from rl_jax.losses._utils import (Array, check_choice, check_rank, check_same_shape,
                                   masked_whiten, safe_divide)
 
+__all__ = ["gae_advantages", "gdpo_advantages", "grpo_advantages", "mc_grpo_advantages",
+           "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_advantages"]
+
 
 def _group_stats(rewards: Array) -> tuple[Array, Array, Array, Array]:
-  """Per-group count, mean and unbiased std over the finite entries of ``rewards [G,N]``.
+  """Per-group count, mean and unbiased std over the finite entries of ``rewards [G,M]``.
 
-  Returns ``(valid [G,N], n [G,1], mean [G,1], std [G,1])`` with the verl convention that a
+  Returns ``(valid [G,M], n [G,1], mean [G,1], std [G,1])`` with the verl convention that a
   group with one valid sample has mean 0 and std 1.
   """
   valid = jnp.isfinite(rewards)
@@ -43,12 +48,12 @@ def grpo_advantages(rewards: Array, scale: str = "std", eps: float = 1e-6) -> Ar
   std 1 (so ``A = s``).
 
   Args:
-    rewards: float [G,N] sequence rewards, one row per prompt.
+    rewards: float [G,M] sequence rewards, one row per prompt.
     scale: "std" (GRPO) or "none" (Dr.GRPO, no std division).
     eps: added to the std.
 
   Returns:
-    float [G,N] advantages; 0 where the reward is not finite.
+    float [G,M] advantages; 0 where the reward is not finite.
 
   References: Shao et al. 2024, DeepSeekMath (GRPO); Liu et al. 2025, Understanding
   R1-Zero-Like Training (Dr.GRPO).
@@ -62,13 +67,13 @@ def grpo_advantages(rewards: Array, scale: str = "std", eps: float = 1e-6) -> Ar
 
 
 def rloo_advantages(rewards: Array) -> Array:
-  """Leave-one-out baseline: ``A_i = s_i - sum_{j != i} s_j / (N - 1) = N/(N-1) (s_i - mean)``.
+  """Leave-one-out baseline: ``A_i = s_i - sum_{j != i} s_j / (M - 1) = M/(M-1) (s_i - mean)``.
 
   Args:
-    rewards: float [G,N].
+    rewards: float [G,M].
 
   Returns:
-    float [G,N]; a group with one valid sample keeps ``A = s`` (baseline 0); 0 where the
+    float [G,M]; a group with one valid sample keeps ``A = s`` (baseline 0); 0 where the
     reward is not finite (those samples are also left out of the others' baselines).
 
   References: Ahmadian et al. 2024, Back to Basics: Revisiting REINFORCE Style Optimization
@@ -90,12 +95,12 @@ def reinforce_pp_baseline_advantages(rewards: Array, lengths: Array | None = Non
   ``var = sum L (a - mu)^2 / (sum L - 1)``, ``A_i = (a_i - mu) / sqrt(var + eps)``.
 
   Args:
-    rewards: float [G,N].
-    lengths: int [G,N] valid tokens per row; None weights all rows equally.
+    rewards: float [G,M].
+    lengths: int or float [G,M] valid tokens per row; None weights all rows equally.
     eps: whitening epsilon.
 
   Returns:
-    float [G,N] (constant over each row's tokens); 0 for non-finite rewards and
+    float [G,M] (constant over each row's tokens); 0 for non-finite rewards and
     zero-length rows.
 
   References: Hu 2025, REINFORCE++.
@@ -175,9 +180,9 @@ def mc_grpo_advantages(rewards: Array, scale: str = "mad", eps: float = 1e-3
                        ) -> tuple[Array, Array]:
   """MC-GRPO: median baseline, MAD scale, pivot row dropped.
 
-  Draw ``M = N + 1`` samples per prompt. ``med`` is the group median,
+  Draw M samples per prompt, one more than the number that train. ``med`` is the group median,
   ``MAD = median(|s - med|) + eps``, ``A_i = (s_i - med) / MAD`` (``scale="none"``:
-  ``A_i = s_i - med``). The row holding the median (the pivot) is dropped, so N rows train.
+  ``A_i = s_i - med``). The row holding the median (the pivot) is dropped, so M - 1 rows train.
   For an even number of valid samples the lower median is used (so the pivot is a sample).
 
   Args:
@@ -190,7 +195,8 @@ def mc_grpo_advantages(rewards: Array, scale: str = "mad", eps: float = 1e-3
     samples that survive (in their original order). Non-finite rewards are left out of
     the median and MAD and get advantage 0.
 
-  References: MC-GRPO (median-centred GRPO), see papers.md.
+  References: Kim 2026, MC-GRPO: Median-Centered Group Relative Policy Optimization for
+  Small-Rollout Reinforcement Learning.
   """
   check_rank("rewards", rewards, (2,))
   check_choice("scale", scale, ("mad", "none"))
@@ -259,21 +265,22 @@ def gdpo_advantages(rewards: Array, weights: Array | None = None, eps: float = 1
   """GDPO: GRPO-normalise each reward component separately, weighted sum, then whiten.
 
   Args:
-    rewards: float [G,N,K], K reward components.
-    weights: float [K] component weights (default all 1).
+    rewards: float [G,M,C], C reward components.
+    weights: float [C] component weights (default all 1).
     eps: GRPO std epsilon.
 
   Returns:
-    float [G,N], whitened over the rows whose K components are all finite (0 elsewhere).
+    float [G,M], whitened over the rows whose C components are all finite (0 elsewhere).
 
-  References: GDPO (group reward-decoupled normalisation for multi-reward RL), papers.md.
+  References: Liu et al. 2026, GDPO: Group reward-Decoupled Normalization Policy Optimization
+  for Multi-reward RL Optimization.
   """
   check_rank("rewards", rewards, (3,))
-  k = rewards.shape[-1]
-  w = jnp.ones((k,), rewards.dtype) if weights is None else jnp.asarray(weights, rewards.dtype)
-  if w.shape != (k,):
-    raise ValueError(f"weights must have shape ({k},), got {tuple(w.shape)}")
+  c = rewards.shape[-1]
+  w = jnp.ones((c,), rewards.dtype) if weights is None else jnp.asarray(weights, rewards.dtype)
+  if w.shape != (c,):
+    raise ValueError(f"weights must have shape ({c},), got {tuple(w.shape)}")
   per = jax.vmap(lambda r: grpo_advantages(r, "std", eps), in_axes=-1, out_axes=-1)(rewards)
   valid = jnp.all(jnp.isfinite(rewards), axis=-1)
-  combined = jnp.einsum("gnk,k->gn", per, w)
+  combined = jnp.einsum("gmc,c->gm", per, w)
   return masked_whiten(combined, valid)

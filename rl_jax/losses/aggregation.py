@@ -4,17 +4,34 @@ Every mode returns a numerator and a denominator whose ratio is the loss. Both a
 rows, so adding the pairs of several micro-batches (or devices) and dividing once gives
 exactly the full-batch loss.
 
+``aggregate_parts`` is the one implementation; ``aggregate`` (a scalar loss) and the
+``aggregation`` stage of ``chain`` both use it. See docs/ALGORITHMS.md, "Aggregation".
+
 Axis letters: B rows, T tokens.
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax.numpy as jnp
 
 from rl_jax.losses._utils import Array, check_rank, check_same_shape, safe_divide
 
+__all__ = ["AGG_MODES", "Aggregation", "aggregate", "aggregate_parts", "aggregation"]
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
              "seq-mean-token-sum-norm")
+
+
+def _check_mode(mode: str) -> None:
+  if mode not in AGG_MODES:
+    raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {list(AGG_MODES)}")
+
+
+def _check_norm(norm: float | None) -> None:
+  if norm is not None and not norm > 0:
+    raise ValueError(f"norm must be > 0, got {norm!r}")
 
 
 def aggregate_parts(per_token: Array, mask: Array, mode: str = "token-mean",
@@ -39,8 +56,7 @@ def aggregate_parts(per_token: Array, mask: Array, mode: str = "token-mean",
 
   References: Sheng et al. 2024, HybridFlow/verl (loss_agg_mode); Liu et al. 2025 (Dr.GRPO).
   """
-  if mode not in AGG_MODES:
-    raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {list(AGG_MODES)}")
+  _check_mode(mode)
   check_rank("per_token", per_token, (2,))
   check_same_shape("per_token", per_token, mask=mask)
   m = mask.astype(per_token.dtype)
@@ -65,6 +81,27 @@ def aggregate(per_token: Array, mask: Array, mode: str = "token-mean",
   """Scalar loss ``loss_sum / denom`` of :func:`aggregate_parts`.
 
   Returns 0.0 (not NaN) when no token is valid.
+
+  References: Sheng et al. 2024, HybridFlow/verl (loss_agg_mode).
   """
   num, den = aggregate_parts(per_token, mask, mode, norm)
   return safe_divide(num, den)
+
+
+class Aggregation(NamedTuple):
+  """The aggregation stage of ``chain``: ``reduce(per_token, mask) -> (loss_sum, denom)``."""
+
+  reduce: Callable[[Array, Array], tuple[Array, Array]]
+  mode: str
+  norm: float | None = None
+
+
+def aggregation(mode: str = "token-mean", norm: float | None = None) -> Aggregation:
+  """Aggregation stage for ``chain``; see ``aggregate_parts`` for the modes.
+
+  References: Sheng et al. 2024, HybridFlow/verl (loss_agg_mode); Liu et al. 2025 (Dr.GRPO).
+  """
+  _check_mode(mode)
+  _check_norm(norm)
+  return Aggregation(lambda per_token, mask: aggregate_parts(per_token, mask, mode, norm),
+                     mode, norm)

@@ -1,4 +1,4 @@
-"""KL estimators and entropy.
+"""KL estimators and entropy. See docs/ALGORITHMS.md, "KL and entropy".
 
 Axis letters: B rows, T tokens, V vocabulary.
 """
@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.losses._utils import Array, check_choice, check_same_shape
+
+__all__ = ["KL_KINDS", "entropy_from_logits", "kl_penalty", "kl_reward"]
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
 

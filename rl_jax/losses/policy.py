@@ -1,6 +1,7 @@
 """Policy-loss formulas: ratios, clipping, off-policy corrections, value loss.
 
-Plain functions of arrays; the composable stages in ``compose.py`` call these.
+Plain functions of arrays; the composable stages in ``stages.py`` call these, and
+``compose.policy_loss`` is the aggregated clipped loss. See docs/ALGORITHMS.md, "Policy losses".
 
 Axis letters: B rows, T tokens. ``logp`` current policy, ``old_logp`` the policy the ratio is
 taken against (the proximal policy for decoupled PPO), ``behaviour_logp`` (mu) the sampler's
@@ -12,11 +13,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl_jax.losses._utils import (LOG_RATIO_CLAMP, Array, check_choice, check_rank,
-                                  check_same_shape, clamped_exp, masked_mean, safe_divide)
-from rl_jax.losses.aggregation import aggregate_parts
+from rl_jax.losses._utils import (LOG_RATIO_CLAMP, Array, check_choice, check_same_shape,
+                                  clamped_exp, masked_mean, safe_divide)
+
+__all__ = ["DECOUPLED_MODES", "DUAL_CLIP_DEFAULT", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale",
+           "broadcast_advantages", "check_eps", "decoupled_weights", "gspo_log_ratio",
+           "m2po_clip_bound", "m2po_mask", "ppo_clip_per_token", "resolve_dual_clip",
+           "sequence_log_ratio", "truncated_is_weights", "value_loss_per_token"]
 
 DUAL_CLIP_DEFAULT = 3.0
+RATIO_LEVELS = ("token", "sequence")  # ppo_clip: PPO token ratio or GSPO sequence ratio
+TIS_LEVELS = ("token", "sequence")    # truncated_is_weights levels
+DECOUPLED_MODES = ("mask", "clamp")   # decoupled_weights modes
 
 
 def broadcast_advantages(advantages: Array, shape: tuple[int, int]) -> Array:
@@ -82,7 +90,10 @@ def ppo_clip_per_token(log_ratio: Array, advantages: Array, eps_low: float = 0.2
 
 
 def sequence_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
-  """GSPO length-normalised sequence log-ratio ``sum_t m (logp - old) / sum_t m``: [B,T] -> [B]."""
+  """GSPO length-normalised sequence log-ratio ``sum_t m (logp - old) / sum_t m``: [B,T] -> [B].
+
+  References: Zheng et al. 2025, Group Sequence Policy Optimization (GSPO).
+  """
   return masked_mean(logp - old_logp, mask, axis=1)
 
 
@@ -115,7 +126,7 @@ def truncated_is_weights(old_logp: Array, behaviour_logp: Array, mask: Array,
   References: Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL
   Training (TIS).
   """
-  check_choice("TIS level", level, ("token", "sequence"))
+  check_choice("TIS level", level, TIS_LEVELS)
   d = jnp.where(mask, old_logp - behaviour_logp, 0.0)
   if level == "sequence":
     d = jnp.broadcast_to(jnp.sum(d, axis=1, keepdims=True), d.shape)
@@ -137,7 +148,7 @@ def decoupled_weights(prox_logp: Array, behaviour_logp: Array, mask: Array,
 
   References: Fu et al. 2025, AReaL: A Large-Scale Asynchronous RL System (decoupled PPO).
   """
-  check_choice("decoupled mode", mode, ("mask", "clamp"))
+  check_choice("decoupled mode", mode, DECOUPLED_MODES)
   w = jax.lax.stop_gradient(clamped_exp(jnp.where(mask, prox_logp - behaviour_logp, 0.0)))
   if mode == "clamp":
     return jnp.where(mask, jnp.minimum(w, cap), 0.0), mask
@@ -193,6 +204,9 @@ def m2po_clip_bound(delta: Array, mask: Array, tau: float = 0.04) -> Array:
 
   Returns:
     float scalar ``b`` (may be inf).
+
+  References: Zheng et al. 2025 (M2PO); this clip-budget form is a variant of its mask,
+  described in docs/ALGORITHMS.md, "Policy losses".
   """
   check_same_shape("delta", delta, mask=mask)
   mask = mask.astype(bool)
@@ -248,54 +262,3 @@ def value_loss_per_token(values: Array, old_values: Array, returns: Array,
   vclip = old_values + jnp.clip(values - old_values, -clip, clip)
   l2 = (vclip - returns) ** 2
   return 0.5 * jnp.maximum(l1, l2), l2 > l1
-
-
-def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array,
-                eps_low: float = 0.2, eps_high: float = 0.2, dual_clip=None,
-                ratio_level: str = "token", agg: str = "token-mean",
-                agg_norm: float | None = None) -> tuple[Array, dict]:
-  """Clipped policy loss (PPO / DAPO clip-higher / dual clip / GSPO), aggregated.
-
-  Args:
-    logp: float [B,T] current log-probs (differentiated).
-    old_logp: float [B,T] log-probs the ratio is taken against.
-    advantages: float [B] or [B,T].
-    mask: bool [B,T].
-    eps_low, eps_high: clip range.
-    dual_clip: None, True (c = 3) or the bound c > 1 (token level only).
-    ratio_level: "token" (PPO) or "sequence" (GSPO).
-    agg: aggregation mode (see ``aggregate_parts``).
-    agg_norm: C for seq-mean-token-sum-norm.
-
-  Returns:
-    ``(loss, metrics)``; loss is 0.0 for an all-masked batch. metrics: clip_frac,
-    approx_kl (mean k3 of current vs old), ratio_mean, num_tokens.
-
-  References: Schulman et al. 2017 (PPO); Yu et al. 2025 (DAPO); Zheng et al. 2025 (GSPO).
-  """
-  check_rank("logp", logp, (2,))
-  check_same_shape("logp", logp, old_logp=old_logp, mask=mask)
-  check_choice("ratio_level", ratio_level, ("token", "sequence"))
-  check_eps(eps_low, eps_high)
-  c = resolve_dual_clip(dual_clip)
-  if ratio_level == "sequence" and c is not None:
-    raise ValueError("dual_clip is not defined for ratio_level='sequence' (GSPO)")
-  mask = mask.astype(bool)
-  adv = jnp.where(mask, broadcast_advantages(advantages, logp.shape), 0.0)
-  lp = jnp.where(mask, logp, 0.0)
-  old = jnp.where(mask, old_logp, 0.0)
-  log_ratio = gspo_log_ratio(lp, old, mask) if ratio_level == "sequence" else lp - old
-  per_token, clipped = ppo_clip_per_token(log_ratio, adv, eps_low, eps_high, c)
-  num, den = aggregate_parts(per_token, mask, agg, agg_norm)
-  metrics = dict(
-      clip_frac=masked_mean(clipped.astype(jnp.float32), mask),
-      approx_kl=masked_mean(_k3(lp - old), mask),
-      ratio_mean=masked_mean(clamped_exp(log_ratio), mask),
-      num_tokens=jnp.sum(mask).astype(jnp.float32),
-  )
-  return safe_divide(num, den), jax.lax.stop_gradient(metrics)
-
-
-def _k3(d: Array) -> Array:
-  k = jnp.clip(-d, -20.0, 20.0)
-  return jnp.clip(jnp.exp(k) - k - 1.0, -10.0, 10.0)

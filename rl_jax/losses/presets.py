@@ -2,8 +2,10 @@
 
 ``get_objective("dapo")``, ``get_objective("grpo", kl_beta=0.0)`` or
 ``get_objective({"name": "gspo", "eps_high": 5e-4})`` (any mapping, e.g. an ml-collections
-ConfigDict). Every preset accepts the same keyword knobs (``PRESET_KNOBS``); a preset only
-sets different defaults.
+ConfigDict). Every preset accepts the same keyword knobs (``PRESET_KNOBS``, defaults
+``PRESET_KNOB_DEFAULTS``, types ``PRESET_KNOB_TYPES``); a preset only sets different defaults.
+The ``advantage`` and ``policy`` knobs name registry entries (``ADVANTAGES``, ``POLICIES``),
+so an estimator registered with ``register_advantage`` is selected like a built-in one.
 
 | preset | advantage | policy term | corrections / terms | aggregation |
 |---|---|---|---|---|
@@ -23,41 +25,45 @@ sets different defaults.
 References: Shao et al. 2024 (DeepSeekMath, GRPO: eps 0.2, beta 0.04, k3); Yu et al. 2025
 (DAPO); Liu et al. 2025 (Dr.GRPO); Zheng et al. 2025 (GSPO); VCPO (mit-han-lab);
 Zheng et al. 2025 (M2PO); Fu et al. 2025 (AReaL); Schulman et al. 2017 (PPO); Ahmadian et
-al. 2024 (RLOO); Hu 2025 (REINFORCE++).
+al. 2024 (RLOO); Hu 2025 (REINFORCE++); Kim 2026 (MC-GRPO). docs/ALGORITHMS.md describes
+each part.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Mapping
 
-from rl_jax.losses import compose as C
+from rl_jax.losses import stages as st
 from rl_jax.losses import vcpo as vcpo_lib
+from rl_jax.losses.aggregation import aggregation
+from rl_jax.losses.compose import Objective, chain
+from rl_jax.losses.estimators import make_advantage
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "mc_grpo",
-              "gae", "gdpo", "opob")
-POLICIES = ("ppo_clip", "gspo", "reinforce", "reinforce_ratio", "m2po_clip_budget", "none")
+__all__ = ["PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES", "build",
+           "get_objective"]
 
 _BASE = dict(
-    advantage="grpo",        # one of ADVANTAGES
+    advantage="grpo",        # one of ADVANTAGES (estimators.py), or a registered name
     adv_eps=1e-6,            # GRPO std epsilon
     adv_kl_beta=0.01,        # REINFORCE++: KL coefficient folded into the reward
     gamma=1.0, lam=1.0,      # GAE / REINFORCE++ discount and lambda
-    gdpo_weights=None,       # GDPO component weights
+    gdpo_weights=None,       # GDPO component weights, one per reward component
     opob_tis_cap=None,       # VCPO compatibility switch: W also times min(w, 8)^2
-    policy="ppo_clip",       # one of POLICIES
+    policy="ppo_clip",       # one of POLICIES (stages.py), or a registered name
     eps_low=0.2, eps_high=0.2,  # epsilon_low / epsilon_high clip range
     dual_clip=None,          # dual-clip bound c (True -> 3)
-    kl_beta=0.0, kl_kind="k3",  # beta and estimator of the KL loss term (0 = off)
+    kl_beta=0.0, kl_kind="k3",  # beta and estimator (KL_KINDS) of the KL loss term (0 = off)
     entropy_coef=0.0,        # entropy bonus coefficient (0 = off)
-    tis_level=None,          # None, "token" or "sequence": truncated IS vs the sampler
+    tis_level=None,          # None or one of TIS_LEVELS: truncated IS vs the sampler
     tis_cap=2.0,             # C of truncated IS (None = untruncated)
     decoupled_cap=None,      # AReaL behaviour-weight cap (None = off)
-    decoupled_mode="mask",   # "mask" or "clamp"
+    decoupled_mode="mask",   # one of DECOUPLED_MODES
     m2po_tau=None,           # M2PO second-moment threshold tau (None = off)
     ace_alpha=None,          # ACE strength (None = off)
     value_coef=0.0, value_clip=0.2,  # PPO value loss coefficient and clip
-    agg="token-mean", agg_norm=None,  # aggregation mode and C for ...-token-sum-norm
-    ess_scaling=False, ess_rho_base=1.0, ess_rule="sqrt",  # VCPO ESS lr multiplier
+    agg="token-mean", agg_norm=None,  # aggregation mode (AGG_MODES), C of ...-token-sum-norm
+    ess_scaling=False, ess_rho_base=1.0, ess_rule="sqrt",  # VCPO ESS lr multiplier (ESS_RULES)
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -78,79 +84,55 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 PRESET_KNOBS = tuple(_BASE)
 
+PRESET_KNOB_DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(_BASE))
 
-def _advantage(k: dict) -> C.AdvantageEstimator:
-  a = k["advantage"]
-  if a == "grpo":
-    return C.grpo("std", k["adv_eps"])
-  if a == "dr_grpo":
-    return C.dr_grpo()
-  if a == "rloo":
-    return C.rloo()
-  if a == "reinforce_pp":
-    return C.reinforce_pp(k["adv_kl_beta"], k["gamma"])
-  if a == "reinforce_pp_baseline":
-    return C.reinforce_pp_baseline()
-  if a == "mc_grpo":
-    return C.mc_grpo()
-  if a == "gae":
-    return C.gae(k["gamma"], k["lam"])
-  if a == "gdpo":
-    return C.gdpo(k["gdpo_weights"], k["adv_eps"])
-  if a == "opob":
-    return C.opob(k["opob_tis_cap"])
-  raise ValueError(f"unknown advantage {a!r}; choose one of {list(ADVANTAGES)}")
+# knob -> python type of a command-line override; knobs whose default is None take that
+# type or None (``dual_clip`` also accepts True, meaning c = 3).
+PRESET_KNOB_TYPES: dict[str, type] = dict(
+    advantage=str, adv_eps=float, adv_kl_beta=float, gamma=float, lam=float,
+    gdpo_weights=tuple, opob_tis_cap=float, policy=str, eps_low=float, eps_high=float,
+    dual_clip=float, kl_beta=float, kl_kind=str, entropy_coef=float, tis_level=str,
+    tis_cap=float, decoupled_cap=float, decoupled_mode=str, m2po_tau=float, ace_alpha=float,
+    value_coef=float, value_clip=float, agg=str, agg_norm=float, ess_scaling=bool,
+    ess_rho_base=float, ess_rule=str,
+)
 
 
-def _policy(k: dict) -> C.LossStage | None:
-  p = k["policy"]
-  if p == "ppo_clip":
-    return C.ppo_clip(k["eps_low"], k["eps_high"], k["dual_clip"])
-  if p == "gspo":
-    return C.gspo_clip(k["eps_low"], k["eps_high"])
-  if p in ("reinforce", "reinforce_ratio"):
-    return C.reinforce(ratio=p == "reinforce_ratio")
-  if p == "m2po_clip_budget":
-    return C.m2po_clip_budget(k["m2po_tau"] or 0.04)
-  if p == "none":
-    return None
-  raise ValueError(f"unknown policy {p!r}; choose one of {list(POLICIES)}")
-
-
-def build(name: str = "custom", **knobs: Any) -> C.Objective:
-  """Build an objective from knobs (see ``_BASE`` for names and meanings)."""
+def _objective(name: str, knobs: Mapping[str, Any]) -> Objective:
+  """``chain`` of the parts the knobs select (``_BASE`` supplies the unset ones)."""
   unknown = sorted(set(knobs) - set(_BASE))
   if unknown:
     raise ValueError(f"unknown objective option(s) {unknown}; valid: {sorted(_BASE)}")
   k = {**_BASE, **knobs}
-  parts: list[Any] = [_advantage(k)]
-  policy = _policy(k)
+  parts: list[Any] = [make_advantage(k["advantage"], k)]
+  policy = st.make_policy(k["policy"], k)
   if policy is not None:
     parts.append(policy)
   if k["tis_level"] is not None:
-    parts.append(C.truncated_is(k["tis_cap"], k["tis_level"]))
+    parts.append(st.truncated_is(k["tis_cap"], k["tis_level"]))
   if k["decoupled_cap"] is not None:
-    parts.append(C.decoupled(k["decoupled_cap"], k["decoupled_mode"]))
+    parts.append(st.decoupled(k["decoupled_cap"], k["decoupled_mode"]))
   if k["m2po_tau"] is not None and k["policy"] != "m2po_clip_budget":
-    parts.append(C.m2po(k["m2po_tau"]))
+    parts.append(st.m2po(k["m2po_tau"]))
   if k["ace_alpha"] is not None:
-    parts.append(C.ace(k["ace_alpha"]))
+    parts.append(st.ace(k["ace_alpha"]))
   if k["kl_beta"]:
-    parts.append(C.kl_term(k["kl_beta"], k["kl_kind"]))
+    parts.append(st.kl_term(k["kl_beta"], k["kl_kind"]))
   if k["entropy_coef"]:
-    parts.append(C.entropy_bonus(k["entropy_coef"]))
+    parts.append(st.entropy_bonus(k["entropy_coef"]))
   if k["value_coef"]:
-    parts.append(C.value_loss(k["value_coef"], k["value_clip"]))
+    parts.append(st.value_loss(k["value_coef"], k["value_clip"]))
   if k["ess_scaling"] or k["advantage"] == "opob":
-    parts.append(C.ess_metrics())
+    parts.append(st.ess_metrics())
   if k["ess_scaling"]:
     parts.append(vcpo_lib.scale_by_ess(k["ess_rho_base"], k["ess_rule"]))
-  parts.append(C.aggregation(k["agg"], k["agg_norm"]))
-  return C.chain(*parts, name=name)
+  parts.append(aggregation(k["agg"], k["agg_norm"]))
+  return chain(*parts, name=name)
 
 
-def get_objective(name_or_config: str | Mapping[str, Any], **overrides: Any) -> C.Objective:
-  """A named preset, optionally with overridden knobs.
+def get_objective(name_or_config: str | Mapping[str, Any], **overrides: Any) -> Objective:
+  """A named preset, optionally with overridden knobs: the way to build a configured objective
+  (``chain`` is the way to compose one from parts).
 
   Args:
     name_or_config: a preset name (see ``PRESETS``) or a mapping with key ``"name"`` and any
@@ -173,4 +155,11 @@ def get_objective(name_or_config: str | Mapping[str, Any], **overrides: Any) -> 
                      f"{type(name_or_config).__name__}")
   if name not in PRESETS:
     raise ValueError(f"unknown objective {name!r}; choose one of {sorted(PRESETS)}")
-  return build(name, **{**PRESETS[name], **cfg, **overrides})
+  return _objective(name, {**PRESETS[name], **cfg, **overrides})
+
+
+def build(name: str = "custom", **knobs: Any) -> Objective:
+  """Alias kept for existing callers: the objective of ``PRESET_KNOB_DEFAULTS`` with ``knobs``
+  applied (no preset), labelled ``name``. Prefer ``get_objective`` (a preset plus
+  overrides) or ``chain`` (explicit parts)."""
+  return _objective(name, knobs)

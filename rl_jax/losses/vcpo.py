@@ -2,17 +2,17 @@
 multiplier as an optax transform, and the off-policy optimal baseline (OPOB) with
 per-trajectory gradient norms.
 
-Axis letters: G groups, N samples per group, B rows (= G*N), T tokens, P parameters,
-D hidden width, V vocabulary.
+Axis letters: G groups, M samples per prompt, B rows (= G·M), T tokens, D model width,
+V vocabulary; |θ| is the number of parameters.
 
 Per-trajectory gradient norms ``||grad_theta log pi(tau_i)||^2`` (see
 ``per_row_grad_sq_norms``), cost per minibatch of B rows with P parameters:
 
   method   exact?      time                           memory
-  "vmap"   exact       ~ one batched backward         B x P (all per-row gradients at once)
-  "map"    exact       B / chunk batched backwards    chunk x P
-  "jvp"    unbiased    K forward-mode passes over     K x P tangents; nothing grows with B
-                       the whole batch (relative std ~ sqrt(2/K)); slower than "map" in
+  "vmap"   exact       ~ one batched backward         B x |θ| (all per-row gradients at once)
+  "map"    exact       B / chunk batched backwards    chunk x |θ|
+  "jvp"    unbiased    n forward-mode passes over     n x |θ| tangents (n = num_probes);
+                       the whole batch (relative std ~ sqrt(2/n)); slower than "map" in
                        time at small sizes, it saves memory only
   head     exact for   two T x T Gram matrices per    B x T x T
   (ghost)  the LM head row, no backward               (``head_grad_sq_norms``; a proxy for
@@ -21,9 +21,9 @@ Per-trajectory gradient norms ``||grad_theta log pi(tau_i)||^2`` (see
 Measured numbers: docs/BENCHMARKS.md (scripts/bench_grad_norms.py). On CPU the exact
 "map" with a small chunk is the recommended default.
 
-References: VCPO (Variance-Controlled Policy Optimization, mit-han-lab), papers.md;
+References: VCPO (Variance-Controlled Policy Optimization, mit-han-lab);
 Kong 1992 / Owen 2013 for the ESS; Katharopoulos & Fleuret 2018 and Goodfellow 2015 for
-last-layer and per-example gradient norms.
+last-layer and per-example gradient norms. docs/ALGORITHMS.md, "VCPO".
 """
 
 from __future__ import annotations
@@ -37,12 +37,22 @@ import optax
 from rl_jax.losses._utils import (Array, check_choice, check_rank, check_same_shape,
                                   safe_divide)
 
+__all__ = ["ESS_LOG_W_CLAMP", "ESS_RULES", "GRAD_NORM_METHODS", "effective_sample_size",
+           "ess_lr_multiplier", "ess_ratio_from_sums", "ess_sums", "head_grad_sq_norms",
+           "identity_transform", "opob_advantages", "opob_baseline", "per_row_grad_sq_norms",
+           "scale_by_ess", "sequence_log_weights"]
+
 # log-weights used for ESS sums are clamped so sum(w^2) stays finite in float32.
 ESS_LOG_W_CLAMP = 30.0
+ESS_RULES = ("sqrt", "linear")                # ess_lr_multiplier / scale_by_ess rules
+GRAD_NORM_METHODS = ("vmap", "map", "jvp")    # per_row_grad_sq_norms methods
 
 
 def sequence_log_weights(logp: Array, behaviour_logp: Array, mask: Array) -> Array:
-  """``log w_i = sum_t m (logp - mu)``: [B,T] -> [B] (unclipped, detached by the caller)."""
+  """``log w_i = sum_t m (logp - mu)``: [B,T] -> [B] (unclipped, detached by the caller).
+
+  References: VCPO (sequence importance weights). docs/ALGORITHMS.md, "VCPO".
+  """
   check_rank("logp", logp, (2,))
   check_same_shape("logp", logp, behaviour_logp=behaviour_logp, mask=mask)
   return jnp.sum(jnp.where(mask, logp - behaviour_logp, 0.0), axis=1)
@@ -52,6 +62,8 @@ def ess_sums(log_w: Array, row_valid: Array | None = None) -> tuple[Array, Array
   """``(sum w, sum w^2, count)`` over valid rows; additive over micro-batches and devices.
 
   ``log w`` is clamped to [-30, 30] before exp.
+
+  References: Kong 1992 (ESS); VCPO.
   """
   valid = jnp.ones(log_w.shape, bool) if row_valid is None else row_valid.astype(bool)
   w = jnp.where(valid, jnp.exp(jnp.clip(log_w, -ESS_LOG_W_CLAMP, ESS_LOG_W_CLAMP)), 0.0)
@@ -63,6 +75,8 @@ def ess_ratio_from_sums(sum_w: Array, sum_w2: Array, count: Array) -> Array:
 
   No additive epsilon: rho is invariant to a common scale of the weights over the whole
   clamp range of ``ess_sums`` (an absolute epsilon would drag rho to 0 for small weights).
+
+  References: Kong 1992 (ESS); VCPO (rho = ESS / B).
   """
   ess = safe_divide(sum_w * sum_w, sum_w2)
   return jnp.where(count > 0, safe_divide(ess, count), 1.0)
@@ -78,8 +92,11 @@ def effective_sample_size(weights: Array) -> Array:
 
 
 def ess_lr_multiplier(ess_ratio: Array, rho_base: float = 1.0, rule: str = "sqrt") -> Array:
-  """``sqrt(min(1, rho / rho_base))`` (or the linear rule ``min(1, rho / rho_base)``)."""
-  check_choice("ESS rule", rule, ("sqrt", "linear"))
+  """``sqrt(min(1, rho / rho_base))`` (or the linear rule ``min(1, rho / rho_base)``).
+
+  References: VCPO (ESS learning-rate scaling). docs/ALGORITHMS.md, "VCPO".
+  """
+  check_choice("ESS rule", rule, ESS_RULES)
   x = jnp.clip(jnp.asarray(ess_ratio, jnp.float32) / rho_base, 0.0, 1.0)
   return jnp.sqrt(x) if rule == "sqrt" else x
 
@@ -95,7 +112,7 @@ def scale_by_ess(rho_base: float = 1.0, rule: str = "sqrt"
 
   References: VCPO (ESS learning-rate scaling).
   """
-  check_choice("ESS rule", rule, ("sqrt", "linear"))
+  check_choice("ESS rule", rule, ESS_RULES)
   if not rho_base > 0:
     raise ValueError(f"rho_base must be > 0, got {rho_base!r}")
 
@@ -131,11 +148,13 @@ def opob_baseline(rewards: Array, log_w: Array, grad_sq_norms: Array,
   is set: the released code's compatibility switch).
 
   Args:
-    rewards: float [G,N]; log_w: float [G,N] ``log w_i``; grad_sq_norms: float [G,N].
+    rewards: float [G,M]; log_w: float [G,M] ``log w_i``; grad_sq_norms: float [G,M].
     tis_cap: None, or the TIS clip (8) for the compatibility weighting.
 
   Returns:
     float [G,1] baselines (non-finite rewards are left out).
+
+  References: VCPO (off-policy optimal baseline). docs/ALGORITHMS.md, "VCPO".
   """
   check_rank("rewards", rewards, (2,))
   check_same_shape("rewards", rewards, log_w=log_w, grad_sq_norms=grad_sq_norms)
@@ -157,14 +176,14 @@ def opob_advantages(rewards: Array, log_w: Array, grad_sq_norms: Array,
   """VCPO advantages ``A_i = (s_i - b_g) / sigma_g``, sigma_g the population std (1 if <= 1e-8).
 
   Args:
-    rewards: float [G,N] sequence rewards.
-    log_w: float [G,N] ``sum_t m (logp - mu)`` with logp the policy at the start of the step
+    rewards: float [G,M] sequence rewards.
+    log_w: float [G,M] ``sum_t m (logp - mu)`` with logp the policy at the start of the step
       (``old``), see ``sequence_log_weights``.
-    grad_sq_norms: float [G,N] ``||grad log pi(tau_i)||^2`` (``per_row_grad_sq_norms``).
+    grad_sq_norms: float [G,M] ``||grad log pi(tau_i)||^2`` (``per_row_grad_sq_norms``).
     tis_cap: compatibility switch (see ``opob_baseline``).
 
   Returns:
-    float [G,N]; 0 for non-finite inputs. With equal ``W_i`` this is mean-centred GRPO with
+    float [G,M]; 0 for non-finite inputs. With equal ``W_i`` this is mean-centred GRPO with
     population std.
 
   References: VCPO (off-policy optimal baseline).
@@ -200,7 +219,7 @@ def per_row_grad_sq_norms(row_logp_fn: Callable[[Any, Any], Array], params: Any,
       passes: ``E[(g . v)^2] = ||g||^2``).
     chunk_size: rows per chunk for "map" (default 1); probes evaluated together for "jvp"
       (default all, vectorised).
-    num_probes: probes K for "jvp".
+    num_probes: number of probes for "jvp".
     key: PRNG key for "jvp".
 
   Returns:
@@ -209,7 +228,7 @@ def per_row_grad_sq_norms(row_logp_fn: Callable[[Any, Any], Array], params: Any,
   References: VCPO (OPOB needs per-trajectory gradient norms); Hutchinson 1989 (probe
   estimators).
   """
-  check_choice("method", method, ("vmap", "map", "jvp"))
+  check_choice("method", method, GRAD_NORM_METHODS)
 
   def one_row(p, row):
     row = jax.tree.map(lambda x: x[None], row)

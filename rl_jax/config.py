@@ -1,0 +1,259 @@
+"""The base config of the trainer and its validation.
+
+A config file is a user file that starts from ``base_config()`` and changes what it needs::
+
+    from rl_jax import config as base
+
+    def get_config(arg=None):
+      config = base.base_config()
+      config.model.num_layers = 2
+      return config
+
+Every field can be overridden on the command line (``--config.rollout.n=16``); fields that
+may legitimately be None are typed placeholders, so an override still type-checks
+(``--config.model.hf_path=/ckpt/qwen3-0.6b``, ``--config.loss.m2po_tau=0.04``).
+
+Paper symbols next to fields: M samples per prompt (``rollout.n``), ε_low / ε_high clip range
+(``loss.eps_low`` / ``loss.eps_high``), β KL coefficient (``loss.kl_beta``), τ M2PO threshold
+(``loss.m2po_tau``), η learning rate (``optim.lr``), η staleness bound
+(``rollout.max_staleness``, AReaL's symbol), ρ_base VCPO ESS baseline (``loss.ess_rho_base``).
+
+``validate(config)`` checks every value range and the cross-field rules that need no data or
+devices; each failure is one ``ConfigError`` line naming the key. Allowed values come from
+the modules that define them (architectures from ``rl_jax.models``, mesh axes and rule sets
+from ``rl_jax.sharding``, objective knobs and advantage estimators from ``rl_jax.losses``),
+so an estimator registered by a user config file is accepted too.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from rl_jax import config_utils as cu
+from rl_jax import losses
+from rl_jax import optim
+from rl_jax import sharding
+from rl_jax.errors import ConfigError
+from rl_jax.models import config as model_config_lib
+
+__all__ = ["base_config", "checks", "validate"]
+
+
+def _model() -> ml_collections.ConfigDict:
+  """Either ``hf_path`` (an HF checkpoint directory) or the architecture fields."""
+  return ml_collections.ConfigDict(dict(
+      hf_path=config_dict.placeholder(str),  # If set, the fields below come from config.json.
+      architecture="llama",  # one of rl_jax.models.config.ARCHITECTURES
+      vocab_size=256,
+      hidden_size=64,
+      intermediate_size=128,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=16,
+      rope_theta=10000.0,
+      max_position_embeddings=1024,
+      tie_word_embeddings=False,
+      init_std=0.02,  # random init (when hf_path is None)
+      dtype="float32",  # compute dtype
+      param_dtype="float32",  # storage dtype of the weights
+      remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
+  ))
+
+
+def _mesh() -> ml_collections.ConfigDict:
+  """Mesh shape over (data, fsdp, sequence, tensor); -1 takes the remaining devices."""
+  return ml_collections.ConfigDict(dict(
+      shape={axis: -1 if axis == "fsdp" else 1 for axis in sharding.MESH_AXES},
+      rules="fsdp",  # a key of rl_jax.sharding.RULES
+      num_devices=0,  # use the first k devices (0: all)
+  ))
+
+
+def _data() -> ml_collections.ConfigDict:
+  """Prompt source: a built-in task, or a JSONL / Parquet file (task="file")."""
+  return ml_collections.ConfigDict(dict(
+      task="arithmetic",  # arithmetic | countdown | sorting (built in), or "file" (data.path)
+      path=config_dict.placeholder(str),  # .jsonl or .parquet file when task is "file"
+      tokenizer=config_dict.placeholder(str),  # None: the model's (hf_path) or characters
+      difficulty=0,  # the task's difficulty knob
+      format="auto",  # file tasks: gsm8k | math | auto
+      eval_path=config_dict.placeholder(str),  # file tasks: held-out file (None: hash split)
+      template="{question}",  # file tasks: prompt template
+      max_prompt_len=64,
+      eval_size=128,
+      reward_timeout_s=5.0,  # per verifier call; a time-out scores 0 and is counted
+      seed=0,
+  ))
+
+
+def _rollout() -> ml_collections.ConfigDict:
+  """Sampling for training rollouts (M samples per prompt)."""
+  return ml_collections.ConfigDict(dict(
+      n=8,  # M, samples per prompt (group size)
+      max_new_tokens=32,
+      temperature=1.0,  # 0 means greedy
+      top_p=1.0,
+      top_k=0,  # 0 disables top-k
+      eos_id=config_dict.placeholder(int),  # None: the tokenizer's EOS
+      # Active partial rollouts (APRIL): keep ceil(over_sampling·batch_groups) groups in
+      # flight, train on the first batch_groups that complete, carry the rest (with their
+      # tokens, behaviour log-probs and policy versions) into the next step.
+      partial=False,
+      over_sampling=2.0,
+      max_staleness=1,  # η: no token more than η policy versions old; -1 = unbounded
+      mask_stale=False,  # drop tokens sampled by an older policy from the loss
+  ))
+
+
+def _loss() -> ml_collections.ConfigDict:
+  """A named preset of ``rl_jax.losses`` plus every knob, each None meaning the preset's.
+
+  The knobs and their meanings are ``rl_jax.losses.PRESET_KNOBS`` (docs/ALGORITHMS.md,
+  "Presets"); e.g. ``--config.loss.preset=m2po --config.loss.m2po_tau=0.02``.
+  """
+  fields = {"preset": "grpo"}
+  for knob, kind in losses.PRESET_KNOB_TYPES.items():
+    fields[knob] = config_dict.placeholder(kind)
+  return ml_collections.ConfigDict(fields)
+
+
+def _loss_extra() -> ml_collections.ConfigDict:
+  """Trainer-side settings of objectives (not knobs of the loss itself)."""
+  return ml_collections.ConfigDict(dict(
+      grad_norm_method="map",  # VCPO per-trajectory gradient norms; rl_jax.losses.GRAD_NORM_METHODS
+      grad_norm_chunk=4,  # rows per chunk of "map" (docs/BENCHMARKS.md: grad-norm section)
+  ))
+
+
+def _optim() -> ml_collections.ConfigDict:
+  """AdamW with linear warm-up then constant or cosine decay (``rl_jax.optim``)."""
+  return ml_collections.ConfigDict(dict(
+      lr=1e-5,  # η
+      schedule="constant",  # one of rl_jax.optim.SCHEDULES
+      warmup_steps=0,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      weight_decay=0.0,
+      grad_clip=1.0,  # global-norm clip; 0 disables
+      value_lr=config_dict.placeholder(float),  # PPO critic learning rate (None: lr)
+  ))
+
+
+def _train() -> ml_collections.ConfigDict:
+  """Loop sizes, seeding, evaluation and checkpoint cadence."""
+  return ml_collections.ConfigDict(dict(
+      steps=100,
+      batch_groups=8,  # G, prompts (groups) per step; each has rollout.n samples
+      minibatches=1,  # optimizer updates per step
+      shared_prefix=True,  # packed prompt-once layout for grouped log-probs
+      max_bad_steps=3,  # consecutive non-finite losses before the run stops
+      seed=0,
+      eval_every=50,  # 0 disables evaluation
+      checkpoint_every=50,  # 0 saves only at the end
+      keep=3,  # checkpoints kept
+  ))
+
+
+def _sft() -> ml_collections.ConfigDict:
+  """Supervised warm start on prompt/answer pairs before RL (0 steps disables it)."""
+  return ml_collections.ConfigDict(dict(steps=0, lr=1e-4, batch_size=32))
+
+
+def _eval() -> ml_collections.ConfigDict:
+  """Held-out evaluation: greedy accuracy, and pass@k with k samples (0 disables)."""
+  return ml_collections.ConfigDict(dict(pass_k=0))
+
+
+def _log() -> ml_collections.ConfigDict:
+  """Metrics output."""
+  return ml_collections.ConfigDict(dict(
+      tensorboard=True,  # DIR/tensorboard event files (tensorboardX)
+  ))
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """The full default config tree (unlocked): model, mesh, data, rollout, loss, loss_extra,
+  optim, train, sft, eval, log."""
+  return ml_collections.ConfigDict(dict(
+      model=_model(), mesh=_mesh(), data=_data(), rollout=_rollout(), loss=_loss(),
+      loss_extra=_loss_extra(), optim=_optim(), train=_train(), sft=_sft(), eval=_eval(),
+      log=_log(),
+  ))
+
+
+def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
+  """Value-range checks of every field the trainer reads: ``key -> check(s)``."""
+  opt = cu.optional
+  return {
+      "model.architecture": cu.one_of(model_config_lib.ARCHITECTURES),
+      "model.num_layers": cu.positive_int,
+      "model.remat": cu.one_of(model_config_lib.REMAT_POLICIES),
+      "model.dtype": cu.one_of(model_config_lib.DTYPES),
+      "model.param_dtype": cu.one_of(model_config_lib.DTYPES),
+      "mesh.rules": cu.one_of(sharding.RULES),
+      "mesh.num_devices": cu.nonnegative_int,
+      "data.max_prompt_len": cu.positive_int,
+      "data.eval_size": cu.nonnegative_int,
+      "data.reward_timeout_s": cu.positive,
+      "rollout.n": cu.positive_int,
+      "rollout.max_new_tokens": cu.positive_int,
+      "rollout.temperature": cu.nonnegative,
+      "rollout.top_p": (cu.probability, cu.in_range(0.0, 1.0, low_inclusive=False)),
+      "rollout.top_k": cu.nonnegative_int,
+      "rollout.over_sampling": cu.in_range(1.0, None),
+      "rollout.max_staleness": cu.in_range(-1, None),
+      "loss.preset": cu.one_of(losses.PRESETS),
+      "loss.advantage": opt(cu.one_of(losses.advantage_names())),
+      "loss.policy": opt(cu.one_of(losses.POLICIES)),
+      "loss.agg": opt(cu.one_of(losses.AGG_MODES)),
+      "loss.kl_kind": opt(cu.one_of(losses.KL_KINDS)),
+      "loss.tis_level": opt(cu.one_of(losses.TIS_LEVELS)),
+      "loss.decoupled_mode": opt(cu.one_of(losses.DECOUPLED_MODES)),
+      "loss.ess_rule": opt(cu.one_of(losses.ESS_RULES)),
+      "loss.eps_low": opt(cu.nonnegative),
+      "loss.eps_high": opt(cu.nonnegative),
+      "loss.kl_beta": opt(cu.nonnegative),
+      "loss.m2po_tau": opt(cu.positive),
+      "loss.decoupled_cap": opt(cu.positive),
+      "loss.tis_cap": opt(cu.positive),
+      "loss.value_coef": opt(cu.nonnegative),
+      "loss_extra.grad_norm_method": cu.one_of(losses.GRAD_NORM_METHODS),
+      "loss_extra.grad_norm_chunk": cu.positive_int,
+      "optim.lr": cu.positive,
+      "optim.value_lr": opt(cu.positive),
+      "optim.schedule": cu.one_of(optim.SCHEDULES),
+      "optim.warmup_steps": cu.nonnegative_int,
+      "optim.weight_decay": cu.nonnegative,
+      "optim.grad_clip": cu.nonnegative,
+      "train.steps": cu.positive_int,
+      "train.batch_groups": cu.positive_int,
+      "train.minibatches": cu.positive_int,
+      "train.eval_every": cu.nonnegative_int,
+      "train.checkpoint_every": cu.nonnegative_int,
+      "train.keep": cu.positive_int,
+      "train.max_bad_steps": cu.positive_int,
+      "sft.steps": cu.nonnegative_int,
+      "sft.lr": cu.positive,
+      "sft.batch_size": cu.positive_int,
+      "eval.pass_k": cu.nonnegative_int,
+  }
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Every value check of ``checks()`` plus the cross-field rules; first failure raises.
+
+  Raises:
+    ConfigError: one line naming the key(s), e.g.
+      ``config.rollout.n must be a positive int, got 0``.
+  """
+  cu.validate(config, checks())
+  axes = sorted(dict(config.mesh.shape))
+  if axes != sorted(sharding.MESH_AXES):
+    raise ConfigError(f"config.mesh.shape must name the axes {list(sharding.MESH_AXES)}, "
+                      f"got {axes}")
+  if config.train.batch_groups % config.train.minibatches:
+    raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
+                      f"train.minibatches={config.train.minibatches}")

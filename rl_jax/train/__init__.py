@@ -1,0 +1,37 @@
+"""The trainer: supervised warm start, then RL (GRPO family / PPO / off-policy corrections).
+
+    python -m rl_jax.train --config=configs/quickstart.py --workdir=DIR [--config.x.y=v ...]
+
+Split along the data flow of one step, each module depending only on those above it:
+
+    streams      named random streams: every draw is a function of (seed, step, stream)
+    context      config -> Setup (tokenizer, task, model config, mesh, objective, optimizers)
+    steps        the jitted SFT step, RL update, log-prob / value / gradient-norm passes
+    state        TrainState; init_state and its abstract, sharded restore target
+    rollouts     prompts -> sampler or engine -> rewards -> objective inputs -> UpdateBatch
+    evaluation   held-out greedy accuracy and pass@k
+    loop         resume, step, evaluate, checkpoint, SIGTERM; ``train`` and ``main``
+
+One RL step::
+
+    prompts (seeded sampler) -> rollout.generate / RolloutEngine (M samples per prompt,
+      behaviour log-probs) -> rewards (isolated verifiers) -> ObjectiveInputs (the fields the
+      objective declares it needs) -> advantages -> ``train.minibatches`` optax updates
+"""
+
+from rl_jax.train.context import PROVIDED_INPUTS, Optimizers, Setup, build_setup
+from rl_jax.train.evaluation import evaluate
+from rl_jax.train.loop import main, make_trainer, rl_step, sft_batch, sft_step, train
+from rl_jax.train.rollouts import Trainer, collect, objective_inputs
+from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
+from rl_jax.train.steps import (StepFns, UpdateBatch, make_grad_norm_fn, make_logprob_fn,
+                                make_rl_update, make_sft_step, make_step_fns, make_value_fn)
+from rl_jax.train.streams import Stream, seed_for
+
+__all__ = [
+    "PROVIDED_INPUTS", "Optimizers", "Setup", "build_setup", "evaluate", "main",
+    "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer", "collect",
+    "objective_inputs", "TrainState", "abstract_state", "begin_rl", "init_state",
+    "make_engine", "StepFns", "UpdateBatch", "make_grad_norm_fn", "make_logprob_fn",
+    "make_rl_update", "make_sft_step", "make_step_fns", "make_value_fn", "Stream", "seed_for",
+]

@@ -1,0 +1,177 @@
+"""What a run is made of before any training state exists: ``build_setup(config) -> Setup``.
+
+``build_setup`` validates the config and builds every static object the trainer needs (the
+tokenizer, the task and its splits, the model config, the mesh, the objective, the
+optimizers). Every mistake a user can make in the config or the data fails here, in one
+``ConfigError`` / ``DataError`` line, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import ml_collections
+import optax
+
+from rl_jax import config as config_lib
+from rl_jax import losses
+from rl_jax import models
+from rl_jax import optim
+from rl_jax import sharding
+from rl_jax.data import tasks as tasks_lib
+from rl_jax.data import tokenizers as tok_lib
+from rl_jax.errors import ConfigError, DataError, RLJaxError
+
+__all__ = ["Optimizers", "Setup", "build_setup", "PROVIDED_INPUTS"]
+
+# What the trainer can hand an objective: every field of the objective input record (the
+# rollout stage computes each one on demand, see rollouts.objective_inputs). An objective
+# that needs anything else (e.g. per-token entropy) is rejected by build_setup.
+PROVIDED_INPUTS = frozenset(losses.INPUT_FIELDS)
+
+
+class Optimizers(NamedTuple):
+  """The optax transforms of the three stages."""
+
+  rl: optax.GradientTransformationExtraArgs  # policy update, then the objective's transform
+  sft: optax.GradientTransformation          # supervised warm start
+  value: optax.GradientTransformation        # PPO critic
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Static objects derived from the config (no training state).
+
+  ``train_examples`` / ``eval_examples`` are random-access sequences of ``Example``; the
+  trainer indexes them with the seeded sampler and never copies a split. ``prompt_len`` is
+  P, the prompt bucket (longest tokenized prompt + 1).
+  """
+
+  config: ml_collections.ConfigDict
+  tokenizer: Any
+  task: Any
+  train_examples: Sequence[tasks_lib.Example]
+  eval_examples: Sequence[tasks_lib.Example]
+  model_cfg: models.ModelConfig
+  mesh: jax.sharding.Mesh
+  rules: str
+  objective: losses.Objective
+  optimizers: Optimizers
+  prompt_len: int
+  eos_id: int
+
+
+def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:
+  """``mesh.shape`` with its one ``-1`` axis resolved to the remaining devices."""
+  shape = {k: int(v) for k, v in dict(shape_cfg).items()}
+  free = [k for k, v in shape.items() if v == -1]
+  if len(free) > 1:
+    raise ConfigError(f"mesh.shape: at most one axis may be -1, got {free}")
+  known = math.prod(v for v in shape.values() if v != -1)
+  if free:
+    if n_devices % known:
+      raise ConfigError(f"mesh.shape {shape} does not divide {n_devices} devices")
+    shape[free[0]] = n_devices // known
+  if math.prod(shape.values()) != n_devices:
+    raise ConfigError(f"mesh.shape {shape} needs {math.prod(shape.values())} devices, "
+                      f"have {n_devices}")
+  return shape
+
+
+def make_objective(config) -> losses.Objective:
+  """The configured preset with every knob that is set; rejects what the trainer cannot feed."""
+  knobs = {k: v for k, v in config.loss.to_dict().items() if k != "preset" and v is not None}
+  try:
+    obj = losses.get_objective(config.loss.preset, **knobs)
+  except ValueError as e:
+    raise ConfigError(f"loss: {e}") from None
+  missing = sorted(obj.needs - PROVIDED_INPUTS)
+  if missing:
+    raise ConfigError(f"loss: the objective ({config.loss.preset}) needs {missing}, which the "
+                      "trainer does not compute; use it through rl_jax.losses directly")
+  return obj
+
+
+def _task(config):
+  """(tokenizer, task, train split, eval split, P) with data errors as one line."""
+  d = config.data
+  try:
+    tokenizer = tok_lib.load_tokenizer(d.tokenizer or config.model.hf_path or "char")
+    if d.task == "file":
+      task = tasks_lib.get_task("file", path=d.path or "", format=d.format,
+                                eval_path=d.eval_path, template=d.template, seed=d.seed)
+    else:
+      task = tasks_lib.get_task(d.task, difficulty=d.difficulty, seed=d.seed)
+    train = task.split("train")
+    evals = task.split("eval")
+    evals = [evals[i] for i in range(min(d.eval_size, len(evals)))]
+    prompt_len = max((len(tokenizer.encode(e.prompt))
+                      for e in itertools.chain(train, evals)), default=0) + 1
+  except (ValueError, FileNotFoundError, OSError) as e:
+    if isinstance(e, RLJaxError):
+      raise
+    raise DataError(f"data: {' '.join(str(e).split())}") from None
+  if not len(train):  # pylint: disable=g-explicit-length-test
+    raise ConfigError(f"data: the train split of {d.task!r} is empty")
+  if config.train.eval_every and not evals:
+    raise ConfigError(f"data: the eval split of {d.task!r} is empty")
+  if prompt_len > d.max_prompt_len:
+    raise ConfigError(f"data: a prompt has {prompt_len} tokens > data.max_prompt_len="
+                      f"{d.max_prompt_len}")
+  return tokenizer, task, train, evals, prompt_len
+
+
+def _model_config(config, tokenizer) -> models.ModelConfig:
+  m = config.model
+  if m.hf_path:
+    cfg = models.read_hf_config(m.hf_path, dtype=m.dtype, param_dtype=m.param_dtype,
+                                remat=m.remat)
+  else:
+    cfg = models.ModelConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, architecture=m.architecture,
+        rope_theta=m.rope_theta, max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=m.tie_word_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
+        remat=m.remat, qkv_bias=m.architecture == "qwen2", qk_norm=m.architecture == "qwen3",
+        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+  if cfg.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                      f"{cfg.vocab_size}")
+  return cfg
+
+
+def _mesh(config) -> jax.sharding.Mesh:
+  n_dev = config.mesh.num_devices or jax.device_count()
+  if n_dev > jax.device_count():
+    raise ConfigError(f"mesh.num_devices={n_dev} but only {jax.device_count()} devices exist")
+  return sharding.make_mesh(mesh_shape(config.mesh.shape, n_dev), jax.devices()[:n_dev])
+
+
+def _optimizers(config, objective: losses.Objective) -> Optimizers:
+  o, steps = config.optim, config.train.steps
+  rl = optax.chain(optim.make_optimizer(o, o.lr, steps), objective.update_transform)
+  return Optimizers(rl=rl, sft=optim.make_optimizer(o, config.sft.lr, config.sft.steps),
+                    value=optim.make_optimizer(o, o.value_lr or o.lr, steps))
+
+
+def build_setup(config: ml_collections.ConfigDict) -> Setup:
+  """Validate ``config`` and build everything static; fails in one line before compiling."""
+  config_lib.validate(config)
+  objective = make_objective(config)
+  tokenizer, task, train, evals, prompt_len = _task(config)
+  model_cfg = _model_config(config, tokenizer)
+  mesh = _mesh(config)
+  if prompt_len + config.rollout.max_new_tokens > model_cfg.max_position_embeddings:
+    raise ConfigError(f"data: prompts of {prompt_len} tokens + rollout.max_new_tokens="
+                      f"{config.rollout.max_new_tokens} exceed the model's "
+                      f"{model_cfg.max_position_embeddings} positions")
+  eos = config.rollout.eos_id
+  return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
+               eval_examples=evals, model_cfg=model_cfg, mesh=mesh, rules=config.mesh.rules,
+               objective=objective, optimizers=_optimizers(config, objective),
+               prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos)

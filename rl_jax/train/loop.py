@@ -1,0 +1,194 @@
+"""The training loop: resume, step (supervised, then RL), evaluate, checkpoint, SIGTERM.
+
+    python -m rl_jax.train --config=configs/quickstart.py --workdir=DIR [--config.x.y=v ...]
+
+Writes DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/, DIR/curves.png and DIR/hf/
+(the final policy in HF format). Rerunning the same command resumes from the newest
+checkpoint, bit-exactly: every random draw is a function of (seed, step, stream) and the
+data position is part of the checkpoint. SIGTERM saves a checkpoint and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rl_jax import checkpoint as ckpt_lib
+from rl_jax import config_utils
+from rl_jax import metrics as metrics_lib
+from rl_jax import models
+from rl_jax.errors import RLJaxError
+from rl_jax.train.context import Setup, build_setup
+from rl_jax.train.evaluation import evaluate
+from rl_jax.train.rollouts import Trainer, collect, next_examples
+from rl_jax.train.state import TrainState, abstract_state, begin_rl, init_state, make_engine
+from rl_jax.train.steps import UpdateBatch, make_step_fns
+
+__all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
+
+
+def make_trainer(s: Setup) -> Trainer:
+  """The setup with its jitted steps and rollout engine."""
+  return Trainer(setup=s, steps=make_step_fns(s), engine=make_engine(s))
+
+
+def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``[prompt][answer][eos]`` rows, right-padded to P + R: tokens int32 [B,T], attention
+  mask bool [B,T], loss mask float32 [B,T] on the answer and EOS targets."""
+  tok = s.tokenizer
+  rows, prompt_lens = [], []
+  for e in examples:
+    p = tok.encode(e.prompt)
+    rows.append(p + tok.encode(e.answer) + [s.eos_id])
+    prompt_lens.append(len(p))
+  T = s.prompt_len + s.config.rollout.max_new_tokens
+  tokens = np.full((len(rows), T), tok.pad_id, np.int32)
+  attn = np.zeros((len(rows), T), bool)
+  loss_mask = np.zeros((len(rows), T), np.float32)
+  for i, (row, pl) in enumerate(zip(rows, prompt_lens)):
+    row = row[:T]
+    tokens[i, :len(row)] = row
+    attn[i, :len(row)] = True
+    loss_mask[i, pl:len(row)] = 1.0  # targets at positions >= prompt length
+  return tokens, attn, loss_mask
+
+
+def sft_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
+  """One supervised step: (state, metrics record, new data position)."""
+  s = t.setup
+  examples, data = next_examples(s, np.asarray(state.data), s.config.sft.batch_size)
+  params, opt, mets = t.steps.sft(state.params, state.sft_opt_state, *sft_batch(s, examples))
+  return state._replace(params=params, sft_opt_state=opt), {"phase": "sft",
+                                                            **jax.device_get(mets)}, data
+
+
+def _minibatches(b: UpdateBatch, k: int) -> list[UpdateBatch]:
+  size = b.tokens.shape[0] // k
+  return [jax.tree.map(lambda a: a[i * size:(i + 1) * size], b) for i in range(k)]
+
+
+def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
+  """One RL step: rollouts, then ``train.minibatches`` updates; (state, record, data)."""
+  batch, record, updates = collect(t, state)
+  if "rollout_buffer" in updates:
+    state = state._replace(rollout_buffer=updates["rollout_buffer"])
+  carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
+  mets_all = []
+  for mb in _minibatches(batch, t.setup.config.train.minibatches):
+    *carry, mets = t.steps.rl_update(*carry, mb)
+    mets_all.append(jax.device_get(mets))
+  state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],
+                         value_opt_state=carry[3])
+  means = {k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}
+  return state, {"phase": "rl", **record, **means}, updates["data"]
+
+
+class _Preempted:
+  """SIGTERM handler that only raises a flag; the loop checkpoints at the next step."""
+
+  def __init__(self):
+    self.flag = False
+
+  def __call__(self, signum, frame):
+    self.flag = True
+
+
+def _start(s: Setup, ckpt, metrics_path: str) -> TrainState:
+  """A fresh state, or the newest checkpoint restored onto the abstract target; metrics
+  rows after that point (from a killed attempt) are dropped."""
+  latest = ckpt.latest_step()
+  state = init_state(s) if latest is None else ckpt.restore(abstract_state(s), step=latest)[0]
+  if os.path.exists(metrics_path):
+    metrics_lib.truncate_after(metrics_path, latest or 0)
+  return state
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> TrainState:
+  """Run (or resume) the configured training in ``workdir``; returns the final state."""
+  s = build_setup(config)
+  os.makedirs(workdir, exist_ok=True)
+  c = config
+  sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep,
+                               save_every=c.train.checkpoint_every or total)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  state = _start(s, ckpt, metrics_path)
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
+  t = make_trainer(s)
+  preempted = _Preempted()
+  old_handler = signal.signal(signal.SIGTERM, preempted)
+  bar = _progress(progress, total, int(state.step))
+  bad_steps = 0
+  try:
+    while int(state.step) < total:
+      if preempted.flag:
+        ckpt.save(int(state.step), state, force=True)
+        ckpt.wait()
+        print(f"SIGTERM: saved checkpoint at step {int(state.step)}; rerun to resume",
+              file=sys.stderr)
+        break
+      step = int(state.step)
+      t0 = time.perf_counter()
+      if step < sft_steps:
+        state, record, data = sft_step(t, state)
+      else:
+        if step == sft_steps:
+          state = begin_rl(s, state)
+        state, record, data = rl_step(t, state)
+      bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
+      if bad_steps >= c.train.max_bad_steps:
+        raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient "
+                         f"(last at step {step}); stopping. Lower optim.lr or check the data.")
+      state = state._replace(step=state.step + 1, data=jnp.asarray(data))
+      step += 1
+      record["step_time_s"] = time.perf_counter() - t0
+      if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
+        record.update(evaluate(s, state.params, step))
+      writer.write(step, record)
+      _update_progress(bar, record)
+      if ckpt.should_save(step) or step == total:
+        ckpt.save(step, state, force=step == total)
+    ckpt.wait()
+    if int(state.step) >= total:
+      models.save_hf(s.model_cfg, state.params, os.path.join(workdir, "hf"))
+      metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
+  finally:
+    signal.signal(signal.SIGTERM, old_handler)
+    writer.close()
+    ckpt.close()
+    if bar is not None:
+      bar.close()
+  return state
+
+
+def _progress(enabled: bool, total: int, initial: int):
+  if not enabled:
+    return None
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  return tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stderr)
+
+
+def _update_progress(bar, record: dict) -> None:
+  if bar is None:
+    return
+  post = {}
+  for key, short in (("sft_loss", "loss"), ("reward_mean", "reward"),
+                     ("eval_accuracy", "acc"), ("rollout_tokens_per_s", "tok/s")):
+    if key in record:
+      post[short] = f"{record[key]:.3g}"
+  bar.set_postfix(post, refresh=False)
+  bar.update(1)
+
+
+@config_utils.main_guard
+def main(argv=None) -> None:
+  """``python -m rl_jax.train --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]``."""
+  config, workdir = config_utils.parse_cli(sys.argv if argv is None else argv)
+  train(config, workdir)

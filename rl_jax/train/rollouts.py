@@ -1,0 +1,214 @@
+"""The rollout stage of a step: prompts -> sampler or engine -> rewards -> objective inputs.
+
+``collect(trainer, state)`` draws G prompts from the seeded sampler (or lets the APRIL engine
+draw them lazily), samples M completions each, scores them with the task's verifier, and
+fills the objective's input record with exactly the fields the objective declares it needs
+(``Objective.needs``): reference log-probs, critic values, per-trajectory gradient norms,
+reward components, lengths. It never looks at which estimator or preset is configured.
+
+Shapes (package legend): G groups, M samples per prompt, P prompt bucket, R new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax import losses
+from rl_jax import rollout
+from rl_jax.data import rewards as rewards_lib
+from rl_jax.data import selection
+from rl_jax.train.context import Setup
+from rl_jax.train.state import TrainState, held_capacity
+from rl_jax.train.steps import StepFns, UpdateBatch
+from rl_jax.train.streams import Stream, seed_for
+
+__all__ = ["Trainer", "Sampled", "collect", "objective_inputs", "next_examples",
+           "encode_prompts", "pad_prompts", "decode", "score", "generate"]
+
+
+class Trainer(NamedTuple):
+  """A run's static setup with its compiled steps and (for ``rollout.partial``) its engine."""
+
+  setup: Setup
+  steps: StepFns
+  engine: rollout.RolloutEngine | None
+
+
+class Sampled(NamedTuple):
+  """One step's sampled groups on the host.
+
+  examples: G ``Example``s; prompts: G token lists; tokens / mask / logprobs [G·M,R]
+  (behaviour log-probs); versions int32 [G·M,R] policy version of each token (engine only);
+  stats: the engine's counters; updates: train-state fields that advance (data position,
+  rollout buffer).
+  """
+
+  examples: list
+  prompts: list[list[int]]
+  tokens: np.ndarray
+  mask: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray | None
+  stats: dict
+  updates: dict
+
+
+# ---------------------------------------------------------------------- host-side helpers
+def encode_prompts(s: Setup, examples) -> list[list[int]]:
+  return [s.tokenizer.encode(e.prompt) for e in examples]
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], P: int,
+                pad: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-padded int32 [G,P] prompt tokens and int32 [G] lengths."""
+  out = np.full((len(prompts), P), pad, np.int32)
+  for i, p in enumerate(prompts):
+    out[i, :len(p)] = p
+  return out, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def decode(s: Setup, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
+  """The text of each row's valid tokens."""
+  return [s.tokenizer.decode([int(t) for t, m in zip(row, mrow) if m])
+          for row, mrow in zip(tokens, mask)]
+
+
+def score(s: Setup, completions: list[str], answers: list[str]) -> tuple[np.ndarray, dict]:
+  """The task's verifier on each completion (isolated, time-limited): rewards, counters."""
+  return rewards_lib.compute_rewards(s.task.verify, completions, answers,
+                                     timeout_s=s.config.data.reward_timeout_s)
+
+
+def next_indices(s: Setup, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+  """The next ``n`` dataset indices of the seeded sampler at position ``data`` (epoch,
+  position), and the position after them."""
+  state = selection.SamplerState(int(s.config.data.seed), int(data[0]), int(data[1]))
+  idx, state = selection.sampler_next(state, len(s.train_examples), n)
+  return idx, np.asarray([state.epoch, state.position], np.int32)
+
+
+def next_examples(s: Setup, data: np.ndarray, n: int) -> tuple[list, np.ndarray]:
+  """The next ``n`` training examples of the seeded sampler, and the position after them."""
+  idx, data = next_indices(s, data, n)
+  return [s.train_examples[i] for i in idx], data
+
+
+def generate(s: Setup, params, prompts, **kw):
+  """``rollout.generate`` on the trainer's mesh with the task's EOS and length budget."""
+  return rollout.generate(s.model_cfg, params, prompts,
+                          max_new_tokens=s.config.rollout.max_new_tokens,
+                          eos_id=s.eos_id, mesh=s.mesh, rules=s.rules, **kw)
+
+
+# ---------------------------------------------------------------------- sampling
+def _sample_fresh(s: Setup, state: TrainState) -> Sampled:
+  """G new prompts, M samples each, from the current policy."""
+  c = s.config
+  examples, data = next_examples(s, np.asarray(state.data), c.train.batch_groups)
+  prompts = encode_prompts(s, examples)
+  out = generate(s, state.params, prompts, n=c.rollout.n, temperature=c.rollout.temperature,
+                 top_p=c.rollout.top_p, top_k=c.rollout.top_k,
+                 seed=seed_for(c.train.seed, int(state.step), Stream.ROLLOUT))
+  return Sampled(examples, prompts, np.asarray(out.tokens), np.asarray(out.mask),
+                 np.asarray(out.logprobs), None, {}, {"data": data})
+
+
+def _sample_partial(s: Setup, state: TrainState, engine: rollout.RolloutEngine) -> Sampled:
+  """K complete groups from the APRIL engine, whose held groups live in the train state.
+
+  The engine is reloaded from ``state.rollout_buffer`` and saved back after the call, and
+  prompts are drawn lazily from the data sampler, so a resumed run continues exactly.
+  """
+  engine.import_held(jax.device_get(state.rollout_buffer))
+  position = [np.asarray(state.data)]
+
+  def prompts():
+    while True:
+      idx, position[0] = next_indices(s, position[0], 1)
+      i = int(idx[0])
+      yield rollout.Prompt(encode_prompts(s, [s.train_examples[i]])[0], meta=i)
+
+  out = engine.rollout_groups(state.params, prompts(), s.config.train.batch_groups,
+                              policy_version=int(state.step))
+  held = jax.tree.map(jnp.asarray, engine.export_held(held_capacity(s)))
+  return Sampled([s.train_examples[i] for i in out.group_meta], out.prompts,
+                 np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.logprobs),
+                 np.asarray(out.versions), dict(out.stats),
+                 {"data": position[0], "rollout_buffer": held})
+
+
+def _sample(s: Setup, state: TrainState, engine) -> Sampled:
+  return _sample_fresh(s, state) if engine is None else _sample_partial(s, state, engine)
+
+
+# ---------------------------------------------------------------------- objective inputs
+def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
+                     mask, generated_mask, rewards, behaviour_logp) -> losses.ObjectiveInputs:
+  """The objective's input record with every field ``Objective.needs`` names.
+
+  ``rewards`` [G,M], ``mask`` (loss tokens) and ``generated_mask`` [G,M,R], the sampler's
+  ``behaviour_logp`` and the proximal ``old_logp`` (the current weights, one teacher-forced
+  pass) are always filled; the rest only when declared: ``ref_logp`` (reference pass),
+  ``values`` (critic pass), ``grad_sq_norms`` (per-trajectory gradient norms),
+  ``reward_components`` [G,M,C] (C = 1: the verifier's reward) and ``lengths``.
+  """
+  s, f = t.setup, t.steps
+  args = (prompt_tokens, prompt_lengths, tokens, mask)
+  fields = dict(rewards=rewards, mask=mask, generated_mask=generated_mask,
+                old_logp=f.logprobs(state.params, *args), behaviour_logp=behaviour_logp)
+  producers = {
+      "ref_logp": lambda: f.logprobs(state.ref_params, *args),
+      "values": lambda: f.values(state.value_params, *args),
+      "grad_sq_norms": lambda: f.grad_sq_norms(state.params, *args, jax.random.key(
+          seed_for(s.config.train.seed, int(state.step), Stream.GRAD_NORMS))),
+      "reward_components": lambda: rewards[..., None],
+      "lengths": lambda: jnp.sum(mask, axis=-1).astype(jnp.float32),
+  }
+  for name in sorted(s.objective.needs & producers.keys()):
+    fields[name] = producers[name]()
+  return losses.ObjectiveInputs(**fields)
+
+
+def collect(t: Trainer, state: TrainState) -> tuple[UpdateBatch, dict[str, Any], dict]:
+  """One step's rollouts: sample, score, fill the objective inputs, compute advantages.
+
+  Returns:
+    (the update batch, the step's rollout metrics, train-state fields to advance).
+  """
+  s, c = t.setup, t.setup.config
+  G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
+  t0 = time.perf_counter()
+  out = _sample(s, state, t.engine)
+  rollout_s = time.perf_counter() - t0
+  loss_mask = out.mask
+  if out.versions is not None and c.rollout.mask_stale:  # only the current policy's tokens
+    loss_mask = out.mask & (out.versions >= int(state.step))
+  completions = decode(s, out.tokens, out.mask)
+  rewards, stats = score(s, completions, [e.answer for e in out.examples for _ in range(M)])
+  rewards = rewards.reshape(G, M)
+  pt, pl = (jnp.asarray(a) for a in pad_prompts(out.prompts, s.prompt_len, s.tokenizer.pad_id))
+  rt = jnp.asarray(out.tokens.reshape(G, M, R))
+  inputs = objective_inputs(
+      t, state, pt, pl, rt, mask=jnp.asarray(loss_mask.reshape(G, M, R)),
+      generated_mask=jnp.asarray(out.mask.reshape(G, M, R)), rewards=jnp.asarray(rewards),
+      behaviour_logp=jnp.asarray(out.logprobs.reshape(G, M, R)))
+  advantages = s.objective.advantages_from(inputs)
+  n_tok = int(out.mask.sum())
+  info = {
+      "reward_mean": float(rewards.mean()),
+      "reward_std": float(rewards.std()),
+      "response_length": n_tok / (G * M),
+      "rollout_tokens_per_s": n_tok / max(rollout_s, 1e-9),
+      "reward_exceptions": stats["exceptions"],
+      "reward_timeouts": stats["timeouts"],
+      "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
+  }
+  info.update({k: float(out.stats[k]) for k in (
+      "off_policy_token_fraction", "max_token_lag", "aborted_groups", "restarted_samples",
+      "buffer_size") if k in out.stats})
+  return UpdateBatch(pt, pl, rt, inputs, advantages), info, out.updates

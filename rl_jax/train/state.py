@@ -1,0 +1,150 @@
+"""The train state: a fresh one (``init_state``) and its abstract, sharded restore target
+(``abstract_state``: shapes, dtypes and shardings from ``jax.eval_shape``, nothing computed
+or loaded), so resuming reads no weights and allocates no throwaway state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax import models
+from rl_jax import rollout
+from rl_jax.train.context import Setup
+from rl_jax.train.streams import Stream, seed_for
+
+__all__ = ["TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
+           "held_capacity"]
+
+
+class TrainState(NamedTuple):
+  """Everything a resumed run needs (a pytree; checkpointed whole).
+
+  step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
+  optimizer state. sft_opt_state: optimizer state of the supervised stage. ref_params: the
+  frozen reference policy (the policy when RL starts; ``{}`` if the objective has no KL).
+  value_params / value_opt_state: the PPO critic and its optimizer state (``{}`` otherwise).
+  data: int32 [2] (epoch, position) of the prompt sampler.
+  rollout_buffer: with ``rollout.partial``, the rollout engine's held groups (partial and
+  extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  sft_opt_state: Any
+  ref_params: Any
+  value_params: Any
+  value_opt_state: Any
+  data: jax.Array
+  rollout_buffer: Any
+
+
+def held_capacity(s: Setup) -> int:
+  """Most groups the partial-rollout engine can hold between steps."""
+  return math.ceil(s.config.rollout.over_sampling * s.config.train.batch_groups)
+
+
+def make_engine(s: Setup) -> rollout.RolloutEngine | None:
+  """The APRIL rollout engine of ``rollout.partial`` runs (None otherwise)."""
+  r = s.config.rollout
+  if not r.partial:
+    return None
+  return rollout.RolloutEngine(
+      s.model_cfg, n=r.n, max_slots=held_capacity(s), max_new_tokens=r.max_new_tokens,
+      max_prompt_len=s.prompt_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+      eos_id=s.eos_id, over_sampling=r.over_sampling,
+      max_staleness=None if r.max_staleness < 0 else r.max_staleness,
+      seed=seed_for(s.config.train.seed, 0, Stream.ENGINE), mesh=s.mesh, rules=s.rules,
+      context=s.model_cfg.max_position_embeddings)
+
+
+def _empty_buffer(s: Setup) -> dict:
+  """``TrainState.rollout_buffer`` of a fresh run: host arrays with nothing held."""
+  engine = make_engine(s)
+  return {} if engine is None else engine.export_held(held_capacity(s))
+
+
+def _state_from_params(s: Setup, params) -> TrainState:
+  """The rest of a fresh state (optimizer states, reference, critic) from the policy params."""
+  needs = s.objective.needs
+  # a copy: the supervised step donates params, which must not free the reference's buffers
+  ref = jax.tree.map(jnp.copy, params) if "ref_logp" in needs else {}
+  value, value_opt = {}, {}
+  if "values" in needs:  # critic warm-started from (a copy of) the policy trunk
+    key = jax.random.key(seed_for(s.config.train.seed, 0, Stream.CRITIC_INIT))
+    value = models.init_value_params(s.model_cfg, key,
+                                     policy_params=jax.tree.map(jnp.copy, params))
+    value_opt = jax.jit(s.optimizers.value.init)(value)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=jax.jit(s.optimizers.rl.init)(params),
+                    sft_opt_state=jax.jit(s.optimizers.sft.init)(params), ref_params=ref,
+                    value_params=value, value_opt_state=value_opt,
+                    data=jnp.zeros((2,), jnp.int32), rollout_buffer={})
+
+
+def _replicated(s: Setup) -> jax.sharding.NamedSharding:
+  return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+
+
+def _on_mesh(sh, mesh) -> bool:
+  return isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == mesh
+
+
+def init_state(s: Setup) -> TrainState:
+  """Fresh state: params from ``model.hf_path`` or a seeded random init, placed sharded.
+
+  Arrays the parameter table does not lay out (optimizer counts, step, data position, the
+  rollout buffer) are replicated on the mesh, as in ``abstract_state``.
+  """
+  shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
+  hf_path = s.config.model.hf_path
+  if hf_path:
+    _, params = models.load_hf(hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
+                               shardings=shardings)
+  else:
+    params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
+                                 s.rules, std=s.config.model.init_std)
+  state = _state_from_params(s, params)
+  state = state._replace(rollout_buffer=jax.tree.map(jnp.asarray, _empty_buffer(s)))
+  replicated = _replicated(s)
+  return jax.tree.map(
+      lambda x: x if _on_mesh(x.sharding, s.mesh) else jax.device_put(x, replicated), state)
+
+
+def abstract_state(s: Setup) -> TrainState:
+  """Shapes, dtypes and shardings of ``init_state(s)``, computing and loading nothing.
+
+  The restore target on resume: no HF weights are read and no second copy of the state is
+  allocated just to be overwritten by the checkpoint.
+  """
+  cfg = s.model_cfg
+  dtype = jnp.dtype(cfg.param_dtype)
+  params = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
+                        models.param_shapes(cfg), models.param_shardings(cfg, s.mesh, s.rules),
+                        is_leaf=lambda x: isinstance(x, tuple))
+  build = jax.jit(functools.partial(_state_from_params, s))
+  shapes = jax.eval_shape(build, params)
+  out = build.lower(params).compile().output_shardings
+  replicated = _replicated(s)
+
+  def spec(x, sh):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=sh if _on_mesh(sh, s.mesh) else replicated)
+
+  state = jax.tree.map(spec, shapes, out)
+  buffer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                       sharding=replicated), _empty_buffer(s))
+  return state._replace(rollout_buffer=buffer)
+
+
+def begin_rl(s: Setup, state: TrainState) -> TrainState:
+  """At the first RL step: the reference policy becomes a copy of the current policy."""
+  if "ref_logp" not in s.objective.needs:
+    return state
+  return state._replace(ref_params=jax.tree.map(jnp.copy, state.params))

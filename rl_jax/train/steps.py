@@ -1,0 +1,181 @@
+"""The jitted functions of the trainer: supervised step, RL update, log-prob, value and
+per-trajectory gradient-norm passes. This is where compiled code meets the mesh.
+
+Shapes (the package legend): G groups (prompts) per step, M samples per prompt
+(``rollout.n``), P prompt bucket, R = ``rollout.max_new_tokens``, B = G·M rows, T tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rl_jax import losses
+from rl_jax import models
+from rl_jax.train.context import Setup
+
+__all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
+           "make_logprob_fn", "make_value_fn", "make_rl_update", "make_grad_norm_fn"]
+
+
+class UpdateBatch(NamedTuple):
+  """One step's groups ready for the update (device arrays; sliceable along G).
+
+  prompt_tokens int32 [G,P] right-padded; prompt_lengths int32 [G]; tokens int32 [G,M,R];
+  inputs: the objective's input record (``inputs.mask`` bool [G,M,R] is the loss mask);
+  advantages: what the objective's estimator returned for ``inputs``.
+  """
+
+  prompt_tokens: jax.Array
+  prompt_lengths: jax.Array
+  tokens: jax.Array
+  inputs: losses.ObjectiveInputs
+  advantages: losses.Advantages
+
+
+class StepFns(NamedTuple):
+  """The compiled steps of one run (see each ``make_*`` for signatures)."""
+
+  sft: Callable
+  rl_update: Callable
+  logprobs: Callable
+  values: Callable
+  grad_sq_norms: Callable
+
+
+def finite_update(tx, params, opt_state, grads, loss, **extra):
+  """One optax update, skipped (params and state unchanged) if loss or grads are not finite.
+
+  Not ``optax.apply_if_finite``: that wrapper applies the update anyway after
+  ``max_consecutive_errors`` skips (the loop stops the run instead, ``train.max_bad_steps``),
+  looks at gradients only (the loss is checked too, and the policy and critic skip together),
+  and adds a counter to the optimizer state, which would change the checkpoint layout.
+
+  Returns:
+    (params, opt_state, finite bool []).
+  """
+  finite = jnp.isfinite(loss) & jnp.all(jnp.asarray(
+      [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  updates, new_opt = tx.update(grads, opt_state, params, **extra)
+  new_params = optax.apply_updates(params, updates)
+  pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  return pick(new_params, params), pick(new_opt, opt_state), finite
+
+
+def make_sft_step(s: Setup) -> Callable:
+  """``sft(params, opt_state, tokens [B,T], attn_mask [B,T], loss_mask [B,T])`` ->
+  ``(params, opt_state, metrics)``: next-token loss on the answer tokens only. Donates the
+  params and optimizer state."""
+  cfg = s.model_cfg
+
+  def step(params, opt_state, tokens, attn_mask, loss_mask):
+    def loss_fn(p):
+      lp = models.sequence_logprobs(cfg, p, tokens, attention_mask=attn_mask)
+      return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    params, opt_state, finite = finite_update(s.optimizers.sft, params, opt_state, grads, loss)
+    return params, opt_state, {"sft_loss": loss, "grad_norm": optax.global_norm(grads),
+                               "update_skipped": 1 - finite.astype(jnp.int32)}
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _temperature(s: Setup) -> float:
+  return s.config.rollout.temperature or 1.0
+
+
+def make_logprob_fn(s: Setup) -> Callable:
+  """``logprobs(params, prompt_tokens [G,P], prompt_lengths [G], tokens [G,M,R],
+  mask [G,M,R]) -> [G,M,R]`` at the sampling temperature (packed layout by default)."""
+  temp, shared = _temperature(s), s.config.train.shared_prefix
+  return jax.jit(lambda p, pt, pl, rt, rm: models.response_logprobs(
+      s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared, temperature=temp))
+
+
+def make_value_fn(s: Setup) -> Callable:
+  """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
+  shared = s.config.train.shared_prefix
+  return jax.jit(lambda v, pt, pl, rt, rm: models.response_values(
+      s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared))
+
+
+def make_rl_update(s: Setup) -> Callable:
+  """``update(params, opt_state, value_params, value_opt_state, batch: UpdateBatch)`` ->
+  the four updated and a metrics dict; one optimizer step on one minibatch of groups.
+
+  The objective's loss runs over the flattened rows (``losses.loss_batch``); the critic is
+  updated alongside when the objective reads values. A non-finite loss or policy gradient
+  skips the policy update, a non-finite critic gradient the critic update; either counts as
+  a skipped step. VCPO: ρ = ESS/B of the minibatch scales the final update (the objective's
+  update transform reads ``ess_ratio``).
+  """
+  cfg, obj = s.model_cfg, s.objective
+  temp, shared = _temperature(s), s.config.train.shared_prefix
+  with_critic = "values" in obj.needs
+
+  def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
+    G, M, R = b.tokens.shape
+    batch = obj.prepare(losses.loss_batch(b.inputs, b.advantages))
+    mask = b.inputs.mask
+
+    def loss_fn(p, v):
+      lp = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens, mask,
+                                    shared_prefix=shared, temperature=temp)
+      values = None
+      if with_critic:
+        values = models.response_values(cfg, v, b.prompt_tokens, b.prompt_lengths, b.tokens,
+                                        mask, shared_prefix=shared).reshape(G * M, R)
+      loss_sum, denom, mets = obj.loss(lp.reshape(G * M, R), batch, values=values)
+      return losses.finalize(loss_sum, denom), mets
+
+    (loss, mets), (grads, vgrads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        params, value_params)
+    ess = (losses.ess_ratio_from_sums(mets["vcpo/sum_w"], mets["vcpo/sum_w2"],
+                                      mets["vcpo/num_seqs"]) if "vcpo/sum_w" in mets else 1.0)
+    params, opt_state, finite = finite_update(s.optimizers.rl, params, opt_state, grads, loss,
+                                              ess_ratio=ess)
+    if with_critic:
+      value_params, value_opt_state, vfinite = finite_update(
+          s.optimizers.value, value_params, value_opt_state, vgrads, loss)
+      finite &= vfinite
+    mets = dict(mets, loss=loss, grad_norm=optax.global_norm(grads), ess_ratio=ess,
+                update_skipped=1 - finite.astype(jnp.int32))
+    return params, opt_state, value_params, value_opt_state, mets
+
+  return jax.jit(update, donate_argnums=(0, 1, 2, 3))
+
+
+def make_grad_norm_fn(s: Setup) -> Callable:
+  """``grad_sq_norms(params, prompt_tokens, prompt_lengths, tokens, mask, key) -> [G,M]``:
+  squared gradient norm of each trajectory's summed log-probs (VCPO's off-policy optimal
+  baseline), by ``loss_extra.grad_norm_method``."""
+  cfg, temp = s.model_cfg, _temperature(s)
+  method = s.config.loss_extra.grad_norm_method
+  chunk = s.config.loss_extra.grad_norm_chunk
+
+  def row_logp(p, x):
+    pt, pl, rt, rm = x
+    lp = models.response_logprobs(cfg, p, pt, pl, rt[:, None], rm[:, None], shared_prefix=False,
+                                  temperature=temp)
+    return lp.sum(axis=(1, 2))
+
+  def fn(params, pt, pl, rt, rm, key):
+    G, M, R = rt.shape
+    x = (jnp.repeat(pt, M, axis=0), jnp.repeat(pl, M, axis=0), rt.reshape(G * M, R),
+         rm.reshape(G * M, R))
+    sq = losses.per_row_grad_sq_norms(row_logp, params, x, method=method, key=key,
+                                      chunk_size=chunk if method == "map" else None)
+    return sq.reshape(G, M)
+
+  return jax.jit(fn)
+
+
+def make_step_fns(s: Setup) -> StepFns:
+  """Every jitted step of the run (compiled lazily, on first call)."""
+  return StepFns(sft=make_sft_step(s), rl_update=make_rl_update(s),
+                 logprobs=make_logprob_fn(s), values=make_value_fn(s),
+                 grad_sq_norms=make_grad_norm_fn(s))
