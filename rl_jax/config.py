@@ -206,7 +206,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "rollout.over_sampling": cu.in_range(1.0, None),
       "rollout.max_staleness": cu.in_range(-1, None),
       "loss.preset": cu.one_of(losses.PRESETS),
-      "loss.advantage": opt(cu.one_of(losses.advantage_names())),
+      "loss.advantage": opt(cu.one_of(losses.ADVANTAGES)),
       "loss.policy": opt(cu.one_of(losses.POLICIES)),
       "loss.agg": opt(cu.one_of(losses.AGG_MODES)),
       "loss.kl_kind": opt(cu.one_of(losses.KL_KINDS)),

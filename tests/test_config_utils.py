@@ -127,33 +127,19 @@ def test_missing_file(tmp_path):
     cu.load_config(str(tmp_path / "nope.py"))
 
 
-def test_file_without_get_config(tmp_path):
-  path = tmp_path / "empty.py"
-  path.write_text("X = 1\n")
-  with pytest.raises(ConfigError, match=r"empty\.py defines no get_config"):
-    cu.load_config(str(path))
-
-
-def test_file_with_syntax_error(tmp_path):
-  path = tmp_path / "broken.py"
-  path.write_text("def get_config(:\n")
-  with pytest.raises(ConfigError, match=r"broken\.py failed to import: SyntaxError"):
-    cu.load_config(str(path))
-
-
-def test_arg_to_get_config_without_parameter(tmp_path):
-  path = tmp_path / "noarg.py"
-  path.write_text("import ml_collections\n"
-                  "def get_config():\n  return ml_collections.ConfigDict()\n")
-  with pytest.raises(ConfigError, match=r"takes no argument, but ':x' was given"):
-    cu.load_config(f"{path}:x")
-
-
-def test_get_config_returning_wrong_type(tmp_path):
-  path = tmp_path / "dict.py"
-  path.write_text("def get_config(arg=None):\n  return {'a': 1}\n")
-  with pytest.raises(ConfigError, match=r"returned dict, expected an ml_collections.ConfigDict"):
-    cu.load_config(str(path))
+@pytest.mark.parametrize("name,text,suffix,pattern", [
+    ("empty.py", "X = 1\n", "", r"empty\.py defines no get_config"),
+    ("broken.py", "def get_config(:\n", "", r"broken\.py failed to import: SyntaxError"),
+    ("noarg.py", "import ml_collections\ndef get_config():\n"
+     "  return ml_collections.ConfigDict()\n", ":x", r"takes no argument, but ':x' was given"),
+    ("dict.py", "def get_config(arg=None):\n  return {'a': 1}\n", "",
+     r"returned dict, expected an ml_collections.ConfigDict"),
+])
+def test_broken_config_file_is_one_config_error(tmp_path, name, text, suffix, pattern):
+  path = tmp_path / name
+  path.write_text(text)
+  with pytest.raises(ConfigError, match=pattern):
+    cu.load_config(f"{path}{suffix}")
 
 
 def test_config_file_anywhere_imports_the_package(tmp_path):

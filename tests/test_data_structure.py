@@ -1,7 +1,6 @@
 """Package structure of rl_jax.data: acyclic imports, public names, the task registry, lazy
 file splits and pinned synthetic splits."""
 
-import ast
 import hashlib
 import importlib
 import json
@@ -11,6 +10,7 @@ import pkgutil
 import pytest
 
 import rl_jax.data
+from tests import import_graph
 from rl_jax.data import base, files, tasks
 
 _PACKAGE = "rl_jax.data"
@@ -28,53 +28,11 @@ def _source_file(module: str) -> pathlib.Path:
 
 def _imported(module: str, known: set[str], source: str | None = None) -> set[str]:
   """rl_jax.data modules that ``module`` imports anywhere (top level or in a function)."""
-  tree = ast.parse(_source_file(module).read_text() if source is None else source)
-  is_package = module == _PACKAGE
-  out = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
-      names = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom):
-      if node.level:  # relative import
-        anchor = module if is_package else module.rsplit(".", 1)[0]
-        for _ in range(node.level - 1):
-          anchor = anchor.rsplit(".", 1)[0]
-        base_name = f"{anchor}.{node.module}" if node.module else anchor
-      else:
-        base_name = node.module or ""
-      # ``from pkg import sub`` imports the submodule; ``from pkg import name`` needs pkg.
-      subs = [f"{base_name}.{a.name}" for a in node.names]
-      names = [n for n in subs if n in known] or [base_name]
-    else:
-      continue
-    out |= {n for n in names if n in known and n != module}
-  return out
+  text = _source_file(module).read_text() if source is None else source
+  return import_graph.imported(module, known, text, is_package=module == _PACKAGE)
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-  state: dict[str, int] = {}  # 1 on the stack, 2 done
-  stack: list[str] = []
-
-  def visit(node):
-    state[node] = 1
-    stack.append(node)
-    for nxt in sorted(graph[node]):
-      if state.get(nxt) == 1:
-        return stack[stack.index(nxt):] + [nxt]
-      if nxt not in state:
-        found = visit(nxt)
-        if found:
-          return found
-    stack.pop()
-    state[node] = 2
-    return None
-
-  for node in sorted(graph):
-    if node not in state:
-      found = visit(node)
-      if found:
-        return found
-  return None
+_find_cycle = import_graph.find_cycle
 
 
 def test_import_graph_is_acyclic():

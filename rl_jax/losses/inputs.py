@@ -41,16 +41,16 @@ class ObjectiveInputs(NamedTuple):
       log-probs (VCPO).
   """
 
-  rewards: Array
-  mask: Array
-  generated_mask: Array | None = None
-  reward_components: Array | None = None
-  lengths: Array | None = None
-  old_logp: Array | None = None
-  behaviour_logp: Array | None = None
-  ref_logp: Array | None = None
-  values: Array | None = None
-  grad_sq_norms: Array | None = None
+  rewards: Array                          # [G,M]
+  mask: Array                             # [G,M,R]
+  generated_mask: Array | None = None     # [G,M,R]
+  reward_components: Array | None = None  # [G,M,C]
+  lengths: Array | None = None            # [G,M]
+  old_logp: Array | None = None           # [G,M,R]
+  behaviour_logp: Array | None = None     # [G,M,R]
+  ref_logp: Array | None = None           # [G,M,R]
+  values: Array | None = None             # [G,M,R]
+  grad_sq_norms: Array | None = None      # [G,M]
 
 
 INPUT_FIELDS = ObjectiveInputs._fields

@@ -1,0 +1,67 @@
+"""Package structure: no import cycles anywhere in rl_jax, the trainer's modules depend
+downward only, every module is small and declares ``__all__``, and the package never edits
+``sys.path`` or imports the user's ``configs`` directory."""
+
+import importlib
+import re
+import pathlib
+
+import pytest
+
+import rl_jax
+from tests import import_graph
+
+ROOT = pathlib.Path(rl_jax.__file__).parent
+FILES = import_graph.modules(ROOT, "rl_jax")
+GRAPH = import_graph.graph(ROOT, "rl_jax")
+# The trainer, top of the data flow last; a module may import only the ones before it.
+TRAIN_ORDER = ["streams", "context", "steps", "state", "rollouts", "evaluation", "loop"]
+
+
+def test_no_import_cycle_in_the_package():
+  cycle = import_graph.find_cycle(GRAPH)
+  assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_cycle_finder_finds_cycles():
+  assert import_graph.find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert import_graph.find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_trainer_modules_depend_downward_only():
+  train = {f"rl_jax.train.{m}" for m in TRAIN_ORDER}
+  assert train | {"rl_jax.train", "rl_jax.train.__main__"} == {
+      m for m in FILES if m.startswith("rl_jax.train")}
+  for i, name in enumerate(TRAIN_ORDER):
+    deps = GRAPH[f"rl_jax.train.{name}"] & (train | {"rl_jax.train"})
+    allowed = {f"rl_jax.train.{m}" for m in TRAIN_ORDER[:i]}
+    assert deps <= allowed, f"rl_jax.train.{name} imports {sorted(deps - allowed)}"
+  # nothing below the trainer imports it
+  below = [m for m in FILES if not m.startswith("rl_jax.train")]
+  assert not [m for m in below if any(d.startswith("rl_jax.train") for d in GRAPH[m])]
+
+
+@pytest.mark.parametrize("module", sorted(FILES))
+def test_module_is_small_and_declares_its_names(module):
+  path = FILES[module]
+  text = path.read_text()
+  assert len(text.splitlines()) <= 400, f"{path} has {len(text.splitlines())} lines"
+  assert not re.search(r"sys\.path\s*(\.\w+\(|=|\+=)", text), f"{path} edits sys.path"
+  assert "configs" not in {n.split(".")[0] for n in _top_level_imports(module)}
+  if path.name == "__main__.py" or module == "rl_jax":
+    return
+  mod = importlib.import_module(module)
+  names = getattr(mod, "__all__", None)
+  assert isinstance(names, (list, tuple)), f"{module} has no explicit __all__"
+  assert not [n for n in names if not hasattr(mod, n)], f"{module}.__all__ names missing"
+
+
+def _top_level_imports(module):
+  import ast  # pylint: disable=import-outside-toplevel
+  out = set()
+  for node in ast.walk(ast.parse(FILES[module].read_text())):
+    if isinstance(node, ast.Import):
+      out |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      out.add(node.module or "")
+  return out
