@@ -245,7 +245,6 @@ def test_non_finite_loss_skips_update():
     ("--config.rollout.n=0", "rollout.n"),
     ("--config.rollout.over_sampling=0.5", "rollout.over_sampling"),
     ("--config.rollout.max_staleness=-2", "rollout.max_staleness"),
-    ("--config.loss.entropy_coef=0.01", "entropy"),
     ("--config.loss.advantage=nosuch", "loss.advantage"),
     ("--config.loss.m2po_tau=-1", "loss.m2po_tau"),
     ("--config.train.minibatches=3", "minibatches"),

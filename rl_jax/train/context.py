@@ -29,9 +29,10 @@ from rl_jax.errors import ConfigError, DataError, RLJaxError
 __all__ = ["Optimizers", "Setup", "build_setup", "PROVIDED_INPUTS"]
 
 # What the trainer can hand an objective: every field of the objective input record (the
-# rollout stage computes each one on demand, see rollouts.objective_inputs). An objective
-# that needs anything else (e.g. per-token entropy) is rejected by build_setup.
-PROVIDED_INPUTS = frozenset(losses.INPUT_FIELDS)
+# rollout stage computes each one on demand, see rollouts.objective_inputs) and the per-token
+# entropy of the policy (computed inside the update, see steps.make_rl_update). An objective
+# that needs anything else is rejected by build_setup.
+PROVIDED_INPUTS = frozenset(losses.INPUT_FIELDS) | {"entropy"}
 
 
 class Optimizers(NamedTuple):

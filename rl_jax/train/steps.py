@@ -108,7 +108,8 @@ def make_rl_update(s: Setup) -> Callable:
   the four updated and a metrics dict; one optimizer step on one minibatch of groups.
 
   The objective's loss runs over the flattened rows (``losses.loss_batch``); the critic is
-  updated alongside when the objective reads values. A non-finite loss or policy gradient
+  updated alongside when the objective reads values, and the policy pass also returns the
+  per-token entropy when the objective has an entropy bonus. A non-finite loss or policy gradient
   skips the policy update, a non-finite critic gradient the critic update; either counts as
   a skipped step. VCPO: ρ = ESS/B of the minibatch scales the final update (the objective's
   update transform reads ``ess_ratio``).
@@ -116,6 +117,7 @@ def make_rl_update(s: Setup) -> Callable:
   cfg, obj = s.model_cfg, s.objective
   temp, shared = _temperature(s), s.config.train.shared_prefix
   with_critic = "values" in obj.needs
+  with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
 
   def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
     G, M, R = b.tokens.shape
@@ -124,12 +126,15 @@ def make_rl_update(s: Setup) -> Callable:
 
     def loss_fn(p, v):
       lp = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens, mask,
-                                    shared_prefix=shared, temperature=temp)
+                                    shared_prefix=shared, temperature=temp,
+                                    with_entropy=with_entropy)
+      lp, entropy = lp if with_entropy else (lp, None)
       values = None
       if with_critic:
         values = models.response_values(cfg, v, b.prompt_tokens, b.prompt_lengths, b.tokens,
                                         mask, shared_prefix=shared).reshape(G * M, R)
-      loss_sum, denom, mets = obj.loss(lp.reshape(G * M, R), batch, values=values)
+      rows = lambda a: None if a is None else a.reshape(G * M, R)
+      loss_sum, denom, mets = obj.loss(rows(lp), batch, values=values, entropy=rows(entropy))
       return losses.finalize(loss_sum, denom), mets
 
     (loss, mets), (grads, vgrads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
