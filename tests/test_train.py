@@ -129,8 +129,9 @@ def test_rerun_of_finished_run_changes_nothing(tmp_path):
 
 
 def test_eight_devices_match_one(tmp_path):
-  one = _config(["mesh.num_devices=1"])
-  eight = _config(["mesh.num_devices=8", "mesh.rules=fsdp"])
+  split = ["train.batch_groups=8"]  # 8 groups: each device computes one in the update
+  one = _config(["mesh.num_devices=1"] + split)
+  eight = _config(["mesh.num_devices=8", "mesh.rules=fsdp"] + split)
   s1 = train.train(one, str(tmp_path / "one"), progress=False)
   s8 = train.train(eight, str(tmp_path / "eight"), progress=False)
   assert len(s8.params["layers"]["q"].sharding.device_set) == 8
@@ -193,14 +194,15 @@ def test_ppo_update_trains_the_critic():
   """Repeated PPO updates on one batch drive the critic's values toward the returns."""
   setup = train.build_setup(_config(["loss.preset=ppo", "optim.lr=3e-3"]))
   state = train.init_state(setup)
-  update = train.make_rl_update(setup)
+  layout = train.make_layout(setup)
+  update = train.make_rl_update(setup, layout)
   G, M, R, P = 2, 4, 5, setup.prompt_len
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, 40, (G, M, R)), jnp.int32)
   prompts = jnp.asarray(rng.integers(3, 40, (G, P)), jnp.int32)
   lengths = jnp.full((G,), 4, jnp.int32)
   mask = jnp.ones((G, M, R), bool)
-  old = train.make_logprob_fn(setup)(state.params, prompts, lengths, tokens, mask)
+  old = train.make_logprob_fn(setup, layout)(state.params, prompts, lengths, tokens, mask)
   returns = jnp.asarray(rng.uniform(0.5, 1.0, (G, M, R)), jnp.float32)
   inputs = losses.ObjectiveInputs(rewards=jnp.zeros((G, M)), mask=mask, old_logp=old,
                                   behaviour_logp=old, values=returns - 0.1)
@@ -218,7 +220,8 @@ def test_ppo_update_trains_the_critic():
 def test_non_finite_loss_skips_update():
   setup = train.build_setup(_config())
   state = train.init_state(setup)
-  update = train.make_rl_update(setup)
+  layout = train.make_layout(setup)
+  update = train.make_rl_update(setup, layout)
   G, M, R, P = 2, 4, 5, setup.prompt_len
   inputs = losses.ObjectiveInputs(
       rewards=jnp.zeros((G, M)), mask=jnp.ones((G, M, R), bool),

@@ -6,8 +6,9 @@ Split along the data flow of one step, each module depending only on those above
 
     streams      named random streams: every draw is a function of (seed, step, stream)
     context      config -> Setup (tokenizer, task, model config, mesh, objective, optimizers)
-    steps        the jitted SFT step, RL update, log-prob / value / gradient-norm passes
     state        TrainState; init_state and its abstract, sharded restore target
+    layout       where the mesh meets the step: state and batch shardings, global batches
+    steps        the jitted SFT step, RL update, log-prob / value / gradient-norm passes
     rollouts     prompts -> sampler or engine -> rewards -> objective inputs -> UpdateBatch
     evaluation   held-out greedy accuracy and pass@k
     loop         resume, step, evaluate, checkpoint, SIGTERM; ``train`` and ``main``
@@ -21,6 +22,7 @@ One RL step::
 
 from rl_jax.train.context import PROVIDED_INPUTS, Optimizers, Setup, build_setup
 from rl_jax.train.evaluation import evaluate
+from rl_jax.train.layout import Layout, jit_on_mesh, make_layout
 from rl_jax.train.loop import main, make_trainer, rl_step, sft_batch, sft_step, train
 from rl_jax.train.rollouts import Trainer, collect, objective_inputs
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
@@ -29,7 +31,8 @@ from rl_jax.train.steps import (StepFns, UpdateBatch, make_grad_norm_fn, make_lo
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = [
-    "PROVIDED_INPUTS", "Optimizers", "Setup", "build_setup", "evaluate", "main",
+    "PROVIDED_INPUTS", "Optimizers", "Setup", "build_setup", "evaluate", "Layout",
+    "jit_on_mesh", "make_layout", "main",
     "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer", "collect",
     "objective_inputs", "TrainState", "abstract_state", "begin_rl", "init_state",
     "make_engine", "StepFns", "UpdateBatch", "make_grad_norm_fn", "make_logprob_fn",

@@ -27,6 +27,7 @@ from rl_jax import models
 from rl_jax.errors import RLJaxError
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
+from rl_jax.train.layout import make_layout
 from rl_jax.train.rollouts import Trainer, collect, next_examples
 from rl_jax.train.state import TrainState, abstract_state, begin_rl, init_state, make_engine
 from rl_jax.train.steps import UpdateBatch, make_step_fns
@@ -35,8 +36,9 @@ __all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
 
 
 def make_trainer(s: Setup) -> Trainer:
-  """The setup with its jitted steps and rollout engine."""
-  return Trainer(setup=s, steps=make_step_fns(s), engine=make_engine(s))
+  """The setup with its layout, jitted steps and rollout engine."""
+  layout = make_layout(s)
+  return Trainer(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s))
 
 
 def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,14 +66,20 @@ def sft_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarra
   """One supervised step: (state, metrics record, new data position)."""
   s = t.setup
   examples, data = next_examples(s, np.asarray(state.data), s.config.sft.batch_size)
-  params, opt, mets = t.steps.sft(state.params, state.sft_opt_state, *sft_batch(s, examples))
+  batch = (t.layout.put(a) for a in sft_batch(s, examples))
+  params, opt, mets = t.steps.sft(state.params, state.sft_opt_state, *batch)
   return state._replace(params=params, sft_opt_state=opt), {"phase": "sft",
                                                             **jax.device_get(mets)}, data
 
 
-def _minibatches(b: UpdateBatch, k: int) -> list[UpdateBatch]:
+def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:
+  """``k`` consecutive slices of the groups, each split along ``batch`` again."""
   size = b.tokens.shape[0] // k
-  return [jax.tree.map(lambda a: a[i * size:(i + 1) * size], b) for i in range(k)]
+  if k == 1:
+    return [b]
+  rows = t.layout.rows(size)
+  return [jax.device_put(jax.tree.map(lambda a: a[i * size:(i + 1) * size], b), rows)
+          for i in range(k)]
 
 
 def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
@@ -81,7 +89,7 @@ def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray
     state = state._replace(rollout_buffer=updates["rollout_buffer"])
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   mets_all = []
-  for mb in _minibatches(batch, t.setup.config.train.minibatches):
+  for mb in _minibatches(t, batch, t.setup.config.train.minibatches):
     *carry, mets = t.steps.rl_update(*carry, mb)
     mets_all.append(jax.device_get(mets))
   state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],

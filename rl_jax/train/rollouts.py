@@ -23,6 +23,7 @@ from rl_jax import rollout
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.train.context import Setup
+from rl_jax.train.layout import Layout
 from rl_jax.train.state import TrainState, held_capacity
 from rl_jax.train.steps import StepFns, UpdateBatch
 from rl_jax.train.streams import Stream, seed_for
@@ -32,9 +33,11 @@ __all__ = ["Trainer", "Sampled", "collect", "objective_inputs", "next_examples",
 
 
 class Trainer(NamedTuple):
-  """A run's static setup with its compiled steps and (for ``rollout.partial``) its engine."""
+  """A run's static setup, its layout on the mesh, its compiled steps and (for
+  ``rollout.partial``) its engine."""
 
   setup: Setup
+  layout: Layout
   steps: StepFns
   engine: rollout.RolloutEngine | None
 
@@ -191,12 +194,13 @@ def collect(t: Trainer, state: TrainState) -> tuple[UpdateBatch, dict[str, Any],
   completions = decode(s, out.tokens, out.mask)
   rewards, stats = score(s, completions, [e.answer for e in out.examples for _ in range(M)])
   rewards = rewards.reshape(G, M)
-  pt, pl = (jnp.asarray(a) for a in pad_prompts(out.prompts, s.prompt_len, s.tokenizer.pad_id))
-  rt = jnp.asarray(out.tokens.reshape(G, M, R))
+  put = t.layout.put  # host rows -> global arrays split along batch
+  pt, pl = (put(a) for a in pad_prompts(out.prompts, s.prompt_len, s.tokenizer.pad_id))
+  rt = put(out.tokens.reshape(G, M, R))
   inputs = objective_inputs(
-      t, state, pt, pl, rt, mask=jnp.asarray(loss_mask.reshape(G, M, R)),
-      generated_mask=jnp.asarray(out.mask.reshape(G, M, R)), rewards=jnp.asarray(rewards),
-      behaviour_logp=jnp.asarray(out.logprobs.reshape(G, M, R)))
+      t, state, pt, pl, rt, mask=put(loss_mask.reshape(G, M, R)),
+      generated_mask=put(out.mask.reshape(G, M, R)), rewards=put(rewards.astype(np.float32)),
+      behaviour_logp=put(out.logprobs.reshape(G, M, R)))
   advantages = s.objective.advantages_from(inputs)
   n_tok = int(out.mask.sum())
   info = {

@@ -1,5 +1,10 @@
 """The jitted functions of the trainer: supervised step, RL update, log-prob, value and
-per-trajectory gradient-norm passes. This is where compiled code meets the mesh.
+per-trajectory gradient-norm passes.
+
+Each is compiled with explicit ``in_shardings`` / ``out_shardings`` from the run's ``Layout``
+(state as the sharding table lays it out, batches split along ``batch`` -> (data, fsdp)) and
+traced inside ``sharding.use``, so the activation constraints of the model and the losses
+apply.
 
 Shapes (the package legend): G groups (prompts) per step, M samples per prompt
 (``rollout.n``), P prompt bucket, R = ``rollout.max_new_tokens``, B = G·M rows, T tokens.
@@ -16,6 +21,7 @@ import optax
 from rl_jax import losses
 from rl_jax import models
 from rl_jax.train.context import Setup
+from rl_jax.train.layout import Layout, jit_on_mesh
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
            "make_logprob_fn", "make_value_fn", "make_rl_update", "make_grad_norm_fn"]
@@ -65,7 +71,7 @@ def finite_update(tx, params, opt_state, grads, loss, **extra):
   return pick(new_params, params), pick(new_opt, opt_state), finite
 
 
-def make_sft_step(s: Setup) -> Callable:
+def make_sft_step(s: Setup, layout: Layout) -> Callable:
   """``sft(params, opt_state, tokens [B,T], attn_mask [B,T], loss_mask [B,T])`` ->
   ``(params, opt_state, metrics)``: next-token loss on the answer tokens only. Donates the
   params and optimizer state."""
@@ -81,29 +87,43 @@ def make_sft_step(s: Setup) -> Callable:
     return params, opt_state, {"sft_loss": loss, "grad_norm": optax.global_norm(grads),
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  st, rows = layout.state, layout.rows(s.config.sft.batch_size)
+  return jit_on_mesh(step, layout, donate_argnums=(0, 1),
+                     in_shardings=(st.params, st.sft_opt_state, rows, rows, rows),
+                     out_shardings=(st.params, st.sft_opt_state, layout.replicated))
 
 
 def _temperature(s: Setup) -> float:
   return s.config.rollout.temperature or 1.0
 
 
-def make_logprob_fn(s: Setup) -> Callable:
+def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=()) -> Callable:
+  """A jitted pass ``fn(weights, prompt_tokens, prompt_lengths, tokens, mask, *extra)`` over
+  ``groups`` groups: batch inputs and the output split along ``batch``."""
+  rows = layout.rows(groups)
+  return jit_on_mesh(fn, layout, in_shardings=(weights, rows, rows, rows, rows, *extra),
+                     out_shardings=rows)
+
+
+def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
   """``logprobs(params, prompt_tokens [G,P], prompt_lengths [G], tokens [G,M,R],
   mask [G,M,R]) -> [G,M,R]`` at the sampling temperature (packed layout by default)."""
   temp, shared = _temperature(s), s.config.train.shared_prefix
-  return jax.jit(lambda p, pt, pl, rt, rm: models.response_logprobs(
-      s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared, temperature=temp))
+  return _group_pass(layout, layout.state.params, s.config.train.batch_groups,
+                     lambda p, pt, pl, rt, rm: models.response_logprobs(
+                         s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared,
+                         temperature=temp))
 
 
-def make_value_fn(s: Setup) -> Callable:
+def make_value_fn(s: Setup, layout: Layout) -> Callable:
   """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
   shared = s.config.train.shared_prefix
-  return jax.jit(lambda v, pt, pl, rt, rm: models.response_values(
-      s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared))
+  return _group_pass(layout, layout.state.value_params, s.config.train.batch_groups,
+                     lambda v, pt, pl, rt, rm: models.response_values(
+                         s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared))
 
 
-def make_rl_update(s: Setup) -> Callable:
+def make_rl_update(s: Setup, layout: Layout) -> Callable:
   """``update(params, opt_state, value_params, value_opt_state, batch: UpdateBatch)`` ->
   the four updated and a metrics dict; one optimizer step on one minibatch of groups.
 
@@ -151,10 +171,14 @@ def make_rl_update(s: Setup) -> Callable:
                 update_skipped=1 - finite.astype(jnp.int32))
     return params, opt_state, value_params, value_opt_state, mets
 
-  return jax.jit(update, donate_argnums=(0, 1, 2, 3))
+  st = layout.state
+  weights = (st.params, st.opt_state, st.value_params, st.value_opt_state)
+  rows = layout.rows(s.config.train.batch_groups // s.config.train.minibatches)
+  return jit_on_mesh(update, layout, donate_argnums=(0, 1, 2, 3),
+                     in_shardings=(*weights, rows), out_shardings=(*weights, layout.replicated))
 
 
-def make_grad_norm_fn(s: Setup) -> Callable:
+def make_grad_norm_fn(s: Setup, layout: Layout) -> Callable:
   """``grad_sq_norms(params, prompt_tokens, prompt_lengths, tokens, mask, key) -> [G,M]``:
   squared gradient norm of each trajectory's summed log-probs (VCPO's off-policy optimal
   baseline), by ``loss_extra.grad_norm_method``."""
@@ -176,11 +200,12 @@ def make_grad_norm_fn(s: Setup) -> Callable:
                                       chunk_size=chunk if method == "map" else None)
     return sq.reshape(G, M)
 
-  return jax.jit(fn)
+  return _group_pass(layout, layout.state.params, s.config.train.batch_groups, fn,
+                     extra=(layout.replicated,))
 
 
-def make_step_fns(s: Setup) -> StepFns:
+def make_step_fns(s: Setup, layout: Layout) -> StepFns:
   """Every jitted step of the run (compiled lazily, on first call)."""
-  return StepFns(sft=make_sft_step(s), rl_update=make_rl_update(s),
-                 logprobs=make_logprob_fn(s), values=make_value_fn(s),
-                 grad_sq_norms=make_grad_norm_fn(s))
+  return StepFns(sft=make_sft_step(s, layout), rl_update=make_rl_update(s, layout),
+                 logprobs=make_logprob_fn(s, layout), values=make_value_fn(s, layout),
+                 grad_sq_norms=make_grad_norm_fn(s, layout))
