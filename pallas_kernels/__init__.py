@@ -1,9 +1,14 @@
 """Pallas kernels for rl_jax: shared-prefix (DualKV) attention with a jnp reference.
 
+``lse_attention`` holds the one pure-jnp two-region (context + own keys) attention with its
+log-sum-exp merge; the kernel reference and the rollout sampler's prefill both use it.
+Axis letters follow the legend of ``rl_jax/models/transformer.py``.
+
 References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl).
 """
 
 from pallas_kernels.block_sizes import DEFAULT_BLOCK_SIZES, BlockSizes
+from pallas_kernels.lse_attention import merge_partials, partial_softmax, two_region_attention
 from pallas_kernels.shared_prefix_attention import (
     BACKENDS,
     shared_prefix_attention,
@@ -15,7 +20,10 @@ __all__ = [
     "BACKENDS",
     "BlockSizes",
     "DEFAULT_BLOCK_SIZES",
+    "merge_partials",
+    "partial_softmax",
     "shared_prefix_attention",
     "shared_prefix_attention_lse",
     "shared_prefix_attention_reference",
+    "two_region_attention",
 ]

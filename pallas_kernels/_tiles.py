@@ -1,7 +1,8 @@
 """Tile-level math shared by the TPU and GPU shared-prefix attention kernels.
 
-Pure functions on in-register (or in-VMEM) tiles; no refs, no grid. Letters:
-  Q query rows in a tile, K key rows in a tile, D head dim.
+Pure functions on in-register (or in-VMEM) tiles; no refs, no grid. Axis letters (the legend
+of ``rl_jax/models/transformer.py``): T query rows of a tile, S key rows of a tile, H head
+dim.
 
 References: FlashAttention-2 (Dao, 2023) online softmax and backward; DualKV
 (amazon-science/dualkv-flash-attn-for-rl) for the context + own-response split.
@@ -14,6 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+__all__ = ["MASK_VALUE", "causal_mask", "context_mask", "finalize", "init_carry", "matmul",
+           "matmul_tn", "online_softmax_step", "probs_and_dscores", "scores"]
+
 # A finite "minus infinity": masked scores never produce inf - inf = nan.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -25,45 +29,45 @@ def scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
   """Scaled scores of one tile.
 
   Args:
-    q: [Q,D] queries.
-    k: [K,D] keys.
-    scale: softmax scale (1/sqrt(D)).
+    q: [T,H] queries.
+    k: [S,H] keys.
+    scale: softmax scale (1/sqrt(H)).
 
   Returns:
-    float32 [Q,K] scores q k^T * scale.
+    float32 [T,S] scores q k^T * scale.
   """
   return lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
 
 
 def context_mask(bq: int, bk: int, k_start, ctx_len) -> jax.Array:
-  """bool [Q,K]: key ``k_start + c`` is inside the context (index < ctx_len)."""
+  """bool [T,S]: key ``k_start + c`` is inside the context (index < ctx_len)."""
   cols = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
   return cols < ctx_len
 
 
 def causal_mask(bq: int, bk: int, q_start, k_start) -> jax.Array:
-  """bool [Q,K]: response key ``k_start + c`` is at or before query ``q_start + r``."""
+  """bool [T,S]: response key ``k_start + c`` is at or before query ``q_start + r``."""
   rows = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   cols = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
   return cols <= rows
 
 
-def init_carry(bq: int, d: int):
-  """Online-softmax state (running max m [Q,1], sum l [Q,1], unnormalised out [Q,D])."""
+def init_carry(bq: int, head_dim: int):
+  """Online-softmax state (running max m [T,1], sum l [T,1], unnormalised out [T,H])."""
   return (jnp.full((bq, 1), MASK_VALUE, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-          jnp.zeros((bq, d), jnp.float32))
+          jnp.zeros((bq, head_dim), jnp.float32))
 
 
 def online_softmax_step(m, l, acc, s, mask, v):
   """Folds one key tile into the online softmax.
 
   Args:
-    m: float32 [Q,1] running max.
-    l: float32 [Q,1] running sum of exp(s - m).
-    acc: float32 [Q,D] running sum of exp(s - m) v.
-    s: float32 [Q,K] scores of this tile.
-    mask: bool [Q,K] keys each query may see.
-    v: [K,D] values of this tile.
+    m: float32 [T,1] running max.
+    l: float32 [T,1] running sum of exp(s - m).
+    acc: float32 [T,H] running sum of exp(s - m) v.
+    s: float32 [T,S] scores of this tile.
+    mask: bool [T,S] keys each query may see.
+    v: [S,H] values of this tile.
 
   Returns:
     The updated (m, l, acc).
@@ -79,7 +83,7 @@ def online_softmax_step(m, l, acc, s, mask, v):
 
 
 def finalize(m, l, acc):
-  """Normalised output float32 [Q,D] and log-sum-exp float32 [Q,1] of the online softmax."""
+  """Normalised output float32 [T,H] and log-sum-exp float32 [T,1] of the online softmax."""
   return acc / l, m + jnp.log(l)
 
 
@@ -87,14 +91,14 @@ def probs_and_dscores(q, k, v, do, lse, di, mask, scale):
   """Recomputed probabilities and score gradients of one tile.
 
   Args:
-    q: [Q,D] queries; k, v: [K,D] keys and values; do: [Q,D] output cotangent.
-    lse: float32 [Q,1] log-sum-exp of each query row (over both regions).
-    di: float32 [Q,1] rowsum(do * o) minus the log-sum-exp cotangent.
-    mask: bool [Q,K].
+    q: [T,H] queries; k, v: [S,H] keys and values; do: [T,H] output cotangent.
+    lse: float32 [T,1] log-sum-exp of each query row (over both regions).
+    di: float32 [T,1] rowsum(do * o) minus the log-sum-exp cotangent.
+    mask: bool [T,S].
     scale: softmax scale.
 
   Returns:
-    p float32 [Q,K] = softmax probabilities, ds float32 [Q,K] = dL/d(scaled scores).
+    p float32 [T,S] = softmax probabilities, ds float32 [T,S] = dL/d(scaled scores).
   """
   s = scores(q, k, scale)
   p = jnp.where(mask, jnp.exp(s - lse), 0.0)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+__all__ = ["BlockSizes", "DEFAULT_BLOCK_SIZES", "FittedBlocks", "fit"]
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:

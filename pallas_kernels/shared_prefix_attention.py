@@ -1,26 +1,28 @@
-"""Shared-prefix (DualKV) attention for GRPO-style groups: one prompt, N responses.
+"""Shared-prefix (DualKV) attention for GRPO-style groups: one prompt, M samples.
 
-The prompt of a group is stored once (the context); each of its N responses attends to the
+The prompt of a group is stored once (the context); each of its M responses attends to the
 context and, causally, to its own tokens. Response query j of response i sees context keys
 0..ctx_len-1 and response i's keys 0..j, with one softmax over both regions.
 
-Layouts (letters: G groups, N responses per group, R response length, P padded context
-length, H query heads, K kv heads (H a multiple of K, grouped-query attention), D head dim):
-  q              [G,N,R,H,D]
-  k_ctx, v_ctx   [G,P,K,D]        context (prompt) keys and values, right-padded
-  k_resp, v_resp [G,N,R,K,D]      each response's own keys and values
+Layouts (axis letters: the legend of ``rl_jax/models/transformer.py``; here G groups,
+M responses per group, R response length, P padded context length, N query heads, K kv
+heads (N a multiple of K, grouped-query attention), H head dim):
+  q              [G,M,R,N,H]
+  k_ctx, v_ctx   [G,P,K,H]        context (prompt) keys and values, right-padded
+  k_resp, v_resp [G,M,R,K,H]      each response's own keys and values
   ctx_lengths    int32 [G]        valid context length of each group (None = P)
-  out            [G,N,R,H,D]      lse float32 [G,N,R,H]
+  out            [G,M,R,N,H]      lse float32 [G,M,R,N]
 
 Backends (one function, chosen by ``backend``):
   "tpu"        Mosaic kernels; key tiles walked by the grid, state in VMEM scratch
                (shared_prefix_tpu.py).
   "gpu"        Triton kernels; key tiles walked by an in-kernel loop (shared_prefix_gpu.py).
-  "reference"  the pure-jnp two-region computation below, the fast path on CPU.
+  "reference"  the pure-jnp two-region computation of ``lse_attention.py``, the fast path
+               on CPU.
   "auto"       by ``jax.default_backend()``; on CPU the reference, or the TPU kernel in the
                Pallas interpreter when ``interpret=True``.
 The kernels are differentiable through ``jax.custom_vjp``: the backward recomputes
-probabilities from the saved log-sum-exp; context dK/dV are summed over the N responses in
+probabilities from the saved log-sum-exp; context dK/dV are summed over the M responses in
 float32 in a fixed order.
 
 References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl);
@@ -39,6 +41,10 @@ import numpy as np
 from pallas_kernels import block_sizes as _bs
 from pallas_kernels import shared_prefix_gpu, shared_prefix_tpu
 from pallas_kernels.block_sizes import BlockSizes
+from pallas_kernels.lse_attention import two_region_attention
+
+__all__ = ["BACKENDS", "shared_prefix_attention", "shared_prefix_attention_lse",
+           "shared_prefix_attention_reference"]
 
 BACKENDS = ("auto", "tpu", "gpu", "reference")
 _KERNELS = {"tpu": shared_prefix_tpu, "gpu": shared_prefix_gpu}
@@ -56,19 +62,19 @@ def _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths):
   for name, x, ndim in zip(names, arrays, (5, 4, 4, 5, 5)):
     if not hasattr(x, "shape") or len(x.shape) != ndim:
       raise ValueError(f"{name} must have {ndim} dims, got shape {getattr(x, 'shape', None)}")
-  g, n, r, hq, d = q.shape
-  p, hkv = k_ctx.shape[1], k_ctx.shape[2]
+  g, m, r, n, h = q.shape
+  p, k = k_ctx.shape[1], k_ctx.shape[2]
   if v_ctx.shape != k_ctx.shape:
     raise ValueError(f"v_ctx shape {v_ctx.shape} != k_ctx shape {k_ctx.shape}")
-  if k_ctx.shape[0] != g or k_ctx.shape[3] != d:
-    raise ValueError(f"k_ctx shape {k_ctx.shape} must be [G={g}, P, Hkv, D={d}]")
+  if k_ctx.shape[0] != g or k_ctx.shape[3] != h:
+    raise ValueError(f"k_ctx shape {k_ctx.shape} must be [G={g}, P, K, H={h}]")
   for name, x in (("k_resp", k_resp), ("v_resp", v_resp)):
-    if x.shape != (g, n, r, hkv, d):
-      raise ValueError(f"{name} shape {x.shape} must be [G,N,R,Hkv,D] = {(g, n, r, hkv, d)}")
-  if min(g, n, r, hq, d, p, hkv) < 1:
+    if x.shape != (g, m, r, k, h):
+      raise ValueError(f"{name} shape {x.shape} must be [G,M,R,K,H] = {(g, m, r, k, h)}")
+  if min(g, m, r, n, h, p, k) < 1:
     raise ValueError(f"all dims must be >= 1, got q {q.shape} and k_ctx {k_ctx.shape}")
-  if hq % hkv:
-    raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+  if n % k:
+    raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({k})")
   dtypes = {jnp.dtype(x.dtype) for x in arrays}
   if len(dtypes) != 1:
     raise ValueError(f"q, k_ctx, v_ctx, k_resp, v_resp must share one dtype, got "
@@ -89,6 +95,13 @@ def _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths):
       raise ValueError(f"ctx_lengths must lie in [0, P={p}], got {lengths.tolist()}")
 
 
+def _lengths(q, k_ctx, ctx_lengths):
+  """int32 [G] context lengths (all P when ``ctx_lengths`` is None)."""
+  g, p = q.shape[0], k_ctx.shape[1]
+  return (jnp.full((g,), p, jnp.int32) if ctx_lengths is None
+          else jnp.asarray(ctx_lengths).astype(jnp.int32))
+
+
 def _resolve_backend(backend: str, interpret: bool) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -104,13 +117,13 @@ def _resolve_backend(backend: str, interpret: bool) -> str:
   return "tpu" if interpret else "reference"
 
 
-def _fit_blocks(backend, block_sizes, r, p, d, interpret):
+def _fit_blocks(backend, block_sizes, r, p, h, interpret):
   sizes = _bs.DEFAULT_BLOCK_SIZES[backend] if block_sizes is None else block_sizes
   if not isinstance(sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes, got {type(sizes).__name__}")
   sizes.check(backend)
-  if backend == "gpu" and (d < 16 or d & (d - 1)):
-    raise ValueError(f"the GPU kernel needs a power-of-two head dim >= 16, got D={d}")
+  if backend == "gpu" and (h < 16 or h & (h - 1)):
+    raise ValueError(f"the GPU kernel needs a power-of-two head dim >= 16, got H={h}")
   fitted = _bs.fit(sizes, r=r, p=p, backend=backend)
   # Mosaic: the log-sum-exp rows have the query block as their lane (last) dim.
   bqs = (fitted.sizes.block_q, fitted.sizes.block_q_bwd)
@@ -130,32 +143,30 @@ def shared_prefix_attention_lse(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=Non
   """Shared-prefix attention and its log-sum-exp (both differentiable).
 
   Args:
-    q: [G,N,R,H,D] response queries.
-    k_ctx, v_ctx: [G,P,K,D] context keys/values (right-padded to P).
-    k_resp, v_resp: [G,N,R,K,D] response keys/values.
+    q: [G,M,R,N,H] response queries.
+    k_ctx, v_ctx: [G,P,K,H] context keys/values (right-padded to P).
+    k_resp, v_resp: [G,M,R,K,H] response keys/values.
     ctx_lengths: int [G] valid context lengths in [0, P]; None means all P.
     interpret: run the Pallas kernel in the interpreter (any platform, slow).
     backend: "auto" | "tpu" | "gpu" | "reference" (see the module docstring).
     block_sizes: kernel block sizes; None takes the backend's defaults (block_sizes.py).
 
   Returns:
-    out [G,N,R,H,D] in the dtype of q, and lse float32 [G,N,R,H], the log of each query's
+    out [G,M,R,N,H] in the dtype of q, and lse float32 [G,M,R,N], the log of each query's
     softmax denominator over both regions.
 
   Raises:
-    ValueError: on inconsistent shapes, mixed or unsupported dtypes, H not a multiple of K,
+    ValueError: on inconsistent shapes, mixed or unsupported dtypes, N not a multiple of K,
       concrete ctx_lengths outside [0, P], or an unknown backend / bad block sizes.
 
   References: DualKV (amazon-science/dualkv-flash-attn-for-rl).
   """
   _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths)
   backend = _resolve_backend(backend, interpret)
-  g, p = q.shape[0], k_ctx.shape[1]
-  lengths = (jnp.full((g,), p, jnp.int32) if ctx_lengths is None
-             else jnp.asarray(ctx_lengths).astype(jnp.int32))
+  lengths = _lengths(q, k_ctx, ctx_lengths)
   if backend == "reference":
     return _reference_jit(q, k_ctx, v_ctx, k_resp, v_resp, lengths)
-  fitted = _fit_blocks(backend, block_sizes, q.shape[2], p, q.shape[4], interpret)
+  fitted = _fit_blocks(backend, block_sizes, q.shape[2], k_ctx.shape[1], q.shape[4], interpret)
   return _kernel_attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths, backend=backend,
                            fitted=fitted, interpret=interpret)
 
@@ -166,22 +177,12 @@ def shared_prefix_attention(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=None,
   """Shared-prefix attention: each response attends to its group's context and itself.
 
   Response query j of response i in group g attends to context keys 0..ctx_lengths[g]-1
-  and to keys 0..j of response i, softmax(q k^T / sqrt(D)) over both regions.
+  and to keys 0..j of response i, softmax(q k^T / sqrt(H)) over both regions.
 
-  Args:
-    q: [G,N,R,H,D] response queries.
-    k_ctx, v_ctx: [G,P,K,D] context keys/values (right-padded to P).
-    k_resp, v_resp: [G,N,R,K,D] response keys/values.
-    ctx_lengths: int [G] valid context lengths in [0, P]; None means all P.
-    interpret: run the Pallas kernel in the interpreter (any platform, slow).
-    backend: "auto" | "tpu" | "gpu" | "reference" (see the module docstring).
-    block_sizes: kernel block sizes; None takes the backend's defaults (block_sizes.py).
+  Args and Raises: as in ``shared_prefix_attention_lse``.
 
   Returns:
-    [G,N,R,H,D] in the dtype of q. Differentiable in q, k_ctx, v_ctx, k_resp, v_resp.
-
-  Raises:
-    ValueError: see ``shared_prefix_attention_lse``.
+    [G,M,R,N,H] in the dtype of q. Differentiable in q, k_ctx, v_ctx, k_resp, v_resp.
 
   References: DualKV (amazon-science/dualkv-flash-attn-for-rl).
   """
@@ -236,73 +237,38 @@ _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ---------------------------------------------------------------------------------------
-# Pure-jnp reference: two regions computed separately, merged by log-sum-exp.
-
-_MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: max over an empty row stays finite
-
-
-def _masked_softmax_parts(s, mask, v_einsum, v):
-  """Softmax attention restricted to one region.
-
-  Args:
-    s: float32 [..., T] scaled scores against the region's T keys.
-    mask: bool, broadcastable to s: keys each query may see.
-    v_einsum: einsum spec contracting probabilities [..., T] with v.
-    v: float32 values of the region.
-
-  Returns:
-    The normalised output (zero where nothing is visible) and lse float32 [...]
-    (-inf where nothing is visible).
-  """
-  s = jnp.where(mask, s, -jnp.inf)
-  m = jnp.max(jnp.where(mask, s, _MASK), axis=-1, keepdims=True)
-  p = jnp.where(mask, jnp.exp(s - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  safe_l = jnp.where(l > 0, l, 1.0)
-  out = jnp.einsum(v_einsum, p / safe_l, v)
-  lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)[..., 0]
-  return out, lse
+# Pure-jnp reference: the two regions merged by log-sum-exp (lse_attention.py).
 
 
 def shared_prefix_attention_reference(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths=None, *,
                                       return_lse=False):
   """Pure-jnp shared-prefix attention (same contract as ``shared_prefix_attention``).
 
-  The context region is one matmul of all N responses' queries against the group's
-  context; the own-response region is a causal matmul per response. The two partial
-  results (o_a, s_a) and (o_b, s_b) merge by log-sum-exp:
-  s = logaddexp(s_a, s_b), o = e^{s_a - s} o_a + e^{s_b - s} o_b. Computed in float32.
+  ``lse_attention.two_region_attention`` over the context (all M responses' queries against
+  the group's context in one matmul) and each response's own causal block, merged by
+  log-sum-exp. Computed in float32.
 
   Args:
     q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths: as in ``shared_prefix_attention``.
-    return_lse: also return the log-sum-exp float32 [G,N,R,H].
+    return_lse: also return the log-sum-exp float32 [G,M,R,N].
 
   Returns:
-    out [G,N,R,H,D] in the dtype of q (and lse if ``return_lse``).
+    out [G,M,R,N,H] in the dtype of q (and lse if ``return_lse``).
 
   References: DualKV (amazon-science/dualkv-flash-attn-for-rl).
   """
   _check_inputs(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths)
-  g, p = q.shape[0], k_ctx.shape[1]
-  lengths = (jnp.full((g,), p, jnp.int32) if ctx_lengths is None
-             else jnp.asarray(ctx_lengths).astype(jnp.int32))
+  lengths = _lengths(q, k_ctx, ctx_lengths)
   out, lse = _reference_jit(q, k_ctx, v_ctx, k_resp, v_resp, lengths)
   return (out, lse) if return_lse else out
 
 
 @jax.jit
 def _reference_jit(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
-  g, n, r, hq, d = q.shape
-  p, hkv = k_ctx.shape[1], k_ctx.shape[2]
-  f32 = lambda x: x.astype(jnp.float32)
-  # Query heads grouped by their kv head: [G,N,R,K,Q/K,D] (letter j = heads per kv head).
-  qg = f32(q).reshape(g, n, r, hkv, hq // hkv, d) / math.sqrt(d)
-  s_a = jnp.einsum("gnrkjd,gpkd->gnrkjp", qg, f32(k_ctx))
-  mask_a = (jnp.arange(p) < lengths[:, None])[:, None, None, None, None, :]
-  o_a, lse_a = _masked_softmax_parts(s_a, mask_a, "gnrkjp,gpkd->gnrkjd", f32(v_ctx))
-  s_b = jnp.einsum("gnrkjd,gnskd->gnrkjs", qg, f32(k_resp))
-  mask_b = (jnp.arange(r)[None, :] <= jnp.arange(r)[:, None])[None, None, :, None, None, :]
-  o_b, lse_b = _masked_softmax_parts(s_b, mask_b, "gnrkjs,gnskd->gnrkjd", f32(v_resp))
-  lse = jnp.logaddexp(lse_a, lse_b)
-  out = jnp.exp(lse_a - lse)[..., None] * o_a + jnp.exp(lse_b - lse)[..., None] * o_b
-  return out.reshape(q.shape).astype(q.dtype), lse.reshape(g, n, r, hq)
+  g, m, r, n, _ = q.shape
+  p = k_ctx.shape[1]
+  ctx_mask = (jnp.arange(p) < lengths[:, None])[:, None, None, :]  # [G,1,1,P]
+  causal = (jnp.arange(r)[None, :] <= jnp.arange(r)[:, None])[None, None]  # [1,1,R,R]
+  out, lse = two_region_attention(q, k_resp, v_resp, causal, k_ctx, v_ctx, ctx_mask,
+                                  layout="query_major")
+  return out.reshape(q.shape).astype(q.dtype), lse.reshape(g, m, r, n)

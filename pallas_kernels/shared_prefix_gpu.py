@@ -6,10 +6,11 @@ loops are bounded by what a tile can see: ceil(ctx_len / block) context tiles an
 response tiles up to the diagonal.
 
 Kernels read the caller's layouts directly (Triton tiles need no lane alignment):
-  q, o, do [G,N,R',H,D]   k_ctx, v_ctx [G,P',K,D]   k_resp, v_resp [G,N,R',K,D]
-  lse, di  [G,N,R',H] float32
-Letters: G groups, N responses per group, R' padded response length, P' padded context
-length, H query heads, K kv heads, D head dim.
+  q, o, do [G,M,R',N,H]   k_ctx, v_ctx [G,P',K,H]   k_resp, v_resp [G,M,R',K,H]
+  lse, di  [G,M,R',N] float32
+Axis letters (the legend of ``rl_jax/models/transformer.py``): G groups, M responses per
+group, R' padded response length, P' padded context length, N query heads, K kv heads,
+H head dim.
 
 References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl);
 FlashAttention-2 (Dao, 2023).
@@ -28,9 +29,11 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _tiles
 from pallas_kernels.block_sizes import FittedBlocks
 
+__all__ = ["backward", "forward"]
 
-def _params(d: int):
-  return pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+
+def _params(head_dim: int):
+  return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
 def _num_ctx_blocks(ctx_len, bk):
@@ -42,26 +45,27 @@ def _num_visible_resp_blocks(i, bq, bk):
   return lax.div((i + 1) * bq - 1, bk) + 1
 
 
-def _query_specs(n_, rep, bq, p_, r_, d_):
-  """Block specs of the (i, g*N + n, h) grid for the query-tile kernels (forward, dq)."""
-  def q_map(i, gn, h):
-    return lax.div(gn, n_), lax.rem(gn, n_), i, h, 0
+def _query_specs(m_, rep, bq, p_, r_, h_):
+  """Block specs of the (query block i, g*M + m, query head n) grid for the query-tile
+  kernels (forward, dq)."""
+  def q_map(i, gm, n):
+    return lax.div(gm, m_), lax.rem(gm, m_), i, n, 0
 
-  def len_map(i, gn, h):
-    return (lax.div(gn, n_),)
+  def len_map(i, gm, n):
+    return (lax.div(gm, m_),)
 
-  def ctx_map(i, gn, h):
-    return lax.div(gn, n_), 0, lax.div(h, rep), 0
+  def ctx_map(i, gm, n):
+    return lax.div(gm, m_), 0, lax.div(n, rep), 0
 
-  def resp_map(i, gn, h):
-    return lax.div(gn, n_), lax.rem(gn, n_), 0, lax.div(h, rep), 0
+  def resp_map(i, gm, n):
+    return lax.div(gm, m_), lax.rem(gm, m_), 0, lax.div(n, rep), 0
 
-  def row_map(i, gn, h):
-    return lax.div(gn, n_), lax.rem(gn, n_), i, h
+  def row_map(i, gm, n):
+    return lax.div(gm, m_), lax.rem(gm, m_), i, n
 
-  return (pl.BlockSpec((None,), len_map), pl.BlockSpec((None, None, bq, None, d_), q_map),
-          pl.BlockSpec((None, p_, None, d_), ctx_map),
-          pl.BlockSpec((None, None, r_, None, d_), resp_map),
+  return (pl.BlockSpec((None,), len_map), pl.BlockSpec((None, None, bq, None, h_), q_map),
+          pl.BlockSpec((None, p_, None, h_), ctx_map),
+          pl.BlockSpec((None, None, r_, None, h_), resp_map),
           pl.BlockSpec((None, None, bq, None), row_map))
 
 
@@ -71,7 +75,7 @@ def _query_specs(n_, rep, bq, p_, r_, d_):
 
 def _fwd_kernel(len_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, o_ref, lse_ref, *, scale, bk):
   i = pl.program_id(0)
-  bq, d = q_ref.shape
+  bq, head_dim = q_ref.shape
   ctx_len = len_ref[...]
   q = q_ref[...]
 
@@ -82,7 +86,7 @@ def _fwd_kernel(len_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, o_ref, lse_ref, 
       return _tiles.online_softmax_step(*carry, s, mask_fn(start), v_ref[pl.ds(start, bk), :])
     return step
 
-  carry = _tiles.init_carry(bq, d)
+  carry = _tiles.init_carry(bq, head_dim)
   carry = lax.fori_loop(0, _num_ctx_blocks(ctx_len, bk), body(
       kc_ref, vc_ref, lambda start: _tiles.context_mask(bq, bk, start, ctx_len)), carry)
   carry = lax.fori_loop(0, _num_visible_resp_blocks(i, bq, bk), body(
@@ -97,28 +101,28 @@ def forward(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths, *, fitted: FittedBlock
   """Shared-prefix attention forward on padded inputs.
 
   Args:
-    q: [G,N,R',H,D]; k_ctx, v_ctx: [G,P',K,D]; k_resp, v_resp: [G,N,R',K,D].
+    q: [G,M,R',N,H]; k_ctx, v_ctx: [G,P',K,H]; k_resp, v_resp: [G,M,R',K,H].
     ctx_lengths: int32 [G], each in [0, P'].
     fitted: block sizes dividing R' and P'.
     scale: softmax scale.
     interpret: run the kernel in the Pallas interpreter.
 
   Returns:
-    o [G,N,R',H,D] (dtype of q) and lse float32 [G,N,R',H].
+    o [G,M,R',N,H] (dtype of q) and lse float32 [G,M,R',N].
   """
-  g_, n_, r_, h_, d_ = q.shape
+  g_, m_, r_, n_, h_ = q.shape
   p_, k_ = k_ctx.shape[1], k_ctx.shape[2]
   bq, bk = fitted.sizes.block_q, fitted.sizes.block_kv
   len_spec, q_spec, ctx_spec, resp_spec, row_spec = _query_specs(
-      n_, h_ // k_, bq, p_, r_, d_)
+      m_, n_ // k_, bq, p_, r_, h_)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, scale=scale, bk=bk),
-      grid=(r_ // bq, g_ * n_, h_),
+      grid=(r_ // bq, g_ * m_, n_),
       in_specs=[len_spec, q_spec, ctx_spec, ctx_spec, resp_spec, resp_spec],
       out_specs=[q_spec, row_spec],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((g_, n_, r_, h_), jnp.float32)],
-      compiler_params=_params(d_),
+                 jax.ShapeDtypeStruct((g_, m_, r_, n_), jnp.float32)],
+      compiler_params=_params(h_),
       interpret=interpret,
       name="shared_prefix_attention_fwd",
   )(ctx_lengths, q, k_ctx, v_ctx, k_resp, v_resp)
@@ -131,7 +135,7 @@ def forward(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths, *, fitted: FittedBlock
 def _dq_kernel(len_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, do_ref, lse_ref, di_ref,
                dq_ref, *, scale, bk):
   i = pl.program_id(0)
-  bq, d = q_ref.shape
+  bq, head_dim = q_ref.shape
   ctx_len = len_ref[...]
   q, do = q_ref[...], do_ref[...]
   lse, di = lse_ref[...][:, None], di_ref[...][:, None]
@@ -145,7 +149,7 @@ def _dq_kernel(len_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, do_ref, lse_ref, 
       return dq + _tiles.matmul(ds.astype(k.dtype), k)
     return step
 
-  dq = jnp.zeros((bq, d), jnp.float32)
+  dq = jnp.zeros((bq, head_dim), jnp.float32)
   dq = lax.fori_loop(0, _num_ctx_blocks(ctx_len, bk), body(
       kc_ref, vc_ref, lambda start: _tiles.context_mask(bq, bk, start, ctx_len)), dq)
   dq = lax.fori_loop(0, _num_visible_resp_blocks(i, bq, bk), body(
@@ -160,28 +164,28 @@ def _dkv_step(q, k, v, do, lse, di, mask, scale, dk, dv):
 
 
 def _dkv_ctx_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, *,
-                    scale, bq, rep, n_):
+                    scale, bq, rep, m_):
   c, kh = pl.program_id(0), pl.program_id(2)
-  bk, d = k_ref.shape
+  bk, head_dim = k_ref.shape
   ctx_len = len_ref[...]
   k, v = k_ref[...], v_ref[...]
   mask = _tiles.context_mask(bq, bk, c * bk, ctx_len)
   num_q_blocks = q_ref.shape[1] // bq
 
-  # One loop over (response n, query head r of this kv head, query block i), in a fixed
-  # order, so the sum over the N responses is deterministic.
+  # One loop over (response m, query head r of this kv head, query block i), in a fixed
+  # order, so the sum over the M responses is deterministic.
   def step(x, carry):
     i = lax.rem(x, num_q_blocks)
     r = lax.rem(lax.div(x, num_q_blocks), rep)
-    n = lax.div(x, num_q_blocks * rep)
-    h = kh * rep + r
+    m = lax.div(x, num_q_blocks * rep)
+    n = kh * rep + r
     rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-    return _dkv_step(q_ref[n, rows, h, :], k, v, do_ref[n, rows, h, :],
-                     lse_ref[n, rows, h][:, None], di_ref[n, rows, h][:, None], mask, scale,
+    return _dkv_step(q_ref[m, rows, n, :], k, v, do_ref[m, rows, n, :],
+                     lse_ref[m, rows, n][:, None], di_ref[m, rows, n][:, None], mask, scale,
                      *carry)
 
-  trips = jnp.where(c * bk < ctx_len, n_ * rep * num_q_blocks, 0)
-  zeros = jnp.zeros((bk, d), jnp.float32)
+  trips = jnp.where(c * bk < ctx_len, m_ * rep * num_q_blocks, 0)
+  zeros = jnp.zeros((bk, head_dim), jnp.float32)
   dk, dv = lax.fori_loop(0, trips, step, (zeros, zeros))
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -190,7 +194,7 @@ def _dkv_ctx_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_re
 def _dkv_resp_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, *,
                      scale, bq, rep):
   j, kh = pl.program_id(0), pl.program_id(2)
-  bk, d = k_ref.shape
+  bk, head_dim = k_ref.shape
   k, v = k_ref[...], v_ref[...]
   num_q_blocks = q_ref.shape[0] // bq
   first_q_block = lax.div(j * bk, bq)
@@ -199,55 +203,55 @@ def _dkv_resp_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_re
   def step(x, carry):
     r = lax.div(x, span)
     i = first_q_block + lax.rem(x, span)
-    h = kh * rep + r
+    n = kh * rep + r
     rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
     mask = _tiles.causal_mask(bq, bk, i * bq, j * bk)
-    return _dkv_step(q_ref[rows, h, :], k, v, do_ref[rows, h, :], lse_ref[rows, h][:, None],
-                     di_ref[rows, h][:, None], mask, scale, *carry)
+    return _dkv_step(q_ref[rows, n, :], k, v, do_ref[rows, n, :], lse_ref[rows, n][:, None],
+                     di_ref[rows, n][:, None], mask, scale, *carry)
 
-  zeros = jnp.zeros((bk, d), jnp.float32)
+  zeros = jnp.zeros((bk, head_dim), jnp.float32)
   dk, dv = lax.fori_loop(0, rep * span, step, (zeros, zeros))
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq(ctx_lengths, q, k_ctx, v_ctx, k_resp, v_resp, do, lse, di, *, fitted, scale, interpret):
-  g_, n_, r_, h_, d_ = q.shape
+  g_, m_, r_, n_, h_ = q.shape
   p_, k_ = k_ctx.shape[1], k_ctx.shape[2]
   bq, bk = fitted.sizes.block_q, fitted.sizes.block_kv
   len_spec, q_spec, ctx_spec, resp_spec, row_spec = _query_specs(
-      n_, h_ // k_, bq, p_, r_, d_)
+      m_, n_ // k_, bq, p_, r_, h_)
   return pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, bk=bk),
-      grid=(r_ // bq, g_ * n_, h_),
+      grid=(r_ // bq, g_ * m_, n_),
       in_specs=[len_spec, q_spec, ctx_spec, ctx_spec, resp_spec, resp_spec, q_spec, row_spec,
                 row_spec],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=_params(d_),
+      compiler_params=_params(h_),
       interpret=interpret,
       name="shared_prefix_attention_dq",
   )(ctx_lengths, q, k_ctx, v_ctx, k_resp, v_resp, do, lse, di)
 
 
 def _dkv_ctx(ctx_lengths, q, k_ctx, v_ctx, do, lse, di, *, fitted, scale, interpret):
-  """dK/dV of the context, summed over the N responses and the query heads of each kv head."""
-  g_, n_, r_, h_, d_ = q.shape
+  """dK/dV of the context, summed over the M responses and the query heads of each kv head."""
+  g_, m_, r_, n_, h_ = q.shape
   p_, k_ = k_ctx.shape[1], k_ctx.shape[2]
   bq, bk = fitted.sizes.block_q_bwd, fitted.sizes.block_kv_bwd
   group = lambda c, g, kh: (g, 0, 0, 0, 0)
-  k_spec = pl.BlockSpec((None, bk, None, d_), lambda c, g, kh: (g, c, kh, 0))
-  q_spec = pl.BlockSpec((None, n_, r_, h_, d_), group)
-  row_spec = pl.BlockSpec((None, n_, r_, h_), lambda c, g, kh: (g, 0, 0, 0))
+  k_spec = pl.BlockSpec((None, bk, None, h_), lambda c, g, kh: (g, c, kh, 0))
+  q_spec = pl.BlockSpec((None, m_, r_, n_, h_), group)
+  row_spec = pl.BlockSpec((None, m_, r_, n_), lambda c, g, kh: (g, 0, 0, 0))
   return pl.pallas_call(
-      functools.partial(_dkv_ctx_kernel, scale=scale, bq=bq, rep=h_ // k_, n_=n_),
+      functools.partial(_dkv_ctx_kernel, scale=scale, bq=bq, rep=n_ // k_, m_=m_),
       grid=(p_ // bk, g_, k_),
       in_specs=[pl.BlockSpec((None,), lambda c, g, kh: (g,)), q_spec, k_spec, k_spec, q_spec,
                 row_spec, row_spec],
       out_specs=[k_spec, k_spec],
       out_shape=[jax.ShapeDtypeStruct(k_ctx.shape, k_ctx.dtype),
                  jax.ShapeDtypeStruct(v_ctx.shape, v_ctx.dtype)],
-      compiler_params=_params(d_),
+      compiler_params=_params(h_),
       interpret=interpret,
       name="shared_prefix_attention_dkv_context",
   )(ctx_lengths, q, k_ctx, v_ctx, do, lse, di)
@@ -255,23 +259,23 @@ def _dkv_ctx(ctx_lengths, q, k_ctx, v_ctx, do, lse, di, *, fitted, scale, interp
 
 def _dkv_resp(q, k_resp, v_resp, do, lse, di, *, fitted, scale, interpret):
   """dK/dV of each response's own keys, summed over the query heads of each kv head."""
-  g_, n_, r_, h_, d_ = q.shape
+  g_, m_, r_, n_, h_ = q.shape
   k_ = k_resp.shape[3]
   bq, bk = fitted.sizes.block_q_bwd, fitted.sizes.block_kv_bwd
-  seq = lambda j, gn, kh: (lax.div(gn, n_), lax.rem(gn, n_), 0, 0, 0)
-  k_spec = pl.BlockSpec((None, None, bk, None, d_),
-                        lambda j, gn, kh: (lax.div(gn, n_), lax.rem(gn, n_), j, kh, 0))
-  q_spec = pl.BlockSpec((None, None, r_, h_, d_), seq)
-  row_spec = pl.BlockSpec((None, None, r_, h_),
-                          lambda j, gn, kh: (lax.div(gn, n_), lax.rem(gn, n_), 0, 0))
+  seq = lambda j, gm, kh: (lax.div(gm, m_), lax.rem(gm, m_), 0, 0, 0)
+  k_spec = pl.BlockSpec((None, None, bk, None, h_),
+                        lambda j, gm, kh: (lax.div(gm, m_), lax.rem(gm, m_), j, kh, 0))
+  q_spec = pl.BlockSpec((None, None, r_, n_, h_), seq)
+  row_spec = pl.BlockSpec((None, None, r_, n_),
+                          lambda j, gm, kh: (lax.div(gm, m_), lax.rem(gm, m_), 0, 0))
   return pl.pallas_call(
-      functools.partial(_dkv_resp_kernel, scale=scale, bq=bq, rep=h_ // k_),
-      grid=(r_ // bk, g_ * n_, k_),
+      functools.partial(_dkv_resp_kernel, scale=scale, bq=bq, rep=n_ // k_),
+      grid=(r_ // bk, g_ * m_, k_),
       in_specs=[q_spec, k_spec, k_spec, q_spec, row_spec, row_spec],
       out_specs=[k_spec, k_spec],
       out_shape=[jax.ShapeDtypeStruct(k_resp.shape, k_resp.dtype),
                  jax.ShapeDtypeStruct(v_resp.shape, v_resp.dtype)],
-      compiler_params=_params(d_),
+      compiler_params=_params(h_),
       interpret=interpret,
       name="shared_prefix_attention_dkv_response",
   )(q, k_resp, v_resp, do, lse, di)
@@ -283,9 +287,9 @@ def backward(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths, do, lse, di, *,
 
   Args:
     q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths: as in ``forward``.
-    do: [G,N,R',H,D] output cotangent.
-    lse: float32 [G,N,R',H] log-sum-exp from the forward.
-    di: float32 [G,N,R',H] rowsum(do * o) minus the log-sum-exp cotangent.
+    do: [G,M,R',N,H] output cotangent.
+    lse: float32 [G,M,R',N] log-sum-exp from the forward.
+    di: float32 [G,M,R',N] rowsum(do * o) minus the log-sum-exp cotangent.
     fitted, scale, interpret: as in ``forward``.
 
   Returns:

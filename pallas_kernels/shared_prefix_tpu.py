@@ -6,11 +6,12 @@ lives in VMEM scratch. Key tiles no query of the step can see are skipped, and t
 maps repeat the previous block so the pipeline issues no copy for them. Context lengths are
 scalar-prefetched into SMEM.
 
-Kernel layouts (head-major so the last two block dims are [rows, D]):
-  q, o, do     [G,H,N,R',D]      k_ctx, v_ctx [G,K,P',D]     k_resp, v_resp [G,K,N,R',D]
-  lse, di      [G,H,N,1,R'] float32 (rows, so the last block dim is the query block)
-Letters: G groups, N responses per group, R' padded response length, P' padded context
-length, H query heads, K kv heads, D head dim.
+Kernel layouts (head-major so the last two block dims are [rows, H]):
+  q, o, do     [G,N,M,R',H]      k_ctx, v_ctx [G,K,P',H]     k_resp, v_resp [G,K,M,R',H]
+  lse, di      [G,N,M,1,R'] float32 (rows, so the last block dim is the query block)
+Axis letters (the legend of ``rl_jax/models/transformer.py``): G groups, M responses per
+group, R' padded response length, P' padded context length, N query heads, K kv heads,
+H head dim; T query rows of a tile.
 
 References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl);
 FlashAttention-2 (Dao, 2023).
@@ -29,6 +30,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import _tiles
 from pallas_kernels.block_sizes import FittedBlocks
 
+__all__ = ["backward", "forward"]
+
 _PAR, _ARB = "parallel", "arbitrary"
 _LANES = 128
 
@@ -39,23 +42,23 @@ def _last_ctx_block(ctx_len, bk):
 
 
 def _col_to_row(x):
-  """float32 [Q,1] -> [1,Q] (via a lane-dense transpose, which Mosaic supports)."""
+  """float32 [T,1] -> [1,T] (via a lane-dense transpose, which Mosaic supports)."""
   return jnp.broadcast_to(x, (x.shape[0], _LANES)).T[:1]
 
 
 def _row_to_col(ref):
-  """A [1,Q] ref -> float32 [Q,1] value."""
+  """A [1,T] ref -> float32 [T,1] value."""
   return jnp.expand_dims(ref[0], -1)
 
 
 def _to_kernel_layout(q, k_ctx, v_ctx, k_resp, v_resp):
-  """[G,N,R,H,D] / [G,P,K,D] -> head-major kernel layouts."""
+  """[G,M,R,N,H] / [G,P,K,H] -> head-major kernel layouts."""
   return (q.transpose(0, 3, 1, 2, 4), k_ctx.transpose(0, 2, 1, 3), v_ctx.transpose(0, 2, 1, 3),
           k_resp.transpose(0, 3, 1, 2, 4), v_resp.transpose(0, 3, 1, 2, 4))
 
 
 def _rows(x):
-  """float32 [G,N,R,H] -> [G,H,N,1,R]."""
+  """float32 [G,M,R,N] -> [G,N,M,1,R]."""
   return x.transpose(0, 3, 1, 2)[:, :, :, None, :]
 
 
@@ -87,7 +90,7 @@ def _fwd_kernel(lens_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, o_ref, lse_ref,
   bq, bk = q_ref.shape[0], kc_ref.shape[0]
   ctx_len = lens_ref[g]
 
-  # m and l live lane-broadcast in [Q,128] scratch (lane-dense VMEM); column [Q,1] values.
+  # m and l live lane-broadcast in [T,128] scratch (lane-dense VMEM); column [T,1] values.
   lanes = lambda x: jnp.broadcast_to(x, (bq, _LANES))
   column = lambda ref: ref[...][:, :1]
 
@@ -113,20 +116,21 @@ def _fwd_kernel(lens_ref, q_ref, kc_ref, vc_ref, kr_ref, vr_ref, o_ref, lse_ref,
 
 
 def _query_kv_index_maps(rep, bq, bk, num_ctx_blocks):
-  """Index maps of the (g, h, n, i, t) grid for the query-tile kernels (forward, dq)."""
+  """Index maps of the (group g, query head n, response m, query block i, key block t) grid
+  for the query-tile kernels (forward, dq)."""
 
-  def q_map(g, h, n, i, t, lens):
-    return g, h, n, i, 0
+  def q_map(g, n, m, i, t, lens):
+    return g, n, m, i, 0
 
-  def row_map(g, h, n, i, t, lens):
-    return g, h, n, 0, i
+  def row_map(g, n, m, i, t, lens):
+    return g, n, m, 0, i
 
-  def ctx_map(g, h, n, i, t, lens):
-    return g, lax.div(h, rep), jnp.minimum(t, _last_ctx_block(lens[g], bk)), 0
+  def ctx_map(g, n, m, i, t, lens):
+    return g, lax.div(n, rep), jnp.minimum(t, _last_ctx_block(lens[g], bk)), 0
 
-  def resp_map(g, h, n, i, t, lens):
+  def resp_map(g, n, m, i, t, lens):
     last_visible = lax.div((i + 1) * bq - 1, bk)
-    return g, lax.div(h, rep), n, jnp.clip(t - num_ctx_blocks, 0, last_visible), 0
+    return g, lax.div(n, rep), m, jnp.clip(t - num_ctx_blocks, 0, last_visible), 0
 
   return q_map, row_map, ctx_map, resp_map
 
@@ -136,38 +140,38 @@ def forward(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths, *, fitted: FittedBlock
   """Shared-prefix attention forward on padded inputs.
 
   Args:
-    q: [G,N,R',H,D]; k_ctx, v_ctx: [G,P',K,D]; k_resp, v_resp: [G,N,R',K,D].
+    q: [G,M,R',N,H]; k_ctx, v_ctx: [G,P',K,H]; k_resp, v_resp: [G,M,R',K,H].
     ctx_lengths: int32 [G], each in [0, P'].
     fitted: block sizes dividing R' and P'.
     scale: softmax scale.
     interpret: run the kernel in the Pallas interpreter.
 
   Returns:
-    o [G,N,R',H,D] (dtype of q) and lse float32 [G,N,R',H].
+    o [G,M,R',N,H] (dtype of q) and lse float32 [G,M,R',N].
   """
-  g_, n_, r_, h_, d_ = q.shape
+  g_, m_, r_, n_, h_ = q.shape
   p_, k_ = k_ctx.shape[1], k_ctx.shape[2]
   bq, bk = fitted.sizes.block_q, fitted.sizes.block_kv
   nc, nr = p_ // bk, r_ // bk
   q_t, kc_t, vc_t, kr_t, vr_t = _to_kernel_layout(q, k_ctx, v_ctx, k_resp, v_resp)
-  q_map, row_map, ctx_map, resp_map = _query_kv_index_maps(h_ // k_, bq, bk, nc)
-  q_spec = pl.BlockSpec((None, None, None, bq, d_), q_map)
-  ctx_spec = pl.BlockSpec((None, None, bk, d_), ctx_map)
-  resp_spec = pl.BlockSpec((None, None, None, bk, d_), resp_map)
+  q_map, row_map, ctx_map, resp_map = _query_kv_index_maps(n_ // k_, bq, bk, nc)
+  q_spec = pl.BlockSpec((None, None, None, bq, h_), q_map)
+  ctx_spec = pl.BlockSpec((None, None, bk, h_), ctx_map)
+  resp_spec = pl.BlockSpec((None, None, None, bk, h_), resp_map)
   row_spec = pl.BlockSpec((None, None, None, 1, bq), row_map)
   o_t, lse_t = pl.pallas_call(
       functools.partial(_fwd_kernel, scale=scale, num_ctx_blocks=nc),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
-          grid=(g_, h_, n_, r_ // bq, nc + nr),
+          grid=(g_, n_, m_, r_ // bq, nc + nr),
           in_specs=[q_spec, ctx_spec, ctx_spec, resp_spec, resp_spec],
           out_specs=[q_spec, row_spec],
           scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, _LANES), jnp.float32),
-                          pltpu.VMEM((bq, d_), jnp.float32)],
+                          pltpu.VMEM((bq, h_), jnp.float32)],
       ),
       out_shape=[jax.ShapeDtypeStruct(q_t.shape, q.dtype),
-                 jax.ShapeDtypeStruct((g_, h_, n_, 1, r_), jnp.float32)],
+                 jax.ShapeDtypeStruct((g_, n_, m_, 1, r_), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=(_PAR,) * 4 + (_ARB,)),
       interpret=interpret,
       name="shared_prefix_attention_fwd",
@@ -262,24 +266,24 @@ def _dkv_resp_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_re
 
 
 def _dq(lens, q_t, kc_t, vc_t, kr_t, vr_t, do_t, lse_t, di_t, *, fitted, scale, interpret):
-  g_, h_, n_, r_, d_ = q_t.shape
+  g_, n_, m_, r_, h_ = q_t.shape
   k_, p_ = kc_t.shape[1], kc_t.shape[2]
   bq, bk = fitted.sizes.block_q, fitted.sizes.block_kv
   nc, nr = p_ // bk, r_ // bk
-  q_map, row_map, ctx_map, resp_map = _query_kv_index_maps(h_ // k_, bq, bk, nc)
-  q_spec = pl.BlockSpec((None, None, None, bq, d_), q_map)
-  ctx_spec = pl.BlockSpec((None, None, bk, d_), ctx_map)
-  resp_spec = pl.BlockSpec((None, None, None, bk, d_), resp_map)
+  q_map, row_map, ctx_map, resp_map = _query_kv_index_maps(n_ // k_, bq, bk, nc)
+  q_spec = pl.BlockSpec((None, None, None, bq, h_), q_map)
+  ctx_spec = pl.BlockSpec((None, None, bk, h_), ctx_map)
+  resp_spec = pl.BlockSpec((None, None, None, bk, h_), resp_map)
   row_spec = pl.BlockSpec((None, None, None, 1, bq), row_map)
   return pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, num_ctx_blocks=nc),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
-          grid=(g_, h_, n_, r_ // bq, nc + nr),
+          grid=(g_, n_, m_, r_ // bq, nc + nr),
           in_specs=[q_spec, ctx_spec, ctx_spec, resp_spec, resp_spec, q_spec, row_spec,
                     row_spec],
           out_specs=q_spec,
-          scratch_shapes=[pltpu.VMEM((bq, d_), jnp.float32)],
+          scratch_shapes=[pltpu.VMEM((bq, h_), jnp.float32)],
       ),
       out_shape=jax.ShapeDtypeStruct(q_t.shape, q_t.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=(_PAR,) * 4 + (_ARB,)),
@@ -289,37 +293,37 @@ def _dq(lens, q_t, kc_t, vc_t, kr_t, vr_t, do_t, lse_t, di_t, *, fitted, scale, 
 
 
 def _dkv_ctx(lens, q_t, kc_t, vc_t, do_t, lse_t, di_t, *, fitted, scale, interpret):
-  """dK/dV of the context, summed over the N responses and the query heads of each kv head."""
-  g_, h_, n_, r_, d_ = q_t.shape
+  """dK/dV of the context, summed over the M responses and the query heads of each kv head."""
+  g_, n_, m_, r_, h_ = q_t.shape
   k_, p_ = kc_t.shape[1], kc_t.shape[2]
-  rep = h_ // k_
+  rep = n_ // k_
   bq, bk = fitted.sizes.block_q_bwd, fitted.sizes.block_kv_bwd
 
-  # Grid (g, kv head, key block c, query head within the group r, response n, query block i).
+  # Grid (g, kv head, key block c, query head within the group r, response m, query block i).
   # Key blocks past the context repeat query block (0, 0, 0): no copies for skipped steps.
-  def q_map(g, kh, c, r, n, i, lens):
+  def q_map(g, kh, c, r, m, i, lens):
     live = c * bk < lens[g]
-    return (g, kh * rep + jnp.where(live, r, 0), jnp.where(live, n, 0), jnp.where(live, i, 0),
+    return (g, kh * rep + jnp.where(live, r, 0), jnp.where(live, m, 0), jnp.where(live, i, 0),
             0)
 
-  def row_map(g, kh, c, r, n, i, lens):
-    b = q_map(g, kh, c, r, n, i, lens)
+  def row_map(g, kh, c, r, m, i, lens):
+    b = q_map(g, kh, c, r, m, i, lens)
     return b[0], b[1], b[2], 0, b[3]
 
-  def k_map(g, kh, c, r, n, i, lens):
+  def k_map(g, kh, c, r, m, i, lens):
     return g, kh, c, 0
 
-  q_spec = pl.BlockSpec((None, None, None, bq, d_), q_map)
+  q_spec = pl.BlockSpec((None, None, None, bq, h_), q_map)
   row_spec = pl.BlockSpec((None, None, None, 1, bq), row_map)
-  k_spec = pl.BlockSpec((None, None, bk, d_), k_map)
+  k_spec = pl.BlockSpec((None, None, bk, h_), k_map)
   return pl.pallas_call(
       functools.partial(_dkv_ctx_kernel, scale=scale),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
-          grid=(g_, k_, p_ // bk, rep, n_, r_ // bq),
+          grid=(g_, k_, p_ // bk, rep, m_, r_ // bq),
           in_specs=[q_spec, k_spec, k_spec, q_spec, row_spec, row_spec],
           out_specs=[k_spec, k_spec],
-          scratch_shapes=[pltpu.VMEM((bk, d_), jnp.float32), pltpu.VMEM((bk, d_), jnp.float32)],
+          scratch_shapes=[pltpu.VMEM((bk, h_), jnp.float32), pltpu.VMEM((bk, h_), jnp.float32)],
       ),
       out_shape=[jax.ShapeDtypeStruct(kc_t.shape, kc_t.dtype),
                  jax.ShapeDtypeStruct(vc_t.shape, vc_t.dtype)],
@@ -331,32 +335,32 @@ def _dkv_ctx(lens, q_t, kc_t, vc_t, do_t, lse_t, di_t, *, fitted, scale, interpr
 
 def _dkv_resp(q_t, kr_t, vr_t, do_t, lse_t, di_t, *, fitted, scale, interpret):
   """dK/dV of each response's own keys, summed over the query heads of each kv head."""
-  g_, h_, n_, r_, d_ = q_t.shape
+  g_, n_, m_, r_, h_ = q_t.shape
   k_ = kr_t.shape[1]
-  rep = h_ // k_
+  rep = n_ // k_
   bq, bk = fitted.sizes.block_q_bwd, fitted.sizes.block_kv_bwd
 
-  # Grid (g, kv head, response n, key block j, query head within the group r, query block
+  # Grid (g, kv head, response m, key block j, query head within the group r, query block
   # i). Query blocks entirely before key block j see none of it: they repeat the first
   # block that does, so the pipeline skips their copies.
-  def q_map(g, kh, n, j, r, i):
-    return g, kh * rep + r, n, jnp.maximum(i, lax.div(j * bk, bq)), 0
+  def q_map(g, kh, m, j, r, i):
+    return g, kh * rep + r, m, jnp.maximum(i, lax.div(j * bk, bq)), 0
 
-  def row_map(g, kh, n, j, r, i):
-    return g, kh * rep + r, n, 0, jnp.maximum(i, lax.div(j * bk, bq))
+  def row_map(g, kh, m, j, r, i):
+    return g, kh * rep + r, m, 0, jnp.maximum(i, lax.div(j * bk, bq))
 
-  def k_map(g, kh, n, j, r, i):
-    return g, kh, n, j, 0
+  def k_map(g, kh, m, j, r, i):
+    return g, kh, m, j, 0
 
-  q_spec = pl.BlockSpec((None, None, None, bq, d_), q_map)
+  q_spec = pl.BlockSpec((None, None, None, bq, h_), q_map)
   row_spec = pl.BlockSpec((None, None, None, 1, bq), row_map)
-  k_spec = pl.BlockSpec((None, None, None, bk, d_), k_map)
+  k_spec = pl.BlockSpec((None, None, None, bk, h_), k_map)
   return pl.pallas_call(
       functools.partial(_dkv_resp_kernel, scale=scale),
-      grid=(g_, k_, n_, r_ // bk, rep, r_ // bq),
+      grid=(g_, k_, m_, r_ // bk, rep, r_ // bq),
       in_specs=[q_spec, k_spec, k_spec, q_spec, row_spec, row_spec],
       out_specs=[k_spec, k_spec],
-      scratch_shapes=[pltpu.VMEM((bk, d_), jnp.float32), pltpu.VMEM((bk, d_), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((bk, h_), jnp.float32), pltpu.VMEM((bk, h_), jnp.float32)],
       out_shape=[jax.ShapeDtypeStruct(kr_t.shape, kr_t.dtype),
                  jax.ShapeDtypeStruct(vr_t.shape, vr_t.dtype)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=(_PAR,) * 4 + (_ARB,) * 2),
@@ -371,9 +375,9 @@ def backward(q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths, do, lse, di, *,
 
   Args:
     q, k_ctx, v_ctx, k_resp, v_resp, ctx_lengths: as in ``forward``.
-    do: [G,N,R',H,D] output cotangent.
-    lse: float32 [G,N,R',H] log-sum-exp from the forward.
-    di: float32 [G,N,R',H] rowsum(do * o) minus the log-sum-exp cotangent.
+    do: [G,M,R',N,H] output cotangent.
+    lse: float32 [G,M,R',N] log-sum-exp from the forward.
+    di: float32 [G,M,R',N] rowsum(do * o) minus the log-sum-exp cotangent.
     fitted, scale, interpret: as in ``forward``.
 
   Returns:

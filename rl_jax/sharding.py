@@ -30,6 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+__all__ = ["MESH_AXES", "RULES", "LogicalAxes", "Rules", "constrain", "get_rules",
+           "logical_to_sharding", "logical_to_spec", "make_mesh", "use"]
+
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 # A logical axes tuple, e.g. ("layers", "embed", "q_heads", "head_dim"); None = never sharded.

@@ -15,8 +15,9 @@ _TRITON = "__gpu$xla.gpu.triton"
 # Platform -> (kernel backend, custom-call target that carries a Pallas kernel).
 _TARGETS = {"tpu": ("tpu", "tpu_custom_call"), "cuda": ("gpu", _TRITON)}
 
-# (G, N, R, Hq, Hkv, D, P, dtype): P from 1K to 32K, R from 256 to 4K, D 64 and 128, GQA 1
-# to 8, and an R / P that are not multiples of the blocks (padded inside the wrapper).
+# (G, M, R, N, K, H, P, dtype) in the legend of rl_jax/models/transformer.py: P from 1K to
+# 32K, R from 256 to 4K, H 64 and 128, GQA 1 to 8, and an R / P that are not multiples of
+# the blocks (padded inside the wrapper).
 SHAPES = [
     (1, 16, 256, 8, 8, 64, 1024, jnp.bfloat16),
     (2, 8, 512, 8, 2, 64, 4096, jnp.float32),
@@ -26,9 +27,9 @@ SHAPES = [
 ]
 
 
-def _abstract_inputs(g, n, r, hq, hkv, d, p, dtype):
-  return (S((g, n, r, hq, d), dtype), S((g, p, hkv, d), dtype), S((g, p, hkv, d), dtype),
-          S((g, n, r, hkv, d), dtype), S((g, n, r, hkv, d), dtype), S((g,), jnp.int32))
+def _abstract_inputs(g, m, r, n, k, h, p, dtype):
+  return (S((g, m, r, n, h), dtype), S((g, p, k, h), dtype), S((g, p, k, h), dtype),
+          S((g, m, r, k, h), dtype), S((g, m, r, k, h), dtype), S((g,), jnp.int32))
 
 
 def _export(fn, platform, args):
@@ -45,7 +46,7 @@ def _attention(backend):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}N{}R{}H{}K{}D{}P{}".format(*s[:7]))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}M{}R{}N{}K{}H{}P{}".format(*s[:7]))
 def test_forward_lowers(platform, shape):
   backend, target = _TARGETS[platform]
   args = _abstract_inputs(*shape)
@@ -57,7 +58,7 @@ def test_forward_lowers(platform, shape):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}N{}R{}H{}K{}D{}P{}".format(*s[:7]))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}M{}R{}N{}K{}H{}P{}".format(*s[:7]))
 def test_gradient_lowers(platform, shape):
   backend, target = _TARGETS[platform]
   args = _abstract_inputs(*shape)

@@ -1,6 +1,7 @@
 """Sampler correctness: HF greedy parity, exact behaviour log-probs, sampling distribution,
 prompt-once == replicated, EOS / stop, no recompiles, 8 devices == 1, input errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,3 +220,23 @@ def test_bad_inputs_raise_one_clear_error(hf):
     gen([[1]], top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     gen([[1]], temperature=-1.0)
+
+
+def test_prefill_attention_is_the_kernel_reference_computation():
+  """Prefill of resumed responses (own causal block + the slot's prompt) and the training
+  reference compute the same two-region log-sum-exp attention (layouts differ only in
+  float32 summation order)."""
+  import pallas_kernels
+  rng = np.random.default_rng(0)
+  G, M, R, N, K, H, P = 2, 3, 6, 4, 2, 8, 5
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k_resp, v_resp = normal(G, M, R, N, H), normal(G, M, R, K, H), normal(G, M, R, K, H)
+  k_ctx, v_ctx = normal(G, P, K, H), normal(G, P, K, H)
+  lengths = jnp.array([5, 2], jnp.int32)
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((R, R), bool)), (G, M, R, R))
+  valid = jnp.arange(P)[None, :] < lengths[:, None]
+  got = sampler.grouped_attention(q, k_resp, v_resp, causal, prefix=(k_ctx, v_ctx, valid))
+  ref = pallas_kernels.shared_prefix_attention_reference(q, k_ctx, v_ctx, k_resp, v_resp,
+                                                         lengths)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, ref)
+  np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)

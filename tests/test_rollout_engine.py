@@ -16,25 +16,25 @@ from rl_jax import models, rollout
 CFG = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 PARAMS = models.init_params(CFG, jax.random.key(0), std=0.2)
-N, MAX_NEW = 2, 16
+M, MAX_NEW = 2, 16
 EOS = list(range(3, 61, 5))  # 12 EOS ids: per-sample lengths spread over 1..MAX_NEW
 PROMPTS = [[(7 * i + j) % 60 + 1 for j in range(1 + i % 6)] for i in range(8)]
 
 
 def _engine(seed=5, eos=EOS, k_slots=2, **kw):
-  return rollout.RolloutEngine(CFG, n=N, max_slots=k_slots, max_new_tokens=MAX_NEW,
+  return rollout.RolloutEngine(CFG, n=M, max_slots=k_slots, max_new_tokens=MAX_NEW,
                                max_prompt_len=8, temperature=1.0, eos_id=eos, seed=seed, **kw)
 
 
 def _reference(prompts, seed=5, eos=EOS):
-  return rollout.generate(CFG, PARAMS, prompts, n=N, max_new_tokens=MAX_NEW, temperature=1.0,
+  return rollout.generate(CFG, PARAMS, prompts, n=M, max_new_tokens=MAX_NEW, temperature=1.0,
                           eos_id=eos, seed=seed)
 
 
 def test_continuous_batching_equals_one_batch():
   ref = _reference(PROMPTS)
   assert len(set(ref.lengths.tolist())) > 2  # a spread of lengths, so slots free at different times
-  out = rollout.generate(CFG, PARAMS, PROMPTS, n=N, max_new_tokens=MAX_NEW, temperature=1.0,
+  out = rollout.generate(CFG, PARAMS, PROMPTS, n=M, max_new_tokens=MAX_NEW, temperature=1.0,
                          eos_id=EOS, seed=5, max_slots=2)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.mask, ref.mask)
@@ -49,7 +49,7 @@ def test_april_returns_k_groups_and_resumes_exactly():
   groups, resumed = {}, 0
   for step in range(6):
     out = eng.rollout_groups(PARAMS, it, k_groups=1, policy_version=step)
-    assert out.tokens.shape == (N, MAX_NEW) and len(out.group_ids) == 1
+    assert out.tokens.shape == (M, MAX_NEW) and len(out.group_ids) == 1
     resumed += out.stats["resumed_groups"]
     groups[int(out.group_ids[0])] = out
     assert ((out.versions >= 0) == out.mask).all()
@@ -58,7 +58,7 @@ def test_april_returns_k_groups_and_resumes_exactly():
   pulled = max(groups) + 1
   ref = _reference(PROMPTS[:max(pulled, len(PROMPTS))])
   for uid, out in groups.items():
-    rows = slice(uid * N, uid * N + N)
+    rows = slice(uid * M, uid * M + M)
     np.testing.assert_array_equal(out.tokens, ref.tokens[rows])
     np.testing.assert_array_equal(out.mask, ref.mask[rows])
     np.testing.assert_allclose(out.logprobs, ref.logprobs[rows], atol=1e-5)
@@ -89,11 +89,11 @@ def test_april_bookkeeping_property(seed, k, n_eos, steps):
     pulled_before = pulled[0]
     out = eng.rollout_groups(PARAMS, prompts, k_groups=k, policy_version=step)
     # exactly K complete groups, prompt-major, no duplicates across steps
-    assert out.tokens.shape == (k * N, MAX_NEW)
+    assert out.tokens.shape == (k * M, MAX_NEW)
     ids = out.group_ids.tolist()
     assert len(set(ids)) == k and not seen & set(ids)
     seen |= set(ids)
-    np.testing.assert_array_equal(out.prompt_index, np.repeat(np.arange(k), N))
+    np.testing.assert_array_equal(out.prompt_index, np.repeat(np.arange(k), M))
     # buffered groups are served before any new prompt is pulled
     room = in_flight - ready_before if ready_before < k else 0
     assert pulled[0] - pulled_before == max(0, room - len(buffer_before))
@@ -106,12 +106,12 @@ def test_april_bookkeeping_property(seed, k, n_eos, steps):
     assert ((out.versions >= 0) == out.mask).all() and (out.versions <= step).all()
     assert (out.logprobs[~out.mask] == 0).all() and (out.logprobs[out.mask] <= 0).all()
     assert (out.tokens[~out.mask] == 0).all()
-    for b in range(k * N):
+    for b in range(k * M):
       L = out.lengths[b]
       assert out.finish_reason[b] in ("eos", "length")
       assert (out.finish_reason[b] == "eos") == (out.tokens[b, L - 1] in eos)
       # a resumed sample keeps the tokens, log-probs and versions it had when aborted
-      uid, i = ids[b // N], b % N
+      uid, i = ids[b // M], b % M
       if uid in snapshot:
         toks, lps, vers = snapshot[uid][i]
         assert out.tokens[b, :len(toks)].tolist() == toks
@@ -122,7 +122,7 @@ def test_april_bookkeeping_property(seed, k, n_eos, steps):
     assert len(held) == len(set(held)) and not set(held) & seen
     assert len(seen) + len(held) == pulled[0]
     for r in eng.buffer:
-      assert len(r.samples) == N
+      assert len(r.samples) == M
       snapshot[r.uid] = [(s.tokens, s.logprobs, s.versions) for s in r.samples]
       for s in r.samples:
         assert len(s.tokens) == len(s.logprobs) == len(s.versions) <= MAX_NEW
@@ -147,7 +147,7 @@ def test_staleness_bound_restarts_stale_samples():
   restarted = 0
   for step in range(10):
     out = eng.rollout_groups(PARAMS, prompts, k_groups=1, policy_version=step)
-    assert out.tokens.shape == (N, MAX_NEW)
+    assert out.tokens.shape == (M, MAX_NEW)
     assert ((step - out.versions)[out.mask] <= eta).all()
     assert out.stats["max_token_lag"] <= eta
     # in flight capped at (η+1)·K = 2 (3 without the cap), one returned: at most η held
@@ -219,4 +219,4 @@ def test_params_in_another_dtype_are_cast_without_recompiling():
   before = dict(sampler.TRACE_COUNTS)
   eng.rollout_groups(jax.tree.map(lambda x: x * 1.01, half), iter(PROMPTS), k_groups=1)
   assert dict(sampler.TRACE_COUNTS) == before
-  assert out.tokens.shape == (N, MAX_NEW)
+  assert out.tokens.shape == (M, MAX_NEW)

@@ -3,10 +3,14 @@
 The plain attention below is written independently of the package: for every (group g,
 response i) it builds the sequence [ctx_g[:len_g]; resp_{g,i}] and runs ordinary causal
 softmax attention over it, keeping the response rows.
+
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (G groups, M responses per
+group, R response length, N query heads, K kv heads, H head dim, P context length).
 """
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,34 +28,34 @@ def _plain_attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
 
   ``lengths`` is a tuple of Python ints (one per group).
   """
-  g_, n_, r_, hq, d = q.shape
-  rep = hq // k_ctx.shape[2]
+  g_, m_, r_, n_, h_ = q.shape
+  rep = n_ // k_ctx.shape[2]
   outs, lses = [], []
   for g in range(g_):
     ln = lengths[g]  # a Python int: the sequence length is static
-    for i in range(n_):
+    for i in range(m_):
       k = jnp.concatenate([k_ctx[g, :ln], k_resp[g, i]], axis=0).astype(jnp.float32)
       v = jnp.concatenate([v_ctx[g, :ln], v_resp[g, i]], axis=0).astype(jnp.float32)
-      k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)  # [T,Hq,D]
-      qi = q[g, i].astype(jnp.float32)  # [R,Hq,D], positions ln .. ln+R-1
-      s = jnp.einsum("rhd,thd->hrt", qi, k) / np.sqrt(d)
+      k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)  # [S,N,H], S = ln + R
+      qi = q[g, i].astype(jnp.float32)  # [R,N,H], positions ln .. ln+R-1
+      s = jnp.einsum("rnh,snh->nrs", qi, k) / np.sqrt(h_)
       visible = np.arange(ln + r_)[None, :] <= (ln + np.arange(r_))[:, None]
       s = jnp.where(visible[None], s, -jnp.inf)
-      lse = jax.scipy.special.logsumexp(s, axis=-1)  # [Hq,R]
-      outs.append(jnp.einsum("hrt,thd->rhd", jnp.exp(s - lse[..., None]), v))
+      lse = jax.scipy.special.logsumexp(s, axis=-1)  # [N,R]
+      outs.append(jnp.einsum("nrs,snh->rnh", jnp.exp(s - lse[..., None]), v))
       lses.append(lse.T)
   out = jnp.stack(outs).reshape(q.shape).astype(q.dtype)
-  return out, jnp.stack(lses).reshape(g_, n_, r_, hq)
+  return out, jnp.stack(lses).reshape(g_, m_, r_, n_)
 
 
-def _inputs(seed, g, n, r, hq, hkv, d, p, dtype):
+def _inputs(seed, g, m, r, n, k, h, p, dtype):
   """Random inputs (dict in argument order) and loss weights for out and lse."""
   rng = np.random.default_rng(seed)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-  args = dict(q=normal(g, n, r, hq, d), k_ctx=normal(g, p, hkv, d), v_ctx=normal(g, p, hkv, d),
-              k_resp=normal(g, n, r, hkv, d), v_resp=normal(g, n, r, hkv, d))
-  w_out = jnp.asarray(rng.standard_normal((g, n, r, hq, d), np.float32))
-  return args, w_out, jnp.asarray(rng.standard_normal((g, n, r, hq), np.float32))
+  args = dict(q=normal(g, m, r, n, h), k_ctx=normal(g, p, k, h), v_ctx=normal(g, p, k, h),
+              k_resp=normal(g, m, r, k, h), v_resp=normal(g, m, r, k, h))
+  w_out = jnp.asarray(rng.standard_normal((g, m, r, n, h), np.float32))
+  return args, w_out, jnp.asarray(rng.standard_normal((g, m, r, n), np.float32))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -77,8 +81,8 @@ def _assert_close(actual, expected, tol, what):
 
 
 def _check_against_plain(attn, shape, lengths, dtype, seed=0):
-  g, n, r, hq, hkv, d, p = shape
-  args, w_out, w_lse = _inputs(seed, g, n, r, hq, hkv, d, p, dtype)
+  g, m, r, n, k, h, p = shape
+  args, w_out, w_lse = _inputs(seed, g, m, r, n, k, h, p, dtype)
   full = (p,) * g if lengths is None else tuple(lengths)
   expected = _loss_and_grads(_plain_attention, args, full, w_out, w_lse)
   got = _loss_and_grads(attn, args, None if lengths is None else tuple(lengths), w_out, w_lse)
@@ -107,8 +111,8 @@ def _reference(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
       q, k_ctx, v_ctx, k_resp, v_resp, _as_array(lengths), return_lse=True)
 
 
-# (G, N, R, Hq, Hkv, D, P), ctx_lengths, block sizes. R and P are not multiples of the
-# blocks; lengths below P (including an empty context); GQA 2 and 4; N = 1.
+# (G, M, R, N, K, H, P), ctx_lengths, block sizes. R and P are not multiples of the
+# blocks; lengths below P (including an empty context); GQA 2 and 4; M = 1.
 TPU_CASES = [
     ((2, 3, 20, 2, 1, 16, 27), [27, 11], BlockSizes(8, 8, 8, 8)),
     ((1, 1, 40, 4, 1, 8, 13), None, BlockSizes(16, 8, 8, 16)),
@@ -145,12 +149,12 @@ def test_reference_matches_plain_attention(shape, lengths, sizes):
 
 
 @settings(max_examples=3, deadline=None)
-@given(g=st.integers(1, 2), n=st.integers(1, 2), r=st.integers(1, 12), hkv=st.integers(1, 2),
-       rep=st.sampled_from([1, 2]), d=st.sampled_from([4, 8]), p=st.integers(1, 10),
+@given(g=st.integers(1, 2), m=st.integers(1, 2), r=st.integers(1, 12), k=st.integers(1, 2),
+       rep=st.sampled_from([1, 2]), h=st.sampled_from([4, 8]), p=st.integers(1, 10),
        data=st.data())
-def test_reference_matches_plain_attention_random_shapes(g, n, r, hkv, rep, d, p, data):
+def test_reference_matches_plain_attention_random_shapes(g, m, r, k, rep, h, p, data):
   lengths = data.draw(st.lists(st.integers(0, p), min_size=g, max_size=g))
-  _check_against_plain(_reference, (g, n, r, hkv * rep, hkv, d, p), lengths, jnp.float32)
+  _check_against_plain(_reference, (g, m, r, k * rep, k, h, p), lengths, jnp.float32)
 
 
 def test_auto_backend_on_cpu_is_reference_and_jits():
@@ -213,3 +217,48 @@ def test_gpu_kernel_rejects_odd_head_dim():
 def test_block_sizes_must_be_multiples_of_8():
   with pytest.raises(ValueError, match="multiple of 8"):
     BlockSizes(12, 8, 8, 8)
+
+
+def test_reference_is_the_two_region_attention():
+  """The reference backend is ``lse_attention.two_region_attention`` (query-major), bit for
+  bit: one implementation of the context + own-keys log-sum-exp attention."""
+  args, _, _ = _inputs(4, 2, 3, 7, 4, 2, 8, 6, jnp.float32)
+  lengths = jnp.array([6, 2], jnp.int32)
+  out, lse = pallas_kernels.shared_prefix_attention_reference(*args.values(), lengths,
+                                                              return_lse=True)
+  r, p = 7, 6
+  causal = (jnp.arange(r)[None, :] <= jnp.arange(r)[:, None])[None, None]
+  ctx_mask = (jnp.arange(p) < lengths[:, None])[:, None, None, :]
+  two = jax.jit(functools.partial(pallas_kernels.two_region_attention, layout="query_major"))
+  o2, l2 = two(args["q"], args["k_resp"], args["v_resp"], causal, args["k_ctx"], args["v_ctx"],
+               ctx_mask)
+  chex.assert_shape(o2, (2, 3, 7, 2, 2, 8))
+  chex.assert_shape(l2, (2, 3, 7, 2, 2))
+  np.testing.assert_array_equal(out, o2.reshape(out.shape))
+  np.testing.assert_array_equal(lse, l2.reshape(lse.shape))
+
+
+def test_two_region_layouts_agree_and_empty_rows_are_zero():
+  args, _, _ = _inputs(5, 2, 2, 5, 4, 2, 8, 4, jnp.float32)
+  own_mask = (jnp.arange(5)[None, :] <= jnp.arange(5)[:, None])[None, None]
+  own_mask = own_mask & (jnp.arange(2)[:, None, None, None] == 0)  # group 1 sees no own key
+  ctx_mask = (jnp.arange(4) < jnp.array([4, 0])[:, None])[:, None, None, :]  # group 1: no ctx
+  call = lambda layout: pallas_kernels.two_region_attention(
+      args["q"], args["k_resp"], args["v_resp"], own_mask, args["k_ctx"], args["v_ctx"],
+      ctx_mask, layout=layout)
+  (oq, lq), (oh, lh) = call("query_major"), call("head_major")
+  chex.assert_trees_all_equal_shapes_and_dtypes((oq, lq), (oh, lh))
+  np.testing.assert_allclose(oh, oq, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(lh, lq, rtol=1e-6)
+  assert np.all(np.asarray(oq[1]) == 0) and np.all(np.isneginf(np.asarray(lq[1])))
+  expected, _ = _plain_attention(*args.values(), (4, 4))
+  _assert_close(oq[0].reshape(expected[0].shape), expected[0], 1e-5, "group 0")
+
+
+def test_merge_partials_of_one_region_is_that_region():
+  rng = np.random.default_rng(6)
+  out = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
+  lse = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+  merged, total = pallas_kernels.merge_partials([out], [lse], return_lse=True)
+  np.testing.assert_array_equal(merged, out)
+  np.testing.assert_array_equal(total, lse)

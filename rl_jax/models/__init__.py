@@ -7,6 +7,8 @@ Public API (see shared Contract)::
     logits = models.forward(cfg, params, tokens)            # [B,T] -> [B,T,V]
     lp = models.response_logprobs(cfg, params, prompt_tokens, prompt_lengths,
                                   response_tokens, response_mask, shared_prefix=True)
+
+Axis letters: the legend in the docstring of ``rl_jax/models/transformer.py``.
 """
 
 from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to_hf_dict
@@ -20,4 +22,40 @@ from rl_jax.models.transformer import (apply_rope, causal_mask, dense_attention,
                                        token_logprobs, trunk)
 from rl_jax.models.value import init_value_params, response_values, value_axes, values
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+__all__ = [
+    "ModelConfig",
+    "apply_rope",
+    "causal_mask",
+    "dense_attention",
+    "embed",
+    "forward",
+    "from_hf_dict",
+    "hf_state_dict",
+    "hidden_states",
+    "init_params",
+    "init_sharded",
+    "init_value_params",
+    "lm_head_weight",
+    "load_hf",
+    "logits_from_hidden",
+    "mask_attend",
+    "packed_hidden",
+    "param_axes",
+    "param_shapes",
+    "param_shardings",
+    "read_hf_config",
+    "replicated_hidden",
+    "response_hidden",
+    "response_logprobs",
+    "response_values",
+    "rms_norm",
+    "rope_frequencies",
+    "to_hf_dict",
+    "save_hf",
+    "sequence_logprobs",
+    "token_logprobs",
+    "token_reduction",
+    "trunk",
+    "value_axes",
+    "values",
+]

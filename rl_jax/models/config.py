@@ -10,6 +10,9 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
+__all__ = ["ARCHITECTURES", "DTYPES", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
+           "from_hf_dict", "rope_frequencies", "to_hf_dict", "validate"]
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -20,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
   """Hyperparameters of one decoder. Hashable, so it is a static argument of jitted functions.
 
-  Attributes (legend letters in brackets):
+  Attributes (letters of the legend in ``rl_jax/models/transformer.py`` in brackets):
     vocab_size [V], hidden_size [D], intermediate_size [F], num_layers [L],
     num_heads [N], num_kv_heads [K], head_dim [H].
     rope_theta: RoPE base. rope_scaling: ``(("rope_type", "llama3"), ("factor", 8.0), ...)``

@@ -1,7 +1,7 @@
-"""Grouped responses: N responses per prompt, in the packed prompt-once layout or replicated.
+"""Grouped responses: M responses per prompt, in the packed prompt-once layout or replicated.
 
-Shapes (group letters, distinct from the model legend): G groups (prompts), M responses per
-group (the Contract's N), P padded prompt length, R padded response length, D model width.
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (G groups (prompts), M responses
+per group, P padded prompt length, R padded response length, D model width).
 
 Packed (DualKV) layout, one row per group of length P + M·R::
 
@@ -13,7 +13,7 @@ response query j of response i attends to the valid prompt and to response i's t
 Per-token work (projections, MLP, norms, LM head) runs on the prompt once per group instead
 of M times: the whole-model token reduction is rho = M(P+R)/(P+M·R).
 
-Replicated layout: M·G rows of [prompt_g (P)][resp_i (R)] with the prompt padding masked out.
+Replicated layout: G·M rows of [prompt_g (P)][resp_i (R)] with the prompt padding masked out.
 Both give identical log-probs and gradients (tests/test_grouped.py).
 
 The logit that predicts response token 0 sits at the last *valid* prompt position len_g − 1,
@@ -34,6 +34,9 @@ from rl_jax.models.config import ModelConfig
 
 import pallas_kernels
 
+__all__ = ["packed_hidden", "replicated_hidden", "response_hidden", "response_logprobs",
+           "token_reduction"]
+
 
 def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask):
   if prompt_tokens.ndim != 2:
@@ -42,7 +45,7 @@ def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response
   if prompt_lengths.shape != (G,):
     raise ModelError(f"prompt_lengths must be [G]={G}, got shape {prompt_lengths.shape}")
   if response_tokens.ndim != 3 or response_tokens.shape[0] != G:
-    raise ModelError(f"response_tokens must be [G,N,R] with G={G}, got {response_tokens.shape}")
+    raise ModelError(f"response_tokens must be [G,M,R] with G={G}, got {response_tokens.shape}")
   if response_mask is not None and response_mask.shape != response_tokens.shape:
     raise ModelError(f"response_mask shape {response_mask.shape} != response_tokens shape "
                      f"{response_tokens.shape}")
@@ -56,7 +59,10 @@ def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response
 
 
 def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int):
-  """AttendFn for the packed layout: causal prompt + shared-prefix responses."""
+  """AttendFn for the packed layout: causal prompt + shared-prefix responses.
+
+  q [G,P+M·R,N,H], k and v [G,P+M·R,K,H] -> [G,P+M·R,N,H].
+  """
 
   def attend(q, k, v, state):
     G = q.shape[0]
@@ -96,7 +102,7 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
 
 
 def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens):
-  """Same as ``packed_hidden`` computed on M·G rows of [prompt (P)][response (R)]."""
+  """Same as ``packed_hidden`` computed on G·M rows of [prompt (P)][response (R)]."""
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
   prompts = jnp.repeat(prompt_tokens, M, axis=0)  # [G·M,P]

@@ -4,6 +4,8 @@ Tensors are read lazily with ``safe_open`` (memory-mapped, no pickle) and conver
 a time into rl_jax's stacked layout, so peak host memory is about one copy of the weights.
 ``save_hf`` writes to a temporary directory and renames it into place, so an interrupted
 export never leaves a half-written model where a finished one was.
+
+Axis letters: the legend of ``rl_jax/models/transformer.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from safetensors.numpy import save_file
 from rl_jax.errors import ModelError
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig, from_hf_dict, to_hf_dict
+
+__all__ = ["hf_state_dict", "load_hf", "read_hf_config", "save_hf"]
 
 # (our layer key, HF suffix, kind) kind: how to turn the HF tensor into ours.
 _LAYER_MAP = (
@@ -52,7 +56,7 @@ def _to_ours(cfg: ModelConfig, kind: str, w: np.ndarray) -> np.ndarray:
     return w.T
   if kind == "in_heads_q":  # [N·H, D] -> [D, N, H]
     return w.T.reshape(D, cfg.num_heads, H)
-  if kind == "in_heads_kv":
+  if kind == "in_heads_kv":  # [K·H, D] -> [D, K, H]
     return w.T.reshape(D, cfg.num_kv_heads, H)
   if kind == "out_heads":  # [D, N·H] -> [N, H, D]
     return w.T.reshape(cfg.num_heads, H, D)
@@ -68,7 +72,7 @@ def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
     return w
   if kind == "transpose":
     return w.T
-  if kind in ("in_heads_q", "in_heads_kv"):  # [D, n, H] -> [n·H, D]
+  if kind in ("in_heads_q", "in_heads_kv"):  # [D, N, H] -> [N·H, D] (K for kv)
     return w.reshape(w.shape[0], -1).T
   if kind == "out_heads":  # [N, H, D] -> [D, N·H]
     return w.reshape(-1, w.shape[-1]).T

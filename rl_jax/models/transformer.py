@@ -1,8 +1,19 @@
 """Llama / Qwen2 / Qwen3 decoder as pure functions over a parameter pytree.
 
-Axis letters used in shapes and einsums:
-  B batch, T query length, S key length, L layers, D model width, F MLP width,
-  N query heads, K key/value heads, G query heads per kv head (N = K·G), H head dim, V vocab.
+Axis letters: the one legend for shapes in docstrings, comments and einsums across
+``rl_jax.models``, ``rl_jax.rollout`` and ``pallas_kernels`` (other modules refer here)::
+
+  B batch rows                      L layers
+  T tokens (query length)           D model width
+  S kv (key/value) length           F ffw (MLP) width
+  G groups (prompts)                V vocab
+  M samples per prompt (group size) N query heads
+  P prompt (context) length         K kv heads
+  R response length                 H head dim
+  J query heads per kv head (N = K·J, grouped-query attention)
+
+A prime marks a padded length (R', P'); products are written with a dot (G·M rows). A
+module that needs a letter outside the legend defines it where it is used.
 
 Parameters are a nested dict; layer weights are stacked along a leading L axis and the
 layers run under ``lax.scan`` (one compiled layer, fast compiles, per-layer remat).
@@ -25,6 +36,12 @@ import numpy as np
 
 from rl_jax import sharding
 from rl_jax.models.config import ModelConfig, rope_frequencies
+
+__all__ = ["AttendFn", "Params", "apply_rope", "causal_mask", "dense_attention", "embed",
+           "forward", "hidden_states", "init_params", "init_sharded", "lm_head_weight",
+           "logits_from_hidden", "mask_attend", "param_axes", "param_shapes", "param_shardings",
+           "rms_norm", "rope_tables", "sequence_logprobs", "token_logprobs", "trunk",
+           "trunk_unrolled", "unstack_layers"]
 
 Params = dict[str, Any]
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -124,7 +141,7 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotate-half RoPE. x [B,T,heads,H]; cos/sin [B,T,H]."""
+  """Rotate-half RoPE. x [B,T,N,H] (or [B,T,K,H]); cos/sin [B,T,H]."""
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
@@ -142,13 +159,13 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
   B, T, N, H = q.shape
   K = k.shape[2]
   qg = q.reshape(B, T, K, N // K, H)
-  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k,
+  scores = jnp.einsum("btkjh,bskh->bkjts", qg, k,
                       preferred_element_type=jnp.float32) / np.sqrt(H).astype(np.float32)
   m = mask[:, None, None, :, :]
   scores = jnp.where(m, scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1)
   probs = jnp.where(m, probs, 0.0)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v,
+  out = jnp.einsum("bkjts,bskh->btkjh", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.reshape(B, T, N, H).astype(q.dtype)
 

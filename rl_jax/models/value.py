@@ -2,6 +2,8 @@
 
 Value parameters are ``{"trunk": <decoder params without lm_head>, "head": [D]}``; the
 trunk can be initialised from the policy (the usual PPO critic warm start).
+
+Axis letters: the legend of ``rl_jax/models/transformer.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from rl_jax.models import grouped
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 
+__all__ = ["init_value_params", "response_values", "value_axes", "values"]
+
 
 def value_axes(cfg: ModelConfig):
+  """Logical axes of the value parameters (``init_value_params``' tree)."""
   axes = dict(tx.param_axes(cfg))
   axes.pop("lm_head", None)
   return {"trunk": axes, "head": ("embed",)}

@@ -6,11 +6,34 @@ Public API::
                            top_p=1.0, top_k=0, eos_id=None, seed=0)
     engine = rollout.RolloutEngine(cfg, n=8, max_slots=16, max_new_tokens=512)
     out = engine.rollout_groups(params, prompt_iter, k_groups=32, policy_version=step)
+
+Modules: ``engine`` (the scheduling loop, APRIL), ``generation`` (``generate``), ``records``
+(prompts, groups, ``Rollout``), ``slots`` and ``held`` (engine bookkeeping), ``sampler``
+(the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``sampling`` (token draws).
+Axis letters: the legend of ``rl_jax/models/transformer.py``.
 """
 
-from rl_jax.rollout.engine import (GroupRequest, Prompt, Rollout, RolloutEngine, RolloutError,
-                                   Sample, assemble, generate)
+from rl_jax.rollout.engine import RolloutEngine
+from rl_jax.rollout.generation import generate
+from rl_jax.rollout.records import (GroupRequest, Prompt, Rollout, RolloutError, Sample,
+                                    assemble)
 from rl_jax.rollout.sampler import DecodeState, cast_params, kv_cache_bytes, merge_partials
 from rl_jax.rollout.sampling import SamplingParams, filter_logits, sample_logits
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+__all__ = [
+    "DecodeState",
+    "GroupRequest",
+    "Prompt",
+    "Rollout",
+    "RolloutEngine",
+    "RolloutError",
+    "Sample",
+    "SamplingParams",
+    "assemble",
+    "cast_params",
+    "filter_logits",
+    "generate",
+    "kv_cache_bytes",
+    "merge_partials",
+    "sample_logits",
+]

@@ -1,6 +1,7 @@
 """Token sampling: temperature, top-k, top-p, greedy, and the exact behaviour log-prob.
 
-Axis letters: B rows, V vocab.
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (B rows, V vocab); local to
+this module: E eos ids, Z stop sequences, W stop-sequence window.
 
 The log-prob recorded for a sampled token is ``log_softmax(filtered)[token]`` where
 ``filtered`` is the tempered logits with every token outside the top-k / top-p set at -inf:
@@ -19,6 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 
+__all__ = ["SamplingParams", "filter_logits", "first_argmax", "sample_logits", "stream_words",
+           "token_uniforms"]
+
 
 class SamplingParams(NamedTuple):
   """Traced sampling settings (changing a value never recompiles).
@@ -28,8 +32,8 @@ class SamplingParams(NamedTuple):
     top_k: int32 scalar; 0 disables top-k.
     top_p: float32 scalar in (0, 1]; 1 disables top-p.
     eos_ids: int32 [E] end-of-sequence ids (-1 entries are padding).
-    stop_seqs: int32 [S, W] stop sequences, right-aligned, left-padded with -1.
-    stop_lens: int32 [S] true length of each stop sequence (0 = unused row).
+    stop_seqs: int32 [Z,W] stop sequences, right-aligned, left-padded with -1.
+    stop_lens: int32 [Z] true length of each stop sequence (0 = unused row).
   """
 
   temperature: jax.Array

@@ -1,0 +1,144 @@
+"""Decode over the prompt-once cache: one token per running sample per step, in a
+``lax.while_loop`` that runs until enough groups finish (continuous batching).
+
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (G group slots, M samples per
+slot, P prefix cache length, R response cache length, N query heads, K kv heads, J query
+heads per kv head, H head dim, V vocab).
+
+A decode query attends its group's shared prefix (stored once) and its own suffix. Both
+score sets share one softmax (``decode_attention``): the same result as the log-sum-exp
+merge of the two partial softmaxes that prefill uses, with fewer passes, which matters in
+the per-token loop.
+
+Every sampled token is drawn from a uniform that depends only on (request id, sample id,
+token index) (``sampling.token_uniforms``), so results do not depend on batching, slots or
+the mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.models import transformer as tx
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout import sampling
+from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
+                                     mesh_context, record)
+
+__all__ = ["decode", "decode_attention", "decode_step"]
+
+
+def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid):
+  """One query per sample over its group's shared prefix and its own suffix cache.
+
+  The current token's K/V must already be in the suffix cache (``suffix_valid`` includes it).
+  The prefix scores [..,P] (prefix K/V read once per group) and the sample's suffix scores
+  [..,R] share one softmax; this equals the log-sum-exp merge of the two partial softmaxes
+  (``pallas_kernels.merge_partials``) with fewer passes.
+
+  Args:
+    q: [G,M,N,H]. prefix_k, prefix_v: [G,K,P,H]; prefix_valid: bool [G,P].
+    suffix_k, suffix_v: [G,M,K,R,H]; suffix_valid: bool [G,M,R].
+  Returns:
+    [G,M,N,H] in q's dtype.
+  """
+  G, M, N, H = q.shape
+  K, P = prefix_k.shape[1], prefix_k.shape[2]
+  J = N // K
+  qg = q.reshape(G, M, K, J, H).astype(jnp.float32) / np.float32(np.sqrt(H))
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  # batch dims leading in both operands: plain batched matmuls over (g,k) and (g,m,k);
+  # a = M·J rows of a kv head (a local letter)
+  q_pre = jnp.swapaxes(qg, 1, 2).reshape(G, K, M * J, H)
+  s_pre = f32("gkah,gkph->gkap", q_pre, prefix_k).reshape(G, K, M, J, P)
+  s_pre = jnp.swapaxes(s_pre, 1, 2)  # [G,M,K,J,P]
+  s_suf = f32("gmkjh,gmkrh->gmkjr", qg, suffix_k)
+  valid = jnp.concatenate([jnp.broadcast_to(prefix_valid[:, None, :], (G, M, P)),
+                           suffix_valid], axis=-1)[:, :, None, None, :]
+  scores = jnp.where(valid, jnp.concatenate([s_pre, s_suf], axis=-1), -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)  # at least the current token is valid
+  p_pre = jnp.swapaxes(probs[..., :P], 1, 2).reshape(G, K, M * J, P)
+  o_pre = jnp.swapaxes(f32("gkap,gkph->gkah", p_pre, prefix_v).reshape(G, K, M, J, H), 1, 2)
+  out = o_pre + f32("gmkjr,gmkrh->gmkjh", probs[..., P:], suffix_v)
+  return out.reshape(G, M, N, H).astype(q.dtype)
+
+
+def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
+                filtered: bool) -> DecodeState:
+  """Feed every running sample's last token, append one sampled token.
+
+  Per layer, the fed token's K/V is scattered into the sample's suffix cache at its fill
+  position (in place), then the query attends its prefix and suffix (``decode_attention``).
+
+  Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params)``. One step.
+  """
+  G, M, R = state.tokens.shape
+  P = state.prefix_k[0].shape[2]
+  take = (state.reason == RUNNING) & state.active[:, None]
+  cur = jnp.maximum(state.length - 1, 0)  # index of the token fed now
+  feed = jnp.take_along_axis(state.tokens, cur[..., None], axis=-1)[..., 0]
+  pos = (state.prefix_len[:, None] + cur).reshape(G * M, 1)
+  pvalid = jnp.arange(P)[None, :] < state.prefix_len[:, None]
+  svalid = jnp.arange(R)[None, None, :] <= cur[..., None]
+  gi = jnp.broadcast_to(jnp.arange(G)[:, None], (G, M))
+  mi = jnp.broadcast_to(jnp.arange(M)[None, :], (G, M))
+  caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
+
+  def attend(q, k, v, layer):
+    l = layer
+    put = lambda c, x: c.at[gi, mi, :, cur].set(x.reshape(G, M, *x.shape[2:]).astype(c.dtype))
+    caches["sk"][l], caches["sv"][l] = put(caches["sk"][l], k), put(caches["sv"][l], v)
+    out = decode_attention(q.reshape(G, M, *q.shape[2:]), state.prefix_k[l], state.prefix_v[l],
+                           pvalid, caches["sk"][l], caches["sv"][l], svalid)
+    return out.reshape(G * M, 1, *out.shape[2:]), layer
+
+  x = tx.embed(cfg, params, feed.reshape(G * M, 1))
+  h, _ = tx.trunk_unrolled(cfg, params, layers, x, pos, attend, list(range(len(layers))))
+  logits = tx.logits_from_hidden(cfg, params, h[:, 0])  # [G·M,V]
+  uniforms = lambda: sampling.token_uniforms(state.stream.reshape(G * M, 2),
+                                             state.length.reshape(-1))
+  tok, lp = sampling.sample_logits(uniforms, logits, sp, filtered)
+  state = state._replace(suffix_k=tuple(caches["sk"]), suffix_v=tuple(caches["sv"]))
+  return constrain_state(record(state, tok.reshape(G, M), lp.reshape(G, M), take, version, sp))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
+                   donate_argnames=("state",))
+def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
+           min_finished, filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
+  """Decode inside one ``lax.while_loop`` until enough groups finish.
+
+  Stops when no sample is running, after ``max_steps`` steps, or once at least
+  ``min_finished`` active slots have all their samples finished (so the caller can refill
+  them: continuous batching).
+
+  Args:
+    params: model parameters (jit argument). state: DecodeState (donated).
+    sp: SamplingParams. version: int32 policy version recorded for new tokens.
+    max_steps, min_finished: int32 scalars (traced).
+    filtered: static; top-k/top-p active.
+  Returns:
+    (state, steps run).
+  """
+  TRACE_COUNTS["decode"] += 1
+  with mesh_context(ctx):
+
+    def finished(s):
+      return jnp.sum(s.active & jnp.all(s.reason != RUNNING, axis=1))
+
+    def cond(carry):
+      s, step = carry
+      running = jnp.any((s.reason == RUNNING) & s.active[:, None])
+      return running & (step < max_steps) & (finished(s) < min_finished)
+
+    layers = tx.unstack_layers(params)  # sliced once per call, not per step
+
+    def body(carry):
+      s, step = carry
+      return decode_step(cfg, params, layers, s, sp, version, filtered), step + 1
+
+    return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))

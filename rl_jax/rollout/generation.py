@@ -1,0 +1,68 @@
+"""One-shot sampling: ``generate`` serves a list of prompts through a fresh ``RolloutEngine``.
+
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (G prompts, M = n samples per
+prompt, R = max_new_tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout import sampler
+from rl_jax.rollout.engine import RolloutEngine
+from rl_jax.rollout.records import (GroupRequest, Rollout, RolloutError, Sample, assemble,
+                                    check_int, check_prompt, pow2)
+
+__all__ = ["generate"]
+
+
+def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int = 1,
+             max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = 0, eos_id=None, seed: int = 0, *, stop=None,
+             prompt_once: bool = True, max_slots: int | None = None, mesh=None, rules=None,
+             policy_version: int = 0) -> Rollout:
+  """Sample ``n`` responses for every prompt with the jitted KV-cache sampler.
+
+  Args:
+    cfg, params: the model (params are a jit argument; new weights never recompile).
+    prompts: list of G token-id lists (different lengths allowed).
+    n: samples per prompt. max_new_tokens: response budget R.
+    temperature: 0 is greedy. top_p in (0,1], top_k >= 0 (0 = off).
+    eos_id: int, list of ints or None (no EOS). seed: PRNG seed; sample i of prompt p uses
+      its own key stream, so results do not depend on batching, slots or mesh.
+    stop: list of token-id stop sequences. prompt_once: share each prompt's K/V across its
+      n samples (False = replicate the prompt per sample; same tokens).
+    max_slots: groups decoded together (default: the number of groups, rounded up to a
+      power of two; fewer uses continuous batching).
+    mesh, rules: run sharded (batch over data/fsdp, heads over tensor, cache over sequence).
+  Returns:
+    Rollout with G·M rows (M = n), prompt-major: tokens int32 [G·M,R] (R = max_new_tokens),
+    mask, logprobs, versions, lengths, finish_reason ("eos" / "stop" / "length"),
+    stats["kv_bytes"] and stats["kv_bytes_replicated"].
+  """
+  if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+    raise RolloutError("prompts must be a list of token-id lists")
+  if len(prompts) == 0:
+    raise RolloutError("prompts is empty; pass at least one prompt")
+  check_int("n", n, 1)
+  check_int("max_new_tokens", max_new_tokens, 1)
+  context = cfg.max_position_embeddings
+  checked = [check_prompt(p, i, cfg, max_new_tokens, context) for i, p in enumerate(prompts)]
+  longest = max(len(p) for p in checked)
+  groups = len(checked) if prompt_once else len(checked) * n
+  slots = pow2(groups) if max_slots is None else max_slots
+  engine = RolloutEngine(cfg, n=n, max_slots=slots, max_new_tokens=max_new_tokens,
+                         max_prompt_len=longest, temperature=temperature, top_p=top_p,
+                         top_k=top_k, eos_id=eos_id, stop=stop, prompt_once=prompt_once,
+                         seed=seed, mesh=mesh, rules=rules, context=context)
+  requests = [GroupRequest(i, p, [Sample() for _ in range(n)]) for i, p in enumerate(checked)]
+  complete, _ = engine.run(engine.prepare_params(params), requests,
+                           policy_version=policy_version)
+  complete.sort(key=lambda r: r.uid)
+  out = assemble(complete, max_new_tokens)
+  P, R = engine.P, engine.R
+  out.stats.update(
+      kv_bytes=sampler.kv_cache_bytes(engine.cfg, len(checked), n, P, R, prompt_once),
+      kv_bytes_replicated=sampler.kv_cache_bytes(engine.cfg, len(checked), n, P, R, False))
+  return out

@@ -1,0 +1,175 @@
+"""Device state of the sampler's slots: the prompt-once KV cache layout and token records.
+
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (here G group slots, M samples
+per slot, P prefix (prompt) cache length, R response (suffix) cache length, L layers,
+K kv heads, H head dim).
+
+Each slot g holds one prompt, prefilled once into the prefix cache ``prefix_k/v`` (L arrays
+[G,K,P,H], one per layer), and M samples that keep only their own response K/V in the suffix
+cache ``suffix_k/v`` (L arrays [G,M,K,R,H]). One array per layer and kv heads before length
+let the decode step read the caches in place: no per-step slice or transpose copies.
+
+Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
+heads over ``act_kv_heads`` (tensor) and cache length over ``kv_length`` (sequence).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax import sharding
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout import sampling
+
+__all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
+           "DecodeState", "cast_params", "constrain_state", "init_state", "kv_cache_bytes",
+           "mesh_context", "record"]
+
+# Number of times each jitted entry point was traced (a retrace means a recompile).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+# finish-reason codes stored in DecodeState.reason
+RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
+REASON_NAMES = {RUNNING: "running", EOS: "eos", STOP: "stop", LENGTH: "length"}
+
+
+class DecodeState(NamedTuple):
+  """Device state of all slots (a pytree; every field has a logical-axes entry).
+
+  Attributes:
+    prefix_k, prefix_v: tuples of L arrays [G,K,P,H], prompt K/V, one copy per slot.
+    prefix_len: int32 [G] prompt length of each slot.
+    suffix_k, suffix_v: tuples of L arrays [G,M,K,R,H], each sample's own response K/V.
+    tokens: int32 [G,M,R] response tokens (index j = j-th generated token).
+    logprobs: float32 [G,M,R] behaviour log-prob of each token.
+    versions: int32 [G,M,R] policy version that sampled each token.
+    length: int32 [G,M] tokens generated so far (the last one is not yet in the cache).
+    budget: int32 [G,M] maximum response length of each sample.
+    reason: int32 [G,M] RUNNING, EOS, STOP or LENGTH.
+    active: bool [G] slot holds a group.
+    request_id: int32 [G]; sample_id: int32 [G,M] (PRNG stream identifiers).
+    stream: uint32 [G,M,2] key words of each sample's random stream.
+  """
+
+  prefix_k: jax.Array
+  prefix_v: jax.Array
+  prefix_len: jax.Array
+  suffix_k: jax.Array
+  suffix_v: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  versions: jax.Array
+  length: jax.Array
+  budget: jax.Array
+  reason: jax.Array
+  active: jax.Array
+  request_id: jax.Array
+  sample_id: jax.Array
+  stream: jax.Array
+
+
+CACHE_AXES = DecodeState(
+    prefix_k=("batch", "act_kv_heads", "kv_length", None),  # each layer's array
+    prefix_v=("batch", "act_kv_heads", "kv_length", None),
+    prefix_len=("batch",),
+    suffix_k=("batch", None, "act_kv_heads", "kv_length", None),
+    suffix_v=("batch", None, "act_kv_heads", "kv_length", None),
+    tokens=("batch", None, None),
+    logprobs=("batch", None, None),
+    versions=("batch", None, None),
+    length=("batch", None),
+    budget=("batch", None),
+    reason=("batch", None),
+    active=("batch",),
+    request_id=("batch",),
+    sample_id=("batch", None),
+    stream=("batch", None, None),
+)
+
+
+def mesh_context(ctx):
+  """``sharding.use(mesh, rules)`` for ``ctx = (mesh, rules)``; a no-op for None."""
+  return sharding.use(*ctx) if ctx is not None else contextlib.nullcontext()
+
+
+def _constrain(x, axes):
+  if isinstance(x, tuple):  # per-layer caches
+    return tuple(sharding.constrain(c, axes) for c in x)
+  return sharding.constrain(x, axes)
+
+
+def constrain_state(state: DecodeState) -> DecodeState:
+  """Every field of ``state`` constrained to its ``CACHE_AXES`` sharding."""
+  return DecodeState(*[_constrain(x, a) for x, a in zip(state, CACHE_AXES)])
+
+
+def kv_cache_bytes(cfg: ModelConfig, groups: int, samples: int, prompt_len: int,
+                   response_len: int, prompt_once: bool = True) -> int:
+  """Bytes of K and V held for ``groups`` prompts with ``samples`` responses each.
+
+  Prompt-once keeps ``G·P + G·M·R`` token positions, replicated ``G·M·(P + R)``.
+  """
+  per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+  if prompt_once:
+    positions = groups * prompt_len + groups * samples * response_len
+  else:
+    positions = groups * samples * (prompt_len + response_len)
+  return int(per_token * positions)
+
+
+def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingParams):
+  """Append token ``tok`` [G,M] (log-prob ``lp``) to rows where ``take``; update reasons."""
+  R = state.tokens.shape[-1]
+  idx = state.length
+  hot = (jnp.arange(R) == idx[..., None]) & take[..., None]
+  tokens = jnp.where(hot, tok[..., None], state.tokens)
+  logprobs = jnp.where(hot, lp[..., None], state.logprobs)
+  versions = jnp.where(hot, version, state.versions)
+  length = state.length + take.astype(jnp.int32)
+  is_eos = jnp.any(tok[..., None] == sp.eos_ids, axis=-1)
+  W = sp.stop_seqs.shape[-1]  # stop-sequence window (a local letter)
+  window_idx = length[..., None] - W + jnp.arange(W)  # [G,M,W]
+  window = jnp.take_along_axis(tokens, jnp.clip(window_idx, 0, R - 1), axis=-1)
+  match = (sp.stop_seqs[None, None] < 0) | (window[:, :, None, :] == sp.stop_seqs[None, None])
+  is_stop = jnp.any(jnp.all(match, axis=-1) & (sp.stop_lens > 0)
+                    & (sp.stop_lens <= length[..., None]), axis=-1)
+  reason = jnp.where(is_eos, EOS, jnp.where(is_stop, STOP, jnp.where(
+      length >= state.budget, LENGTH, RUNNING)))
+  reason = jnp.where(take, reason, state.reason)
+  return state._replace(tokens=tokens, logprobs=logprobs, versions=versions, length=length,
+                        reason=reason)
+
+
+def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int) -> DecodeState:
+  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  dt = jnp.dtype(cfg.dtype)
+  layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
+  return DecodeState(
+      prefix_k=layers((G, K, P, H)), prefix_v=layers((G, K, P, H)),
+      prefix_len=jnp.ones((G,), jnp.int32),
+      suffix_k=layers((G, M, K, R, H)), suffix_v=layers((G, M, K, R, H)),
+      tokens=jnp.zeros((G, M, R), jnp.int32), logprobs=jnp.zeros((G, M, R), jnp.float32),
+      versions=jnp.full((G, M, R), -1, jnp.int32), length=jnp.zeros((G, M), jnp.int32),
+      budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),
+      active=jnp.zeros((G,), bool), request_id=jnp.zeros((G,), jnp.int32),
+      sample_id=jnp.zeros((G, M), jnp.int32), stream=jnp.zeros((G, M, 2), jnp.uint32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "ctx"))
+def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None) -> DecodeState:
+  """Empty state for G slots of M samples, prefix length P, response length R."""
+  TRACE_COUNTS["init_state"] += 1
+  with mesh_context(ctx):
+    return constrain_state(_init_state(cfg, G, M, P, R))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def cast_params(params, dtype: str):
+  """Jitted cast of the trainer's parameters to the sampler's storage dtype."""
+  return jax.tree.map(lambda x: x.astype(dtype), params)

@@ -1,0 +1,215 @@
+"""Prefill into the prompt-once cache: prompts once per group (``admit``) and the response
+K/V of resumed partial samples (``resume``).
+
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (G group slots, M samples per
+slot, T query block length, P prefix cache length, R response cache length, L layers,
+N query heads, K kv heads, H head dim, V vocab). Bn and Br are the engine's admission and
+resume buckets (rows), Pb the admitted prompt bucket.
+
+Prompt token t has RoPE position t, response token j of every sample position
+``prefix_len + j`` (the positions of the unpacked sequence, so log-probs equal
+``models.forward`` teacher forcing). Prefill attention is ``grouped_attention``: the
+two-region log-sum-exp attention of ``pallas_kernels.lse_attention`` (the block of the
+queries' own tokens, plus the slot's prompt for resumed responses).
+
+Every first token is drawn from a uniform that depends only on (request id, sample id,
+token index) (``sampling.stream_words`` at admission), so results do not depend on batching,
+slots or the mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.lse_attention import two_region_attention
+from rl_jax.models import transformer as tx
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout import sampling
+from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
+                                     mesh_context, record)
+
+__all__ = ["Admission", "Resume", "admit", "grouped_attention", "resume", "run_trunk"]
+
+
+def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
+  """Attention of grouped queries (prefill) over a shared prefix and their own block.
+
+  ``pallas_kernels.two_region_attention`` with head-major scores (the sampler's layout).
+
+  Args:
+    q: [G,M,T,N,H]. block_k, block_v: [G,M,T,K,H] K/V of the queries' own tokens;
+      block_mask: bool [G,M,T,T] (query t may see block key s).
+    prefix: optional (k [G,P,K,H], v [G,P,K,H], valid bool [G,P]) shared by the M samples.
+  Returns:
+    [G,M,T,N,H] in q's dtype.
+  """
+  G, M, T, N, H = q.shape
+  ctx = (None, None, None) if prefix is None else (prefix[0], prefix[1],
+                                                   prefix[2][:, None, None, :])
+  out, _ = two_region_attention(q, block_k, block_v, block_mask, *ctx, layout="head_major")
+  return out.reshape(G, M, T, N, H).astype(q.dtype)
+
+
+def run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None):
+  """Prefill trunk over tokens [G·M,T] with grouped attention.
+
+  ``prefix`` = (k [L,G,P,K,H], v [L,G,P,K,H], valid bool [G,P]) is scanned with the layers.
+  Returns hidden [G·M,T,D] and the block's new K/V, each [L,G,M,T,K,H].
+  """
+  T = tokens.shape[1]
+  pre_kv = None if prefix is None else (prefix[0], prefix[1])
+
+  def attend(q, k, v, pre):
+    split = lambda a: a.reshape(G, M, T, *a.shape[2:])
+    out = grouped_attention(split(q), split(k), split(v), block_mask,
+                            prefix=None if pre is None else (pre[0], pre[1], prefix[2]))
+    return out.reshape(G * M, T, *out.shape[3:]), (split(k), split(v))
+
+  x = tx.embed(cfg, params, tokens)
+  h, (k_new, v_new) = tx.trunk(cfg, params, x, positions, attend, pre_kv)
+  return h, k_new, v_new
+
+
+class Admission(NamedTuple):
+  """Groups to place into slots (host arrays, Bn = admission bucket).
+
+  Attributes:
+    slots: int32 [Bn] target slot (>= G for padding rows, which are dropped).
+    prompt: int32 [Bn,Pb] right-padded prompts; prompt_len: int32 [Bn].
+    tokens, logprobs, versions: [Bn,M,R] tokens already generated (resumed samples).
+    length: int32 [Bn,M] tokens already generated; reason: int32 [Bn,M] (RUNNING unless the
+      sample already finished); budget: int32 [Bn,M] maximum response length.
+    request_id: int32 [Bn]; sample_id: int32 [Bn,M].
+  """
+
+  slots: Any
+  prompt: Any
+  prompt_len: Any
+  tokens: Any
+  logprobs: Any
+  versions: Any
+  length: Any
+  reason: Any
+  budget: Any
+  request_id: Any
+  sample_id: Any
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "fresh", "ctx"),
+                   donate_argnames=("state",))
+def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, version, base_key,
+          filtered: bool, fresh: bool = False, ctx=None) -> DecodeState:
+  """Prefill prompts (once per group) into slots; sample first tokens of fresh samples.
+
+  Resumed samples keep their tokens; their response K/V is rebuilt by ``resume``.
+
+  Args:
+    params: model parameters (a jit argument: new weights never recompile).
+    state: DecodeState (donated). adm: Admission. sp: SamplingParams. version: int32 scalar
+      policy version of tokens sampled here. base_key: typed PRNG key.
+    filtered: static; top-k/top-p active.
+    fresh: static; every slot is free and ``adm.slots`` is ``0, 1, ..`` then padding (>= G)
+      with Bn == G, so the state's arrays are replaced instead of scattered into.
+  Returns:
+    Updated DecodeState. Samples with no token yet get their first token from the prompt's
+    last logits; resumed samples keep their tokens (the last one becomes the next input).
+  """
+  TRACE_COUNTS["admit"] += 1
+  with mesh_context(ctx):
+    Bn, Pb = adm.prompt.shape
+    M = adm.length.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (Bn, Pb))
+    pvalid = pos < adm.prompt_len[:, None]
+    causal = tx.causal_mask(pos, pos, pvalid)
+    h, pk, pv = run_trunk(cfg, params, adm.prompt, pos, Bn, 1, causal[:, None])
+    pk, pv = pk[:, :, 0], pv[:, :, 0]  # [L,Bn,Pb,K,H]
+    last = jnp.take_along_axis(h, (adm.prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    logits = tx.logits_from_hidden(cfg, params, last)  # [Bn,V]
+
+    sub = DecodeState(pk, pv, adm.prompt_len, None, None, jnp.asarray(adm.tokens),
+                      jnp.asarray(adm.logprobs), jnp.asarray(adm.versions),
+                      jnp.asarray(adm.length), jnp.asarray(adm.budget),
+                      jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id, None)
+    first = (sub.length == 0) & (sub.reason == RUNNING)
+    stream = sampling.stream_words(base_key, jnp.repeat(adm.request_id, M),
+                                   adm.sample_id.reshape(-1))
+    uniforms = lambda: sampling.token_uniforms(stream, jnp.zeros((Bn * M,), jnp.int32))
+    tok, lp = sampling.sample_logits(uniforms, jnp.repeat(logits, M, axis=0), sp, filtered)
+    sub = record(sub, tok.reshape(Bn, M), lp.reshape(Bn, M), first, version, sp)
+
+    if fresh:  # every slot was free and slots == [0, 1, ...] + padding: replace wholesale
+      put = lambda a, u, lead=0: u.astype(a.dtype)
+    else:
+      put = lambda a, u, lead=0: a.at[(slice(None),) * lead + (adm.slots,)].set(
+          u.astype(a.dtype), mode="drop")
+    Pfull = state.prefix_k[0].shape[2]
+    # [L,Bn,Pb,K,H] -> cache layout [L,Bn,K,P,H]
+    pad_p = lambda a: jnp.pad(jnp.swapaxes(a, 2, 3), ((0, 0),) * 3 + ((0, Pfull - Pb), (0, 0)))
+    per_layer = lambda cache, u: tuple(put(c, u[l]) for l, c in enumerate(cache))
+    new = state._replace(
+        prefix_k=per_layer(state.prefix_k, pad_p(pk)), prefix_v=per_layer(state.prefix_v, pad_p(pv)),
+        prefix_len=put(state.prefix_len, adm.prompt_len),
+        tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
+        versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
+        budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason),
+        active=put(state.active, adm.slots < state.active.shape[0]),
+        request_id=put(state.request_id, adm.request_id),
+        sample_id=put(state.sample_id, adm.sample_id),
+        stream=put(state.stream, stream.reshape(Bn, M, 2)))
+    return constrain_state(new)
+
+
+class Resume(NamedTuple):
+  """Resumed, still running samples whose response K/V is rebuilt (host arrays).
+
+  Attributes (Br = bucket; padding rows have slot >= G and are dropped):
+    slot: int32 [Br]; sample: int32 [Br] index within the slot.
+    tokens: int32 [Br,T] the sample's tokens so far (the last one is fed by the next decode
+      step, so K/V is built for the first ``length − 1``); length: int32 [Br].
+  """
+
+  slot: Any
+  sample: Any
+  tokens: Any
+  length: Any
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx"), donate_argnames=("state",))
+def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) -> DecodeState:
+  """Re-prefill the response K/V of resumed samples (after ``admit`` placed their prompts).
+
+  Each listed sample's tokens attend the prefix K/V of its slot and their own causal past;
+  the K/V is written into the sample's rows of the suffix cache. Only these samples are
+  computed (finished samples and fresh groups are not).
+
+  Args:
+    params: model parameters (jit argument). state: DecodeState (donated). res: Resume.
+  Returns:
+    Updated DecodeState.
+  """
+  TRACE_COUNTS["resume"] += 1
+  with mesh_context(ctx):
+    Br, T = res.tokens.shape
+    G = state.active.shape[0]
+    slot = jnp.minimum(res.slot, G - 1)  # padding rows read slot G-1 and are dropped below
+    j = jnp.arange(T, dtype=jnp.int32)
+    plen = state.prefix_len[slot]
+    P = state.prefix_k[0].shape[2]
+    pvalid = jnp.arange(P)[None, :] < plen[:, None]
+    rpos = plen[:, None] + j
+    rvalid = j[None, :] < (res.length - 1)[:, None]  # the last token is fed next
+    bmask = (j[:, None] >= j[None, :])[None] & rvalid[:, None, :]
+    # prefix of each row's slot, [L,Br,K,P,H] -> [L,Br,P,K,H] for grouped_attention
+    gather = lambda cache: jnp.swapaxes(jnp.stack([c[slot] for c in cache]), 2, 3)
+    _, rk, rv = run_trunk(cfg, params, res.tokens, rpos, Br, 1, bmask[:, None],
+                          prefix=(gather(state.prefix_k), gather(state.prefix_v), pvalid))
+    place = lambda cache, u: tuple(
+        c.at[res.slot, res.sample, :, :T].set(jnp.swapaxes(u[l, :, 0], 1, 2).astype(c.dtype),
+                                              mode="drop")
+        for l, c in enumerate(cache))
+    new = state._replace(suffix_k=place(state.suffix_k, rk), suffix_v=place(state.suffix_v, rv))
+    return constrain_state(new)

@@ -1,0 +1,186 @@
+"""Host-side records of the rollout engine: prompts, groups, samples, the returned
+``Rollout``, and validation of the engine's arguments.
+
+Axis letters: the legend of ``rl_jax/models/transformer.py`` (G groups, M samples per group,
+B = G·M rows); local letters as in ``sampling``: Z stop sequences, W stop window, E eos ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.errors import RLJaxError
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout import sampling
+from rl_jax.rollout.kv_cache import REASON_NAMES
+
+__all__ = ["REASON_CODES", "GroupRequest", "Prompt", "Rollout", "RolloutError", "Sample",
+           "as_ids", "assemble", "check_int", "check_prompt", "pow2", "sampling_params"]
+
+REASON_CODES = {name: code for code, name in REASON_NAMES.items()}
+
+
+class RolloutError(RLJaxError, ValueError):
+  """A rollout argument is invalid (prompt, budget, sampling setting, stop token ...)."""
+
+
+@dataclasses.dataclass
+class Sample:
+  """One trajectory (possibly partial). Lists are aligned token by token."""
+
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None  # None while unfinished
+
+
+@dataclasses.dataclass
+class Prompt:
+  """A prompt with a caller's tag (e.g. its dataset index), returned with its group."""
+
+  tokens: Sequence[int]
+  meta: Any = None
+
+
+@dataclasses.dataclass
+class GroupRequest:
+  """A prompt and its n samples; ``uid`` identifies its PRNG streams."""
+
+  uid: int
+  prompt: list[int]
+  samples: list[Sample]
+  resumed: int = 0  # how many times this group was aborted and resumed
+  meta: Any = None  # the caller's tag (``Prompt.meta``)
+
+  @property
+  def done(self) -> bool:
+    return all(s.finish_reason is not None for s in self.samples)
+
+  @property
+  def started(self) -> bool:
+    return any(s.tokens for s in self.samples)
+
+
+@dataclasses.dataclass
+class Rollout:
+  """Sampled responses, one row per sample, prompt-major (prompt 0's n samples first).
+
+  Attributes (B = G·M rows, R = max_new_tokens):
+    tokens: int32 [B,R] (0 after the end). mask: bool [B,R], True for generated tokens up to
+      and including EOS / the stop sequence.
+    logprobs: float32 [B,R] log-prob of each token under the distribution it was sampled
+      from (after temperature/top-k/top-p; 0 for greedy and padding).
+    versions: int32 [B,R] policy version that sampled each token (-1 on padding).
+    lengths: int32 [B]. finish_reason: str [B], one of "eos", "stop", "length".
+    prompt_index: int32 [B] the row's prompt (index into ``prompts``).
+    prompts: list of the G prompts (token-id lists). group_ids: int [G] request uids.
+    stats: dict of scalars (tokens, kv bytes, aborted groups, off-policy token fraction ...).
+    group_meta: the caller's tag of each group (``Prompt.meta``; None for plain prompts).
+  """
+
+  tokens: np.ndarray
+  mask: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  lengths: np.ndarray
+  finish_reason: np.ndarray
+  prompt_index: np.ndarray
+  prompts: list[list[int]]
+  group_ids: np.ndarray
+  stats: dict[str, float]
+  group_meta: list = dataclasses.field(default_factory=list)
+
+
+def pow2(x: int, lo: int = 1) -> int:
+  """The smallest power of two >= max(x, lo) (shape buckets)."""
+  return max(lo, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
+
+
+def as_ids(values, what: str, vocab: int) -> list[int]:
+  """``values`` as a list of token ids in [0, vocab); raises RolloutError naming ``what``."""
+  try:
+    ids = [int(t) for t in values]
+  except (TypeError, ValueError):
+    raise RolloutError(f"{what} must be a sequence of integer token ids") from None
+  bad = [t for t in ids if not 0 <= t < vocab]
+  if bad:
+    raise RolloutError(f"{what} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+  return ids
+
+
+def check_prompt(prompt, index: int, cfg: ModelConfig, max_new_tokens: int,
+                 context: int) -> list[int]:
+  """Validated token-id list; raises RolloutError naming the prompt."""
+  if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+    raise RolloutError(f"prompt {index} must be a list of token ids, got {type(prompt).__name__}")
+  ids = as_ids(prompt, f"prompt {index}", cfg.vocab_size)
+  if not ids:
+    raise RolloutError(f"prompt {index} is empty; every prompt needs at least one token")
+  if len(ids) + max_new_tokens > context:
+    raise RolloutError(f"prompt {index} has {len(ids)} tokens; with max_new_tokens="
+                       f"{max_new_tokens} it exceeds the context of {context} positions")
+  return ids
+
+
+def check_int(name: str, value, lo: int):
+  """Raises RolloutError unless ``value`` is an integer >= ``lo``."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+    raise RolloutError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def sampling_params(cfg: ModelConfig, temperature, top_k, top_p, eos_id, stop):
+  """SamplingParams (device arrays) and the static ``filtered`` flag; validates ids."""
+  if eos_id is None:
+    eos = [-1]
+  elif isinstance(eos_id, (int, np.integer)):
+    eos = as_ids([eos_id], "eos_id", cfg.vocab_size)
+  else:
+    eos = as_ids(eos_id, "eos_id", cfg.vocab_size) or [-1]
+  seqs = []
+  for i, seq in enumerate(stop or []):
+    if isinstance(seq, (int, np.integer)):
+      seq = [seq]
+    ids = as_ids(seq, f"stop sequence {i}", cfg.vocab_size)
+    if not ids:
+      raise RolloutError(f"stop sequence {i} is empty")
+    seqs.append(ids)
+  W = pow2(max([len(s) for s in seqs] or [1]), 4)  # buckets: few distinct shapes
+  Z = pow2(max(len(seqs), 1), 4)
+  stop_arr = np.full((Z, W), -1, np.int32)
+  lens = np.zeros(Z, np.int32)
+  for i, s in enumerate(seqs):
+    stop_arr[i, W - len(s):] = s
+    lens[i] = len(s)
+  E = pow2(len(eos), 4)
+  eos_arr = np.full(E, -1, np.int32)
+  eos_arr[:len(eos)] = eos
+  sp = sampling.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                               jnp.asarray(eos_arr), jnp.asarray(stop_arr), jnp.asarray(lens))
+  filtered = (top_k > 0 or top_p < 1.0) and temperature > 0
+  return sp, bool(filtered)
+
+
+def assemble(groups: Sequence[GroupRequest], width: int) -> Rollout:
+  """Stack complete groups into a prompt-major Rollout of width ``width``."""
+  rows = [(g, s) for g, req in enumerate(groups) for s in req.samples]
+  B = len(rows)
+  tokens = np.zeros((B, width), np.int32)
+  logprobs = np.zeros((B, width), np.float32)
+  versions = np.full((B, width), -1, np.int32)
+  lengths = np.zeros(B, np.int32)
+  reasons = np.empty(B, dtype=object)
+  index = np.zeros(B, np.int32)
+  for b, (g, s) in enumerate(rows):
+    t = len(s.tokens)
+    tokens[b, :t], logprobs[b, :t], versions[b, :t] = s.tokens, s.logprobs, s.versions
+    lengths[b], reasons[b], index[b] = t, s.finish_reason, g
+  mask = np.arange(width)[None, :] < lengths[:, None]
+  return Rollout(tokens, mask, logprobs, versions, lengths, reasons.astype(str), index,
+                 [list(r.prompt) for r in groups], np.asarray([r.uid for r in groups], np.int64),
+                 {"tokens": int(lengths.sum()), "groups": len(groups)},
+                 [r.meta for r in groups])
