@@ -71,6 +71,18 @@ def _mesh() -> ml_collections.ConfigDict:
   ))
 
 
+def _distributed() -> ml_collections.ConfigDict:
+  """Multi-process start-up (``rl_jax.distributed``): all three fields, or none (automatic on
+  multi-host TPU slices and SLURM, else one process)."""
+  return ml_collections.ConfigDict(dict(
+      coordinator_address=config_dict.placeholder(str),  # "host:port" of process 0
+      num_processes=config_dict.placeholder(int),
+      process_id=config_dict.placeholder(int),
+      initialization_timeout_s=300,  # how long to wait for every process to join
+      heartbeat_timeout_s=100,  # a process silent this long is dead: the job stops
+  ))
+
+
 def _data() -> ml_collections.ConfigDict:
   """Prompt source: a built-in task, or a JSONL / Parquet file (task="file")."""
   return ml_collections.ConfigDict(dict(
@@ -175,12 +187,12 @@ def _log() -> ml_collections.ConfigDict:
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """The full default config tree (unlocked): model, mesh, data, rollout, loss, loss_extra,
-  optim, train, sft, eval, log."""
+  """The full default config tree (unlocked): model, mesh, distributed, data, rollout, loss,
+  loss_extra, optim, train, sft, eval, log."""
   return ml_collections.ConfigDict(dict(
-      model=_model(), mesh=_mesh(), data=_data(), rollout=_rollout(), loss=_loss(),
-      loss_extra=_loss_extra(), optim=_optim(), train=_train(), sft=_sft(), eval=_eval(),
-      log=_log(),
+      model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(),
+      rollout=_rollout(), loss=_loss(), loss_extra=_loss_extra(), optim=_optim(),
+      train=_train(), sft=_sft(), eval=_eval(), log=_log(),
   ))
 
 
@@ -195,6 +207,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.param_dtype": cu.one_of(model_config_lib.DTYPES),
       "mesh.rules": cu.one_of(sharding.RULES),
       "mesh.num_devices": cu.nonnegative_int,
+      "distributed.initialization_timeout_s": cu.positive_int,
+      "distributed.heartbeat_timeout_s": cu.positive_int,
       "data.max_prompt_len": cu.positive_int,
       "data.eval_size": cu.nonnegative_int,
       "data.reward_timeout_s": cu.positive,

@@ -49,7 +49,9 @@ class Setup:
 
   ``train_examples`` / ``eval_examples`` are random-access sequences of ``Example``; the
   trainer indexes them with the seeded sampler and never copies a split. ``prompt_len`` is
-  P, the prompt bucket (longest tokenized prompt + 1).
+  P, the prompt bucket (longest tokenized prompt + 1). ``mesh`` spans every device of the
+  job; ``sampler_mesh`` is the mesh the sampler runs on: the same with one process, this
+  process's own devices with several (each process samples on its own devices).
   """
 
   config: ml_collections.ConfigDict
@@ -59,6 +61,7 @@ class Setup:
   eval_examples: Sequence[tasks_lib.Example]
   model_cfg: models.ModelConfig
   mesh: jax.sharding.Mesh
+  sampler_mesh: jax.sharding.Mesh
   rules: str
   objective: losses.Objective
   optimizers: Optimizers
@@ -153,6 +156,13 @@ def _mesh(config) -> jax.sharding.Mesh:
   return sharding.make_mesh(mesh_shape(config.mesh.shape, n_dev), jax.devices()[:n_dev])
 
 
+def _sampler_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  if jax.process_count() == 1:
+    return mesh
+  local = jax.local_devices()
+  return sharding.make_mesh({"fsdp": len(local)}, local)
+
+
 def _optimizers(config, objective: losses.Objective) -> Optimizers:
   o, steps = config.optim, config.train.steps
   rl = optax.chain(optim.make_optimizer(o, o.lr, steps), objective.update_transform)
@@ -173,6 +183,7 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
                       f"{model_cfg.max_position_embeddings} positions")
   eos = config.rollout.eos_id
   return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
-               eval_examples=evals, model_cfg=model_cfg, mesh=mesh, rules=config.mesh.rules,
+               eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
+               sampler_mesh=_sampler_mesh(mesh), rules=config.mesh.rules,
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos)

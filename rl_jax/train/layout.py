@@ -7,8 +7,12 @@ the step, gradients reduce-scattered back), and every batch array is split along
 leading axis, logical ``batch`` -> ``(data, fsdp)``, so each device computes only its slice.
 A leading axis that the batch mesh axes do not divide stays replicated (correct, slower).
 
-``Layout.put`` builds a global array from this process's rows with
-``jax.make_array_from_process_local_data``; with one process the rows are the whole batch.
+Host batches are the same on every process (each samples and scores every group, see
+``rollouts``), so ``Layout.put`` builds the global array from the host copy with
+``jax.make_array_from_callback``: each process fills the shards on its own devices.
+``Layout.sampler_params`` hands the sampler the policy on ``Setup.sampler_mesh``: the
+weights themselves with one process; with several, a jitted all-gather to a replica on every
+device, whose shards on this process's devices then form the local copy (no host copy).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Layout(NamedTuple):
   place batches and constrain activations."""
 
   mesh: jax.sharding.Mesh
+  sampler_mesh: jax.sharding.Mesh
   rules: str
   state: TrainState  # a TrainState of NamedShardings
 
@@ -46,10 +51,18 @@ class Layout(NamedTuple):
         self.mesh, sharding.logical_to_spec(("batch",), self.rules, self.mesh, (n,)))
 
   def put(self, x: Any) -> jax.Array:
-    """A host batch (this process's rows) as a global array sharded along ``batch``."""
+    """A host batch (the same on every process) as a global array split along ``batch``."""
     x = np.asarray(x)
-    global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-    return jax.make_array_from_process_local_data(self.rows(global_shape[0]), x, global_shape)
+    return jax.make_array_from_callback(x.shape, self.rows(x.shape[0]), lambda idx: x[idx])
+
+  def sampler_params(self, params: Any) -> Any:
+    """``params`` placed for the sampler (``Setup.sampler_mesh``)."""
+    if self.sampler_mesh is self.mesh:
+      return params
+    replicated = _gather(self.mesh)(params)
+    local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        x.shape, local, [shard.data for shard in x.addressable_shards]), replicated)
 
   @contextlib.contextmanager
   def active(self):
@@ -58,10 +71,17 @@ class Layout(NamedTuple):
       yield
 
 
+@functools.lru_cache(maxsize=None)
+def _gather(mesh: jax.sharding.Mesh) -> Callable:
+  """A jitted all-gather of a pytree to a full replica on every device of ``mesh``."""
+  return jax.jit(lambda tree: tree,
+                 out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def make_layout(s: Setup) -> Layout:
   """The run's layout; the state shardings come from ``abstract_state`` (nothing computed)."""
   shardings = jax.tree.map(lambda x: x.sharding, abstract_state(s))
-  return Layout(mesh=s.mesh, rules=s.rules, state=shardings)
+  return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings)
 
 
 def jit_on_mesh(fn: Callable, layout: Layout, **jit_kwargs) -> Callable:

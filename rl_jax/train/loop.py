@@ -16,12 +16,12 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax import config_utils
+from rl_jax import distributed
 from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax.errors import RLJaxError
@@ -29,7 +29,8 @@ from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
 from rl_jax.train.layout import make_layout
 from rl_jax.train.rollouts import Trainer, collect, next_examples
-from rl_jax.train.state import TrainState, abstract_state, begin_rl, init_state, make_engine
+from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine,
+                                 place_replicated)
 from rl_jax.train.steps import UpdateBatch, make_step_fns
 
 __all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
@@ -113,7 +114,7 @@ def _start(s: Setup, ckpt, metrics_path: str) -> TrainState:
   rows after that point (from a killed attempt) are dropped."""
   latest = ckpt.latest_step()
   state = init_state(s) if latest is None else ckpt.restore(abstract_state(s), step=latest)[0]
-  if os.path.exists(metrics_path):
+  if distributed.is_lead() and os.path.exists(metrics_path):
     metrics_lib.truncate_after(metrics_path, latest or 0)
   return state
 
@@ -128,11 +129,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
                                save_every=c.train.checkpoint_every or total)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   state = _start(s, ckpt, metrics_path)
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
+  lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if lead else None
   t = make_trainer(s)
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
-  bar = _progress(progress, total, int(state.step))
+  bar = _progress(progress and lead, total, int(state.step))
   bad_steps = 0
   try:
     while int(state.step) < total:
@@ -154,22 +156,26 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
       if bad_steps >= c.train.max_bad_steps:
         raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient "
                          f"(last at step {step}); stopping. Lower optim.lr or check the data.")
-      state = state._replace(step=state.step + 1, data=jnp.asarray(data))
+      state = state._replace(step=state.step + 1, data=place_replicated(s, data))
       step += 1
       record["step_time_s"] = time.perf_counter() - t0
       if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
-        record.update(evaluate(s, state.params, step))
-      writer.write(step, record)
+        record.update(evaluate(s, t.layout.sampler_params(state.params), step))
+      if writer is not None:
+        writer.write(step, record)
       _update_progress(bar, record)
       if ckpt.should_save(step) or step == total:
         ckpt.save(step, state, force=step == total)
     ckpt.wait()
     if int(state.step) >= total:
-      models.save_hf(s.model_cfg, state.params, os.path.join(workdir, "hf"))
-      metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
+      params = t.layout.sampler_params(state.params)  # collective: every process takes part
+      if lead:
+        models.save_hf(s.model_cfg, params, os.path.join(workdir, "hf"))
+        metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
   finally:
     signal.signal(signal.SIGTERM, old_handler)
-    writer.close()
+    if writer is not None:
+      writer.close()
     ckpt.close()
     if bar is not None:
       bar.close()
@@ -197,6 +203,8 @@ def _update_progress(bar, record: dict) -> None:
 
 @config_utils.main_guard
 def main(argv=None) -> None:
-  """``python -m rl_jax.train --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]``."""
+  """``python -m rl_jax.train --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]``;
+  every process of a multi-process job runs the same command (``rl_jax.distributed``)."""
   config, workdir = config_utils.parse_cli(sys.argv if argv is None else argv)
+  distributed.initialize(config.distributed)
   train(config, workdir)

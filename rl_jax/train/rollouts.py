@@ -24,7 +24,7 @@ from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout
-from rl_jax.train.state import TrainState, held_capacity
+from rl_jax.train.state import TrainState, held_capacity, place_replicated
 from rl_jax.train.steps import StepFns, UpdateBatch
 from rl_jax.train.streams import Stream, seed_for
 
@@ -102,31 +102,33 @@ def next_examples(s: Setup, data: np.ndarray, n: int) -> tuple[list, np.ndarray]
 
 
 def generate(s: Setup, params, prompts, **kw):
-  """``rollout.generate`` on the trainer's mesh with the task's EOS and length budget."""
+  """``rollout.generate`` on the sampler's mesh with the task's EOS and length budget;
+  ``params`` as ``Layout.sampler_params`` places them."""
   return rollout.generate(s.model_cfg, params, prompts,
                           max_new_tokens=s.config.rollout.max_new_tokens,
-                          eos_id=s.eos_id, mesh=s.mesh, rules=s.rules, **kw)
+                          eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.rules, **kw)
 
 
 # ---------------------------------------------------------------------- sampling
-def _sample_fresh(s: Setup, state: TrainState) -> Sampled:
+def _sample_fresh(t: Trainer, state: TrainState) -> Sampled:
   """G new prompts, M samples each, from the current policy."""
-  c = s.config
+  s, c = t.setup, t.setup.config
   examples, data = next_examples(s, np.asarray(state.data), c.train.batch_groups)
   prompts = encode_prompts(s, examples)
-  out = generate(s, state.params, prompts, n=c.rollout.n, temperature=c.rollout.temperature,
+  out = generate(s, t.layout.sampler_params(state.params), prompts, n=c.rollout.n, temperature=c.rollout.temperature,
                  top_p=c.rollout.top_p, top_k=c.rollout.top_k,
                  seed=seed_for(c.train.seed, int(state.step), Stream.ROLLOUT))
   return Sampled(examples, prompts, np.asarray(out.tokens), np.asarray(out.mask),
                  np.asarray(out.logprobs), None, {}, {"data": data})
 
 
-def _sample_partial(s: Setup, state: TrainState, engine: rollout.RolloutEngine) -> Sampled:
+def _sample_partial(t: Trainer, state: TrainState) -> Sampled:
   """K complete groups from the APRIL engine, whose held groups live in the train state.
 
   The engine is reloaded from ``state.rollout_buffer`` and saved back after the call, and
   prompts are drawn lazily from the data sampler, so a resumed run continues exactly.
   """
+  s, engine = t.setup, t.engine
   engine.import_held(jax.device_get(state.rollout_buffer))
   position = [np.asarray(state.data)]
 
@@ -136,17 +138,17 @@ def _sample_partial(s: Setup, state: TrainState, engine: rollout.RolloutEngine) 
       i = int(idx[0])
       yield rollout.Prompt(encode_prompts(s, [s.train_examples[i]])[0], meta=i)
 
-  out = engine.rollout_groups(state.params, prompts(), s.config.train.batch_groups,
-                              policy_version=int(state.step))
-  held = jax.tree.map(jnp.asarray, engine.export_held(held_capacity(s)))
+  out = engine.rollout_groups(t.layout.sampler_params(state.params), prompts(),
+                              s.config.train.batch_groups, policy_version=int(state.step))
+  held = jax.tree.map(lambda x: place_replicated(s, x), engine.export_held(held_capacity(s)))
   return Sampled([s.train_examples[i] for i in out.group_meta], out.prompts,
                  np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.logprobs),
                  np.asarray(out.versions), dict(out.stats),
                  {"data": position[0], "rollout_buffer": held})
 
 
-def _sample(s: Setup, state: TrainState, engine) -> Sampled:
-  return _sample_fresh(s, state) if engine is None else _sample_partial(s, state, engine)
+def _sample(t: Trainer, state: TrainState) -> Sampled:
+  return _sample_fresh(t, state) if t.engine is None else _sample_partial(t, state)
 
 
 # ---------------------------------------------------------------------- objective inputs
@@ -186,7 +188,7 @@ def collect(t: Trainer, state: TrainState) -> tuple[UpdateBatch, dict[str, Any],
   s, c = t.setup, t.setup.config
   G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
   t0 = time.perf_counter()
-  out = _sample(s, state, t.engine)
+  out = _sample(t, state)
   rollout_s = time.perf_counter() - t0
   loss_mask = out.mask
   if out.versions is not None and c.rollout.mask_stale:  # only the current policy's tokens

@@ -19,7 +19,7 @@ from rl_jax.train.context import Setup
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
-           "held_capacity"]
+           "held_capacity", "place_replicated"]
 
 
 class TrainState(NamedTuple):
@@ -60,7 +60,7 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
       max_prompt_len=s.prompt_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       eos_id=s.eos_id, over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
-      seed=seed_for(s.config.train.seed, 0, Stream.ENGINE), mesh=s.mesh, rules=s.rules,
+      seed=seed_for(s.config.train.seed, 0, Stream.ENGINE), mesh=s.sampler_mesh, rules=s.rules,
       context=s.model_cfg.max_position_embeddings)
 
 
@@ -110,11 +110,17 @@ def init_state(s: Setup) -> TrainState:
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std)
-  state = _state_from_params(s, params)
-  state = state._replace(rollout_buffer=jax.tree.map(jnp.asarray, _empty_buffer(s)))
-  replicated = _replicated(s)
-  return jax.tree.map(
-      lambda x: x if _on_mesh(x.sharding, s.mesh) else jax.device_put(x, replicated), state)
+  state = _state_from_params(s, params)  # arrays not laid out on the mesh are replicated:
+  state = jax.tree.map(
+      lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
+  return state._replace(rollout_buffer=jax.tree.map(lambda x: place_replicated(s, x),
+                                                    _empty_buffer(s)))
+
+
+def place_replicated(s: Setup, x) -> jax.Array:
+  """A host array (the same on every process) as an array replicated on the mesh."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, _replicated(s), lambda index: x[index])
 
 
 def abstract_state(s: Setup) -> TrainState:

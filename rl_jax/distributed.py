@@ -1,0 +1,69 @@
+"""Multi-process (multi-host) start-up through JAX's own multi-controller runtime.
+
+Every process of a job runs the same command; ``initialize(config.distributed)`` joins them
+before anything touches a device:
+
+* explicit: ``distributed.coordinator_address="host:port"``, ``distributed.num_processes=N``,
+  ``distributed.process_id=i`` (any cluster; two processes on localhost with CPU devices use
+  gloo collectives);
+* automatic: on a Cloud TPU VM slice with several hosts and under SLURM with several tasks,
+  JAX finds the coordinator itself (``jax.distributed.initialize()`` without arguments);
+* otherwise nothing happens: one process.
+
+A process that dies takes the job down: the coordination service stops every other process
+once the dead one has missed heartbeats for ``distributed.heartbeat_timeout_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from rl_jax.errors import ConfigError
+
+__all__ = ["initialize", "is_lead", "auto_detected"]
+
+
+def auto_detected() -> bool:
+  """Whether the environment is a multi-host TPU slice or a multi-task SLURM job."""
+  hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+  return len(hosts) > 1 or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+
+
+def initialize(d: Any) -> bool:
+  """Join the job described by the ``distributed`` config section; True if multi-process.
+
+  Must run before the first device query of the process.
+
+  Raises:
+    ConfigError: only some of the explicit fields are set, or they are out of range.
+  """
+  fields = (d.coordinator_address, d.num_processes, d.process_id)
+  explicit = [f is not None for f in fields]
+  if any(explicit) and not all(explicit):
+    raise ConfigError("distributed: set coordinator_address, num_processes and process_id "
+                      "together (or none of them for automatic detection)")
+  timeouts = dict(initialization_timeout=int(d.initialization_timeout_s),
+                  heartbeat_timeout_seconds=int(d.heartbeat_timeout_s))
+  if all(explicit):
+    if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
+      raise ConfigError(f"distributed: process_id={d.process_id} must be in "
+                        f"[0, num_processes={d.num_processes})")
+    if d.num_processes == 1:
+      return False
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=d.coordinator_address,
+                               num_processes=d.num_processes, process_id=d.process_id,
+                               **timeouts)
+    return True
+  if auto_detected():
+    jax.distributed.initialize(**timeouts)
+    return True
+  return False
+
+
+def is_lead() -> bool:
+  """Whether this process writes the run's files (metrics, plots, the HF export)."""
+  return jax.process_index() == 0
