@@ -84,7 +84,7 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     params, opt_state, finite = finite_update(s.optimizers.sft, params, opt_state, grads, loss)
-    return params, opt_state, {"sft_loss": loss, "grad_norm": optax.global_norm(grads),
+    return params, opt_state, {"sft_loss": loss, "grad_norm": optax.tree.norm(grads),
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
   st, rows = layout.state, layout.rows(s.config.sft.batch_size)
@@ -167,7 +167,7 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
       value_params, value_opt_state, vfinite = finite_update(
           s.optimizers.value, value_params, value_opt_state, vgrads, loss)
       finite &= vfinite
-    mets = dict(mets, loss=loss, grad_norm=optax.global_norm(grads), ess_ratio=ess,
+    mets = dict(mets, loss=loss, grad_norm=optax.tree.norm(grads), ess_ratio=ess,
                 update_skipped=1 - finite.astype(jnp.int32))
     return params, opt_state, value_params, value_opt_state, mets
 
