@@ -78,9 +78,10 @@ def _gather(mesh: jax.sharding.Mesh) -> Callable:
                  out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-def make_layout(s: Setup) -> Layout:
-  """The run's layout; the state shardings come from ``abstract_state`` (nothing computed)."""
-  shardings = jax.tree.map(lambda x: x.sharding, abstract_state(s))
+def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
+  """The run's layout; the state shardings come from ``abstract`` (default:
+  ``abstract_state(s)``: shapes and shardings only, nothing computed)."""
+  shardings = jax.tree.map(lambda x: x.sharding, abstract or abstract_state(s))
   return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings)
 
 

@@ -16,6 +16,7 @@ import sys
 import time
 
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
@@ -36,9 +37,10 @@ from rl_jax.train.steps import UpdateBatch, make_step_fns
 __all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
 
 
-def make_trainer(s: Setup) -> Trainer:
-  """The setup with its layout, jitted steps and rollout engine."""
-  layout = make_layout(s)
+def make_trainer(s: Setup, abstract: TrainState | None = None) -> Trainer:
+  """The setup with its layout, jitted steps and rollout engine (``abstract``: the state's
+  ``abstract_state``, if already computed)."""
+  layout = make_layout(s, abstract)
   return Trainer(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s))
 
 
@@ -100,7 +102,9 @@ def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray
 
 
 class _Preempted:
-  """SIGTERM handler that only raises a flag; the loop checkpoints at the next step."""
+  """SIGTERM handler that only raises a flag; the loop checkpoints at the next step. With
+  several processes the flag is agreed on (any process signalled stops all), since the
+  checkpoint is written collectively."""
 
   def __init__(self):
     self.flag = False
@@ -108,12 +112,17 @@ class _Preempted:
   def __call__(self, signum, frame):
     self.flag = True
 
+  def any(self) -> bool:
+    if jax.process_count() == 1:
+      return self.flag
+    return bool(np.max(multihost_utils.process_allgather(np.int32(self.flag))))
 
-def _start(s: Setup, ckpt, metrics_path: str) -> TrainState:
+
+def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainState:
   """A fresh state, or the newest checkpoint restored onto the abstract target; metrics
   rows after that point (from a killed attempt) are dropped."""
   latest = ckpt.latest_step()
-  state = init_state(s) if latest is None else ckpt.restore(abstract_state(s), step=latest)[0]
+  state = init_state(s) if latest is None else ckpt.restore(abstract, step=latest)[0]
   if distributed.is_lead() and os.path.exists(metrics_path):
     metrics_lib.truncate_after(metrics_path, latest or 0)
   return state
@@ -128,17 +137,18 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep,
                                save_every=c.train.checkpoint_every or total)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  state = _start(s, ckpt, metrics_path)
+  abstract = abstract_state(s)
+  state = _start(s, ckpt, metrics_path, abstract)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if lead else None
-  t = make_trainer(s)
+  t = make_trainer(s, abstract)
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
   bar = _progress(progress and lead, total, int(state.step))
   bad_steps = 0
   try:
     while int(state.step) < total:
-      if preempted.flag:
+      if preempted.any():
         ckpt.save(int(state.step), state, force=True)
         ckpt.wait()
         print(f"SIGTERM: saved checkpoint at step {int(state.step)}; rerun to resume",
