@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["MESH_AXES", "RULES", "LogicalAxes", "Rules", "constrain", "get_rules",
+__all__ = ["MESH_AXES", "RULES", "LogicalAxes", "Rules", "active", "constrain", "get_rules",
            "logical_to_sharding", "logical_to_spec", "make_mesh", "use"]
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
@@ -167,6 +167,11 @@ def use(mesh: Mesh, rules: str | Rules):
     yield
   finally:
     _ACTIVE.reset(token)
+
+
+def active() -> tuple[Mesh, Rules] | None:
+  """The (mesh, rules) pinned by the innermost ``sharding.use``, or None outside one."""
+  return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:

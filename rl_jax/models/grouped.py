@@ -16,6 +16,12 @@ of M times: the whole-model token reduction is rho = M(P+R)/(P+M·R).
 Replicated layout: G·M rows of [prompt_g (P)][resp_i (R)] with the prompt padding masked out.
 Both give identical log-probs and gradients (tests/test_grouped.py).
 
+Inside ``sharding.use`` on a mesh with ``sequence`` > 1 both layouts split along length
+(``sequence_parallel.py``): the packed row is laid out shard-major (each shard a slice of
+the prompt and M/S whole responses) and attends per shard against the all-gathered prompt
+K/V; the replicated rows split their queries along length. Same numbers up to float32
+rounding (tests/test_sequence_parallel.py).
+
 The logit that predicts response token 0 sits at the last *valid* prompt position len_g − 1,
 the one predicting token j > 0 at response position j − 1: a plain shift-by-one over the packed
 row would be wrong at every segment boundary.
@@ -29,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.errors import ModelError
+from rl_jax.models import sequence_parallel as sp
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 
@@ -88,8 +95,12 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
   """
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
-  tokens = jnp.concatenate([prompt_tokens, response_tokens.reshape(G, M * R)], axis=1)
   resp_pos = prompt_lengths[:, None, None] + jnp.arange(R)[None, None, :]
+  pl = sp.plan(P + M * R, (P, M))
+  if pl is not None:
+    return _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths,
+                                response_tokens, resp_pos)
+  tokens = jnp.concatenate([prompt_tokens, response_tokens.reshape(G, M * R)], axis=1)
   positions = jnp.concatenate(
       [jnp.broadcast_to(jnp.arange(P), (G, P)), jnp.broadcast_to(resp_pos, (G, M, R)).reshape(G, -1)],
       axis=1).astype(jnp.int32)
@@ -97,6 +108,22 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
                   _packed_attend(prompt_lengths, P, M, R))
   first = jnp.take_along_axis(h, (prompt_lengths - 1)[:, None, None], axis=1)  # [G,1,D]
   resp = h[:, P:].reshape(G, M, R, -1)
+  first = jnp.broadcast_to(first[:, None], (G, M, 1, h.shape[-1]))
+  return jnp.concatenate([first, resp[:, :, :-1]], axis=2)
+
+
+def _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths, response_tokens,
+                         resp_pos):
+  """``packed_hidden`` on the shard-major row of ``sequence_parallel`` (S = pl.S > 1)."""
+  G, P = prompt_tokens.shape
+  _, M, R = response_tokens.shape
+  tokens = sp.packed_rows(prompt_tokens, response_tokens, pl.S)
+  positions = sp.packed_rows(jnp.broadcast_to(jnp.arange(P), (G, P)),
+                             jnp.broadcast_to(resp_pos, (G, M, R)), pl.S).astype(jnp.int32)
+  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions,
+                  sp.packed_attend(pl, prompt_lengths, P, M, R))
+  prompt_h, resp = sp.split_packed(h, P, M, R, pl.S)
+  first = jnp.take_along_axis(prompt_h, (prompt_lengths - 1)[:, None, None], axis=1)  # [G,1,D]
   first = jnp.broadcast_to(first[:, None], (G, M, 1, h.shape[-1]))
   return jnp.concatenate([first, resp[:, :, :-1]], axis=2)
 
@@ -114,7 +141,9 @@ def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   valid = jnp.concatenate([jnp.arange(P)[None] < lengths[:, None],
                            jnp.ones((G * M, R), bool)], axis=1)
   mask = tx.causal_mask(positions, positions, valid)
-  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, tx.mask_attend(mask))
+  pl = sp.plan(P + R)
+  attend = tx.mask_attend(mask) if pl is None else sp.replicated_attend(pl, mask)
+  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, attend)
   first = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [G·M,1,D]
   pred = jnp.concatenate([first, h[:, P:P + R - 1]], axis=1)
   return pred.reshape(G, M, R, -1)
@@ -143,8 +172,12 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask)
   G, M, R = response_tokens.shape
   h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix)
-  out = tx.token_logprobs(cfg, params, h.reshape(G, M * R, -1),
-                          response_tokens.reshape(G, M * R), temperature, with_entropy)
+  pl = sp.plan(M * R, (M,))
+  if pl is None:
+    h, targets = h.reshape(G, M * R, -1), response_tokens.reshape(G, M * R)
+  else:  # one row per (group, sequence shard): the LM head stays on each shard's responses
+    h, targets = sp.token_rows(pl, h, response_tokens)
+  out = tx.token_logprobs(cfg, params, h, targets, temperature, with_entropy)
   mask = jnp.ones((G, M, R), bool) if response_mask is None else response_mask
   if with_entropy:
     lp, ent = out

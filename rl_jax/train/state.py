@@ -12,9 +12,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from rl_jax import models
 from rl_jax import rollout
+from rl_jax import sharding
 from rl_jax.train.context import Setup
 from rl_jax.train.streams import Stream, seed_for
 
@@ -70,9 +72,24 @@ def _empty_buffer(s: Setup) -> dict:
   return {} if engine is None else engine.export_held(held_capacity(s))
 
 
+def _shardings_like(s: Setup, axes, tree):
+  """NamedShardings of ``tree`` (arrays or shapes) from its logical ``axes``."""
+  return sharding.logical_to_sharding(axes, s.mesh, s.rules, jax.eval_shape(lambda: tree))
+
+
+def _init_optimizer(s: Setup, tx, params, param_shardings):
+  """``tx.init(params)`` with every params-shaped part of the optimizer state (Adam's moments)
+  laid out like the parameters and the rest (counts, scalars) replicated."""
+  abstract = jax.eval_shape(tx.init, params)
+  out = optax.tree_map_params(tx, lambda _, sh: sh, abstract, param_shardings,
+                              transform_non_params=lambda _: _replicated(s))
+  return jax.jit(tx.init, out_shardings=out)(params)
+
+
 def _state_from_params(s: Setup, params) -> TrainState:
   """The rest of a fresh state (optimizer states, reference, critic) from the policy params."""
   needs = s.objective.needs
+  param_sh = _shardings_like(s, models.param_axes(s.model_cfg), params)
   # a copy: the supervised step donates params, which must not free the reference's buffers
   ref = jax.tree.map(jnp.copy, params) if "ref_logp" in needs else {}
   value, value_opt = {}, {}
@@ -80,11 +97,12 @@ def _state_from_params(s: Setup, params) -> TrainState:
     key = jax.random.key(seed_for(s.config.train.seed, 0, Stream.CRITIC_INIT))
     value = models.init_value_params(s.model_cfg, key,
                                      policy_params=jax.tree.map(jnp.copy, params))
-    value_opt = jax.jit(s.optimizers.value.init)(value)
+    value_opt = _init_optimizer(s, s.optimizers.value, value,
+                                _shardings_like(s, models.value_axes(s.model_cfg), value))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=jax.jit(s.optimizers.rl.init)(params),
-                    sft_opt_state=jax.jit(s.optimizers.sft.init)(params), ref_params=ref,
-                    value_params=value, value_opt_state=value_opt,
+                    opt_state=_init_optimizer(s, s.optimizers.rl, params, param_sh),
+                    sft_opt_state=_init_optimizer(s, s.optimizers.sft, params, param_sh),
+                    ref_params=ref, value_params=value, value_opt_state=value_opt,
                     data=jnp.zeros((2,), jnp.int32), rollout_buffer={})
 
 
