@@ -10,7 +10,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 from safetensors.numpy import load_file
 
 from rl_jax import config_utils, metrics, train

@@ -15,7 +15,6 @@ import pytest
 from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, losses, metrics, train
-from rl_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")

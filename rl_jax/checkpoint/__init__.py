@@ -53,4 +53,5 @@ from rl_jax.checkpoint.manager import (STEP_NAMES, Checkpointer, all_steps, late
                                        read_metadata, restore)
 from rl_jax.checkpoint.tree import leaf_paths
 
-__all__ = ["Checkpointer", "latest_step", "all_steps", "restore", "read_metadata"]
+__all__ = ["Checkpointer", "latest_step", "all_steps", "restore", "read_metadata", "STEP_NAMES",
+           "leaf_paths"]

@@ -49,6 +49,7 @@ __all__ = [
     "response_logprobs",
     "response_values",
     "rms_norm",
+    "rope_tables",
     "rope_frequencies",
     "to_hf_dict",
     "save_hf",

@@ -186,8 +186,8 @@ def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=N
                                      expected["final_norm"]), sh.get("final_norm"))
   if not cfg.tie_word_embeddings:
     if "lm_head.weight" not in idx:
-      raise ModelError(f"checkpoint lacks 'lm_head.weight' but config.json says the "
-                       f"embeddings are untied")
+      raise ModelError("checkpoint lacks 'lm_head.weight' but config.json says the "
+                       "embeddings are untied")
     params["lm_head"] = place(check("lm_head", idx.get("lm_head.weight").T, expected["lm_head"]),
                               sh.get("lm_head"))
   layers = {}
