@@ -68,6 +68,9 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   rows_one = metrics.read_jsonl(str(one / "metrics.jsonl"))
   rows_two = metrics.read_jsonl(str(two / "metrics.jsonl"))
   assert [r["step"] for r in rows_two] == [1, 2, 3, 4]  # written once, by process 0
+  # each process sampled and scored its own half of the groups
+  assert [r.get("local_groups") for r in rows_one] == [None, None, 8, 8]
+  assert [r.get("local_groups") for r in rows_two] == [None, None, 4, 4]
   for r1, r2 in zip(rows_one, rows_two):
     assert r1.keys() == r2.keys()
     for k in ("sft_loss", "loss", "reward_mean", "entropy", "eval_accuracy"):

@@ -156,6 +156,21 @@ def test_prompt_once_equals_replicated_with_filtering(hf):
                                  atol=1e-5)
 
 
+def test_a_slice_with_its_first_index_samples_the_rows_of_the_whole_batch(hf):
+  """A batch split across processes: each slice, called with its offset, reproduces its rows."""
+  _, cfg, params = hf["llama"]
+  kw = dict(n=2, max_new_tokens=MAX_NEW, temperature=1.0, seed=5)
+  whole = rollout.generate(cfg, params, PROMPTS, **kw)
+  cut = len(PROMPTS) // 2
+  head = rollout.generate(cfg, params, PROMPTS[:cut], **kw)
+  tail = rollout.generate(cfg, params, PROMPTS[cut:], first_index=cut, **kw)
+  np.testing.assert_array_equal(np.concatenate([head.tokens, tail.tokens]), whole.tokens)
+  np.testing.assert_allclose(np.concatenate([head.logprobs, tail.logprobs]), whole.logprobs,
+                             atol=1e-6)
+  shifted = rollout.generate(cfg, params, PROMPTS[cut:], **kw)  # without the offset: others
+  assert not np.array_equal(shifted.tokens, tail.tokens)
+
+
 def test_eos_and_stop_sequences(hf):
   _, cfg, params = hf["llama"]
   full = rollout.generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)

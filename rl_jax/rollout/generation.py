@@ -21,7 +21,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
              max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, eos_id=None, seed: int = 0, *, stop=None,
              prompt_once: bool = True, max_slots: int | None = None, mesh=None, rules=None,
-             policy_version: int = 0) -> Rollout:
+             policy_version: int = 0, first_index: int = 0) -> Rollout:
   """Sample ``n`` responses for every prompt with the jitted KV-cache sampler.
 
   Args:
@@ -36,6 +36,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
     max_slots: groups decoded together (default: the number of groups, rounded up to a
       power of two; fewer uses continuous batching).
     mesh, rules: run sharded (batch over data/fsdp, heads over tensor, cache over sequence).
+    first_index: index of ``prompts[0]`` in a larger batch: prompt p samples from the key
+      stream of prompt ``first_index + p``, so a batch split over processes (each calling
+      with its own slice) samples exactly what one call over the whole batch samples.
   Returns:
     Rollout with G·M rows (M = n), prompt-major: tokens int32 [G·M,R] (R = max_new_tokens),
     mask, logprobs, versions, lengths, finish_reason ("eos" / "stop" / "length"),
@@ -56,7 +59,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
                          max_prompt_len=longest, temperature=temperature, top_p=top_p,
                          top_k=top_k, eos_id=eos_id, stop=stop, prompt_once=prompt_once,
                          seed=seed, mesh=mesh, rules=rules, context=context)
-  requests = [GroupRequest(i, p, [Sample() for _ in range(n)]) for i, p in enumerate(checked)]
+  check_int("first_index", first_index, 0)
+  requests = [GroupRequest(first_index + i, p, [Sample() for _ in range(n)])
+              for i, p in enumerate(checked)]
   complete, _ = engine.run(engine.prepare_params(params), requests,
                            policy_version=policy_version)
   complete.sort(key=lambda r: r.uid)

@@ -7,9 +7,11 @@ the step, gradients reduce-scattered back), and every batch array is split along
 leading axis, logical ``batch`` -> ``(data, fsdp)``, so each device computes only its slice.
 A leading axis that the batch mesh axes do not divide stays replicated (correct, slower).
 
-Host batches are the same on every process (each samples and scores every group, see
-``rollouts``), so ``Layout.put`` builds the global array from the host copy with
-``jax.make_array_from_callback``: each process fills the shards on its own devices.
+Each process samples and scores only the groups whose rows live on its own devices
+(``Layout.share``) and ``Layout.put`` assembles the global batch from those rows with
+``jax.make_array_from_process_local_data``. When the batch axes do not divide the rows
+(the batch is replicated), every process holds every row and the global array is filled
+from the host copy.
 ``Layout.sampler_params`` hands the sampler the policy on ``Setup.sampler_mesh``: the
 weights themselves with one process; with several, a jitted all-gather to a replica on every
 device, whose shards on this process's devices then form the local copy (no host copy).
@@ -50,10 +52,26 @@ class Layout(NamedTuple):
     return jax.sharding.NamedSharding(
         self.mesh, sharding.logical_to_spec(("batch",), self.rules, self.mesh, (n,)))
 
-  def put(self, x: Any) -> jax.Array:
-    """A host batch (the same on every process) as a global array split along ``batch``."""
+  def share(self, n: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of an ``n``-row batch that live on this process's devices (one
+    contiguous block: devices are laid out process by process); ``(0, n)`` with one process
+    or a replicated batch."""
+    blocks = [idx[0].indices(n)[:2] if idx else (0, n)
+              for idx in self.rows(n).addressable_devices_indices_map((n,)).values()]
+    lo, hi = min(b[0] for b in blocks), max(b[1] for b in blocks)
+    if sum(b - a for a, b in set(blocks)) != hi - lo:
+      return 0, n  # not one block: every process holds every row
+    return lo, hi
+
+  def put(self, x: Any, n: int | None = None) -> jax.Array:
+    """This process's rows ``share(n)`` of an ``n``-row batch (default: ``x`` is the whole
+    batch) as a global array split along ``batch``."""
     x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, self.rows(x.shape[0]), lambda idx: x[idx])
+    n = x.shape[0] if n is None else n
+    shape = (n,) + x.shape[1:]
+    if self.share(n) == (0, n):
+      return jax.make_array_from_callback(shape, self.rows(n), lambda idx: x[idx])
+    return jax.make_array_from_process_local_data(self.rows(n), x, shape)
 
   def sampler_params(self, params: Any) -> Any:
     """``params`` placed for the sampler (``Setup.sampler_mesh``)."""

@@ -1,7 +1,8 @@
 """The rollout stage of a step: prompts -> sampler or engine -> rewards -> objective inputs.
 
 ``collect(trainer, state)`` draws G prompts from the seeded sampler (or lets the APRIL engine
-draw them lazily), samples M completions each, scores them with the task's verifier, and
+draw them lazily), samples M completions each, scores them with the task's verifier (with
+several processes, each samples and scores the groups whose rows live on its devices), and
 fills the objective's input record with exactly the fields the objective declares it needs
 (``Objective.needs``): reference log-probs, critic values, per-trajectory gradient norms,
 reward components, lengths. It never looks at which estimator or preset is configured.
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 
 from rl_jax import losses
@@ -110,13 +112,16 @@ def generate(s: Setup, params, prompts, **kw):
 
 
 # ---------------------------------------------------------------------- sampling
-def _sample_fresh(t: Trainer, state: TrainState) -> Sampled:
-  """G new prompts, M samples each, from the current policy."""
+def _sample_fresh(t: Trainer, state: TrainState, lo: int, hi: int) -> Sampled:
+  """Groups ``[lo, hi)`` of the step's G new prompts, M samples each, from the current
+  policy; each group samples from its own key stream, wherever it is sampled."""
   s, c = t.setup, t.setup.config
   examples, data = next_examples(s, np.asarray(state.data), c.train.batch_groups)
+  examples = examples[lo:hi]
   prompts = encode_prompts(s, examples)
-  out = generate(s, t.layout.sampler_params(state.params), prompts, n=c.rollout.n, temperature=c.rollout.temperature,
-                 top_p=c.rollout.top_p, top_k=c.rollout.top_k,
+  out = generate(s, t.layout.sampler_params(state.params), prompts, n=c.rollout.n,
+                 temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                 top_k=c.rollout.top_k, first_index=lo,
                  seed=seed_for(c.train.seed, int(state.step), Stream.ROLLOUT))
   return Sampled(examples, prompts, np.asarray(out.tokens), np.asarray(out.mask),
                  np.asarray(out.logprobs), None, {}, {"data": data})
@@ -147,8 +152,15 @@ def _sample_partial(t: Trainer, state: TrainState) -> Sampled:
                  {"data": position[0], "rollout_buffer": held})
 
 
-def _sample(t: Trainer, state: TrainState) -> Sampled:
-  return _sample_fresh(t, state) if t.engine is None else _sample_partial(t, state)
+def _sample(t: Trainer, state: TrainState, lo: int, hi: int) -> Sampled:
+  """Fresh sampling covers this process's groups ``[lo, hi)``; the partial-rollout engine
+  (whose held groups are part of the replicated state) runs every group on every process."""
+  return _sample_fresh(t, state, lo, hi) if t.engine is None else _sample_partial(t, state)
+
+
+def _everyone(x: np.ndarray, local: bool) -> np.ndarray:
+  """The rows of every process (in process order) when ``x`` holds only this process's."""
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True)) if local else x
 
 
 # ---------------------------------------------------------------------- objective inputs
@@ -187,32 +199,39 @@ def collect(t: Trainer, state: TrainState) -> tuple[UpdateBatch, dict[str, Any],
   """
   s, c = t.setup, t.setup.config
   G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
+  lo, hi = t.layout.share(G)  # the groups whose rows live on this process's devices
   t0 = time.perf_counter()
-  out = _sample(t, state)
+  out = _sample(t, state, lo, hi)
   rollout_s = time.perf_counter() - t0
+  g = len(out.examples)
   loss_mask = out.mask
   if out.versions is not None and c.rollout.mask_stale:  # only the current policy's tokens
     loss_mask = out.mask & (out.versions >= int(state.step))
   completions = decode(s, out.tokens, out.mask)
   rewards, stats = score(s, completions, [e.answer for e in out.examples for _ in range(M)])
-  rewards = rewards.reshape(G, M)
-  put = t.layout.put  # host rows -> global arrays split along batch
+  rewards = rewards.reshape(g, M)
+  mine = slice(0, g) if g == hi - lo else slice(lo, hi)  # this process's groups of ``out``
+  put = lambda a: t.layout.put(a[mine], G)  # host rows -> global arrays split along batch
   pt, pl = (put(a) for a in pad_prompts(out.prompts, s.prompt_len, s.tokenizer.pad_id))
-  rt = put(out.tokens.reshape(G, M, R))
+  rt = put(out.tokens.reshape(g, M, R))
   inputs = objective_inputs(
-      t, state, pt, pl, rt, mask=put(loss_mask.reshape(G, M, R)),
-      generated_mask=put(out.mask.reshape(G, M, R)), rewards=put(rewards.astype(np.float32)),
-      behaviour_logp=put(out.logprobs.reshape(G, M, R)))
+      t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
+      generated_mask=put(out.mask.reshape(g, M, R)), rewards=put(rewards.astype(np.float32)),
+      behaviour_logp=put(out.logprobs.reshape(g, M, R)))
   advantages = s.objective.advantages_from(inputs)
-  n_tok = int(out.mask.sum())
+  local = g < G
+  rewards = _everyone(rewards, local)
+  n_tok = int(_everyone(out.mask.reshape(g, -1).sum(axis=1), local).sum())
+  faults = _everyone(np.asarray([[stats["exceptions"], stats["timeouts"]]]), local).sum(axis=0)
   info = {
       "reward_mean": float(rewards.mean()),
       "reward_std": float(rewards.std()),
       "response_length": n_tok / (G * M),
       "rollout_tokens_per_s": n_tok / max(rollout_s, 1e-9),
-      "reward_exceptions": stats["exceptions"],
-      "reward_timeouts": stats["timeouts"],
+      "reward_exceptions": int(faults[0]),
+      "reward_timeouts": int(faults[1]),
       "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
+      "local_groups": g,  # groups this process sampled and scored (G with one process)
   }
   info.update({k: float(out.stats[k]) for k in (
       "off_policy_token_fraction", "max_token_lag", "aborted_groups", "restarted_samples",
