@@ -157,10 +157,17 @@ def _mesh(config) -> jax.sharding.Mesh:
 
 
 def _sampler_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """The training mesh with one process; with several, this process's devices with the
+  training mesh's ``sequence`` and ``tensor`` sizes (KV cache along sequence, heads along
+  tensor) when they fit, groups over ``fsdp``."""
   if jax.process_count() == 1:
     return mesh
   local = jax.local_devices()
-  return sharding.make_mesh({"fsdp": len(local)}, local)
+  inner = {a: mesh.shape[a] for a in ("sequence", "tensor")}
+  if len(local) % (inner["sequence"] * inner["tensor"]):
+    inner = {"sequence": 1, "tensor": 1}
+  fsdp = len(local) // (inner["sequence"] * inner["tensor"])
+  return sharding.make_mesh({"fsdp": fsdp, **inner}, local)
 
 
 def _optimizers(config, objective: losses.Objective) -> Optimizers:
