@@ -138,7 +138,7 @@ def greso_skip_prob(state: GresoState, indices: np.ndarray, floor: float = 0.01)
 
   Returns:
     float64 [G].
-  References: Li et al. 2025, "Act Only When It Pays: Efficient RL for LLM Reasoning via
+  References: Zheng et al. 2025, "Act Only When It Pays: Efficient RL for LLM Reasoning via
     Selective Rollouts" (GRESO).
   """
   indices = np.asarray(indices)
