@@ -13,15 +13,12 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from rl_jax import config_utils, metrics, train
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 # Tiny, with an entropy bonus so every RL update moves the weights even at zero reward.
-RUN = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
-    "model.num_heads=2", "model.num_kv_heads=1", "sft.steps=2", "sft.batch_size=8",
-    "train.batch_groups=8", "rollout.n=4", "train.eval_every=2", "train.checkpoint_every=1",
-    "loss.entropy_coef=0.01",
+RUN = TINY_MODEL + [
+    "sft.steps=2", "sft.batch_size=8", "train.batch_groups=8", "rollout.n=4",
+    "train.eval_every=2", "train.checkpoint_every=1", "loss.entropy_coef=0.01",
 ]
 
 

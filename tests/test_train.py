@@ -15,14 +15,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, losses, metrics, train
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 
 # A very small run: 1-layer model, a few supervised and RL steps.
-TINY = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
-    "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+TINY = TINY_MODEL + [
     "sft.steps=3", "sft.batch_size=8", "train.steps=3", "train.batch_groups=4",
     "rollout.n=4", "train.eval_every=0", "train.checkpoint_every=1", "log.tensorboard=False",
 ]

@@ -18,14 +18,11 @@ import pytest
 
 from rl_jax import config_utils, losses, models, train
 from rl_jax.errors import ConfigError
+from tests.tiny import QUICKSTART, TINY_MODEL
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
-TINY = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
-    "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16", "sft.steps=0",
-    "train.steps=2", "train.batch_groups=2", "rollout.n=4", "rollout.temperature=1.0",
-    "train.eval_every=0", "log.tensorboard=False",
+TINY = TINY_MODEL + [
+    "sft.steps=0", "train.steps=2", "train.batch_groups=2", "rollout.n=4",
+    "rollout.temperature=1.0", "train.eval_every=0", "log.tensorboard=False",
 ]
 BUILTIN_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
                       "mc_grpo", "gae", "gdpo", "opob")
