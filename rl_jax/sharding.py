@@ -175,10 +175,13 @@ def active() -> tuple[Mesh, Rules] | None:
 
 
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
-  """``with_sharding_constraint`` by logical names; a no-op outside ``sharding.use``."""
+  """``with_sharding_constraint`` by logical names; a no-op outside ``sharding.use`` and on a
+  one-device mesh (nothing to pin there; the constraints would only cost compile time)."""
   active = _ACTIVE.get()
   if active is None:
     return x
   mesh, rules = active
+  if mesh.size == 1:  # nothing to pin; a constraint would only cost compile time
+    return x
   spec = logical_to_spec(axes, rules, mesh, x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

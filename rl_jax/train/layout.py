@@ -84,14 +84,7 @@ class Layout(NamedTuple):
 
   @contextlib.contextmanager
   def active(self):
-    """Trace-time context: ``sharding.constrain`` in the model and losses pins activations.
-
-    On a one-device mesh there is nothing to pin, and the constraints only cost compile time
-    (about 9 s over the quickstart's programs), so the context is not entered there.
-    """
-    if self.mesh.size == 1:
-      yield
-      return
+    """Trace-time context: ``sharding.constrain`` in the model and losses pins activations."""
     with sharding.use(self.mesh, self.rules):
       yield
 
