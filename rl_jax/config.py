@@ -166,6 +166,10 @@ def _train() -> ml_collections.ConfigDict:
       eval_every=50,  # 0 disables evaluation
       checkpoint_every=50,  # 0 saves only at the end
       keep=3,  # checkpoints kept
+      # storage dtype of the frozen KL reference (None: model.dtype, the compute dtype)
+      ref_dtype=config_dict.placeholder(str),
+      dry_run=False,  # print the memory plan (abstract shapes, no weights read) and exit
+      memory_check=True,  # fail before compiling when the memory plan exceeds the devices
   ))
 
 
@@ -249,6 +253,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.checkpoint_every": cu.nonnegative_int,
       "train.keep": cu.positive_int,
       "train.max_bad_steps": cu.positive_int,
+      "train.ref_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,

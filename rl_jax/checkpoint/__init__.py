@@ -50,8 +50,8 @@ restore into a typed key; other dtypes are cast (e.g. float32 weights into bfloa
 """
 
 from rl_jax.checkpoint.manager import (STEP_NAMES, Checkpointer, all_steps, latest_step,
-                                       read_metadata, restore)
+                                       read_metadata, restore, saved_leaves)
 from rl_jax.checkpoint.tree import leaf_paths
 
 __all__ = ["Checkpointer", "latest_step", "all_steps", "restore", "read_metadata", "STEP_NAMES",
-           "leaf_paths"]
+           "leaf_paths", "saved_leaves"]

@@ -13,7 +13,8 @@ from etils import epath
 from rl_jax.checkpoint import tree
 from rl_jax.errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["STEP_NAMES", "Checkpointer", "latest_step", "all_steps", "restore", "read_metadata"]
+__all__ = ["STEP_NAMES", "Checkpointer", "latest_step", "all_steps", "restore", "read_metadata",
+           "saved_leaves"]
 
 STATE, METADATA, MANIFEST = "state", "metadata", "manifest"
 _FORMAT = 1
@@ -69,6 +70,14 @@ def read_metadata(directory: str | os.PathLike, step: int | None = None) -> dict
   """The metadata dict saved with ``step`` (default: the latest complete step)."""
   step_dir = _step_path(epath.Path(directory), step)
   return dict(_restore_items(step_dir, **{METADATA: ocp.args.JsonRestore()})[METADATA] or {})
+
+
+def saved_leaves(directory: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+  """``{leaf path: {"shape": [...], "dtype": str}}`` of the state saved at ``step`` (default:
+  the latest complete step), read from its manifest without reading any array."""
+  step_dir = _step_path(epath.Path(directory), step)
+  manifest = _restore_items(step_dir, **{MANIFEST: ocp.args.JsonRestore()})[MANIFEST] or {}
+  return dict(manifest.get("leaves", {}))
 
 
 def restore(directory: str | os.PathLike, abstract_state: Any,

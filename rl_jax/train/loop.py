@@ -29,9 +29,10 @@ from rl_jax.errors import RLJaxError
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
 from rl_jax.train.layout import make_layout
+from rl_jax.train.resume import restore_state
 from rl_jax.train.rollouts import Trainer, collect, next_examples
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine,
-                                 place_replicated)
+                                 place_replicated, rl_layout)
 from rl_jax.train.steps import UpdateBatch, make_step_fns
 
 __all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
@@ -122,7 +123,11 @@ def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainStat
   """A fresh state, or the newest checkpoint restored onto the abstract target; metrics
   rows after that point (from a killed attempt) are dropped."""
   latest = ckpt.latest_step()
-  state = init_state(s) if latest is None else ckpt.restore(abstract, step=latest)[0]
+  if latest is None:
+    state = init_state(s)
+  else:  # the parts saved at that step (state.rl_layout); older layouts are read too
+    target = abstract if rl_layout(s, latest) == rl_layout(s, 0) else abstract_state(s, latest)
+    state = restore_state(s, ckpt, latest, target)
   if distributed.is_lead() and os.path.exists(metrics_path):
     metrics_lib.truncate_after(metrics_path, latest or 0)
   return state

@@ -21,15 +21,17 @@ from rl_jax.train.context import Setup
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
-           "held_capacity", "place_replicated"]
+           "held_capacity", "place_replicated", "rl_layout", "ref_dtype", "make_reference"]
 
 
 class TrainState(NamedTuple):
   """Everything a resumed run needs (a pytree; checkpointed whole).
 
   step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
-  optimizer state. sft_opt_state: optimizer state of the supervised stage. ref_params: the
-  frozen reference policy (the policy when RL starts; ``{}`` if the objective has no KL).
+  optimizer state. sft_opt_state: optimizer state of the supervised stage, only while it
+  runs (``{}`` once RL starts, and always with ``sft.steps=0``). ref_params: the frozen
+  reference policy in ``ref_dtype`` (the policy when RL starts; ``{}`` during the supervised
+  stage and if the objective has no KL). Which parts exist at a step: ``rl_layout``.
   value_params / value_opt_state: the PPO critic and its optimizer state (``{}`` otherwise).
   data: int32 [2] (epoch, position) of the prompt sampler.
   rollout_buffer: with ``rollout.partial``, the rollout engine's held groups (partial and
@@ -86,12 +88,35 @@ def _init_optimizer(s: Setup, tx, params, param_shardings):
   return jax.jit(tx.init, out_shardings=out)(params)
 
 
-def _state_from_params(s: Setup, params) -> TrainState:
-  """The rest of a fresh state (optimizer states, reference, critic) from the policy params."""
+def rl_layout(s: Setup, step: int) -> bool:
+  """Whether the state after ``step`` completed steps has the RL parts (reference, no
+  supervised optimizer state) rather than the supervised stage's: true from step 0 with
+  ``sft.steps=0``, else for ``step > sft.steps`` (``begin_rl`` switches at the first RL step,
+  so a checkpoint written at ``step == sft.steps`` still has the supervised layout)."""
+  sft = s.config.sft.steps
+  return sft == 0 or step > sft
+
+
+def ref_dtype(s: Setup) -> jnp.dtype:
+  """Storage dtype of the frozen reference: ``train.ref_dtype``, default the compute dtype."""
+  return jnp.dtype(s.config.train.ref_dtype or s.model_cfg.dtype)
+
+
+def make_reference(s: Setup, params):
+  """A new buffer per leaf (never the policy's: steps donate those) in ``ref_dtype``;
+  ``{}`` when the objective reads no reference log-probs."""
+  if "ref_logp" not in s.objective.needs:
+    return {}
+  dtype = ref_dtype(s)
+  return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
+
+
+def _state_from_params(s: Setup, params, rl: bool = True) -> TrainState:
+  """The rest of a fresh state (optimizer states, reference, critic) from the policy params,
+  in the RL layout (``rl``) or the supervised stage's (see ``rl_layout``)."""
   needs = s.objective.needs
   param_sh = _shardings_like(s, models.param_axes(s.model_cfg), params)
-  # a copy: the supervised step donates params, which must not free the reference's buffers
-  ref = jax.tree.map(jnp.copy, params) if "ref_logp" in needs else {}
+  ref = make_reference(s, params) if rl else {}
   value, value_opt = {}, {}
   if "values" in needs:  # critic warm-started from (a copy of) the policy trunk
     key = jax.random.key(seed_for(s.config.train.seed, 0, Stream.CRITIC_INIT))
@@ -101,7 +126,8 @@ def _state_from_params(s: Setup, params) -> TrainState:
                                 _shardings_like(s, models.value_axes(s.model_cfg), value))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=_init_optimizer(s, s.optimizers.rl, params, param_sh),
-                    sft_opt_state=_init_optimizer(s, s.optimizers.sft, params, param_sh),
+                    sft_opt_state={} if rl else _init_optimizer(s, s.optimizers.sft, params,
+                                                                param_sh),
                     ref_params=ref, value_params=value, value_opt_state=value_opt,
                     data=jnp.zeros((2,), jnp.int32), rollout_buffer={})
 
@@ -128,7 +154,8 @@ def init_state(s: Setup) -> TrainState:
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std)
-  state = _state_from_params(s, params)  # arrays not laid out on the mesh are replicated:
+  state = _state_from_params(s, params, rl_layout(s, 0))  # arrays not laid out on the mesh
+  # (optimizer counts, step, data position) are replicated:
   state = jax.tree.map(
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
   return state._replace(rollout_buffer=jax.tree.map(lambda x: place_replicated(s, x),
@@ -141,18 +168,22 @@ def place_replicated(s: Setup, x) -> jax.Array:
   return jax.make_array_from_callback(x.shape, _replicated(s), lambda index: x[index])
 
 
-def abstract_state(s: Setup) -> TrainState:
-  """Shapes, dtypes and shardings of ``init_state(s)``, computing and loading nothing.
+def abstract_state(s: Setup, step: int = 0, *, rl: bool | None = None) -> TrainState:
+  """Shapes, dtypes and shardings of the state after ``step`` completed steps (step 0:
+  ``init_state(s)``), computing and loading nothing.
 
   The restore target on resume: no HF weights are read and no second copy of the state is
-  allocated just to be overwritten by the checkpoint.
+  allocated just to be overwritten by the checkpoint. Which parts exist depends on the step
+  (``rl_layout``): the checkpoint of step k holds exactly ``abstract_state(s, k)``. ``rl``
+  forces the RL (True) or supervised (False) layout whatever the step.
   """
   cfg = s.model_cfg
   dtype = jnp.dtype(cfg.param_dtype)
   params = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
                         models.param_shapes(cfg), models.param_shardings(cfg, s.mesh, s.rules),
                         is_leaf=lambda x: isinstance(x, tuple))
-  build = jax.jit(functools.partial(_state_from_params, s))
+  rl = rl_layout(s, step) if rl is None else rl
+  build = jax.jit(functools.partial(_state_from_params, s, rl=rl))
   shapes = jax.eval_shape(build, params)
   out = build.lower(params).compile().output_shardings
   replicated = _replicated(s)
@@ -168,7 +199,17 @@ def abstract_state(s: Setup) -> TrainState:
 
 
 def begin_rl(s: Setup, state: TrainState) -> TrainState:
-  """At the first RL step: the reference policy becomes a copy of the current policy."""
-  if "ref_logp" not in s.objective.needs:
+  """At the first RL step: the supervised optimizer state is dropped and the reference
+  becomes a copy of the current policy (in ``ref_dtype``). A state already in the RL
+  layout (``sft.steps=0``: made so by ``init_state``) is returned unchanged."""
+  if not jax.tree.leaves(state.sft_opt_state) and (
+      jax.tree.leaves(state.ref_params) or "ref_logp" not in s.objective.needs):
     return state
-  return state._replace(ref_params=jax.tree.map(jnp.copy, state.params))
+  state = state._replace(sft_opt_state={})
+  return state._replace(ref_params=_copy_reference(s)(state.params))
+
+
+def _copy_reference(s: Setup):
+  """``make_reference`` jitted with the parameters' shardings (a reference laid out like
+  the policy, cast on device)."""
+  return jax.jit(functools.partial(make_reference, s))
