@@ -16,7 +16,7 @@ FILES = import_graph.modules(ROOT, "rl_jax")
 GRAPH = import_graph.graph(ROOT, "rl_jax")
 # The trainer, top of the data flow last; a module may import only the ones before it.
 TRAIN_ORDER = ["streams", "context", "state", "resume", "layout", "steps", "rollouts", "evaluation",
-               "loop"]
+               "memory", "loop"]
 
 
 def test_no_import_cycle_in_the_package():

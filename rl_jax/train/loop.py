@@ -28,6 +28,7 @@ from rl_jax import models
 from rl_jax.errors import RLJaxError
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
+from rl_jax.train import memory
 from rl_jax.train.layout import make_layout
 from rl_jax.train.resume import restore_state
 from rl_jax.train.rollouts import Trainer, collect, next_examples
@@ -133,8 +134,14 @@ def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainStat
   return state
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> TrainState:
-  """Run (or resume) the configured training in ``workdir``; returns the final state."""
+def train(config: ml_collections.ConfigDict, workdir: str, *,
+          progress: bool = True) -> TrainState | None:
+  """Run (or resume) the configured training in ``workdir``; returns the final state.
+
+  The memory plan (``rl_jax.train.memory``) is printed and written to
+  ``workdir/memory_plan.json`` first; ``train.dry_run`` stops there (returns None, no weight
+  read), and a run that cannot fit fails there in one line (``train.memory_check``).
+  """
   s = build_setup(config)
   os.makedirs(workdir, exist_ok=True)
   c = config
@@ -143,10 +150,17 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
                                save_every=c.train.checkpoint_every or total)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   abstract = abstract_state(s)
-  state = _start(s, ckpt, metrics_path, abstract)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if lead else None
   t = make_trainer(s, abstract)
+  memory.plan_workdir(t, abstract, workdir, check=c.train.memory_check and not c.train.dry_run,
+                      lead=lead)  # before any weight is read or step compiled for a call
+  if c.train.dry_run:
+    ckpt.close()
+    return None
+  state = _start(s, ckpt, metrics_path, abstract)
+  if lead:
+    memory.record_live(workdir, state)
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if lead else None
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
   bar = _progress(progress and lead, total, int(state.step))

@@ -1,0 +1,341 @@
+"""The memory plan of a run: bytes per device of every part of the train state and of every
+compiled step, against the device's capacity, known before the first step.
+
+Everything comes from abstract shapes (``state.abstract_state``: shapes, dtypes and
+shardings, nothing computed or loaded) and from the steps compiled on abstract inputs
+(``jax.ShapeDtypeStruct`` with shardings, ``.lower(...).compile().memory_analysis()``), so a
+plan for any config and mesh costs compile time only (``--config.train.dry_run=True``).
+
+Per device (the busiest one; FSDP shards split evenly):
+
+* state parts: ``policy`` (params), ``rl_optimizer`` (the RL optimizer state: Adam's two
+  moments), ``sft_optimizer`` (only while the supervised stage runs), ``reference`` (only with
+  a KL term, in ``train.ref_dtype``), ``critic`` (PPO value params + their optimizer state),
+  ``sampler_copy`` (with several processes: the policy all-gathered for the local sampler;
+  one process samples from the trainer's weights in place), ``rollout_buffer`` (APRIL's
+  held groups). Bytes = shard shape size x itemsize, summed over the part's leaves.
+* steps: XLA's ``argument``, ``output``, ``alias`` (outputs written into donated arguments),
+  ``temp`` and ``code`` bytes of each compiled program; the bytes a step adds on top of the
+  resident state are ``temp + output - alias``. The sampler's KV cache is sized from shapes
+  (``rollout.kv_cache_bytes``), split over the sampler's batch devices.
+* peak = the larger phase (supervised, RL) of resident state + the largest step addition.
+
+Capacity: ``device.memory_stats()["bytes_limit"]`` on accelerators; the CPU backend reports
+none, so the host's physical RAM divided by the local CPU devices is used instead (labelled
+``host RAM``; all CPU devices and the Python process share it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax import losses
+from rl_jax import rollout
+from rl_jax.errors import RLJaxError
+from rl_jax.train.rollouts import Trainer
+from rl_jax.train.state import TrainState, abstract_state
+from rl_jax.train.steps import UpdateBatch
+
+__all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "state_parts",
+           "live_bytes", "step_memory", "device_capacity", "abstract_update_batch",
+           "compile_steps", "state_plan", "add_steps", "make_plan", "format_plan", "write_plan", "check_state_fits",
+           "check_plan_fits", "plan_run", "plan_workdir", "record_live", "PLAN_FILE"]
+
+# plan part -> TrainState fields
+PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
+         "sft_optimizer": ("sft_opt_state",), "reference": ("ref_params",),
+         "critic": ("value_params", "value_opt_state"), "rollout_buffer": ("rollout_buffer",)}
+
+# what shrinks each part (named in the one-line error of a run that does not fit)
+KNOBS = {
+    "policy": "model.param_dtype=bfloat16, a larger mesh.shape.fsdp",
+    "rl_optimizer": "optim.mu_dtype=bfloat16, a larger mesh.shape.fsdp",
+    "sft_optimizer": "sft.steps=0, optim.mu_dtype=bfloat16",
+    "reference": "train.ref_dtype=bfloat16, loss.kl_beta=0",
+    "critic": "a larger mesh.shape.fsdp",
+    "sampler_copy": "fewer processes per host",
+    "rollout_buffer": "rollout.over_sampling",
+    "steps": "model.remat=full, train.minibatches, train.batch_groups, rollout.max_new_tokens",
+}
+
+GiB = 1 << 30
+PLAN_FILE = "memory_plan.json"
+
+
+class MemoryPlanError(RLJaxError, MemoryError):  # pylint: disable=invalid-name
+  """The memory plan exceeds the devices' capacity (one line: biggest parts, knobs)."""
+
+
+def leaf_bytes(x) -> int:
+  """Bytes of one array (or ShapeDtypeStruct) on its busiest device: its shard's size x
+  itemsize (the whole array without a sharding)."""
+  shape = tuple(np.shape(x))
+  sh = getattr(x, "sharding", None)
+  if sh is not None and shape:
+    try:
+      shape = sh.shard_shape(shape)
+    except ValueError:  # uneven split: the biggest shard
+      spec = getattr(sh, "spec", ())
+      mesh = getattr(sh, "mesh", None)
+      shape = list(shape)
+      for i, axes in enumerate(tuple(spec)[:len(shape)]):
+        for a in (axes if isinstance(axes, tuple) else (axes,)) if axes else ():
+          shape[i] = math.ceil(shape[i] / mesh.shape[a])
+  return int(math.prod(shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def tree_bytes(tree) -> int:
+  """``leaf_bytes`` summed over a pytree."""
+  return sum(leaf_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def state_parts(state: TrainState) -> dict[str, int]:
+  """Bytes per device of each plan part of a (concrete or abstract) train state."""
+  return {part: sum(tree_bytes(getattr(state, f)) for f in fields)
+          for part, fields in PARTS.items()}
+
+
+def live_bytes(state: TrainState) -> dict[str, int]:
+  """The same for a concrete state, measured from its buffers: the bytes held on the first
+  device, per part (what ``state_parts`` predicts from shapes)."""
+  dev = jax.local_devices()[0]
+
+  def held(tree):
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+               for s in x.addressable_shards if s.device == dev)
+
+  return {part: sum(held(getattr(state, f)) for f in fields) for part, fields in PARTS.items()}
+
+
+def step_memory(compiled) -> dict[str, int]:
+  """XLA's memory analysis of one compiled program (bytes per device) and ``extra``: what
+  it adds on top of its resident arguments (temp + output - alias)."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return {}
+  out = {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
+         "alias": int(m.alias_size_in_bytes), "temp": int(m.temp_size_in_bytes),
+         "code": int(m.generated_code_size_in_bytes)}
+  out["extra"] = out["temp"] + out["output"] - out["alias"]
+  return out
+
+
+def device_capacity(device=None) -> tuple[int, str]:
+  """(bytes one device may hold, where the number comes from)."""
+  device = device or jax.local_devices()[0]
+  stats = None
+  try:
+    stats = device.memory_stats()
+  except (AttributeError, NotImplementedError, RuntimeError):
+    pass
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{device.device_kind} memory (bytes_limit)"
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  n = max(1, len([d for d in jax.local_devices() if d.platform == device.platform]))
+  return ram // n, f"host RAM / {n} {device.platform} device(s) (no device capacity reported)"
+
+
+def _spec(shape, dtype, sharding):
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
+  """ShapeDtypeStructs of one ``groups``-group ``UpdateBatch`` as the rollout stage fills
+  it (the objective's declared inputs), split along ``batch``."""
+  s, c = t.setup, t.setup.config
+  M, R, P = c.rollout.n, c.rollout.max_new_tokens, s.prompt_len
+  rows = t.layout.rows(groups)
+  tok = lambda dt: _spec((groups, M, R), dt, rows)
+  fields = dict(rewards=_spec((groups, M), jnp.float32, rows), mask=tok(bool),
+                generated_mask=tok(bool), old_logp=tok(jnp.float32),
+                behaviour_logp=tok(jnp.float32))
+  optional = {"ref_logp": tok(jnp.float32), "values": tok(jnp.float32),
+              "grad_sq_norms": _spec((groups, M), jnp.float32, rows),
+              "reward_components": _spec((groups, M, 1), jnp.float32, rows),
+              "lengths": _spec((groups, M), jnp.float32, rows)}
+  fields.update({k: v for k, v in optional.items() if k in s.objective.needs})
+  inputs = losses.ObjectiveInputs(**fields)
+  adv = jax.eval_shape(s.objective.advantages_from, inputs)
+  adv = jax.tree.map(lambda x: _spec(x.shape, x.dtype, rows), adv)
+  return UpdateBatch(_spec((groups, P), jnp.int32, rows), _spec((groups,), jnp.int32, rows),
+                     tok(jnp.int32), inputs, adv)
+
+
+def compile_steps(t: Trainer, sft_state: TrainState | None,
+                  rl_state: TrainState) -> dict[str, dict[str, int]]:
+  """``step_memory`` of each step the run will call, compiled on abstract inputs."""
+  s, c, f = t.setup, t.setup.config, t.steps
+  G = c.train.batch_groups
+  out = {}
+  if sft_state is not None:
+    rows = t.layout.rows(c.sft.batch_size)
+    T = s.prompt_len + c.rollout.max_new_tokens
+    b = [_spec((c.sft.batch_size, T), dt, rows) for dt in (jnp.int32, bool, jnp.float32)]
+    out["sft"] = step_memory(f.sft.lower(sft_state.params, sft_state.sft_opt_state, *b)
+                             .compile())
+  batch = abstract_update_batch(t, G)
+  args = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, batch.inputs.mask)
+  out["logprobs"] = step_memory(f.logprobs.lower(rl_state.params, *args).compile())
+  needs = s.objective.needs
+  if "ref_logp" in needs and jax.tree.leaves(rl_state.ref_params):
+    out["ref_logprobs"] = step_memory(f.logprobs.lower(rl_state.ref_params, *args).compile())
+  if "values" in needs:
+    out["values"] = step_memory(f.values.lower(rl_state.value_params, *args).compile())
+  mb = abstract_update_batch(t, G // c.train.minibatches)
+  out["rl_update"] = step_memory(f.rl_update.lower(
+      rl_state.params, rl_state.opt_state, rl_state.value_params, rl_state.value_opt_state,
+      mb).compile())
+  return out
+
+
+def _kv_cache(t: Trainer) -> int:
+  """The sampler's KV cache per device (prompt-once layout, groups over the batch axes)."""
+  s, c = t.setup, t.setup.config
+  G = c.train.batch_groups
+  if c.rollout.partial:
+    G = math.ceil(c.rollout.over_sampling * G)
+  cache = rollout.kv_cache_bytes(s.model_cfg, G, c.rollout.n, s.prompt_len,
+                                 c.rollout.max_new_tokens)
+  split = math.prod(s.sampler_mesh.shape[a] for a in ("data", "fsdp")
+                    if a in s.sampler_mesh.shape)
+  return math.ceil(cache / max(1, min(split, G)))
+
+
+def state_plan(t: Trainer, sft_state: TrainState | None,
+               rl_state: TrainState) -> dict[str, Any]:
+  """The plan without compiled steps: state parts per phase, capacity, dtypes."""
+  s = t.setup
+  phases = {"rl": state_parts(rl_state)}
+  if sft_state is not None:
+    phases = {"sft": state_parts(sft_state), **phases}
+  sampler = 0
+  if s.sampler_mesh is not s.mesh:  # the policy gathered whole onto every local device
+    sampler = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                  for x in jax.tree.leaves(rl_state.params))
+  phases["rl"]["sampler_copy"] = sampler
+  capacity, source = device_capacity(s.mesh.devices.flat[0])
+  return {"devices": int(s.mesh.size), "mesh": {k: int(v) for k, v in s.mesh.shape.items()},
+          "platform": s.mesh.devices.flat[0].platform, "state": phases, "steps": {},
+          "peak": {}, "capacity": capacity, "capacity_source": source,
+          "dtypes": {"param": s.model_cfg.param_dtype, "compute": s.model_cfg.dtype,
+                     "reference": str(jnp.dtype(s.config.train.ref_dtype or s.model_cfg.dtype)),
+                     "mu": s.config.optim.get("mu_dtype") or "float32"}}
+
+
+def add_steps(t: Trainer, plan: dict[str, Any], sft_state: TrainState | None,
+              rl_state: TrainState) -> dict[str, Any]:
+  """``plan`` with its compiled steps and the peak of each phase."""
+  steps = compile_steps(t, sft_state, rl_state)
+  steps["sampler_kv_cache"] = {"extra": _kv_cache(t)}
+  peaks = {}
+  for phase, parts in plan["state"].items():
+    names = ("sft",) if phase == "sft" else tuple(k for k in steps if k != "sft")
+    extra = max([steps[k].get("extra", 0) for k in names if k in steps] or [0])
+    peaks[phase] = sum(parts.values()) + extra
+  return dict(plan, steps=steps, peak=peaks)
+
+
+def make_plan(t: Trainer, sft_state: TrainState | None, rl_state: TrainState) -> dict[str, Any]:
+  """The run's memory plan (a JSON-able dict; bytes per device)."""
+  return add_steps(t, state_plan(t, sft_state, rl_state), sft_state, rl_state)
+
+
+def plan_run(t: Trainer, sft_state: TrainState | None, rl_state: TrainState, *,
+             check: bool = True, path: str | None = None, echo: bool = True) -> dict[str, Any]:
+  """Plan, print and (``path``) write; with ``check``, a state that cannot fit fails before
+  any step is compiled and a peak that cannot fit before the first step runs."""
+  plan = state_plan(t, sft_state, rl_state)
+  if check:
+    check_state_fits(plan["state"], plan["capacity"], plan["capacity_source"])
+  plan = add_steps(t, plan, sft_state, rl_state)
+  if echo:
+    print(format_plan(plan), flush=True)
+  if path is not None:
+    write_plan(plan, path)
+  if check:
+    check_plan_fits(plan)
+  return plan
+
+
+def _gib(n: int) -> str:
+  """Bytes as GiB (MiB below 1 GiB)."""
+  return f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / (1 << 20):.2f} MiB"
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+  """The plan as a short table (bytes per device)."""
+  lines = [f"memory plan: {plan['devices']} {plan['platform']} device(s), mesh {plan['mesh']}, "
+           f"per device; dtypes {plan['dtypes']}"]
+  for phase, parts in plan["state"].items():
+    shown = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items() if v)
+    lines.append(f"  state ({phase}): {_gib(sum(parts.values()))} = {shown or 'nothing'}")
+  for name, m in plan["steps"].items():
+    detail = ", ".join(f"{k} {_gib(v)}" for k, v in m.items() if k != "extra")
+    lines.append(f"  step {name}: +{_gib(m.get('extra', 0))}" + (f" ({detail})" if detail else ""))
+  for phase, peak in plan["peak"].items():
+    lines.append(f"  peak ({phase}): {_gib(peak)} of {_gib(plan['capacity'])} "
+                 f"[{plan['capacity_source']}]")
+  return "\n".join(lines)
+
+
+def write_plan(plan: dict[str, Any], path: str) -> None:
+  with open(path, "w") as f:
+    json.dump(plan, f, indent=1, sort_keys=True)
+
+
+def _too_big(need: int, capacity: int, source: str, parts: dict[str, int], what: str) -> str:
+  biggest = sorted(((v, k) for k, v in parts.items() if v), reverse=True)[:3]
+  knobs = "; ".join(f"{k}: {KNOBS[k]}" for _, k in biggest if k in KNOBS)
+  return (f"memory plan: {what} needs {_gib(need)} per device > {_gib(capacity)} ({source}); "
+          f"biggest: {', '.join(f'{k} {_gib(v)}' for v, k in biggest)}; shrink with {knobs}")
+
+
+def check_state_fits(parts_by_phase: dict[str, dict[str, int]], capacity: int,
+                     source: str) -> None:
+  """Fails (one line) when a phase's resident state alone exceeds the capacity; run before
+  anything is compiled."""
+  for phase, parts in parts_by_phase.items():
+    if sum(parts.values()) > capacity:
+      raise MemoryPlanError(_too_big(sum(parts.values()), capacity, source, parts,
+                                  f"the {phase} state"))
+
+
+def check_plan_fits(plan: dict[str, Any]) -> None:
+  """Fails (one line) when a phase's predicted peak exceeds the capacity."""
+  for phase, peak in plan["peak"].items():
+    if peak > plan["capacity"]:
+      parts = dict(plan["state"][phase])
+      parts["steps"] = peak - sum(parts.values())
+      raise MemoryPlanError(_too_big(peak, plan["capacity"], plan["capacity_source"], parts,
+                                  f"the {phase} phase"))
+
+
+def plan_workdir(t: Trainer, abstract: TrainState, workdir: str, *, check: bool = True,
+                 lead: bool = True) -> dict[str, Any]:
+  """``plan_run`` for a run whose step-0 restore target is ``abstract``: the supervised
+  phase's state is ``abstract`` itself (if ``sft.steps``), the RL phase's the state after the
+  first RL step. Process 0 prints the plan and writes ``workdir/memory_plan.json``."""
+  s = t.setup
+  sft = s.config.sft.steps
+  rl_state = abstract_state(s, sft + 1) if sft else abstract
+  path = os.path.join(workdir, PLAN_FILE) if lead else None
+  return plan_run(t, abstract if sft else None, rl_state, check=check, path=path, echo=lead)
+
+
+def record_live(workdir: str, state: TrainState) -> None:
+  """Adds the bytes the started (or restored) state really holds on the first device to
+  ``workdir/memory_plan.json`` (``live_state``; compare with ``state``)."""
+  path = os.path.join(workdir, PLAN_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    plan = json.load(f)
+  plan["live_state"] = {"step": int(state.step), **live_bytes(state)}
+  write_plan(plan, path)
