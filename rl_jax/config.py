@@ -151,6 +151,7 @@ def _optim() -> ml_collections.ConfigDict:
       weight_decay=0.0,
       grad_clip=1.0,  # global-norm clip; 0 disables
       value_lr=config_dict.placeholder(float),  # PPO critic learning rate (None: lr)
+      mu_dtype=config_dict.placeholder(str),  # Adam first moment dtype (None: param dtype)
   ))
 
 
@@ -246,6 +247,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "optim.warmup_steps": cu.nonnegative_int,
       "optim.weight_decay": cu.nonnegative,
       "optim.grad_clip": cu.nonnegative,
+      "optim.mu_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
       "train.steps": cu.positive_int,
       "train.batch_groups": cu.positive_int,
       "train.minibatches": cu.positive_int,

@@ -27,6 +27,10 @@ def make_optimizer(o: Any, lr: float, steps: int) -> optax.GradientTransformatio
     lr: peak learning rate (η).
     steps: optimizer steps of the stage (the cosine schedule decays over them).
 
+  ``o.mu_dtype`` (None: the parameters' dtype) stores Adam's first moment in that dtype
+  (``bfloat16`` halves it); the second moment stays in the parameters' dtype, since its
+  squared gradients underflow bfloat16's range far sooner.
+
   Returns:
     An optax transformation; ``grad_clip == 0`` drops the clip.
   """
@@ -39,5 +43,6 @@ def make_optimizer(o: Any, lr: float, steps: int) -> optax.GradientTransformatio
   else:
     sched = lr
   parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-  parts.append(optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+  parts.append(optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                           mu_dtype=o.get("mu_dtype")))
   return optax.chain(*parts)

@@ -1,0 +1,155 @@
+"""Memory: no dead state (supervised optimizer state, reference), older checkpoints restore,
+the memory plan predicts the state's bytes exactly, the dry run reads no weights, and a run
+that cannot fit fails in one line."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax import checkpoint, config_utils, train
+from rl_jax.errors import CheckpointError
+from rl_jax.train import memory, resume
+from tests.hf_utils import tiny_hf_model
+from tests.test_train_hf import QUESTIONS, _write_tokenizer
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
+
+TINY = TINY_MODEL + [
+    "sft.batch_size=8", "train.steps=2", "train.batch_groups=4", "rollout.n=4",
+    "train.eval_every=0", "train.checkpoint_every=1", "train.keep=10", "log.tensorboard=False",
+]
+
+
+def _config(overrides=()):
+  return config_utils.load_config(QUICKSTART, list(TINY) + list(overrides))
+
+
+def _parts(saved):
+  return {p.split("/", 1)[0] for p in saved}
+
+
+def test_no_supervised_optimizer_state_with_sft_steps_zero(tmp_path):
+  """sft.steps=0: never allocated nor checkpointed; the bf16 reference is saved in bf16; the
+  plan's state bytes equal the live state's."""
+  config = _config(["sft.steps=0", "loss.kl_beta=0.01", "model.dtype=bfloat16"])
+  s = train.build_setup(config)
+  assert train.init_state(s).sft_opt_state == {}
+  assert train.abstract_state(s).sft_opt_state == {}
+  train.train(config, str(tmp_path), progress=False)
+  ckpts = str(tmp_path / "checkpoints")
+  assert checkpoint.all_steps(ckpts) == [1, 2]
+  for step in (1, 2):
+    saved = checkpoint.saved_leaves(ckpts, step)
+    assert "sft_opt_state" not in _parts(saved) and "ref_params" in _parts(saved)
+    assert {v["dtype"] for p, v in saved.items() if p.startswith("ref_params/")} == {"bfloat16"}
+  plan = json.load(open(tmp_path / memory.PLAN_FILE))
+  assert "sft" not in plan["state"] and plan["state"]["rl"]["sft_optimizer"] == 0
+  live = plan["live_state"]
+  assert all(live[k] == v for k, v in plan["state"]["rl"].items() if k != "sampler_copy")
+
+
+def test_supervised_state_is_dropped_when_rl_starts(tmp_path):
+  config = _config(["sft.steps=2", "loss.kl_beta=0.01"])
+  state = train.train(config, str(tmp_path), progress=False)
+  assert state.sft_opt_state == {} and state.ref_params
+  ckpts = str(tmp_path / "checkpoints")
+  for step in (1, 2):  # the supervised stage: its optimizer state, no reference yet
+    assert _parts(checkpoint.saved_leaves(ckpts, step)) >= {"sft_opt_state"}
+    assert "ref_params" not in _parts(checkpoint.saved_leaves(ckpts, step))
+  for step in (3, 4):
+    assert "sft_opt_state" not in _parts(checkpoint.saved_leaves(ckpts, step))
+    assert "ref_params" in _parts(checkpoint.saved_leaves(ckpts, step))
+
+
+@pytest.mark.parametrize("sft_steps,step", [(0, 2), (3, 1)])
+def test_checkpoint_of_the_older_layout_restores(tmp_path, sft_steps, step):
+  """The older layout kept the supervised optimizer state all run and an f32 reference from
+  step 0; it restores into the current layout (extra parts dropped, reference cast)."""
+  s = train.build_setup(_config([f"sft.steps={sft_steps}", "loss.kl_beta=0.01",
+                                 "model.dtype=bfloat16"]))
+  new = train.init_state(s)
+  params = new.params
+  old = new._replace(sft_opt_state=jax.jit(s.optimizers.sft.init)(params),
+                     ref_params=jax.tree.map(jnp.copy, params))  # f32, like the policy
+  with checkpoint.Checkpointer(str(tmp_path), save_every=1) as ckpt:
+    ckpt.save(step, old._replace(step=jnp.asarray(step, jnp.int32)))
+    target = train.abstract_state(s, step)
+    with pytest.raises(CheckpointError):
+      ckpt.restore(target, step=step)  # a plain restore names the extra leaves
+    state = resume.restore_state(s, ckpt, step, target)
+  assert int(state.step) == step
+  jax.tree.map(np.testing.assert_array_equal, state.params, params)
+  if sft_steps:  # supervised stage: its optimizer state, no reference
+    assert state.ref_params == {} and jax.tree.leaves(state.sft_opt_state)
+  else:
+    assert state.sft_opt_state == {}
+    for r, p in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(params)):
+      assert r.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(r), np.asarray(p.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("overrides", [["sft.steps=2"], ["loss.preset=ppo", "sft.steps=0"]])
+def test_plan_predicts_the_state_bytes_on_eight_devices(overrides):
+  """Shard bytes from abstract shapes == the bytes the placed arrays hold on device 0,
+  checked independently from each shard's buffer."""
+  s = train.build_setup(_config(["mesh.num_devices=8", "mesh.rules=fsdp"] + overrides))
+  state = train.init_state(s)
+  predicted = memory.state_parts(train.abstract_state(s))
+  dev = jax.devices()[0]
+  held = {part: sum(sh.data.nbytes for f in fields for x in jax.tree.leaves(getattr(state, f))
+                    for sh in x.addressable_shards if sh.device == dev)
+          for part, fields in memory.PARTS.items()}
+  assert predicted == held
+  total = sum(x.nbytes for x in jax.tree.leaves(state.params))
+  assert total / 8 <= predicted["policy"] < total / 2  # sharded, not replicated
+
+
+def test_run_that_cannot_fit_fails_in_one_line(tmp_path):
+  huge = ["model.hidden_size=16384", "model.intermediate_size=65536", "model.num_layers=64",
+          "model.num_heads=128", "model.num_kv_heads=8", "model.head_dim=128",
+          "mesh.num_devices=1"]
+  t0 = time.perf_counter()
+  with pytest.raises(memory.MemoryPlanError) as e:
+    train.train(_config(huge), str(tmp_path), progress=False)
+  msg = str(e.value)
+  assert "\n" not in msg and "rl_optimizer" in msg and "optim.mu_dtype=bfloat16" in msg, msg
+  assert not (tmp_path / "checkpoints" / "0").exists()
+  assert time.perf_counter() - t0 < 60
+
+
+def test_dry_run_prints_the_plan_for_eight_devices_without_reading_weights(tmp_path):
+  model_dir, data = tmp_path / "model", tmp_path / "train.jsonl"
+  model_dir.mkdir()
+  with open(data, "w") as f:
+    for i, (q, a) in enumerate(QUESTIONS):
+      f.write(json.dumps({"question": f"{q} (#{i})", "answer": a}) + "\n")
+  vocab = _write_tokenizer(str(model_dir), [q + " " + a for q, a in QUESTIONS])
+  tiny_hf_model("qwen3", model_dir, vocab=vocab, hidden=64, inter=128, layers=2, heads=4,
+                kv_heads=2, head_dim=16, max_pos=512)
+  for f in model_dir.glob("*.safetensors"):
+    f.write_bytes(b"corrupt")  # any read of the weights fails
+  cmd = [sys.executable, "-m", "rl_jax.train", f"--config={ROOT}/configs/gsm8k_hf.py",
+         f"--workdir={tmp_path / 'run'}", f"--config.model.hf_path={model_dir}",
+         f"--config.data.path={data}", "--config.data.max_prompt_len=128",
+         "--config.rollout.max_new_tokens=8", "--config.rollout.n=2",
+         "--config.train.batch_groups=8", "--config.train.minibatches=1",
+         "--config.train.dry_run=True"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  t0 = time.perf_counter()
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  took = time.perf_counter() - t0
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "memory plan: 8 cpu device(s)" in out.stdout and "step rl_update" in out.stdout
+  plan = json.load(open(tmp_path / "run" / memory.PLAN_FILE))
+  embeddings = 2 * vocab * 64  # untied embed + lm_head, f32 master weights, sharded over 8
+  assert 4 * embeddings // 8 <= plan["state"]["rl"]["policy"] < 4 * embeddings // 2
+  assert plan["state"]["rl"]["rl_optimizer"] >= 2 * plan["state"]["rl"]["policy"]
+  assert plan["state"]["rl"]["reference"] * 2 == plan["state"]["rl"]["policy"]  # bf16
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+  assert took < 120, took
