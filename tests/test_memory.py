@@ -139,7 +139,7 @@ def test_dry_run_prints_the_plan_for_eight_devices_without_reading_weights(tmp_p
          f"--config.data.path={data}", "--config.data.max_prompt_len=128",
          "--config.rollout.max_new_tokens=8", "--config.rollout.n=2",
          "--config.train.batch_groups=8", "--config.train.minibatches=1",
-         "--config.train.dry_run=True"]
+         "--config.train.eval_every=0", "--config.train.dry_run=True"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   t0 = time.perf_counter()
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
