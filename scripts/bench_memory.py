@@ -2,6 +2,7 @@
 
     python scripts/bench_memory.py measure [--workdir /tmp/bench_memory] [--extra KEY=V ...]
     python scripts/bench_memory.py predict [--workdir /tmp/bench_memory_predict]
+    python scripts/bench_memory.py knobs [--workdir /tmp/bench_memory_knobs]
 
 ``measure`` writes a Qwen3-0.6B-shaped checkpoint (596M parameters, random bf16 weights,
 vocabulary 151,936, tied embeddings), a small BPE tokenizer.json and a GSM8K-format JSONL
@@ -15,6 +16,9 @@ Qwen3-1.7B / 4B / 8B and prints each one's plan (``train.dry_run``) for ``config
 at its defaults on 8 fake CPU devices (the layout of a TPU v5e-8 / v4-8 slice, FSDP over 8
 chips) and on 1 device (one 80 GB GPU). The programs are compiled for the CPU backend: the
 numbers are XLA's memory analysis of those programs, predicted, not run on that hardware.
+
+``knobs`` prints the plan (dry run, one CPU device) of the ``measure`` run under each memory
+knob (``KNOB_ROWS``).
 """
 
 from __future__ import annotations
@@ -175,6 +179,29 @@ def predict(args) -> None:
             flush=True)
 
 
+KNOB_ROWS = {"defaults": [], "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat16"],
+             "train.ref_dtype=float32 (the old reference)": ["train.ref_dtype=float32"],
+             "model.remat=none": ["model.remat=none"],
+             "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"]}
+
+
+def knobs(args) -> None:
+  """The plan of the measured 0.6B run (one CPU device) under each memory knob."""
+  model, data = prepare(args.workdir, "qwen3-0.6b", weights=False)
+  for label, extra in KNOB_ROWS.items():
+    run = os.path.join(args.workdir, "knob-run")
+    subprocess.run(["rm", "-rf", run], check=True)
+    out = subprocess.run(_cmd(model, data, run, RUN + extra + ["train.dry_run=True"]), cwd=ROOT,
+                         capture_output=True, text=True)
+    if out.returncode:
+      sys.exit(out.stderr[-3000:])
+    p = json.load(open(os.path.join(run, "memory_plan.json")))
+    rl = p["state"]["rl"]
+    print(f"| {label} | {_gib(sum(rl.values()))} | {_gib(rl['rl_optimizer'])} | "
+          f"{_gib(rl['reference'])} | {_gib(p['steps']['rl_update']['extra'])} | "
+          f"{_gib(p['peak']['rl'])} |", flush=True)
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="mode", required=True)
@@ -184,8 +211,10 @@ def main() -> None:
   p = sub.add_parser("predict")
   p.add_argument("--workdir", default="/tmp/bench_memory_predict")
   p.add_argument("--models", nargs="*", default=["qwen3-1.7b", "qwen3-4b", "qwen3-8b"])
+  k = sub.add_parser("knobs")
+  k.add_argument("--workdir", default="/tmp/bench_memory_knobs")
   args = ap.parse_args()
-  measure(args) if args.mode == "measure" else predict(args)
+  {"measure": measure, "predict": predict, "knobs": knobs}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,15 @@ Split along the data flow of one step, each module depending only on those above
 
     streams      named random streams: every draw is a function of (seed, step, stream)
     context      config -> Setup (tokenizer, task, model config, mesh, objective, optimizers)
-    state        TrainState; init_state and its abstract, sharded restore target
+    state        TrainState; init_state and its abstract, sharded restore target (by step:
+                 the supervised optimizer state only in the supervised stage, the reference
+                 only in RL)
+    resume       restore a step's checkpoint, older state layouts included
     layout       where the mesh meets the step: state and batch shardings, global batches
     steps        the jitted SFT step, RL update, log-prob / value / gradient-norm passes
     rollouts     prompts -> sampler or engine -> rewards -> objective inputs -> UpdateBatch
     evaluation   held-out greedy accuracy and pass@k
+    memory       the memory plan: bytes per device of the state and of each compiled step
     loop         resume, step, evaluate, checkpoint, SIGTERM; ``train`` and ``main``
 
 One RL step::
