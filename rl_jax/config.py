@@ -68,6 +68,9 @@ def _mesh() -> ml_collections.ConfigDict:
       shape={axis: -1 if axis == "fsdp" else 1 for axis in sharding.MESH_AXES},
       rules="fsdp",  # a key of rl_jax.sharding.RULES
       num_devices=0,  # use the first k devices (0: all)
+      # train.mode="async": the first k devices form the rollout mesh and the training mesh
+      # (mesh.shape) takes the rest; 0: the producer samples on the training devices.
+      rollout_devices=0,
   ))
 
 
@@ -171,6 +174,16 @@ def _train() -> ml_collections.ConfigDict:
       ref_dtype=config_dict.placeholder(str),
       dry_run=False,  # print the memory plan (abstract shapes, no weights read) and exit
       memory_check=True,  # fail before compiling when the memory plan exceeds the devices
+      # "sync": sample, then update. "async": a rollout producer samples on its own devices
+      # (mesh.rollout_devices) while the learner updates (rl_jax.train.pipeline).
+      mode="sync",
+      # async only: the batch of step t comes from the weights of step t - async_lag (a
+      # reproducible, resumable pipeline; 0 equals sync). -1: free-running producer,
+      # bounded by rollout.max_staleness.
+      async_lag=1,
+      # async: allow a lag above 1 with an objective that ignores the behaviour log-probs
+      # (plain GRPO on stale data, for ablations)
+      allow_uncorrected=False,
   ))
 
 
@@ -256,6 +269,10 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.keep": cu.positive_int,
       "train.max_bad_steps": cu.positive_int,
       "train.ref_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
+      "train.mode": cu.one_of(("sync", "async")),
+      "train.async_lag": lambda x: (None if cu.is_int(x) and x >= -1 else
+                                    "must be an int >= 0, or -1 (free-running)"),
+      "mesh.rollout_devices": cu.nonnegative_int,
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,

@@ -13,7 +13,8 @@ Per device (the busiest one; FSDP shards split evenly):
   a KL term, in ``train.ref_dtype``), ``critic`` (PPO value params + their optimizer state),
   ``sampler_copy`` (with several processes: the policy all-gathered for the local sampler;
   one process samples from the trainer's weights in place), ``rollout_buffer`` (APRIL's
-  held groups). Bytes = shard shape size x itemsize, summed over the part's leaves.
+  held groups), ``rollout_queue`` (``train.mode="async"``: the scored batches sampled ahead of
+  the learner). Bytes = shard shape size x itemsize, summed over the part's leaves.
 * steps: XLA's ``argument``, ``output``, ``alias`` (outputs written into donated arguments),
   ``temp`` and ``code`` bytes of each compiled program; the bytes a step adds on top of the
   resident state are ``temp + output - alias``. The sampler's KV cache is sized from shapes
@@ -51,7 +52,8 @@ __all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "sta
 # plan part -> TrainState fields
 PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
          "sft_optimizer": ("sft_opt_state",), "reference": ("ref_params",),
-         "critic": ("value_params", "value_opt_state"), "rollout_buffer": ("rollout_buffer",)}
+         "critic": ("value_params", "value_opt_state"), "rollout_buffer": ("rollout_buffer",),
+         "rollout_queue": ("rollout_queue",)}
 
 # what shrinks each part (named in the one-line error of a run that does not fit)
 KNOBS = {
@@ -62,6 +64,7 @@ KNOBS = {
     "critic": "a larger mesh.shape.fsdp",
     "sampler_copy": "fewer processes per host",
     "rollout_buffer": "rollout.over_sampling",
+    "rollout_queue": "train.async_lag",
     "steps": "model.remat=full, train.minibatches, train.batch_groups, rollout.max_new_tokens",
 }
 
