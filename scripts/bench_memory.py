@@ -181,7 +181,7 @@ def predict(args) -> None:
 
 KNOB_ROWS = {"defaults": [], "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat16"],
              "train.ref_dtype=float32 (the old reference)": ["train.ref_dtype=float32"],
-             "model.remat=none": ["model.remat=none"],
+             "model.remat=dots (default full)": ["model.remat=dots"],
              "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"]}
 
 
