@@ -166,6 +166,9 @@ def _train() -> ml_collections.ConfigDict:
       eval_every=50,  # 0 disables evaluation
       checkpoint_every=50,  # 0 saves only at the end
       keep=3,  # checkpoints kept
+      # "auto": with one minibatch (on-policy) the update takes old_logp from its own policy
+      # pass instead of a separate one (rl_jax.train.on_policy); "separate": always a pass.
+      old_logp_pass="auto",
   ))
 
 
@@ -249,6 +252,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.checkpoint_every": cu.nonnegative_int,
       "train.keep": cu.positive_int,
       "train.max_bad_steps": cu.positive_int,
+      "train.old_logp_pass": cu.one_of(("auto", "separate")),
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,
