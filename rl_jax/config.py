@@ -169,6 +169,10 @@ def _train() -> ml_collections.ConfigDict:
       # "auto": with one minibatch (on-policy) the update takes old_logp from its own policy
       # pass instead of a separate one (rl_jax.train.on_policy); "separate": always a pass.
       old_logp_pass="auto",
+      # JAX's persistent compilation cache: relative paths are under the workdir (a rerun or
+      # resume loads its programs), an absolute one can be shared by runs; "" disables it.
+      compile_cache="compile_cache",
+      profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 
 
@@ -253,6 +257,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.keep": cu.positive_int,
       "train.max_bad_steps": cu.positive_int,
       "train.old_logp_pass": cu.one_of(("auto", "separate")),
+      "train.profile_step": cu.nonnegative_int,
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,
