@@ -35,6 +35,10 @@ setup(
             # Pinned for the parity tests. On Linux from PyPI this is the CUDA build (GBs); for a
             # CPU-only machine install torch from https://download.pytorch.org/whl/cpu first.
             "torch==2.13.0",
+            # tests/test_notebook.py runs notebooks/quickstart.ipynb in a Jupyter kernel.
+            "nbclient",
+            "nbformat",
+            "ipykernel",
         ],
     },
 )

@@ -83,10 +83,13 @@ def plot_curves(metrics_path: str, out_png: str,
             for k in keys}
   if not any(series.values()):
     return None
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(6, 3.5))
+  # A Figure on its own Agg canvas, not pyplot: the caller's backend (a notebook's inline
+  # plots) is left alone.
+  from matplotlib.backends import backend_agg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  fig = Figure(figsize=(6, 3.5))
+  backend_agg.FigureCanvasAgg(fig)
+  ax = fig.subplots()
   for k, pts in series.items():
     if pts:
       xs, ys = zip(*pts)
@@ -97,5 +100,4 @@ def plot_curves(metrics_path: str, out_png: str,
   ax.legend()
   fig.tight_layout()
   fig.savefig(out_png, dpi=100)
-  plt.close(fig)
   return out_png
