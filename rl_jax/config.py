@@ -183,7 +183,12 @@ def _sft() -> ml_collections.ConfigDict:
 
 def _eval() -> ml_collections.ConfigDict:
   """Held-out evaluation: greedy accuracy, and pass@k with k samples (0 disables)."""
-  return ml_collections.ConfigDict(dict(pass_k=0))
+  return ml_collections.ConfigDict(dict(
+      pass_k=0,
+      # Sample through the training rollouts' compiled programs (M greedy rows per prompt
+      # instead of one; fewer programs to compile). rl_jax.train.evaluation.
+      share_programs=True,
+  ))
 
 
 def _log() -> ml_collections.ConfigDict:
