@@ -1,9 +1,8 @@
 """Held-out evaluation: greedy accuracy, and pass@k at the rollout temperature.
 
 With ``eval.share_programs`` (default) the evaluation samples through the training rollouts'
-compiled programs instead of compiling its own: the same slot bucket (the training batch's
-groups, rounded up to a power of two, with continuous batching over the held-out prompts)
-and the same samples per prompt M (``rollout.n``). Greedy accuracy reads the first of the M
+compiled programs instead of compiling its own: the held-out prompts go through in batches
+of the training batch's G groups with the same samples per prompt M (``rollout.n``). Greedy accuracy reads the first of the M
 identical greedy samples; pass@k (k <= M) the first k samples, which are exactly the k a
 separate pass would draw (every sample has its own key stream). The price is M greedy rows
 per prompt instead of one: cheap for small models, not for long generations with a large
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from rl_jax.rollout.records import pow2
 from rl_jax.train.context import Setup
 from rl_jax.train.rollouts import decode, encode_prompts, generate, score
 from rl_jax.train.streams import Stream, seed_for
@@ -31,13 +29,24 @@ def first_samples(tokens: np.ndarray, mask: np.ndarray, n: int,
 
 
 def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
-  """``k`` samples per prompt (tokens, mask [G·k,R]), on the training programs if shared."""
+  """``k`` samples per prompt (tokens, mask [G·k,R]), on the training programs if shared:
+  chunks of exactly the training batch's G groups (the last one padded with copies of its
+  last prompt, dropped after), M samples each, prompt ``i`` on key stream ``i``."""
   c = s.config
-  share = c.eval.share_programs and k <= c.rollout.n
-  n = c.rollout.n if share else k
-  slots = pow2(c.train.batch_groups) if share else None
-  out = generate(s, params, prompts, n=n, temperature=temperature, seed=seed, max_slots=slots)
-  return first_samples(out.tokens, out.mask, n, k)
+  if not (c.eval.share_programs and k <= c.rollout.n):
+    out = generate(s, params, prompts, n=k, temperature=temperature, seed=seed)
+    return np.asarray(out.tokens), np.asarray(out.mask)
+  G, M = c.train.batch_groups, c.rollout.n
+  tokens, mask = [], []
+  for lo in range(0, len(prompts), G):
+    chunk = list(prompts[lo:lo + G])
+    real = len(chunk)
+    out = generate(s, params, chunk + [chunk[-1]] * (G - real), n=M, temperature=temperature,
+                   seed=seed, first_index=lo)
+    t, m = first_samples(out.tokens, out.mask, M, k)
+    tokens.append(t[:real * k])
+    mask.append(m[:real * k])
+  return np.concatenate(tokens), np.concatenate(mask)
 
 
 def evaluate(s: Setup, params, step: int) -> dict[str, float]:
