@@ -9,7 +9,10 @@ setup(
     packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.10.2,<0.11",
+        # Tested with jax 0.10.2 (rl_jax.version.TESTED_JAX; `python -m rl_jax.version` prints
+        # the versions in use). No upper bound: no known break in a newer release; the Pallas
+        # kernels use jax.experimental APIs, the likeliest to need an update.
+        "jax>=0.10.2",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
         "ml-collections>=1.0",

@@ -195,6 +195,9 @@ def _log() -> ml_collections.ConfigDict:
   """Metrics output."""
   return ml_collections.ConfigDict(dict(
       tensorboard=True,  # DIR/tensorboard event files (tensorboardX)
+      wandb=False,  # also log to Weights & Biases (needs `pip install wandb`)
+      wandb_project="rl_jax",
+      wandb_name=config_dict.placeholder(str),  # None: W&B picks a run name
   ))
 
 

@@ -25,6 +25,7 @@ from rl_jax import config_utils
 from rl_jax import distributed
 from rl_jax import metrics as metrics_lib
 from rl_jax import models
+from rl_jax import wandb_log
 from rl_jax.errors import RLJaxError
 from rl_jax.train import startup
 from rl_jax.train.context import Setup, build_setup
@@ -131,6 +132,7 @@ def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainStat
 
 def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> TrainState:
   """Run (or resume) the configured training in ``workdir``; returns the final state."""
+  wandb_log.check(config)
   s = build_setup(config)
   os.makedirs(workdir, exist_ok=True)
   c = config
@@ -144,7 +146,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   abstract = abstract_state(s)
   state = _start(s, ckpt, metrics_path, abstract)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if lead else None
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
+                                     sinks=wandb_log.sinks(c, workdir)) if lead else None
   t = make_trainer(s, abstract)
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
