@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
                f"{first['to_first_rl_step_s'] / med['second']['to_first_rl_step_s']:.2f}x sooner")
   if "baseline" in med:
     cut = 1 - first["compile_total_s"] / med["baseline"]["compile_total_s"]
-    lines.append(f"first-run compile time vs baseline: {100 * cut:+.0f}% less")
+    lines.append(f"first-run compile time vs baseline: {100 * cut:.0f}% less")
   text = "\n".join(lines)
   print(text)
   if args.out:
