@@ -68,6 +68,9 @@ def _mesh() -> ml_collections.ConfigDict:
       shape={axis: -1 if axis == "fsdp" else 1 for axis in sharding.MESH_AXES},
       rules="fsdp",  # a key of rl_jax.sharding.RULES
       num_devices=0,  # use the first k devices (0: all)
+      # train.mode="async": the first k devices form the rollout mesh and the training mesh
+      # (mesh.shape) takes the rest; 0: the producer samples on the training devices.
+      rollout_devices=0,
   ))
 
 
@@ -166,6 +169,16 @@ def _train() -> ml_collections.ConfigDict:
       eval_every=50,  # 0 disables evaluation
       checkpoint_every=50,  # 0 saves only at the end
       keep=3,  # checkpoints kept
+      # "sync": sample, then update. "async": a rollout producer samples on its own devices
+      # (mesh.rollout_devices) while the learner updates (rl_jax.train.pipeline).
+      mode="sync",
+      # async only: the batch of step t comes from the weights of step t - async_lag (a
+      # reproducible, resumable pipeline; 0 equals sync). -1: free-running producer,
+      # bounded by rollout.max_staleness.
+      async_lag=1,
+      # async: allow a lag above 1 with an objective that ignores the behaviour log-probs
+      # (plain GRPO on stale data, for ablations)
+      allow_uncorrected=False,
       # "auto": with one minibatch (on-policy) the update takes old_logp from its own policy
       # pass instead of a separate one (rl_jax.train.on_policy); "separate": always a pass.
       old_logp_pass="auto",
@@ -264,6 +277,10 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.checkpoint_every": cu.nonnegative_int,
       "train.keep": cu.positive_int,
       "train.max_bad_steps": cu.positive_int,
+      "train.mode": cu.one_of(("sync", "async")),
+      "train.async_lag": lambda x: (None if cu.is_int(x) and x >= -1 else
+                                    "must be an int >= 0, or -1 (free-running)"),
+      "mesh.rollout_devices": cu.nonnegative_int,
       "train.old_logp_pass": cu.one_of(("auto", "separate")),
       "train.profile_step": cu.nonnegative_int,
       "sft.steps": cu.nonnegative_int,

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Sequence
 import ml_collections
 from ml_collections import config_dict
 
-from rl_jax.config_checks import (Check, check, check_choice, get_value, in_range, is_number,
+from rl_jax.config_checks import (Check, check, check_choice, get_value, in_range, is_int, is_number,
                                   nonnegative, nonnegative_int, one_of, optional, positive,
                                   positive_int, probability, resolve_parent, validate)
 from rl_jax.errors import ConfigError, RLJaxError
@@ -63,7 +63,7 @@ __all__ = [
     "set_value", "parse_value", "parse_cli", "main_guard", "get_value", "Check", "check",
     "check_choice", "validate",
     "positive_int", "nonnegative_int", "positive", "nonnegative", "probability",
-    "in_range", "one_of", "optional",
+    "in_range", "one_of", "optional", "is_int",
 ]
 
 _NONE_WORDS = ("none", "null")

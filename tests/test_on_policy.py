@@ -47,6 +47,7 @@ class _ParityTask:
     (["loss.preset=grpo", "train.old_logp_pass=separate"], False),
     (["loss.preset=grpo", "train.minibatches=2"], False),  # the 2nd minibatch is off-policy
     (["loss.preset=grpo", "rollout.partial=True"], False),
+    (["loss.preset=grpo", "train.mode=async"], False),
     (["loss.advantage=reinforce_pp", "loss.kl_beta=0.01"], False),  # estimator reads it
     (["loss.preset=vcpo"], False),  # OPOB baseline reads old_logp
 ])

@@ -9,6 +9,7 @@ gradients), to float rounding, and saves one forward pass per step.
 It is used only when it is provably the same:
 
 * ``train.minibatches == 1`` (later minibatches would see updated weights);
+* ``train.mode == "sync"`` (the asynchronous pipeline keeps the separate pass);
 * no partial rollouts (``rollout.partial``: the engine path keeps its own bookkeeping);
 * the advantage estimator does not read ``old_logp`` (advantages are computed before the
   update; e.g. REINFORCE++ with a KL-in-reward reads it), probed by tracing the estimator
@@ -66,4 +67,5 @@ def estimator_reads_old_logp(objective: losses.Objective) -> bool:
 def old_logp_in_update(config, objective: losses.Objective) -> bool:
   """Whether the RL update takes ``old_logp`` from its own policy pass (see module doc)."""
   return (config.train.old_logp_pass == "auto" and config.train.minibatches == 1
-          and not config.rollout.partial and not estimator_reads_old_logp(objective))
+          and config.train.get("mode", "sync") == "sync" and not config.rollout.partial
+          and not estimator_reads_old_logp(objective))

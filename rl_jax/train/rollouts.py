@@ -30,8 +30,9 @@ from rl_jax.train.state import TrainState, held_capacity, place_replicated
 from rl_jax.train.steps import StepFns, UpdateBatch
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["Trainer", "Sampled", "collect", "objective_inputs", "next_examples",
-           "encode_prompts", "pad_prompts", "decode", "score", "generate"]
+__all__ = ["Trainer", "Sampled", "Scored", "produce", "learner_batch", "collect",
+           "objective_inputs", "staleness_metrics", "next_examples", "encode_prompts",
+           "pad_prompts", "decode", "score", "generate"]
 
 
 class Trainer(NamedTuple):
@@ -48,7 +49,7 @@ class Sampled(NamedTuple):
   """One step's sampled groups on the host.
 
   examples: G ``Example``s; prompts: G token lists; tokens / mask / logprobs [G·M,R]
-  (behaviour log-probs); versions int32 [G·M,R] policy version of each token (engine only);
+  (behaviour log-probs); versions int32 [G·M,R] policy version of each token;
   stats: the engine's counters; updates: train-state fields that advance (data position,
   rollout buffer).
   """
@@ -111,23 +112,51 @@ def generate(s: Setup, params, prompts, **kw):
                           eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.rules, **kw)
 
 
-# ---------------------------------------------------------------------- sampling
-def _sample_fresh(t: Trainer, state: TrainState, lo: int, hi: int) -> Sampled:
-  """Groups ``[lo, hi)`` of the step's G new prompts, M samples each, from the current
-  policy; each group samples from its own key stream, wherever it is sampled."""
+# ---------------------------------------------------------------------- producer side
+class Scored(NamedTuple):
+  """One step's groups, sampled and scored, on the host: what the rollout producer hands the
+  learner (and what an asynchronous run keeps in its checkpointed queue).
+
+  indices int32 [g]: dataset index of each group's prompt; tokens / mask / logprobs
+  [g·M,R]: sampled tokens, validity and behaviour log-probs; versions int32 [g·M,R]: the
+  policy version (completed steps) that sampled each token; rewards float32 [g,M];
+  faults int64 [2]: verifier exceptions and timeouts; rollout_s: sampling wall time;
+  version: the policy version the producer held; stats: the engine's counters.
+  g is G with one process, this process's groups with several.
+  """
+
+  indices: np.ndarray
+  tokens: np.ndarray
+  mask: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  rewards: np.ndarray
+  faults: np.ndarray
+  rollout_s: float
+  version: int
+  stats: dict
+
+
+def _sample_fresh(t: Trainer, params, state: TrainState, step: int, version: int, lo: int,
+                  hi: int) -> tuple[Sampled, np.ndarray]:
+  """Groups ``[lo, hi)`` of step ``step``'s G new prompts (drawn at ``state.data``), M
+  samples each from ``params``; each group samples from its own key stream, wherever it is
+  sampled. Also returns the groups' dataset indices."""
   s, c = t.setup, t.setup.config
-  examples, data = next_examples(s, np.asarray(state.data), c.train.batch_groups)
-  examples = examples[lo:hi]
+  idx, data = next_indices(s, np.asarray(state.data), c.train.batch_groups)
+  idx = idx[lo:hi]
+  examples = [s.train_examples[i] for i in idx]
   prompts = encode_prompts(s, examples)
-  out = generate(s, t.layout.sampler_params(state.params), prompts, n=c.rollout.n,
-                 temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                 top_k=c.rollout.top_k, first_index=lo,
-                 seed=seed_for(c.train.seed, int(state.step), Stream.ROLLOUT))
-  return Sampled(examples, prompts, np.asarray(out.tokens), np.asarray(out.mask),
-                 np.asarray(out.logprobs), None, {}, {"data": data})
+  out = generate(s, params, prompts, n=c.rollout.n, temperature=c.rollout.temperature,
+                 top_p=c.rollout.top_p, top_k=c.rollout.top_k, first_index=lo,
+                 seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
+  tokens = np.asarray(out.tokens)
+  return Sampled(examples, prompts, tokens, np.asarray(out.mask), np.asarray(out.logprobs),
+                 np.full(tokens.shape, version, np.int32), {}, {"data": data}), idx
 
 
-def _sample_partial(t: Trainer, state: TrainState) -> Sampled:
+def _sample_partial(t: Trainer, params, state: TrainState,
+                    version: int) -> tuple[Sampled, np.ndarray]:
   """K complete groups from the APRIL engine, whose held groups live in the train state.
 
   The engine is reloaded from ``state.rollout_buffer`` and saved back after the call, and
@@ -143,19 +172,37 @@ def _sample_partial(t: Trainer, state: TrainState) -> Sampled:
       i = int(idx[0])
       yield rollout.Prompt(encode_prompts(s, [s.train_examples[i]])[0], meta=i)
 
-  out = engine.rollout_groups(t.layout.sampler_params(state.params), prompts(),
-                              s.config.train.batch_groups, policy_version=int(state.step))
+  out = engine.rollout_groups(params, prompts(), s.config.train.batch_groups,
+                              policy_version=version)
   held = jax.tree.map(lambda x: place_replicated(s, x), engine.export_held(held_capacity(s)))
-  return Sampled([s.train_examples[i] for i in out.group_meta], out.prompts,
-                 np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.logprobs),
-                 np.asarray(out.versions), dict(out.stats),
-                 {"data": position[0], "rollout_buffer": held})
+  idx = np.asarray(out.group_meta, np.int32)
+  return (Sampled([s.train_examples[i] for i in idx], out.prompts, np.asarray(out.tokens),
+                  np.asarray(out.mask), np.asarray(out.logprobs), np.asarray(out.versions),
+                  dict(out.stats), {"data": position[0], "rollout_buffer": held}), idx)
 
 
-def _sample(t: Trainer, state: TrainState, lo: int, hi: int) -> Sampled:
-  """Fresh sampling covers this process's groups ``[lo, hi)``; the partial-rollout engine
-  (whose held groups are part of the replicated state) runs every group on every process."""
-  return _sample_fresh(t, state, lo, hi) if t.engine is None else _sample_partial(t, state)
+def produce(t: Trainer, params, state: TrainState, *, step: int, version: int, lo: int,
+            hi: int) -> tuple[Scored, dict]:
+  """The producer side of a step: sample groups ``[lo, hi)`` of step ``step`` from
+  ``params`` (placed for the sampler; policy version ``version``) and score them.
+
+  Reads the prompt position, the engine's held groups and the random streams from
+  ``state`` (fresh sampling covers this process's groups; the partial-rollout engine, whose
+  held groups are replicated state, runs every group on every process). Returns the scored
+  groups and the train-state fields that advance (``data``, ``rollout_buffer``).
+  """
+  s, M = t.setup, t.setup.config.rollout.n
+  t0 = time.perf_counter()
+  out, idx = (_sample_fresh(t, params, state, step, version, lo, hi) if t.engine is None
+              else _sample_partial(t, params, state, version))
+  rollout_s = time.perf_counter() - t0
+  completions = decode(s, out.tokens, out.mask)
+  rewards, stats = score(s, completions, [e.answer for e in out.examples for _ in range(M)])
+  scored = Scored(idx, out.tokens, out.mask, out.logprobs, out.versions.astype(np.int32),
+                  rewards.reshape(len(idx), M).astype(np.float32),
+                  np.asarray([stats["exceptions"], stats["timeouts"]], np.int64), rollout_s,
+                  version, out.stats)
+  return scored, out.updates
 
 
 def _everyone(x: np.ndarray, local: bool) -> np.ndarray:
@@ -194,49 +241,85 @@ def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_length
   return losses.ObjectiveInputs(**fields)
 
 
-def collect(t: Trainer, state: TrainState) -> tuple[UpdateBatch, dict[str, Any], dict]:
-  """One step's rollouts: sample, score, fill the objective inputs, compute advantages.
+# ---------------------------------------------------------------------- learner side
+def staleness_metrics(versions: np.ndarray, mask: np.ndarray, step: int) -> dict[str, float]:
+  """Policy lag of the generated tokens trained at step ``step`` (versions int32 [B,R],
+  mask bool [B,R]): max and mean token lag, off-policy token fraction, and the lag
+  histogram ``token_lag/k`` (fraction of tokens k versions old; the last bucket, ``8+``,
+  counts 8 or more)."""
+  lag = (step - versions)[mask.astype(bool)]
+  if lag.size == 0:
+    return {"max_token_lag": 0.0, "mean_token_lag": 0.0, "off_policy_token_fraction": 0.0}
+  hist = np.bincount(np.minimum(lag, 8), minlength=9) / lag.size
+  out = {"max_token_lag": float(lag.max()), "mean_token_lag": float(lag.mean()),
+         "off_policy_token_fraction": float(np.mean(lag > 0))}
+  out.update({f"token_lag/{k}" if k < 8 else "token_lag/8+": float(h)
+              for k, h in enumerate(hist) if h > 0})
+  return out
+
+
+def learner_batch(t: Trainer, state: TrainState, scored: Scored,
+                  max_lag: int = -1) -> tuple[UpdateBatch, dict[str, Any]]:
+  """The learner side of a step: scored groups -> objective inputs (proximal log-probs from
+  the current weights, and whatever else the objective needs) -> advantages.
+
+  ``max_lag >= 0`` masks tokens sampled more than ``max_lag`` versions before this step
+  from the loss (the free-running producer's staleness bound).
 
   Returns:
-    (the update batch, the step's rollout metrics, train-state fields to advance).
+    (the update batch, the step's rollout metrics).
   """
   s, c = t.setup, t.setup.config
   G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
   lo, hi = t.layout.share(G)  # the groups whose rows live on this process's devices
-  t0 = time.perf_counter()
-  out = _sample(t, state, lo, hi)
-  rollout_s = time.perf_counter() - t0
-  g = len(out.examples)
-  loss_mask = out.mask
-  if out.versions is not None and c.rollout.mask_stale:  # only the current policy's tokens
-    loss_mask = out.mask & (out.versions >= int(state.step))
-  completions = decode(s, out.tokens, out.mask)
-  rewards, stats = score(s, completions, [e.answer for e in out.examples for _ in range(M)])
-  rewards = rewards.reshape(g, M)
-  mine = slice(0, g) if g == hi - lo else slice(lo, hi)  # this process's groups of ``out``
+  g = len(scored.indices)
+  loss_mask = scored.mask
+  if c.rollout.mask_stale:  # only tokens of the policy the producer held
+    loss_mask = scored.mask & (scored.versions >= scored.version)
+  if max_lag >= 0:
+    loss_mask = loss_mask & (scored.versions >= int(state.step) - max_lag)
+  mine = slice(0, g) if g == hi - lo else slice(lo, hi)  # this process's groups of ``scored``
   put = lambda a: t.layout.put(a[mine], G)  # host rows -> global arrays split along batch
-  pt, pl = (put(a) for a in pad_prompts(out.prompts, s.prompt_len, s.tokenizer.pad_id))
-  rt = put(out.tokens.reshape(g, M, R))
+  prompts = encode_prompts(s, [s.train_examples[i] for i in scored.indices])
+  pt, pl = (put(a) for a in pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id))
+  rt = put(scored.tokens.reshape(g, M, R))
   inputs = objective_inputs(
       t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
-      generated_mask=put(out.mask.reshape(g, M, R)), rewards=put(rewards.astype(np.float32)),
-      behaviour_logp=put(out.logprobs.reshape(g, M, R)))
+      generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
+      behaviour_logp=put(scored.logprobs.reshape(g, M, R)))
   advantages = s.objective.advantages_from(inputs)
   local = g < G
-  rewards = _everyone(rewards, local)
-  n_tok = int(_everyone(out.mask.reshape(g, -1).sum(axis=1), local).sum())
-  faults = _everyone(np.asarray([[stats["exceptions"], stats["timeouts"]]]), local).sum(axis=0)
+  rewards = _everyone(scored.rewards, local)
+  n_tok = int(_everyone(scored.mask.reshape(g, -1).sum(axis=1), local).sum())
+  faults = _everyone(scored.faults[None], local).sum(axis=0)
   info = {
       "reward_mean": float(rewards.mean()),
       "reward_std": float(rewards.std()),
       "response_length": n_tok / (G * M),
-      "rollout_tokens_per_s": n_tok / max(rollout_s, 1e-9),
+      "rollout_tokens_per_s": n_tok / max(scored.rollout_s, 1e-9),
       "reward_exceptions": int(faults[0]),
       "reward_timeouts": int(faults[1]),
       "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
       "local_groups": g,  # groups this process sampled and scored (G with one process)
   }
-  info.update({k: float(out.stats[k]) for k in (
+  info.update({k: float(scored.stats[k]) for k in (
       "off_policy_token_fraction", "max_token_lag", "aborted_groups", "restarted_samples",
-      "buffer_size") if k in out.stats})
-  return UpdateBatch(pt, pl, rt, inputs, advantages), info, out.updates
+      "buffer_size") if k in scored.stats})
+  if c.train.mode == "async":
+    info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
+  return UpdateBatch(pt, pl, rt, inputs, advantages), info
+
+
+def collect(t: Trainer, state: TrainState) -> tuple[UpdateBatch, dict[str, Any], dict]:
+  """One synchronous step's rollouts: the producer side on the current weights, then the
+  learner side.
+
+  Returns:
+    (the update batch, the step's rollout metrics, train-state fields to advance).
+  """
+  step = int(state.step)
+  lo, hi = t.layout.share(t.setup.config.train.batch_groups)
+  scored, updates = produce(t, t.layout.sampler_params(state.params), state, step=step,
+                            version=step, lo=lo, hi=hi)
+  batch, info = learner_batch(t, state, scored)
+  return batch, info, updates

@@ -17,6 +17,7 @@ import optax
 from rl_jax import models
 from rl_jax import rollout
 from rl_jax import sharding
+from rl_jax.train import queue as queue_lib
 from rl_jax.train.context import Setup
 from rl_jax.train.streams import Stream, seed_for
 
@@ -34,6 +35,8 @@ class TrainState(NamedTuple):
   data: int32 [2] (epoch, position) of the prompt sampler.
   rollout_buffer: with ``rollout.partial``, the rollout engine's held groups (partial and
   extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
+  rollout_queue: with ``train.mode="async"``, the scored batches sampled ahead of the learner
+  (``pipeline.empty_queue``); ``{}`` otherwise.
   """
 
   step: jax.Array
@@ -45,6 +48,7 @@ class TrainState(NamedTuple):
   value_opt_state: Any
   data: jax.Array
   rollout_buffer: Any
+  rollout_queue: Any = {}
 
 
 def held_capacity(s: Setup) -> int:
@@ -70,6 +74,11 @@ def _empty_buffer(s: Setup) -> dict:
   """``TrainState.rollout_buffer`` of a fresh run: host arrays with nothing held."""
   engine = make_engine(s)
   return {} if engine is None else engine.export_held(held_capacity(s))
+
+
+def _empty_queue(s: Setup) -> dict:
+  """``TrainState.rollout_queue`` of a fresh run."""
+  return queue_lib.empty_queue(s.config)
 
 
 def _shardings_like(s: Setup, axes, tree):
@@ -131,8 +140,8 @@ def init_state(s: Setup) -> TrainState:
   state = _state_from_params(s, params)  # arrays not laid out on the mesh are replicated:
   state = jax.tree.map(
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
-  return state._replace(rollout_buffer=jax.tree.map(lambda x: place_replicated(s, x),
-                                                    _empty_buffer(s)))
+  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s)}
+  return state._replace(**jax.tree.map(lambda x: place_replicated(s, x), host))
 
 
 def place_replicated(s: Setup, x) -> jax.Array:
@@ -162,9 +171,10 @@ def abstract_state(s: Setup) -> TrainState:
                                 sharding=sh if _on_mesh(sh, s.mesh) else replicated)
 
   state = jax.tree.map(spec, shapes, out)
-  buffer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                       sharding=replicated), _empty_buffer(s))
-  return state._replace(rollout_buffer=buffer)
+  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s)}
+  return state._replace(**jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
+      host))
 
 
 def begin_rl(s: Setup, state: TrainState) -> TrainState:
