@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 256, 4, 4, 2, 64, 896, 256
 N, NEW_TOKENS, PROMPT = 16, 64, "sort 302:"
@@ -240,7 +242,7 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
       results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
       print(side, r, results[side][-1], flush=True)
-  med = lambda side, k: sorted(x[k] for x in results[side])[len(results[side]) // 2]
+  med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_first_s")
   print("| side | sampler tokens/s | sampler warm-up (s) | GRPO step (s) | first GRPO step (s) |")
   print("|---|---|---|---|---|")

@@ -18,6 +18,7 @@ from tests.tiny import QUICKSTART, TINY_MODEL
 TINY = TINY_MODEL + [
     "sft.steps=0", "train.steps=2", "train.batch_groups=2", "rollout.n=4",
     "rollout.temperature=1.0", "train.eval_every=0", "log.tensorboard=False",
+    "train.old_logp_pass=auto",  # the base default (the quickstart file pins "separate")
 ]
 
 
