@@ -9,7 +9,10 @@ setup(
     packages=find_packages(include=["rl_jax", "rl_jax.*", "pallas_kernels", "pallas_kernels.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.10.2,<0.11",
+        # Tested with jax 0.10.2 (rl_jax.version.TESTED_JAX; `python -m rl_jax.version` prints
+        # the versions in use). No upper bound: no known break in a newer release; the Pallas
+        # kernels use jax.experimental APIs, the likeliest to need an update.
+        "jax>=0.10.2",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
         "ml-collections>=1.0",
@@ -35,6 +38,10 @@ setup(
             # Pinned for the parity tests. On Linux from PyPI this is the CUDA build (GBs); for a
             # CPU-only machine install torch from https://download.pytorch.org/whl/cpu first.
             "torch==2.13.0",
+            # tests/test_notebook.py runs notebooks/quickstart.ipynb in a Jupyter kernel.
+            "nbclient",
+            "nbformat",
+            "ipykernel",
         ],
     },
 )

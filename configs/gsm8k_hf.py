@@ -30,5 +30,6 @@ def get_config(arg=None):
   config.sft.steps = 0
   config.train.update(steps=500, batch_groups=32, minibatches=4, eval_every=50,
                       checkpoint_every=50, keep=3)
+  config.eval.share_programs = False  # greedy eval: one row per prompt, not rollout.n
   config.log.tensorboard = True
   return config

@@ -184,6 +184,13 @@ def _train() -> ml_collections.ConfigDict:
       # async: allow a lag above 1 with an objective that ignores the behaviour log-probs
       # (plain GRPO on stale data, for ablations)
       allow_uncorrected=False,
+      # "auto": with one minibatch (on-policy) the update takes old_logp from its own policy
+      # pass instead of a separate one (rl_jax.train.on_policy); "separate": always a pass.
+      old_logp_pass="auto",
+      # JAX's persistent compilation cache: relative paths are under the workdir (a rerun or
+      # resume loads its programs), an absolute one can be shared by runs; "" disables it.
+      compile_cache="compile_cache",
+      profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 
 
@@ -194,13 +201,21 @@ def _sft() -> ml_collections.ConfigDict:
 
 def _eval() -> ml_collections.ConfigDict:
   """Held-out evaluation: greedy accuracy, and pass@k with k samples (0 disables)."""
-  return ml_collections.ConfigDict(dict(pass_k=0))
+  return ml_collections.ConfigDict(dict(
+      pass_k=0,
+      # Sample through the training rollouts' compiled programs (M greedy rows per prompt
+      # instead of one; fewer programs to compile). rl_jax.train.evaluation.
+      share_programs=True,
+  ))
 
 
 def _log() -> ml_collections.ConfigDict:
   """Metrics output."""
   return ml_collections.ConfigDict(dict(
       tensorboard=True,  # DIR/tensorboard event files (tensorboardX)
+      wandb=False,  # also log to Weights & Biases (needs `pip install wandb`)
+      wandb_project="rl_jax",
+      wandb_name=config_dict.placeholder(str),  # None: W&B picks a run name
   ))
 
 
@@ -273,6 +288,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.async_lag": lambda x: (None if cu.is_int(x) and x >= -1 else
                                     "must be an int >= 0, or -1 (free-running)"),
       "mesh.rollout_devices": cu.nonnegative_int,
+      "train.old_logp_pass": cu.one_of(("auto", "separate")),
+      "train.profile_step": cu.nonnegative_int,
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,

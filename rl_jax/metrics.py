@@ -1,4 +1,5 @@
-"""Metrics sinks: JSONL (the record of truth), TensorBoard, and a PNG of the curves.
+"""Metrics sinks: JSONL (the record of truth), TensorBoard, optional extra sinks (Weights &
+Biases, ``rl_jax.wandb_log``), and a PNG of the curves.
 
 ``metrics.jsonl`` holds one JSON object per line with ``"step"``; on resume, lines past the
 restored step are dropped (rewritten atomically) so a rerun never duplicates a step.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 __all__ = ["MetricsWriter", "read_jsonl", "truncate_after", "plot_curves"]
 
@@ -52,8 +53,11 @@ def truncate_after(path: str, step: int) -> None:
 class MetricsWriter:
   """Append-only JSONL + optional TensorBoard scalars."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True):
+  def __init__(self, workdir: str, tensorboard: bool = True, sinks: Sequence[Any] = ()):
+    """``sinks``: more outputs, each with ``write(step, record)`` and ``close()`` (e.g.
+    ``rl_jax.wandb_log.WandbSink``)."""
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self._sinks = list(sinks)
     self._file = open(self.path, "a")
     self._tb = None
     if tensorboard:
@@ -68,9 +72,13 @@ class MetricsWriter:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)):
           self._tb.add_scalar(k, v, step)
+    for sink in self._sinks:
+      sink.write(int(step), record)
 
   def close(self) -> None:
     self._file.close()
+    for sink in self._sinks:
+      sink.close()
     if self._tb is not None:
       self._tb.close()
 
@@ -83,10 +91,13 @@ def plot_curves(metrics_path: str, out_png: str,
             for k in keys}
   if not any(series.values()):
     return None
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(6, 3.5))
+  # A Figure on its own Agg canvas, not pyplot: the caller's backend (a notebook's inline
+  # plots) is left alone.
+  from matplotlib.backends import backend_agg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  fig = Figure(figsize=(6, 3.5))
+  backend_agg.FigureCanvasAgg(fig)
+  ax = fig.subplots()
   for k, pts in series.items():
     if pts:
       xs, ys = zip(*pts)
@@ -97,5 +108,4 @@ def plot_curves(metrics_path: str, out_png: str,
   ax.legend()
   fig.tight_layout()
   fig.savefig(out_png, dpi=100)
-  plt.close(fig)
   return out_png

@@ -43,11 +43,10 @@ def run(workdir: str, overrides: list[str], devices: int = 1, cache: str | None 
   """One training run in a subprocess; its metrics rows."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  if cache:  # compiled programs shared across runs of the same shapes
-    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   cmd = [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={workdir}"]
   cmd += [f"--config.{o}" for o in overrides]
+  if cache:  # compiled programs shared across runs of the same shapes
+    cmd.append(f"--config.train.compile_cache={cache}")
   subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
                  stderr=subprocess.PIPE)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

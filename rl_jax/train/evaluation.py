@@ -1,4 +1,13 @@
-"""Held-out evaluation: greedy accuracy, and pass@k at the rollout temperature."""
+"""Held-out evaluation: greedy accuracy, and pass@k at the rollout temperature.
+
+With ``eval.share_programs`` (default) the evaluation samples through the training rollouts'
+compiled programs instead of compiling its own: the held-out prompts go through in batches
+of the training batch's G groups with the same samples per prompt M (``rollout.n``). Greedy accuracy reads the first of the M
+identical greedy samples; pass@k (k <= M) the first k samples, which are exactly the k a
+separate pass would draw (every sample has its own key stream). The price is M greedy rows
+per prompt instead of one: cheap for small models, not for long generations with a large
+model (``configs/gsm8k_hf.py`` turns it off).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,36 @@ from rl_jax.train.context import Setup
 from rl_jax.train.rollouts import decode, encode_prompts, generate, score
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "first_samples"]
+
+
+def first_samples(tokens: np.ndarray, mask: np.ndarray, n: int,
+                  k: int) -> tuple[np.ndarray, np.ndarray]:
+  """The first ``k`` of each group's ``n`` rows: tokens / mask [G·n,R] -> [G·k,R]."""
+  R = tokens.shape[-1]
+  pick = lambda a: np.asarray(a).reshape(-1, n, R)[:, :k].reshape(-1, R)
+  return pick(tokens), pick(mask)
+
+
+def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
+  """``k`` samples per prompt (tokens, mask [G·k,R]), on the training programs if shared:
+  chunks of exactly the training batch's G groups (the last one padded with copies of its
+  last prompt, dropped after), M samples each, prompt ``i`` on key stream ``i``."""
+  c = s.config
+  if not (c.eval.share_programs and k <= c.rollout.n):
+    out = generate(s, params, prompts, n=k, temperature=temperature, seed=seed)
+    return np.asarray(out.tokens), np.asarray(out.mask)
+  G, M = c.train.batch_groups, c.rollout.n
+  tokens, mask = [], []
+  for lo in range(0, len(prompts), G):
+    chunk = list(prompts[lo:lo + G])
+    real = len(chunk)
+    out = generate(s, params, chunk + [chunk[-1]] * (G - real), n=M, temperature=temperature,
+                   seed=seed, first_index=lo)
+    t, m = first_samples(out.tokens, out.mask, M, k)
+    tokens.append(t[:real * k])
+    mask.append(m[:real * k])
+  return np.concatenate(tokens), np.concatenate(mask)
 
 
 def evaluate(s: Setup, params, step: int) -> dict[str, float]:
@@ -19,14 +57,13 @@ def evaluate(s: Setup, params, step: int) -> dict[str, float]:
   examples = s.eval_examples
   answers = [e.answer for e in examples]
   prompts = encode_prompts(s, examples)
-  out = generate(s, params, prompts, n=1, temperature=0.0, seed=0)
-  rewards, _ = score(s, decode(s, np.asarray(out.tokens), np.asarray(out.mask)), answers)
+  tokens, mask = _sample(s, params, prompts, 1, 0.0, 0)
+  rewards, _ = score(s, decode(s, tokens, mask), answers)
   result = {"eval_accuracy": float(np.mean(rewards >= 1.0))}
   k = c.eval.pass_k
   if k > 0:
-    out = generate(s, params, prompts, n=k, temperature=c.rollout.temperature or 1.0,
-                   seed=seed_for(c.train.seed, step, Stream.EVAL_PASS_K))
-    r, _ = score(s, decode(s, np.asarray(out.tokens), np.asarray(out.mask)),
-                 [a for a in answers for _ in range(k)])
+    tokens, mask = _sample(s, params, prompts, k, c.rollout.temperature or 1.0,
+                           seed_for(c.train.seed, step, Stream.EVAL_PASS_K))
+    r, _ = score(s, decode(s, tokens, mask), [a for a in answers for _ in range(k)])
     result[f"eval_pass@{k}"] = float(np.mean((r.reshape(len(examples), k) >= 1.0).any(axis=1)))
   return result

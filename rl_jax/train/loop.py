@@ -26,7 +26,9 @@ from rl_jax import config_utils
 from rl_jax import distributed
 from rl_jax import metrics as metrics_lib
 from rl_jax import models
+from rl_jax import wandb_log
 from rl_jax.errors import RLJaxError
+from rl_jax.train import startup
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train import pipeline
 from rl_jax.train.evaluation import evaluate
@@ -158,9 +160,13 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   ``workdir/memory_plan.json`` first; ``train.dry_run`` stops there (returns None, no weight
   read), and a run that cannot fit fails there in one line (``train.memory_check``).
   """
+  wandb_log.check(config)
   s = build_setup(config)
   os.makedirs(workdir, exist_ok=True)
   c = config
+  startup.use_compile_cache(c.train.compile_cache, workdir)
+  clock = startup.compile_clock()
+  clock.take()
   sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep,
                                save_every=c.train.checkpoint_every or total)
@@ -176,7 +182,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   state = _start(s, ckpt, metrics_path, abstract)
   if lead:
     memory.record_live(workdir, state)
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if lead else None
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
+                                     sinks=wandb_log.sinks(c, workdir)) if lead else None
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
   bar = _progress(progress and lead, total, int(state.step))
@@ -192,6 +199,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
               file=sys.stderr)
         break
       step = int(state.step)
+      profiling = c.train.profile_step == step + 1 and lead
+      if profiling:
+        startup.start_profile(workdir)
       t0 = time.perf_counter()
       if step < sft_steps:
         state, record, data = sft_step(t, state)
@@ -209,9 +219,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
                          f"(last at step {step}); stopping. Lower optim.lr or check the data.")
       state = state._replace(step=state.step + 1, data=place_replicated(s, data))
       step += 1
+      if profiling:
+        startup.stop_profile(state)
       record["step_time_s"] = time.perf_counter() - t0
       if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
         record.update(evaluate(s, t.layout.sampler_params(state.params), step))
+      record["compile_time_s"] = clock.take()  # tracing + compiling (or cache loads)
       if writer is not None:
         writer.write(step, record)
       _update_progress(bar, record)

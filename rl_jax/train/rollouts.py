@@ -217,14 +217,17 @@ def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_length
 
   ``rewards`` [G,M], ``mask`` (loss tokens) and ``generated_mask`` [G,M,R], the sampler's
   ``behaviour_logp`` and the proximal ``old_logp`` (the current weights, one teacher-forced
-  pass) are always filled; the rest only when declared: ``ref_logp`` (reference pass),
-  ``values`` (critic pass), ``grad_sq_norms`` (per-trajectory gradient norms),
+  pass) are always filled (``old_logp`` is None when the update takes it from its own
+  policy pass, ``StepFns.old_logp_in_update``); the rest only when declared: ``ref_logp``
+  (reference pass), ``values`` (critic pass), ``grad_sq_norms`` (per-trajectory gradient norms),
   ``reward_components`` [G,M,C] (C = 1: the verifier's reward) and ``lengths``.
   """
   s, f = t.setup, t.steps
   args = (prompt_tokens, prompt_lengths, tokens, mask)
+  own_old = f.old_logp_in_update  # on-policy: the update's own pass gives old_logp
   fields = dict(rewards=rewards, mask=mask, generated_mask=generated_mask,
-                old_logp=f.logprobs(state.params, *args), behaviour_logp=behaviour_logp)
+                old_logp=None if own_old else f.logprobs(state.params, *args),
+                behaviour_logp=behaviour_logp)
   producers = {
       "ref_logp": lambda: f.logprobs(state.ref_params, *args),
       "values": lambda: f.values(state.value_params, *args),

@@ -22,6 +22,7 @@ from rl_jax import losses
 from rl_jax import models
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
+from rl_jax.train.on_policy import old_logp_in_update
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
            "make_logprob_fn", "make_value_fn", "make_rl_update", "make_grad_norm_fn"]
@@ -50,6 +51,7 @@ class StepFns(NamedTuple):
   logprobs: Callable
   values: Callable
   grad_sq_norms: Callable
+  old_logp_in_update: bool = False  # rl_update takes old_logp from its own policy pass
 
 
 def finite_update(tx, params, opt_state, grads, loss, **extra):
@@ -139,15 +141,19 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
   skips the policy update, a non-finite critic gradient the critic update; either counts as
   a skipped step. VCPO: ρ = ESS/B of the minibatch scales the final update (the objective's
   update transform reads ``ess_ratio``).
+
+  When ``on_policy.old_logp_in_update`` holds, ``b.inputs.old_logp`` is None and the
+  proximal log-probs are ``stop_gradient`` of this pass's own log-probs (same weights).
   """
   cfg, obj = s.model_cfg, s.objective
   temp, shared = _temperature(s), s.config.train.shared_prefix
   with_critic = "values" in obj.needs
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
+  own_old = old_logp_in_update(s.config, obj)
 
   def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
     G, M, R = b.tokens.shape
-    batch = obj.prepare(losses.loss_batch(b.inputs, b.advantages))
+    outer_batch = None if own_old else obj.prepare(losses.loss_batch(b.inputs, b.advantages))
     mask = b.inputs.mask
 
     def loss_fn(p, v):
@@ -155,6 +161,11 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
                                     shared_prefix=shared, temperature=temp,
                                     with_entropy=with_entropy)
       lp, entropy = lp if with_entropy else (lp, None)
+      if own_old:
+        inputs = b.inputs._replace(old_logp=jax.lax.stop_gradient(lp))
+        batch = obj.prepare(losses.loss_batch(inputs, b.advantages))
+      else:
+        batch = outer_batch
       values = None
       if with_critic:
         values = models.response_values(cfg, v, b.prompt_tokens, b.prompt_lengths, b.tokens,
@@ -214,4 +225,5 @@ def make_step_fns(s: Setup, layout: Layout) -> StepFns:
   """Every jitted step of the run (compiled lazily, on first call)."""
   return StepFns(sft=make_sft_step(s, layout), rl_update=make_rl_update(s, layout),
                  logprobs=make_logprob_fn(s, layout), values=make_value_fn(s, layout),
-                 grad_sq_norms=make_grad_norm_fn(s, layout))
+                 grad_sq_norms=make_grad_norm_fn(s, layout),
+                 old_logp_in_update=old_logp_in_update(s.config, s.objective))

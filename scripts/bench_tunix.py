@@ -1,0 +1,257 @@
+"""rl_jax vs Tunix side by side: sampler tokens/s and one GRPO step on the same weights.
+
+The same random Qwen3-style weights (hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP
+896, 256-symbol byte vocabulary: 3.7M parameters) are written once in Hugging Face format
+(``models.save_hf``) and loaded by both sides: rl_jax with ``models.load_hf``, Tunix with its
+Qwen3 safetensors loader. Workload: 1 prompt x 16 samples, at most 64 new tokens,
+temperature 1.0, float32. The sampler part has no EOS (every sample is 64 tokens); in the
+GRPO part both trainers stop a sample at EOS id 255 (same weights, so the same length
+distribution; tokens are counted, not assumed).
+
+* sampler: rl_jax ``rollout.generate(n=16)`` vs Tunix ``Sampler`` on the prompt repeated 16
+  times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
+* GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
+  update; ``train.old_logp_pass=auto``) vs Tunix's ``GRPOLearner`` (num_generations 16,
+  beta 0, one minibatch); wall time per step from the reward function's call times.
+
+Each side runs in its own process and virtual environment (Tunix in ``--tunix-python``'s
+venv, so it cannot change this one's packages); the sides alternate over ``--rounds``.
+
+Usage::
+
+    python3 -m venv /work/venvs/tunix && /work/venvs/tunix/bin/pip install google-tunix
+    python scripts/bench_tunix.py --tunix-python /work/venvs/tunix/bin/python --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 256, 4, 4, 2, 64, 896, 256
+N, NEW_TOKENS, PROMPT = 16, 64, "sort 302:"
+NEVER = 300  # sampler part: an EOS id outside the vocabulary (always NEW_TOKENS tokens)
+EOS = 255  # GRPO part: both trainers need an EOS in the vocabulary (~1/256 per token)
+
+
+def write_weights(path: str) -> None:
+  """The shared random weights, in HF format (config.json + model.safetensors)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, ROOT)
+  from rl_jax import models  # pylint: disable=import-outside-toplevel
+  cfg = models.ModelConfig(architecture="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,
+                           intermediate_size=MLP, num_layers=LAYERS, num_heads=HEADS,
+                           num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                           max_position_embeddings=128, qk_norm=True)
+  params = models.init_params(cfg, jax.random.key(0), std=0.02)
+  models.save_hf(cfg, params, path)
+
+
+def _reward(completion: str) -> float:
+  return float(len(completion) % 2)  # any reward with variance inside a group
+
+
+# ----------------------------------------------------------------------------- rl_jax side
+def run_rljax(weights: str, steps: int, repeats: int) -> dict:
+  sys.path.insert(0, ROOT)
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from rl_jax import models, rollout  # pylint: disable=import-outside-toplevel
+  cfg, params = models.load_hf(weights)
+  prompt = [list(PROMPT.encode())]
+  gen = lambda: rollout.generate(cfg, params, prompt, n=N, max_new_tokens=NEW_TOKENS,
+                                 temperature=1.0, eos_id=None, seed=0)
+  t0 = time.perf_counter()
+  jax.block_until_ready(gen().tokens)
+  first = time.perf_counter() - t0
+  rates = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = gen()
+    n_tok = int(np.asarray(out.mask).sum())
+    rates.append(n_tok / (time.perf_counter() - t0))
+  return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
+          "sampler_tokens": n_tok, **_rljax_grpo(weights, steps)}
+
+
+def _rljax_grpo(weights: str, steps: int) -> dict:
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from rl_jax import config_utils, train  # pylint: disable=import-outside-toplevel
+  config = config_utils.load_config(os.path.join(ROOT, "configs", "quickstart.py"), [
+      f"model.hf_path={weights}", "data.tokenizer=char", "sft.steps=0",
+      "train.batch_groups=1", f"rollout.n={N}", f"rollout.max_new_tokens={NEW_TOKENS}",
+      f"rollout.eos_id={EOS}", "rollout.temperature=1.0", "train.eval_every=0",
+      "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
+      "loss.preset=grpo", "loss.kl_beta=0.0", "data.max_prompt_len=16"])
+  s = train.build_setup(config)
+  task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
+                           "verify": lambda self, c, a: _reward(c)})()
+  s = dataclasses.replace(s, task=task, tokenizer=_RljaxBytes())
+  t = train.make_trainer(s)
+  state = train.begin_rl(s, train.init_state(s))
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, _, data = train.rl_step(t, state)
+    jax.block_until_ready(state.params)
+    times.append(time.perf_counter() - t0)
+    state = state._replace(step=state.step + 1, data=jax.numpy.asarray(data))
+  return {"grpo_first_s": times[0], "grpo_step_s": float(np.median(times[1:])),
+          "grpo_steps": len(times)}
+
+
+class _RljaxBytes:
+  """Bytes as tokens for the rl_jax trainer (the same ids the Tunix side uses)."""
+
+  vocab_size, pad_id, eos_id, bos_id = VOCAB, 0, EOS, 1
+
+  def encode(self, text):
+    return list(text.encode())
+
+  def decode(self, ids):
+    return bytes(i for i in ids if 0 <= i < 256).decode("latin-1")
+
+
+# ------------------------------------------------------------------------------ Tunix side
+class _Bytes:
+  """A byte tokenizer with the methods Tunix's TokenizerAdapter asks for."""
+
+  def encode(self, text, **_):
+    if not isinstance(text, str):  # the learner may hand over a 0-d / 1-element array
+      text = str(__import__("numpy").asarray(text).ravel()[0])
+    return list(text.encode())
+
+  def decode(self, ids, **_):
+    return bytes(i for i in ids if 0 <= i < 256).decode("latin-1")
+
+  def bos_id(self):
+    return 1
+
+  def eos_id(self):
+    return EOS
+
+  def pad_id(self):
+    return 0
+
+
+def _tunix_model(weights: str):
+  from tunix.models.qwen3 import model as qwen3  # pylint: disable=import-outside-toplevel
+  from tunix.models.qwen3 import params as qwen3_params  # pylint: disable=import-outside-toplevel
+  cfg = qwen3.ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, embed_dim=HIDDEN,
+                          hidden_dim=MLP, num_heads=HEADS, head_dim=HEAD_DIM,
+                          num_kv_heads=KV_HEADS, rope_theta=10000, norm_eps=1e-6)
+  return cfg, qwen3_params.create_model_from_safe_tensors(weights, cfg)
+
+
+def run_tunix(weights: str, steps: int, repeats: int) -> dict:
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tunix.generate import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
+  cfg, model = _tunix_model(weights)
+  sampler = sampler_lib.Sampler(model, _Bytes(), sampler_lib.CacheConfig(
+      cache_size=128, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM))
+  gen = lambda: sampler([PROMPT] * N, max_generation_steps=NEW_TOKENS, temperature=1.0,
+                        eos_tokens=[NEVER], seed=0, max_prompt_length=16)
+  t0 = time.perf_counter()
+  out = gen()
+  first = time.perf_counter() - t0
+  rates = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = gen()
+    n_tok = sum(len(t) for t in out.tokens)
+    rates.append(n_tok / (time.perf_counter() - t0))
+  return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
+          "sampler_tokens": n_tok, **_tunix_grpo(weights, steps)}
+
+
+def _tunix_grpo(weights: str, steps: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
+  from tunix.rl.grpo import grpo_learner  # pylint: disable=import-outside-toplevel
+  from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
+  _, actor = _tunix_model(weights)
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  roles = rl_cluster_lib.Role
+  cluster_config = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rl_cluster_lib.RLTrainingConfig(
+          actor_optimizer=optax.adamw(1e-5), eval_every_n_steps=10**9, max_steps=steps,
+          mini_batch_size=1, train_micro_batch_size=1, rollout_micro_batch_size=1,
+          compute_logps_micro_batch_size=1),
+      rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=NEW_TOKENS, max_prompt_length=16, kv_cache_size=128,
+          temperature=1.0, top_p=1.0, top_k=None))
+  cluster = rl_cluster_lib.RLCluster(actor=actor, reference=None, tokenizer=_Bytes(),
+                                     cluster_config=cluster_config)
+  calls = []
+
+  def reward(prompts, completions, **_):
+    calls.append(time.perf_counter())
+    return [_reward(c) for c in completions]
+
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=[reward],
+      algo_config=grpo_learner.GRPOConfig(num_generations=N, num_iterations=1, beta=0.0))
+  start = time.perf_counter()
+  learner.train([{"prompts": np.array([PROMPT])} for _ in range(steps)])
+  end = time.perf_counter()
+  marks = [start] + calls[1:] + [end]  # step i ends when step i+1's rewards are computed
+  steps_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
+  return {"grpo_first_s": steps_s[0], "grpo_step_s": float(np.median(steps_s[1:])),
+          "grpo_steps": len(calls)}
+
+
+# ---------------------------------------------------------------------------------- driver
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--tunix-python", default="/work/venvs/tunix/bin/python")
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--steps", type=int, default=6, help="GRPO steps per side and round")
+  ap.add_argument("--repeats", type=int, default=5, help="timed sampler calls")
+  ap.add_argument("--side", choices=("rljax", "tunix"), default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.side:  # a child process: one side, result as JSON on the last line
+    fn = run_rljax if args.side == "rljax" else run_tunix
+    print(json.dumps(fn(args.weights, args.steps, args.repeats)))
+    return {}
+  weights = tempfile.mkdtemp(prefix="bench_tunix_weights_")
+  write_weights(weights)
+  results = {"rljax": [], "tunix": []}
+  for r in range(args.rounds):
+    for side in (("rljax", "tunix") if r % 2 == 0 else ("tunix", "rljax")):
+      python = sys.executable if side == "rljax" else args.tunix_python
+      cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
+             "--steps", str(args.steps), "--repeats", str(args.repeats)]
+      env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
+      out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+      if out.returncode != 0:
+        raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
+      results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+      print(side, r, results[side][-1], flush=True)
+  med = lambda side, k: float(np.median([x[k] for x in results[side]]))
+  keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_first_s")
+  print("| side | sampler tokens/s | sampler warm-up (s) | GRPO step (s) | first GRPO step (s) |")
+  print("|---|---|---|---|---|")
+  for side in results:
+    print(f"| {side} | " + " | ".join(f"{med(side, k):.3g}" for k in keys) + " |")
+  print(f"rl_jax / Tunix: sampler {med('rljax', keys[0]) / med('tunix', keys[0]):.2f}x "
+        f"tokens/s, GRPO step {med('tunix', keys[2]) / med('rljax', keys[2]):.2f}x faster")
+  return results
+
+
+if __name__ == "__main__":
+  main()
