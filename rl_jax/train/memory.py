@@ -156,8 +156,9 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
   M, R, P = c.rollout.n, c.rollout.max_new_tokens, s.prompt_len
   rows = t.layout.rows(groups)
   tok = lambda dt: _spec((groups, M, R), dt, rows)
+  own_old = t.steps.old_logp_in_update  # on-policy: the update computes old_logp itself
   fields = dict(rewards=_spec((groups, M), jnp.float32, rows), mask=tok(bool),
-                generated_mask=tok(bool), old_logp=tok(jnp.float32),
+                generated_mask=tok(bool), old_logp=None if own_old else tok(jnp.float32),
                 behaviour_logp=tok(jnp.float32))
   optional = {"ref_logp": tok(jnp.float32), "values": tok(jnp.float32),
               "grad_sq_norms": _spec((groups, M), jnp.float32, rows),
@@ -185,7 +186,8 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
                              .compile())
   batch = abstract_update_batch(t, G)
   args = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, batch.inputs.mask)
-  out["logprobs"] = step_memory(f.logprobs.lower(rl_state.params, *args).compile())
+  if not f.old_logp_in_update:  # else the update's own pass gives old_logp
+    out["logprobs"] = step_memory(f.logprobs.lower(rl_state.params, *args).compile())
   needs = s.objective.needs
   if "ref_logp" in needs and jax.tree.leaves(rl_state.ref_params):
     out["ref_logprobs"] = step_memory(f.logprobs.lower(rl_state.ref_params, *args).compile())
