@@ -144,7 +144,7 @@ def test_partial_rollouts_train_and_resume_exactly(tmp_path):
   assert len(rows) == 4 and all(r["max_token_lag"] <= 1 for r in rows)
   assert any(r["off_policy_token_fraction"] > 0 for r in rows)  # carried-over groups used
   # resume from the first RL step's checkpoint, where the engine holds groups
-  target = train.abstract_state(train.build_setup(_config(partial)))
+  target = train.abstract_state(train.build_setup(_config(partial)), 4)  # the RL layout
   held, _ = checkpoint.restore(str(ref_dir / "checkpoints"), target, step=4)
   assert np.asarray(held.rollout_buffer["valid"]).any()
   resumed = tmp_path / "resumed"

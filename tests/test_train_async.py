@@ -90,11 +90,13 @@ def test_fixed_lag_resume_after_sigkill_is_bit_exact(tmp_path):
           "train.steps=5", "train.keep=10"]
   ref = tmp_path / "ref"
   ref_rows, ref_w = _run(ref, over)
-  target = train.abstract_state(train.build_setup(_config(over)))
+  setup = train.build_setup(_config(over))
+  target = train.abstract_state(setup)
   assert target.rollout_queue["tokens"].shape[0] == 2
 
-  def held(directory, step):
-    saved, _ = checkpoint.restore(str(directory / "checkpoints"), target, step=step)
+  def held(directory, step):  # the restore target of a step has that step's parts
+    saved, _ = checkpoint.restore(str(directory / "checkpoints"),
+                                  train.abstract_state(setup, step), step=step)
     return int(saved.rollout_queue["count"]), bool(np.asarray(saved.rollout_buffer["valid"]).any())
 
   # the first RL checkpoint (before the last step) with a full queue and held groups
