@@ -90,6 +90,8 @@ def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray
   batch, record, updates = collect(t, state)
   if "rollout_buffer" in updates:
     state = state._replace(rollout_buffer=updates["rollout_buffer"])
+  state = state._replace(**{k: v for k, v in updates.items()
+                            if k in ("selector", "spec_drafts")})
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   mets_all = []
   for mb in _minibatches(t, batch, t.setup.config.train.minibatches):

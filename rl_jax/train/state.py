@@ -17,6 +17,7 @@ import optax
 from rl_jax import models
 from rl_jax import rollout
 from rl_jax import sharding
+from rl_jax.train import selection_stage, speculative_stage
 from rl_jax.train.context import Setup
 from rl_jax.train.streams import Stream, seed_for
 
@@ -34,6 +35,10 @@ class TrainState(NamedTuple):
   data: int32 [2] (epoch, position) of the prompt sampler.
   rollout_buffer: with ``rollout.partial``, the rollout engine's held groups (partial and
   extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
+  selector: per-prompt state of the prompt selector (``selection_stage.selector_state``:
+  GRESO streaks, Beta posteriors); ``{}`` for selectors without state.
+  spec_drafts: with ``rollout.speculative``, each prompt's last responses and their sampling
+  distributions (``speculative_stage.drafts_state``); ``{}`` otherwise.
   """
 
   step: jax.Array
@@ -45,6 +50,8 @@ class TrainState(NamedTuple):
   value_opt_state: Any
   data: jax.Array
   rollout_buffer: Any
+  selector: Any
+  spec_drafts: Any
 
 
 def held_capacity(s: Setup) -> int:
@@ -70,6 +77,13 @@ def _empty_buffer(s: Setup) -> dict:
   """``TrainState.rollout_buffer`` of a fresh run: host arrays with nothing held."""
   engine = make_engine(s)
   return {} if engine is None else engine.export_held(held_capacity(s))
+
+
+def _prompt_state(s: Setup) -> dict:
+  """The per-prompt fields of a fresh state (host arrays): ``selector``, ``spec_drafts``."""
+  N = len(s.train_examples)
+  return {"selector": selection_stage.selector_state(s.config, N),
+          "spec_drafts": speculative_stage.drafts_state(s.config, N, s.model_cfg.vocab_size)}
 
 
 def _shardings_like(s: Setup, axes, tree):
@@ -103,7 +117,8 @@ def _state_from_params(s: Setup, params) -> TrainState:
                     opt_state=_init_optimizer(s, s.optimizers.rl, params, param_sh),
                     sft_opt_state=_init_optimizer(s, s.optimizers.sft, params, param_sh),
                     ref_params=ref, value_params=value, value_opt_state=value_opt,
-                    data=jnp.zeros((2,), jnp.int32), rollout_buffer={})
+                    data=jnp.zeros((2,), jnp.int32), rollout_buffer={},
+                    selector={}, spec_drafts={})
 
 
 def _replicated(s: Setup) -> jax.sharding.NamedSharding:
@@ -131,6 +146,7 @@ def init_state(s: Setup) -> TrainState:
   state = _state_from_params(s, params)  # arrays not laid out on the mesh are replicated:
   state = jax.tree.map(
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
+  state = state._replace(**jax.tree.map(lambda x: place_replicated(s, x), _prompt_state(s)))
   return state._replace(rollout_buffer=jax.tree.map(lambda x: place_replicated(s, x),
                                                     _empty_buffer(s)))
 
@@ -164,7 +180,9 @@ def abstract_state(s: Setup) -> TrainState:
   state = jax.tree.map(spec, shapes, out)
   buffer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                        sharding=replicated), _empty_buffer(s))
-  return state._replace(rollout_buffer=buffer)
+  extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                       _prompt_state(s))
+  return state._replace(rollout_buffer=buffer, **extra)
 
 
 def begin_rl(s: Setup, state: TrainState) -> TrainState:
