@@ -310,6 +310,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if (config.data.overlong_buffer or 0) > config.rollout.max_new_tokens:
     raise ConfigError(f"data.overlong_buffer={config.data.overlong_buffer} exceeds "
                       f"rollout.max_new_tokens={config.rollout.max_new_tokens}")
+  if config.rollout.speculative and not config.rollout.temperature > 0:
+    raise ConfigError("rollout.speculative=True needs rollout.temperature > 0 (greedy decoding "
+                      "has nothing to verify)")
   if config.rollout.speculative and config.rollout.partial:
     raise ConfigError("rollout.speculative=True and rollout.partial=True cannot be combined; "
                       "choose one")
