@@ -105,8 +105,8 @@ def _data() -> ml_collections.ConfigDict:
       # Prompt selection (docs/SELECTION.md): "none" | "dapo" (dynamic sampling: keep only
       # groups whose rewards differ) | "greso" (skip prompts whose recent groups had zero
       # reward variance) | "beta" (per-prompt Beta posterior). With loss.preset="dapo",
-      # "none" means "dapo".
-      selector="none",
+      # "none" means "dapo". (--config.data.selector=none stores None, read as "none".)
+      selector=config_dict.FieldReference("none", field_type=str),
       max_tries=10,  # dapo: candidate batches per step; greso: candidate batches to draw
       select_pool=2.0,  # beta: candidates drawn per step, as a multiple of batch_groups
       beta_mode="thompson",  # beta: "thompson" (sample closest to 0.5) | "variance" (mu(1-mu))
@@ -240,7 +240,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "data.max_prompt_len": cu.positive_int,
       "data.eval_size": cu.nonnegative_int,
       "data.reward_timeout_s": cu.positive,
-      "data.selector": cu.one_of(SELECTORS),
+      "data.selector": opt(cu.one_of(SELECTORS)),
       "data.max_tries": cu.positive_int,
       "data.select_pool": cu.in_range(1.0, None),
       "data.beta_mode": cu.one_of(("thompson", "variance")),
@@ -316,7 +316,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.rollout.speculative and config.rollout.partial:
     raise ConfigError("rollout.speculative=True and rollout.partial=True cannot be combined; "
                       "choose one")
-  if config.data.selector != "none" and config.rollout.partial:
+  if (config.data.selector or "none") != "none" and config.rollout.partial:
     raise ConfigError(f"data.selector={config.data.selector!r} needs rollout.partial=False "
                       f"(the partial-rollout engine draws its own prompts)")
   if config.train.batch_groups % config.train.minibatches:

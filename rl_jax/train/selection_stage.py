@@ -50,7 +50,7 @@ GRESO_P0 = 0.5  # initial exploration probability of both GRESO kinds
 
 def effective_selector(c) -> str:
   """The selector a run uses: ``data.selector``, or ``"dapo"`` for the dapo preset."""
-  sel = c.data.selector
+  sel = c.data.selector or "none"
   if sel == "none" and c.loss.preset == "dapo" and not c.rollout.partial:
     return "dapo"
   return sel

@@ -1,0 +1,127 @@
+"""Prompt selection and speculative rollouts, measured in the trainer.
+
+Selection: the ``sort_mix`` task (easy copy, learnable sort and impossible hash prompts),
+the quickstart model, a short supervised warm start, then RL with each ``data.selector``.
+Reported per run: rollout tokens (every sampled token, including groups a selector drops)
+and rollout wall time until the held-out greedy accuracy first reaches ``--target``, and the
+final accuracy. Runs are interleaved: for each seed, every method in turn.
+
+SPEC-RL: the same task revisited for several epochs with ``rollout.speculative`` off and
+on (interleaved per seed); reported: rollout seconds per epoch from the second epoch on
+(the first has no drafts), the reused-token fraction and the final accuracy.
+
+    python scripts/bench_selection.py selection [--seeds 0,1,2 --steps 120 --target 0.5]
+    python scripts/bench_selection.py spec [--seeds 0,1,2 --epochs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from rl_jax import config_utils, metrics, train  # noqa: E402
+
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+BASE = ["data.task=sort_mix", "data.difficulty=0", "data.eval_size=256",
+        "rollout.max_new_tokens=4", "train.checkpoint_every=0", "log.tensorboard=False",
+        "eval.pass_k=0"]
+
+
+def run(overrides: list[str]) -> list[dict]:
+  """One training run; its metrics rows."""
+  config = config_utils.load_config(QUICKSTART, BASE + overrides)
+  with tempfile.TemporaryDirectory() as d:
+    train.train(config, d, progress=False)
+    return metrics.read_jsonl(os.path.join(d, "metrics.jsonl"))
+
+
+def rollout_cost(row: dict, groups: int, n: int) -> tuple[float, float]:
+  """(rollout tokens, rollout seconds) of one RL step's metrics row."""
+  tokens = row.get("rollout_tokens", row["response_length"] * groups * n)
+  return tokens, tokens / max(row["rollout_tokens_per_s"], 1e-9)
+
+
+def to_target(rows: list[dict], target: float, groups: int, n: int) -> dict:
+  """Cumulative RL rollout tokens / seconds at the first eval step with accuracy >= target."""
+  tok = sec = 0.0
+  out = {"tokens": None, "seconds": None, "step": None}
+  for r in rows:
+    if r.get("phase") == "rl":
+      t, s = rollout_cost(r, groups, n)
+      tok, sec = tok + t, sec + s
+    if "eval_accuracy" in r and r.get("phase") == "rl" and r["eval_accuracy"] >= target:
+      out = {"tokens": tok, "seconds": sec, "step": r["step"]}
+      break
+  final = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+  return {**out, "final_accuracy": final[-1], "total_tokens": _total(rows, groups, n)}
+
+
+def _total(rows, groups, n):
+  return sum(rollout_cost(r, groups, n)[0] for r in rows if r.get("phase") == "rl")
+
+
+def selection(args) -> dict:
+  methods = args.methods.split(",")
+  G, n = args.groups, 8
+  common = [f"train.steps={args.steps}", f"train.batch_groups={G}", "train.eval_every=10",
+            "sft.steps=25"]
+  results = {m: [] for m in methods}
+  for seed in [int(s) for s in args.seeds.split(",")]:
+    for m in methods:
+      rows = run(common + [f"train.seed={seed}", f"data.seed={seed}", f"data.selector={m}"])
+      res = to_target(rows, args.target, G, n)
+      results[m].append(res)
+      print(json.dumps({"seed": seed, "method": m, **res}), flush=True)
+  return results
+
+
+def spec(args) -> dict:
+  G, n = args.groups, 8
+  train_prompts = 241  # sort_mix difficulty 0
+  per_epoch = -(-train_prompts // G)
+  steps = args.epochs * per_epoch
+  common = [f"train.steps={steps}", f"train.batch_groups={G}", f"train.eval_every={steps}",
+            "sft.steps=25"]
+  results = {"plain": [], "speculative": []}
+  for seed in [int(s) for s in args.seeds.split(",")]:
+    for name, flag in (("plain", "False"), ("speculative", "True")):
+      rows = [r for r in run(common + [f"train.seed={seed}", f"data.seed={seed}",
+                                       f"rollout.speculative={flag}"]) if r["phase"] == "rl"]
+      later = rows[per_epoch:]
+      secs = sum(rollout_cost(r, G, n)[1] for r in later) / max(args.epochs - 1, 1)
+      res = {"rollout_s_per_epoch": secs, "final_accuracy": rows[-1].get("eval_accuracy"),
+             "reused_token_fraction": statistics.mean(
+                 r.get("spec_reused_token_fraction", 0.0) for r in later)}
+      results[name].append(res)
+      print(json.dumps({"seed": seed, "mode": name, **res}), flush=True)
+  return results
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("part", choices=("selection", "spec"))
+  p.add_argument("--seeds", default="0,1,2")
+  p.add_argument("--methods", default="none,dapo,greso,beta")
+  p.add_argument("--steps", type=int, default=120)
+  p.add_argument("--groups", type=int, default=16)
+  p.add_argument("--target", type=float, default=0.5)
+  p.add_argument("--epochs", type=int, default=4)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  res = selection(args) if args.part == "selection" else spec(args)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
+if __name__ == "__main__":
+  main()
