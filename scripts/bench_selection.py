@@ -11,7 +11,7 @@ on (interleaved per seed); reported: rollout seconds per epoch from the second e
 (the first has no drafts), the reused-token fraction and the final accuracy.
 
     python scripts/bench_selection.py selection [--seeds 0,1,2 --steps 120 --target 0.5]
-    python scripts/bench_selection.py spec [--seeds 0,1,2 --epochs 4]
+    python scripts/bench_selection.py spec [--seeds 0,1,2 --epochs 4 --difficulty 2]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from rl_jax import config_utils, metrics, train  # noqa: E402
+from rl_jax.data import tasks  # noqa: E402
 
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 BASE = ["data.task=sort_mix", "data.difficulty=0", "data.eval_size=256",
@@ -36,7 +37,7 @@ BASE = ["data.task=sort_mix", "data.difficulty=0", "data.eval_size=256",
 
 
 def run(overrides: list[str]) -> list[dict]:
-  """One training run; its metrics rows."""
+  """One training run (later overrides win); its metrics rows."""
   config = config_utils.load_config(QUICKSTART, BASE + overrides)
   with tempfile.TemporaryDirectory() as d:
     train.train(config, d, progress=False)
@@ -53,15 +54,18 @@ def to_target(rows: list[dict], target: float, groups: int, n: int) -> dict:
   """Cumulative RL rollout tokens / seconds at the first eval step with accuracy >= target."""
   tok = sec = 0.0
   out = {"tokens": None, "seconds": None, "step": None}
+  curve = []  # (step, cumulative tokens, cumulative seconds, accuracy) at each RL eval
   for r in rows:
     if r.get("phase") == "rl":
       t, s = rollout_cost(r, groups, n)
       tok, sec = tok + t, sec + s
-    if "eval_accuracy" in r and r.get("phase") == "rl" and r["eval_accuracy"] >= target:
-      out = {"tokens": tok, "seconds": sec, "step": r["step"]}
-      break
+    if "eval_accuracy" in r and r.get("phase") == "rl":
+      curve.append((r["step"], tok, round(sec, 3), r["eval_accuracy"]))
+      if out["step"] is None and r["eval_accuracy"] >= target:
+        out = {"tokens": tok, "seconds": sec, "step": r["step"]}
   final = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-  return {**out, "final_accuracy": final[-1], "total_tokens": _total(rows, groups, n)}
+  return {**out, "final_accuracy": final[-1], "total_tokens": _total(rows, groups, n),
+          "curve": curve}
 
 
 def _total(rows, groups, n):
@@ -85,11 +89,12 @@ def selection(args) -> dict:
 
 def spec(args) -> dict:
   G, n = args.groups, 8
-  train_prompts = 241  # sort_mix difficulty 0
+  train_prompts = len(tasks.get_task("sort_mix", difficulty=args.difficulty).split("train"))
   per_epoch = -(-train_prompts // G)
   steps = args.epochs * per_epoch
   common = [f"train.steps={steps}", f"train.batch_groups={G}", f"train.eval_every={steps}",
-            "sft.steps=25"]
+            "sft.steps=25", f"data.difficulty={args.difficulty}",
+            f"rollout.max_new_tokens={args.max_new_tokens}", "data.max_prompt_len=24"]
   results = {"plain": [], "speculative": []}
   for seed in [int(s) for s in args.seeds.split(",")]:
     for name, flag in (("plain", "False"), ("speculative", "True")):
@@ -114,6 +119,8 @@ def main(argv=None) -> dict:
   p.add_argument("--groups", type=int, default=16)
   p.add_argument("--target", type=float, default=0.5)
   p.add_argument("--epochs", type=int, default=4)
+  p.add_argument("--difficulty", type=int, default=2)  # spec: sort_mix level (long answers)
+  p.add_argument("--max-new-tokens", type=int, default=10)  # spec
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   res = selection(args) if args.part == "selection" else spec(args)

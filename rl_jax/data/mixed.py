@@ -6,7 +6,8 @@ of the same length (impossible: nothing in the prompt predicts it, so its group 
 almost always all zero). One third of the prompts is each kind; held-out prompts never
 appear in training.
 
-Difficulty: 0 two digits (300 prompts), 1 three digits (3000 prompts).
+Difficulty: 0 two digits (300 prompts), 1 three digits (3000 prompts), 2 eight digits
+from a fixed pool of 100 strings (300 prompts, longer responses).
 """
 
 from __future__ import annotations
@@ -37,21 +38,30 @@ class MixedSorting(SyntheticTask):
   """Copy / sort / hash a string of ``length`` digits (see the module docstring)."""
 
   length: int = option(2, minimum=1)
+  pool: int = option(0, minimum=0)  # > 0: only this many seeded digit strings
 
   name = "sort_mix"
-  presets = by_difficulty(length=(2, 3))
+  presets = by_difficulty(length=(2, 3, 8), pool=(0, 0, 100))
+
+  def _strings(self) -> list[str]:
+    if not self.pool:
+      return ["".join(c) for c in itertools.product("0123456789", repeat=self.length)]
+    rng = np.random.default_rng([self.seed, 7])
+    return sorted({"".join(str(int(d)) for d in rng.integers(0, 10, self.length))
+                   for _ in range(self.pool)})
 
   def _space_size(self) -> int:
-    return len(KINDS) * 10**self.length
+    return len(KINDS) * (self.pool or 10**self.length)
 
   def _make(self, kind: str, s: str) -> Example:
     answer = {"copy": s, "sort": "".join(sorted(s)), "hash": _hashed(s)}[kind]
     return Example(f"{kind} {s}:", answer)
 
   def _enumerate(self) -> Iterator[Example]:
+    strings = self._strings()
     for kind in KINDS:
-      for chars in itertools.product("0123456789", repeat=self.length):
-        yield self._make(kind, "".join(chars))
+      for s in strings:
+        yield self._make(kind, s)
 
   def _sample(self, rng: np.random.Generator) -> Example:
     kind = KINDS[int(rng.integers(0, len(KINDS)))]

@@ -260,6 +260,10 @@ def _produce_selected(t: Trainer, params, state: TrainState, *, step: int,
            "rollout_tokens_per_informative_group":
                scored.stats["rollout_tokens"] / max(informative, 1),
            "effective_prompts_per_s": informative / max(scored.rollout_s, 1e-9)}
+  if drafts:
+    reused = stats["spec_reused_tokens"]
+    stats["spec_accept_len"] = reused / max(stats["spec_drafted_samples"], 1.0)
+    stats["spec_reused_token_fraction"] = reused / max(stats["rollout_tokens"], 1.0)
   updates = {"data": data}
   place = lambda tree: jax.tree.map(lambda x: place_replicated(s, x), tree)
   if new_sel is not None:
