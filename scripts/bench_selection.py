@@ -3,7 +3,7 @@
 Selection: the ``sort_mix`` task (easy copy, learnable sort and impossible hash prompts),
 the quickstart model, a short supervised warm start, then RL with each ``data.selector``.
 Reported per run: rollout tokens (every sampled token, including groups a selector drops)
-and rollout wall time until the held-out greedy accuracy first reaches ``--target``, and the
+and rollout wall time (sampling only, without the first RL step, which compiles) until the held-out greedy accuracy first reaches ``--target``, and the
 final accuracy. Runs are interleaved: for each seed, every method in turn.
 
 SPEC-RL: the same task revisited for several epochs with ``rollout.speculative`` off and
@@ -45,9 +45,11 @@ def run(overrides: list[str]) -> list[dict]:
 
 
 def rollout_cost(row: dict, groups: int, n: int) -> tuple[float, float]:
-  """(rollout tokens, rollout seconds) of one RL step's metrics row."""
-  tokens = row.get("rollout_tokens", row["response_length"] * groups * n)
-  return tokens, tokens / max(row["rollout_tokens_per_s"], 1e-9)
+  """(rollout tokens, rollout seconds) of one RL step's metrics row: every sampled token
+  (``rollout_tokens`` when a selector reports it, else the trained ones), and the sampling
+  time (``rollout_tokens_per_s`` divides the trained tokens by it)."""
+  trained = row["response_length"] * groups * n
+  return row.get("rollout_tokens", trained), trained / max(row["rollout_tokens_per_s"], 1e-9)
 
 
 def to_target(rows: list[dict], target: float, groups: int, n: int) -> dict:
@@ -55,10 +57,12 @@ def to_target(rows: list[dict], target: float, groups: int, n: int) -> dict:
   tok = sec = 0.0
   out = {"tokens": None, "seconds": None, "step": None}
   curve = []  # (step, cumulative tokens, cumulative seconds, accuracy) at each RL eval
+  first = True
   for r in rows:
     if r.get("phase") == "rl":
       t, s = rollout_cost(r, groups, n)
-      tok, sec = tok + t, sec + s
+      tok, sec = tok + t, sec + (0.0 if first else s)  # the first RL step compiles
+      first = False
     if "eval_accuracy" in r and r.get("phase") == "rl":
       curve.append((r["step"], tok, round(sec, 3), r["eval_accuracy"]))
       if out["step"] is None and r["eval_accuracy"] >= target:
