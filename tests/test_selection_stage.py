@@ -159,3 +159,17 @@ def test_overlong_shaping_and_the_dapo_preset_defaults():
   c.rollout.partial = True
   assert ss.overlong_buffer(c) == 0 and ss.effective_selector(c) == "none"
   assert isinstance(c, ml_collections.ConfigDict)
+
+
+def test_sort_mix_has_easy_learnable_and_impossible_prompts():
+  from rl_jax.data import tasks  # pylint: disable=import-outside-toplevel
+  task = tasks.get_task("sort_mix", difficulty=0)
+  train, held = task.split("train"), task.split("eval")
+  assert len(train) + len(held) == 300 and not {e.prompt for e in train} & {e.prompt for e in held}
+  by_kind = {k: [e for e in train if e.prompt.startswith(k)] for k in ("copy", "sort", "hash")}
+  assert all(60 < len(v) < 100 for v in by_kind.values())
+  assert all(e.answer == e.prompt[5:-1] for e in by_kind["copy"])
+  assert all(e.answer == "".join(sorted(e.prompt[5:-1])) for e in by_kind["sort"])
+  hashed = by_kind["hash"]
+  assert np.mean([e.answer == "".join(sorted(e.prompt[5:-1])) for e in hashed]) < 0.2
+  assert task.verify(" 12 ", "12") == 1.0 and len(tasks.get_task("sort_mix", 2).split("train")) > 200
