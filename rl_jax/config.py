@@ -194,6 +194,9 @@ def _train() -> ml_collections.ConfigDict:
       # reproducible, resumable pipeline; 0 equals sync). -1: free-running producer,
       # bounded by rollout.max_staleness.
       async_lag=1,
+      # async: allow a lag above 1 with an objective that ignores the behaviour log-probs
+      # (plain GRPO on stale data, for ablations)
+      allow_uncorrected=False,
   ))
 
 

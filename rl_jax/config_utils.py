@@ -63,7 +63,7 @@ __all__ = [
     "set_value", "parse_value", "parse_cli", "main_guard", "get_value", "Check", "check",
     "check_choice", "validate",
     "positive_int", "nonnegative_int", "positive", "nonnegative", "probability",
-    "in_range", "one_of", "optional",
+    "in_range", "one_of", "optional", "is_int",
 ]
 
 _NONE_WORDS = ("none", "null")

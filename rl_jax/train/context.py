@@ -149,17 +149,66 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
   return cfg
 
 
+def _rollout_devices(config) -> int:
+  """Devices set aside for the asynchronous producer (``mesh.rollout_devices``), checked."""
+  n, mode = config.mesh.rollout_devices, config.train.mode
+  if n and mode != "async":
+    raise ConfigError(f"mesh.rollout_devices={n} splits the devices for train.mode='async', "
+                      f"but train.mode={mode!r}; set it to 0 or use train.mode=async")
+  if n and jax.process_count() > 1:
+    raise ConfigError("mesh.rollout_devices: the asynchronous trainer runs in one process; "
+                      "set mesh.rollout_devices=0 with several processes")
+  if n >= jax.device_count():
+    raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the training mesh "
+                      f"({jax.device_count()} devices exist)")
+  return n
+
+
 def _mesh(config) -> jax.sharding.Mesh:
-  n_dev = config.mesh.num_devices or jax.device_count()
-  if n_dev > jax.device_count():
-    raise ConfigError(f"mesh.num_devices={n_dev} but only {jax.device_count()} devices exist")
-  return sharding.make_mesh(mesh_shape(config.mesh.shape, n_dev), jax.devices()[:n_dev])
+  """The training mesh over the devices after the rollout devices (all of them in sync mode)."""
+  devices = jax.devices()[_rollout_devices(config):]
+  n_dev = config.mesh.num_devices or len(devices)
+  if n_dev > len(devices):
+    raise ConfigError(f"mesh.num_devices={n_dev} but only {len(devices)} devices exist"
+                      + (f" besides mesh.rollout_devices={config.mesh.rollout_devices}"
+                         if config.mesh.rollout_devices else ""))
+  return sharding.make_mesh(mesh_shape(config.mesh.shape, n_dev), devices[:n_dev])
 
 
-def _sampler_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-  """The training mesh with one process; with several, this process's devices with the
-  training mesh's ``sequence`` and ``tensor`` sizes (KV cache along sequence, heads along
-  tensor) when they fit, groups over ``fsdp``."""
+def _async_checks(config, objective: losses.Objective) -> None:
+  """Asynchronous settings that cannot work, in one line each (before anything compiles)."""
+  c = config
+  if c.train.mode != "async":
+    return
+  if jax.process_count() > 1:
+    raise ConfigError("train.mode='async' runs in one process (several processes: "
+                      "train.mode='sync')")
+  if c.train.async_lag == -1 and c.rollout.max_staleness < 1:
+    raise ConfigError(f"train.async_lag=-1 (free-running) needs a staleness bound "
+                      f"rollout.max_staleness >= 1, got {c.rollout.max_staleness} (0 never "
+                      "overlaps, -1 is unbounded)")
+  # one step off (a lag of at most 1) is the common practice without correction; more needs
+  # an objective that reads the behaviour log-probs
+  lag = c.train.async_lag if c.train.async_lag >= 0 else c.rollout.max_staleness
+  if lag > 1 and "behaviour_logp" not in objective.needs and (
+      not c.train.allow_uncorrected):
+    what = (f"train.async_lag={lag}" if c.train.async_lag >= 0 else
+            f"free-running with rollout.max_staleness={lag}")
+    raise ConfigError(
+        f"{what} trains on tokens up to {lag} versions "
+        f"old, but loss.preset={c.loss.preset!r} never reads the behaviour log-probs to "
+        "correct them; use vcpo, m2po or decoupled_ppo, truncated IS (loss.tis_level), "
+        "a lag of at most 1, or set train.allow_uncorrected=True")
+
+
+def _sampler_mesh(config, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """The training mesh with one process (or the asynchronous trainer's own rollout devices,
+  groups over ``fsdp``); with several, this process's devices with the training mesh's
+  ``sequence`` and ``tensor`` sizes (KV cache along sequence, heads along tensor) when they
+  fit, groups over ``fsdp``."""
+  n = _rollout_devices(config)
+  if n:
+    return sharding.make_mesh({"fsdp": n}, jax.devices()[:n])
   if jax.process_count() == 1:
     return mesh
   local = jax.local_devices()
@@ -181,6 +230,7 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   """Validate ``config`` and build everything static; fails in one line before compiling."""
   config_lib.validate(config)
   objective = make_objective(config)
+  _async_checks(config, objective)
   tokenizer, task, train, evals, prompt_len = _task(config)
   model_cfg = _model_config(config, tokenizer)
   mesh = _mesh(config)
@@ -191,6 +241,6 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   eos = config.rollout.eos_id
   return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
-               sampler_mesh=_sampler_mesh(mesh), rules=config.mesh.rules,
+               sampler_mesh=_sampler_mesh(config, mesh), rules=config.mesh.rules,
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos)

@@ -13,7 +13,8 @@ Each process samples and scores only the groups whose rows live on its own devic
 (the batch is replicated), every process holds every row and the global array is filled
 from the host copy.
 ``Layout.sampler_params`` hands the sampler the policy on ``Setup.sampler_mesh``: the
-weights themselves with one process; with several, a jitted all-gather to a replica on every
+weights themselves with one process (a device-to-device copy when the asynchronous trainer
+samples on devices of its own); with several, a jitted all-gather to a replica on every
 device, whose shards on this process's devices then form the local copy (no host copy).
 """
 
@@ -77,8 +78,10 @@ class Layout(NamedTuple):
     """``params`` placed for the sampler (``Setup.sampler_mesh``)."""
     if self.sampler_mesh is self.mesh:
       return params
-    replicated = _gather(self.mesh)(params)
     local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
+    if jax.process_count() == 1:  # the asynchronous trainer's own rollout devices
+      return jax.device_put(params, local)
+    replicated = _gather(self.mesh)(params)
     return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
         x.shape, local, [shard.data for shard in x.addressable_shards]), replicated)
 

@@ -10,6 +10,7 @@ data position is part of the checkpoint. SIGTERM saves a checkpoint and exits cl
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax.errors import RLJaxError
 from rl_jax.train.context import Setup, build_setup
+from rl_jax.train import pipeline
 from rl_jax.train.evaluation import evaluate
 from rl_jax.train.layout import make_layout
 from rl_jax.train.rollouts import Trainer, collect, next_examples
@@ -34,7 +36,8 @@ from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state
                                  place_replicated)
 from rl_jax.train.steps import UpdateBatch, make_step_fns
 
-__all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
+__all__ = ["make_trainer", "sft_batch", "apply_update", "rl_step", "async_rl_step", "sft_step",
+           "train", "main"]
 
 
 def make_trainer(s: Setup, abstract: TrainState | None = None) -> Trainer:
@@ -85,13 +88,9 @@ def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:
           for i in range(k)]
 
 
-def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
-  """One RL step: rollouts, then ``train.minibatches`` updates; (state, record, data)."""
-  batch, record, updates = collect(t, state)
-  if "rollout_buffer" in updates:
-    state = state._replace(rollout_buffer=updates["rollout_buffer"])
-  state = state._replace(**{k: v for k, v in updates.items()
-                            if k in ("selector", "spec_drafts")})
+def apply_update(t: Trainer, state: TrainState, batch: UpdateBatch) -> tuple[TrainState, dict]:
+  """The learner's step: ``train.minibatches`` optimizer updates on ``batch``; (state, the
+  metrics averaged over the minibatches)."""
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   mets_all = []
   for mb in _minibatches(t, batch, t.setup.config.train.minibatches):
@@ -99,8 +98,25 @@ def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray
     mets_all.append(jax.device_get(mets))
   state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],
                          value_opt_state=carry[3])
-  means = {k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}
+  return state, {k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}
+
+
+def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
+  """One synchronous RL step: rollouts, then the update; (state, record, data)."""
+  batch, record, updates = collect(t, state)
+  if "rollout_buffer" in updates:
+    state = state._replace(rollout_buffer=updates["rollout_buffer"])
+  state = state._replace(**{k: v for k, v in updates.items()
+                            if k in ("selector", "spec_drafts")})
+  state, means = apply_update(t, state, batch)
   return state, {"phase": "rl", **record, **means}, updates["data"]
+
+
+def async_rl_step(t: Trainer, runner, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
+  """One asynchronous RL step (``pipeline``): the learner trains on a queued batch while the
+  producer samples; (state, record, data)."""
+  state, record = runner.step(state, functools.partial(apply_update, t))
+  return state, {"phase": "rl", **record}, np.asarray(state.data)
 
 
 class _Preempted:
@@ -148,10 +164,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   old_handler = signal.signal(signal.SIGTERM, preempted)
   bar = _progress(progress and lead, total, int(state.step))
   bad_steps = 0
+  runner = None  # the asynchronous pipeline, started at the first RL step
+  snapshot = lambda st: st if runner is None else runner.snapshot(st)
   try:
     while int(state.step) < total:
       if preempted.any():
-        ckpt.save(int(state.step), state, force=True)
+        ckpt.save(int(state.step), snapshot(state), force=True)
         ckpt.wait()
         print(f"SIGTERM: saved checkpoint at step {int(state.step)}; rerun to resume",
               file=sys.stderr)
@@ -163,7 +181,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
       else:
         if step == sft_steps:
           state = begin_rl(s, state)
-        state, record, data = rl_step(t, state)
+        if c.train.mode == "async":
+          runner = runner or pipeline.make_runner(t, state)
+          state, record, data = async_rl_step(t, runner, state)
+        else:
+          state, record, data = rl_step(t, state)
       bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
       if bad_steps >= c.train.max_bad_steps:
         raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient "
@@ -177,7 +199,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
         writer.write(step, record)
       _update_progress(bar, record)
       if ckpt.should_save(step) or step == total:
-        ckpt.save(step, state, force=step == total)
+        ckpt.save(step, snapshot(state), force=step == total)
     ckpt.wait()
     if int(state.step) >= total:
       params = t.layout.sampler_params(state.params)  # collective: every process takes part
@@ -185,6 +207,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
         models.save_hf(s.model_cfg, params, os.path.join(workdir, "hf"))
         metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
   finally:
+    if runner is not None:
+      runner.close()
     signal.signal(signal.SIGTERM, old_handler)
     if writer is not None:
       writer.close()

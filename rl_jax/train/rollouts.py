@@ -323,10 +323,13 @@ def staleness_metrics(versions: np.ndarray, mask: np.ndarray, step: int) -> dict
   return out
 
 
-def learner_batch(t: Trainer, state: TrainState,
-                  scored: Scored) -> tuple[UpdateBatch, dict[str, Any]]:
+def learner_batch(t: Trainer, state: TrainState, scored: Scored,
+                  max_lag: int = -1) -> tuple[UpdateBatch, dict[str, Any]]:
   """The learner side of a step: scored groups -> objective inputs (proximal log-probs from
   the current weights, and whatever else the objective needs) -> advantages.
+
+  ``max_lag >= 0`` masks tokens sampled more than ``max_lag`` versions before this step
+  from the loss (the free-running producer's staleness bound).
 
   Returns:
     (the update batch, the step's rollout metrics).
@@ -338,6 +341,8 @@ def learner_batch(t: Trainer, state: TrainState,
   loss_mask = scored.mask
   if c.rollout.mask_stale:  # only tokens of the policy the producer held
     loss_mask = scored.mask & (scored.versions >= scored.version)
+  if max_lag >= 0:
+    loss_mask = loss_mask & (scored.versions >= int(state.step) - max_lag)
   mine = slice(0, g) if g == hi - lo else slice(lo, hi)  # this process's groups of ``scored``
   put = lambda a: t.layout.put(a[mine], G)  # host rows -> global arrays split along batch
   prompts = encode_prompts(s, [s.train_examples[i] for i in scored.indices])

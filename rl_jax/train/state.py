@@ -17,6 +17,7 @@ import optax
 from rl_jax import models
 from rl_jax import rollout
 from rl_jax import sharding
+from rl_jax.train import queue as queue_lib
 from rl_jax.train import selection_stage, speculative_stage
 from rl_jax.train.context import Setup
 from rl_jax.train.streams import Stream, seed_for
@@ -35,6 +36,8 @@ class TrainState(NamedTuple):
   data: int32 [2] (epoch, position) of the prompt sampler.
   rollout_buffer: with ``rollout.partial``, the rollout engine's held groups (partial and
   extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
+  rollout_queue: with ``train.mode="async"``, the scored batches sampled ahead of the learner
+  (``pipeline.empty_queue``); ``{}`` otherwise.
   selector: per-prompt state of the prompt selector (``selection_stage.selector_state``:
   GRESO streaks, Beta posteriors); ``{}`` for selectors without state.
   spec_drafts: with ``rollout.speculative``, each prompt's last responses and their sampling
@@ -50,8 +53,9 @@ class TrainState(NamedTuple):
   value_opt_state: Any
   data: jax.Array
   rollout_buffer: Any
-  selector: Any
-  spec_drafts: Any
+  rollout_queue: Any = {}
+  selector: Any = {}
+  spec_drafts: Any = {}
 
 
 def held_capacity(s: Setup) -> int:
@@ -77,6 +81,11 @@ def _empty_buffer(s: Setup) -> dict:
   """``TrainState.rollout_buffer`` of a fresh run: host arrays with nothing held."""
   engine = make_engine(s)
   return {} if engine is None else engine.export_held(held_capacity(s))
+
+
+def _empty_queue(s: Setup) -> dict:
+  """``TrainState.rollout_queue`` of a fresh run."""
+  return queue_lib.empty_queue(s.config)
 
 
 def _prompt_state(s: Setup) -> dict:
@@ -146,9 +155,9 @@ def init_state(s: Setup) -> TrainState:
   state = _state_from_params(s, params)  # arrays not laid out on the mesh are replicated:
   state = jax.tree.map(
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
-  state = state._replace(**jax.tree.map(lambda x: place_replicated(s, x), _prompt_state(s)))
-  return state._replace(rollout_buffer=jax.tree.map(lambda x: place_replicated(s, x),
-                                                    _empty_buffer(s)))
+  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
+          **_prompt_state(s)}
+  return state._replace(**jax.tree.map(lambda x: place_replicated(s, x), host))
 
 
 def place_replicated(s: Setup, x) -> jax.Array:
@@ -178,11 +187,11 @@ def abstract_state(s: Setup) -> TrainState:
                                 sharding=sh if _on_mesh(sh, s.mesh) else replicated)
 
   state = jax.tree.map(spec, shapes, out)
-  buffer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                       sharding=replicated), _empty_buffer(s))
-  extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                       _prompt_state(s))
-  return state._replace(rollout_buffer=buffer, **extra)
+  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
+          **_prompt_state(s)}
+  return state._replace(**jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
+      host))
 
 
 def begin_rl(s: Setup, state: TrainState) -> TrainState:
