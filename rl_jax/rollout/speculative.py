@@ -38,15 +38,16 @@ __all__ = ["Speculation", "sampling_logprobs", "accept_lengths", "residual_token
            "complete_prefixes"]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered"))
 def sampling_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
-                      temperature, top_k, top_p) -> jax.Array:
+                      temperature, top_k, top_p, filtered: bool = True) -> jax.Array:
   """Log-probs of the full sampling distribution (tempered, top-k / top-p filtered) at every
   response position, in one teacher-forced pass.
 
   Args:
     prompt_tokens int32 [G,P] right-padded; prompt_lengths int32 [G];
     response_tokens int32 [G,M,R]; temperature > 0, top_k (0 = off), top_p: scalars.
+    filtered: static; False skips the top-k / top-p sort (exact when top_k = 0, top_p = 1).
   Returns:
     float32 [G,M,R,V]: row [g,m,r] is the distribution token r of sample m was (or would
     be) drawn from given the prompt and tokens 0..r−1 (−inf outside the filtered set).
@@ -54,8 +55,11 @@ def sampling_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   h = grouped.response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens)
   logits = tx.logits_from_hidden(cfg, params, h)
   shape = logits.shape
-  z = sampling.filter_logits(logits.reshape(-1, shape[-1]), jnp.float32(temperature),
-                             jnp.int32(top_k), jnp.float32(top_p))
+  if filtered:
+    z = sampling.filter_logits(logits.reshape(-1, shape[-1]), jnp.float32(temperature),
+                               jnp.int32(top_k), jnp.float32(top_p))
+  else:
+    z = logits.reshape(-1, shape[-1]) / jnp.float32(temperature)
   return jax.nn.log_softmax(z, axis=-1).reshape(shape)
 
 

@@ -61,9 +61,13 @@ def roll(s, params, drafts: dict, idx: np.ndarray, prompts: list, *, step: int,
   pt, pl = _padded(prompts, s.prompt_len, s.tokenizer.pad_id)
   dt = drafts["tokens"][idx]
   dl = drafts["length"][idx].reshape(-1)
+  filtered = r.top_k > 0 or r.top_p < 1.0
   rows = lambda toks: np.asarray(speculative.sampling_logprobs(
-      s.model_cfg, params, pt, pl, jnp.asarray(toks), r.temperature, r.top_k, r.top_p))
-  p_rows = rows(dt).reshape(len(idx) * M, R, -1)
+      s.model_cfg, params, pt, pl, jnp.asarray(toks), r.temperature, r.top_k, r.top_p,
+      filtered=filtered))
+  # no drafts yet (a prompt's first visit): nothing to verify
+  p_all = rows(dt) if dl.any() else np.zeros(dt.shape + (s.model_cfg.vocab_size,), np.float32)
+  p_rows = p_all.reshape(len(idx) * M, R, -1)
   q_rows = drafts["logq"][idx].reshape(len(idx) * M, R, -1)
   rng = np.random.default_rng([seed_for(c.train.seed, step, Stream.SPECULATIVE), first_index])
   eos = s.eos_id if isinstance(s.eos_id, (list, tuple)) else [s.eos_id]
@@ -77,7 +81,9 @@ def roll(s, params, drafts: dict, idx: np.ndarray, prompts: list, *, step: int,
   tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   drafts["tokens"][idx] = tokens.reshape(len(idx), M, R)
   drafts["length"][idx] = mask.sum(axis=1).reshape(len(idx), M)
-  drafts["logq"][idx] = rows(tokens.reshape(len(idx), M, R))
+  # the verify pass already holds the rows of every response that is its whole draft
+  kept = (sp.accepted == dl) & (dl > 0)
+  drafts["logq"][idx] = p_all if kept.all() else rows(tokens.reshape(len(idx), M, R))
   stats = {"spec_drafted_samples": float(np.sum(dl > 0)),
            "spec_reused_tokens": float(sp.accepted.sum())}  # counts: they add over calls
   return tokens, mask, np.asarray(out.logprobs), stats
