@@ -173,3 +173,14 @@ def test_sort_mix_has_easy_learnable_and_impossible_prompts():
   hashed = by_kind["hash"]
   assert np.mean([e.answer == "".join(sorted(e.prompt[5:-1])) for e in hashed]) < 0.2
   assert task.verify(" 12 ", "12") == 1.0 and len(tasks.get_task("sort_mix", 2).split("train")) > 200
+
+
+def test_speculative_drafts_have_a_size_limit():
+  from rl_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from rl_jax.train import speculative_stage  # pylint: disable=import-outside-toplevel
+  c = _config()
+  c.rollout.speculative = True
+  d = speculative_stage.drafts_state(c, N, 7)
+  assert d["logq"].shape == (N, M, R, 7) and not d["length"].any()
+  with pytest.raises(ConfigError, match="rollout.speculative"):
+    speculative_stage.drafts_state(c, 10**6, 150_000)

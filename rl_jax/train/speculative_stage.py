@@ -19,10 +19,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.errors import ConfigError
 from rl_jax.rollout import speculative
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["drafts_state", "roll"]
+__all__ = ["MAX_DRAFT_BYTES", "drafts_state", "roll"]
+
+MAX_DRAFT_BYTES = 4 << 30  # the drafts' distributions are train state: keep them bounded
 
 
 def drafts_state(c, num_prompts: int, vocab: int) -> dict:
@@ -30,6 +33,11 @@ def drafts_state(c, num_prompts: int, vocab: int) -> dict:
   if not c.rollout.speculative:
     return {}
   M, R = c.rollout.n, c.rollout.max_new_tokens
+  size = num_prompts * M * R * vocab * 4
+  if size > MAX_DRAFT_BYTES:
+    raise ConfigError(f"rollout.speculative=True would keep {size / 2**30:.1f} GiB of drafts "
+                      f"({num_prompts} prompts x {M} samples x {R} tokens x {vocab} vocab x 4 "
+                      f"bytes; the limit is {MAX_DRAFT_BYTES / 2**30:.0f} GiB)")
   return {"tokens": np.zeros((num_prompts, M, R), np.int32),
           "length": np.zeros((num_prompts, M), np.int32),
           "logq": np.zeros((num_prompts, M, R, vocab), np.float32)}
