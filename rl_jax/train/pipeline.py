@@ -38,6 +38,7 @@ import time
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from rl_jax.train import queue as queue_lib
 from rl_jax.train.rollouts import Scored, Trainer, learner_batch, produce
@@ -54,13 +55,18 @@ def publish(t: Trainer, params) -> Any:
   """The policy for the producer: a device-to-device copy on the rollout mesh that never
   aliases the learner's buffers (the update donates them)."""
   layout = t.layout
-  target = jax.sharding.NamedSharding(layout.sampler_mesh, jax.sharding.PartitionSpec())
+  if layout.sampler_mesh is layout.mesh:  # shared devices: a copy laid out like the weights
+    target = jax.tree.map(lambda x: x.sharding, params)
+  else:  # the producer's own devices: a replica on each
+    target = jax.sharding.NamedSharding(layout.sampler_mesh, jax.sharding.PartitionSpec())
   return jax.device_put(params, target, may_alias=False)
 
 
-def _apply(state: TrainState, updates: dict) -> TrainState:
-  """``state`` with the producer's advanced fields (data position, held groups, ...)."""
-  return state._replace(**updates)
+def _apply(t: Trainer, state: TrainState, updates: dict) -> TrainState:
+  """``state`` with the producer's advanced fields (data position, held groups, ...); host
+  arrays are placed replicated, like the rest of the state."""
+  place = lambda x: place_replicated(t.setup, x) if isinstance(x, np.ndarray) else x
+  return state._replace(**{k: jax.tree.map(place, v) for k, v in updates.items()})
 
 
 def _with_queue(t: Trainer, state: TrainState, items: list[Scored]) -> TrainState:
@@ -114,7 +120,7 @@ class FixedLag:
     fill_s = 0.0
     while len(queue) < k:  # pipeline fill (first RL step): steps step..step+k-1, weights now
       scored, updates, busy = self._produce(params, state, step + len(queue), step)
-      state, fill_s = _apply(state, updates), fill_s + busy
+      state, fill_s = _apply(t, state, updates), fill_s + busy
       queue.append(scored)
     # the producer samples batch step+k from the weights of this step ...
     future = self.pool.submit(self._produce, params, state, step + k, step)
@@ -130,7 +136,7 @@ class FixedLag:
     wait = time.perf_counter() - t1
     if k:
       queue.append(scored)
-    state = _with_queue(t, _apply(state, updates), queue)
+    state = _with_queue(t, _apply(t, state, updates), queue)
     timing = _Timing(busy + fill_s, learner_busy, wait, time.perf_counter() - t_start)
     return state, {**record, **mets, **_timing_metrics(timing, depth)}
 
@@ -186,7 +192,7 @@ class FreeRunning:
         t0 = time.perf_counter()
         scored, updates = produce(self.t, params, self.producer_state,
                                   step=self.first + index, version=version, lo=0, hi=G)
-        self.producer_state = _apply(self.producer_state, updates)
+        self.producer_state = _apply(self.t, self.producer_state, updates)
         with self.cond:
           self.busy_s += time.perf_counter() - t0
           self.queue.append((scored, updates))
@@ -229,7 +235,7 @@ class FreeRunning:
       fields = dict(self.after_last)
       for _, u in self.queue:
         fields.update(u)
-    return _with_queue(self.t, _apply(state, fields), items)
+    return _with_queue(self.t, _apply(self.t, state, fields), items)
 
   def close(self) -> None:
     with self.cond:
