@@ -37,7 +37,9 @@ from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 
-__all__ = ["base_config", "checks", "validate"]
+__all__ = ["SELECTORS", "base_config", "checks", "validate"]
+
+SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -100,6 +102,18 @@ def _data() -> ml_collections.ConfigDict:
       eval_size=128,
       reward_timeout_s=5.0,  # per verifier call; a time-out scores 0 and is counted
       seed=0,
+      # Prompt selection (docs/SELECTION.md): "none" | "dapo" (dynamic sampling: keep only
+      # groups whose rewards differ) | "greso" (skip prompts whose recent groups had zero
+      # reward variance) | "beta" (per-prompt Beta posterior). With loss.preset="dapo",
+      # "none" means "dapo". (--config.data.selector=none stores None, read as "none".)
+      selector=config_dict.FieldReference("none", field_type=str),
+      max_tries=10,  # dapo: candidate batches per step; greso: candidate batches to draw
+      select_pool=2.0,  # beta: candidates drawn per step, as a multiple of batch_groups
+      beta_mode="thompson",  # beta: "thompson" (sample closest to 0.5) | "variance" (mu(1-mu))
+      beta_decay=0.9,  # beta: lambda of the decay toward the Beta(1, 1) prior
+      # DAPO overlong shaping: linear penalty over the last L_cache response tokens
+      # (0 = off; None = the preset's: max_new_tokens // 4 for "dapo", else off).
+      overlong_buffer=config_dict.placeholder(int),
   ))
 
 
@@ -119,6 +133,10 @@ def _rollout() -> ml_collections.ConfigDict:
       over_sampling=2.0,
       max_staleness=1,  # η: no token more than η policy versions old; -1 = unbounded
       mask_stale=False,  # drop tokens sampled by an older policy from the loss
+      # SPEC-RL: the previous response of the same prompt is a draft, verified by the
+      # current policy (exact speculative sampling; docs/SELECTION.md).
+      speculative=False,
+      spec_lenience=0.0,  # l: accept with min(1, e^l p_new/p_old); 0 is exact
   ))
 
 
@@ -245,6 +263,13 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "data.max_prompt_len": cu.positive_int,
       "data.eval_size": cu.nonnegative_int,
       "data.reward_timeout_s": cu.positive,
+      "data.selector": opt(cu.one_of(SELECTORS)),
+      "data.max_tries": cu.positive_int,
+      "data.select_pool": cu.in_range(1.0, None),
+      "data.beta_mode": cu.one_of(("thompson", "variance")),
+      "data.beta_decay": cu.probability,
+      "data.overlong_buffer": opt(cu.nonnegative_int),
+      "rollout.spec_lenience": cu.nonnegative,
       "rollout.n": cu.positive_int,
       "rollout.max_new_tokens": cu.positive_int,
       "rollout.temperature": cu.nonnegative,
@@ -309,6 +334,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if axes != sorted(sharding.MESH_AXES):
     raise ConfigError(f"config.mesh.shape must name the axes {list(sharding.MESH_AXES)}, "
                       f"got {axes}")
+  if (config.data.overlong_buffer or 0) > config.rollout.max_new_tokens:
+    raise ConfigError(f"data.overlong_buffer={config.data.overlong_buffer} exceeds "
+                      f"rollout.max_new_tokens={config.rollout.max_new_tokens}")
+  if config.rollout.speculative and not config.rollout.temperature > 0:
+    raise ConfigError("rollout.speculative=True needs rollout.temperature > 0 (greedy decoding "
+                      "has nothing to verify)")
+  if config.rollout.speculative and config.rollout.partial:
+    raise ConfigError("rollout.speculative=True and rollout.partial=True cannot be combined; "
+                      "choose one")
+  if (config.data.selector or "none") != "none" and config.rollout.partial:
+    raise ConfigError(f"data.selector={config.data.selector!r} needs rollout.partial=False "
+                      f"(the partial-rollout engine draws its own prompts)")
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
                       f"train.minibatches={config.train.minibatches}")

@@ -64,3 +64,22 @@ def test_bench_rollout_april_section_runs_at_toy_size():
   assert res["wait-for-all"]["stale"] == 0.0 and res["wait-for-all"]["lag"] == 0
   assert res["APRIL 2x, staleness bound 1"]["lag"] <= 1
   assert all(r["groups_s"] > 0 for r in res.values())
+
+
+def test_bench_selection_counts_tokens_and_time_to_target():
+  bench = _load("bench_selection")
+  G, n = 2, 8
+  rows = [{"phase": "sft", "step": 1, "eval_accuracy": 0.9},  # warm start: not counted
+          {"phase": "rl", "step": 2, "response_length": 2.0, "rollout_tokens_per_s": 4.0},
+          {"phase": "rl", "step": 3, "response_length": 2.0, "rollout_tokens_per_s": 16.0,
+           "rollout_tokens": 96.0, "eval_accuracy": 0.3},
+          {"phase": "rl", "step": 4, "response_length": 1.0, "rollout_tokens_per_s": 32.0,
+           "eval_accuracy": 0.6},
+          {"phase": "rl", "step": 5, "response_length": 1.0, "rollout_tokens_per_s": 32.0,
+           "eval_accuracy": 0.4}]
+  res = bench.to_target(rows, 0.5, G, n)
+  # tokens: 32 (trained) + 96 (reported, dropped groups included) + 16; seconds: the first
+  # RL step (compilation) left out, then 32 / 16 and 16 / 32
+  assert (res["tokens"], res["seconds"], res["step"]) == (144.0, 2.5, 4)
+  assert res["final_accuracy"] == 0.4 and res["total_tokens"] == 160.0
+  assert bench.to_target(rows, 0.7, G, n)["step"] is None

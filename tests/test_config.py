@@ -79,3 +79,20 @@ def test_bad_choice_names_the_key(override, word):
   with pytest.raises(ConfigError, match=word) as e:
     base.validate(config)
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,word", [
+    (["data.selector=random"], "data.selector"), (["data.max_tries=0"], "data.max_tries"),
+    (["data.select_pool=0.5"], "data.select_pool"), (["data.beta_mode=ucb"], "data.beta_mode"),
+    (["data.beta_decay=1.5"], "data.beta_decay"),
+    (["data.overlong_buffer=6"], "data.overlong_buffer"),
+    (["data.selector=greso", "rollout.partial=True"], "data.selector"),
+    (["rollout.speculative=True", "rollout.partial=True"], "rollout.speculative"),
+    (["rollout.speculative=True", "rollout.temperature=0.0"], "rollout.speculative"),
+    (["rollout.spec_lenience=-1.0"], "rollout.spec_lenience"),
+])
+def test_bad_selection_settings_fail_in_one_line(overrides, word):
+  config = config_utils.load_config(QUICKSTART, overrides)
+  with pytest.raises(ConfigError, match=word) as e:
+    base.validate(config)
+  assert "\n" not in str(e.value)

@@ -53,12 +53,14 @@ def test_grpo_improves_reward(tmp_path):
   assert os.path.exists(tmp_path / "curves.png")
 
 
-def test_resume_after_sigkill_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("extra", [
+    (), ("data.selector=beta", "rollout.speculative=True")])  # per-prompt state checkpointed
+def test_resume_after_sigkill_is_bit_exact(tmp_path, extra):
   ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
-  train.train(_config(), ref_dir, progress=False)
+  train.train(_config(extra), ref_dir, progress=False)
   kill_after = int(np.random.default_rng(0).integers(1, 6))  # steps 1..5 of 6
   cmd = [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={killed_dir}"]
-  cmd += [f"--config.{o}" for o in TINY]
+  cmd += [f"--config.{o}" for o in list(TINY) + list(extra)]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   path = os.path.join(killed_dir, "metrics.jsonl")
   deadline = time.time() + 600
@@ -69,7 +71,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
   proc.kill()
   proc.wait()
   assert not os.path.exists(os.path.join(killed_dir, "hf")), "run finished before the kill"
-  train.train(_config(), killed_dir, progress=False)  # the same command resumes
+  train.train(_config(extra), killed_dir, progress=False)  # the same command resumes
   _assert_same_weights(_final_weights(ref_dir), _final_weights(killed_dir))
   steps = [r["step"] for r in metrics.read_jsonl(path)]
   assert steps == sorted(set(steps)) and steps[-1] == 6  # no duplicated or missing step

@@ -4,6 +4,7 @@ Modules, each importing only those before it (no import cycles):
   ``base``         ``Example``, the ``Task`` interface, the hash split ``split_of``.
   ``expressions``  safe integer expressions and the countdown reward.
   ``synthetic``    arithmetic, countdown and sorting tasks with difficulty presets.
+  ``mixed``        ``sort_mix``: easy, learnable and impossible prompts (selection studies).
   ``verifiers``    final-answer extraction and math-verify checking.
   ``records``      GSM8K/MATH records streamed from JSONL or Parquet.
   ``files``        file tasks: TFDS array_record data sources read lazily (``FileTask``).
@@ -18,8 +19,8 @@ Sizes that are not batch axes are named by the argument that sets them
 (e.g. ``[dataset_size]``, ``[batch_size]``).
 """
 
-from rl_jax.data import (base, expressions, files, records, rewards, selection, synthetic,
-                         tasks, tokenizers, verifiers)
+from rl_jax.data import (base, expressions, files, mixed, records, rewards, selection,
+                         synthetic, tasks, tokenizers, verifiers)
 from rl_jax.data.base import Example, Task
 from rl_jax.data.rewards import compute_rewards, overlong_penalty
 from rl_jax.data.tasks import get_task, register_task
@@ -27,6 +28,6 @@ from rl_jax.data.tokenizers import load_tokenizer
 
 __all__ = [
     "Example", "Task", "base", "compute_rewards", "expressions", "files", "get_task",
-    "load_tokenizer", "overlong_penalty", "records", "register_task", "rewards", "selection",
+    "load_tokenizer", "mixed", "overlong_penalty", "records", "register_task", "rewards", "selection",
     "synthetic", "tasks", "tokenizers", "verifiers",
 ]

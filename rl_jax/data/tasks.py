@@ -25,6 +25,7 @@ from typing import Any, Callable
 from rl_jax.data import files
 from rl_jax.data.base import Example, Task, split_of
 from rl_jax.data.expressions import countdown_reward, parse_expression
+from rl_jax.data.mixed import MixedSorting
 from rl_jax.data.synthetic import TASKS, Arithmetic, Countdown, Sorting, SyntheticTask
 
 __all__ = [
@@ -91,4 +92,5 @@ def _file_task(difficulty: int = 0, seed: int = 0, **options: Any) -> files.File
 for _name, _cls in TASKS.items():
   register_task(_name, _cls.from_preset)
 register_task("file", _file_task)
+register_task(MixedSorting.name, MixedSorting.from_preset)
 del _name, _cls

@@ -5,6 +5,9 @@
 Split along the data flow of one step, each module depending only on those above it:
 
     streams      named random streams: every draw is a function of (seed, step, stream)
+    selection_stage    which prompts are rolled out and which groups train (data.selector),
+                 DAPO overlong shaping
+    speculative_stage  SPEC-RL: earlier responses as drafts (rollout.speculative)
     context      config -> Setup (tokenizer, task, model config, mesh, objective, optimizers)
     on_policy    whether the update takes old_logp from its own policy pass
     startup      persistent compilation cache, compile-time clock, profiler trace of a step

@@ -110,6 +110,8 @@ def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray
   batch, record, updates = collect(t, state)
   if "rollout_buffer" in updates:
     state = state._replace(rollout_buffer=updates["rollout_buffer"])
+  state = state._replace(**{k: v for k, v in updates.items()
+                            if k in ("selector", "spec_drafts")})
   state, means = apply_update(t, state, batch)
   return state, {"phase": "rl", **record, **means}, updates["data"]
 

@@ -15,11 +15,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from rl_jax.train import selection_stage
+
 __all__ = ["ENGINE_STATS", "FIELDS", "capacity", "empty_queue", "to_arrays", "from_arrays"]
 
-# Engine counters carried through the queue (NaN where the engine did not report one).
+# Engine and selection counters carried through the queue (NaN where not reported).
 ENGINE_STATS = ("off_policy_token_fraction", "max_token_lag", "aborted_groups",
-                "restarted_samples", "buffer_size")
+                "restarted_samples", "buffer_size") + selection_stage.METRICS
 # The array fields of a scored batch, stored slot by slot.
 FIELDS = ("indices", "tokens", "mask", "logprobs", "versions", "rewards", "faults")
 

@@ -25,6 +25,7 @@ from rl_jax import rollout
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.train.context import Setup
+from rl_jax.train import selection_stage, speculative_stage
 from rl_jax.train.layout import Layout
 from rl_jax.train.state import TrainState, held_capacity, place_replicated
 from rl_jax.train.steps import StepFns, UpdateBatch
@@ -192,17 +193,84 @@ def produce(t: Trainer, params, state: TrainState, *, step: int, version: int, l
   groups and the train-state fields that advance (``data``, ``rollout_buffer``).
   """
   s, M = t.setup, t.setup.config.rollout.n
+  if _selecting(s.config):  # every process samples all G groups (replicated selector state)
+    return _produce_selected(t, params, state, step=step, version=version)
   t0 = time.perf_counter()
   out, idx = (_sample_fresh(t, params, state, step, version, lo, hi) if t.engine is None
               else _sample_partial(t, params, state, version))
   rollout_s = time.perf_counter() - t0
   completions = decode(s, out.tokens, out.mask)
   rewards, stats = score(s, completions, [e.answer for e in out.examples for _ in range(M)])
+  rewards = selection_stage.shape_rewards(s.config, rewards, out.mask.sum(axis=1))
   scored = Scored(idx, out.tokens, out.mask, out.logprobs, out.versions.astype(np.int32),
                   rewards.reshape(len(idx), M).astype(np.float32),
                   np.asarray([stats["exceptions"], stats["timeouts"]], np.int64), rollout_s,
                   version, out.stats)
   return scored, out.updates
+
+
+def _selecting(c) -> bool:
+  """Whether a step's groups go through the selection stage (a selector or SPEC-RL)."""
+  return selection_stage.effective_selector(c) != "none" or bool(c.rollout.speculative)
+
+
+def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *, step: int,
+          version: int) -> Scored:
+  """Sample (speculatively when ``drafts``) and score M completions of each prompt ``idx``
+  ([g] dataset indices) from the key streams of prompts ``first_index ..``."""
+  s, c = t.setup, t.setup.config
+  M = c.rollout.n
+  prompts = encode_prompts(s, [s.train_examples[i] for i in idx])
+  t0 = time.perf_counter()
+  if drafts:
+    tokens, mask, logprobs, stats = speculative_stage.roll(
+        s, params, drafts, idx, prompts, step=step, first_index=first_index, version=version)
+  else:
+    out = generate(s, params, prompts, n=M, temperature=c.rollout.temperature,
+                   top_p=c.rollout.top_p, top_k=c.rollout.top_k, first_index=first_index,
+                   seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
+    tokens, mask, logprobs, stats = (np.asarray(out.tokens), np.asarray(out.mask),
+                                     np.asarray(out.logprobs), {})
+  rollout_s = time.perf_counter() - t0
+  rewards, faults = score(s, decode(s, tokens, mask),
+                          [s.train_examples[i].answer for i in idx for _ in range(M)])
+  rewards = selection_stage.shape_rewards(c, rewards, mask.sum(axis=1))
+  stats["rollout_tokens"] = float(mask.sum())
+  return Scored(np.asarray(idx, np.int32), tokens, mask, logprobs,
+                np.full(tokens.shape, version, np.int32),
+                rewards.reshape(len(idx), M).astype(np.float32),
+                np.asarray([faults["exceptions"], faults["timeouts"]], np.int64), rollout_s,
+                version, stats)
+
+
+def _produce_selected(t: Trainer, params, state: TrainState, *, step: int,
+                      version: int) -> tuple[Scored, dict]:
+  """``produce`` through the selection stage (``selection_stage.select``) for all G groups:
+  the selector's and SPEC-RL's per-prompt state is read from ``state`` and returned in the
+  updates (``selector``, ``spec_drafts``) with the new sampler position (``data``)."""
+  s = t.setup
+  drafts = {k: np.array(v) for k, v in jax.device_get(state.spec_drafts).items()}
+  sel = {k: np.array(v) for k, v in jax.device_get(state.selector).items()}
+  roll = lambda idx, first: _roll(t, params, drafts, idx, first, step=step, version=version)
+  nxt = lambda data, n: next_indices(s, data, n)
+  scored, data, new_sel, stats = selection_stage.select(s.config, np.asarray(state.data), sel,
+                                                        nxt, roll, step)
+  informative = int(np.sum(selection.dynamic_sampling_mask(scored.rewards)))
+  stats = {**scored.stats, **stats, "informative_groups": float(informative),
+           "rollout_tokens_per_informative_group":
+               scored.stats["rollout_tokens"] / max(informative, 1),
+           "effective_prompts_per_s": informative / max(scored.rollout_s, 1e-9)}
+  if drafts:
+    reused = stats["spec_reused_tokens"]
+    stats["spec_accept_len"] = reused / max(stats["spec_drafted_samples"], 1.0)
+    stats["spec_reused_token_fraction"] = reused / max(stats["rollout_tokens"], 1.0)
+  updates = {"data": data}
+  place = lambda tree: jax.tree.map(lambda x: place_replicated(s, x), tree)
+  if new_sel is not None:
+    updates["selector"] = place(new_sel)
+  if drafts:
+    updates["spec_drafts"] = place(drafts)
+  return scored._replace(stats=stats), updates
 
 
 def _everyone(x: np.ndarray, local: bool) -> np.ndarray:
@@ -304,7 +372,7 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored,
   }
   info.update({k: float(scored.stats[k]) for k in (
       "off_policy_token_fraction", "max_token_lag", "aborted_groups", "restarted_samples",
-      "buffer_size") if k in scored.stats})
+      "buffer_size") + selection_stage.METRICS if k in scored.stats})
   if c.train.mode == "async":
     info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
   return UpdateBatch(pt, pl, rt, inputs, advantages), info

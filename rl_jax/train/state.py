@@ -18,6 +18,7 @@ from rl_jax import models
 from rl_jax import rollout
 from rl_jax import sharding
 from rl_jax.train import queue as queue_lib
+from rl_jax.train import selection_stage, speculative_stage
 from rl_jax.train.context import Setup
 from rl_jax.train.streams import Stream, seed_for
 
@@ -39,6 +40,10 @@ class TrainState(NamedTuple):
   extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
   rollout_queue: with ``train.mode="async"``, the scored batches sampled ahead of the learner
   (``pipeline.empty_queue``); ``{}`` otherwise.
+  selector: per-prompt state of the prompt selector (``selection_stage.selector_state``:
+  GRESO streaks, Beta posteriors); ``{}`` for selectors without state.
+  spec_drafts: with ``rollout.speculative``, each prompt's last responses and their sampling
+  distributions (``speculative_stage.drafts_state``); ``{}`` otherwise.
   """
 
   step: jax.Array
@@ -51,6 +56,8 @@ class TrainState(NamedTuple):
   data: jax.Array
   rollout_buffer: Any
   rollout_queue: Any = {}
+  selector: Any = {}
+  spec_drafts: Any = {}
 
 
 def held_capacity(s: Setup) -> int:
@@ -81,6 +88,13 @@ def _empty_buffer(s: Setup) -> dict:
 def _empty_queue(s: Setup) -> dict:
   """``TrainState.rollout_queue`` of a fresh run."""
   return queue_lib.empty_queue(s.config)
+
+
+def _prompt_state(s: Setup) -> dict:
+  """The per-prompt fields of a fresh state (host arrays): ``selector``, ``spec_drafts``."""
+  N = len(s.train_examples)
+  return {"selector": selection_stage.selector_state(s.config, N),
+          "spec_drafts": speculative_stage.drafts_state(s.config, N, s.model_cfg.vocab_size)}
 
 
 def _shardings_like(s: Setup, axes, tree):
@@ -138,7 +152,8 @@ def _state_from_params(s: Setup, params, rl: bool = True) -> TrainState:
                     sft_opt_state={} if rl else _init_optimizer(s, s.optimizers.sft, params,
                                                                 param_sh),
                     ref_params=ref, value_params=value, value_opt_state=value_opt,
-                    data=jnp.zeros((2,), jnp.int32), rollout_buffer={})
+                    data=jnp.zeros((2,), jnp.int32), rollout_buffer={},
+                    selector={}, spec_drafts={})
 
 
 def _replicated(s: Setup) -> jax.sharding.NamedSharding:
@@ -167,7 +182,8 @@ def init_state(s: Setup) -> TrainState:
   # (optimizer counts, step, data position) are replicated:
   state = jax.tree.map(
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
-  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s)}
+  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
+          **_prompt_state(s)}
   return state._replace(**jax.tree.map(lambda x: place_replicated(s, x), host))
 
 
@@ -202,7 +218,8 @@ def abstract_state(s: Setup, step: int = 0, *, rl: bool | None = None) -> TrainS
                                 sharding=sh if _on_mesh(sh, s.mesh) else replicated)
 
   state = jax.tree.map(spec, shapes, out)
-  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s)}
+  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
+          **_prompt_state(s)}
   return state._replace(**jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
       host))

@@ -23,6 +23,8 @@ class Stream(enum.IntEnum):
   GRAD_NORMS = 3    # VCPO gradient-norm estimators that project randomly (per step)
   ENGINE = 5        # the partial-rollout engine's per-sample streams (step 0 only)
   EVAL_PASS_K = 7   # pass@k samples of the evaluation (per evaluated step)
+  SELECTOR = 9      # prompt selectors' draws: GRESO skips, Thompson samples (per step)
+  SPECULATIVE = 11  # SPEC-RL acceptance and residual draws (per step)
 
 
 def seed_for(seed: int, step: int, stream: Stream) -> int:

@@ -1,0 +1,186 @@
+"""The prompt-selection stage of a step: which prompts are rolled out, and which groups train.
+
+``data.selector``:
+
+* ``"none"``: the next G prompts of the seeded sampler.
+* ``"dapo"`` (DAPO dynamic sampling): roll out G prompts at a time and keep the groups whose
+  rewards are not all equal, until G such groups are ready or ``data.max_tries`` batches
+  were drawn. A batch that is still short is filled with the earliest zero-variance groups
+  (they carry zero advantage) and the step reports ``dynamic_sampling_short`` (how many).
+  Chosen groups keep their draw order, so ``data.max_tries=1`` is plain sampling.
+* ``"greso"``: pre-rollout skipping from per-prompt zero-variance streaks
+  (``rl_jax.data.selection.greso_select``); the streaks and the two exploration
+  probabilities live in ``TrainState.selector``.
+* ``"beta"``: draw ``ceil(data.select_pool · G)`` candidates, roll out the G best by their
+  Beta posterior (``data.beta_mode``), then update every posterior with decay
+  ``data.beta_decay`` (successes: rewards > 0.5).
+
+With ``loss.preset="dapo"`` and ``data.selector="none"`` the selector is ``"dapo"`` (unless
+``rollout.partial``), and ``data.overlong_buffer`` unset means ``max_new_tokens // 4``.
+
+Every draw is a function of (train.seed, step, stream); the per-prompt state is part of
+the checkpoint, so a resumed run selects exactly what the uninterrupted run selects.
+
+Shapes (package legend): G groups, M samples per prompt, R new tokens; N train prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from rl_jax.data import rewards as rewards_lib
+from rl_jax.data import selection
+from rl_jax.train.streams import Stream, seed_for
+
+__all__ = ["METRICS", "effective_selector", "overlong_buffer", "selector_state", "shape_rewards",
+           "take_groups", "select"]
+
+# Scored.stats keys the learner copies into the step's metrics (docs/SELECTION.md)
+METRICS = ("skipped_prompts", "selected_prompts", "dynamic_sampling_tries",
+           "dynamic_sampling_short", "dynamic_sampling_dropped", "rollout_tokens",
+           "informative_groups", "rollout_tokens_per_informative_group",
+           "effective_prompts_per_s", "spec_drafted_samples", "spec_accept_len",
+           "spec_reused_tokens", "spec_reused_token_fraction")
+
+GRESO_P0 = 0.5  # initial exploration probability of both GRESO kinds
+
+
+def effective_selector(c) -> str:
+  """The selector a run uses: ``data.selector``, or ``"dapo"`` for the dapo preset."""
+  sel = c.data.selector or "none"
+  if sel == "none" and c.loss.preset == "dapo" and not c.rollout.partial:
+    return "dapo"
+  return sel
+
+
+def overlong_buffer(c) -> int:
+  """L_cache of DAPO overlong shaping (0 = off)."""
+  if c.data.overlong_buffer is not None:
+    return int(c.data.overlong_buffer)
+  return max(1, c.rollout.max_new_tokens // 4) if c.loss.preset == "dapo" else 0
+
+
+def shape_rewards(c, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Task rewards [B] plus the overlong penalty of response lengths [B] (when on)."""
+  L = overlong_buffer(c)
+  if not L:
+    return rewards
+  return (rewards + rewards_lib.overlong_penalty(lengths, c.rollout.max_new_tokens, L)
+          ).astype(np.float32)
+
+
+def selector_state(c, num_prompts: int) -> dict:
+  """``TrainState.selector`` of a fresh run (host arrays; ``{}`` without per-prompt state).
+
+  greso: streak int32 [N], kind int8 [N], p float32 [2] (p_easy, p_hard).
+  beta: alpha, beta float32 [N] at the Beta(1, 1) prior.
+  """
+  sel = effective_selector(c)
+  if sel == "greso":
+    return {"streak": np.zeros(num_prompts, np.int32), "kind": np.zeros(num_prompts, np.int8),
+            "p": np.full(2, GRESO_P0, np.float32)}
+  if sel == "beta":
+    return {"alpha": np.ones(num_prompts, np.float32), "beta": np.ones(num_prompts, np.float32)}
+  return {}
+
+
+def take_groups(parts: list, picks: list[tuple[int, int]]):
+  """A ``Scored`` of the groups ``picks`` = [(part, group)] of the ``Scored`` ``parts``."""
+  M = parts[0].rewards.shape[1]
+  rows = lambda name: np.concatenate([getattr(parts[p], name)[g * M:(g + 1) * M]
+                                      for p, g in picks])
+  stats = {}
+  for p in parts:
+    for k, v in p.stats.items():
+      stats[k] = stats.get(k, 0.0) + float(v)
+  return parts[0]._replace(
+      indices=np.asarray([parts[p].indices[g] for p, g in picks], np.int32),
+      tokens=rows("tokens"), mask=rows("mask"), logprobs=rows("logprobs"),
+      versions=rows("versions"),
+      rewards=np.stack([parts[p].rewards[g] for p, g in picks]).astype(np.float32),
+      faults=np.sum([p.faults for p in parts], axis=0).astype(np.int64),
+      rollout_s=float(sum(p.rollout_s for p in parts)), stats=stats)
+
+
+def _dapo(c, data, next_indices, roll):
+  G = c.train.batch_groups
+  parts, informative = [], []
+  for attempt in range(c.data.max_tries):
+    idx, data = next_indices(data, G)
+    sc = roll(idx, attempt * G)
+    parts.append(sc)
+    keep = selection.dynamic_sampling_mask(sc.rewards)
+    informative += [(attempt, g) for g in np.flatnonzero(keep)]
+    if len(informative) >= G:
+      break
+  inf = informative[:G]
+  chosen = set(inf)
+  rest = [(p, g) for p in range(len(parts)) for g in range(G) if (p, g) not in chosen]
+  picks = sorted(inf + rest[:G - len(inf)])  # draw order
+  out = take_groups(parts, picks)
+  drawn = len(parts) * G
+  stats = {"dynamic_sampling_tries": float(len(parts)),
+           "dynamic_sampling_short": float(G - len(inf)),
+           "dynamic_sampling_dropped": float(drawn - G),
+           "selected_prompts": float(drawn), "skipped_prompts": 0.0}
+  return out, data, None, stats
+
+
+def _greso(c, data, sel, roll, step, seed):
+  G = c.train.batch_groups
+  gs = selection.GresoState(sel["streak"], sel["kind"], float(sel["p"][0]),
+                            float(sel["p"][1]), seed)
+  sampler = selection.SamplerState(int(c.data.seed), int(data[0]), int(data[1]))
+  idx, sampler, skipped = selection.greso_select(sampler, gs, G, step, c.data.max_tries)
+  out = roll(idx, 0)
+  gs = selection.greso_update(gs, idx, out.rewards)
+  new = {"streak": gs.streak.astype(np.int32), "kind": gs.kind.astype(np.int8),
+         "p": np.asarray([gs.p_easy, gs.p_hard], np.float32)}
+  return (out, np.asarray([sampler.epoch, sampler.position], np.int32), new,
+          {"skipped_prompts": float(skipped), "selected_prompts": float(G)})
+
+
+def _beta(c, data, sel, next_indices, roll, step, seed):
+  G, M = c.train.batch_groups, c.rollout.n
+  pool = math.ceil(c.data.select_pool * G)
+  cand, data = next_indices(data, pool)
+  bs = selection.BetaState(sel["alpha"].astype(np.float64), sel["beta"].astype(np.float64),
+                           1.0, 1.0, float(c.data.beta_decay), seed)
+  chosen = selection.beta_select(bs, G, step, candidates=cand, mode=c.data.beta_mode)
+  out = roll(chosen, 0)
+  k = np.sum(out.rewards > 0.5, axis=1).astype(np.float64)
+  bs = selection.beta_update(bs, chosen, k, np.full(G, float(M)))
+  new = {"alpha": bs.alpha.astype(np.float32), "beta": bs.beta.astype(np.float32)}
+  return out, data, new, {"skipped_prompts": float(pool - G), "selected_prompts": float(G)}
+
+
+def select(c, data: np.ndarray, sel: dict, next_indices: Callable, roll: Callable, step: int
+           ) -> tuple[Any, np.ndarray, dict | None, dict]:
+  """Choose and roll out one step's G groups with the run's selector.
+
+  Args:
+    c: the config. data: int32 [2] sampler position. sel: ``TrainState.selector`` (host).
+    next_indices: ``(data, n) -> (indices [n], data')`` the seeded sampler.
+    roll: ``(indices [g], first_index) -> Scored`` samples and scores groups (``first_index``
+      picks their key streams).
+    step: the step (randomness of the selector).
+  Returns:
+    (the ``Scored`` G groups, the new sampler position, the new selector state or None,
+    the selection metrics).
+  """
+  kind = effective_selector(c)
+  seed = seed_for(c.train.seed, 0, Stream.SELECTOR)
+  if kind == "dapo":
+    out, data, new, stats = _dapo(c, data, next_indices, roll)
+  elif kind == "greso":
+    out, data, new, stats = _greso(c, data, sel, roll, step, seed)
+  elif kind == "beta":
+    out, data, new, stats = _beta(c, data, sel, next_indices, roll, step, seed)
+  else:
+    idx, data = next_indices(data, c.train.batch_groups)
+    out, new, stats = roll(idx, 0), None, {"selected_prompts": float(len(idx)),
+                                           "skipped_prompts": 0.0}
+  return out, data, new, stats
