@@ -112,7 +112,10 @@ def test_plan_predicts_the_state_bytes_on_eight_devices(overrides):
   held = {part: sum(sh.data.nbytes for f in fields for x in jax.tree.leaves(getattr(state, f))
                     for sh in x.addressable_shards if sh.device == dev)
           for part, fields in memory.PARTS.items()}
-  assert predicted == held
+  assert {k: v for k, v in predicted.items() if k in held} == held
+  everything = sum(sh.data.nbytes for x in jax.tree.leaves(state) for sh in x.addressable_shards
+                   if sh.device == dev)
+  assert sum(predicted.values()) == everything  # the parts cover the whole state
   total = sum(x.nbytes for x in jax.tree.leaves(state.params))
   assert total / 8 <= predicted["policy"] < total / 2  # sharded, not replicated
 

@@ -14,7 +14,8 @@ Per device (the busiest one; FSDP shards split evenly):
   ``sampler_copy`` (with several processes: the policy all-gathered for the local sampler;
   one process samples from the trainer's weights in place), ``rollout_buffer`` (APRIL's
   held groups), ``rollout_queue`` (``train.mode="async"``: the scored batches sampled ahead of
-  the learner). Bytes = shard shape size x itemsize, summed over the part's leaves.
+  the learner), ``selector`` / ``spec_drafts`` (prompt selection, speculative rollouts), and
+  ``other`` (step, data position). Bytes = shard shape size x itemsize, summed over the part's leaves.
 * steps: XLA's ``argument``, ``output``, ``alias`` (outputs written into donated arguments),
   ``temp`` and ``code`` bytes of each compiled program; the bytes a step adds on top of the
   resident state are ``temp + output - alias``. The sampler's KV cache is sized from shapes
@@ -53,7 +54,8 @@ __all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "sta
 PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
          "sft_optimizer": ("sft_opt_state",), "reference": ("ref_params",),
          "critic": ("value_params", "value_opt_state"), "rollout_buffer": ("rollout_buffer",),
-         "rollout_queue": ("rollout_queue",)}
+         "rollout_queue": ("rollout_queue",), "selector": ("selector",),
+         "spec_drafts": ("spec_drafts",)}
 
 # what shrinks each part (named in the one-line error of a run that does not fit)
 KNOBS = {
@@ -65,6 +67,7 @@ KNOBS = {
     "sampler_copy": "fewer processes per host",
     "rollout_buffer": "rollout.over_sampling",
     "rollout_queue": "train.async_lag",
+    "spec_drafts": "rollout.speculative=False",
     "steps": "model.remat=full, train.minibatches, train.batch_groups, rollout.max_new_tokens",
 }
 
@@ -99,10 +102,18 @@ def tree_bytes(tree) -> int:
   return sum(leaf_bytes(x) for x in jax.tree.leaves(tree))
 
 
+def _fields(state: TrainState) -> dict[str, tuple]:
+  """Plan part -> the state's fields: ``PARTS``, and ``other`` for any field not listed
+  there (step, data position, ...), so the parts add up to the whole state."""
+  listed = {f for fields in PARTS.values() for f in fields}
+  parts = {k: tuple(f for f in v if f in state._fields) for k, v in PARTS.items()}
+  return {**parts, "other": tuple(f for f in state._fields if f not in listed)}
+
+
 def state_parts(state: TrainState) -> dict[str, int]:
   """Bytes per device of each plan part of a (concrete or abstract) train state."""
   return {part: sum(tree_bytes(getattr(state, f)) for f in fields)
-          for part, fields in PARTS.items()}
+          for part, fields in _fields(state).items()}
 
 
 def live_bytes(state: TrainState) -> dict[str, int]:
@@ -114,7 +125,8 @@ def live_bytes(state: TrainState) -> dict[str, int]:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
                for s in x.addressable_shards if s.device == dev)
 
-  return {part: sum(held(getattr(state, f)) for f in fields) for part, fields in PARTS.items()}
+  return {part: sum(held(getattr(state, f)) for f in fields)
+          for part, fields in _fields(state).items()}
 
 
 def step_memory(compiled) -> dict[str, int]:
