@@ -58,14 +58,16 @@ def _final_accuracy(rows: list[dict]) -> float:
 
 
 # ------------------------------------------------------------------------- throughput
-THROUGHPUT = ["rollout.max_new_tokens=48", "rollout.temperature=1.0", "train.batch_groups=8", "train.eval_every=10000",
-              "log.tensorboard=False", "train.checkpoint_every=0", "mesh.num_devices=0"]
+THROUGHPUT = ["rollout.max_new_tokens=32", "rollout.temperature=0.7", "train.batch_groups=4",
+              "train.eval_every=10000", "log.tensorboard=False", "train.checkpoint_every=0",
+              "mesh.num_devices=0", "eval.pass_k=0"]
 
 
 def throughput(args) -> dict:
+  split = ["mesh.rollout_devices=1"] if args.devices == 2 else []
   modes = {
       "sync": ["train.mode=sync"],
-      "async": ["train.mode=async", "train.async_lag=1", "mesh.rollout_devices=1"],
+      "async": ["train.mode=async", "train.async_lag=1"] + split,
   }
   base = THROUGHPUT + [f"train.steps={args.steps}"]
   out = {m: {"steps_per_s": [], "accuracy": [], "producer_util": [], "learner_util": []}
@@ -73,7 +75,7 @@ def throughput(args) -> dict:
   for rep in range(args.repeats):
     for mode, extra in modes.items():
       with tempfile.TemporaryDirectory() as d:
-        rows = run(d, base + extra + [f"train.seed={rep}"], devices=2)
+        rows = run(d, base + extra + [f"train.seed={rep}"], devices=args.devices)
       rl = [r for r in rows if r["phase"] == "rl"][2:]
       out[mode]["steps_per_s"].append(len(rl) / sum(r["step_time_s"] for r in rl))
       out[mode]["accuracy"].append(_final_accuracy(rows))
@@ -157,6 +159,8 @@ def main(argv=None) -> None:
   t = sub.add_parser("throughput")
   t.add_argument("--repeats", type=int, default=3)
   t.add_argument("--steps", type=int, default=150)
+  t.add_argument("--devices", type=int, default=2, choices=(1, 2),
+                 help="2: sync on both, async one each; 1: both modes on one device")
   s = sub.add_parser("staleness")
   s.add_argument("--lags", default="0,1,4,8")
   s.add_argument("--seeds", default="0,1,2")

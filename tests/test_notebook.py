@@ -8,7 +8,6 @@ import re
 import sys
 
 import nbformat
-import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient

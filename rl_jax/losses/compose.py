@@ -77,6 +77,7 @@ class Objective(NamedTuple):
     estimator: name of the advantage estimator (None if there is none).
     advantages_from: ``(ObjectiveInputs) -> Advantages`` of the chained estimator; checks
       shapes and that the estimator's needs are present.
+    estimator_needs: the ObjectiveInputs fields the advantage estimator declares it reads.
     needs: every input the objective reads besides ``rewards`` and ``mask``: the
       ObjectiveInputs fields of the estimator and of the loss stages (always ``old_logp``,
       the ratio's denominator; ``ref_logp`` for a KL term or ACE; ``behaviour_logp`` for
@@ -99,6 +100,7 @@ class Objective(NamedTuple):
   estimator: str | None = None
   advantages_from: Callable[[ObjectiveInputs], Advantages] | None = None
   needs: frozenset[str] = frozenset({"old_logp"})
+  estimator_needs: frozenset[str] = frozenset()
 
 
 def finalize(loss_sum: Array, denom: Array) -> Array:
@@ -245,7 +247,7 @@ def chain(*parts: Any, name: str = "custom") -> Objective:
       needs_values="values" in needs, needs_entropy="entropy" in needs,
       needs_grad_norms="grad_sq_norms" in needs, name=name,
       estimator=estimator.name if estimator else None, advantages_from=advantages_from,
-      needs=needs)
+      needs=needs, estimator_needs=frozenset(est_needs))
 
 
 _POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean", "num_tokens")
