@@ -58,7 +58,7 @@ def _final_accuracy(rows: list[dict]) -> float:
 
 
 # ------------------------------------------------------------------------- throughput
-THROUGHPUT = ["rollout.max_new_tokens=32", "rollout.temperature=0.7", "train.batch_groups=4",
+THROUGHPUT = ["rollout.max_new_tokens=48", "rollout.temperature=0.6", "train.batch_groups=8",
               "train.eval_every=10000", "log.tensorboard=False", "train.checkpoint_every=0",
               "mesh.num_devices=0", "eval.pass_k=0"]
 
