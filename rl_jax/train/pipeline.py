@@ -51,6 +51,7 @@ def queue_from_arrays(arrays: dict) -> list[Scored]:
   """The queued batches of ``TrainState.rollout_queue``, oldest first."""
   return [Scored(**x) for x in queue_lib.from_arrays(arrays)]
 
+
 def publish(t: Trainer, params) -> Any:
   """The policy for the producer: a device-to-device copy on the rollout mesh that never
   aliases the learner's buffers (the update donates them)."""
@@ -125,7 +126,7 @@ class FixedLag:
     # the producer samples batch step+k from the weights of this step ...
     future = self.pool.submit(self._produce, params, state, step + k, step)
     if k == 0:  # ... which is this step's batch: nothing to overlap (the sync trainer)
-      queue.append(future.result()[0])
+      queue.append(future.result()[0])  # (its producer fields are applied below)
     depth = len(queue)
     t0 = time.perf_counter()
     batch, record = learner_batch(t, state, queue.pop(0))  # ... while the learner trains
