@@ -13,7 +13,7 @@ from rl_jax import config as config_lib
 from rl_jax import config_utils, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import context, on_policy
-from tests.tiny import QUICKSTART, TINY_MODEL
+from tests.tiny import QUICKSTART, TINY_MODEL, ParityTask
 
 TINY = TINY_MODEL + [
     "sft.steps=0", "train.steps=2", "train.batch_groups=2", "rollout.n=4",
@@ -24,21 +24,6 @@ TINY = TINY_MODEL + [
 
 def _config(overrides):
   return config_utils.load_config(QUICKSTART, TINY + list(overrides))
-
-
-class _ParityTask:
-  """Reward = parity of the first generated character: every group has reward variance, so
-  every objective makes a non-zero update from an untrained policy."""
-
-  def __init__(self, task):
-    self._task = task
-
-  def split(self, which, size=None):
-    return self._task.split(which, size)
-
-  def verify(self, completion, answer):
-    del answer
-    return float(ord(completion[0]) % 2) if completion else 0.0
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -75,7 +60,7 @@ def test_own_pass_update_equals_separate_pass_update(preset):
   setups = {}
   for mode in ("separate", "auto"):
     s = train.build_setup(_config([f"loss.preset={preset}", f"train.old_logp_pass={mode}"]))
-    setups[mode] = dataclasses.replace(s, task=_ParityTask(s.task))
+    setups[mode] = dataclasses.replace(s, task=ParityTask(s.task))
   sep, own = (train.make_trainer(setups[m]) for m in ("separate", "auto"))
   assert own.steps.old_logp_in_update and not sep.steps.old_logp_in_update
   state = train.begin_rl(setups["separate"], train.init_state(setups["separate"]))

@@ -18,7 +18,7 @@ import pytest
 
 from rl_jax import config_utils, losses, models, train
 from rl_jax.errors import ConfigError
-from tests.tiny import QUICKSTART, TINY_MODEL
+from tests.tiny import QUICKSTART, TINY_MODEL, ParityTask
 
 TINY = TINY_MODEL + [
     "sft.steps=0", "train.steps=2", "train.batch_groups=2", "rollout.n=4",
@@ -28,29 +28,13 @@ BUILTIN_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_b
                       "mc_grpo", "gae", "gdpo", "opob")
 
 
-class _ParityTask:
-  """The sorting task with a reward an untrained policy earns about half the time (the parity
-  of the first generated character), so every group has reward variance and every objective
-  produces a non-zero update."""
-
-  def __init__(self, task):
-    self._task = task
-
-  def split(self, which, size=None):
-    return self._task.split(which, size)
-
-  def verify(self, completion, answer):
-    del answer
-    return float(ord(completion[0]) % 2) if completion else 0.0
-
-
 def _setup(overrides):
   return train.build_setup(config_utils.load_config(QUICKSTART, TINY + list(overrides)))
 
 
 def _parity_setup(overrides):
   setup = _setup(overrides)
-  return dataclasses.replace(setup, task=_ParityTask(setup.task))
+  return dataclasses.replace(setup, task=ParityTask(setup.task))
 
 
 def _two_rl_steps(setup):

@@ -101,9 +101,12 @@ class FixedLag:
   optimizer step (``loop.apply_update``).
   """
 
-  def __init__(self, t: Trainer):
+  def __init__(self, t: Trainer, state: TrainState):
     self.t = t
     self.k = t.setup.config.train.async_lag
+    # the queued batches stay on the host between steps; ``snapshot`` writes them into the
+    # state only when a checkpoint is saved
+    self.queue = queue_from_arrays(state.rollout_queue)
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
 
   def _produce(self, params, state: TrainState, step: int, version: int):
@@ -116,7 +119,7 @@ class FixedLag:
     t, k = self.t, self.k
     t_start = time.perf_counter()
     step = int(state.step)
-    queue = queue_from_arrays(state.rollout_queue)
+    queue = self.queue
     params = publish(t, state.params)
     fill_s = 0.0
     while len(queue) < k:  # pipeline fill (first RL step): steps step..step+k-1, weights now
@@ -137,13 +140,13 @@ class FixedLag:
     wait = time.perf_counter() - t1
     if k:
       queue.append(scored)
-    state = _with_queue(t, _apply(t, state, updates), queue)
+    state = _apply(t, state, updates)
     timing = _Timing(busy + fill_s, learner_busy, wait, time.perf_counter() - t_start)
     return state, {**record, **mets, **_timing_metrics(timing, depth)}
 
   def snapshot(self, state: TrainState) -> TrainState:
-    """The state to checkpoint (the fixed-lag state is always complete)."""
-    return state
+    """The state to checkpoint: ``state`` with the queued batches."""
+    return _with_queue(self.t, state, self.queue)
 
   def close(self) -> None:
     self.pool.shutdown(wait=True)
@@ -248,5 +251,5 @@ class FreeRunning:
 def make_runner(t: Trainer, state: TrainState):
   """The asynchronous schedule of ``train.async_lag`` (FixedLag or FreeRunning)."""
   if t.setup.config.train.async_lag >= 0:
-    return FixedLag(t)
+    return FixedLag(t, state)
   return FreeRunning(t, state)
