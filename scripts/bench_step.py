@@ -12,9 +12,12 @@ median of ``--repeats`` interleaved steps (each variant re-runs step 0 from its 
 of the initial state, so both always do the same work), and the sampler's tokens/s
 (``rollout.generate``, 1 x 16 samples, 64 new tokens, warm).
 
+With ``--profile DIR`` it also traces 3 steps of ``auto`` into DIR and prints where they
+spend their time (``rl_jax.profiling``: exclusive XLA op time per program and kind of op).
+
 Usage::
 
-    python scripts/bench_step.py --repeats 10
+    python scripts/bench_step.py --repeats 10 [--profile /tmp/step_profile]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rl_jax import config_utils, train  # noqa: E402
+from rl_jax import config_utils, profiling, train  # noqa: E402
 from rl_jax.train import rollouts, startup  # noqa: E402
 
 QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -64,6 +67,7 @@ def one_step(t, state):
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--profile", default="", help="trace 3 steps of `auto` into this directory")
   args = ap.parse_args(argv)
   clock = startup.compile_clock()
   variants = {m: make(m) for m in ("separate", "auto")}
@@ -98,6 +102,16 @@ def main(argv=None) -> dict:
   for m in variants:
     print(f"| {m} | {out['first_s'][m]:.2f} | {out['compile_s'][m]:.2f} | "
           f"{out['step_s'][m]:.3f} |")
+  if args.profile:
+    copies = [jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
+              for _ in range(3)]
+    jax.block_until_ready(copies)
+    jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+    for c in copies:
+      jax.block_until_ready(train.rl_step(t, c)[0].params)
+    jax.profiler.stop_trace()
+    out["profile"] = profiling.summarize(args.profile, top=12)
+    print(out["profile"])
   print(f"auto vs separate: {out['step_s']['separate'] / out['step_s']['auto']:.2f}x; "
         f"sampler: {out['sampler_tokens_per_s']:.0f} tokens/s (median, 1 x 16 x 64)")
   return out

@@ -203,7 +203,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       step = int(state.step)
       profiling = c.train.profile_step == step + 1 and lead
       if profiling:
-        startup.start_profile(workdir)
+        profile_dir = startup.start_profile(workdir)
       t0 = time.perf_counter()
       if step < sft_steps:
         state, record, data = sft_step(t, state)
@@ -222,7 +222,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       state = state._replace(step=state.step + 1, data=place_replicated(s, data))
       step += 1
       if profiling:
-        startup.stop_profile(state)
+        startup.stop_profile(profile_dir, state)
+        print(f"profile of step {step}: {profile_dir} (summary.txt)", file=sys.stderr)
       record["step_time_s"] = time.perf_counter() - t0
       if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
         record.update(evaluate(s, t.layout.sampler_params(state.params), step))

@@ -9,7 +9,8 @@ spent compiling, and a profiler trace of one step.
   jitted programs, from ``jax.monitoring`` events; the loop reports it per step as
   ``compile_time_s``.
 * ``start_profile`` / ``stop_profile``: a ``jax.profiler`` trace of one step into
-  ``DIR/profile`` (open it with TensorBoard's profile plugin or Perfetto).
+  ``DIR/profile`` (TensorBoard's profile plugin, or Perfetto: ``*.trace.json.gz``) and its
+  per-program, per-op summary ``DIR/profile/summary.txt`` (``rl_jax.profiling``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import threading
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+
+from rl_jax import profiling
 
 __all__ = ["COMPILE_EVENTS", "CompileClock", "compile_clock", "use_compile_cache",
            "cache_dir", "start_profile", "stop_profile"]
@@ -87,11 +90,16 @@ def start_profile(workdir: str) -> str:
   """Starts a ``jax.profiler`` trace into ``workdir/profile``; returns that directory."""
   directory = os.path.join(workdir, "profile")
   os.makedirs(directory, exist_ok=True)
-  jax.profiler.start_trace(directory)
+  jax.profiler.start_trace(directory, create_perfetto_trace=True)
   return directory
 
 
-def stop_profile(*wait_for) -> None:
-  """Waits for ``wait_for`` (pytrees of arrays) to be computed, then stops the trace."""
+def stop_profile(directory: str, *wait_for) -> str:
+  """Waits for ``wait_for`` (pytrees of arrays) to be computed, stops the trace, and writes
+  its summary to ``directory/summary.txt``; returns the summary."""
   jax.block_until_ready(wait_for)
   jax.profiler.stop_trace()
+  summary = profiling.summarize(directory)
+  with open(os.path.join(directory, "summary.txt"), "w") as f:
+    f.write(summary)
+  return summary
