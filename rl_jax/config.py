@@ -190,6 +190,9 @@ def _train() -> ml_collections.ConfigDict:
       keep=3,  # checkpoints kept
       # storage dtype of the frozen KL reference (None: model.dtype, the compute dtype)
       ref_dtype=config_dict.placeholder(str),
+      # state parts kept in host memory between steps (JAX memory kind "pinned_host"):
+      # "", "reference", "optimizer" or "reference,optimizer" (rl_jax.train.offload)
+      offload="",
       dry_run=False,  # print the memory plan (abstract shapes, no weights read) and exit
       memory_check=True,  # fail before compiling when the memory plan exceeds the devices
       # "sync": sample, then update. "async": a rollout producer samples on its own devices

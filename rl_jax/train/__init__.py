@@ -11,6 +11,7 @@ Split along the data flow of one step, each module depending only on those above
     context      config -> Setup (tokenizer, task, model config, mesh, objective, optimizers)
     on_policy    whether the update takes old_logp from its own policy pass
     startup      persistent compilation cache, compile-time clock, profiler trace of a step
+    offload      train.offload: state parts in host memory (JAX memory kinds)
     state        TrainState; init_state and its abstract, sharded restore target (by step:
                  the supervised optimizer state only in the supervised stage, the reference
                  only in RL)

@@ -20,12 +20,14 @@ import optax
 
 from rl_jax import losses
 from rl_jax import models
+from rl_jax.train import offload
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
 from rl_jax.train.on_policy import old_logp_in_update
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
-           "make_logprob_fn", "make_value_fn", "make_rl_update", "make_grad_norm_fn"]
+           "make_logprob_fn", "make_ref_logprob_fn", "make_value_fn", "make_rl_update",
+           "make_grad_norm_fn"]
 
 
 class UpdateBatch(NamedTuple):
@@ -52,6 +54,7 @@ class StepFns(NamedTuple):
   values: Callable
   grad_sq_norms: Callable
   old_logp_in_update: bool = False  # rl_update takes old_logp from its own policy pass
+  ref_logprobs: Callable | None = None  # logprobs of the reference (its own memory kind)
 
 
 def finite_update(tx, params, opt_state, grads, loss, **extra):
@@ -84,8 +87,11 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
   ``(params, opt_state, metrics)``: next-token loss on the answer tokens only. Donates the
   params and optimizer state."""
   cfg = s.model_cfg
+  host_opt = "sft_opt_state" in offload.offloaded_fields(s)
 
   def step(params, opt_state, tokens, attn_mask, loss_mask):
+    opt_state = offload.to_device(opt_state, host_opt)  # train.offload: into device memory
+
     def loss_fn(p):
       lp = models.sequence_logprobs(cfg, p, tokens, attention_mask=attn_mask)
       return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
@@ -123,6 +129,20 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
                          temperature=temp))
 
 
+def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable:
+  """``make_logprob_fn`` for the frozen reference: compiled for the reference's placement
+  (host memory with ``train.offload`` naming it, brought to the device inside the pass)."""
+  temp, shared = _temperature(s), s.config.train.shared_prefix
+  host = "ref_params" in offload.offloaded_fields(s)
+  weights = layout.state.params  # the reference is laid out like the policy
+  if host:
+    weights = jax.tree.map(offload.host_sharding, weights)
+  return _group_pass(layout, weights, s.config.train.batch_groups,
+                     lambda p, pt, pl, rt, rm: models.response_logprobs(
+                         s.model_cfg, offload.to_device(p, host), pt, pl, rt, rm,
+                         shared_prefix=shared, temperature=temp))
+
+
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
   """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
   shared = s.config.train.shared_prefix
@@ -150,8 +170,11 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
   with_critic = "values" in obj.needs
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
   own_old = old_logp_in_update(s.config, obj)
+  host = offload.offloaded_fields(s)
 
   def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
+    opt_state = offload.to_device(opt_state, "opt_state" in host)  # train.offload
+    value_opt_state = offload.to_device(value_opt_state, "value_opt_state" in host)
     G, M, R = b.tokens.shape
     outer_batch = None if own_old else obj.prepare(losses.loss_batch(b.inputs, b.advantages))
     mask = b.inputs.mask
@@ -226,4 +249,5 @@ def make_step_fns(s: Setup, layout: Layout) -> StepFns:
   return StepFns(sft=make_sft_step(s, layout), rl_update=make_rl_update(s, layout),
                  logprobs=make_logprob_fn(s, layout), values=make_value_fn(s, layout),
                  grad_sq_norms=make_grad_norm_fn(s, layout),
-                 old_logp_in_update=old_logp_in_update(s.config, s.objective))
+                 old_logp_in_update=old_logp_in_update(s.config, s.objective),
+                 ref_logprobs=make_ref_logprob_fn(s, layout))
