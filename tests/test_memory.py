@@ -171,7 +171,7 @@ def test_dry_run_prints_the_plan_for_eight_devices_without_reading_weights(tmp_p
 # stage's last step and trains the same RL steps with that knob on. Rollouts at temperature
 # 0.25 (the supervised policy then earns ~0.25 reward, so the reward rises within a few
 # steps); programs shared by the runs load from one compilation cache.
-KNOB_RUN = ["mesh.num_devices=1", "train.steps=12", "train.batch_groups=16",
+KNOB_RUN = ["mesh.num_devices=1", "train.steps=12", "train.batch_groups=32",
             "rollout.temperature=0.25", "optim.lr=5e-4", "loss.kl_beta=0.001",
             "train.eval_every=0", "train.checkpoint_every=25", "train.keep=10",
             "log.tensorboard=False", "eval.pass_k=0"]

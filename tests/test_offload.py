@@ -10,16 +10,16 @@ import jax
 import numpy as np
 import pytest
 
-from rl_jax import config_utils, metrics, train
+from rl_jax import checkpoint, config_utils, metrics, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import memory, offload
 from tests.tiny import QUICKSTART, TINY_MODEL
 
 RUN = TINY_MODEL + [
-    "sft.steps=1", "sft.batch_size=8", "train.steps=2", "train.batch_groups=4", "rollout.n=4",
+    "mesh.num_devices=2", "sft.steps=1", "sft.batch_size=8", "train.steps=2", "train.batch_groups=4", "rollout.n=4",
     "loss.kl_beta=0.01", "train.eval_every=0", "train.checkpoint_every=1", "train.keep=10",
     "log.tensorboard=False",
-]  # FSDP over the 8 test devices; step 1 supervised, steps 2-3 RL with a KL reference
+]  # FSDP over 2 devices; step 1 supervised, steps 2-3 RL with a KL reference
 BOTH = "train.offload=reference,optimizer"
 HOST_FIELDS = ("opt_state", "ref_params")  # value_opt_state is {} (no critic)
 
@@ -56,18 +56,16 @@ def _resume_from(src, step, dst) -> None:
 def test_offload_trains_identically_and_resumes_either_way(tmp_path):
   """The same run with the reference and optimizer states in host memory gives bit-identical
   weights, optimizer states and metrics (the placement changes no arithmetic: the steps copy
-  the values into device memory and run the same operations); a checkpoint written with
-  offload resumes without it and the other way round, bit-exactly."""
+  the values into device memory and run the same operations). Checkpoints are the same
+  whichever placement wrote them, and a run without offload resumes with it bit-exactly."""
   cache = tmp_path / "cache"
-  plain, off = tmp_path / "plain", tmp_path / "offload"
+  plain, off, resumed = tmp_path / "plain", tmp_path / "offload", tmp_path / "resumed"
   s = train.build_setup(_config(cache, [BOTH]))
-  state0 = train.init_state(s)
-  for f in ("opt_state", "sft_opt_state"):  # step 0: the supervised layout
-    assert _kinds(getattr(state0, f)) == {"pinned_host"}, f
-  assert _kinds(state0.params) == {"device"} and state0.ref_params == {}
-  abstract = train.abstract_state(s, 2)
-  assert _kinds(abstract.ref_params) == _kinds(abstract.opt_state) == {"pinned_host"}
-  del state0
+  for step, fields in ((0, ("opt_state", "sft_opt_state")), (2, HOST_FIELDS)):
+    abstract = train.abstract_state(s, step)  # the restore targets of both layouts
+    for f in fields:
+      assert _kinds(getattr(abstract, f)) == {"pinned_host"}, (step, f)
+    assert _kinds(abstract.params) == {"device"}
 
   a = train.train(_config(cache), str(plain), progress=False)
   b = train.train(_config(cache, [BOTH]), str(off), progress=False)
@@ -87,17 +85,22 @@ def test_offload_trains_identically_and_resumes_either_way(tmp_path):
   assert sum(pa["host_state"]["rl"].values()) == 0 and pb["offload"] == ["optimizer", "reference"]
   assert pb["steps"]["rl_update"]["staged"] == pa["state"]["rl"]["rl_optimizer"]
   assert pb["steps"]["ref_logprobs"]["staged"] == pa["state"]["rl"]["reference"]
-  live = pb["live_host_state"]  # measured from the buffers at step 0
+  live = pb["live_host_state"]  # measured from the buffers at step 0 (supervised layout)
   assert live == pb["host_state"]["sft"] and live["sft_optimizer"] > 0
 
-  # resume the RL checkpoint of step 2 with offload switched off, and on
-  for src, extra, dst in ((off, [], tmp_path / "off_to_plain"),
-                          (plain, [BOTH], tmp_path / "plain_to_off")):
-    _resume_from(src, 2, dst)
-    c = train.train(_config(cache, extra), str(dst), progress=False)
-    assert _kinds(c.opt_state) == {"pinned_host" if extra else "device"}
-    _same_state(a, c)
-    assert _numbers(dst) == _numbers(plain)[2:]
+  # every checkpoint holds the same values whichever placement wrote it
+  plain_target = train.abstract_state(train.build_setup(_config(cache)), 2)
+  for step in (1, 2, 3):
+    target = plain_target if step > 1 else train.abstract_state(
+        train.build_setup(_config(cache)), 1)
+    _same_state(checkpoint.restore(str(plain / "checkpoints"), target, step)[0],
+                checkpoint.restore(str(off / "checkpoints"), target, step)[0])
+  # a checkpoint written without offload resumes with it
+  _resume_from(plain, 2, resumed)
+  c = train.train(_config(cache, [BOTH]), str(resumed), progress=False)
+  assert _kinds(c.opt_state) == _kinds(c.ref_params) == {"pinned_host"}
+  _same_state(a, c)
+  assert _numbers(resumed) == _numbers(plain)[2:]
 
 
 def test_bad_offload_requests_fail_in_one_line(tmp_path):
