@@ -182,11 +182,17 @@ def predict(args) -> None:
 KNOB_ROWS = {"defaults": [], "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat16"],
              "train.ref_dtype=float32 (the old reference)": ["train.ref_dtype=float32"],
              "model.remat=dots (default full)": ["model.remat=dots"],
-             "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"]}
+             "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"],
+             "train.offload=reference": ["train.offload=reference"],
+             "train.offload=optimizer": ["train.offload=optimizer"],
+             "train.offload=reference,optimizer": ["train.offload=reference,optimizer"]}
 
 
 def knobs(args) -> None:
-  """The plan of the measured 0.6B run (one CPU device) under each memory knob."""
+  """The plan of the measured 0.6B run (one CPU device) under each memory knob: bytes in
+  device memory, in host memory (``train.offload``), the largest step addition, the device
+  peak an accelerator would see (device state + largest step addition; the CPU plan's own
+  peak also counts host memory, the same RAM there) and the RL update's staged bytes."""
   model, data = prepare(args.workdir, "qwen3-0.6b", weights=False)
   for label, extra in KNOB_ROWS.items():
     run = os.path.join(args.workdir, "knob-run")
@@ -196,10 +202,13 @@ def knobs(args) -> None:
     if out.returncode:
       sys.exit(out.stderr[-3000:])
     p = json.load(open(os.path.join(run, "memory_plan.json")))
-    rl = p["state"]["rl"]
-    print(f"| {label} | {_gib(sum(rl.values()))} | {_gib(rl['rl_optimizer'])} | "
-          f"{_gib(rl['reference'])} | {_gib(p['steps']['rl_update']['extra'])} | "
-          f"{_gib(p['peak']['rl'])} |", flush=True)
+    rl, host = p["state"]["rl"], p["host_state"]["rl"]
+    extra_max = max(v.get("extra", 0) for v in p["steps"].values())
+    print(f"| {label} | {_gib(sum(rl.values()))} | {_gib(sum(host.values()))} | "
+          f"{_gib(rl['rl_optimizer'] + host['rl_optimizer'])} | "
+          f"{_gib(rl['reference'] + host['reference'])} | "
+          f"{_gib(p['steps']['rl_update']['extra'])} | {_gib(sum(rl.values()) + extra_max)} |",
+          flush=True)
 
 
 def main() -> None:
