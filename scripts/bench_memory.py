@@ -183,6 +183,8 @@ KNOB_ROWS = {"defaults": [], "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat1
              "train.ref_dtype=float32 (the old reference)": ["train.ref_dtype=float32"],
              "model.remat=dots (default full)": ["model.remat=dots"],
              "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"],
+             "model.param_dtype=bfloat16 + optim.stochastic_rounding": [
+                 "model.param_dtype=bfloat16", "optim.stochastic_rounding=True"],
              "train.offload=reference": ["train.offload=reference"],
              "train.offload=optimizer": ["train.offload=optimizer"],
              "train.offload=reference,optimizer": ["train.offload=reference,optimizer"]}

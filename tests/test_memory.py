@@ -179,6 +179,8 @@ KNOB_TESTS = {
     "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat16"],
     "train.ref_dtype=bfloat16": ["train.ref_dtype=bfloat16"],
     "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"],
+    "model.param_dtype=bfloat16 + optim.stochastic_rounding": [
+        "model.param_dtype=bfloat16", "optim.stochastic_rounding=True"],
     "train.offload=reference,optimizer": ["train.offload=reference,optimizer"],
     "model.remat=dots": ["model.remat=dots"],
 }

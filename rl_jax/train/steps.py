@@ -20,14 +20,16 @@ import optax
 
 from rl_jax import losses
 from rl_jax import models
+from rl_jax import optim
 from rl_jax.train import offload
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
 from rl_jax.train.on_policy import old_logp_in_update
+from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
            "make_logprob_fn", "make_ref_logprob_fn", "make_value_fn", "make_rl_update",
-           "make_grad_norm_fn"]
+           "make_grad_norm_fn", "rounding_key"]
 
 
 class UpdateBatch(NamedTuple):
@@ -57,8 +59,20 @@ class StepFns(NamedTuple):
   ref_logprobs: Callable | None = None  # logprobs of the reference (its own memory kind)
 
 
-def finite_update(tx, params, opt_state, grads, loss, **extra):
+def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
+  """The stochastic-rounding key of the next update (``optim.stochastic_rounding``; None
+  without it): the run's ``ROUNDING`` stream, the optimizer (``stage``: 0 supervised, 1 RL,
+  2 critic) and its update count, which the checkpoint holds, so a resumed run rounds
+  exactly as the uninterrupted one."""
+  if not s.config.optim.get("stochastic_rounding"):
+    return None
+  key = jax.random.key(seed_for(s.config.train.seed, 0, Stream.ROUNDING))
+  return jax.random.fold_in(jax.random.fold_in(key, stage), optim.update_count(opt_state))
+
+
+def finite_update(tx, params, opt_state, grads, loss, *, key=None, **extra):
   """One optax update, skipped (params and state unchanged) if loss or grads are not finite.
+  ``key``: round bfloat16 weights stochastically (``optim.apply_updates``).
 
   Not ``optax.apply_if_finite``: that wrapper applies the update anyway after
   ``max_consecutive_errors`` skips (the loop stops the run instead, ``train.max_bad_steps``),
@@ -74,7 +88,7 @@ def finite_update(tx, params, opt_state, grads, loss, **extra):
   def apply(carry):
     p, o = carry
     updates, new_o = tx.update(grads, o, p, **extra)
-    return optax.apply_updates(p, updates), new_o
+    return optim.apply_updates(p, updates, key), new_o
 
   # a branch, not a select of new and old values: the select kept both copies of the
   # parameters and optimizer state alive (~1.2x the parameters' bytes more at the peak)
@@ -97,7 +111,8 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
       return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    params, opt_state, finite = finite_update(s.optimizers.sft, params, opt_state, grads, loss)
+    params, opt_state, finite = finite_update(s.optimizers.sft, params, opt_state, grads, loss,
+                                              key=rounding_key(s, opt_state, 0))
     return params, opt_state, {"sft_loss": loss, "grad_norm": optax.tree.norm(grads),
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
@@ -202,10 +217,11 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
     ess = (losses.ess_ratio_from_sums(mets["vcpo/sum_w"], mets["vcpo/sum_w2"],
                                       mets["vcpo/num_seqs"]) if "vcpo/sum_w" in mets else 1.0)
     params, opt_state, finite = finite_update(s.optimizers.rl, params, opt_state, grads, loss,
-                                              ess_ratio=ess)
+                                              key=rounding_key(s, opt_state, 1), ess_ratio=ess)
     if with_critic:
       value_params, value_opt_state, vfinite = finite_update(
-          s.optimizers.value, value_params, value_opt_state, vgrads, loss)
+          s.optimizers.value, value_params, value_opt_state, vgrads, loss,
+          key=rounding_key(s, value_opt_state, 2))
       finite &= vfinite
     mets = dict(mets, loss=loss, grad_norm=optax.tree.norm(grads), ess_ratio=ess,
                 update_skipped=1 - finite.astype(jnp.int32))
