@@ -2,7 +2,7 @@
 
     python scripts/bench_memory.py measure [--workdir /tmp/bench_memory] [--extra KEY=V ...]
     python scripts/bench_memory.py predict [--workdir /tmp/bench_memory_predict]
-    python scripts/bench_memory.py knobs [--workdir /tmp/bench_memory_knobs]
+    python scripts/bench_memory.py knobs [--workdir /tmp/bench_memory_knobs] [--only LABEL ...]
 
 ``measure`` writes a Qwen3-0.6B-shaped checkpoint (596M parameters, random bf16 weights,
 vocabulary 151,936, tied embeddings), a small BPE tokenizer.json and a GSM8K-format JSONL
@@ -197,6 +197,8 @@ def knobs(args) -> None:
   peak also counts host memory, the same RAM there) and the RL update's staged bytes."""
   model, data = prepare(args.workdir, "qwen3-0.6b", weights=False)
   for label, extra in KNOB_ROWS.items():
+    if args.only and not any(o in label for o in args.only):
+      continue
     run = os.path.join(args.workdir, "knob-run")
     subprocess.run(["rm", "-rf", run], check=True)
     out = subprocess.run(_cmd(model, data, run, RUN + extra + ["train.dry_run=True"]), cwd=ROOT,
@@ -224,6 +226,7 @@ def main() -> None:
   p.add_argument("--models", nargs="*", default=["qwen3-1.7b", "qwen3-4b", "qwen3-8b"])
   k = sub.add_parser("knobs")
   k.add_argument("--workdir", default="/tmp/bench_memory_knobs")
+  k.add_argument("--only", nargs="*", default=[], help="rows whose label contains one of these")
   args = ap.parse_args()
   {"measure": measure, "predict": predict, "knobs": knobs}[args.mode](args)
 
