@@ -37,7 +37,8 @@ from rl_jax.train.loop import main, make_trainer, rl_step, sft_batch, sft_step, 
 from rl_jax.train.rollouts import Trainer, collect, objective_inputs
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
 from rl_jax.train.steps import (StepFns, UpdateBatch, make_grad_norm_fn, make_logprob_fn,
-                                make_rl_update, make_sft_step, make_step_fns, make_value_fn)
+                                make_ref_logprob_fn, make_rl_update, make_sft_step,
+                                make_step_fns, make_value_fn)
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = [
@@ -46,5 +47,6 @@ __all__ = [
     "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer", "collect",
     "objective_inputs", "TrainState", "abstract_state", "begin_rl", "init_state",
     "make_engine", "StepFns", "UpdateBatch", "make_grad_norm_fn", "make_logprob_fn",
+    "make_ref_logprob_fn",
     "make_rl_update", "make_sft_step", "make_step_fns", "make_value_fn", "Stream", "seed_for",
 ]
