@@ -185,6 +185,7 @@ KNOB_ROWS = {"defaults": [], "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat1
              "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"],
              "model.param_dtype=bfloat16 + optim.stochastic_rounding": [
                  "model.param_dtype=bfloat16", "optim.stochastic_rounding=True"],
+             "optim.grad_clip=0 (no clipping: another optimizer)": ["optim.grad_clip=0"],
              "train.offload=reference": ["train.offload=reference"],
              "train.offload=optimizer": ["train.offload=optimizer"],
              "train.offload=reference,optimizer": ["train.offload=reference,optimizer"]}
