@@ -16,7 +16,8 @@ from rl_jax.train import memory, offload
 from tests.tiny import QUICKSTART, TINY_MODEL
 
 RUN = TINY_MODEL + [
-    "mesh.num_devices=2", "sft.steps=1", "sft.batch_size=8", "train.steps=2", "train.batch_groups=4", "rollout.n=4",
+    "mesh.num_devices=2", "sft.steps=1", "sft.batch_size=8", "train.steps=2",
+    "train.batch_groups=4", "rollout.n=4",
     "loss.kl_beta=0.01", "train.eval_every=0", "train.checkpoint_every=1", "train.keep=10",
     "log.tensorboard=False",
 ]  # FSDP over 2 devices; step 1 supervised, steps 2-3 RL with a KL reference

@@ -49,10 +49,11 @@ from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, abstract_state
 from rl_jax.train.steps import UpdateBatch
 
-__all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "state_parts", "host_parts",
-           "live_bytes", "step_memory", "device_capacity", "abstract_update_batch",
-           "compile_steps", "state_plan", "add_steps", "make_plan", "format_plan", "write_plan", "check_state_fits",
-           "check_plan_fits", "plan_run", "plan_workdir", "record_live", "PLAN_FILE"]
+__all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "state_parts",
+           "host_parts", "live_bytes", "step_memory", "device_capacity", "abstract_update_batch",
+           "compile_steps", "state_plan", "add_steps", "make_plan", "format_plan", "write_plan",
+           "check_state_fits", "check_plan_fits", "plan_run", "plan_workdir", "record_live",
+           "PLAN_FILE"]
 
 # plan part -> TrainState fields
 PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
