@@ -173,6 +173,9 @@ def _optim() -> ml_collections.ConfigDict:
       grad_clip=1.0,  # global-norm clip; 0 disables
       value_lr=config_dict.placeholder(float),  # PPO critic learning rate (None: lr)
       mu_dtype=config_dict.placeholder(str),  # Adam first moment dtype (None: param dtype)
+      # with model.param_dtype=bfloat16: add each update in float32 and round the weights
+      # back to bfloat16 stochastically (unbiased), instead of to nearest (rl_jax.optim)
+      stochastic_rounding=False,
   ))
 
 
@@ -190,6 +193,9 @@ def _train() -> ml_collections.ConfigDict:
       keep=3,  # checkpoints kept
       # storage dtype of the frozen KL reference (None: model.dtype, the compute dtype)
       ref_dtype=config_dict.placeholder(str),
+      # state parts kept in host memory between steps (JAX memory kind "pinned_host"):
+      # "", "reference", "optimizer" or "reference,optimizer" (rl_jax.train.offload)
+      offload="",
       dry_run=False,  # print the memory plan (abstract shapes, no weights read) and exit
       memory_check=True,  # fail before compiling when the memory plan exceeds the devices
       # "sync": sample, then update. "async": a rollout producer samples on its own devices
@@ -301,6 +307,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "optim.weight_decay": cu.nonnegative,
       "optim.grad_clip": cu.nonnegative,
       "optim.mu_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
+      "optim.stochastic_rounding": cu.one_of((False, True)),
       "train.steps": cu.positive_int,
       "train.batch_groups": cu.positive_int,
       "train.minibatches": cu.positive_int,
@@ -346,6 +353,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if (config.data.selector or "none") != "none" and config.rollout.partial:
     raise ConfigError(f"data.selector={config.data.selector!r} needs rollout.partial=False "
                       f"(the partial-rollout engine draws its own prompts)")
+  if config.optim.stochastic_rounding and config.model.param_dtype != "bfloat16":
+    raise ConfigError(f"optim.stochastic_rounding=True needs model.param_dtype=bfloat16 (got "
+                      f"{config.model.param_dtype}: its updates already add exactly enough)")
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
                       f"train.minibatches={config.train.minibatches}")

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
-__all__ = ["SCHEDULES", "make_optimizer"]
+__all__ = ["SCHEDULES", "make_optimizer", "stochastic_round", "apply_updates", "update_count"]
 
 SCHEDULES = ("constant", "cosine")
 
@@ -46,3 +48,51 @@ def make_optimizer(o: Any, lr: float, steps: int) -> optax.GradientTransformatio
   parts.append(optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                            mu_dtype=o.get("mu_dtype")))
   return optax.chain(*parts)
+
+
+def stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:
+  """float32 ``x`` -> bfloat16, rounded up or down at random so that the result is unbiased.
+
+  A float32 whose low 16 bits are dropped is a bfloat16 (the same sign, exponent and top 7
+  mantissa bits). Adding a uniform random integer in [0, 2^16) to the bit pattern before
+  dropping them carries into the kept bits with probability (x - down) / (up - down), where
+  down / up are the bfloat16 neighbours of ``x`` (truncation toward zero and away from it):
+  E[result] = x (stochastic rounding; Gupta et al., 2015, "Deep learning with limited
+  numerical precision"). Exact bfloat16 values are returned unchanged. Non-finite values
+  are not handled (the update that uses this is skipped when anything is non-finite).
+
+  Args:
+    x: float32 array (any shape). dtype: ``bfloat16`` (anything else: plain ``astype``).
+    key: a PRNG key; the same key gives the same rounding.
+  """
+  if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+    return x.astype(dtype)
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16  # uniform in [0, 2^16)
+  kept = (bits + noise) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(kept, jnp.float32).astype(jnp.bfloat16)
+
+
+def apply_updates(params: Any, updates: Any, key: jax.Array | None = None) -> Any:
+  """``optax.apply_updates``; with ``key`` (``optim.stochastic_rounding``), each bfloat16
+  parameter is updated in float32 and rounded back stochastically (``stochastic_round``,
+  one key per leaf), so updates smaller than half a bfloat16 step still move the weights
+  in expectation instead of rounding away. Other dtypes are added as optax does."""
+  if key is None:
+    return optax.apply_updates(params, updates)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  ups = treedef.flatten_up_to(updates)
+  out = [stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), p.dtype, k)
+         if p.dtype == jnp.bfloat16 else (p + u).astype(p.dtype)
+         for p, u, k in zip(leaves, ups, keys)]
+  return jax.tree.unflatten(treedef, out)
+
+
+def update_count(opt_state: Any) -> jax.Array:
+  """The number of updates an optax state has applied (the first ``count`` leaf: Adam's),
+  checkpointed with it; int32 []."""
+  found = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+  if not found:
+    raise ValueError("the optimizer state has no update count")
+  return found[0][1]

@@ -2,7 +2,7 @@
 
     python scripts/bench_memory.py measure [--workdir /tmp/bench_memory] [--extra KEY=V ...]
     python scripts/bench_memory.py predict [--workdir /tmp/bench_memory_predict]
-    python scripts/bench_memory.py knobs [--workdir /tmp/bench_memory_knobs]
+    python scripts/bench_memory.py knobs [--workdir /tmp/bench_memory_knobs] [--only LABEL ...]
 
 ``measure`` writes a Qwen3-0.6B-shaped checkpoint (596M parameters, random bf16 weights,
 vocabulary 151,936, tied embeddings), a small BPE tokenizer.json and a GSM8K-format JSONL
@@ -182,13 +182,24 @@ def predict(args) -> None:
 KNOB_ROWS = {"defaults": [], "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat16"],
              "train.ref_dtype=float32 (the old reference)": ["train.ref_dtype=float32"],
              "model.remat=dots (default full)": ["model.remat=dots"],
-             "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"]}
+             "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"],
+             "model.param_dtype=bfloat16 + optim.stochastic_rounding": [
+                 "model.param_dtype=bfloat16", "optim.stochastic_rounding=True"],
+             "optim.grad_clip=0 (no clipping: another optimizer)": ["optim.grad_clip=0"],
+             "train.offload=reference": ["train.offload=reference"],
+             "train.offload=optimizer": ["train.offload=optimizer"],
+             "train.offload=reference,optimizer": ["train.offload=reference,optimizer"]}
 
 
 def knobs(args) -> None:
-  """The plan of the measured 0.6B run (one CPU device) under each memory knob."""
+  """The plan of the measured 0.6B run (one CPU device) under each memory knob: bytes in
+  device memory, in host memory (``train.offload``), the largest step addition, the device
+  peak an accelerator would see (device state + largest step addition; the CPU plan's own
+  peak also counts host memory, the same RAM there) and the RL update's staged bytes."""
   model, data = prepare(args.workdir, "qwen3-0.6b", weights=False)
   for label, extra in KNOB_ROWS.items():
+    if args.only and not any(o in label for o in args.only):
+      continue
     run = os.path.join(args.workdir, "knob-run")
     subprocess.run(["rm", "-rf", run], check=True)
     out = subprocess.run(_cmd(model, data, run, RUN + extra + ["train.dry_run=True"]), cwd=ROOT,
@@ -196,10 +207,13 @@ def knobs(args) -> None:
     if out.returncode:
       sys.exit(out.stderr[-3000:])
     p = json.load(open(os.path.join(run, "memory_plan.json")))
-    rl = p["state"]["rl"]
-    print(f"| {label} | {_gib(sum(rl.values()))} | {_gib(rl['rl_optimizer'])} | "
-          f"{_gib(rl['reference'])} | {_gib(p['steps']['rl_update']['extra'])} | "
-          f"{_gib(p['peak']['rl'])} |", flush=True)
+    rl, host = p["state"]["rl"], p["host_state"]["rl"]
+    extra_max = max(v.get("extra", 0) for v in p["steps"].values())
+    print(f"| {label} | {_gib(sum(rl.values()))} | {_gib(sum(host.values()))} | "
+          f"{_gib(rl['rl_optimizer'] + host['rl_optimizer'])} | "
+          f"{_gib(rl['reference'] + host['reference'])} | "
+          f"{_gib(p['steps']['rl_update']['extra'])} | {_gib(sum(rl.values()) + extra_max)} |",
+          flush=True)
 
 
 def main() -> None:
@@ -213,6 +227,7 @@ def main() -> None:
   p.add_argument("--models", nargs="*", default=["qwen3-1.7b", "qwen3-4b", "qwen3-8b"])
   k = sub.add_parser("knobs")
   k.add_argument("--workdir", default="/tmp/bench_memory_knobs")
+  k.add_argument("--only", nargs="*", default=[], help="rows whose label contains one of these")
   args = ap.parse_args()
   {"measure": measure, "predict": predict, "knobs": knobs}[args.mode](args)
 

@@ -11,6 +11,7 @@ Split along the data flow of one step, each module depending only on those above
     context      config -> Setup (tokenizer, task, model config, mesh, objective, optimizers)
     on_policy    whether the update takes old_logp from its own policy pass
     startup      persistent compilation cache, compile-time clock, profiler trace of a step
+    offload      train.offload: state parts in host memory (JAX memory kinds)
     state        TrainState; init_state and its abstract, sharded restore target (by step:
                  the supervised optimizer state only in the supervised stage, the reference
                  only in RL)
@@ -36,7 +37,8 @@ from rl_jax.train.loop import main, make_trainer, rl_step, sft_batch, sft_step, 
 from rl_jax.train.rollouts import Trainer, collect, objective_inputs
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
 from rl_jax.train.steps import (StepFns, UpdateBatch, make_grad_norm_fn, make_logprob_fn,
-                                make_rl_update, make_sft_step, make_step_fns, make_value_fn)
+                                make_ref_logprob_fn, make_rl_update, make_sft_step,
+                                make_step_fns, make_value_fn)
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = [
@@ -45,5 +47,6 @@ __all__ = [
     "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer", "collect",
     "objective_inputs", "TrainState", "abstract_state", "begin_rl", "init_state",
     "make_engine", "StepFns", "UpdateBatch", "make_grad_norm_fn", "make_logprob_fn",
+    "make_ref_logprob_fn",
     "make_rl_update", "make_sft_step", "make_step_fns", "make_value_fn", "Stream", "seed_for",
 ]

@@ -28,6 +28,7 @@ from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax import wandb_log
 from rl_jax.errors import RLJaxError
+from rl_jax.models.hf import release_host_memory
 from rl_jax.train import startup
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train import pipeline
@@ -97,6 +98,7 @@ def apply_update(t: Trainer, state: TrainState, batch: UpdateBatch) -> tuple[Tra
   metrics averaged over the minibatches)."""
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   mets_all = []
+  release_host_memory()  # host buffers freed by sampling and scoring, before the peak
   for mb in _minibatches(t, batch, t.setup.config.train.minibatches):
     *carry, mets = t.steps.rl_update(*carry, mb)
     mets_all.append(jax.device_get(mets))

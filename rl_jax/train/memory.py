@@ -20,7 +20,10 @@ Per device (the busiest one; FSDP shards split evenly):
   ``temp`` and ``code`` bytes of each compiled program; the bytes a step adds on top of the
   resident state are ``temp + output - alias``. The sampler's KV cache is sized from shapes
   (``rollout.kv_cache_bytes``), split over the sampler's batch devices.
-* peak = the larger phase (supervised, RL) of resident state + the largest step addition.
+* host state: the parts ``train.offload`` keeps in host memory (``pinned_host``), per part; a
+  step that reads them adds their device copy (``staged``) to its ``extra``.
+* peak = the larger phase (supervised, RL) of resident state + the largest step addition
+  (on the CPU backend, whose host memory is the same RAM, + the host state).
 
 Capacity: ``device.memory_stats()["bytes_limit"]`` on accelerators; the CPU backend reports
 none, so the host's physical RAM divided by the local CPU devices is used instead (labelled
@@ -41,14 +44,16 @@ import numpy as np
 from rl_jax import losses
 from rl_jax import rollout
 from rl_jax.errors import RLJaxError
+from rl_jax.train import offload
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, abstract_state
 from rl_jax.train.steps import UpdateBatch
 
 __all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "state_parts",
-           "live_bytes", "step_memory", "device_capacity", "abstract_update_batch",
-           "compile_steps", "state_plan", "add_steps", "make_plan", "format_plan", "write_plan", "check_state_fits",
-           "check_plan_fits", "plan_run", "plan_workdir", "record_live", "PLAN_FILE"]
+           "host_parts", "live_bytes", "step_memory", "device_capacity", "abstract_update_batch",
+           "compile_steps", "state_plan", "add_steps", "make_plan", "format_plan", "write_plan",
+           "check_state_fits", "check_plan_fits", "plan_run", "plan_workdir", "record_live",
+           "PLAN_FILE"]
 
 # plan part -> TrainState fields
 PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
@@ -60,9 +65,9 @@ PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
 # what shrinks each part (named in the one-line error of a run that does not fit)
 KNOBS = {
     "policy": "model.param_dtype=bfloat16, a larger mesh.shape.fsdp",
-    "rl_optimizer": "optim.mu_dtype=bfloat16, a larger mesh.shape.fsdp",
+    "rl_optimizer": "optim.mu_dtype=bfloat16, train.offload=optimizer, a larger mesh.shape.fsdp",
     "sft_optimizer": "sft.steps=0, optim.mu_dtype=bfloat16",
-    "reference": "train.ref_dtype=bfloat16, loss.kl_beta=0",
+    "reference": "train.ref_dtype=bfloat16, train.offload=reference, loss.kl_beta=0",
     "critic": "a larger mesh.shape.fsdp",
     "sampler_copy": "fewer processes per host",
     "rollout_buffer": "rollout.over_sampling",
@@ -97,9 +102,11 @@ def leaf_bytes(x) -> int:
   return int(math.prod(shape)) * jnp.dtype(x.dtype).itemsize
 
 
-def tree_bytes(tree) -> int:
-  """``leaf_bytes`` summed over a pytree."""
-  return sum(leaf_bytes(x) for x in jax.tree.leaves(tree))
+def tree_bytes(tree, host: bool | None = False) -> int:
+  """``leaf_bytes`` summed over a pytree's leaves in device memory (``host=False``), in host
+  memory (``True``: ``train.offload``) or all (None)."""
+  return sum(leaf_bytes(x) for x in jax.tree.leaves(tree)
+             if host is None or offload.is_host(x) == host)
 
 
 def _fields(state: TrainState) -> dict[str, tuple]:
@@ -110,19 +117,26 @@ def _fields(state: TrainState) -> dict[str, tuple]:
   return {**parts, "other": tuple(f for f in state._fields if f not in listed)}
 
 
-def state_parts(state: TrainState) -> dict[str, int]:
-  """Bytes per device of each plan part of a (concrete or abstract) train state."""
-  return {part: sum(tree_bytes(getattr(state, f)) for f in fields)
+def state_parts(state: TrainState, host: bool = False) -> dict[str, int]:
+  """Bytes per device of each plan part of a (concrete or abstract) train state, in device
+  memory (or, ``host``, the parts offloaded to the device's host memory)."""
+  return {part: sum(tree_bytes(getattr(state, f), host) for f in fields)
           for part, fields in _fields(state).items()}
 
 
-def live_bytes(state: TrainState) -> dict[str, int]:
+def host_parts(state: TrainState) -> dict[str, int]:
+  """``state_parts`` of the offloaded leaves (``train.offload``): host bytes per device."""
+  return state_parts(state, host=True)
+
+
+def live_bytes(state: TrainState, host: bool = False) -> dict[str, int]:
   """The same for a concrete state, measured from its buffers: the bytes held on the first
-  device, per part (what ``state_parts`` predicts from shapes)."""
+  device (or in its host memory), per part (what ``state_parts`` predicts from shapes)."""
   dev = jax.local_devices()[0]
 
   def held(tree):
-    return sum(s.data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree)
+               if isinstance(x, jax.Array) and offload.is_host(x) == host
                for s in x.addressable_shards if s.device == dev)
 
   return {part: sum(held(getattr(state, f)) for f in fields)
@@ -194,22 +208,35 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
     rows = t.layout.rows(c.sft.batch_size)
     T = s.prompt_len + c.rollout.max_new_tokens
     b = [_spec((c.sft.batch_size, T), dt, rows) for dt in (jnp.int32, bool, jnp.float32)]
-    out["sft"] = step_memory(f.sft.lower(sft_state.params, sft_state.sft_opt_state, *b)
-                             .compile())
+    out["sft"] = _staged(step_memory(f.sft.lower(sft_state.params, sft_state.sft_opt_state,
+                                                 *b).compile()), sft_state.sft_opt_state)
   batch = abstract_update_batch(t, G)
   args = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, batch.inputs.mask)
   if not f.old_logp_in_update:  # else the update's own pass gives old_logp
     out["logprobs"] = step_memory(f.logprobs.lower(rl_state.params, *args).compile())
   needs = s.objective.needs
   if "ref_logp" in needs and jax.tree.leaves(rl_state.ref_params):
-    out["ref_logprobs"] = step_memory(f.logprobs.lower(rl_state.ref_params, *args).compile())
+    ref = f.ref_logprobs or f.logprobs
+    out["ref_logprobs"] = _staged(step_memory(ref.lower(rl_state.ref_params, *args).compile()),
+                                  rl_state.ref_params)
   if "values" in needs:
     out["values"] = step_memory(f.values.lower(rl_state.value_params, *args).compile())
   mb = abstract_update_batch(t, G // c.train.minibatches)
-  out["rl_update"] = step_memory(f.rl_update.lower(
+  out["rl_update"] = _staged(step_memory(f.rl_update.lower(
       rl_state.params, rl_state.opt_state, rl_state.value_params, rl_state.value_opt_state,
-      mb).compile())
+      mb).compile()), (rl_state.opt_state, rl_state.value_opt_state))
   return out
+
+
+def _staged(m: dict[str, int], read) -> dict[str, int]:
+  """A step that reads offloaded state (``read``) holds its device copy while it runs:
+  ``staged`` (those bytes per device) is added to ``extra``. XLA's analysis leaves them out
+  (they are neither arguments in device memory nor temporaries on every backend), so the
+  plan counts them itself: the state's bytes as they were before offload."""
+  staged = tree_bytes(read, host=True)
+  if not staged or not m:
+    return m
+  return dict(m, staged=staged, extra=m["extra"] + staged)
 
 
 def _kv_cache(t: Trainer) -> int:
@@ -237,9 +264,14 @@ def state_plan(t: Trainer, sft_state: TrainState | None,
     sampler = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                   for x in jax.tree.leaves(rl_state.params))
   phases["rl"]["sampler_copy"] = sampler
+  host = {"rl": host_parts(rl_state)}
+  if sft_state is not None:
+    host = {"sft": host_parts(sft_state), **host}
   capacity, source = device_capacity(s.mesh.devices.flat[0])
   return {"devices": int(s.mesh.size), "mesh": {k: int(v) for k, v in s.mesh.shape.items()},
-          "platform": s.mesh.devices.flat[0].platform, "state": phases, "steps": {},
+          "platform": s.mesh.devices.flat[0].platform, "state": phases,
+          "host_state": host, "offload": list(offload.parse(s.config.train.get("offload"))),
+          "steps": {},
           "peak": {}, "capacity": capacity, "capacity_source": source,
           "dtypes": {"param": s.model_cfg.param_dtype, "compute": s.model_cfg.dtype,
                      "reference": str(jnp.dtype(s.config.train.ref_dtype or s.model_cfg.dtype)),
@@ -256,6 +288,8 @@ def add_steps(t: Trainer, plan: dict[str, Any], sft_state: TrainState | None,
     names = ("sft",) if phase == "sft" else tuple(k for k in steps if k != "sft")
     extra = max([steps[k].get("extra", 0) for k in names if k in steps] or [0])
     peaks[phase] = sum(parts.values()) + extra
+    if plan["platform"] == "cpu":  # host memory is the same RAM as the CPU "device"
+      peaks[phase] += sum(plan.get("host_state", {}).get(phase, {}).values())
   return dict(plan, steps=steps, peak=peaks)
 
 
@@ -293,6 +327,11 @@ def format_plan(plan: dict[str, Any]) -> str:
   for phase, parts in plan["state"].items():
     shown = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items() if v)
     lines.append(f"  state ({phase}): {_gib(sum(parts.values()))} = {shown or 'nothing'}")
+    host = plan.get("host_state", {}).get(phase, {})
+    if sum(host.values()):
+      shown = ", ".join(f"{k} {_gib(v)}" for k, v in host.items() if v)
+      lines.append(f"  host memory ({phase}, train.offload): {_gib(sum(host.values()))} = "
+                   f"{shown}")
   for name, m in plan["steps"].items():
     detail = ", ".join(f"{k} {_gib(v)}" for k, v in m.items() if k != "extra")
     lines.append(f"  step {name}: +{_gib(m.get('extra', 0))}" + (f" ({detail})" if detail else ""))
@@ -355,4 +394,5 @@ def record_live(workdir: str, state: TrainState) -> None:
   with open(path) as f:
     plan = json.load(f)
   plan["live_state"] = {"step": int(state.step), **live_bytes(state)}
+  plan["live_host_state"] = live_bytes(state, host=True)
   write_plan(plan, path)

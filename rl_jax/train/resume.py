@@ -15,6 +15,7 @@ import jax
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax.errors import CheckpointError
+from rl_jax.train import offload
 from rl_jax.train.context import Setup
 from rl_jax.train.state import TrainState, abstract_state
 
@@ -60,4 +61,7 @@ def restore_state(s: Setup, ckpt: ckpt_lib.Checkpointer, step: int,
         "config it was written with")
   full, drop = legacy_target(s, target, saved)
   state, _ = ckpt.restore(full, step=step)
-  return state._replace(**{name: {} for name in drop})
+  state = state._replace(**{name: {} for name in drop})
+  # train.offload: the target already places these in host memory; an older layout's
+  # reference (read onto the policy's layout) is moved there too
+  return offload.place(state, offload.offloaded_fields(s))

@@ -297,7 +297,7 @@ def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_length
                 old_logp=None if own_old else f.logprobs(state.params, *args),
                 behaviour_logp=behaviour_logp)
   producers = {
-      "ref_logp": lambda: f.logprobs(state.ref_params, *args),
+      "ref_logp": lambda: (f.ref_logprobs or f.logprobs)(state.ref_params, *args),
       "values": lambda: f.values(state.value_params, *args),
       "grad_sq_norms": lambda: f.grad_sq_norms(state.params, *args, jax.random.key(
           seed_for(s.config.train.seed, int(state.step), Stream.GRAD_NORMS))),

@@ -17,6 +17,7 @@ import optax
 from rl_jax import models
 from rl_jax import rollout
 from rl_jax import sharding
+from rl_jax.train import offload
 from rl_jax.train import queue as queue_lib
 from rl_jax.train import selection_stage, speculative_stage
 from rl_jax.train.context import Setup
@@ -40,6 +41,8 @@ class TrainState(NamedTuple):
   extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
   rollout_queue: with ``train.mode="async"``, the scored batches sampled ahead of the learner
   (``pipeline.empty_queue``); ``{}`` otherwise.
+  With ``train.offload``, the reference and / or the optimizer states are placed in the
+  devices' host memory (``offload``; same layout, memory kind ``pinned_host``).
   selector: per-prompt state of the prompt selector (``selection_stage.selector_state``:
   GRESO streaks, Beta posteriors); ``{}`` for selectors without state.
   spec_drafts: with ``rollout.speculative``, each prompt's last responses and their sampling
@@ -184,7 +187,8 @@ def init_state(s: Setup) -> TrainState:
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
   host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
           **_prompt_state(s)}
-  return state._replace(**jax.tree.map(lambda x: place_replicated(s, x), host))
+  state = state._replace(**jax.tree.map(lambda x: place_replicated(s, x), host))
+  return offload.place(state, offload.offloaded_fields(s))  # train.offload: to host memory
 
 
 def place_replicated(s: Setup, x) -> jax.Array:
@@ -202,6 +206,7 @@ def abstract_state(s: Setup, step: int = 0, *, rl: bool | None = None) -> TrainS
   (``rl_layout``): the checkpoint of step k holds exactly ``abstract_state(s, k)``. ``rl``
   forces the RL (True) or supervised (False) layout whatever the step.
   """
+  offloaded = offload.offloaded_fields(s)  # checked first: a bad train.offload fails here
   cfg = s.model_cfg
   dtype = jnp.dtype(cfg.param_dtype)
   params = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
@@ -220,9 +225,10 @@ def abstract_state(s: Setup, step: int = 0, *, rl: bool | None = None) -> TrainS
   state = jax.tree.map(spec, shapes, out)
   host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
           **_prompt_state(s)}
-  return state._replace(**jax.tree.map(
+  state = state._replace(**jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
       host))
+  return offload.host_specs(state, offloaded)
 
 
 def begin_rl(s: Setup, state: TrainState) -> TrainState:
@@ -233,7 +239,8 @@ def begin_rl(s: Setup, state: TrainState) -> TrainState:
       jax.tree.leaves(state.ref_params) or "ref_logp" not in s.objective.needs):
     return state
   state = state._replace(sft_opt_state={})
-  return state._replace(ref_params=_copy_reference(s)(state.params))
+  state = state._replace(ref_params=_copy_reference(s)(state.params))
+  return offload.place(state, offload.offloaded_fields(s))
 
 
 def _copy_reference(s: Setup):

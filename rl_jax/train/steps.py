@@ -20,12 +20,16 @@ import optax
 
 from rl_jax import losses
 from rl_jax import models
+from rl_jax import optim
+from rl_jax.train import offload
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
 from rl_jax.train.on_policy import old_logp_in_update
+from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
-           "make_logprob_fn", "make_value_fn", "make_rl_update", "make_grad_norm_fn"]
+           "make_logprob_fn", "make_ref_logprob_fn", "make_value_fn", "make_rl_update",
+           "make_grad_norm_fn", "rounding_key"]
 
 
 class UpdateBatch(NamedTuple):
@@ -52,10 +56,23 @@ class StepFns(NamedTuple):
   values: Callable
   grad_sq_norms: Callable
   old_logp_in_update: bool = False  # rl_update takes old_logp from its own policy pass
+  ref_logprobs: Callable | None = None  # logprobs of the reference (its own memory kind)
 
 
-def finite_update(tx, params, opt_state, grads, loss, **extra):
+def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
+  """The stochastic-rounding key of the next update (``optim.stochastic_rounding``; None
+  without it): the run's ``ROUNDING`` stream, the optimizer (``stage``: 0 supervised, 1 RL,
+  2 critic) and its update count, which the checkpoint holds, so a resumed run rounds
+  exactly as the uninterrupted one."""
+  if not s.config.optim.get("stochastic_rounding"):
+    return None
+  key = jax.random.key(seed_for(s.config.train.seed, 0, Stream.ROUNDING))
+  return jax.random.fold_in(jax.random.fold_in(key, stage), optim.update_count(opt_state))
+
+
+def finite_update(tx, params, opt_state, grads, loss, *, key=None, **extra):
   """One optax update, skipped (params and state unchanged) if loss or grads are not finite.
+  ``key``: round bfloat16 weights stochastically (``optim.apply_updates``).
 
   Not ``optax.apply_if_finite``: that wrapper applies the update anyway after
   ``max_consecutive_errors`` skips (the loop stops the run instead, ``train.max_bad_steps``),
@@ -71,7 +88,7 @@ def finite_update(tx, params, opt_state, grads, loss, **extra):
   def apply(carry):
     p, o = carry
     updates, new_o = tx.update(grads, o, p, **extra)
-    return optax.apply_updates(p, updates), new_o
+    return optim.apply_updates(p, updates, key), new_o
 
   # a branch, not a select of new and old values: the select kept both copies of the
   # parameters and optimizer state alive (~1.2x the parameters' bytes more at the peak)
@@ -84,14 +101,18 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
   ``(params, opt_state, metrics)``: next-token loss on the answer tokens only. Donates the
   params and optimizer state."""
   cfg = s.model_cfg
+  host_opt = "sft_opt_state" in offload.offloaded_fields(s)
 
   def step(params, opt_state, tokens, attn_mask, loss_mask):
+    opt_state = offload.to_device(opt_state, host_opt)  # train.offload: into device memory
+
     def loss_fn(p):
       lp = models.sequence_logprobs(cfg, p, tokens, attention_mask=attn_mask)
       return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    params, opt_state, finite = finite_update(s.optimizers.sft, params, opt_state, grads, loss)
+    params, opt_state, finite = finite_update(s.optimizers.sft, params, opt_state, grads, loss,
+                                              key=rounding_key(s, opt_state, 0))
     return params, opt_state, {"sft_loss": loss, "grad_norm": optax.tree.norm(grads),
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
@@ -123,6 +144,20 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
                          temperature=temp))
 
 
+def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable:
+  """``make_logprob_fn`` for the frozen reference: compiled for the reference's placement
+  (host memory with ``train.offload`` naming it, brought to the device inside the pass)."""
+  temp, shared = _temperature(s), s.config.train.shared_prefix
+  host = "ref_params" in offload.offloaded_fields(s)
+  weights = layout.state.params  # the reference is laid out like the policy
+  if host:
+    weights = jax.tree.map(offload.host_sharding, weights)
+  return _group_pass(layout, weights, s.config.train.batch_groups,
+                     lambda p, pt, pl, rt, rm: models.response_logprobs(
+                         s.model_cfg, offload.to_device(p, host), pt, pl, rt, rm,
+                         shared_prefix=shared, temperature=temp))
+
+
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
   """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
   shared = s.config.train.shared_prefix
@@ -150,8 +185,11 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
   with_critic = "values" in obj.needs
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
   own_old = old_logp_in_update(s.config, obj)
+  host = offload.offloaded_fields(s)
 
   def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
+    opt_state = offload.to_device(opt_state, "opt_state" in host)  # train.offload
+    value_opt_state = offload.to_device(value_opt_state, "value_opt_state" in host)
     G, M, R = b.tokens.shape
     outer_batch = None if own_old else obj.prepare(losses.loss_batch(b.inputs, b.advantages))
     mask = b.inputs.mask
@@ -179,10 +217,11 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
     ess = (losses.ess_ratio_from_sums(mets["vcpo/sum_w"], mets["vcpo/sum_w2"],
                                       mets["vcpo/num_seqs"]) if "vcpo/sum_w" in mets else 1.0)
     params, opt_state, finite = finite_update(s.optimizers.rl, params, opt_state, grads, loss,
-                                              ess_ratio=ess)
+                                              key=rounding_key(s, opt_state, 1), ess_ratio=ess)
     if with_critic:
       value_params, value_opt_state, vfinite = finite_update(
-          s.optimizers.value, value_params, value_opt_state, vgrads, loss)
+          s.optimizers.value, value_params, value_opt_state, vgrads, loss,
+          key=rounding_key(s, value_opt_state, 2))
       finite &= vfinite
     mets = dict(mets, loss=loss, grad_norm=optax.tree.norm(grads), ess_ratio=ess,
                 update_skipped=1 - finite.astype(jnp.int32))
@@ -226,4 +265,5 @@ def make_step_fns(s: Setup, layout: Layout) -> StepFns:
   return StepFns(sft=make_sft_step(s, layout), rl_update=make_rl_update(s, layout),
                  logprobs=make_logprob_fn(s, layout), values=make_value_fn(s, layout),
                  grad_sq_norms=make_grad_norm_fn(s, layout),
-                 old_logp_in_update=old_logp_in_update(s.config, s.objective))
+                 old_logp_in_update=old_logp_in_update(s.config, s.objective),
+                 ref_logprobs=make_ref_logprob_fn(s, layout))

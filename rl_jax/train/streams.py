@@ -25,6 +25,7 @@ class Stream(enum.IntEnum):
   EVAL_PASS_K = 7   # pass@k samples of the evaluation (per evaluated step)
   SELECTOR = 9      # prompt selectors' draws: GRESO skips, Thompson samples (per step)
   SPECULATIVE = 11  # SPEC-RL acceptance and residual draws (per step)
+  ROUNDING = 13     # optim.stochastic_rounding: folded with each optimizer's update count
 
 
 def seed_for(seed: int, step: int, stream: Stream) -> int:
