@@ -41,6 +41,7 @@ import numpy as np
 from rl_jax import losses
 from rl_jax import rollout
 from rl_jax.errors import RLJaxError
+from rl_jax.train import group_size
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, abstract_state
 from rl_jax.train.steps import UpdateBatch
@@ -165,7 +166,7 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
   """ShapeDtypeStructs of one ``groups``-group ``UpdateBatch`` as the rollout stage fills
   it (the objective's declared inputs), split along ``batch``."""
   s, c = t.setup, t.setup.config
-  M, R, P = c.rollout.n, c.rollout.max_new_tokens, s.prompt_len
+  M, R, P = group_size.row_shape(c)[1], c.rollout.max_new_tokens, s.prompt_len
   rows = t.layout.rows(groups)
   tok = lambda dt: _spec((groups, M, R), dt, rows)
   own_old = t.steps.old_logp_in_update  # on-policy: the update computes old_logp itself
@@ -188,7 +189,7 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
                   rl_state: TrainState) -> dict[str, dict[str, int]]:
   """``step_memory`` of each step the run will call, compiled on abstract inputs."""
   s, c, f = t.setup, t.setup.config, t.steps
-  G = c.train.batch_groups
+  G = group_size.row_shape(c)[0]
   out = {}
   if sft_state is not None:
     rows = t.layout.rows(c.sft.batch_size)
@@ -215,10 +216,10 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
 def _kv_cache(t: Trainer) -> int:
   """The sampler's KV cache per device (prompt-once layout, groups over the batch axes)."""
   s, c = t.setup, t.setup.config
-  G = c.train.batch_groups
+  G, M = group_size.row_shape(c)
   if c.rollout.partial:
     G = math.ceil(c.rollout.over_sampling * G)
-  cache = rollout.kv_cache_bytes(s.model_cfg, G, c.rollout.n, s.prompt_len,
+  cache = rollout.kv_cache_bytes(s.model_cfg, G, M, s.prompt_len,
                                  c.rollout.max_new_tokens)
   split = math.prod(s.sampler_mesh.shape[a] for a in ("data", "fsdp")
                     if a in s.sampler_mesh.shape)
