@@ -11,9 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl_jax import config as config_lib
 from rl_jax import config_utils, losses, train
+from rl_jax.data import selection
 from rl_jax.errors import ConfigError
 from rl_jax.train import group_size as gs
+from rl_jax.train import selection_stage as ss
+from rl_jax.train.rollouts import Scored
 from rl_jax.train.state import place_replicated
 from tests.tiny import QUICKSTART, TINY_MODEL, ParityTask
 
@@ -174,6 +178,52 @@ def test_prompt_spread_and_regroup_index():
   gather, scatter = gs.regroup_index(groups, 3, 2, 2)
   assert gather.tolist() == [[2, 3, -1, -1], [0, 1, 4, 5], [6, 7, -1, -1]]
   assert scatter.tolist() == [4, 5, 0, 1, 6, 7, 8, 9]
+
+
+# ------------------------------------------------------------------ the selection stage
+def test_selection_stage_rolls_chunks_and_updates_posteriors_per_prompt():
+  N, G, M, R, m = 30, 4, 4, 2, 2
+  c = config_lib.base_config()
+  c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens = G, M, R
+  c.data.update(group_size="adaptive", group_chunk=m, beta_decay=1.0)
+  rng = np.random.default_rng(0)
+  sel = {"alpha": rng.uniform(1, 20, N).astype(np.float32),
+         "beta": rng.uniform(1, 20, N).astype(np.float32)}
+  wins = rng.integers(0, 2, (N, 64)).astype(np.float32)  # reward of prompt i's j-th sample
+
+  def nxt(data, n):
+    idx, st = selection.sampler_next(selection.SamplerState(0, int(data[0]), int(data[1])),
+                                     N, n)
+    return idx, np.asarray([st.epoch, st.position], np.int32)
+
+  calls = []
+
+  def roll(idx, first):
+    calls.append((np.asarray(idx), first))
+    seen = {}
+    rewards = []
+    for i in idx:  # a prompt's chunks read its next samples
+      rewards.append(wins[i, seen.get(i, 0):seen.get(i, 0) + m])
+      seen[i] = seen.get(i, 0) + m
+    g = len(idx)
+    z = np.zeros((g * m, R))
+    return Scored(np.asarray(idx, np.int32), z.astype(np.int32), z == 0, z, z.astype(np.int32),
+                  np.asarray(rewards, np.float32), np.zeros(2, np.int64), 0.1, 0, {})
+
+  out, data, new, stats = ss.select(c, np.zeros(2, np.int32), sel, nxt, roll, step=0)
+  idx, _ = nxt(np.zeros(2, np.int32), G)
+  k = gs.allocate(sel["alpha"][idx], sel["beta"][idx], G * M // m, m)
+  assert len(calls) == 1 and calls[0][1] == 0
+  np.testing.assert_array_equal(calls[0][0], np.repeat(idx, k))  # one roll, chunk by chunk
+  np.testing.assert_array_equal(out.groups, np.repeat(np.arange(G), k))
+  assert out.rewards.shape == (G * M // m, m) and list(data) == [0, G]
+  wins_i = np.asarray([wins[i, :k[j] * m].sum() for j, i in enumerate(idx)])
+  np.testing.assert_allclose(new["alpha"][idx], sel["alpha"][idx] + wins_i, rtol=1e-6)
+  np.testing.assert_allclose(new["beta"][idx], sel["beta"][idx] + k * m - wins_i, rtol=1e-6)
+  rest = np.setdiff1d(np.arange(N), idx)
+  np.testing.assert_array_equal(new["alpha"][rest], sel["alpha"][rest])  # decay 1: unchanged
+  assert (stats["group_size_min"], stats["group_size_max"]) == (k.min() * m, k.max() * m)
+  assert ss.selector_state(c, N).keys() == {"alpha", "beta"}
 
 
 # ------------------------------------------------------------------ the trainer
