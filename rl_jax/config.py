@@ -40,6 +40,7 @@ from rl_jax.models import config as model_config_lib
 __all__ = ["SELECTORS", "base_config", "checks", "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
+GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -111,6 +112,13 @@ def _data() -> ml_collections.ConfigDict:
       select_pool=2.0,  # beta: candidates drawn per step, as a multiple of batch_groups
       beta_mode="thompson",  # beta: "thompson" (sample closest to 0.5) | "variance" (mu(1-mu))
       beta_decay=0.9,  # beta: lambda of the decay toward the Beta(1, 1) prior
+      # Samples per prompt (docs/SELECTION.md): "fixed" (rollout.n each) | "adaptive" (the
+      # budget batch_groups * rollout.n is cut into chunks of group_chunk samples and each
+      # prompt gets >= 1 chunk from its Beta posterior; more where mixed rewards are likely
+      # to need more samples).
+      group_size="fixed",
+      group_chunk=config_dict.placeholder(int),  # adaptive: m samples per chunk (None: n // 2)
+      group_max=config_dict.placeholder(int),  # adaptive: most samples per prompt (None: any)
       # DAPO overlong shaping: linear penalty over the last L_cache response tokens
       # (0 = off; None = the preset's: max_new_tokens // 4 for "dapo", else off).
       overlong_buffer=config_dict.placeholder(int),
@@ -274,6 +282,9 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "data.select_pool": cu.in_range(1.0, None),
       "data.beta_mode": cu.one_of(("thompson", "variance")),
       "data.beta_decay": cu.probability,
+      "data.group_size": cu.one_of(GROUP_SIZES),
+      "data.group_chunk": opt(cu.positive_int),
+      "data.group_max": opt(cu.positive_int),
       "data.overlong_buffer": opt(cu.nonnegative_int),
       "rollout.spec_lenience": cu.nonnegative,
       "rollout.n": cu.positive_int,
@@ -356,6 +367,34 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.optim.stochastic_rounding and config.model.param_dtype != "bfloat16":
     raise ConfigError(f"optim.stochastic_rounding=True needs model.param_dtype=bfloat16 (got "
                       f"{config.model.param_dtype}: its updates already add exactly enough)")
+  _check_group_size(config)
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
                       f"train.minibatches={config.train.minibatches}")
+
+
+def _check_group_size(config: ml_collections.ConfigDict) -> None:
+  """Adaptive group size: the budget splits into whole chunks, one or more per prompt."""
+  d, G, M = config.data, config.train.batch_groups, config.rollout.n
+  if d.group_size != "adaptive":
+    return
+  m = d.group_chunk if d.group_chunk is not None else max(1, M // 2)
+  if (G * M) % m:
+    raise ConfigError(f"data.group_size=adaptive: the budget train.batch_groups * rollout.n = "
+                      f"{G * M} is not divisible by data.group_chunk={m}")
+  if m > M:
+    raise ConfigError(f"data.group_chunk={m} exceeds rollout.n={M} (each prompt needs a chunk)")
+  if d.group_max is not None and (d.group_max % m or d.group_max < M):
+    raise ConfigError(f"data.group_max={d.group_max}: need a multiple of {m} and >= {M}")
+  if ((G * M) // m) % config.train.minibatches:
+    raise ConfigError(f"data.group_size=adaptive: the {(G * M) // m} chunks of a step are not "
+                      f"divisible by train.minibatches={config.train.minibatches}")
+  sel = d.selector or "none"
+  if sel not in ("none", "beta") or (sel == "none" and config.loss.preset == "dapo"):
+    raise ConfigError(f"data.group_size=adaptive works with data.selector none or beta, got "
+                      f"{'dapo (the dapo preset)' if sel == 'none' else sel!r}")
+  for key, bad in (("rollout.speculative", config.rollout.speculative),
+                   ("rollout.partial", config.rollout.partial),
+                   ("train.mode=async", config.train.mode == "async")):
+    if bad:
+      raise ConfigError(f"data.group_size=adaptive is not supported with {key}")

@@ -12,6 +12,7 @@ on (interleaved per seed); reported: rollout seconds per epoch from the second e
 leaves out one-off compilations), the reused-token fraction and the final accuracy.
 
     python scripts/bench_selection.py selection [--seeds 0,1,2 --steps 120 --target 0.5]
+        [--methods none,dapo,greso,beta,adaptive]  (adaptive: data.group_size=adaptive)
     python scripts/bench_selection.py spec [--seeds 0,1,2 --epochs 4 --difficulty 2]
 """
 
@@ -77,6 +78,15 @@ def _total(rows, groups, n):
   return sum(rollout_cost(r, groups, n)[0] for r in rows if r.get("phase") == "rl")
 
 
+# methods that are not a data.selector value: their overrides
+METHODS = {"adaptive": ["data.group_size=adaptive", "data.group_chunk=2", "data.beta_decay=0.99"]}
+
+
+def method_overrides(m: str) -> list[str]:
+  """The config overrides of a method: a ``data.selector`` value or a name in ``METHODS``."""
+  return METHODS.get(m, [f"data.selector={m}"])
+
+
 def selection(args) -> dict:
   methods = args.methods.split(",")
   G, n = args.groups, 8
@@ -85,7 +95,7 @@ def selection(args) -> dict:
   results = {m: [] for m in methods}
   for seed in [int(s) for s in args.seeds.split(",")]:
     for m in methods:
-      rows = run(common + [f"train.seed={seed}", f"data.seed={seed}", f"data.selector={m}"])
+      rows = run(common + [f"train.seed={seed}", f"data.seed={seed}"] + method_overrides(m))
       res = to_target(rows, args.target, G, n)
       results[m].append(res)
       print(json.dumps({"seed": seed, "method": m, **res}), flush=True)
@@ -123,7 +133,7 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("part", choices=("selection", "spec"))
   p.add_argument("--seeds", default="0,1,2")
-  p.add_argument("--methods", default="none,dapo,greso,beta")
+  p.add_argument("--methods", default="none,dapo,greso,beta,adaptive")
   p.add_argument("--steps", type=int, default=120)
   p.add_argument("--groups", type=int, default=16)
   p.add_argument("--target", type=float, default=0.5)

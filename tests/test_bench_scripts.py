@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax import config as config_lib
+
 _SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 
 
@@ -83,3 +85,8 @@ def test_bench_selection_counts_tokens_and_time_to_target():
   assert (res["tokens"], res["seconds"], res["step"]) == (144.0, 2.5, 4)
   assert res["final_accuracy"] == 0.4 and res["total_tokens"] == 160.0
   assert bench.to_target(rows, 0.7, G, n)["step"] is None
+  assert bench.method_overrides("beta") == ["data.selector=beta"]
+  adaptive = bench.config_utils.load_config(bench.QUICKSTART,
+                                            bench.BASE + bench.method_overrides("adaptive"))
+  assert adaptive.data.group_size == "adaptive"
+  config_lib.validate(adaptive)  # the benchmark's settings pass the config checks

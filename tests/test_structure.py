@@ -15,8 +15,9 @@ ROOT = pathlib.Path(rl_jax.__file__).parent
 FILES = import_graph.modules(ROOT, "rl_jax")
 GRAPH = import_graph.graph(ROOT, "rl_jax")
 # The trainer, top of the data flow last; a module may import only the ones before it.
-TRAIN_ORDER = ["streams", "selection_stage", "speculative_stage", "context", "on_policy",
-               "startup", "offload", "queue", "state", "resume", "layout", "steps", "rollouts",
+TRAIN_ORDER = ["streams", "group_size", "selection_stage", "speculative_stage", "context",
+               "on_policy", "startup", "offload", "queue", "state", "resume", "layout", "steps",
+               "rollouts",
                "evaluation", "memory", "pipeline", "loop"]
 
 

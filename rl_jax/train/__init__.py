@@ -5,6 +5,8 @@
 Split along the data flow of one step, each module depending only on those above it:
 
     streams      named random streams: every draw is a function of (seed, step, stream)
+    group_size   adaptive group size: samples per prompt in fixed-shape chunks, per-prompt
+                 advantages over ragged groups (data.group_size)
     selection_stage    which prompts are rolled out and which groups train (data.selector),
                  DAPO overlong shaping
     speculative_stage  SPEC-RL: earlier responses as drafts (rollout.speculative)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rl_jax.train import group_size
 from rl_jax.train.context import Setup
 from rl_jax.train.rollouts import decode, encode_prompts, generate, score
 from rl_jax.train.streams import Stream, seed_for
@@ -33,10 +34,10 @@ def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
   chunks of exactly the training batch's G groups (the last one padded with copies of its
   last prompt, dropped after), M samples each, prompt ``i`` on key stream ``i``."""
   c = s.config
-  if not (c.eval.share_programs and k <= c.rollout.n):
+  G, M = group_size.row_shape(c)  # (C, m) with adaptive group size
+  if not (c.eval.share_programs and k <= M):
     out = generate(s, params, prompts, n=k, temperature=temperature, seed=seed)
     return np.asarray(out.tokens), np.asarray(out.mask)
-  G, M = c.train.batch_groups, c.rollout.n
   tokens, mask = [], []
   for lo in range(0, len(prompts), G):
     chunk = list(prompts[lo:lo + G])

@@ -44,6 +44,7 @@ import numpy as np
 from rl_jax import losses
 from rl_jax import rollout
 from rl_jax.errors import RLJaxError
+from rl_jax.train import group_size
 from rl_jax.train import offload
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, abstract_state
@@ -179,7 +180,7 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
   """ShapeDtypeStructs of one ``groups``-group ``UpdateBatch`` as the rollout stage fills
   it (the objective's declared inputs), split along ``batch``."""
   s, c = t.setup, t.setup.config
-  M, R, P = c.rollout.n, c.rollout.max_new_tokens, s.prompt_len
+  M, R, P = group_size.row_shape(c)[1], c.rollout.max_new_tokens, s.prompt_len
   rows = t.layout.rows(groups)
   tok = lambda dt: _spec((groups, M, R), dt, rows)
   own_old = t.steps.old_logp_in_update  # on-policy: the update computes old_logp itself
@@ -202,7 +203,7 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
                   rl_state: TrainState) -> dict[str, dict[str, int]]:
   """``step_memory`` of each step the run will call, compiled on abstract inputs."""
   s, c, f = t.setup, t.setup.config, t.steps
-  G = c.train.batch_groups
+  G = group_size.row_shape(c)[0]
   out = {}
   if sft_state is not None:
     rows = t.layout.rows(c.sft.batch_size)
@@ -242,10 +243,10 @@ def _staged(m: dict[str, int], read) -> dict[str, int]:
 def _kv_cache(t: Trainer) -> int:
   """The sampler's KV cache per device (prompt-once layout, groups over the batch axes)."""
   s, c = t.setup, t.setup.config
-  G = c.train.batch_groups
+  G, M = group_size.row_shape(c)
   if c.rollout.partial:
     G = math.ceil(c.rollout.over_sampling * G)
-  cache = rollout.kv_cache_bytes(s.model_cfg, G, c.rollout.n, s.prompt_len,
+  cache = rollout.kv_cache_bytes(s.model_cfg, G, M, s.prompt_len,
                                  c.rollout.max_new_tokens)
   split = math.prod(s.sampler_mesh.shape[a] for a in ("data", "fsdp")
                     if a in s.sampler_mesh.shape)

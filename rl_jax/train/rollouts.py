@@ -25,7 +25,7 @@ from rl_jax import rollout
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.train.context import Setup
-from rl_jax.train import selection_stage, speculative_stage
+from rl_jax.train import group_size, selection_stage, speculative_stage
 from rl_jax.train.layout import Layout
 from rl_jax.train.state import TrainState, held_capacity, place_replicated
 from rl_jax.train.steps import StepFns, UpdateBatch
@@ -122,7 +122,8 @@ class Scored(NamedTuple):
   [g·M,R]: sampled tokens, validity and behaviour log-probs; versions int32 [g·M,R]: the
   policy version (completed steps) that sampled each token; rewards float32 [g,M];
   faults int64 [2]: verifier exceptions and timeouts; rollout_s: sampling wall time;
-  version: the policy version the producer held; stats: the engine's counters.
+  version: the policy version the producer held; stats: the engine's counters; groups
+  int32 [g]: with adaptive group size, the step's prompt of each row group (chunk), else None.
   g is G with one process, this process's groups with several.
   """
 
@@ -136,6 +137,7 @@ class Scored(NamedTuple):
   rollout_s: float
   version: int
   stats: dict
+  groups: np.ndarray | None = None
 
 
 def _sample_fresh(t: Trainer, params, state: TrainState, step: int, version: int, lo: int,
@@ -211,7 +213,8 @@ def produce(t: Trainer, params, state: TrainState, *, step: int, version: int, l
 
 def _selecting(c) -> bool:
   """Whether a step's groups go through the selection stage (a selector or SPEC-RL)."""
-  return selection_stage.effective_selector(c) != "none" or bool(c.rollout.speculative)
+  return (selection_stage.effective_selector(c) != "none" or bool(c.rollout.speculative)
+          or group_size.adaptive(c))
 
 
 def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *, step: int,
@@ -219,7 +222,7 @@ def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *
   """Sample (speculatively when ``drafts``) and score M completions of each prompt ``idx``
   ([g] dataset indices) from the key streams of prompts ``first_index ..``."""
   s, c = t.setup, t.setup.config
-  M = c.rollout.n
+  M = group_size.row_shape(c)[1]  # m with adaptive group size (idx: one chunk per entry)
   prompts = encode_prompts(s, [s.train_examples[i] for i in idx])
   t0 = time.perf_counter()
   if drafts:
@@ -255,7 +258,7 @@ def _produce_selected(t: Trainer, params, state: TrainState, *, step: int,
   nxt = lambda data, n: next_indices(s, data, n)
   scored, data, new_sel, stats = selection_stage.select(s.config, np.asarray(state.data), sel,
                                                         nxt, roll, step)
-  informative = int(np.sum(selection.dynamic_sampling_mask(scored.rewards)))
+  informative = int(np.sum(group_size.prompt_spread(scored.rewards, scored.groups)))
   stats = {**scored.stats, **stats, "informative_groups": float(informative),
            "rollout_tokens_per_informative_group":
                scored.stats["rollout_tokens"] / max(informative, 1),
@@ -338,7 +341,7 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored,
     (the update batch, the step's rollout metrics).
   """
   s, c = t.setup, t.setup.config
-  G, M, R = c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens
+  (G, M), R = group_size.row_shape(c), c.rollout.max_new_tokens
   lo, hi = t.layout.share(G)  # the groups whose rows live on this process's devices
   g = len(scored.indices)
   loss_mask = scored.mask
@@ -355,7 +358,9 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored,
       t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
       generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
       behaviour_logp=put(scored.logprobs.reshape(g, M, R)))
-  advantages = s.objective.advantages_from(inputs)
+  advantages = (s.objective.advantages_from(inputs) if scored.groups is None else
+                group_size.per_prompt_advantages(s.objective, inputs, scored.groups,
+                                                 c.train.batch_groups, group_size.max_chunks(c)))
   local = g < G
   rewards = _everyone(scored.rewards, local)
   n_tok = int(_everyone(scored.mask.reshape(g, -1).sum(axis=1), local).sum())
@@ -367,12 +372,12 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored,
       "rollout_tokens_per_s": n_tok / max(scored.rollout_s, 1e-9),
       "reward_exceptions": int(faults[0]),
       "reward_timeouts": int(faults[1]),
-      "zero_variance_groups": float(np.mean(rewards.std(axis=1) == 0)),
+      "zero_variance_groups": group_size.zero_variance_fraction(rewards, scored.groups),
       "local_groups": g,  # groups this process sampled and scored (G with one process)
   }
   info.update({k: float(scored.stats[k]) for k in (
       "off_policy_token_fraction", "max_token_lag", "aborted_groups", "restarted_samples",
-      "buffer_size") + selection_stage.METRICS if k in scored.stats})
+      "buffer_size") + selection_stage.METRICS + group_size.METRICS if k in scored.stats})
   if c.train.mode == "async":
     info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
   return UpdateBatch(pt, pl, rt, inputs, advantages), info
@@ -386,7 +391,7 @@ def collect(t: Trainer, state: TrainState) -> tuple[UpdateBatch, dict[str, Any],
     (the update batch, the step's rollout metrics, train-state fields to advance).
   """
   step = int(state.step)
-  lo, hi = t.layout.share(t.setup.config.train.batch_groups)
+  lo, hi = t.layout.share(group_size.row_shape(t.setup.config)[0])
   scored, updates = produce(t, t.layout.sampler_params(state.params), state, step=step,
                             version=step, lo=lo, hi=hi)
   batch, info = learner_batch(t, state, scored)

@@ -11,6 +11,9 @@
 * ``"greso"``: pre-rollout skipping from per-prompt zero-variance streaks
   (``rl_jax.data.selection.greso_select``); the streaks and the two exploration
   probabilities live in ``TrainState.selector``.
+* ``data.group_size="adaptive"`` (with selector none or beta): the G prompts get k_i chunks
+  of m samples each from their Beta posteriors (``rl_jax.train.group_size``); the rolled
+  out ``Scored`` has C = G·M/m chunks and ``groups`` (the prompt of each chunk).
 * ``"beta"``: draw ``ceil(data.select_pool · G)`` candidates, roll out the G best by their
   Beta posterior (``data.beta_mode``), then update every posterior with decay
   ``data.beta_decay`` (successes: rewards > 0.5).
@@ -33,6 +36,7 @@ import numpy as np
 
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
+from rl_jax.train import group_size
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["METRICS", "effective_selector", "overlong_buffer", "selector_state", "shape_rewards",
@@ -76,13 +80,13 @@ def selector_state(c, num_prompts: int) -> dict:
   """``TrainState.selector`` of a fresh run (host arrays; ``{}`` without per-prompt state).
 
   greso: streak int32 [N], kind int8 [N], p float32 [2] (p_easy, p_hard).
-  beta: alpha, beta float32 [N] at the Beta(1, 1) prior.
+  beta (and adaptive group size): alpha, beta float32 [N] at the Beta(1, 1) prior.
   """
   sel = effective_selector(c)
   if sel == "greso":
     return {"streak": np.zeros(num_prompts, np.int32), "kind": np.zeros(num_prompts, np.int8),
             "p": np.full(2, GRESO_P0, np.float32)}
-  if sel == "beta":
+  if sel == "beta" or group_size.adaptive(c):
     return {"alpha": np.ones(num_prompts, np.float32), "beta": np.ones(num_prompts, np.float32)}
   return {}
 
@@ -143,18 +147,53 @@ def _greso(c, data, sel, roll, step, seed):
           {"skipped_prompts": float(skipped), "selected_prompts": float(G)})
 
 
+def _beta_state(c, sel, seed) -> selection.BetaState:
+  return selection.BetaState(sel["alpha"].astype(np.float64), sel["beta"].astype(np.float64),
+                             1.0, 1.0, float(c.data.beta_decay), seed)
+
+
+def _beta_update(bs, idx, out, groups, counts) -> dict:
+  """Posterior update from the rolled-out rows (successes: reward > 0.5) of prompts ``idx``."""
+  k = np.sum(out.rewards > 0.5, axis=1).astype(np.float64)
+  if groups is not None:  # chunks -> prompts
+    k = np.bincount(groups, weights=k, minlength=len(idx))
+  bs = selection.beta_update(bs, idx, k, counts)
+  return {"alpha": bs.alpha.astype(np.float32), "beta": bs.beta.astype(np.float32)}
+
+
 def _beta(c, data, sel, next_indices, roll, step, seed):
   G, M = c.train.batch_groups, c.rollout.n
   pool = math.ceil(c.data.select_pool * G)
   cand, data = next_indices(data, pool)
-  bs = selection.BetaState(sel["alpha"].astype(np.float64), sel["beta"].astype(np.float64),
-                           1.0, 1.0, float(c.data.beta_decay), seed)
+  bs = _beta_state(c, sel, seed)
   chosen = selection.beta_select(bs, G, step, candidates=cand, mode=c.data.beta_mode)
   out = roll(chosen, 0)
-  k = np.sum(out.rewards > 0.5, axis=1).astype(np.float64)
-  bs = selection.beta_update(bs, chosen, k, np.full(G, float(M)))
-  new = {"alpha": bs.alpha.astype(np.float32), "beta": bs.beta.astype(np.float32)}
+  new = _beta_update(bs, chosen, out, None, np.full(G, float(M)))
   return out, data, new, {"skipped_prompts": float(pool - G), "selected_prompts": float(G)}
+
+
+def _adaptive(c, data, sel, next_indices, roll, step, seed):
+  """Adaptive group size (``rl_jax.train.group_size``): G prompts (the sampler's next, or the
+  Beta selector's choice), k_i chunks of m samples each from their posteriors."""
+  G = c.train.batch_groups
+  C, m = group_size.row_shape(c)
+  bs = _beta_state(c, sel, seed)
+  if effective_selector(c) == "beta":
+    pool = math.ceil(c.data.select_pool * G)
+    cand, data = next_indices(data, pool)
+    idx = selection.beta_select(bs, G, step, candidates=cand, mode=c.data.beta_mode)
+  else:
+    pool = G
+    idx, data = next_indices(data, G)
+  k = group_size.allocate(bs.alpha[idx], bs.beta[idx], C, m, group_size.max_chunks(c))
+  groups = np.repeat(np.arange(G), k).astype(np.int32)
+  out = roll(np.repeat(idx, k), 0)._replace(groups=groups)
+  new = _beta_update(bs, idx, out, groups, (k * m).astype(np.float64))
+  mixed = group_size.prompt_spread(out.rewards, groups)
+  stats = {"skipped_prompts": float(pool - G), "selected_prompts": float(G),
+           "group_size_min": float(k.min() * m), "group_size_max": float(k.max() * m),
+           "group_size_mixed_mean": float((k * m)[mixed].mean()) if mixed.any() else 0.0}
+  return out, data, new, stats
 
 
 def select(c, data: np.ndarray, sel: dict, next_indices: Callable, roll: Callable, step: int
@@ -173,7 +212,9 @@ def select(c, data: np.ndarray, sel: dict, next_indices: Callable, roll: Callabl
   """
   kind = effective_selector(c)
   seed = seed_for(c.train.seed, 0, Stream.SELECTOR)
-  if kind == "dapo":
+  if group_size.adaptive(c):
+    out, data, new, stats = _adaptive(c, data, sel, next_indices, roll, step, seed)
+  elif kind == "dapo":
     out, data, new, stats = _dapo(c, data, next_indices, roll)
   elif kind == "greso":
     out, data, new, stats = _greso(c, data, sel, roll, step, seed)

@@ -21,6 +21,7 @@ import optax
 from rl_jax import losses
 from rl_jax import models
 from rl_jax import optim
+from rl_jax.train import group_size
 from rl_jax.train import offload
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
@@ -122,6 +123,11 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
                      out_shardings=(st.params, st.sft_opt_state, layout.replicated))
 
 
+def _groups(s: Setup) -> int:
+  """Row groups of a step's batch: G, or C chunks with adaptive group size."""
+  return group_size.row_shape(s.config)[0]
+
+
 def _temperature(s: Setup) -> float:
   return s.config.rollout.temperature or 1.0
 
@@ -138,7 +144,7 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
   """``logprobs(params, prompt_tokens [G,P], prompt_lengths [G], tokens [G,M,R],
   mask [G,M,R]) -> [G,M,R]`` at the sampling temperature (packed layout by default)."""
   temp, shared = _temperature(s), s.config.train.shared_prefix
-  return _group_pass(layout, layout.state.params, s.config.train.batch_groups,
+  return _group_pass(layout, layout.state.params, _groups(s),
                      lambda p, pt, pl, rt, rm: models.response_logprobs(
                          s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared,
                          temperature=temp))
@@ -161,7 +167,7 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable:
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
   """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
   shared = s.config.train.shared_prefix
-  return _group_pass(layout, layout.state.value_params, s.config.train.batch_groups,
+  return _group_pass(layout, layout.state.value_params, _groups(s),
                      lambda v, pt, pl, rt, rm: models.response_values(
                          s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared))
 
@@ -229,7 +235,7 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
 
   st = layout.state
   weights = (st.params, st.opt_state, st.value_params, st.value_opt_state)
-  rows = layout.rows(s.config.train.batch_groups // s.config.train.minibatches)
+  rows = layout.rows(_groups(s) // s.config.train.minibatches)
   return jit_on_mesh(update, layout, donate_argnums=(0, 1, 2, 3),
                      in_shardings=(*weights, rows), out_shardings=(*weights, layout.replicated))
 
@@ -256,7 +262,7 @@ def make_grad_norm_fn(s: Setup, layout: Layout) -> Callable:
                                       chunk_size=chunk if method == "map" else None)
     return sq.reshape(G, M)
 
-  return _group_pass(layout, layout.state.params, s.config.train.batch_groups, fn,
+  return _group_pass(layout, layout.state.params, _groups(s), fn,
                      extra=(layout.replicated,))
 
 

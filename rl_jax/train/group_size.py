@@ -1,0 +1,186 @@
+"""Adaptive group size (``data.group_size="adaptive"``): samples per prompt from its success rate.
+
+A step's sample budget is B = G·M rows (``train.batch_groups`` × ``rollout.n``). It is cut
+into C = B / m chunks of m = ``data.group_chunk`` samples; every chunk is one prompt repeated
+m times, so the sampler and the prompt-once layout always see the same [C, m, R] shapes
+(nothing recompiles when the allocation changes). Each of the step's G prompts gets
+k_i >= 1 chunks (n_i = k_i·m samples, Σ k_i = C, k_i <= K), chosen to maximise the
+expected number of prompts whose samples are not all equal (the only groups GRPO learns
+from) under each prompt's Beta(α_i, β_i) posterior on its success rate p_i::
+
+    f(n; α, β) = P(n samples are mixed) = 1 − E[p^n] − E[(1 − p)^n],
+    E[p^n] = B(α + n, β) / B(α, β)
+
+f is concave in n, so adding chunks one at a time to the prompt with the largest gain
+``f((k+1)m) − f(km)`` is optimal. A prompt near p = 0.5 is mixed after a few samples and
+gets few extra chunks; a prompt with small but non-zero p needs about 1/p samples (the
+sGPO rule, group size ∝ 1/p) and gets more; reliably solved and hopeless prompts gain
+almost nothing. References: sGPO ("Trading Inference FLOPs for Training Efficiency in
+RLVR": group size from the inverse success rate); XRPO (Explore-eXploit GRPO: a rollout
+allocator favouring prompts with the most uncertainty to resolve).
+
+Advantages are per prompt, across its chunks: the learner regroups the [C, m] rows into
+[G, K·m] with the missing samples' rewards set to NaN (every estimator leaves non-finite
+rewards out of its statistics and gives them advantage 0), runs the run's estimator
+unchanged, and scatters the result back to [C, m].
+
+Shapes (package legend): G prompts, M samples per prompt (plain), C chunks, m chunk size,
+K most chunks of one prompt, R new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import special
+
+from rl_jax import losses
+
+__all__ = ["METRICS", "adaptive", "allocate", "chunk_size", "max_chunks", "mixed_prob",
+           "per_prompt_advantages", "prompt_spread", "regroup_index", "regroup_inputs",
+           "row_shape", "ungroup", "zero_variance_fraction"]
+
+METRICS = ("group_size_min", "group_size_max", "group_size_mixed_mean")
+
+
+def adaptive(c) -> bool:
+  """Whether the run allocates samples per prompt (``data.group_size="adaptive"``)."""
+  return (c.data.group_size or "fixed") == "adaptive"
+
+
+def chunk_size(c) -> int:
+  """m: ``data.group_chunk``, or ``max(1, rollout.n // 2)``."""
+  m = c.data.group_chunk
+  return int(m) if m is not None else max(1, c.rollout.n // 2)
+
+
+def max_chunks(c) -> int:
+  """K: the most chunks one prompt gets (``data.group_max`` samples, else the budget left
+  after every other prompt has one chunk)."""
+  C, G = c.train.batch_groups * c.rollout.n // chunk_size(c), c.train.batch_groups
+  cap = c.data.group_max
+  return C - G + 1 if cap is None else min(int(cap) // chunk_size(c), C - G + 1)
+
+
+def row_shape(c) -> tuple[int, int]:
+  """(groups, samples per group) of a step's rows: (C, m) when adaptive, else (G, M)."""
+  if adaptive(c):
+    m = chunk_size(c)
+    return c.train.batch_groups * c.rollout.n // m, m
+  return c.train.batch_groups, c.rollout.n
+
+
+def mixed_prob(alpha: np.ndarray, beta: np.ndarray, n) -> np.ndarray:
+  """f(n) = 1 − B(α+n, β)/B(α, β) − B(α, β+n)/B(α, β): the probability that n >= 1 samples
+  of a prompt with success rate p ~ Beta(α, β) are not all equal. Shapes broadcast."""
+  a, b = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
+  lb = special.betaln(a, b)
+  return 1.0 - np.exp(special.betaln(a + n, b) - lb) - np.exp(special.betaln(a, b + n) - lb)
+
+
+def allocate(alpha: np.ndarray, beta: np.ndarray, chunks: int, chunk: int,
+             cap: int | None = None) -> np.ndarray:
+  """Chunks per prompt: k int64 [G], k_i >= 1, Σ k = ``chunks``, k_i <= ``cap``.
+
+  Greedy on the concave gains ``f((k+1)·chunk) − f(k·chunk)`` (``mixed_prob``); ties go to
+  the earlier prompt. Args: alpha, beta float [G] posteriors; chunks C; chunk m; cap K
+  (None: no cap).
+  """
+  alpha, beta = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
+  G = len(alpha)
+  cap = chunks if cap is None else int(cap)
+  if not G <= chunks <= G * cap:
+    raise ValueError(f"cannot give {G} prompts between 1 and {cap} chunks each from {chunks}")
+  k = np.ones(G, np.int64)
+  for _ in range(chunks - G):
+    gain = mixed_prob(alpha, beta, (k + 1) * chunk) - mixed_prob(alpha, beta, k * chunk)
+    k[int(np.argmax(np.where(k < cap, gain, -np.inf)))] += 1
+  return k
+
+
+def prompt_spread(rewards: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+  """Whether each prompt's rewards are not all equal: bool [G] from rewards [C, m] and the
+  prompt of each chunk ``groups`` int [C] (None: one prompt per row)."""
+  if groups is None:
+    return np.ptp(rewards, axis=1) > 0
+  G = int(groups.max()) + 1
+  hi = np.full(G, -np.inf)
+  lo = np.full(G, np.inf)
+  np.maximum.at(hi, groups, rewards.max(axis=1))
+  np.minimum.at(lo, groups, rewards.min(axis=1))
+  return hi > lo
+
+
+def zero_variance_fraction(rewards: np.ndarray, groups: np.ndarray | None) -> float:
+  """Fraction of prompts whose rewards are all equal (reward std 0 when ``groups`` is None)."""
+  if groups is None:
+    return float(np.mean(rewards.std(axis=1) == 0))
+  return float(np.mean(~prompt_spread(rewards, groups)))
+
+
+def regroup_index(groups: np.ndarray, G: int, m: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+  """Where the rows of C chunks (prompt ``groups`` int [C], in order) sit in [G, K·m].
+
+  Returns (gather int32 [G, K·m]: the row in [C·m] of each slot, -1 for a missing sample;
+  scatter int32 [C·m]: the flat slot in [G·K·m] of each row). A prompt's chunks fill its
+  slots in chunk order.
+  """
+  groups = np.asarray(groups, np.int64)
+  C = len(groups)
+  seen = np.zeros(G, np.int64)
+  scatter = np.empty(C * m, np.int64)
+  for c, g in enumerate(groups):
+    if seen[g] >= K:
+      raise ValueError(f"prompt {g} has more than {K} chunks")
+    scatter[c * m:(c + 1) * m] = g * K * m + seen[g] * m + np.arange(m)
+    seen[g] += 1
+  gather = np.full(G * K * m, -1, np.int64)
+  gather[scatter] = np.arange(C * m)
+  return gather.reshape(G, K * m).astype(np.int32), scatter.astype(np.int32)
+
+
+def regroup_inputs(x: losses.ObjectiveInputs, gather) -> losses.ObjectiveInputs:
+  """[C, m, ...] objective inputs -> [G, K·m, ...]: missing samples get NaN rewards (and
+  reward components), False masks and zeros elsewhere."""
+  gather = jnp.asarray(gather)
+  ok = gather >= 0
+  idx = jnp.maximum(gather, 0)
+  fill = {"rewards": jnp.nan, "reward_components": jnp.nan, "mask": False,
+          "generated_mask": False}
+
+  def take(name, a):
+    if a is None:
+      return None
+    flat = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+    out = jnp.take(flat, idx, axis=0)
+    keep = ok.reshape(ok.shape + (1,) * (out.ndim - 2))
+    return jnp.where(keep, out, jnp.asarray(fill.get(name, 0), out.dtype))
+
+  return losses.ObjectiveInputs(**{k: take(k, v) for k, v in x._asdict().items()})
+
+
+def ungroup(a, scatter, C: int, m: int):
+  """[G, K·m, ...] per-slot values -> the [C, m, ...] rows (``regroup_index``'s scatter)."""
+  if a is None:
+    return None
+  flat = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+  return jnp.take(flat, jnp.asarray(scatter), axis=0).reshape(C, m, *a.shape[2:])
+
+
+def per_prompt_advantages(objective: Any, x: losses.ObjectiveInputs, groups: np.ndarray,
+                          G: int, K: int) -> losses.Advantages:
+  """The objective's estimator over each prompt's chunks together: inputs [C, m, ...] and the
+  prompt ``groups`` int [C] of each chunk -> ``Advantages`` on the [C, m] rows."""
+  C, m = x.rewards.shape
+  gather, scatter = regroup_index(groups, G, m, K)
+  out = objective.advantages_from(regroup_inputs(x, gather))
+  sharding = getattr(x.rewards, "sharding", None)  # rows split like the inputs' rows
+
+  def back(a):
+    a = ungroup(a, scatter, C, m)
+    return a if a is None or sharding is None else jax.device_put(a, sharding)
+
+  return losses.Advantages(back(out.advantages), back(out.returns), back(out.keep))
