@@ -16,7 +16,6 @@ import pytest
 
 from rl_jax import checkpoint, config_utils, metrics, train
 from rl_jax.errors import CheckpointError
-from rl_jax.models import hf
 from rl_jax.train import memory, resume
 from tests.hf_utils import tiny_hf_model
 from tests.test_train_hf import QUESTIONS, _write_tokenizer
@@ -243,22 +242,3 @@ def test_memory_knob_still_learns(knob_baseline, knob, tmp_path):
         "pinned_host"}
   plan = json.load(open(tmp_path / memory.PLAN_FILE))
   assert plan["live_state"]["step"] == sft  # resumed from the baseline's checkpoint
-
-
-def _rss() -> int:
-  status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-  return int(status["VmRSS"].split()[0]) * 1024
-
-
-def test_host_memory_freed_by_the_loader_goes_back_to_the_os():
-  """What ``load_hf`` does with its host copies: MB-sized tensors freed into glibc's heap
-  stay resident until ``release_host_memory`` hands them back."""
-  big = np.ones(16 << 20, np.uint8)
-  del big  # glibc raises its mmap threshold: the next MB-sized blocks come from the heap
-  tensors = [np.ones(4 << 20, np.uint8) for _ in range(64)]  # 256 MiB
-  keep = np.ones(1 << 20, np.uint8)  # above them: the heap top cannot shrink by itself
-  del tensors
-  freed = _rss()
-  assert hf.release_host_memory()
-  assert freed - _rss() > 200 << 20, (freed - _rss()) / 2**20  # without it: 0
-  del keep
