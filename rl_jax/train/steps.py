@@ -57,7 +57,7 @@ class StepFns(NamedTuple):
   values: Callable
   grad_sq_norms: Callable
   old_logp_in_update: bool = False  # rl_update takes old_logp from its own policy pass
-  ref_logprobs: Callable | None = None  # logprobs of the reference (its own memory kind)
+  ref_logprobs: Callable | None = None  # the reference's pass when it lives in host memory
 
 
 def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
@@ -150,17 +150,17 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
                          temperature=temp))
 
 
-def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable:
-  """``make_logprob_fn`` for the frozen reference: compiled for the reference's placement
-  (host memory with ``train.offload`` naming it, brought to the device inside the pass)."""
+def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
+  """``make_logprob_fn`` for a reference kept in host memory (``train.offload`` naming it):
+  compiled for that placement, the weights brought to the device inside the pass. None when
+  the reference is on the device: ``logprobs`` serves it."""
+  if "ref_params" not in offload.offloaded_fields(s):
+    return None
   temp, shared = _temperature(s), s.config.train.shared_prefix
-  host = "ref_params" in offload.offloaded_fields(s)
-  weights = layout.state.params  # the reference is laid out like the policy
-  if host:
-    weights = jax.tree.map(offload.host_sharding, weights)
-  return _group_pass(layout, weights, s.config.train.batch_groups,
+  weights = jax.tree.map(offload.host_sharding, layout.state.params)  # laid out like the policy
+  return _group_pass(layout, weights, _groups(s),
                      lambda p, pt, pl, rt, rm: models.response_logprobs(
-                         s.model_cfg, offload.to_device(p, host), pt, pl, rt, rm,
+                         s.model_cfg, offload.to_device(p, True), pt, pl, rt, rm,
                          shared_prefix=shared, temperature=temp))
 
 
