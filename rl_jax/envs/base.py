@@ -1,0 +1,87 @@
+"""Environment and tool interfaces for multi-turn (agentic) rollouts.
+
+An episode is a conversation. ``Environment.reset(example, seed)`` returns the opening
+messages (system/user); the model answers with one assistant turn, decoded to text and
+passed to ``Environment.step(action)``, which returns the messages the environment adds
+(tool results, game feedback), a per-turn reward and whether the episode is over.
+
+Environments see text; the trainer keeps token ids. The rollout engine keeps the model's
+sampled ids exactly as sampled and tokenizes only the environment's new messages, once
+(``rl_jax.envs.chat``), so the trained ids are the sampled ids by construction.
+
+Episodes must be deterministic given ``(example, seed)`` and the sequence of actions: a
+resumed run rebuilds a held episode by calling ``reset`` and replaying its recorded actions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+__all__ = ["Environment", "Message", "StepResult", "Tool"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+  """One chat message.
+
+  role: "system", "user", "assistant" or "tool". content: its text. name: the tool's name
+  for a "tool" message (None otherwise).
+  """
+
+  role: str
+  content: str
+  name: str | None = None
+
+  def as_dict(self) -> dict[str, Any]:
+    """The message as the dict a Hugging Face chat template expects."""
+    out: dict[str, Any] = {"role": self.role, "content": self.content}
+    if self.name is not None:
+      out["name"] = self.name
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """What an environment returns for one assistant turn.
+
+  messages: the messages the environment appends (empty when ``done``). reward: this turn's
+  reward (summed into the trajectory's return; per-turn credit assignment reads it per
+  turn). done: the episode is over. info: counters the trainer turns into metrics, e.g.
+  ``{"tool_calls": 1, "tool_errors": {"timeout": 1}}``.
+  """
+
+  messages: tuple[Message, ...] = ()
+  reward: float = 0.0
+  done: bool = False
+  info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class Tool(Protocol):
+  """A callable tool: a name, a JSON schema of its arguments, and a call returning text."""
+
+  name: str
+  description: str
+  parameters: Mapping[str, Any]  # JSON schema of the arguments object
+
+  def __call__(self, **arguments: Any) -> str:
+    ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+  """A text environment for one episode (one instance per trajectory).
+
+  ``tools`` lists the tools the chat template advertises (empty for games).
+  """
+
+  tools: Sequence[Tool]
+
+  def reset(self, example: Mapping[str, Any], seed: int) -> Sequence[Message]:
+    """Start an episode for a dataset example; returns the opening messages."""
+    ...
+
+  def step(self, action: str) -> StepResult:
+    """Apply the model's decoded assistant turn; returns the environment's answer."""
+    ...
