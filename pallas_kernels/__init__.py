@@ -2,7 +2,7 @@
 
 ``lse_attention`` holds the one pure-jnp two-region (context + own keys) attention with its
 log-sum-exp merge; the kernel reference and the rollout sampler's prefill both use it.
-Axis letters follow the legend of ``rl_jax/models/transformer.py``.
+Axis letters follow the legend of ``rl_jax/__init__.py``.
 
 References: DualKV shared-prefix attention (amazon-science/dualkv-flash-attn-for-rl).
 """

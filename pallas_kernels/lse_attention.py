@@ -10,7 +10,7 @@ Used by the shared-prefix attention reference (``shared_prefix_attention``, back
 "reference"), the packed training layout through it, and the rollout sampler's prefill of
 prompts and of resumed responses.
 
-Axis letters (the legend of ``rl_jax/models/transformer.py``): G groups, M samples per
+Axis letters (the legend of ``rl_jax/__init__.py``): G groups, M samples per
 group, T query length, S own-key length, P context length, N query heads, K kv heads,
 H head dim; J = N/K query heads per kv head.
 

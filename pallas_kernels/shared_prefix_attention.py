@@ -4,7 +4,7 @@ The prompt of a group is stored once (the context); each of its M responses atte
 context and, causally, to its own tokens. Response query j of response i sees context keys
 0..ctx_len-1 and response i's keys 0..j, with one softmax over both regions.
 
-Layouts (axis letters: the legend of ``rl_jax/models/transformer.py``; here G groups,
+Layouts (axis letters: the legend of ``rl_jax/__init__.py``; here G groups,
 M responses per group, R response length, P padded context length, N query heads, K kv
 heads (N a multiple of K, grouped-query attention), H head dim):
   q              [G,M,R,N,H]

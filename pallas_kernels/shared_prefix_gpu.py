@@ -8,7 +8,7 @@ response tiles up to the diagonal.
 Kernels read the caller's layouts directly (Triton tiles need no lane alignment):
   q, o, do [G,M,R',N,H]   k_ctx, v_ctx [G,P',K,H]   k_resp, v_resp [G,M,R',K,H]
   lse, di  [G,M,R',N] float32
-Axis letters (the legend of ``rl_jax/models/transformer.py``): G groups, M responses per
+Axis letters (the legend of ``rl_jax/__init__.py``): G groups, M responses per
 group, R' padded response length, P' padded context length, N query heads, K kv heads,
 H head dim.
 

@@ -9,7 +9,7 @@ scalar-prefetched into SMEM.
 Kernel layouts (head-major so the last two block dims are [rows, H]):
   q, o, do     [G,N,M,R',H]      k_ctx, v_ctx [G,K,P',H]     k_resp, v_resp [G,K,M,R',H]
   lse, di      [G,N,M,1,R'] float32 (rows, so the last block dim is the query block)
-Axis letters (the legend of ``rl_jax/models/transformer.py``): G groups, M responses per
+Axis letters (the legend of ``rl_jax/__init__.py``): G groups, M responses per
 group, R' padded response length, P' padded context length, N query heads, K kv heads,
 H head dim; T query rows of a tile.
 

@@ -27,6 +27,8 @@ so an estimator registered by a user config file is accepted too.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -37,7 +39,8 @@ from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 
-__all__ = ["SELECTORS", "base_config", "checks", "validate"]
+__all__ = ["SELECTORS", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
+           "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
@@ -207,7 +210,7 @@ def _train() -> ml_collections.ConfigDict:
       dry_run=False,  # print the memory plan (abstract shapes, no weights read) and exit
       memory_check=True,  # fail before compiling when the memory plan exceeds the devices
       # "sync": sample, then update. "async": a rollout producer samples on its own devices
-      # (mesh.rollout_devices) while the learner updates (rl_jax.train.pipeline).
+      # (mesh.rollout_devices) while the learner updates (rl_jax.train.runner).
       mode="sync",
       # async only: the batch of step t comes from the weights of step t - async_lag (a
       # reproducible, resumable pipeline; 0 equals sync). -1: free-running producer,
@@ -378,7 +381,7 @@ def _check_group_size(config: ml_collections.ConfigDict) -> None:
   d, G, M = config.data, config.train.batch_groups, config.rollout.n
   if d.group_size != "adaptive":
     return
-  m = d.group_chunk if d.group_chunk is not None else max(1, M // 2)
+  m = d.group_chunk if d.group_chunk is not None else max(1, M // 2)  # Geometry.row_size
   if (G * M) % m:
     raise ConfigError(f"data.group_size=adaptive: the budget train.batch_groups * rollout.n = "
                       f"{G * M} is not divisible by data.group_chunk={m}")
@@ -398,3 +401,59 @@ def _check_group_size(config: ml_collections.ConfigDict) -> None:
                    ("train.mode=async", config.train.mode == "async")):
     if bad:
       raise ConfigError(f"data.group_size=adaptive is not supported with {key}")
+
+
+# ------------------------------------------------------------------ derived static shapes
+class Geometry(NamedTuple):
+  """A step's batch geometry, computed once from the config (``Setup.geometry``); every
+  module reads the samples per prompt and the row groups from here.
+
+  groups: G prompts per step (``train.batch_groups``). samples: M samples per prompt
+  (``rollout.n``). rows: row groups of a step (G, or U chunks with adaptive group size).
+  row_size: samples per row group (M, or m per chunk). max_chunks: X, the most chunks of one
+  prompt (adaptive group size; 1 otherwise). new_tokens: R (``rollout.max_new_tokens``).
+  adaptive: whether rows are chunks of a per-prompt allocation (``data.group_size``).
+  """
+
+  groups: int
+  samples: int
+  rows: int
+  row_size: int
+  max_chunks: int
+  new_tokens: int
+  adaptive: bool
+
+
+def geometry(config: ml_collections.ConfigDict) -> Geometry:
+  """The batch geometry of ``config`` (see ``Geometry``)."""
+  G, M, R = config.train.batch_groups, config.rollout.n, config.rollout.max_new_tokens
+  if (config.data.group_size or "fixed") != "adaptive":
+    return Geometry(G, M, G, M, 1, R, False)
+  m = config.data.group_chunk
+  m = int(m) if m is not None else max(1, M // 2)
+  U = G * M // m
+  cap = config.data.group_max
+  X = U - G + 1 if cap is None else min(int(cap) // m, U - G + 1)
+  return Geometry(G, M, U, m, X, R, True)
+
+
+class Schedule(NamedTuple):
+  """How producer and learner are joined (``train.mode``, ``train.async_lag``), decided once.
+
+  lag: batches the producer runs ahead of the learner (0: the synchronous trainer; -1:
+  free-running). queue: Q, the scored batches the checkpointed queue holds (0 for lag 0).
+  overlapped: whether the producer runs beside the learner (the asynchronous modes: separate
+  proximal log-prob pass, staleness and producer / learner timing metrics).
+  """
+
+  lag: int
+  queue: int
+  overlapped: bool
+
+
+def schedule(config: ml_collections.ConfigDict) -> Schedule:
+  """The ``Schedule`` of ``config``."""
+  if config.train.mode != "async":
+    return Schedule(0, 0, False)
+  lag = config.train.async_lag
+  return Schedule(lag, lag if lag >= 0 else max(config.rollout.max_staleness, 1), True)

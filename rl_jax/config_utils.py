@@ -59,7 +59,7 @@ from rl_jax.config_checks import (Check, check, check_choice, get_value, in_rang
 from rl_jax.errors import ConfigError, RLJaxError
 
 __all__ = [
-    "ConfigError", "load_config", "load_config_file", "split_config_spec", "apply_overrides",
+    "ConfigError", "USAGE", "load_config", "load_config_file", "split_config_spec", "apply_overrides",
     "set_value", "parse_value", "parse_cli", "main_guard", "get_value", "Check", "check",
     "check_choice", "validate",
     "positive_int", "nonnegative_int", "positive", "nonnegative", "probability",
@@ -309,11 +309,31 @@ def _flag_name(arg: str) -> str:
   return arg.lstrip("-").split("=", 1)[0]
 
 
+USAGE = """\
+usage: python -m rl_jax.train --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]
+
+  --config=FILE[:ARG]   a Python file defining get_config(arg=None) -> ConfigDict; the
+                        repository ships configs/quickstart.py (a tiny sorting policy on a
+                        CPU) and configs/gsm8k_hf.py (a GSM8K-format file with a Hugging Face model);
+                        the text after the first ':' is passed to get_config
+  --workdir=DIR         metrics.jsonl, tensorboard/, checkpoints/, curves.png and hf/ go
+                        here; rerunning the same command resumes from the newest checkpoint
+  --config.KEY=VALUE    override one field, parsed against its type, e.g.
+                        --config.train.steps=10 --config.rollout.temperature=0.7
+                        --config.mesh.shape.fsdp=2; an unknown key fails with a hint
+
+Every field, its default and its meaning: rl_jax/config.py (base_config). Multi-process
+jobs run the same command on every process (rl_jax.distributed).
+"""
+
+HELP_FLAGS = ("-h", "--help", "--helpfull", "-help")
+
+
 def parse_cli(argv: Sequence[str], *, require_workdir: bool = True,
               lock: bool = True) -> tuple[ml_collections.ConfigDict, str | None]:
   """Parses ``prog --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]``.
 
-  Arguments other than these are handed to absl's flag parser (so absl's own flags such as
+  ``-h`` / ``--help`` prints ``USAGE`` and exits. Arguments other than these are handed to absl's flag parser (so absl's own flags such as
   ``--verbosity`` keep working); an unknown one is a ConfigError.
 
   Args:
@@ -328,6 +348,9 @@ def parse_cli(argv: Sequence[str], *, require_workdir: bool = True,
     ConfigError: a missing/unknown flag, or anything ``load_config`` rejects.
   """
   argv = list(argv)
+  if any(a in HELP_FLAGS for a in argv[1:]):
+    print(USAGE, end="")
+    sys.exit(0)
   spec, workdir, overrides, rest = None, None, [], argv[:1]
   i = 1
   while i < len(argv):

@@ -244,7 +244,8 @@ def test_allocation_changes_without_recompiling():
   rng = np.random.default_rng(0)
   sel = {"alpha": np.exp(rng.uniform(0, 5, N)).astype(np.float32),
          "beta": np.exp(rng.uniform(0, 5, N)).astype(np.float32)}
-  state = state._replace(selector=jax.tree.map(lambda a: place_replicated(s, a), sel))
+  state = state._replace(producer=state.producer._replace(
+      selector=jax.tree.map(lambda a: place_replicated(s, a), sel)))
   compiles, allocations = [], set()
   listener = lambda event, *a, **kw: compiles.append(event) if "backend_compile" in event else 0
   jax.monitoring.register_event_duration_secs_listener(listener)

@@ -242,3 +242,27 @@ def test_memory_knob_still_learns(knob_baseline, knob, tmp_path):
         "pinned_host"}
   plan = json.load(open(tmp_path / memory.PLAN_FILE))
   assert plan["live_state"]["step"] == sft  # resumed from the baseline's checkpoint
+
+
+def test_flat_producer_layout_restores(tmp_path):
+  """Checkpoints written before ``ProducerState`` keep the producer's fields flat at the top
+  (data, rollout_buffer, selector, spec_drafts) and an asynchronous queue whose stats have
+  fewer columns; they restore into the grouped layout with the same values."""
+  s = train.build_setup(_config(["sft.steps=0", "data.selector=greso", "train.mode=async",
+                                 "train.async_lag=1"]))
+  new = train.init_state(s)
+  data = jnp.asarray([1, 7], jnp.int32)
+  new = new._replace(producer=new.producer._replace(data=data))
+  flat = resume.flat_layout(new)
+  queue = dict(jax.device_get(flat["rollout_queue"]))
+  queue["stats"] = queue["stats"][:, :-3]  # the earlier, shorter counter list
+  flat["rollout_queue"] = queue
+  with checkpoint.Checkpointer(str(tmp_path), save_every=1) as ckpt:
+    ckpt.save(1, dict(flat, step=jnp.asarray(1, jnp.int32)))
+    ckpt.wait()
+    assert "data" in checkpoint.saved_leaves(str(tmp_path), 1)
+    state = resume.restore_state(s, ckpt, 1, train.abstract_state(s, 1))
+  assert int(state.step) == 1 and list(np.asarray(state.producer.data)) == [1, 7]
+  jax.tree.map(np.testing.assert_array_equal, state.producer.selector, new.producer.selector)
+  jax.tree.map(np.testing.assert_array_equal, state.params, new.params)
+  assert state.rollout_queue["stats"].shape == new.rollout_queue["stats"].shape

@@ -1,4 +1,4 @@
-"""The asynchronous trainer (``train.mode="async"``, rl_jax.train.pipeline).
+"""The asynchronous trainer (``train.mode="async"``, rl_jax.train.runner).
 
 Fixed lag 0 is the synchronous trainer exactly; lag k trains on batches k versions old (and
 no older); the free-running producer never exceeds the staleness bound; a fixed-lag run

@@ -13,10 +13,7 @@ Modules, each importing only those before it (no import cycles):
   ``rewards``      isolated time-limited rewards, DAPO overlong shaping.
   ``selection``    uniform sampler, GRESO, Beta posterior, DAPO dynamic sampling.
 
-Axis letters in docstrings: B batch rows, T tokens,
-G groups (prompts), M samples per prompt (group size), P prompt length, R response length.
-Sizes that are not batch axes are named by the argument that sets them
-(e.g. ``[dataset_size]``, ``[batch_size]``).
+Axis letters: the package legend (``rl_jax/__init__.py``).
 """
 
 from rl_jax.data import (base, expressions, files, mixed, records, rewards, selection,

@@ -9,9 +9,7 @@
   registry: ``register_policy``), an aggregation and an optax update transform.
 * Named recipes: ``get_objective`` (presets.py), each one ``chain`` of parts.
 
-Axis letters: B batch rows, T tokens (padded length), G groups (prompts), M samples per
-prompt (group size), P prompt length, R response length, C reward components, S kv length,
-N query heads, K kv heads, H head dim, D model width, F ffw width, V vocab, L layers.
+Axis letters: the package legend (``rl_jax/__init__.py``).
 The formulas are derived in docs/ALGORITHMS.md.
 """
 

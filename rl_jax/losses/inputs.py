@@ -5,10 +5,7 @@
 * ``Batch``: per-row loss data ([B,T] with B = G·M, T = R), what ``Objective.loss`` reads;
   ``loss_batch`` builds it from the two records above.
 
-Axis letters (shared by the whole package): B batch rows, T tokens (padded length), G groups
-(prompts), M samples per prompt (group size), P prompt length, R response length, C reward
-components, S kv length, N query heads, K kv heads, H head dim, D model width, F ffw width,
-V vocab, L layers.
+Axis letters: the package legend (``rl_jax/__init__.py``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Public API (see shared Contract)::
     lp = models.response_logprobs(cfg, params, prompt_tokens, prompt_lengths,
                                   response_tokens, response_mask, shared_prefix=True)
 
-Axis letters: the legend in the docstring of ``rl_jax/models/transformer.py``.
+Axis letters: the legend in the docstring of ``rl_jax/__init__.py``.
 """
 
 from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to_hf_dict

@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
   """Hyperparameters of one decoder. Hashable, so it is a static argument of jitted functions.
 
-  Attributes (letters of the legend in ``rl_jax/models/transformer.py`` in brackets):
+  Attributes (letters of the legend in ``rl_jax/__init__.py`` in brackets):
     vocab_size [V], hidden_size [D], intermediate_size [F], num_layers [L],
     num_heads [N], num_kv_heads [K], head_dim [H].
     rope_theta: RoPE base. rope_scaling: ``(("rope_type", "llama3"), ("factor", 8.0), ...)``

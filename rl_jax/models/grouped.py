@@ -1,6 +1,6 @@
 """Grouped responses: M responses per prompt, in the packed prompt-once layout or replicated.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (G groups (prompts), M responses
+Axis letters: the legend of ``rl_jax/__init__.py`` (G groups (prompts), M responses
 per group, P padded prompt length, R padded response length, D model width).
 
 Packed (DualKV) layout, one row per group of length P + M·R::

@@ -5,7 +5,7 @@ a time into rl_jax's stacked layout, so peak host memory is about one copy of th
 ``save_hf`` writes to a temporary directory and renames it into place, so an interrupted
 export never leaves a half-written model where a finished one was.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py``.
+Axis letters: the legend of ``rl_jax/__init__.py``.
 """
 
 from __future__ import annotations

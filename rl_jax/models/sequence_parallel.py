@@ -20,7 +20,7 @@ backward of the all-gather is a reduce-scatter of the context dK/dV.
 Replicated layout: G·M rows of P + R tokens with queries split along length over
 ``sequence`` and the keys/values gathered, so the score matrices are split by query rows.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py``; here S is the size of the
+Axis letters: the legend of ``rl_jax/__init__.py``; here S is the size of the
 ``sequence`` mesh axis and Pl = P/S, Ml = M/S the per-shard prompt and response counts.
 """
 

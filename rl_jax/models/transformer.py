@@ -1,19 +1,6 @@
 """Llama / Qwen2 / Qwen3 decoder as pure functions over a parameter pytree.
 
-Axis letters: the one legend for shapes in docstrings, comments and einsums across
-``rl_jax.models``, ``rl_jax.rollout`` and ``pallas_kernels`` (other modules refer here)::
-
-  B batch rows                      L layers
-  T tokens (query length)           D model width
-  S kv (key/value) length           F ffw (MLP) width
-  G groups (prompts)                V vocab
-  M samples per prompt (group size) N query heads
-  P prompt (context) length         K kv heads
-  R response length                 H head dim
-  J query heads per kv head (N = K·J, grouped-query attention)
-
-A prime marks a padded length (R', P'); products are written with a dot (G·M rows). A
-module that needs a letter outside the legend defines it where it is used.
+Axis letters: the package legend (``rl_jax/__init__.py``).
 
 Parameters are a nested dict; layer weights are stacked along a leading L axis and the
 layers run under ``lax.scan`` (one compiled layer, fast compiles, per-layer remat).

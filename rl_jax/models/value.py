@@ -3,7 +3,7 @@
 Value parameters are ``{"trunk": <decoder params without lm_head>, "head": [D]}``; the
 trunk can be initialised from the policy (the usual PPO critic warm start).
 
-Axis letters: the legend of ``rl_jax/models/transformer.py``.
+Axis letters: the legend of ``rl_jax/__init__.py``.
 """
 
 from __future__ import annotations

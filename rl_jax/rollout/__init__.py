@@ -8,9 +8,9 @@ Public API::
     out = engine.rollout_groups(params, prompt_iter, k_groups=32, policy_version=step)
 
 Modules: ``engine`` (the scheduling loop, APRIL), ``generation`` (``generate``), ``records``
-(prompts, groups, ``Rollout``), ``slots`` and ``held`` (engine bookkeeping), ``sampler``
+(prompts, groups, ``Rollout``), ``slots`` (engine bookkeeping), ``sampler``
 (the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``sampling`` (token draws).
-Axis letters: the legend of ``rl_jax/models/transformer.py``.
+Axis letters: the legend of ``rl_jax/__init__.py``.
 """
 
 from rl_jax.rollout.engine import RolloutEngine

@@ -1,7 +1,7 @@
 """Decode over the prompt-once cache: one token per running sample per step, in a
 ``lax.while_loop`` that runs until enough groups finish (continuous batching).
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (G group slots, M samples per
+Axis letters: the legend of ``rl_jax/__init__.py`` (G group slots, M samples per
 slot, P prefix cache length, R response cache length, N query heads, K kv heads, J query
 heads per kv head, H head dim, V vocab).
 

@@ -1,8 +1,8 @@
 """Rollout engine: prompt-once groups, continuous batching, active partial rollouts (APRIL).
 
 The engine drives the jitted pieces in ``rl_jax.rollout.sampler`` from Python (records and
-argument checks in ``records``, slot bookkeeping in ``slots``, held groups and their
-checkpoint arrays in ``held``; this module is the scheduling loop):
+argument checks in ``records``, slot bookkeeping in ``slots``; this module is the scheduling
+loop and the held groups with their checkpoint arrays):
 
 * Slots. A fixed number of group slots (``max_slots``), each holding one prompt's prefix
   K/V once and its ``n`` samples' own response K/V (``prompt_once=True``), or one sample per
@@ -10,19 +10,23 @@ checkpoint arrays in ``held``; this module is the scheduling loop):
 * Continuous batching. The decode loop runs on device until a slot's group has finished and
   a request is waiting; the finished group is harvested, the waiting request is prefilled
   into the freed slot, and decoding continues. A long tail never idles the other slots.
-* APRIL. ``rollout_groups`` asks for K complete groups, keeps ``over_sampling·K`` groups in
-  flight, stops as soon as K are complete, and pushes every unfinished group (with its
+* APRIL. ``rollout_groups`` asks for k_groups complete groups, keeps
+  ``over_sampling·k_groups`` groups in flight, stops as soon as k_groups are complete, and pushes every unfinished group (with its
   tokens, per-token behaviour log-probs and per-token policy versions) into a FIFO buffer that
   is served first at the next call. A resumed sample is re-prefilled from prompt + partial
   response and continues with ``max_new_tokens − len(partial)`` tokens left. Only the
   still-running resumed samples are re-prefilled (the weights changed, so their old K/V is
   stale); finished samples and fresh groups are not.
-* Staleness bound (AReaL's η, ``max_staleness``): at most ``(η+1)·K`` groups in flight, and a
-  held sample with a token more than η versions old is restarted, so no returned token lags
+* Staleness bound (AReaL's η, ``max_staleness``): at most ``(η+1)·k_groups`` groups in
+  flight, and a held sample with a token more than η versions old is restarted, so no returned token lags
   the current policy by more than η versions. η = 0 is synchronous.
+* Held groups. Between ``rollout_groups`` calls the engine holds complete groups beyond k_groups
+  (``ready``) and aborted partial groups (``buffer``); ``export_held`` writes them as
+  fixed-shape host arrays for a checkpoint and ``import_held`` rebuilds them, so a resumed
+  run continues exactly.
 
 Every token records the policy version that sampled it. Axis letters: the legend of
-``rl_jax/models/transformer.py`` (G slots, M samples per slot, P prompt cache length,
+``rl_jax/__init__.py`` (G slots, M samples per slot, P prompt cache length,
 R response cache length).
 
 References: Zhou et al. 2025, "APRIL: Active Partial Rollouts in Reinforcement Learning to
@@ -45,15 +49,16 @@ import numpy as np
 from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import sampler, slots
-from rl_jax.rollout.held import HeldGroups
-from rl_jax.rollout.records import (GroupRequest, Prompt, Rollout, RolloutError, Sample, assemble,
+from rl_jax.rollout.kv_cache import REASON_NAMES
+from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
+                                    Sample, assemble,
                                     check_int, check_prompt, pow2, sampling_params)
 
 __all__ = ["RolloutEngine", "kv_bytes"]
 
 
 # ------------------------------------------------------------------------------ engine
-class RolloutEngine(HeldGroups):
+class RolloutEngine:
   """Slot-based sampler with prompt-once groups, continuous batching and APRIL.
 
   Usage::
@@ -69,8 +74,8 @@ class RolloutEngine(HeldGroups):
     temperature, top_p, top_k: sampling (temperature 0 is greedy).
     eos_id: int, list of ints, or None (no EOS). stop: list of token-id sequences that end a
       sample (included in the response and the mask).
-    over_sampling: APRIL over-provisioning factor (>= 1; groups in flight = ceil(f·K)).
-    max_staleness: AReaL staleness bound η (None = unbounded). At most ``(η+1)·K`` groups
+    over_sampling: APRIL over-provisioning factor (>= 1; groups in flight = ceil(f·k_groups)).
+    max_staleness: AReaL staleness bound η (None = unbounded). At most ``(η+1)·k_groups`` groups
       are in flight per call, and a resumed sample holding a token sampled more than η
       versions ago is restarted from its prompt, so every returned token has
       ``version >= policy_version − η``. η = 0 is synchronous (no partial rollouts).
@@ -126,7 +131,7 @@ class RolloutEngine(HeldGroups):
 
   @property
   def ready(self) -> tuple[GroupRequest, ...]:
-    """Complete groups beyond K from the previous call; returned first at the next call."""
+    """Complete groups beyond k_groups from the previous call; returned first at the next call."""
     return tuple(self._ready)
 
   # ---------------------------------------------------------------- parameters
@@ -303,9 +308,9 @@ class RolloutEngine(HeldGroups):
       params: trainer parameters (cast/placed for the sampler without recompiling).
       prompts: iterable of token-id lists; pass an iterator to keep its position across
         calls (a list is read from the start each call).
-      k_groups: K, complete groups to return. policy_version: version of ``params``.
+      k_groups: complete groups to return. policy_version: version of ``params``.
     Returns:
-      Rollout with K·n rows (group-major, completion order); ``stats`` holds
+      Rollout with k_groups·n rows (group-major, completion order); ``stats`` holds
       ``aborted_groups``, ``resumed_groups``, ``off_policy_token_fraction``, ``buffer_size``,
       ``restarted_samples`` (staleness bound) and ``max_token_lag``.
     """
@@ -319,8 +324,8 @@ class RolloutEngine(HeldGroups):
     need = k_groups - len(result)
     in_flight = math.ceil(self.over_sampling * k_groups)
     if self.max_staleness is not None:
-      # AReaL capacity (η + v + 1)·K − (accepted + running) with K groups accepted per
-      # version: (η + 1)·K − running.
+      # AReaL capacity (η + v + 1)·k_groups − (accepted + running) with k_groups groups
+      # accepted per version: (η + 1)·k_groups − running.
       in_flight = min(in_flight, (self.max_staleness + 1) * k_groups)
     in_flight = in_flight - len(result) if need > 0 else 0
     submit: list[GroupRequest] = []
@@ -354,6 +359,90 @@ class RolloutEngine(HeldGroups):
                      off_policy_token_fraction=float(stale.sum() / max(toks, 1)),
                      kv_bytes=kv_bytes(self, self.G))
     return out
+
+  # ---------------------------------------------------------------- held groups
+  def export_held(self, capacity: int) -> dict[str, np.ndarray]:
+    """The held groups (complete extras, then the buffer) as fixed-shape host arrays.
+
+    For checkpoints: ``import_held`` rebuilds the same engine state, so a resumed run
+    continues exactly. Group tags must be integers (e.g. dataset indices).
+
+    Args:
+      capacity: rows of the arrays (>= number of held groups).
+    Returns:
+      dict: valid, ready bool [capacity]; uid, resumed, meta, prompt_len int32 [capacity];
+      prompt int32 [capacity,P]; tokens, versions int32 [capacity,M,R]; logprobs float32
+      [capacity,M,R]; length, reason int32 [capacity,M] (reason -1 = unfinished);
+      next_uid int32 [].
+    """
+    held = [(r, True) for r in self._ready] + [(r, False) for r in self.buffer]
+    if len(held) > capacity:
+      raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
+    cap, n, R = capacity, self.n, self.max_new_tokens
+    d = dict(valid=np.zeros(cap, bool), ready=np.zeros(cap, bool), uid=np.zeros(cap, np.int32),
+             resumed=np.zeros(cap, np.int32), meta=np.zeros(cap, np.int32),
+             prompt_len=np.zeros(cap, np.int32), prompt=np.zeros((cap, self.max_prompt_len), np.int32),
+             tokens=np.zeros((cap, n, R), np.int32), versions=np.full((cap, n, R), -1, np.int32),
+             logprobs=np.zeros((cap, n, R), np.float32), length=np.zeros((cap, n), np.int32),
+             reason=np.full((cap, n), -1, np.int32))
+    for h, (req, ready) in enumerate(held):
+      d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, ready, req.uid, req.resumed
+      d["meta"][h] = -1 if req.meta is None else int(req.meta)
+      d["prompt_len"][h] = len(req.prompt)
+      d["prompt"][h, :len(req.prompt)] = req.prompt
+      for i, smp in enumerate(req.samples):
+        t = len(smp.tokens)
+        d["tokens"][h, i, :t], d["versions"][h, i, :t] = smp.tokens, smp.versions
+        d["logprobs"][h, i, :t], d["length"][h, i] = smp.logprobs, t
+        if smp.finish_reason is not None:
+          d["reason"][h, i] = REASON_CODES[smp.finish_reason]
+    d["next_uid"] = np.int32(self._next_uid())
+    return d
+
+  def import_held(self, d) -> None:
+    """Replace the held groups and the uid counter with ``export_held``'s arrays."""
+    d = {k: np.asarray(v) for k, v in d.items()}
+    self._ready.clear()
+    self.buffer.clear()
+    for h in np.flatnonzero(d["valid"]):
+      samples = []
+      for i in range(self.n):
+        t = int(d["length"][h, i])
+        code = int(d["reason"][h, i])
+        samples.append(Sample(d["tokens"][h, i, :t].tolist(), d["logprobs"][h, i, :t].tolist(),
+                              d["versions"][h, i, :t].tolist(),
+                              None if code < 0 else REASON_NAMES[code]))
+      meta = int(d["meta"][h])
+      req = GroupRequest(int(d["uid"][h]), d["prompt"][h, :int(d["prompt_len"][h])].tolist(),
+                         samples, int(d["resumed"][h]), None if meta < 0 else meta)
+      (self._ready if d["ready"][h] else self.buffer).append(req)
+    self._uids = itertools.count(int(d["next_uid"]))
+
+  def _next_uid(self) -> int:
+    """The uid the next new request gets (without consuming it)."""
+    nxt = next(self._uids)
+    self._uids = itertools.count(nxt)
+    return nxt
+
+  def _enforce_staleness(self, policy_version: int) -> int:
+    """Restart held samples with a token older than ``policy_version − η``; returns how many.
+
+    Complete groups held from the previous call that hold such a sample go back to the
+    front of the buffer.
+    """
+    if self.max_staleness is None:
+      return 0
+    oldest = policy_version - self.max_staleness
+    restarted = 0
+    for req in list(self.buffer) + list(self._ready):
+      for i, smp in enumerate(req.samples):
+        if smp.versions and min(smp.versions) < oldest:
+          req.samples[i] = Sample()
+          restarted += 1
+    stale = [r for r in self._ready if not r.done]
+    self._ready = collections.deque(r for r in self._ready if r.done)
+    self.buffer.extendleft(reversed(stale))
+    return restarted
 
 
 def kv_bytes(engine: RolloutEngine, groups: int) -> int:

@@ -1,6 +1,6 @@
 """One-shot sampling: ``generate`` serves a list of prompts through a fresh ``RolloutEngine``.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (G prompts, M = n samples per
+Axis letters: the legend of ``rl_jax/__init__.py`` (G prompts, M = n samples per
 prompt, R = max_new_tokens).
 """
 

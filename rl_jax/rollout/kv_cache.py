@@ -1,6 +1,6 @@
 """Device state of the sampler's slots: the prompt-once KV cache layout and token records.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (here G group slots, M samples
+Axis letters: the legend of ``rl_jax/__init__.py`` (here G group slots, M samples
 per slot, P prefix (prompt) cache length, R response (suffix) cache length, L layers,
 K kv heads, H head dim).
 

@@ -1,7 +1,7 @@
 """Prefill into the prompt-once cache: prompts once per group (``admit``) and the response
 K/V of resumed partial samples (``resume``).
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (G group slots, M samples per
+Axis letters: the legend of ``rl_jax/__init__.py`` (G group slots, M samples per
 slot, T query block length, P prefix cache length, R response cache length, L layers,
 N query heads, K kv heads, H head dim, V vocab). Bn and Br are the engine's admission and
 resume buckets (rows), Pb the admitted prompt bucket.

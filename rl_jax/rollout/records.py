@@ -1,7 +1,7 @@
 """Host-side records of the rollout engine: prompts, groups, samples, the returned
 ``Rollout``, and validation of the engine's arguments.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (G groups, M samples per group,
+Axis letters: the legend of ``rl_jax/__init__.py`` (G groups, M samples per group,
 B = G·M rows); local letters as in ``sampling``: Z stop sequences, W stop window, E eos ids.
 """
 

@@ -9,7 +9,7 @@ One namespace for the sampler's pieces, which live in three modules:
   ``grouped_attention`` (the two-region log-sum-exp attention of ``pallas_kernels``).
 * ``decode``: ``decode`` (the ``while_loop``) over ``decode_step`` and ``decode_attention``.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py``. Each slot g holds one prompt,
+Axis letters: the legend of ``rl_jax/__init__.py``. Each slot g holds one prompt,
 prefilled once into the prefix cache (L arrays [G,K,P,H]), and M samples that keep only
 their own response K/V in the suffix cache (L arrays [G,M,K,R,H]). The replicated layout is
 the same code with M = 1 and the prompt repeated in one slot per sample. Shapes are bucketed

@@ -1,6 +1,6 @@
 """Token sampling: temperature, top-k, top-p, greedy, and the exact behaviour log-prob.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (B rows, V vocab); local to
+Axis letters: the legend of ``rl_jax/__init__.py`` (B rows, V vocab); local to
 this module: E eos ids, Z stop sequences, W stop-sequence window.
 
 The log-prob recorded for a sampled token is ``log_softmax(filtered)[token]`` where

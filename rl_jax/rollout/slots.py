@@ -6,7 +6,7 @@ A slot holds one *unit*: ``(GroupRequest, sample ids)``, all n samples of a grou
 ``harvest`` and ``collect`` copy finished (or aborted) samples back into their requests and
 free the slots.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (G slots, M samples per slot,
+Axis letters: the legend of ``rl_jax/__init__.py`` (G slots, M samples per slot,
 R response cache length, T resumed tokens); Bn, Pb, Br are the admission, prompt and resume
 buckets.
 """

@@ -10,7 +10,7 @@ and decoding continues from prompt + accepted prefix + replacement with the curr
 sampling: every response is distributed exactly as a response sampled from p from scratch,
 whatever q is, as long as the draft really was drawn from q.
 
-Axis letters: the legend of ``rl_jax/models/transformer.py`` (G prompts, M samples per
+Axis letters: the legend of ``rl_jax/__init__.py`` (G prompts, M samples per
 prompt, B = G·M rows, P prompt bucket, R response length, V vocab).
 
 References: Leviathan et al. 2023, "Fast Inference from Transformers via Speculative

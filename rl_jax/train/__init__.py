@@ -2,41 +2,41 @@
 
     python -m rl_jax.train --config=configs/quickstart.py --workdir=DIR [--config.x.y=v ...]
 
-Split along the data flow of one step, each module depending only on those above it:
+One RL step is a producer and a learner joined by a runner (docs/ARCHITECTURE.md has the
+diagram and what each module receives and hands on)::
 
-    streams      named random streams: every draw is a function of (seed, step, stream)
-    group_size   adaptive group size: samples per prompt in fixed-shape chunks, per-prompt
-                 advantages over ragged groups (data.group_size)
-    selection_stage    which prompts are rolled out and which groups train (data.selector),
-                 DAPO overlong shaping
-    speculative_stage  SPEC-RL: earlier responses as drafts (rollout.speculative)
-    context      config -> Setup (tokenizer, task, model config, mesh, objective, optimizers)
-    on_policy    whether the update takes old_logp from its own policy pass
-    startup      persistent compilation cache, compile-time clock, profiler trace of a step
-    offload      train.offload: state parts in host memory (JAX memory kinds)
-    state        TrainState; init_state and its abstract, sharded restore target (by step:
-                 the supervised optimizer state only in the supervised stage, the reference
-                 only in RL)
-    resume       restore a step's checkpoint, older state layouts included
-    layout       where the mesh meets the step: state and batch shardings, global batches
-    steps        the jitted SFT step, RL update, log-prob / value / gradient-norm passes
-    rollouts     prompts -> sampler or engine -> rewards -> objective inputs -> UpdateBatch
-    evaluation   held-out greedy accuracy and pass@k
-    memory       the memory plan: bytes per device of the state and of each compiled step
-    loop         resume, step, evaluate, checkpoint, SIGTERM; ``train`` and ``main``
+    producer   ProducerState, weights -> prompt source -> rollout -> scoring -> Scored
+    learner    Scored, TrainState -> objective inputs -> advantages -> optimizer updates
+    runner     lag 0 (the synchronous trainer), lag k, or free-running
 
-One RL step::
+Modules by layer; a module imports only from its own layer's earlier modules or lower layers:
 
-    prompts (seeded sampler) -> rollout.generate / RolloutEngine (M samples per prompt,
-      behaviour log-probs) -> rewards (isolated verifiers) -> ObjectiveInputs (the fields the
-      objective declares it needs) -> advantages -> ``train.minibatches`` optax updates
+    stages     streams (random streams), group_size (adaptive group size),
+               selection_stage (DAPO / GRESO / Beta selection, overlong shaping),
+               speculative_stage (SPEC-RL drafts)
+    setup      inputs (the table of objective inputs), context (config -> Setup: geometry,
+               schedule, tokenizer, task, model config, meshes, objective, optimizers),
+               on_policy, startup, offload
+    state      records (Scored, ProducerState), queue (the runner's queue as arrays),
+               state (TrainState, init / abstract), resume (older layouts too), layout,
+               steps (jitted SFT step, RL update, log-prob / value / gradient-norm passes),
+               rollouts (Trainer, host helpers)
+    step       producer, learner, evaluation, memory (the memory plan)
+    runner     runner (FixedLag, FreeRunning, make_runner)
+    loop       loop (resume, step, evaluate, checkpoint, SIGTERM; train, main)
+
+Shapes: the package legend (``rl_jax/__init__.py``).
 """
 
-from rl_jax.train.context import PROVIDED_INPUTS, Optimizers, Setup, build_setup
+from rl_jax.train.context import Optimizers, Setup, build_setup
+from rl_jax.train.inputs import PROVIDED_INPUTS
 from rl_jax.train.evaluation import evaluate
 from rl_jax.train.layout import Layout, jit_on_mesh, make_layout
 from rl_jax.train.loop import main, make_trainer, rl_step, sft_batch, sft_step, train
-from rl_jax.train.rollouts import Trainer, collect, objective_inputs
+from rl_jax.train.learner import objective_inputs
+from rl_jax.train.records import ProducerState, Scored
+from rl_jax.train.rollouts import Trainer
+from rl_jax.train.runner import FixedLag, FreeRunning, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
 from rl_jax.train.steps import (StepFns, UpdateBatch, make_grad_norm_fn, make_logprob_fn,
                                 make_ref_logprob_fn, make_rl_update, make_sft_step,
@@ -46,8 +46,9 @@ from rl_jax.train.streams import Stream, seed_for
 __all__ = [
     "PROVIDED_INPUTS", "Optimizers", "Setup", "build_setup", "evaluate", "Layout",
     "jit_on_mesh", "make_layout", "main",
-    "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer", "collect",
-    "objective_inputs", "TrainState", "abstract_state", "begin_rl", "init_state",
+    "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer",
+    "objective_inputs", "ProducerState", "Scored", "FixedLag", "FreeRunning", "make_runner",
+    "TrainState", "abstract_state", "begin_rl", "init_state",
     "make_engine", "StepFns", "UpdateBatch", "make_grad_norm_fn", "make_logprob_fn",
     "make_ref_logprob_fn",
     "make_rl_update", "make_sft_step", "make_step_fns", "make_value_fn", "Stream", "seed_for",

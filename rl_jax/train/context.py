@@ -25,14 +25,10 @@ from rl_jax import sharding
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, DataError, RLJaxError
+from rl_jax.train.inputs import PROVIDED_INPUTS
 
 __all__ = ["Optimizers", "Setup", "build_setup", "PROVIDED_INPUTS"]
 
-# What the trainer can hand an objective: every field of the objective input record (the
-# rollout stage computes each one on demand, see rollouts.objective_inputs) and the per-token
-# entropy of the policy (computed inside the update, see steps.make_rl_update). An objective
-# that needs anything else is rejected by build_setup.
-PROVIDED_INPUTS = frozenset(losses.INPUT_FIELDS) | {"entropy"}
 
 
 class Optimizers(NamedTuple):
@@ -52,6 +48,9 @@ class Setup:
   P, the prompt bucket (longest tokenized prompt + 1). ``mesh`` spans every device of the
   job; ``sampler_mesh`` is the mesh the sampler runs on: the same with one process, this
   process's own devices with several (each process samples on its own devices).
+  ``geometry`` (the step's groups, samples per group and chunks) and ``schedule`` (how the
+  producer and learner are joined) are computed once from the config; every module reads
+  them from here.
   """
 
   config: ml_collections.ConfigDict
@@ -67,6 +66,12 @@ class Setup:
   optimizers: Optimizers
   prompt_len: int
   eos_id: int
+  geometry: config_lib.Geometry = dataclasses.field(init=False)
+  schedule: config_lib.Schedule = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "geometry", config_lib.geometry(self.config))
+    object.__setattr__(self, "schedule", config_lib.schedule(self.config))
 
 
 def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:

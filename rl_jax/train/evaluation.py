@@ -2,7 +2,7 @@
 
 With ``eval.share_programs`` (default) the evaluation samples through the training rollouts'
 compiled programs instead of compiling its own: the held-out prompts go through in batches
-of the training batch's G groups with the same samples per prompt M (``rollout.n``). Greedy accuracy reads the first of the M
+of the training batch's G groups with the same samples per prompt M (``Setup.geometry``). Greedy accuracy reads the first of the M
 identical greedy samples; pass@k (k <= M) the first k samples, which are exactly the k a
 separate pass would draw (every sample has its own key stream). The price is M greedy rows
 per prompt instead of one: cheap for small models, not for long generations with a large
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from rl_jax.train import group_size
 from rl_jax.train.context import Setup
 from rl_jax.train.rollouts import decode, encode_prompts, generate, score
 from rl_jax.train.streams import Stream, seed_for
@@ -34,7 +33,7 @@ def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
   chunks of exactly the training batch's G groups (the last one padded with copies of its
   last prompt, dropped after), M samples each, prompt ``i`` on key stream ``i``."""
   c = s.config
-  G, M = group_size.row_shape(c)  # (C, m) with adaptive group size
+  G, M = s.geometry.rows, s.geometry.row_size  # (U, m) with adaptive group size
   if not (c.eval.share_programs and k <= M):
     out = generate(s, params, prompts, n=k, temperature=temperature, seed=seed)
     return np.asarray(out.tokens), np.asarray(out.mask)

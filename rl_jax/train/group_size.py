@@ -1,10 +1,10 @@
 """Adaptive group size (``data.group_size="adaptive"``): samples per prompt from its success rate.
 
-A step's sample budget is B = G·M rows (``train.batch_groups`` × ``rollout.n``). It is cut
-into C = B / m chunks of m = ``data.group_chunk`` samples; every chunk is one prompt repeated
-m times, so the sampler and the prompt-once layout always see the same [C, m, R] shapes
+A step's sample budget is B = G·M rows (``Setup.geometry``: groups × samples). It is cut
+into U = B / m chunks of m = ``data.group_chunk`` samples; every chunk is one prompt repeated
+m times, so the sampler and the prompt-once layout always see the same [U, m, R] shapes
 (nothing recompiles when the allocation changes). Each of the step's G prompts gets
-k_i >= 1 chunks (n_i = k_i·m samples, Σ k_i = C, k_i <= K), chosen to maximise the
+k_i >= 1 chunks (n_i = k_i·m samples, Σ k_i = U, k_i <= X), chosen to maximise the
 expected number of prompts whose samples are not all equal (the only groups GRPO learns
 from) under each prompt's Beta(α_i, β_i) posterior on its success rate p_i::
 
@@ -19,13 +19,14 @@ almost nothing. References: sGPO ("Trading Inference FLOPs for Training Efficien
 RLVR": group size from the inverse success rate); XRPO (Explore-eXploit GRPO: a rollout
 allocator favouring prompts with the most uncertainty to resolve).
 
-Advantages are per prompt, across its chunks: the learner regroups the [C, m] rows into
-[G, K·m] with the missing samples' rewards set to NaN (every estimator leaves non-finite
+Advantages are per prompt, across its chunks: the learner regroups the [U, m] rows into
+[G, X·m] with the missing samples' rewards set to NaN (every estimator leaves non-finite
 rewards out of its statistics and gives them advantage 0), runs the run's estimator
-unchanged, and scatters the result back to [C, m].
+unchanged, and scatters the result back to [U, m].
 
-Shapes (package legend): G prompts, M samples per prompt (plain), C chunks, m chunk size,
-K most chunks of one prompt, R new tokens.
+Shapes (the package legend, ``rl_jax/__init__.py``): G prompts, M samples per prompt
+(plain), U chunks, m chunk size,
+X most chunks of one prompt, R new tokens.
 """
 
 from __future__ import annotations
@@ -39,38 +40,11 @@ from scipy import special
 
 from rl_jax import losses
 
-__all__ = ["METRICS", "adaptive", "allocate", "chunk_size", "max_chunks", "mixed_prob",
+__all__ = ["METRICS", "allocate", "mixed_prob",
            "per_prompt_advantages", "prompt_spread", "regroup_index", "regroup_inputs",
-           "row_shape", "ungroup", "zero_variance_fraction"]
+           "ungroup", "zero_variance_fraction"]
 
 METRICS = ("group_size_min", "group_size_max", "group_size_mixed_mean")
-
-
-def adaptive(c) -> bool:
-  """Whether the run allocates samples per prompt (``data.group_size="adaptive"``)."""
-  return (c.data.group_size or "fixed") == "adaptive"
-
-
-def chunk_size(c) -> int:
-  """m: ``data.group_chunk``, or ``max(1, rollout.n // 2)``."""
-  m = c.data.group_chunk
-  return int(m) if m is not None else max(1, c.rollout.n // 2)
-
-
-def max_chunks(c) -> int:
-  """K: the most chunks one prompt gets (``data.group_max`` samples, else the budget left
-  after every other prompt has one chunk)."""
-  C, G = c.train.batch_groups * c.rollout.n // chunk_size(c), c.train.batch_groups
-  cap = c.data.group_max
-  return C - G + 1 if cap is None else min(int(cap) // chunk_size(c), C - G + 1)
-
-
-def row_shape(c) -> tuple[int, int]:
-  """(groups, samples per group) of a step's rows: (C, m) when adaptive, else (G, M)."""
-  if adaptive(c):
-    m = chunk_size(c)
-    return c.train.batch_groups * c.rollout.n // m, m
-  return c.train.batch_groups, c.rollout.n
 
 
 def mixed_prob(alpha: np.ndarray, beta: np.ndarray, n) -> np.ndarray:
@@ -86,7 +60,7 @@ def allocate(alpha: np.ndarray, beta: np.ndarray, chunks: int, chunk: int,
   """Chunks per prompt: k int64 [G], k_i >= 1, Σ k = ``chunks``, k_i <= ``cap``.
 
   Greedy on the concave gains ``f((k+1)·chunk) − f(k·chunk)`` (``mixed_prob``); ties go to
-  the earlier prompt. Args: alpha, beta float [G] posteriors; chunks C; chunk m; cap K
+  the earlier prompt. Args: alpha, beta float [G] posteriors; chunks U; chunk m; cap X
   (None: no cap).
   """
   alpha, beta = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
@@ -102,8 +76,8 @@ def allocate(alpha: np.ndarray, beta: np.ndarray, chunks: int, chunk: int,
 
 
 def prompt_spread(rewards: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
-  """Whether each prompt's rewards are not all equal: bool [G] from rewards [C, m] and the
-  prompt of each chunk ``groups`` int [C] (None: one prompt per row)."""
+  """Whether each prompt's rewards are not all equal: bool [G] from rewards [U, m] and the
+  prompt of each chunk ``groups`` int [U] (None: one prompt per row)."""
   if groups is None:
     return np.ptp(rewards, axis=1) > 0
   G = int(groups.max()) + 1
@@ -121,29 +95,29 @@ def zero_variance_fraction(rewards: np.ndarray, groups: np.ndarray | None) -> fl
   return float(np.mean(~prompt_spread(rewards, groups)))
 
 
-def regroup_index(groups: np.ndarray, G: int, m: int, K: int) -> tuple[np.ndarray, np.ndarray]:
-  """Where the rows of C chunks (prompt ``groups`` int [C], in order) sit in [G, K·m].
+def regroup_index(groups: np.ndarray, G: int, m: int, X: int) -> tuple[np.ndarray, np.ndarray]:
+  """Where the rows of U chunks (prompt ``groups`` int [U], in order) sit in [G, X·m].
 
-  Returns (gather int32 [G, K·m]: the row in [C·m] of each slot, -1 for a missing sample;
-  scatter int32 [C·m]: the flat slot in [G·K·m] of each row). A prompt's chunks fill its
+  Returns (gather int32 [G, X·m]: the row in [U·m] of each slot, -1 for a missing sample;
+  scatter int32 [U·m]: the flat slot in [G·X·m] of each row). A prompt's chunks fill its
   slots in chunk order.
   """
   groups = np.asarray(groups, np.int64)
-  C = len(groups)
+  U = len(groups)
   seen = np.zeros(G, np.int64)
-  scatter = np.empty(C * m, np.int64)
+  scatter = np.empty(U * m, np.int64)
   for c, g in enumerate(groups):
-    if seen[g] >= K:
-      raise ValueError(f"prompt {g} has more than {K} chunks")
-    scatter[c * m:(c + 1) * m] = g * K * m + seen[g] * m + np.arange(m)
+    if seen[g] >= X:
+      raise ValueError(f"prompt {g} has more than {X} chunks")
+    scatter[c * m:(c + 1) * m] = g * X * m + seen[g] * m + np.arange(m)
     seen[g] += 1
-  gather = np.full(G * K * m, -1, np.int64)
-  gather[scatter] = np.arange(C * m)
-  return gather.reshape(G, K * m).astype(np.int32), scatter.astype(np.int32)
+  gather = np.full(G * X * m, -1, np.int64)
+  gather[scatter] = np.arange(U * m)
+  return gather.reshape(G, X * m).astype(np.int32), scatter.astype(np.int32)
 
 
 def regroup_inputs(x: losses.ObjectiveInputs, gather) -> losses.ObjectiveInputs:
-  """[C, m, ...] objective inputs -> [G, K·m, ...]: missing samples get NaN rewards (and
+  """[U, m, ...] objective inputs -> [G, X·m, ...]: missing samples get NaN rewards (and
   reward components), False masks and zeros elsewhere."""
   gather = jnp.asarray(gather)
   ok = gather >= 0
@@ -162,25 +136,25 @@ def regroup_inputs(x: losses.ObjectiveInputs, gather) -> losses.ObjectiveInputs:
   return losses.ObjectiveInputs(**{k: take(k, v) for k, v in x._asdict().items()})
 
 
-def ungroup(a, scatter, C: int, m: int):
-  """[G, K·m, ...] per-slot values -> the [C, m, ...] rows (``regroup_index``'s scatter)."""
+def ungroup(a, scatter, U: int, m: int):
+  """[G, X·m, ...] per-slot values -> the [U, m, ...] rows (``regroup_index``'s scatter)."""
   if a is None:
     return None
   flat = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-  return jnp.take(flat, jnp.asarray(scatter), axis=0).reshape(C, m, *a.shape[2:])
+  return jnp.take(flat, jnp.asarray(scatter), axis=0).reshape(U, m, *a.shape[2:])
 
 
 def per_prompt_advantages(objective: Any, x: losses.ObjectiveInputs, groups: np.ndarray,
-                          G: int, K: int) -> losses.Advantages:
-  """The objective's estimator over each prompt's chunks together: inputs [C, m, ...] and the
-  prompt ``groups`` int [C] of each chunk -> ``Advantages`` on the [C, m] rows."""
-  C, m = x.rewards.shape
-  gather, scatter = regroup_index(groups, G, m, K)
+                          G: int, X: int) -> losses.Advantages:
+  """The objective's estimator over each prompt's chunks together: inputs [U, m, ...] and the
+  prompt ``groups`` int [U] of each chunk -> ``Advantages`` on the [U, m] rows."""
+  U, m = x.rewards.shape
+  gather, scatter = regroup_index(groups, G, m, X)
   out = objective.advantages_from(regroup_inputs(x, gather))
   sharding = getattr(x.rewards, "sharding", None)  # rows split like the inputs' rows
 
   def back(a):
-    a = ungroup(a, scatter, C, m)
+    a = ungroup(a, scatter, U, m)
     return a if a is None or sharding is None else jax.device_put(a, sharding)
 
   return losses.Advantages(back(out.advantages), back(out.returns), back(out.keep))

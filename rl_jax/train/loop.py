@@ -10,7 +10,6 @@ data position is part of the checkpoint. SIGTERM saves a checkpoint and exits cl
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
@@ -28,21 +27,19 @@ from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax import wandb_log
 from rl_jax.errors import RLJaxError
-from rl_jax.models.hf import release_host_memory
 from rl_jax.train import startup
 from rl_jax.train.context import Setup, build_setup
-from rl_jax.train import pipeline
 from rl_jax.train.evaluation import evaluate
 from rl_jax.train import memory
 from rl_jax.train.layout import make_layout
 from rl_jax.train.resume import restore_state
-from rl_jax.train.rollouts import Trainer, collect, next_examples
+from rl_jax.train.rollouts import Trainer, next_examples
+from rl_jax.train.runner import FixedLag, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine,
                                  place_replicated, rl_layout)
-from rl_jax.train.steps import UpdateBatch, make_step_fns
+from rl_jax.train.steps import make_step_fns
 
-__all__ = ["make_trainer", "sft_batch", "apply_update", "rl_step", "async_rl_step", "sft_step",
-           "train", "main"]
+__all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
 
 
 def make_trainer(s: Setup, abstract: TrainState | None = None) -> Trainer:
@@ -83,46 +80,12 @@ def sft_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarra
                                                             **jax.device_get(mets)}, data
 
 
-def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:
-  """``k`` consecutive slices of the groups, each split along ``batch`` again."""
-  size = b.tokens.shape[0] // k
-  if k == 1:
-    return [b]
-  rows = t.layout.rows(size)
-  return [jax.device_put(jax.tree.map(lambda a: a[i * size:(i + 1) * size], b), rows)
-          for i in range(k)]
-
-
-def apply_update(t: Trainer, state: TrainState, batch: UpdateBatch) -> tuple[TrainState, dict]:
-  """The learner's step: ``train.minibatches`` optimizer updates on ``batch``; (state, the
-  metrics averaged over the minibatches)."""
-  carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
-  mets_all = []
-  release_host_memory()  # host buffers freed by sampling and scoring, before the peak
-  for mb in _minibatches(t, batch, t.setup.config.train.minibatches):
-    *carry, mets = t.steps.rl_update(*carry, mb)
-    mets_all.append(jax.device_get(mets))
-  state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],
-                         value_opt_state=carry[3])
-  return state, {k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}
-
-
 def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
-  """One synchronous RL step: rollouts, then the update; (state, record, data)."""
-  batch, record, updates = collect(t, state)
-  if "rollout_buffer" in updates:
-    state = state._replace(rollout_buffer=updates["rollout_buffer"])
-  state = state._replace(**{k: v for k, v in updates.items()
-                            if k in ("selector", "spec_drafts")})
-  state, means = apply_update(t, state, batch)
-  return state, {"phase": "rl", **record, **means}, updates["data"]
-
-
-def async_rl_step(t: Trainer, runner, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
-  """One asynchronous RL step (``pipeline``): the learner trains on a queued batch while the
-  producer samples; (state, record, data)."""
-  state, record = runner.step(state, functools.partial(apply_update, t))
-  return state, {"phase": "rl", **record}, np.asarray(state.data)
+  """One synchronous RL step, the runner with lag 0 (``runner.FixedLag``): the producer
+  samples this step's batch from the current weights, then the learner trains on it;
+  (state, record, data position)."""
+  state, record = FixedLag(t, state, lag=0).step(state)
+  return state, {"phase": "rl", **record}, np.asarray(jax.device_get(state.producer.data))
 
 
 class _Preempted:
@@ -192,7 +155,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   old_handler = signal.signal(signal.SIGTERM, preempted)
   bar = _progress(progress and lead, total, int(state.step))
   bad_steps = 0
-  runner = None  # the asynchronous pipeline, started at the first RL step
+  runner = None  # the run's runner (runner.make_runner), started at the first RL step
   snapshot = lambda st: st if runner is None else runner.snapshot(st)
   try:
     while int(state.step) < total:
@@ -212,16 +175,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       else:
         if step == sft_steps:
           state = begin_rl(s, state)
-        if c.train.mode == "async":
-          runner = runner or pipeline.make_runner(t, state)
-          state, record, data = async_rl_step(t, runner, state)
-        else:
-          state, record, data = rl_step(t, state)
+        runner = runner or make_runner(t, state)
+        state, record = runner.step(state)
+        record, data = {"phase": "rl", **record}, np.asarray(jax.device_get(state.data))
       bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
       if bad_steps >= c.train.max_bad_steps:
         raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient "
                          f"(last at step {step}); stopping. Lower optim.lr or check the data.")
-      state = state._replace(step=state.step + 1, data=place_replicated(s, data))
+      state = state._replace(step=state.step + 1, producer=state.producer._replace(
+          data=place_replicated(s, data)))
       step += 1
       if profiling:
         startup.stop_profile(profile_dir, state)

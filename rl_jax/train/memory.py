@@ -13,7 +13,7 @@ Per device (the busiest one; FSDP shards split evenly):
   a KL term, in ``train.ref_dtype``), ``critic`` (PPO value params + their optimizer state),
   ``sampler_copy`` (with several processes: the policy all-gathered for the local sampler;
   one process samples from the trainer's weights in place), ``rollout_buffer`` (APRIL's
-  held groups), ``rollout_queue`` (``train.mode="async"``: the scored batches sampled ahead of
+  held groups), ``rollout_queue`` (a runner with a lag: the scored batches sampled ahead of
   the learner), ``selector`` / ``spec_drafts`` (prompt selection, speculative rollouts), and
   ``other`` (step, data position). Bytes = shard shape size x itemsize, summed over the part's leaves.
 * steps: XLA's ``argument``, ``output``, ``alias`` (outputs written into donated arguments),
@@ -41,11 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax import losses
 from rl_jax import rollout
 from rl_jax.errors import RLJaxError
-from rl_jax.train import group_size
 from rl_jax.train import offload
+from rl_jax.train.inputs import abstract_inputs
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, abstract_state
 from rl_jax.train.steps import UpdateBatch
@@ -56,12 +55,12 @@ __all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "sta
            "check_state_fits", "check_plan_fits", "plan_run", "plan_workdir", "record_live",
            "PLAN_FILE"]
 
-# plan part -> TrainState fields
+# plan part -> TrainState fields (``producer.x``: a field of the producer's state)
 PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
          "sft_optimizer": ("sft_opt_state",), "reference": ("ref_params",),
-         "critic": ("value_params", "value_opt_state"), "rollout_buffer": ("rollout_buffer",),
-         "rollout_queue": ("rollout_queue",), "selector": ("selector",),
-         "spec_drafts": ("spec_drafts",)}
+         "critic": ("value_params", "value_opt_state"), "rollout_buffer": ("producer.held",),
+         "rollout_queue": ("rollout_queue",), "selector": ("producer.selector",),
+         "spec_drafts": ("producer.drafts",)}
 
 # what shrinks each part (named in the one-line error of a run that does not fit)
 KNOBS = {
@@ -110,18 +109,32 @@ def tree_bytes(tree, host: bool | None = False) -> int:
              if host is None or offload.is_host(x) == host)
 
 
+def _all_fields(state: TrainState) -> tuple[str, ...]:
+  """Every field of the state, the producer's as ``producer.x``."""
+  return tuple(f for f in state._fields if f != "producer") + tuple(
+      f"producer.{f}" for f in state.producer._fields)
+
+
+def _get(state: TrainState, field: str):
+  node = state
+  for part in field.split("."):
+    node = getattr(node, part)
+  return node
+
+
 def _fields(state: TrainState) -> dict[str, tuple]:
   """Plan part -> the state's fields: ``PARTS``, and ``other`` for any field not listed
   there (step, data position, ...), so the parts add up to the whole state."""
+  every = _all_fields(state)
   listed = {f for fields in PARTS.values() for f in fields}
-  parts = {k: tuple(f for f in v if f in state._fields) for k, v in PARTS.items()}
-  return {**parts, "other": tuple(f for f in state._fields if f not in listed)}
+  parts = {k: tuple(f for f in v if f in every) for k, v in PARTS.items()}
+  return {**parts, "other": tuple(f for f in every if f not in listed)}
 
 
 def state_parts(state: TrainState, host: bool = False) -> dict[str, int]:
   """Bytes per device of each plan part of a (concrete or abstract) train state, in device
   memory (or, ``host``, the parts offloaded to the device's host memory)."""
-  return {part: sum(tree_bytes(getattr(state, f), host) for f in fields)
+  return {part: sum(tree_bytes(_get(state, f), host) for f in fields)
           for part, fields in _fields(state).items()}
 
 
@@ -140,7 +153,7 @@ def live_bytes(state: TrainState, host: bool = False) -> dict[str, int]:
                if isinstance(x, jax.Array) and offload.is_host(x) == host
                for s in x.addressable_shards if s.device == dev)
 
-  return {part: sum(held(getattr(state, f)) for f in fields)
+  return {part: sum(held(_get(state, f)) for f in fields)
           for part, fields in _fields(state).items()}
 
 
@@ -179,20 +192,13 @@ def _spec(shape, dtype, sharding):
 def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
   """ShapeDtypeStructs of one ``groups``-group ``UpdateBatch`` as the rollout stage fills
   it (the objective's declared inputs), split along ``batch``."""
-  s, c = t.setup, t.setup.config
-  M, R, P = group_size.row_shape(c)[1], c.rollout.max_new_tokens, s.prompt_len
+  s, geo = t.setup, t.setup.geometry
+  M, R, P = geo.row_size, geo.new_tokens, s.prompt_len
   rows = t.layout.rows(groups)
   tok = lambda dt: _spec((groups, M, R), dt, rows)
-  own_old = t.steps.old_logp_in_update  # on-policy: the update computes old_logp itself
-  fields = dict(rewards=_spec((groups, M), jnp.float32, rows), mask=tok(bool),
-                generated_mask=tok(bool), old_logp=None if own_old else tok(jnp.float32),
-                behaviour_logp=tok(jnp.float32))
-  optional = {"ref_logp": tok(jnp.float32), "values": tok(jnp.float32),
-              "grad_sq_norms": _spec((groups, M), jnp.float32, rows),
-              "reward_components": _spec((groups, M, 1), jnp.float32, rows),
-              "lengths": _spec((groups, M), jnp.float32, rows)}
-  fields.update({k: v for k, v in optional.items() if k in s.objective.needs})
-  inputs = losses.ObjectiveInputs(**fields)
+  inputs = abstract_inputs(s.objective.needs, groups, M, R,
+                           lambda shape, dtype: _spec(shape, dtype, rows),
+                           t.steps.old_logp_in_update)
   adv = jax.eval_shape(s.objective.advantages_from, inputs)
   adv = jax.tree.map(lambda x: _spec(x.shape, x.dtype, rows), adv)
   return UpdateBatch(_spec((groups, P), jnp.int32, rows), _spec((groups,), jnp.int32, rows),
@@ -203,7 +209,7 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
                   rl_state: TrainState) -> dict[str, dict[str, int]]:
   """``step_memory`` of each step the run will call, compiled on abstract inputs."""
   s, c, f = t.setup, t.setup.config, t.steps
-  G = group_size.row_shape(c)[0]
+  G = s.geometry.rows
   out = {}
   if sft_state is not None:
     rows = t.layout.rows(c.sft.batch_size)
@@ -243,7 +249,7 @@ def _staged(m: dict[str, int], read) -> dict[str, int]:
 def _kv_cache(t: Trainer) -> int:
   """The sampler's KV cache per device (prompt-once layout, groups over the batch axes)."""
   s, c = t.setup, t.setup.config
-  G, M = group_size.row_shape(c)
+  G, M = s.geometry.rows, s.geometry.row_size
   if c.rollout.partial:
     G = math.ceil(c.rollout.over_sampling * G)
   cache = rollout.kv_cache_bytes(s.model_cfg, G, M, s.prompt_len,

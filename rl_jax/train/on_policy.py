@@ -9,7 +9,8 @@ gradients), to float rounding, and saves one forward pass per step.
 It is used only when it is provably the same:
 
 * ``train.minibatches == 1`` (later minibatches would see updated weights);
-* ``train.mode == "sync"`` (the asynchronous pipeline keeps the separate pass);
+* the synchronous schedule (lag 0, ``config.schedule``; the asynchronous runners keep the
+  separate pass);
 * no partial rollouts (``rollout.partial``: the engine path keeps its own bookkeeping);
 * the advantage estimator does not read ``old_logp`` (advantages are computed before the
   update; e.g. REINFORCE++ with a KL-in-reward reads it), as the estimator declares;
@@ -21,6 +22,7 @@ Shapes (package legend): G groups, M samples per prompt, R new tokens.
 from __future__ import annotations
 
 
+from rl_jax import config as config_lib
 from rl_jax import losses
 
 __all__ = ["OLD_LOGP_PASSES", "estimator_reads_old_logp", "old_logp_in_update"]
@@ -39,5 +41,5 @@ def estimator_reads_old_logp(objective: losses.Objective) -> bool:
 def old_logp_in_update(config, objective: losses.Objective) -> bool:
   """Whether the RL update takes ``old_logp`` from its own policy pass (see module doc)."""
   return (config.train.old_logp_pass == "auto" and config.train.minibatches == 1
-          and config.train.get("mode", "sync") == "sync" and not config.rollout.partial
+          and not config_lib.schedule(config).overlapped and not config.rollout.partial
           and not estimator_reads_old_logp(objective))

@@ -6,23 +6,72 @@ written before this rule kept both for the whole run (the supervised Adam moment
 ``sft.steps=0``, the reference in the parameter dtype during the supervised stage).
 ``restore_state`` reads such a checkpoint too: the parts the current layout lacks are read
 into a target of their saved layout and then dropped, and a reference saved in another dtype
-is cast to ``train.ref_dtype`` on restore. Nothing needs converting by hand.
+is cast to ``train.ref_dtype`` on restore.
+
+Checkpoints written before the producer's fields were grouped (``ProducerState``) keep them
+flat at the top of the state (``FLAT_PRODUCER``: ``data``, ``rollout_buffer``, ``selector``,
+``spec_drafts``), and their queue's ``stats`` may have fewer columns (counters added later
+come last): ``restore_state`` reads such a checkpoint onto a target of its own layout and
+regroups it. Nothing needs converting by hand.
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax.errors import CheckpointError
 from rl_jax.train import offload
 from rl_jax.train.context import Setup
-from rl_jax.train.state import TrainState, abstract_state
+from rl_jax.train.state import TrainState, abstract_state, place_replicated
 
-__all__ = ["OPTIONAL_PARTS", "restore_state", "legacy_target"]
+__all__ = ["OPTIONAL_PARTS", "FLAT_PRODUCER", "restore_state", "legacy_target", "flat_layout",
+           "from_flat_layout"]
 
 # TrainState fields that exist only in some phases of a run (see ``state.rl_layout``).
 OPTIONAL_PARTS = ("sft_opt_state", "ref_params")
+# the earlier flat layout: top-level name -> ProducerState field
+FLAT_PRODUCER = {"data": "data", "rollout_buffer": "held", "selector": "selector",
+                 "spec_drafts": "drafts"}
+
+
+def flat_layout(state: TrainState) -> dict:
+  """``state`` in the earlier flat layout (a dict of its top-level parts), as checkpoints
+  written before ``ProducerState`` hold it."""
+  out = {f: getattr(state, f) for f in state._fields if f != "producer"}
+  out.update({old: getattr(state.producer, new) for old, new in FLAT_PRODUCER.items()})
+  return out
+
+
+def from_flat_layout(flat: dict, like: TrainState) -> TrainState:
+  """The inverse of ``flat_layout`` (``like`` gives the tree types)."""
+  producer = like.producer._replace(**{new: flat[old] for old, new in FLAT_PRODUCER.items()})
+  return like._replace(producer=producer, **{f: flat[f] for f in like._fields
+                                              if f != "producer"})
+
+
+def _queue_stats(target, saved: dict):
+  """The target's queue ``stats`` with the saved number of columns (an earlier, shorter
+  counter list), or the target unchanged."""
+  q = target["rollout_queue"] if isinstance(target, dict) else target.rollout_queue
+  shape = saved.get("rollout_queue/stats", {}).get("shape")
+  if not q or shape is None or tuple(shape) == q["stats"].shape:
+    return target, None
+  spec = q["stats"]
+  q = dict(q, stats=jax.ShapeDtypeStruct(tuple(shape), spec.dtype, sharding=spec.sharding))
+  if isinstance(target, dict):
+    return dict(target, rollout_queue=q), spec
+  return target._replace(rollout_queue=q), spec
+
+
+def _pad_stats(s: Setup, state: TrainState, spec) -> TrainState:
+  """The queue's shorter ``stats`` padded with NaN (not reported) to ``spec``'s columns."""
+  old = np.asarray(jax.device_get(state.rollout_queue["stats"]))
+  new = np.full(spec.shape, np.nan, old.dtype)
+  new[:, :old.shape[1]] = old
+  return state._replace(rollout_queue=dict(state.rollout_queue,
+                                           stats=place_replicated(s, new)))
 
 
 def _saved_parts(saved: dict) -> set[str]:
@@ -60,7 +109,14 @@ def restore_state(s: Setup, ckpt: ckpt_lib.Checkpointer, step: int,
         "step (sft.steps or the KL term changed since it was written?); resume with the "
         "config it was written with")
   full, drop = legacy_target(s, target, saved)
-  state, _ = ckpt.restore(full, step=step)
+  flat = "data" in saved  # written before the producer's fields were grouped
+  read = flat_layout(full) if flat else full
+  read, stats_spec = _queue_stats(read, saved)
+  state, _ = ckpt.restore(read, step=step)
+  if flat:
+    state = from_flat_layout(state, full)
+  if stats_spec is not None:
+    state = _pad_stats(s, state, stats_spec)
   state = state._replace(**{name: {} for name in drop})
   # train.offload: the target already places these in host memory; an older layout's
   # reference (read onto the policy's layout) is moved there too

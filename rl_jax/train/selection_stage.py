@@ -13,7 +13,7 @@
   probabilities live in ``TrainState.selector``.
 * ``data.group_size="adaptive"`` (with selector none or beta): the G prompts get k_i chunks
   of m samples each from their Beta posteriors (``rl_jax.train.group_size``); the rolled
-  out ``Scored`` has C = G·M/m chunks and ``groups`` (the prompt of each chunk).
+  out ``Scored`` has U = G·M/m chunks and ``groups`` (the prompt of each chunk).
 * ``"beta"``: draw ``ceil(data.select_pool · G)`` candidates, roll out the G best by their
   Beta posterior (``data.beta_mode``), then update every posterior with decay
   ``data.beta_decay`` (successes: rewards > 0.5).
@@ -24,7 +24,7 @@ With ``loss.preset="dapo"`` and ``data.selector="none"`` the selector is ``"dapo
 Every draw is a function of (train.seed, step, stream); the per-prompt state is part of
 the checkpoint, so a resumed run selects exactly what the uninterrupted run selects.
 
-Shapes (package legend): G groups, M samples per prompt, R new tokens; N train prompts.
+Shapes (package legend): G groups, M samples per prompt, R new tokens; E train prompts.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rl_jax import config as config_lib
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.train import group_size
@@ -79,14 +80,14 @@ def shape_rewards(c, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def selector_state(c, num_prompts: int) -> dict:
   """``TrainState.selector`` of a fresh run (host arrays; ``{}`` without per-prompt state).
 
-  greso: streak int32 [N], kind int8 [N], p float32 [2] (p_easy, p_hard).
-  beta (and adaptive group size): alpha, beta float32 [N] at the Beta(1, 1) prior.
+  greso: streak int32 [E], kind int8 [E], p float32 [2] (p_easy, p_hard).
+  beta (and adaptive group size): alpha, beta float32 [E] at the Beta(1, 1) prior.
   """
   sel = effective_selector(c)
   if sel == "greso":
     return {"streak": np.zeros(num_prompts, np.int32), "kind": np.zeros(num_prompts, np.int8),
             "p": np.full(2, GRESO_P0, np.float32)}
-  if sel == "beta" or group_size.adaptive(c):
+  if sel == "beta" or config_lib.geometry(c).adaptive:
     return {"alpha": np.ones(num_prompts, np.float32), "beta": np.ones(num_prompts, np.float32)}
   return {}
 
@@ -162,7 +163,8 @@ def _beta_update(bs, idx, out, groups, counts) -> dict:
 
 
 def _beta(c, data, sel, next_indices, roll, step, seed):
-  G, M = c.train.batch_groups, c.rollout.n
+  geo = config_lib.geometry(c)
+  G, M = geo.groups, geo.samples
   pool = math.ceil(c.data.select_pool * G)
   cand, data = next_indices(data, pool)
   bs = _beta_state(c, sel, seed)
@@ -175,8 +177,8 @@ def _beta(c, data, sel, next_indices, roll, step, seed):
 def _adaptive(c, data, sel, next_indices, roll, step, seed):
   """Adaptive group size (``rl_jax.train.group_size``): G prompts (the sampler's next, or the
   Beta selector's choice), k_i chunks of m samples each from their posteriors."""
-  G = c.train.batch_groups
-  C, m = group_size.row_shape(c)
+  geo = config_lib.geometry(c)
+  G, U, m = geo.groups, geo.rows, geo.row_size
   bs = _beta_state(c, sel, seed)
   if effective_selector(c) == "beta":
     pool = math.ceil(c.data.select_pool * G)
@@ -185,7 +187,7 @@ def _adaptive(c, data, sel, next_indices, roll, step, seed):
   else:
     pool = G
     idx, data = next_indices(data, G)
-  k = group_size.allocate(bs.alpha[idx], bs.beta[idx], C, m, group_size.max_chunks(c))
+  k = group_size.allocate(bs.alpha[idx], bs.beta[idx], U, m, geo.max_chunks)
   groups = np.repeat(np.arange(G), k).astype(np.int32)
   out = roll(np.repeat(idx, k), 0)._replace(groups=groups)
   new = _beta_update(bs, idx, out, groups, (k * m).astype(np.float64))
@@ -212,7 +214,7 @@ def select(c, data: np.ndarray, sel: dict, next_indices: Callable, roll: Callabl
   """
   kind = effective_selector(c)
   seed = seed_for(c.train.seed, 0, Stream.SELECTOR)
-  if group_size.adaptive(c):
+  if config_lib.geometry(c).adaptive:
     out, data, new, stats = _adaptive(c, data, sel, next_indices, roll, step, seed)
   elif kind == "dapo":
     out, data, new, stats = _dapo(c, data, next_indices, roll)

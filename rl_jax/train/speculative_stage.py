@@ -3,15 +3,15 @@ the drafts of its next visit.
 
 ``TrainState.spec_drafts`` keeps, per train prompt, its M most recent responses and the full
 sampling distribution each token was drawn from (``rl_jax.rollout.speculative``): tokens
-int32 [N,M,R], length int32 [N,M] (0 = no draft yet), logq float32 [N,M,R,V]. A step
+int32 [E,M,R], length int32 [E,M] (0 = no draft yet), logq float32 [E,M,R,V]. A step
 verifies the drafts of its prompts with one teacher-forced pass of the current policy,
 keeps the accepted prefixes (exact speculative sampling: the replacement token at a
 rejection comes from the residual distribution), decodes only the rest, and stores the
 final responses with the current policy's distributions as the next drafts. Memory of the
-drafts: N·M·R·V·4 bytes (the full distributions are what makes the residual draw exact).
+drafts: E·M·R·V·4 bytes (the full distributions are what makes the residual draw exact).
 
 Shapes (package legend): G groups, M samples per prompt, P prompt bucket, R new tokens,
-V vocab; N train prompts.
+V vocab; E train prompts.
 """
 
 from __future__ import annotations
@@ -19,25 +19,28 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.errors import ConfigError
+from rl_jax import config as config_lib
 from rl_jax.rollout import speculative
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["MAX_DRAFT_BYTES", "drafts_state", "roll"]
+__all__ = ["MAX_DRAFT_BYTES", "draft_bytes", "drafts_state", "roll"]
 
 MAX_DRAFT_BYTES = 4 << 30  # the drafts' distributions are train state: keep them bounded
 
 
+def draft_bytes(c, num_prompts: int, vocab: int) -> int:
+  """Bytes of the drafts' arrays (checked against ``MAX_DRAFT_BYTES`` by the setup)."""
+  geo = config_lib.geometry(c)
+  return num_prompts * geo.samples * geo.new_tokens * vocab * 4
+
+
 def drafts_state(c, num_prompts: int, vocab: int) -> dict:
-  """``TrainState.spec_drafts`` of a fresh run: no drafts (``{}`` when the feature is off)."""
+  """The drafts of a fresh run (``ProducerState.drafts``): none yet (``{}`` when the feature
+  is off)."""
   if not c.rollout.speculative:
     return {}
-  M, R = c.rollout.n, c.rollout.max_new_tokens
-  size = num_prompts * M * R * vocab * 4
-  if size > MAX_DRAFT_BYTES:
-    raise ConfigError(f"rollout.speculative=True would keep {size / 2**30:.1f} GiB of drafts "
-                      f"({num_prompts} prompts x {M} samples x {R} tokens x {vocab} vocab x 4 "
-                      f"bytes; the limit is {MAX_DRAFT_BYTES / 2**30:.0f} GiB)")
+  geo = config_lib.geometry(c)
+  M, R = geo.samples, geo.new_tokens
   return {"tokens": np.zeros((num_prompts, M, R), np.int32),
           "length": np.zeros((num_prompts, M), np.int32),
           "logq": np.zeros((num_prompts, M, R, vocab), np.float32)}
@@ -65,7 +68,7 @@ def roll(s, params, drafts: dict, idx: np.ndarray, prompts: list, *, step: int,
   """
   c = s.config
   r = c.rollout
-  M, R = r.n, r.max_new_tokens
+  M, R = s.geometry.samples, s.geometry.new_tokens
   pt, pl = _padded(prompts, s.prompt_len, s.tokenizer.pad_id)
   dt = drafts["tokens"][idx]
   dl = drafts["length"][idx].reshape(-1)

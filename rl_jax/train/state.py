@@ -21,9 +21,10 @@ from rl_jax.train import offload
 from rl_jax.train import queue as queue_lib
 from rl_jax.train import selection_stage, speculative_stage
 from rl_jax.train.context import Setup
+from rl_jax.train.records import ProducerState
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
+__all__ = ["ProducerState", "TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
            "held_capacity", "place_replicated", "rl_layout", "ref_dtype", "make_reference"]
 
 
@@ -36,17 +37,13 @@ class TrainState(NamedTuple):
   reference policy in ``ref_dtype`` (the policy when RL starts; ``{}`` during the supervised
   stage and if the objective has no KL). Which parts exist at a step: ``rl_layout``.
   value_params / value_opt_state: the PPO critic and its optimizer state (``{}`` otherwise).
-  data: int32 [2] (epoch, position) of the prompt sampler.
-  rollout_buffer: with ``rollout.partial``, the rollout engine's held groups (partial and
-  extra complete ones) as fixed-shape arrays (``RolloutEngine.export_held``); ``{}`` otherwise.
-  rollout_queue: with ``train.mode="async"``, the scored batches sampled ahead of the learner
-  (``pipeline.empty_queue``); ``{}`` otherwise.
+  producer: the rollout producer's position (``ProducerState``).
+  rollout_queue: with a runner that samples ahead (``Schedule.queue`` > 0), the scored
+  batches sampled ahead of the learner (``queue.empty_queue``); ``{}`` otherwise.
   With ``train.offload``, the reference and / or the optimizer states are placed in the
   devices' host memory (``offload``; same layout, memory kind ``pinned_host``).
-  selector: per-prompt state of the prompt selector (``selection_stage.selector_state``:
-  GRESO streaks, Beta posteriors); ``{}`` for selectors without state.
-  spec_drafts: with ``rollout.speculative``, each prompt's last responses and their sampling
-  distributions (``speculative_stage.drafts_state``); ``{}`` otherwise.
+  ``data``, ``rollout_buffer``, ``selector`` and ``spec_drafts`` read the producer's fields
+  by the names of the earlier flat layout.
   """
 
   step: jax.Array
@@ -56,11 +53,24 @@ class TrainState(NamedTuple):
   ref_params: Any
   value_params: Any
   value_opt_state: Any
-  data: jax.Array
-  rollout_buffer: Any
+  producer: ProducerState
   rollout_queue: Any = {}
-  selector: Any = {}
-  spec_drafts: Any = {}
+
+  @property
+  def data(self):
+    return self.producer.data
+
+  @property
+  def rollout_buffer(self):
+    return self.producer.held
+
+  @property
+  def selector(self):
+    return self.producer.selector
+
+  @property
+  def spec_drafts(self):
+    return self.producer.drafts
 
 
 def held_capacity(s: Setup) -> int:
@@ -74,7 +84,7 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
   if not r.partial:
     return None
   return rollout.RolloutEngine(
-      s.model_cfg, n=r.n, max_slots=held_capacity(s), max_new_tokens=r.max_new_tokens,
+      s.model_cfg, n=s.geometry.samples, max_slots=held_capacity(s), max_new_tokens=r.max_new_tokens,
       max_prompt_len=s.prompt_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       eos_id=s.eos_id, over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
@@ -83,21 +93,26 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
 
 
 def _empty_buffer(s: Setup) -> dict:
-  """``TrainState.rollout_buffer`` of a fresh run: host arrays with nothing held."""
+  """``ProducerState.held`` of a fresh run: host arrays with nothing held."""
   engine = make_engine(s)
   return {} if engine is None else engine.export_held(held_capacity(s))
 
 
-def _empty_queue(s: Setup) -> dict:
-  """``TrainState.rollout_queue`` of a fresh run."""
-  return queue_lib.empty_queue(s.config)
+def _host_parts(s: Setup) -> dict:
+  """The host-built parts of a fresh state: the producer's held groups, selector state and
+  drafts, and the runner's queue (host arrays)."""
+  E = len(s.train_examples)
+  producer = {"held": _empty_buffer(s),
+              "selector": selection_stage.selector_state(s.config, E),
+              "drafts": speculative_stage.drafts_state(s.config, E, s.model_cfg.vocab_size)}
+  return {"producer": producer, "rollout_queue": queue_lib.empty_queue(s)}
 
 
-def _prompt_state(s: Setup) -> dict:
-  """The per-prompt fields of a fresh state (host arrays): ``selector``, ``spec_drafts``."""
-  N = len(s.train_examples)
-  return {"selector": selection_stage.selector_state(s.config, N),
-          "spec_drafts": speculative_stage.drafts_state(s.config, N, s.model_cfg.vocab_size)}
+def _with_host_parts(state: TrainState, parts: dict, place) -> TrainState:
+  """``state`` with ``_host_parts`` placed by ``place`` (leaf -> array or spec)."""
+  parts = jax.tree.map(place, parts)
+  return state._replace(producer=state.producer._replace(**parts["producer"]),
+                        rollout_queue=parts["rollout_queue"])
 
 
 def _shardings_like(s: Setup, axes, tree):
@@ -155,8 +170,7 @@ def _state_from_params(s: Setup, params, rl: bool = True) -> TrainState:
                     sft_opt_state={} if rl else _init_optimizer(s, s.optimizers.sft, params,
                                                                 param_sh),
                     ref_params=ref, value_params=value, value_opt_state=value_opt,
-                    data=jnp.zeros((2,), jnp.int32), rollout_buffer={},
-                    selector={}, spec_drafts={})
+                    producer=ProducerState(data=jnp.zeros((2,), jnp.int32)))
 
 
 def _replicated(s: Setup) -> jax.sharding.NamedSharding:
@@ -185,9 +199,7 @@ def init_state(s: Setup) -> TrainState:
   # (optimizer counts, step, data position) are replicated:
   state = jax.tree.map(
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
-  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
-          **_prompt_state(s)}
-  state = state._replace(**jax.tree.map(lambda x: place_replicated(s, x), host))
+  state = _with_host_parts(state, _host_parts(s), lambda x: place_replicated(s, x))
   return offload.place(state, offload.offloaded_fields(s))  # train.offload: to host memory
 
 
@@ -223,11 +235,8 @@ def abstract_state(s: Setup, step: int = 0, *, rl: bool | None = None) -> TrainS
                                 sharding=sh if _on_mesh(sh, s.mesh) else replicated)
 
   state = jax.tree.map(spec, shapes, out)
-  host = {"rollout_buffer": _empty_buffer(s), "rollout_queue": _empty_queue(s),
-          **_prompt_state(s)}
-  state = state._replace(**jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
-      host))
+  state = _with_host_parts(state, _host_parts(s), lambda x: jax.ShapeDtypeStruct(
+      np.shape(x), np.asarray(x).dtype, sharding=replicated))
   return offload.host_specs(state, offloaded)
 
 

@@ -7,7 +7,7 @@ traced inside ``sharding.use``, so the activation constraints of the model and t
 apply.
 
 Shapes (the package legend): G groups (prompts) per step, M samples per prompt
-(``rollout.n``), P prompt bucket, R = ``rollout.max_new_tokens``, B = G·M rows, T tokens.
+(``Setup.geometry``), P prompt bucket, R = ``rollout.max_new_tokens``, B = G·M rows, T tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import optax
 from rl_jax import losses
 from rl_jax import models
 from rl_jax import optim
-from rl_jax.train import group_size
 from rl_jax.train import offload
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
@@ -124,8 +123,8 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
 
 
 def _groups(s: Setup) -> int:
-  """Row groups of a step's batch: G, or C chunks with adaptive group size."""
-  return group_size.row_shape(s.config)[0]
+  """Row groups of a step's batch: G, or U chunks with adaptive group size."""
+  return s.geometry.rows
 
 
 def _temperature(s: Setup) -> float:

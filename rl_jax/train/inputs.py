@@ -1,0 +1,107 @@
+"""The objective inputs the trainer can provide: one table, read by the setup (what an
+objective may ask for), the learner (how each input is produced) and the memory plan (its
+shape and dtype).
+
+Each entry of ``INPUTS`` names a field of ``losses.ObjectiveInputs``, whether every step
+fills it (``always``) or only an objective that declares it (``Objective.needs``), its
+shape kind and dtype, and ``make(src)``: how it is produced from a ``Source`` (the step's
+batch on the training mesh and the passes that compute the rest). ``PROVIDED_INPUTS`` adds
+``entropy``, computed inside the update itself (``steps.make_rl_update``).
+
+Shapes (the package legend, ``rl_jax/__init__.py``): G row groups, M samples per group, R new
+tokens, C reward components (C = 1: the verifier's reward).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax import losses
+from rl_jax.train.streams import Stream, seed_for
+
+__all__ = ["Source", "Input", "INPUTS", "PROVIDED_INPUTS", "SHAPES", "provided", "make_inputs",
+           "abstract_inputs"]
+
+
+class Source(NamedTuple):
+  """What the inputs are made from: ``steps`` (StepFns), ``state`` (TrainState), ``args``
+  (prompt tokens [G,P], prompt lengths [G], tokens [G,M,R], loss mask [G,M,R]), rewards
+  [G,M], generated mask [G,M,R], behaviour log-probs [G,M,R], the run's seed."""
+
+  steps: Any
+  state: Any
+  args: tuple
+  rewards: Any
+  generated_mask: Any
+  behaviour_logp: Any
+  seed: int
+
+
+class Input(NamedTuple):
+  """One objective input: ``shape`` a key of ``SHAPES``; ``make(src) -> array | None``."""
+
+  shape: str
+  dtype: Any
+  always: bool
+  make: Callable[[Source], Any]
+
+
+def _old_logp(x: Source):
+  if x.steps.old_logp_in_update:  # on-policy: the update's own pass gives old_logp
+    return None
+  return x.steps.logprobs(x.state.params, *x.args)
+
+
+def _grad_sq_norms(x: Source):
+  key = jax.random.key(seed_for(x.seed, int(x.state.step), Stream.GRAD_NORMS))
+  return x.steps.grad_sq_norms(x.state.params, *x.args, key)
+
+
+# name -> Input, in the order they are produced
+INPUTS: dict[str, Input] = {
+    "rewards": Input("rows", jnp.float32, True, lambda x: x.rewards),
+    "mask": Input("tokens", jnp.bool_, True, lambda x: x.args[3]),
+    "generated_mask": Input("tokens", jnp.bool_, True, lambda x: x.generated_mask),
+    "old_logp": Input("tokens", jnp.float32, True, _old_logp),
+    "behaviour_logp": Input("tokens", jnp.float32, True, lambda x: x.behaviour_logp),
+    "grad_sq_norms": Input("rows", jnp.float32, False, _grad_sq_norms),
+    "lengths": Input("rows", jnp.float32, False,
+                     lambda x: jnp.sum(x.args[3], axis=-1).astype(jnp.float32)),
+    "ref_logp": Input("tokens", jnp.float32, False, lambda x: (
+        x.steps.ref_logprobs or x.steps.logprobs)(x.state.ref_params, *x.args)),
+    "reward_components": Input("components", jnp.float32, False, lambda x: x.rewards[..., None]),
+    "values": Input("tokens", jnp.float32, False,
+                    lambda x: x.steps.values(x.state.value_params, *x.args)),
+}
+assert set(INPUTS) == set(losses.INPUT_FIELDS), "every ObjectiveInputs field has one entry"
+
+# What the trainer can hand an objective: every input of the table, and the per-token
+# entropy of the policy (computed inside the update). build_setup rejects anything else.
+PROVIDED_INPUTS = frozenset(INPUTS) | {"entropy"}
+
+# shape kind -> the shape for G row groups of M samples and R tokens
+SHAPES = {"rows": lambda G, M, R: (G, M), "tokens": lambda G, M, R: (G, M, R),
+          "components": lambda G, M, R: (G, M, 1)}
+
+
+def provided(needs) -> list[str]:
+  """The inputs a step fills for an objective that needs ``needs``, in production order."""
+  return [k for k, v in INPUTS.items() if v.always or k in needs]
+
+
+def make_inputs(needs, src: Source) -> losses.ObjectiveInputs:
+  """The objective's input record: every ``provided`` input made from ``src``."""
+  return losses.ObjectiveInputs(**{k: INPUTS[k].make(src) for k in provided(needs)})
+
+
+def abstract_inputs(needs, G: int, M: int, R: int, spec: Callable,
+                    old_logp_in_update: bool) -> losses.ObjectiveInputs:
+  """The record's ``spec(shape, dtype)`` stand-ins (for the memory plan); ``old_logp`` is
+  None when the update computes it itself."""
+  out = {k: spec(SHAPES[INPUTS[k].shape](G, M, R), INPUTS[k].dtype) for k in provided(needs)}
+  if old_logp_in_update:
+    out["old_logp"] = None
+  return losses.ObjectiveInputs(**out)

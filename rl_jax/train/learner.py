@@ -1,0 +1,138 @@
+"""The learner side of a step: ``Scored`` -> objective inputs -> advantages -> update.
+
+``learner_batch`` turns the producer's scored groups into the ``UpdateBatch`` on the training
+mesh: the loss mask (stale tokens masked), the objective's inputs (each made as the one
+table ``inputs.INPUTS`` says: proximal log-probs from the current weights, and whatever else
+the objective declares it needs) and the advantages. ``apply_update`` runs the
+``train.minibatches`` optimizer updates on it. Neither looks at which estimator, preset or
+runner is configured.
+
+Shapes (the package legend, ``rl_jax/__init__.py``): G row groups (g: this process's),
+M samples per group, P prompt bucket, R new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from rl_jax import losses
+from rl_jax.models.hf import release_host_memory
+from rl_jax.train import group_size
+from rl_jax.train.inputs import Source, make_inputs
+from rl_jax.train.records import STATS, Scored
+from rl_jax.train.rollouts import Trainer, encode_prompts, pad_prompts
+from rl_jax.train.state import TrainState
+from rl_jax.train.steps import UpdateBatch
+
+__all__ = ["objective_inputs", "staleness_metrics", "learner_batch", "apply_update"]
+
+
+def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
+                     mask, generated_mask, rewards, behaviour_logp) -> losses.ObjectiveInputs:
+  """The objective's input record with every field ``Objective.needs`` names, each made as
+  ``inputs.INPUTS`` declares (``old_logp`` is None when the update takes it from its own
+  policy pass, ``StepFns.old_logp_in_update``)."""
+  src = Source(t.steps, state, (prompt_tokens, prompt_lengths, tokens, mask), rewards,
+               generated_mask, behaviour_logp, t.setup.config.train.seed)
+  return make_inputs(t.setup.objective.needs, src)
+
+
+def _everyone(x: np.ndarray, local: bool) -> np.ndarray:
+  """The rows of every process (in process order) when ``x`` holds only this process's."""
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True)) if local else x
+
+
+def staleness_metrics(versions: np.ndarray, mask: np.ndarray, step: int) -> dict[str, float]:
+  """Policy lag of the generated tokens trained at step ``step`` (versions int32 [B,R],
+  mask bool [B,R]): max and mean token lag, off-policy token fraction, and the lag
+  histogram ``token_lag/k`` (fraction of tokens k versions old; the last bucket, ``8+``,
+  counts 8 or more)."""
+  lag = (step - versions)[mask.astype(bool)]
+  if lag.size == 0:
+    return {"max_token_lag": 0.0, "mean_token_lag": 0.0, "off_policy_token_fraction": 0.0}
+  hist = np.bincount(np.minimum(lag, 8), minlength=9) / lag.size
+  out = {"max_token_lag": float(lag.max()), "mean_token_lag": float(lag.mean()),
+         "off_policy_token_fraction": float(np.mean(lag > 0))}
+  out.update({f"token_lag/{k}" if k < 8 else "token_lag/8+": float(h)
+              for k, h in enumerate(hist) if h > 0})
+  return out
+
+
+def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = -1,
+                  staleness: bool = False) -> tuple[UpdateBatch, dict[str, Any]]:
+  """Scored groups -> objective inputs -> advantages, on the training mesh.
+
+  ``max_lag >= 0`` masks tokens sampled more than ``max_lag`` versions before this step
+  from the loss (the free-running producer's staleness bound); ``staleness`` adds the
+  token-lag metrics (``staleness_metrics``).
+
+  Returns:
+    (the update batch, the step's rollout metrics).
+  """
+  s, c, geo = t.setup, t.setup.config, t.setup.geometry
+  G, M, R = geo.rows, geo.row_size, geo.new_tokens
+  lo, hi = t.layout.share(G)  # the groups whose rows live on this process's devices
+  g = len(scored.indices)
+  loss_mask = scored.mask
+  if c.rollout.mask_stale:  # only tokens of the policy the producer held
+    loss_mask = scored.mask & (scored.versions >= scored.version)
+  if max_lag >= 0:
+    loss_mask = loss_mask & (scored.versions >= int(state.step) - max_lag)
+  mine = slice(0, g) if g == hi - lo else slice(lo, hi)  # this process's groups of ``scored``
+  put = lambda a: t.layout.put(a[mine], G)  # host rows -> global arrays split along batch
+  prompts = encode_prompts(s, [s.train_examples[i] for i in scored.indices])
+  pt, pl = (put(a) for a in pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id))
+  rt = put(scored.tokens.reshape(g, M, R))
+  inputs = objective_inputs(
+      t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
+      generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
+      behaviour_logp=put(scored.logprobs.reshape(g, M, R)))
+  advantages = (s.objective.advantages_from(inputs) if scored.groups is None else
+                group_size.per_prompt_advantages(s.objective, inputs, scored.groups,
+                                                 geo.groups, geo.max_chunks))
+  local = g < G
+  rewards = _everyone(scored.rewards, local)
+  n_tok = int(_everyone(scored.mask.reshape(g, -1).sum(axis=1), local).sum())
+  faults = _everyone(scored.faults[None], local).sum(axis=0)
+  info = {
+      "reward_mean": float(rewards.mean()),
+      "reward_std": float(rewards.std()),
+      "response_length": n_tok / (G * M),
+      "rollout_tokens_per_s": n_tok / max(scored.rollout_s, 1e-9),
+      "reward_exceptions": int(faults[0]),
+      "reward_timeouts": int(faults[1]),
+      "zero_variance_groups": group_size.zero_variance_fraction(rewards, scored.groups),
+      "local_groups": g,  # groups this process sampled and scored (G with one process)
+  }
+  info.update({k: float(scored.stats[k]) for k in STATS if k in scored.stats})
+  if staleness:
+    info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
+  return UpdateBatch(pt, pl, rt, inputs, advantages), info
+
+
+def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:
+  """``k`` consecutive slices of the groups, each split along ``batch`` again."""
+  size = b.tokens.shape[0] // k
+  if k == 1:
+    return [b]
+  rows = t.layout.rows(size)
+  return [jax.device_put(jax.tree.map(lambda a: a[i * size:(i + 1) * size], b), rows)
+          for i in range(k)]
+
+
+def apply_update(t: Trainer, state: TrainState, batch: UpdateBatch) -> tuple[TrainState, dict]:
+  """The learner's step: ``train.minibatches`` optimizer updates on ``batch``; (state, the
+  metrics averaged over the minibatches)."""
+  carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
+  mets_all = []
+  release_host_memory()  # host buffers freed by sampling and scoring, before the peak
+  for mb in _minibatches(t, batch, t.setup.config.train.minibatches):
+    *carry, mets = t.steps.rl_update(*carry, mb)
+    mets_all.append(jax.device_get(mets))
+  state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],
+                         value_opt_state=carry[3])
+  return state, {k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}

@@ -1,0 +1,185 @@
+"""The producer side of a step: prompt source -> rollout -> scoring -> ``Scored``.
+
+``produce(t, params, producer, step=, version=, lo=, hi=)`` runs one batch from the weights
+``params`` (policy version ``version``) and returns it scored, with the producer's next
+position (``ProducerState``). Where the prompts come from and how the groups are chosen is
+decided once per run (``source``), never inside a step:
+
+* ``fresh``: the seeded sampler's next G prompts, M samples each from ``rollout.generate``
+  (with several processes each samples the groups ``[lo, hi)`` whose rows live on its
+  devices);
+* ``engine``: APRIL (``rollout.partial``): the rollout engine draws prompts lazily and
+  returns G complete groups; its held groups travel in ``ProducerState.held``;
+* ``selected``: the selection stage (``selection_stage.select``: DAPO dynamic sampling,
+  GRESO, Beta, adaptive group size) picks the prompts and rolls them out through the
+  producer's ``roll`` stage, sampling speculatively from ``ProducerState.drafts`` with
+  SPEC-RL (``speculative_stage``).
+
+Every source ends in the same scoring stage (the task's verifier, DAPO overlong shaping).
+
+Shapes (the package legend, ``rl_jax/__init__.py``): G groups (row groups: U chunks with
+adaptive group size), M samples per group, R new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from rl_jax import rollout
+from rl_jax.train import group_size, selection_stage, speculative_stage
+from rl_jax.train.records import ProducerState, Scored
+from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
+                                   next_indices, score)
+from rl_jax.train.state import held_capacity, place_replicated
+from rl_jax.train.streams import Stream, seed_for
+
+__all__ = ["SOURCES", "source", "produce", "host_producer"]
+
+
+def host_producer(p: ProducerState) -> ProducerState:
+  """``p`` as writable host arrays (the stages update them in place)."""
+  return jax.tree.map(np.array, jax.device_get(p))
+
+
+def _placed(t: Trainer, p: ProducerState) -> ProducerState:
+  """``p`` replicated on the mesh, like the rest of the train state."""
+  return jax.tree.map(lambda x: place_replicated(t.setup, x), p)
+
+
+def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version: int,
+            M: int) -> Scored:
+  """The scoring stage: the verifier on each completion, DAPO overlong shaping."""
+  s = t.setup
+  rewards, faults = score(s, decode(s, out.tokens, out.mask),
+                          [s.train_examples[i].answer for i in idx for _ in range(M)])
+  rewards = selection_stage.shape_rewards(s.config, rewards, out.mask.sum(axis=1))
+  return Scored(np.asarray(idx, np.int32), out.tokens, out.mask, out.logprobs,
+                out.versions.astype(np.int32), rewards.reshape(len(idx), M).astype(np.float32),
+                np.asarray([faults["exceptions"], faults["timeouts"]], np.int64), rollout_s,
+                version, out.stats)
+
+
+def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+           hi: int) -> tuple[Scored, ProducerState]:
+  """Groups ``[lo, hi)`` of step ``step``'s G new prompts (drawn at ``p.data``), M samples
+  each; each group samples from its own key stream, wherever it is sampled."""
+  s, c, geo = t.setup, t.setup.config, t.setup.geometry
+  t0 = time.perf_counter()
+  idx, data = next_indices(s, np.asarray(p.data), geo.groups)
+  idx = idx[lo:hi]
+  examples = [s.train_examples[i] for i in idx]
+  prompts = encode_prompts(s, examples)
+  out = generate(s, params, prompts, n=geo.samples, temperature=c.rollout.temperature,
+                 top_p=c.rollout.top_p, top_k=c.rollout.top_k, first_index=lo,
+                 seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
+  tokens = np.asarray(out.tokens)
+  out = Sampled(examples, prompts, tokens, np.asarray(out.mask), np.asarray(out.logprobs),
+                np.full(tokens.shape, version, np.int32), {}, p._replace(data=data))
+  rollout_s = time.perf_counter() - t0
+  return _scored(t, out, idx, rollout_s, version, geo.samples), _placed(t, out.producer)
+
+
+def _engine(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+            hi: int) -> tuple[Scored, ProducerState]:
+  """G complete groups from the APRIL engine, reloaded from ``p.held`` and saved back after
+  the call; prompts are drawn lazily from the data sampler, so a resumed run continues
+  exactly (every process runs every group: the held groups are replicated state)."""
+  del step, lo, hi
+  s, engine = t.setup, t.engine
+  t0 = time.perf_counter()
+  engine.import_held(jax.device_get(p.held))
+  position = [np.asarray(p.data)]
+
+  def prompts():
+    while True:
+      idx, position[0] = next_indices(s, position[0], 1)
+      i = int(idx[0])
+      yield rollout.Prompt(encode_prompts(s, [s.train_examples[i]])[0], meta=i)
+
+  out = engine.rollout_groups(params, prompts(), s.geometry.groups, policy_version=version)
+  held = engine.export_held(held_capacity(s))
+  idx = np.asarray(out.group_meta, np.int32)
+  sampled = Sampled([s.train_examples[i] for i in idx], out.prompts, np.asarray(out.tokens),
+                    np.asarray(out.mask), np.asarray(out.logprobs), np.asarray(out.versions),
+                    dict(out.stats), p._replace(data=position[0], held=held))
+  rollout_s = time.perf_counter() - t0
+  return (_scored(t, sampled, idx, rollout_s, version, s.geometry.samples),
+          _placed(t, sampled.producer))
+
+
+def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *, step: int,
+          version: int) -> Scored:
+  """The selection stage's rollout: sample (speculatively when ``drafts``) and score the
+  groups of prompts ``idx`` ([g] dataset indices; one chunk each with adaptive group size)
+  from the key streams of prompts ``first_index ..``."""
+  s, c = t.setup, t.setup.config
+  M = s.geometry.row_size
+  prompts = encode_prompts(s, [s.train_examples[i] for i in idx])
+  t0 = time.perf_counter()
+  if drafts:
+    tokens, mask, logprobs, stats = speculative_stage.roll(
+        s, params, drafts, idx, prompts, step=step, first_index=first_index, version=version)
+  else:
+    out = generate(s, params, prompts, n=M, temperature=c.rollout.temperature,
+                   top_p=c.rollout.top_p, top_k=c.rollout.top_k, first_index=first_index,
+                   seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
+    tokens, mask, logprobs, stats = (np.asarray(out.tokens), np.asarray(out.mask),
+                                     np.asarray(out.logprobs), {})
+  rollout_s = time.perf_counter() - t0
+  stats["rollout_tokens"] = float(mask.sum())
+  sampled = Sampled(None, prompts, tokens, mask, logprobs,
+                    np.full(tokens.shape, version, np.int32), stats, None)
+  return _scored(t, sampled, idx, rollout_s, version, M)
+
+
+def _selected(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+              hi: int) -> tuple[Scored, ProducerState]:
+  """All G groups through the selection stage (every process samples all of them: the
+  selector state is replicated); the selector's and SPEC-RL's per-prompt state travel in
+  ``p.selector`` and ``p.drafts``."""
+  del lo, hi
+  s = t.setup
+  p = host_producer(p)
+  drafts = p.drafts
+  roll = lambda idx, first: _roll(t, params, drafts, idx, first, step=step, version=version)
+  nxt = lambda data, n: next_indices(s, data, n)
+  scored, data, new_sel, stats = selection_stage.select(s.config, p.data, p.selector, nxt,
+                                                        roll, step)
+  informative = int(np.sum(group_size.prompt_spread(scored.rewards, scored.groups)))
+  stats = {**scored.stats, **stats, "informative_groups": float(informative),
+           "rollout_tokens_per_informative_group":
+               scored.stats["rollout_tokens"] / max(informative, 1),
+           "effective_prompts_per_s": informative / max(scored.rollout_s, 1e-9)}
+  if drafts:
+    reused = stats["spec_reused_tokens"]
+    stats["spec_accept_len"] = reused / max(stats["spec_drafted_samples"], 1.0)
+    stats["spec_reused_token_fraction"] = reused / max(stats["rollout_tokens"], 1.0)
+  p = p._replace(data=data, selector=p.selector if new_sel is None else new_sel)
+  return scored._replace(stats=stats), _placed(t, p)
+
+
+# source name -> the producer of one batch
+SOURCES: dict[str, Callable[..., tuple[Scored, ProducerState]]] = {
+    "fresh": _fresh, "engine": _engine, "selected": _selected}
+
+
+def source(t: Trainer) -> str:
+  """The run's prompt source (see the module docstring)."""
+  c = t.setup.config
+  if t.engine is not None:
+    return "engine"
+  if (selection_stage.effective_selector(c) != "none" or bool(c.rollout.speculative)
+      or t.setup.geometry.adaptive):
+    return "selected"
+  return "fresh"
+
+
+def produce(t: Trainer, params, producer: ProducerState, *, step: int, version: int, lo: int,
+            hi: int) -> tuple[Scored, ProducerState]:
+  """One batch of step ``step``: groups ``[lo, hi)`` sampled from ``params`` (placed for the
+  sampler; policy version ``version``) and scored; and the producer's next position."""
+  return SOURCES[source(t)](t, params, producer, step=step, version=version, lo=lo, hi=hi)
