@@ -27,6 +27,7 @@ so an estimator registered by a user config file is accepted too.
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import ml_collections
@@ -39,10 +40,11 @@ from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 
-__all__ = ["SELECTORS", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
+__all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
            "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
+OFFLOAD_PARTS = ("optimizer", "reference")  # train.offload (rl_jax.train.offload)
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
 
 
@@ -371,9 +373,63 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"optim.stochastic_rounding=True needs model.param_dtype=bfloat16 (got "
                       f"{config.model.param_dtype}: its updates already add exactly enough)")
   _check_group_size(config)
+  _check_offload(config)
+  _check_async(config)
+  check_wandb(config)
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
                       f"train.minibatches={config.train.minibatches}")
+
+
+def _check_offload(config: ml_collections.ConfigDict) -> None:
+  """``train.offload``: comma-separated names of ``OFFLOAD_PARTS``."""
+  names = {n.strip() for n in (config.train.get("offload") or "").split(",") if n.strip()}
+  unknown = sorted(n for n in names if n not in OFFLOAD_PARTS)
+  if unknown:
+    raise ConfigError(f"config.train.offload names {unknown[0]!r}; choose from "
+                      f"{sorted(OFFLOAD_PARTS)} (comma-separated), or '' for none")
+
+
+def _check_async(config: ml_collections.ConfigDict) -> None:
+  """Asynchronous settings that cannot work whatever the devices."""
+  c = config
+  n = c.mesh.rollout_devices
+  if n and c.train.mode != "async":
+    raise ConfigError(f"mesh.rollout_devices={n} splits the devices for train.mode='async', "
+                      f"but train.mode={c.train.mode!r}; set it to 0 or use train.mode=async")
+  if c.train.mode == "async" and c.train.async_lag == -1 and c.rollout.max_staleness < 1:
+    raise ConfigError(f"train.async_lag=-1 (free-running) needs a staleness bound "
+                      f"rollout.max_staleness >= 1, got {c.rollout.max_staleness} (0 never "
+                      "overlaps, -1 is unbounded)")
+
+
+def check_objective(config: ml_collections.ConfigDict, needs) -> None:
+  """Rules between the schedule and the objective's declared inputs ``needs``: one step off
+  (a lag of at most 1) is the common practice without correction; more needs an objective
+  that reads the behaviour log-probs."""
+  c = config
+  if c.train.mode != "async":
+    return
+  lag = c.train.async_lag if c.train.async_lag >= 0 else c.rollout.max_staleness
+  if lag > 1 and "behaviour_logp" not in needs and not c.train.allow_uncorrected:
+    what = (f"train.async_lag={lag}" if c.train.async_lag >= 0 else
+            f"free-running with rollout.max_staleness={lag}")
+    raise ConfigError(
+        f"{what} trains on tokens up to {lag} versions "
+        f"old, but loss.preset={c.loss.preset!r} never reads the behaviour log-probs to "
+        "correct them; use vcpo, m2po or decoupled_ppo, truncated IS (loss.tis_level), "
+        "a lag of at most 1, or set train.allow_uncorrected=True")
+
+
+def check_wandb(config: ml_collections.ConfigDict) -> None:
+  """``log.wandb=True`` needs the wandb package importable."""
+  if not config.log.get("wandb"):
+    return
+  try:
+    importlib.import_module("wandb")
+  except ImportError as e:
+    raise ConfigError("config.log.wandb=True needs the wandb package (pip install wandb), "
+                      f"which cannot be imported ({e}); or set --config.log.wandb=False") from None
 
 
 def _check_group_size(config: ml_collections.ConfigDict) -> None:

@@ -12,6 +12,7 @@ import importlib
 import os
 from typing import Any, Mapping
 
+from rl_jax import config as config_lib
 from rl_jax.errors import ConfigError
 
 __all__ = ["WandbSink", "check", "sinks"]
@@ -26,9 +27,9 @@ def _import_wandb():
 
 
 def check(config) -> None:
-  """Raises ConfigError (one line) if ``log.wandb`` is on and wandb cannot be imported."""
-  if config.log.wandb:
-    _import_wandb()
+  """Raises ConfigError (one line) if ``log.wandb`` is on and wandb cannot be imported (the
+  rule is ``rl_jax.config.check_wandb``)."""
+  config_lib.check_wandb(config)
 
 
 class WandbSink:

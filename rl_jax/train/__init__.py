@@ -36,7 +36,7 @@ from rl_jax.train.loop import main, make_trainer, rl_step, sft_batch, sft_step, 
 from rl_jax.train.learner import objective_inputs
 from rl_jax.train.records import ProducerState, Scored
 from rl_jax.train.rollouts import Trainer
-from rl_jax.train.runner import FixedLag, FreeRunning, make_runner
+from rl_jax.train.runner import FixedLag, FreeRunning, collect, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
 from rl_jax.train.steps import (StepFns, UpdateBatch, make_grad_norm_fn, make_logprob_fn,
                                 make_ref_logprob_fn, make_rl_update, make_sft_step,
@@ -47,7 +47,8 @@ __all__ = [
     "PROVIDED_INPUTS", "Optimizers", "Setup", "build_setup", "evaluate", "Layout",
     "jit_on_mesh", "make_layout", "main",
     "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer",
-    "objective_inputs", "ProducerState", "Scored", "FixedLag", "FreeRunning", "make_runner",
+    "objective_inputs", "ProducerState", "Scored", "FixedLag", "FreeRunning", "collect",
+    "make_runner",
     "TrainState", "abstract_state", "begin_rl", "init_state",
     "make_engine", "StepFns", "UpdateBatch", "make_grad_norm_fn", "make_logprob_fn",
     "make_ref_logprob_fn",

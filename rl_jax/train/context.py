@@ -25,9 +25,10 @@ from rl_jax import sharding
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, DataError, RLJaxError
+from rl_jax.train import speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS
 
-__all__ = ["Optimizers", "Setup", "build_setup", "PROVIDED_INPUTS"]
+__all__ = ["Optimizers", "Setup", "build_setup", "device_rules", "PROVIDED_INPUTS"]
 
 
 
@@ -154,56 +155,31 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
   return cfg
 
 
-def _rollout_devices(config) -> int:
-  """Devices set aside for the asynchronous producer (``mesh.rollout_devices``), checked."""
-  n, mode = config.mesh.rollout_devices, config.train.mode
-  if n and mode != "async":
-    raise ConfigError(f"mesh.rollout_devices={n} splits the devices for train.mode='async', "
-                      f"but train.mode={mode!r}; set it to 0 or use train.mode=async")
+def device_rules(config) -> None:
+  """The config rules that depend on the devices and processes of this job (every static
+  rule is in ``rl_jax.config``), one ``ConfigError`` line each."""
+  n, c = config.mesh.rollout_devices, config
+  if c.train.mode == "async" and jax.process_count() > 1:
+    raise ConfigError("train.mode='async' runs in one process (several processes: "
+                      "train.mode='sync')")
   if n and jax.process_count() > 1:
     raise ConfigError("mesh.rollout_devices: the asynchronous trainer runs in one process; "
                       "set mesh.rollout_devices=0 with several processes")
   if n >= jax.device_count():
     raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the training mesh "
                       f"({jax.device_count()} devices exist)")
-  return n
+  devices = jax.device_count() - n
+  n_dev = c.mesh.num_devices or devices
+  if n_dev > devices:
+    raise ConfigError(f"mesh.num_devices={n_dev} but only {devices} devices exist"
+                      + (f" besides mesh.rollout_devices={n}" if n else ""))
 
 
 def _mesh(config) -> jax.sharding.Mesh:
   """The training mesh over the devices after the rollout devices (all of them in sync mode)."""
-  devices = jax.devices()[_rollout_devices(config):]
+  devices = jax.devices()[config.mesh.rollout_devices:]
   n_dev = config.mesh.num_devices or len(devices)
-  if n_dev > len(devices):
-    raise ConfigError(f"mesh.num_devices={n_dev} but only {len(devices)} devices exist"
-                      + (f" besides mesh.rollout_devices={config.mesh.rollout_devices}"
-                         if config.mesh.rollout_devices else ""))
   return sharding.make_mesh(mesh_shape(config.mesh.shape, n_dev), devices[:n_dev])
-
-
-def _async_checks(config, objective: losses.Objective) -> None:
-  """Asynchronous settings that cannot work, in one line each (before anything compiles)."""
-  c = config
-  if c.train.mode != "async":
-    return
-  if jax.process_count() > 1:
-    raise ConfigError("train.mode='async' runs in one process (several processes: "
-                      "train.mode='sync')")
-  if c.train.async_lag == -1 and c.rollout.max_staleness < 1:
-    raise ConfigError(f"train.async_lag=-1 (free-running) needs a staleness bound "
-                      f"rollout.max_staleness >= 1, got {c.rollout.max_staleness} (0 never "
-                      "overlaps, -1 is unbounded)")
-  # one step off (a lag of at most 1) is the common practice without correction; more needs
-  # an objective that reads the behaviour log-probs
-  lag = c.train.async_lag if c.train.async_lag >= 0 else c.rollout.max_staleness
-  if lag > 1 and "behaviour_logp" not in objective.needs and (
-      not c.train.allow_uncorrected):
-    what = (f"train.async_lag={lag}" if c.train.async_lag >= 0 else
-            f"free-running with rollout.max_staleness={lag}")
-    raise ConfigError(
-        f"{what} trains on tokens up to {lag} versions "
-        f"old, but loss.preset={c.loss.preset!r} never reads the behaviour log-probs to "
-        "correct them; use vcpo, m2po or decoupled_ppo, truncated IS (loss.tis_level), "
-        "a lag of at most 1, or set train.allow_uncorrected=True")
 
 
 def _sampler_mesh(config, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
@@ -211,7 +187,7 @@ def _sampler_mesh(config, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   groups over ``fsdp``); with several, this process's devices with the training mesh's
   ``sequence`` and ``tensor`` sizes (KV cache along sequence, heads along tensor) when they
   fit, groups over ``fsdp``."""
-  n = _rollout_devices(config)
+  n = config.mesh.rollout_devices
   if n:
     return sharding.make_mesh({"fsdp": n}, jax.devices()[:n])
   if jax.process_count() == 1:
@@ -233,11 +209,21 @@ def _optimizers(config, objective: losses.Objective) -> Optimizers:
 
 def build_setup(config: ml_collections.ConfigDict) -> Setup:
   """Validate ``config`` and build everything static; fails in one line before compiling."""
-  config_lib.validate(config)
+  config_lib.validate(config)  # every static rule
   objective = make_objective(config)
-  _async_checks(config, objective)
+  config_lib.check_objective(config, objective.needs)
+  device_rules(config)
   tokenizer, task, train, evals, prompt_len = _task(config)
   model_cfg = _model_config(config, tokenizer)
+  if config.rollout.speculative:
+    size = speculative_stage.draft_bytes(config, len(train), model_cfg.vocab_size)
+    if size > speculative_stage.MAX_DRAFT_BYTES:
+      geo = config_lib.geometry(config)
+      raise ConfigError(
+          f"rollout.speculative=True would keep {size / 2**30:.1f} GiB of drafts "
+          f"({len(train)} prompts x {geo.samples} samples x {geo.new_tokens} tokens x "
+          f"{model_cfg.vocab_size} vocab x 4 bytes; the limit is "
+          f"{speculative_stage.MAX_DRAFT_BYTES / 2**30:.0f} GiB)")
   mesh = _mesh(config)
   if prompt_len + config.rollout.max_new_tokens > model_cfg.max_position_embeddings:
     raise ConfigError(f"data: prompts of {prompt_len} tokens + rollout.max_new_tokens="

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from rl_jax import config as config_lib
 from rl_jax.errors import ConfigError
 from rl_jax.train.context import Setup
 
@@ -30,21 +31,14 @@ __all__ = ["OFFLOADABLE", "HOST", "parse", "offloaded_fields", "has_host_memory"
 # config name -> TrainState fields it moves to host memory
 OFFLOADABLE = {"reference": ("ref_params",),
                "optimizer": ("opt_state", "sft_opt_state", "value_opt_state")}
+assert set(OFFLOADABLE) == set(config_lib.OFFLOAD_PARTS)
 HOST = "pinned_host"
 
 
 def parse(value: str | None) -> tuple[str, ...]:
-  """``train.offload`` ("", "reference", "optimizer", "reference,optimizer") -> its names.
-
-  Raises:
-    ConfigError: one line naming an unknown part.
-  """
-  names = tuple(sorted({n.strip() for n in (value or "").split(",") if n.strip()}))
-  unknown = [n for n in names if n not in OFFLOADABLE]
-  if unknown:
-    raise ConfigError(f"config.train.offload names {unknown[0]!r}; choose from "
-                      f"{sorted(OFFLOADABLE)} (comma-separated), or '' for none")
-  return names
+  """``train.offload`` ("", "reference", "optimizer", "reference,optimizer") -> its names
+  (checked by ``rl_jax.config.validate``)."""
+  return tuple(sorted({n.strip() for n in (value or "").split(",") if n.strip()}))
 
 
 def has_host_memory(device) -> bool:

@@ -46,7 +46,7 @@ from rl_jax.train.records import ProducerState, Scored
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, place_replicated
 
-__all__ = ["queue_from_arrays", "publish", "FixedLag", "FreeRunning", "make_runner"]
+__all__ = ["queue_from_arrays", "publish", "collect", "FixedLag", "FreeRunning", "make_runner"]
 
 
 def queue_from_arrays(arrays: dict) -> list[Scored]:
@@ -63,6 +63,18 @@ def publish(t: Trainer, params) -> Any:
   else:  # the producer's own devices: a replica on each
     target = jax.sharding.NamedSharding(layout.sampler_mesh, jax.sharding.PartitionSpec())
   return jax.device_put(params, target, may_alias=False)
+
+
+def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
+  """The lag-0 runner's step without the update: this step's batch from the current weights
+  through the producer and the learner's ``learner_batch``; (the update batch, the rollout
+  metrics, the producer's next position)."""
+  lo, hi = t.layout.share(t.setup.geometry.rows)
+  step = int(state.step)
+  scored, producer = produce(t, t.layout.sampler_params(state.params), state.producer,
+                             step=step, version=step, lo=lo, hi=hi)
+  batch, info = learner_batch(t, state, scored, staleness=t.setup.schedule.overlapped)
+  return batch, info, producer
 
 
 def _with_queue(t: Trainer, state: TrainState, items: list[Scored]) -> TrainState:
