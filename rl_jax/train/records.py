@@ -50,7 +50,9 @@ class Scored(NamedTuple):
 
 def array_fields() -> tuple[str, ...]:
   """The fields of ``Scored`` that are always arrays (read from its annotations)."""
-  return tuple(k for k, v in Scored.__annotations__.items() if v == "np.ndarray")
+  name = lambda v: v if isinstance(v, str) else getattr(v, "__forward_arg__", v)
+  return tuple(k for k, v in Scored.__annotations__.items()
+               if v is np.ndarray or name(v) == "np.ndarray")
 
 
 class ProducerState(NamedTuple):
