@@ -139,3 +139,26 @@ def test_make_task():
   assert make_task("guess", n_train=3).name == "guess"
   with pytest.raises(ValueError, match="unknown agent task"):
     make_task("chess")
+
+
+@pytest.mark.parametrize("task", ["calculator", "guess"])
+def test_engine_style_token_sequence_matches_the_render(task):
+  """prompt_ids, then per turn the sampled ids (content + eos) and delta_ids, rebuild the
+  tokenized render of the whole conversation."""
+  fmt = ChatFormat.builtin(CharTokenizer())
+  spec = make_task(task, n_train=5) if task == "guess" else make_task(task, n_train=5, n_eval=5)
+  for ex in spec.eval[:5]:
+    messages = spec.expert(ex, 0)
+    n_open = 1
+    ids = fmt.prompt_ids(messages[:n_open])
+    i = n_open
+    while i < len(messages):
+      assert messages[i].role == "assistant"
+      ids += fmt.tokenizer.encode(messages[i].content) + [fmt.end_of_turn_ids[0]]
+      j = i + 1
+      while j < len(messages) and messages[j].role != "assistant":
+        j += 1
+      if j > i + 1:
+        ids += fmt.delta_ids(messages[:i + 1], messages[i + 1:j])
+      i = j
+    assert ids == fmt.encode(fmt.render(messages))

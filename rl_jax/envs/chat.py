@@ -14,6 +14,11 @@ the model sampled, so this module never re-renders or re-tokenizes a sampled tur
   so whatever the template writes after it (Qwen's "\\n" after "<|im_end|>") belongs to the
   delta.
 
+Tokenizing the delta on its own gives the same ids as tokenizing it in context because it
+starts right after a special token, where tokenizers split anyway. A turn cut off before its
+end-of-turn token (length limit) must be closed by the caller (append
+``end_of_turn_ids[0]``) before ``delta_ids``, or the episode ended.
+
 Append-only templates. The difference is well defined only when rendering history + new
 extends the rendering of history (up to the end of the last assistant turn). Some templates
 are not append-only: Qwen3's drops the ``<think>`` block of assistant turns that precede the

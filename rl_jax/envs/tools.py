@@ -163,6 +163,7 @@ cpu, mem, fsize, nproc = (int(v) for v in sys.argv[1:5])
 _lim(resource.RLIMIT_CPU, cpu)
 _lim(resource.RLIMIT_AS, mem)
 _lim(resource.RLIMIT_FSIZE, fsize)
+_lim(resource.RLIMIT_CORE, 0)
 if nproc > 0:
   _lim(resource.RLIMIT_NPROC, nproc)
 class NetworkDisabledError(OSError):
