@@ -11,6 +11,7 @@ Axis letters: the one legend for shapes in docstrings, comments and einsums acro
   P prompt (context) length         K kv heads
   R response length                 H head dim
   J query heads per kv head (N = K·J, grouped-query attention)
+  U turns of a multi-turn trajectory (max over the batch)
 
 A prime marks a padded length (R', P'); products are written with a dot (G·M rows). A
 module that needs a letter outside the legend defines it where it is used.
