@@ -30,9 +30,10 @@ __all__ = ["Optimizers", "Setup", "build_setup", "PROVIDED_INPUTS"]
 
 # What the trainer can hand an objective: every field of the objective input record (the
 # rollout stage computes each one on demand, see rollouts.objective_inputs) and the per-token
-# entropy of the policy (computed inside the update, see steps.make_rl_update). An objective
-# that needs anything else is rejected by build_setup.
-PROVIDED_INPUTS = frozenset(losses.INPUT_FIELDS) | {"entropy"}
+# entropy of the policy (computed inside the update, see steps.make_rl_update). The per-turn
+# fields of multi-turn trajectories (losses.TURN_FIELDS) are not produced by single-turn
+# rollouts. An objective that needs anything else is rejected by build_setup.
+PROVIDED_INPUTS = (frozenset(losses.INPUT_FIELDS) - frozenset(losses.TURN_FIELDS)) | {"entropy"}
 
 
 class Optimizers(NamedTuple):
