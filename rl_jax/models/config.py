@@ -462,6 +462,6 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
                                 "sliding_attention": {"rope_type": "default",
                                                       "rope_theta": cfg.rope_local_theta}},
                query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar),
-               final_logit_softcapping=_number(cfg.final_softcap),
+               final_logit_softcapping=cfg.final_softcap,
                use_bidirectional_attention=False)
   return out

@@ -506,9 +506,8 @@ def _trunk_ext(cfg, params, x, positions, attend, layer_state, routing, return_r
     states.append(st)
     if route is not None:
       routes.append(route)
-  if layer_state is not None:
-    layer_state = states[0] if len(states) == 1 else jax.tree.map(
-        lambda *a: jnp.concatenate(a, axis=0), *states)
+  layer_state = states[0] if len(states) == 1 else jax.tree.map(
+      lambda *a: jnp.concatenate(a, axis=0), *states)
   h = _norm_fn(cfg)(x, params["final_norm"], cfg.rms_norm_eps)
   if not return_routing:
     return h, layer_state
