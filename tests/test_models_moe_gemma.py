@@ -182,12 +182,11 @@ def test_router_replay_and_aux_loss(hf):
   logits, routing = jax.jit(lambda p, t: models.forward(cfg, p, t, return_routing=True))(
       params, tokens)
   assert routing.ids.shape == (2, 2, 13, 3) and routing.logits.shape == (2, 2, 13, 6)
-  replayed = jax.jit(lambda p, t, r: models.forward(cfg, p, t, routing=r))(
-      params, tokens, routing.ids)
-  np.testing.assert_array_equal(np.asarray(replayed), np.asarray(logits))
+  replay = jax.jit(lambda p, t, r: models.forward(cfg, p, t, routing=r))
+  np.testing.assert_array_equal(np.asarray(replay(params, tokens, routing.ids)),
+                                np.asarray(logits))
   other = jnp.roll(routing.ids, 1, axis=-1)  # same experts, other order: same output
-  np.testing.assert_allclose(models.forward(cfg, params, tokens, routing=other), logits,
-                             atol=1e-5)
+  np.testing.assert_allclose(replay(params, tokens, other), logits, atol=1e-5)
   # the loss transformers adds (before router_aux_loss_coef), from the same router logits
   from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
   mask = np.ones((2, 13), bool)
