@@ -25,7 +25,8 @@ maps to the mesh.
 Attention is pluggable: the trunk takes ``attend(q, k, v, layer_state) -> (out, layer_state)``
 so the same layer code serves dense masked attention (training), the KV-cache sampler and the
 shared-prefix (prompt-once) layout. Where attention differs between layers
-(``cfg.per_layer_attention``: Gemma 3's sliding-window layers), the trunk calls ``attend(q, k, v, layer_state, spec)`` with an ``AttnSpec``.
+(``cfg.per_layer_attention``: Gemma 3's sliding-window layers), the trunk calls
+``attend(q, k, v, layer_state, spec)`` with an ``AttnSpec``.
 
 Families:
   llama / qwen2 / qwen3: pre-norm blocks, SwiGLU MLP (qwen2 q/k/v biases, qwen3 q/k norms).
