@@ -43,12 +43,14 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import kv_cache
+from rl_jax.rollout import kv_cache, prefill, slots
 from rl_jax.rollout.agent_loop import Group, Loop
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool
+from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.records import RolloutError, check_int, pow2, sampling_params
 
 __all__ = ["AgentEngine", "SCHEDULES"]
@@ -168,6 +170,35 @@ class AgentEngine:
     params = self.prepare_params(params)
     groups = [self.new_group(spec) for spec in episodes]
     return Loop(self, params, policy_version).run(groups)
+
+  def warmup(self, params) -> int:
+    """Compile every shape the loop can meet (admission, re-prefill, extension and decode
+    buckets) on padding rows, so no ``rollout`` call compiles. Returns the programs traced."""
+    e, before = self, sum(kv_cache.TRACE_COUNTS.values())
+    params = self.prepare_params(params)
+    key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
+    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R)
+    ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})
+    loop = Loop(self, params, 0)
+    for Bn in ladder(4, e.G):
+      for Pb in ladder(8, e.P):
+        a, _ = loop.admission([], Bn, Pb)
+        state = prefill.admit(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
+                              filtered=e.filtered)
+    shapes = {slots.resume_shape(r, t, G=e.G, M=e.M, R=e.R)
+              for r in [1, e.G * e.M, *(4 ** i for i in range(1, 16) if 4 ** i < e.G * e.M)]
+              for t in (1, e.R // 2, e.R)}
+    for Br, T in sorted(shapes):
+      state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G))
+    for Be in ladder(4, e.G * e.M):
+      for C in ladder(16, min(e.R, pow2(e.max_obs + 2, 16))):
+        x = Extension(np.full(Be, e.G, np.int32), np.zeros(Be, np.int32), np.zeros(Be, np.int32),
+                      np.zeros((Be, C), np.int32), np.ones(Be, np.int32), np.zeros(Be, np.int32))
+        state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered)
+    state, _ = decode_turns(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
+                            filtered=e.filtered)
+    jax.block_until_ready(state)
+    return sum(kv_cache.TRACE_COUNTS.values()) - before
 
   def close(self) -> None:
     """Shut the environment pool down."""
