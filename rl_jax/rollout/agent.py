@@ -25,9 +25,10 @@ is drawn with the uniform of (seed, group uid, sample, trajectory index) and env
 seeded with ``env_seed(seed, uid, sample)``, so trajectories do not depend on tool timing,
 batching or evictions.
 
-Not done: held partial trajectories across calls (APRIL across turns, a staleness bound) and
-their checkpoint export; ``rollout`` runs every requested episode to its end. Sharded meshes
-are not supported here (single-device programs).
+``rollout`` runs every requested episode to its end; ``rollout_groups`` returns K complete
+groups and holds the rest across calls (APRIL across turns, a staleness bound, checkpoint
+export/import by environment replay: ``agent_held``). Sharded meshes are not supported here
+(single-device programs).
 
 Axis letters: the legend of ``rl_jax/models/transformer.py`` (G slots, M samples, P prompt
 cache length, R trajectory cache length); U turns (``agent_records``).
@@ -38,6 +39,7 @@ with KV Cache Time-to-Live"; Yu et al. 2022, "Orca" (iteration-level scheduling)
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Callable, Sequence
 
@@ -47,6 +49,7 @@ import numpy as np
 
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, prefill, slots
+from rl_jax.rollout.agent_held import HeldEpisodes
 from rl_jax.rollout.agent_loop import Group, Loop
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool
@@ -58,7 +61,7 @@ __all__ = ["AgentEngine", "SCHEDULES"]
 SCHEDULES = ("continuous", "turn_sync")
 
 
-class AgentEngine:
+class AgentEngine(HeldEpisodes):
   """Multi-turn rollouts over group slots (see the module docstring).
 
   Usage::
@@ -80,6 +83,8 @@ class AgentEngine:
       0: evict whenever work waits). step_timeout: seconds an environment step may run.
     workers: environment threads. schedule: "continuous" or "turn_sync" (the baseline).
     poll_steps: decode steps between checks for returned observations.
+    over_sampling: ``rollout_groups`` keeps ceil(f·K) groups in flight (APRIL).
+    max_staleness: η; held samples with a model token more than η versions old restart.
     dtype: sampler dtype (None = cfg's). context: maximum positions.
   """
 
@@ -89,8 +94,9 @@ class AgentEngine:
                max_obs_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                top_k: int = 0, stop_ids: Sequence[int] | None = None, seed: int = 0,
                ttl: float | None = 1.0, step_timeout: float | None = 30.0, workers: int = 16,
-               schedule: str = "continuous", poll_steps: int = 8, dtype: str | None = None,
-               context: int | None = None):
+               schedule: str = "continuous", poll_steps: int = 8,
+               over_sampling: float = 2.0, max_staleness: int | None = None,
+               dtype: str | None = None, context: int | None = None):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -98,6 +104,10 @@ class AgentEngine:
       check_int(name, v, 1)
     if schedule not in SCHEDULES:
       raise RolloutError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not float(over_sampling) >= 1.0:
+      raise RolloutError(f"over_sampling must be >= 1, got {over_sampling!r}")
+    if max_staleness is not None:
+      check_int("max_staleness", max_staleness, 0)
     if ttl is not None and not float(ttl) >= 0:
       raise RolloutError(f"ttl must be >= 0 seconds or None, got {ttl!r}")
     stop = list(stop_ids) if stop_ids is not None else list(renderer.end_of_turn_ids[:1])
@@ -121,6 +131,11 @@ class AgentEngine:
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
     self.pool = EnvPool(int(workers), step_timeout)
     self._uids = itertools.count()
+    self.over_sampling = float(over_sampling)
+    self.max_staleness = None if max_staleness is None else int(max_staleness)
+    self.buffer: collections.deque[Group] = collections.deque()  # held unfinished groups
+    self._ready: collections.deque[Group] = collections.deque()  # complete beyond K
+    self.live: dict[int, Group] = {}  # every group not yet returned, by uid
 
   # ---------------------------------------------------------------- requests
   def prepare_params(self, params):
@@ -153,7 +168,7 @@ class AgentEngine:
                          f"have 1 to max_prompt_len={self.max_prompt_len}")
     if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
       raise RolloutError(f"episode {uid}: prompt id outside the vocabulary")
-    return Group(uid, prompt, trajs, spec.meta)
+    return Group(uid, prompt, trajs, spec)
 
   def rollout(self, params, episodes: Sequence[EpisodeSpec], *,
               policy_version: int = 0) -> AgentRollout:
@@ -169,7 +184,12 @@ class AgentEngine:
     """
     params = self.prepare_params(params)
     groups = [self.new_group(spec) for spec in episodes]
-    return Loop(self, params, policy_version).run(groups)
+    self.live.update((g.uid, g) for g in groups)
+    loop = Loop(self, params, policy_version)
+    loop.run(groups)
+    for g in groups:
+      self.live.pop(g.uid, None)
+    return loop.result(groups)
 
   def warmup(self, params) -> int:
     """Compile every shape the loop can meet (admission, re-prefill, extension and decode

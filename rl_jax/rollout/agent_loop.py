@@ -29,7 +29,7 @@ from rl_jax.rollout.env_pool import observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.records import pow2
 
-__all__ = ["DONE", "READY", "RUN", "WAIT", "Group", "Loop"]
+__all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "apply_outcome"]
 
 RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
@@ -39,10 +39,15 @@ STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evict
 class Group:
   """A group in flight: its samples' trajectories and scheduling status."""
 
-  def __init__(self, uid: int, prompt: list[int], trajs: list[Trajectory], meta):
-    self.uid, self.prompt, self.trajs, self.meta = uid, prompt, trajs, meta
+  def __init__(self, uid: int, prompt: list[int], trajs: list[Trajectory], spec):
+    self.uid, self.prompt, self.trajs, self.spec = uid, prompt, trajs, spec
+    self.meta = spec.meta
     M = len(trajs)
     self.status = [RUN] * M
+    self.budget = [0] * M  # length limit of the current turn (the device's ``budget``)
+    self.turn_start = [0] * M  # trajectory index of the current turn's first model token
+    self.epoch = [0] * M  # restarts (the staleness bound): late outcomes of old epochs drop
+    self.resumed = 0  # calls this group was held across
     self.chunk: list[list[int] | None] = [None] * M  # observation ids waiting for ``extend``
     self.since = [0.0] * M  # when the sample's environment step was submitted
     self.cut = [False] * M  # the turn ended on its budget (stop id appended)
@@ -60,7 +65,7 @@ class Group:
 class Loop:
   """One ``rollout`` call: the scheduling loop over the engine's slots."""
 
-  def __init__(self, eng: AgentEngine, params, policy_version: int):
+  def __init__(self, eng, params, policy_version: int):
     self.e, self.params = eng, params
     self.version = jnp.int32(policy_version)
     self.key = jax.random.key(eng.seed, impl="threefry2x32")
@@ -68,20 +73,50 @@ class Loop:
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []
-    self.groups: dict[int, Group] = {}
     self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
     self.sync = eng.schedule == "turn_sync"
 
-  def run(self, groups: list[Group]) -> AgentRollout:
+  def run(self, groups: list[Group], min_complete: int | None = None):
+    """Serve ``groups`` until ``min_complete`` are complete (None = all).
+
+    Returns:
+      (complete groups in completion order, unfinished groups in submission order: their
+      partial turns are copied back to the host and their slots freed).
+    """
     t0 = time.perf_counter()
-    self.queue.extend(groups)
-    self.groups = {g.uid: g for g in groups}
-    while not all(g.done for g in groups):
+    want = len(groups) if min_complete is None else min(min_complete, len(groups))
+    self.queue.extend(g for g in groups if not g.done)
+    complete = [g for g in groups if g.done]
+    while len(complete) < want:
       self.step()
+      seen = {id(g) for g in complete}
+      complete += [g for g in groups if g.done and id(g) not in seen]
+    self.hold()
+    self.stats["seconds"] = time.perf_counter() - t0
+    done = {id(g) for g in complete}
+    return complete, [g for g in groups if id(g) not in done]
+
+  def hold(self):
+    """Copy the partial turns of decoding samples to their records; free every slot."""
+    live = [(g, m, grp) for g, grp in self.resident() for m, s in enumerate(grp.status)
+            if s == RUN]
+    if live:
+      host = jax.device_get((self.state.tokens, self.state.logprobs, self.state.versions,
+                             self.state.length))
+      for g, m, grp in live:
+        t, n1 = grp.trajs[m], int(host[3][g, m])
+        n0 = len(t.tokens)
+        t.append(host[0][g, m, n0:n1], host[1][g, m, n0:n1], host[2][g, m, n0:n1], True,
+                 len(t.actions))
+    for g, grp in self.resident():
+      self.slot_group[g], grp.slot = None, None
+
+  def result(self, groups: list[Group]) -> AgentRollout:
+    """The AgentRollout of complete ``groups`` with this call's stats."""
     e, s = self.e, self.stats
     out = assemble_trajectories([(g.uid, g.prompt, g.trajs, g.meta) for g in groups], e.R,
                                 e.max_turns)
-    seconds = time.perf_counter() - t0
+    seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
                      kv_hit_rate=s["kv_hits"] / max(s["resumes"], 1),
                      trajectories_per_s=len(groups) * e.M / max(seconds, 1e-9))
@@ -109,32 +144,14 @@ class Loop:
     """Apply returned environment steps: rewards, counters, observation chunks."""
     e = self.e
     outcomes = e.pool.poll()
-    for (uid, m), out in outcomes:
-      grp = self.groups[uid]
-      t = grp.trajs[m]
-      res = out.result
-      t.turn_rewards.append(float(res.reward))
-      t.env_time += out.elapsed
-      t.tool_calls += int(res.info.get("tool_calls", 0))
-      t.tool_errors += error_count(res.info.get("tool_errors", 0))
-      t.timeouts += int(out.timed_out)
-      t.env_errors += int(out.error is not None and not out.timed_out)
+    for (uid, m, epoch), out in outcomes:
+      grp = e.live.get(uid)
+      if grp is None or grp.epoch[m] != epoch:
+        continue  # the sample was restarted (or its group returned): a stale outcome
+      apply_outcome(e, grp, m, out)
       self.stats["env_steps"] += 1
       self.stats["timeouts"] += int(out.timed_out)
       self.stats["env_errors"] += int(out.error is not None and not out.timed_out)
-      chunk = (list(e.renderer.end_of_turn_ids[:1]) if grp.cut[m] else []) + list(out.ids)
-      if res.done:
-        t.finish = "done"
-      elif len(t.actions) >= e.max_turns:
-        t.finish = "max_turns"
-      elif len(t.tokens) + len(chunk) + 1 > e.max_total:
-        t.finish = "max_tokens"  # no room for the observation and a model token
-      else:
-        t.truncated_obs |= out.truncated
-        t.messages.extend(out.messages)
-        grp.chunk[m], grp.status[m] = chunk, READY
-      if t.finish is not None:
-        grp.status[m] = DONE
     for grp in list(self.evicted):
       if grp.done:
         self.evicted.remove(grp)
@@ -199,11 +216,14 @@ class Loop:
       a["prompt"][b, :len(grp.prompt)] = grp.prompt
       for m, t in enumerate(grp.trajs):
         n = len(t.tokens)
-        if n == 0:
-          continue  # a fresh sample: its first token is drawn by ``admit``
+        if n == 0:  # a fresh sample: its first token is drawn by ``admit``
+          grp.budget[m], grp.turn_start[m] = int(a["budget"][b, m]), 0
+          continue
         a["tokens"][b, m, :n], a["length"][b, m] = t.tokens, n
         a["logprobs"][b, m, :n], a["versions"][b, m, :n] = t.logprobs, t.versions
-        a["reason"][b, m] = kv_cache.EOS  # waiting or done: not decoding
+        a["budget"][b, m] = grp.budget[m]
+        if grp.status[m] != RUN:
+          a["reason"][b, m] = kv_cache.EOS  # waiting or done: not decoding
         if grp.status[m] != DONE and n > 1:
           rebuild.append((g, m, t.tokens))
     return a, rebuild
@@ -245,6 +265,7 @@ class Loop:
         x.tokens[r, 0], x.tokens[r, 1:1 + len(chunk)] = t.tokens[-1], chunk
         x.count[r] = 1 + len(chunk)
         x.budget[r] = min(len(t.tokens) + len(chunk) + e.max_turn, e.max_total)
+        grp.budget[m], grp.turn_start[m] = int(x.budget[r]), len(t.tokens) + len(chunk)
         t.append(chunk, [0.0] * len(chunk), [-1] * len(chunk), False, len(t.actions) - 1)
         self.stats["resumes"] += 1
         self.stats["kv_hits"] += int(not grp.evicted[m])
@@ -285,12 +306,38 @@ class Loop:
       stopped = reason[g, m] == kv_cache.EOS and int(new[-1]) in e.stop
       grp.cut[m] = not stopped
       t.truncated_turn |= not stopped and n1 < e.max_total
-      action = e.detokenize([int(x) for x in (new[:-1] if stopped else new)])
+      turn = t.tokens[grp.turn_start[m]:n1]
+      action = e.detokenize(turn[:-1] if stopped else turn)
       t.actions.append(action)
       t.turn_ends.append(n1)
       t.messages.append(Message("assistant", action))
       history = tuple(t.messages)
       render = lambda msgs, h=history: observation_ids(e.renderer, h, msgs, e.max_obs)
-      e.pool.submit((grp.uid, m), t.env, action, render)
+      e.pool.submit((grp.uid, m, grp.epoch[m]), t.env, action, render)
       grp.status[m], grp.since[m] = WAIT, now
     return True
+
+
+def apply_outcome(e, grp: Group, m: int, out) -> None:
+  """Apply one environment step's outcome to sample m: reward, counters, and either the
+  episode's end (done, max turns, no room left) or the observation chunk (READY)."""
+  t, res = grp.trajs[m], out.result
+  t.turn_rewards.append(float(res.reward))
+  t.env_time += out.elapsed
+  t.tool_calls += int(res.info.get("tool_calls", 0))
+  t.tool_errors += error_count(res.info.get("tool_errors", 0))
+  t.timeouts += int(out.timed_out)
+  t.env_errors += int(out.error is not None and not out.timed_out)
+  chunk = (list(e.renderer.end_of_turn_ids[:1]) if grp.cut[m] else []) + list(out.ids)
+  if res.done:
+    t.finish = "done"
+  elif len(t.actions) >= e.max_turns:
+    t.finish = "max_turns"
+  elif len(t.tokens) + len(chunk) + 1 > e.max_total:
+    t.finish = "max_tokens"  # no room for the observation and a model token
+  else:
+    t.truncated_obs |= out.truncated
+    t.messages.extend(out.messages)
+    grp.chunk[m], grp.status[m] = chunk, READY
+  if t.finish is not None:
+    grp.status[m] = DONE
