@@ -16,8 +16,8 @@ Usage::
 
 Prints one markdown row: trajectories/s of each schedule and the speed-up.
 
-Reference: Li et al. 2025, "Continuum: Efficient and Robust Multi-Turn LLM Agent Scheduling
-with KV Cache Time-to-Live".
+Reference: "Continuum: Efficient and Robust Multi-Turn LLM Agent Scheduling with KV Cache
+Time-to-Live" (2025).
 """
 
 from __future__ import annotations

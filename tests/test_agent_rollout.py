@@ -280,7 +280,7 @@ def test_held_groups_resume_exactly_across_calls_and_checkpoints():
   """APRIL across turns: unfinished groups are held (mid-turn, waiting on their environment
   or with an observation pending) and continue exactly; an engine rebuilt from
   ``export_held`` (environments replayed) continues like the original."""
-  specs = _specs(12)
+  specs = _specs(12, sleep=0.02)
   ref = _engine().rollout(PARAMS, specs)
   ref_rows = _by_uid(ref)
   a = _engine(over_sampling=3.0)
@@ -289,15 +289,23 @@ def test_held_groups_resume_exactly_across_calls_and_checkpoints():
   for step in range(3):
     outs.append(a.rollout_groups(PARAMS, it_a, k_groups=1, policy_version=step))
     resumed += outs[-1].stats["resumed_groups"]
+  waiting = a.export_held(capacity=8)  # environment steps still running: replayed
+  time.sleep(0.1)  # now they finished: exported with their observations pending
   held = a.export_held(capacity=8)
   assert held["valid"].sum() >= 2
-  b = _engine(over_sampling=3.0)
+  states = set(waiting["status"][waiting["valid"]].ravel()) | set(
+      held["status"][held["valid"]].ravel())
+  assert {0, 1, 2} <= states  # held mid-turn, waiting on the environment, ready
+  b, c = _engine(over_sampling=3.0), _engine(over_sampling=3.0)
   b.import_held(held, spec_of=lambda meta: specs[meta])
+  c.import_held(waiting, spec_of=lambda meta: specs[meta])
   it_b = iter(specs[int(held["next_uid"]):])
+  it_c = iter(specs[int(held["next_uid"]):])
   for step in range(3, 6):
     out_a = a.rollout_groups(PARAMS, it_a, k_groups=1, policy_version=step)
-    out_b = b.rollout_groups(PARAMS, it_b, k_groups=1, policy_version=step)
-    _same(out_a, out_b)  # (versions may differ: which call sampled a token is timing)
+    for other, it_o in ((b, it_b), (c, it_c)):
+      # (versions may differ: which call sampled a token depends on timing)
+      _same(out_a, other.rollout_groups(PARAMS, it_o, k_groups=1, policy_version=step))
     outs.append(out_a)
     resumed += out_a.stats["resumed_groups"]
   assert resumed > 0, "no group was held and resumed; the test would not exercise APRIL"

@@ -13,8 +13,8 @@ Modules: ``engine`` (the scheduling loop, APRIL), ``generation`` (``generate``),
 (prompts, groups, ``Rollout``), ``slots`` and ``held`` (engine bookkeeping), ``sampler``
 (the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``sampling`` (token draws);
 multi-turn rollouts: ``agent`` (``AgentEngine``), ``agent_loop`` (its scheduling loop),
-``agent_records``, ``env_pool`` (environment steps off the decode loop) and ``extend``
-(incremental prefill of observations).
+``agent_records``, ``agent_held`` (held groups, checkpoints), ``env_pool`` (environment
+steps off the decode loop) and ``extend`` (incremental prefill of observations).
 Axis letters: the legend of ``rl_jax/models/transformer.py``.
 """
 

@@ -4,7 +4,7 @@ time-to-live.
 A group is one episode's opening messages × M samples; its first prompt is prefilled once
 into the slot's prefix cache (prompt-once). Everything after it (model tokens and observation
 tokens) lives in each sample's response region, so R (the response cache) is the longest
-trajectory. The host loop (this module) drives the jitted pieces of ``kv_cache``,
+trajectory. The host loop (``agent_loop``) drives the jitted pieces of ``kv_cache``,
 ``prefill`` and ``extend``:
 
 * A sample whose turn ends (an end-of-turn id, or its per-turn budget) leaves the decode
@@ -33,8 +33,8 @@ export/import by environment replay: ``agent_held``). Sharded meshes are not sup
 Axis letters: the legend of ``rl_jax/models/transformer.py`` (G slots, M samples, P prompt
 cache length, R trajectory cache length); U turns (``agent_records``).
 
-References: Li et al. 2025, "Continuum: Efficient and Robust Multi-Turn LLM Agent Scheduling
-with KV Cache Time-to-Live"; Yu et al. 2022, "Orca" (iteration-level scheduling).
+References: "Continuum: Efficient and Robust Multi-Turn LLM Agent Scheduling with KV Cache
+Time-to-Live" (2025); Yu et al. 2022, "Orca" (iteration-level scheduling).
 """
 
 from __future__ import annotations

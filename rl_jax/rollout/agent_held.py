@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from rl_jax.envs.base import Message, StepResult
-from rl_jax.rollout.agent_loop import DONE, READY, RUN, WAIT, Loop, apply_outcome
+from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Loop, apply_outcome,
+                                      poll_outcomes)
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import StepOutcome, error_message, observation_ids
 from rl_jax.rollout.records import RolloutError, check_int
@@ -125,8 +126,8 @@ class HeldEpisodes:
   def export_held(self, capacity: int) -> dict[str, Any]:
     """The held groups (complete extras, then the buffer) as arrays for a checkpoint.
 
-    Environment steps still running are not waited for: their samples are exported as
-    waiting and ``import_held`` re-runs the step during replay.
+    Finished environment steps are applied first; steps still running are not waited for:
+    their samples are exported as waiting and ``import_held`` re-runs the step in replay.
 
     Args:
       capacity: C rows (>= number of held groups).
@@ -134,10 +135,12 @@ class HeldEpisodes:
       dict of arrays: valid, ready bool [C]; uid, resumed, meta, prompt_len int32 [C];
       prompt int32 [C,P]; tokens, versions, turn int32 [C,M,R]; logprobs float32 [C,M,R];
       model bool [C,M,R]; length, status, budget, turn_start, cut, n_rewards, epoch and
-      the counters int32 [C,M] (``status`` indexes run/wait/ready/done); turn_rewards float32 [C,M,U];
+      the counters int32 [C,M] (``status`` indexes run/wait/ready/done);
+      turn_rewards float32 [C,M,U];
       turn_ends int32 [C,M,U]; env_time float32 [C,M]; finish str [C,M]; next_uid int32 [];
       and ``actions``: per row, per sample, the list of decoded actions.
     """
+    poll_outcomes(self)
     held = [(g, True) for g in self._ready] + [(g, False) for g in self.buffer]
     if len(held) > capacity:
       raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
@@ -166,7 +169,8 @@ class HeldEpisodes:
         d["length"][h, m], d["status"][h, m] = n, _STATUS.index(grp.status[m])
         d["budget"][h, m], d["turn_start"][h, m] = grp.budget[m], grp.turn_start[m]
         d["cut"][h, m], d["n_rewards"][h, m] = grp.cut[m], len(t.turn_rewards)
-        d["epoch"][h, m], d["env_time"][h, m], d["finish"][h, m] = grp.epoch[m], t.env_time, t.finish or ""
+        d["epoch"][h, m], d["env_time"][h, m] = grp.epoch[m], t.env_time
+        d["finish"][h, m] = t.finish or ""
         for k in _COUNTERS:
           d[k][h, m] = getattr(t, k)
         actions[h][m] = list(t.actions)
@@ -206,7 +210,8 @@ class HeldEpisodes:
     """Restore sample m's record from row h and replay its actions on its environment."""
     t, n = grp.trajs[m], int(d["length"][h, m])
     t.append(d["tokens"][h, m, :n], d["logprobs"][h, m, :n], d["versions"][h, m, :n], False, 0)
-    t.model, t.turn = np.asarray(d["model"][h, m, :n]).tolist(), np.asarray(d["turn"][h, m, :n]).tolist()
+    t.model = np.asarray(d["model"][h, m, :n]).tolist()
+    t.turn = np.asarray(d["turn"][h, m, :n]).tolist()
     u = int(np.sum(np.asarray(d["turn_ends"][h, m]) >= 0))
     t.turn_ends = np.asarray(d["turn_ends"][h, m, :u]).tolist()
     t.env_time = float(d["env_time"][h, m])

@@ -29,7 +29,8 @@ from rl_jax.rollout.env_pool import observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.records import pow2
 
-__all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "apply_outcome"]
+__all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "apply_outcome",
+           "poll_outcomes"]
 
 RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
@@ -142,16 +143,7 @@ class Loop:
 
   def collect(self) -> bool:
     """Apply returned environment steps: rewards, counters, observation chunks."""
-    e = self.e
-    outcomes = e.pool.poll()
-    for (uid, m, epoch), out in outcomes:
-      grp = e.live.get(uid)
-      if grp is None or grp.epoch[m] != epoch:
-        continue  # the sample was restarted (or its group returned): a stale outcome
-      apply_outcome(e, grp, m, out)
-      self.stats["env_steps"] += 1
-      self.stats["timeouts"] += int(out.timed_out)
-      self.stats["env_errors"] += int(out.error is not None and not out.timed_out)
+    outcomes = poll_outcomes(self.e, self.stats)
     for grp in list(self.evicted):
       if grp.done:
         self.evicted.remove(grp)
@@ -341,3 +333,19 @@ def apply_outcome(e, grp: Group, m: int, out) -> None:
     grp.chunk[m], grp.status[m] = chunk, READY
   if t.finish is not None:
     grp.status[m] = DONE
+
+
+def poll_outcomes(e, stats=None) -> bool:
+  """Apply every finished environment step of the engine's live groups (never blocks);
+  outcomes of restarted samples are dropped. Returns whether any step finished."""
+  outcomes = e.pool.poll()
+  for (uid, m, epoch), out in outcomes:
+    grp = e.live.get(uid)
+    if grp is None or grp.epoch[m] != epoch:
+      continue  # the sample was restarted (or its group returned): a stale outcome
+    apply_outcome(e, grp, m, out)
+    if stats is not None:
+      stats["env_steps"] += 1
+      stats["timeouts"] += int(out.timed_out)
+      stats["env_errors"] += int(out.error is not None and not out.timed_out)
+  return bool(outcomes)
