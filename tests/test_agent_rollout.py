@@ -333,3 +333,15 @@ def test_staleness_bound_across_turns():
     restarted += out.stats["restarted_samples"]
   assert restarted > 0, "no sample outlived the bound; the test would not exercise it"
   _check_exact(out, 1.0)
+
+
+def test_warmup_compiles_every_shape_up_front():
+  eng = _engine(ttl=0.0, over_sampling=3.0)
+  eng.warmup(PARAMS)
+  assert eng.warmup(PARAMS) == 0  # everything already compiled
+  before = dict(sampler.TRACE_COUNTS)
+  eng.rollout(PARAMS, _specs(5, sleep="random", long=True))
+  it = iter(_specs(8))
+  for step in range(3):
+    eng.rollout_groups(PARAMS, it, k_groups=1, policy_version=step)
+  assert dict(sampler.TRACE_COUNTS) == before

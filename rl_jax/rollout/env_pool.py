@@ -109,7 +109,7 @@ class EnvPool:
       box["elapsed"] = time.monotonic() - box["start"]
       if error is not None:
         return None, error, render((error_message(error),))
-      return result, None, render(result.messages if not result.done else ())
+      return result, None, (([], (), False) if result.done else render(result.messages))
 
     self._pending[key] = (self._pool.submit(work), box, render)
 
