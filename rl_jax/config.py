@@ -27,6 +27,8 @@ so an estimator registered by a user config file is accepted too.
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -221,7 +223,9 @@ def _train() -> ml_collections.ConfigDict:
       old_logp_pass="auto",
       # JAX's persistent compilation cache: relative paths are under the workdir (a rerun or
       # resume loads its programs), an absolute one can be shared by runs; "" disables it.
-      compile_cache="compile_cache",
+      # The environment variable RL_JAX_COMPILE_CACHE, when set, replaces the default (one
+      # cache for every run on a machine, e.g. a test suite).
+      compile_cache=os.environ.get("RL_JAX_COMPILE_CACHE", "compile_cache"),
       profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 
