@@ -29,7 +29,12 @@ setup(
         "numpy",
     ],
     extras_require={
+        # rl_jax.envs: chat templates (jinja2) and the gymnasium / verifiers adapters.
+        "agent": ["jinja2>=3.1.6", "gymnasium>=1.0", "verifiers==0.4.0"],
         "test": [
+            "jinja2>=3.1.6",
+            "gymnasium>=1.0",
+            "verifiers==0.4.0",
             "pytest",
             "chex>=0.1.90",
             "pytest-xdist",

@@ -12,8 +12,11 @@ package (every other module refers here; no letter means two things)::
   P prompt (context) length            H head dim
   R response length (new tokens)       J query heads per kv head (N = K·J)
   C reward components                  Q queued batches (asynchronous runner)
-  U chunks of a step (adaptive group size: row groups of one prompt each)
-  X most chunks of one prompt          E training examples (prompts in the train split)
+  W chunks of a step (adaptive group size: row groups of one prompt each)
+  Z most chunks of one prompt          I training examples (prompts in the train split)
+  U turns of a multi-turn trajectory (the most turns of any row)
+  E experts (mixture of experts)       X experts chosen per token (top-k)
+  Y layers with experts (Y <= L)
 
 Lower case marks a size local to one formula: m samples per chunk (adaptive group size),
 k_i chunks of prompt i. A prime marks a padded length (R', P'); products are written with

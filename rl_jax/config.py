@@ -28,6 +28,7 @@ so an estimator registered by a user config file is accepted too.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import NamedTuple
 
 import ml_collections
@@ -226,7 +227,9 @@ def _train() -> ml_collections.ConfigDict:
       old_logp_pass="auto",
       # JAX's persistent compilation cache: relative paths are under the workdir (a rerun or
       # resume loads its programs), an absolute one can be shared by runs; "" disables it.
-      compile_cache="compile_cache",
+      # The environment variable RL_JAX_COMPILE_CACHE, when set, replaces the default (one
+      # cache for every run on a machine, e.g. a test suite).
+      compile_cache=os.environ.get("RL_JAX_COMPILE_CACHE", "compile_cache"),
       profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 
@@ -465,8 +468,8 @@ class Geometry(NamedTuple):
   module reads the samples per prompt and the row groups from here.
 
   groups: G prompts per step (``train.batch_groups``). samples: M samples per prompt
-  (``rollout.n``). rows: row groups of a step (G, or U chunks with adaptive group size).
-  row_size: samples per row group (M, or m per chunk). max_chunks: X, the most chunks of one
+  (``rollout.n``). rows: row groups of a step (G, or W chunks with adaptive group size).
+  row_size: samples per row group (M, or m per chunk). max_chunks: Z, the most chunks of one
   prompt (adaptive group size; 1 otherwise). new_tokens: R (``rollout.max_new_tokens``).
   adaptive: whether rows are chunks of a per-prompt allocation (``data.group_size``).
   """
@@ -487,10 +490,10 @@ def geometry(config: ml_collections.ConfigDict) -> Geometry:
     return Geometry(G, M, G, M, 1, R, False)
   m = config.data.group_chunk
   m = int(m) if m is not None else max(1, M // 2)
-  U = G * M // m
+  W = G * M // m
   cap = config.data.group_max
-  X = U - G + 1 if cap is None else min(int(cap) // m, U - G + 1)
-  return Geometry(G, M, U, m, X, R, True)
+  Z = W - G + 1 if cap is None else min(int(cap) // m, W - G + 1)
+  return Geometry(G, M, W, m, Z, R, True)
 
 
 class Schedule(NamedTuple):

@@ -68,10 +68,13 @@ RULES: dict[str, Rules] = {
     # Pure data parallel: batch split, parameters replicated.
     "data": _rules("data", batch=("data", "fsdp")),
     # FSDP: parameters sharded along their model dimension over `fsdp`.
-    "fsdp": _rules("fsdp", embed=("fsdp",), **_ACTIVATIONS),
+    # Expert weights [Y,E,...] are sharded over their expert axis (the first logical axis wins
+    # the mesh axis, so their model dim stays whole): expert parallelism on the fsdp axis.
+    "fsdp": _rules("fsdp", expert=("fsdp",), embed=("fsdp",), **_ACTIVATIONS),
     # FSDP + tensor parallel: heads / MLP hidden / vocab over `tensor`, model dim over `fsdp`.
     "fsdp_tp": _rules(
         "fsdp_tp",
+        expert=("fsdp",),
         embed=("fsdp",),
         q_heads=("tensor",),
         kv_heads=("tensor",),

@@ -265,3 +265,9 @@ def test_missing_data_file_fails_before_compiling(tmp_path):
   config = _config(["data.task=file", f"data.path={tmp_path / 'missing.jsonl'}"])
   with pytest.raises(Exception, match="missing.jsonl"):
     train.build_setup(config)
+
+
+def test_turn_level_estimator_is_rejected_without_multi_turn_rollouts():
+  """GiGPO reads per-turn fields that single-turn rollouts do not produce: one clear error."""
+  with pytest.raises(Exception, match="turn_"):
+    train.build_setup(_config(["loss.advantage=gigpo"]))

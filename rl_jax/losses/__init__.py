@@ -19,9 +19,9 @@ from rl_jax.losses.advantages import (gae_advantages, gdpo_advantages, grpo_adva
 from rl_jax.losses.aggregation import (AGG_MODES, Aggregation, aggregate, aggregate_parts,
                                        aggregation)
 from rl_jax.losses.compose import Objective, chain, finalize, policy_loss
-from rl_jax.losses.estimators import (ADVANTAGES, AdvantageEstimator, advantage_names,
-                                      dr_grpo, gae, gdpo, grpo, mc_grpo, opob,
-                                      register_advantage, reinforce_pp,
+from rl_jax.losses.estimators import (ADVANTAGES, TURN_FIELDS, AdvantageEstimator,
+                                      advantage_names, dr_grpo, gae, gdpo, gigpo, grpo,
+                                      mc_grpo, opob, register_advantage, reinforce_pp,
                                       reinforce_pp_baseline, rloo)
 from rl_jax.losses.inputs import (INPUT_FIELDS, Advantages, Batch, ObjectiveInputs,
                                   check_inputs, loss_batch)
@@ -36,6 +36,8 @@ from rl_jax.losses.stages import (POLICIES, LossInputs, LossStage, LossTerms, ac
                                   entropy_bonus, ess_metrics, gspo_clip, kl_term, m2po,
                                   m2po_clip_budget, policy_names, ppo_clip, register_policy,
                                   reinforce, truncated_is, value_loss)
+from rl_jax.losses.turns import (gigpo_advantages, step_group_advantages, tokens_from_turns,
+                                 turn_returns)
 from rl_jax.losses.vcpo import (ESS_RULES, GRAD_NORM_METHODS, effective_sample_size,
                                 ess_lr_multiplier, ess_ratio_from_sums, ess_sums,
                                 head_grad_sq_norms, identity_transform, opob_advantages,
@@ -48,9 +50,12 @@ __all__ = [
     # advantage formulas
     "gae_advantages", "gdpo_advantages", "grpo_advantages", "mc_grpo_advantages",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_advantages",
+    # multi-turn (turn-level) formulas
+    "gigpo_advantages", "step_group_advantages", "tokens_from_turns", "turn_returns",
     # advantage estimators and their registry
-    "ADVANTAGES", "AdvantageEstimator", "advantage_names", "dr_grpo", "gae", "gdpo", "grpo",
-    "mc_grpo", "opob", "register_advantage", "reinforce_pp", "reinforce_pp_baseline", "rloo",
+    "ADVANTAGES", "TURN_FIELDS", "AdvantageEstimator", "advantage_names", "dr_grpo", "gae",
+    "gdpo", "gigpo", "grpo", "mc_grpo", "opob", "register_advantage", "reinforce_pp",
+    "reinforce_pp_baseline", "rloo",
     # policy-loss formulas
     "DECOUPLED_MODES", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale", "decoupled_weights",
     "gspo_log_ratio", "m2po_clip_bound", "m2po_mask", "policy_loss", "ppo_clip_per_token",

@@ -17,7 +17,7 @@ The formulas are the plain functions of ``advantages.py`` and ``vcpo.py``; see t
 "Advantages" and "VCPO" sections of docs/ALGORITHMS.md.
 
 Axis letters: G groups (prompts), M samples per prompt, R response tokens, C reward
-components.
+components, U turns.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax.numpy as jnp
 
 from rl_jax.losses import advantages as adv_lib
+from rl_jax.losses import turns as turns_lib
 from rl_jax.losses import vcpo as vcpo_lib
 from rl_jax.losses._registry import Registry
 from rl_jax.losses._utils import check_choice
@@ -34,11 +35,13 @@ from rl_jax.losses.inputs import INPUT_FIELDS, Advantages, ObjectiveInputs, chec
 from rl_jax.losses.kl import kl_penalty
 
 __all__ = ["ADVANTAGES", "AdvantageEstimator", "GRPO_SCALES", "MC_GRPO_SCALES",
-           "advantage_names", "dr_grpo", "gae", "gdpo", "grpo", "make_advantage", "mc_grpo",
-           "opob", "register_advantage", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+           "TURN_FIELDS", "advantage_names", "dr_grpo", "gae", "gdpo", "gigpo", "grpo",
+           "make_advantage", "mc_grpo", "opob", "register_advantage", "reinforce_pp",
+           "reinforce_pp_baseline", "rloo"]
 
 GRPO_SCALES = ("std", "none")
 MC_GRPO_SCALES = ("mad", "none")
+TURN_FIELDS = ("turn_rewards", "turn_ids", "turn_states")  # what GiGPO reads
 
 
 class AdvantageEstimator(NamedTuple):
@@ -222,6 +225,31 @@ returns run over the loss ``mask`` (a reward on a token outside it is not seen).
   return _estimator("gae", fn, ("values",))
 
 
+# ----------------------------------------------------------------------- turn-level
+def gigpo(omega: float = 1.0, gamma: float = 0.95, scale: str = "std",
+          eps: float = 1e-6) -> AdvantageEstimator:
+  """GiGPO for multi-turn trajectories: ``A = A_E + omega * A_S`` per token -> [G,M,R].
+
+  ``A_E`` is GRPO over the trajectory returns ``rewards`` [G,M]; ``A_S`` normalises the
+  discounted return-to-go of each turn (``turn_rewards`` [G,M,U], discount ``gamma``) among
+  the turns of the same prompt's M trajectories that start from the same environment state
+  (``turn_states`` [G,M,U]), and reaches the tokens through ``turn_ids`` [G,M,R]. ``scale``
+  ("std" or "none") normalises both levels; ``omega = 0`` is GRPO per token.
+
+  References: Feng et al. 2025, Group-in-Group Policy Optimization for LLM Agent Training
+  (GiGPO; omega = 1, gamma = 0.95). docs/ALGORITHMS.md, "Multi-turn trajectories".
+  """
+  check_choice("scale", scale, GRPO_SCALES)
+  if not 0.0 <= gamma <= 1.0:
+    raise ValueError(f"GiGPO gamma must be in [0, 1], got {gamma!r}")
+
+  def fn(x: ObjectiveInputs) -> Advantages:
+    return Advantages(turns_lib.gigpo_advantages(x.rewards, x.turn_rewards, x.turn_states,
+                                                 x.turn_ids, x.mask, omega, gamma, scale, eps))
+
+  return _estimator("gigpo", fn, TURN_FIELDS)
+
+
 # ------------------------------------------------------------------------- registry
 def _check_estimator(name: str, est: Any) -> None:
   if not isinstance(est, AdvantageEstimator):
@@ -275,6 +303,8 @@ for _name, _factory in (
     ("gae", lambda k: gae(k["gamma"], k["lam"])),
     ("gdpo", lambda k: gdpo(k["gdpo_weights"], k["adv_eps"])),
     ("opob", lambda k: opob(k["opob_tis_cap"])),
+    ("gigpo", lambda k: gigpo(k["gigpo_omega"], k["gigpo_gamma"],
+                              "std" if k["gigpo_std"] else "none", k["adv_eps"])),
 ):
   register_advantage(_name, _factory)
 del _name, _factory

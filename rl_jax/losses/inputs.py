@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax.numpy as jnp
+
 from rl_jax.losses._utils import Array, check_rank
 
 __all__ = ["INPUT_FIELDS", "Advantages", "Batch", "ObjectiveInputs", "check_inputs",
@@ -20,7 +22,12 @@ __all__ = ["INPUT_FIELDS", "Advantages", "Batch", "ObjectiveInputs", "check_inpu
 
 class ObjectiveInputs(NamedTuple):
   """One step's groups as every advantage estimator sees them. G groups, M samples per
-  prompt (group size), R response tokens.
+  prompt (group size), R response tokens, U turns.
+
+  A multi-turn (agentic) trajectory is one row of R tokens in which the model's turns and
+  the environment's observations alternate; ``mask`` is True on model tokens only and
+  ``rewards`` is the trajectory's return. The ``turn_*`` fields describe its turns for
+  turn-level estimators (GiGPO); U is the most turns of any trajectory, absent turns padded.
 
   Attributes:
     rewards: float32 [G,M] sequence rewards.
@@ -36,6 +43,12 @@ class ObjectiveInputs(NamedTuple):
     values: float32 [G,M,R] critic values at rollout time.
     grad_sq_norms: float32 [G,M] per-trajectory squared gradient norms of the summed
       log-probs (VCPO).
+    turn_rewards: float32 [G,M,U] reward of each turn; NaN for absent turns.
+    turn_ids: int32 [G,M,R] turn (0..U-1) each token belongs to; -1 on environment
+      (observation) tokens and padding.
+    turn_states: int32 [G,M,U] id of the environment state each turn starts from (e.g. a
+      hash of the observation), equal ids meaning the same state; -1 for absent turns
+      (GiGPO's anchor states).
   """
 
   rewards: Array                          # [G,M]
@@ -48,12 +61,18 @@ class ObjectiveInputs(NamedTuple):
   ref_logp: Array | None = None           # [G,M,R]
   values: Array | None = None             # [G,M,R]
   grad_sq_norms: Array | None = None      # [G,M]
+  turn_rewards: Array | None = None       # [G,M,U]
+  turn_ids: Array | None = None           # [G,M,R]
+  turn_states: Array | None = None        # [G,M,U]
 
 
 INPUT_FIELDS = ObjectiveInputs._fields
 
-_TOKEN_FIELDS = ("generated_mask", "old_logp", "behaviour_logp", "ref_logp", "values")
+_TOKEN_FIELDS = ("generated_mask", "old_logp", "behaviour_logp", "ref_logp", "values",
+                 "turn_ids")
 _ROW_FIELDS = ("lengths", "grad_sq_norms")
+_TURN_FIELDS = ("turn_rewards", "turn_states")  # [G,M,U], one U
+_INT_FIELDS = ("turn_ids", "turn_states")
 
 
 class Advantages(NamedTuple):
@@ -104,8 +123,9 @@ def _shape_error(name: str, x: Array, want: str, got_ref: tuple) -> ValueError:
 
 
 def check_inputs(inputs: ObjectiveInputs, needs: tuple[str, ...] = (), who: str = "") -> None:
-  """Raises ValueError unless ``inputs`` is an ObjectiveInputs with consistent [G,M,R] shapes
-  and every field named in ``needs`` present (not None).
+  """Raises ValueError unless ``inputs`` is an ObjectiveInputs with consistent [G,M,R] (and
+  [G,M,U]) shapes, integer turn ids and states, and every field named in ``needs`` present
+  (not None).
 
   Args:
     inputs: the record to check.
@@ -131,6 +151,19 @@ def check_inputs(inputs: ObjectiveInputs, needs: tuple[str, ...] = (), who: str 
   comps = inputs.reward_components
   if comps is not None and (comps.ndim != 3 or tuple(comps.shape[:2]) != gm):
     raise _shape_error("reward_components", comps, "[G,M,C]", gm + ("C",))
+  gmu = None
+  for name in _TURN_FIELDS:
+    x = getattr(inputs, name)
+    if x is None:
+      continue
+    if x.ndim != 3 or tuple(x.shape[:2]) != gm or (gmu is not None and tuple(x.shape) != gmu):
+      raise _shape_error(name, x, "[G,M,U] (one U for every turn field)",
+                         gmu or gm + ("U",))
+    gmu = tuple(x.shape)
+  for name in _INT_FIELDS:
+    x = getattr(inputs, name)
+    if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"ObjectiveInputs.{name} must be integer, got {x.dtype}")
   missing = [n for n in needs if getattr(inputs, n) is None]
   if missing:
     label = f"{who!r} " if who else ""

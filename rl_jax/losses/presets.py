@@ -25,8 +25,8 @@ so an estimator registered with ``register_advantage`` is selected like a built-
 References: Shao et al. 2024 (DeepSeekMath, GRPO: eps 0.2, beta 0.04, k3); Yu et al. 2025
 (DAPO); Liu et al. 2025 (Dr.GRPO); Zheng et al. 2025 (GSPO); VCPO (mit-han-lab);
 Zheng et al. 2025 (M2PO); Fu et al. 2025 (AReaL); Schulman et al. 2017 (PPO); Ahmadian et
-al. 2024 (RLOO); Hu 2025 (REINFORCE++); Kim 2026 (MC-GRPO). docs/ALGORITHMS.md describes
-each part.
+al. 2024 (RLOO); Hu 2025 (REINFORCE++); Kim 2026 (MC-GRPO); Feng et al. 2025 (GiGPO, no
+preset: ``advantage="gigpo"`` on any preset). docs/ALGORITHMS.md describes each part.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ _BASE = dict(
     gamma=1.0, lam=1.0,      # GAE / REINFORCE++ discount and lambda
     gdpo_weights=None,       # GDPO component weights, one per reward component
     opob_tis_cap=None,       # VCPO compatibility switch: W also times min(w, 8)^2
+    gigpo_omega=1.0,         # GiGPO: weight omega of the step-level advantage
+    gigpo_gamma=0.95,        # GiGPO: discount of the per-turn return-to-go
+    gigpo_std=True,          # GiGPO: divide both levels by the group std (False: centre only)
     policy="ppo_clip",       # one of POLICIES (stages.py), or a registered name
     eps_low=0.2, eps_high=0.2,  # epsilon_low / epsilon_high clip range
     dual_clip=None,          # dual-clip bound c (True -> 3)
@@ -90,7 +93,8 @@ PRESET_KNOB_DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(_BASE))
 # type or None (``dual_clip`` also accepts True, meaning c = 3).
 PRESET_KNOB_TYPES: dict[str, type] = dict(
     advantage=str, adv_eps=float, adv_kl_beta=float, gamma=float, lam=float,
-    gdpo_weights=tuple, opob_tis_cap=float, policy=str, eps_low=float, eps_high=float,
+    gdpo_weights=tuple, opob_tis_cap=float, gigpo_omega=float, gigpo_gamma=float,
+    gigpo_std=bool, policy=str, eps_low=float, eps_high=float,
     dual_clip=float, kl_beta=float, kl_kind=str, entropy_coef=float, tis_level=str,
     tis_cap=float, decoupled_cap=float, decoupled_mode=str, m2po_tau=float, ace_alpha=float,
     value_coef=float, value_clip=float, agg=str, agg_norm=float, ess_scaling=bool,

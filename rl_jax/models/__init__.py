@@ -1,4 +1,5 @@
-"""Llama / Qwen2 / Qwen3 decoders as pure sharded functions, value heads, HF interop.
+"""Llama / Qwen2 / Qwen3, Qwen3-MoE and Gemma 3 (text) decoders as pure sharded functions,
+value heads, HF interop.
 
 Public API (see shared Contract)::
 
@@ -8,6 +9,12 @@ Public API (see shared Contract)::
     lp = models.response_logprobs(cfg, params, prompt_tokens, prompt_lengths,
                                   response_tokens, response_mask, shared_prefix=True)
 
+    # mixture of experts: recorded routing, router replay, load-balancing loss
+    logits, routing = models.forward(cfg, params, tokens, return_routing=True)
+    logits = models.forward(cfg, params, tokens, routing=routing.ids)
+    aux = cfg.router_aux_loss_coef * models.load_balancing_loss(
+        routing.logits, cfg.num_experts_per_tok, mask)
+
 Axis letters: the legend in the docstring of ``rl_jax/__init__.py``.
 """
 
@@ -15,7 +22,9 @@ from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to
 from rl_jax.models.grouped import (packed_hidden, replicated_hidden, response_hidden,
                                    response_logprobs, token_reduction)
 from rl_jax.models.hf import hf_state_dict, load_hf, read_hf_config, save_hf
-from rl_jax.models.transformer import (apply_rope, causal_mask, dense_attention, embed, forward,
+from rl_jax.models.moe import Routing, load_balancing_loss
+from rl_jax.models.transformer import (AttnSpec, apply_rope, causal_mask, dense_attention,
+                                       embed, forward,
                                        hidden_states, init_params, init_sharded, lm_head_weight,
                                        logits_from_hidden, mask_attend, param_axes, param_shapes,
                                        param_shardings, rms_norm, rope_tables, sequence_logprobs,
@@ -23,7 +32,9 @@ from rl_jax.models.transformer import (apply_rope, causal_mask, dense_attention,
 from rl_jax.models.value import init_value_params, response_values, value_axes, values
 
 __all__ = [
+    "AttnSpec",
     "ModelConfig",
+    "Routing",
     "apply_rope",
     "causal_mask",
     "dense_attention",
@@ -36,6 +47,7 @@ __all__ = [
     "init_sharded",
     "init_value_params",
     "lm_head_weight",
+    "load_balancing_loss",
     "load_hf",
     "logits_from_hidden",
     "mask_attend",

@@ -1,4 +1,5 @@
-"""Decoder configuration for the Llama / Qwen2 / Qwen3 families and HF ``config.json`` mapping."""
+"""Decoder configuration (Llama / Qwen2 / Qwen3 dense, Qwen3-MoE, Gemma 3 text) and HF
+``config.json`` mapping."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "DTYPES", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
+__all__ = ["ARCHITECTURES", "DTYPES", "LAYER_TYPES", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
            "from_hf_dict", "rope_frequencies", "to_hf_dict", "validate"]
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,6 +38,24 @@ class ModelConfig:
     remat: rematerialisation per layer: "none", "full" (recompute everything), "dots"
       (save matmul outputs without batch dims).
     logits_chunk: sequence chunk for log-prob computation, so [T, V] logits are never whole.
+
+  Mixture of experts (``qwen3_moe``; all zero/empty for dense families):
+    num_experts [E]; num_experts_per_tok [X]; moe_intermediate_size: expert MLP width.
+    norm_topk_prob: renormalise the X routing weights to sum to one.
+    sparse_layers: per-layer flags (length L), True where the MLP is a mixture of experts
+      (from ``decoder_sparse_step`` / ``mlp_only_layers``); the others use a dense SwiGLU MLP
+      of ``intermediate_size``.
+    router_aux_loss_coef: weight of the load-balancing loss (``moe.load_balancing_loss``).
+
+  Gemma 3 (``gemma3``; None for the other families):
+    layer_types: per-layer "full_attention" / "sliding_attention" (length L).
+    sliding_window: keys at most ``sliding_window - 1`` positions behind the query are visible
+      in sliding layers. rope_local_theta: RoPE base of sliding layers (no scaling); global
+      layers use rope_theta and rope_scaling.
+    query_pre_attn_scalar: attention scores are scaled by its -1/2 power (not head_dim's).
+    final_softcap: output logits become ``c·tanh(logits/c)``. (Gemma 3 checkpoints may carry
+      ``attn_logit_softcapping``; transformers' Gemma 3 attention does not apply it, and
+      neither does this model.)
   """
 
   vocab_size: int
@@ -60,6 +80,17 @@ class ModelConfig:
   logits_chunk: int = 512
   bos_token_id: int | None = None
   eos_token_id: int | None = None
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  sparse_layers: tuple[bool, ...] | None = None
+  router_aux_loss_coef: float = 0.0
+  layer_types: tuple[str, ...] | None = None
+  sliding_window: int | None = None
+  rope_local_theta: float | None = None
+  query_pre_attn_scalar: float | None = None
+  final_softcap: float | None = None
 
   def __post_init__(self):
     validate(self)
@@ -71,11 +102,55 @@ class ModelConfig:
   def rope(self) -> dict[str, Any]:
     return dict(self.rope_scaling or ())
 
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """Indices of the mixture-of-experts layers (Y of them)."""
+    return tuple(i for i, s in enumerate(self.sparse_layers or ()) if s)
+
+  @property
+  def dense_layers(self) -> tuple[int, ...]:
+    """Indices of the layers with a dense MLP."""
+    sparse = self.sparse_layers or (False,) * self.num_layers
+    return tuple(i for i, s in enumerate(sparse) if not s)
+
+  @property
+  def sliding_layers(self) -> tuple[bool, ...]:
+    """Per layer: attention restricted to the sliding window."""
+    return tuple(t == "sliding_attention" for t in (self.layer_types or
+                                                    ("full_attention",) * self.num_layers))
+
+  @property
+  def per_layer_attention(self) -> bool:
+    """Attention differs between layers (sliding-window layers): attention functions then
+    receive an ``AttnSpec``."""
+    return any(self.sliding_layers)
+
+  def expert_params(self) -> int:
+    """Parameters in expert MLPs (all experts, all MoE layers); routers excluded."""
+    return len(self.moe_layers) * self.num_experts * 3 * self.hidden_size * \
+        self.moe_intermediate_size
+
+  def active_expert_params(self) -> int:
+    """Expert parameters one token passes through (X experts per MoE layer)."""
+    return len(self.moe_layers) * self.num_experts_per_tok * 3 * self.hidden_size * \
+        self.moe_intermediate_size
+
   def num_params(self) -> int:
     d, f, h, v = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
     attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
-    per_layer = attn + 3 * d * f + 2 * d
-    return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
+    if not self.is_moe and self.architecture != "gemma3":
+      per_layer = attn + 3 * d * f + 2 * d
+      return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
+    norms = (4 if self.architecture == "gemma3" else 2) * d
+    norms += 2 * h if self.qk_norm else 0
+    dense = len(self.dense_layers) * 3 * d * f
+    routers = len(self.moe_layers) * d * self.num_experts
+    return (v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * (attn + norms)
+            + dense + routers + self.expert_params() + d)
 
 
 def validate(cfg: ModelConfig) -> None:
@@ -102,6 +177,36 @@ def validate(cfg: ModelConfig) -> None:
   if rope_type not in ROPE_TYPES:
     raise ModelError(f"model config: rope scaling type {rope_type!r} is not supported; "
                      f"choose one of {ROPE_TYPES}")
+  if cfg.architecture == "qwen3_moe":
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+      value = getattr(cfg, name)
+      if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ModelError(f"model config: {name} must be a positive integer for qwen3_moe, "
+                         f"got {value!r}")
+    if cfg.num_experts_per_tok > cfg.num_experts:
+      raise ModelError(f"model config: num_experts_per_tok={cfg.num_experts_per_tok} exceeds "
+                       f"num_experts={cfg.num_experts}")
+    if cfg.sparse_layers is None or len(cfg.sparse_layers) != cfg.num_layers:
+      raise ModelError(f"model config: sparse_layers must have num_layers={cfg.num_layers} "
+                       f"flags, got {cfg.sparse_layers!r}")
+  elif cfg.num_experts or cfg.sparse_layers:
+    raise ModelError(f"model config: num_experts/sparse_layers need architecture 'qwen3_moe', "
+                     f"got {cfg.architecture!r}")
+  if cfg.layer_types is not None:
+    if len(cfg.layer_types) != cfg.num_layers or any(t not in LAYER_TYPES
+                                                     for t in cfg.layer_types):
+      raise ModelError(f"model config: layer_types must list num_layers={cfg.num_layers} of "
+                       f"{LAYER_TYPES}, got {cfg.layer_types!r}")
+    if any(cfg.sliding_layers) and (not isinstance(cfg.sliding_window, (int, np.integer))
+                                    or cfg.sliding_window <= 0):
+      raise ModelError(f"model config: sliding_window must be a positive integer when "
+                       f"layer_types has sliding layers, got {cfg.sliding_window!r}")
+  gemma_only = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_softcap")
+  if cfg.architecture != "gemma3":
+    for name in gemma_only:
+      if getattr(cfg, name) is not None:
+        raise ModelError(f"model config: {name} needs architecture 'gemma3', "
+                         f"got {cfg.architecture!r}")
 
 
 # ------------------------------------------------------------------------------- RoPE tables
@@ -160,15 +265,96 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 # ------------------------------------------------------------------------------ HF mapping
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
+                   "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3"}
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "gemma3": "Gemma3ForCausalLM"}
+_HF_TYPE_NAMES = {"gemma3": "gemma3_text"}
+# Config fields of other routing schemes (grouped top-k, sigmoid scores, shared experts...):
+# a checkpoint that sets any of them is not the softmax top-k router implemented here.
+_OTHER_ROUTING_FIELDS = ("scoring_func", "topk_method", "n_group", "topk_group",
+                         "n_shared_experts", "shared_expert_intermediate_size",
+                         "routed_scaling_factor", "moe_layer_freq", "first_k_dense_replace")
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 def _first_id(value):
   if isinstance(value, (list, tuple)):
     return int(value[0]) if value else None
   return None if value is None else int(value)
+
+
+def _rope_fields(params: Mapping[str, Any], legacy: Mapping[str, Any], default_theta: float):
+  """(theta, scaling pairs or None) from a ``rope_parameters`` dict plus legacy fields."""
+  scaling = dict(legacy.get("rope_scaling") or {})
+  scaling.update({k: v for k, v in params.items() if k != "rope_theta"})
+  if "type" in scaling and "rope_type" not in scaling:
+    scaling["rope_type"] = scaling.pop("type")
+  scaling.pop("type", None)
+  theta = params.get("rope_theta", legacy.get("rope_theta", default_theta))
+  if scaling.get("rope_type", "default") == "default":
+    scaling = {}
+  return float(theta), tuple(sorted(scaling.items())) or None
+
+
+def _moe_fields(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+  """Qwen3-MoE routing fields of an HF config (ModelError names an unsupported one)."""
+  for name in _OTHER_ROUTING_FIELDS:
+    if hf.get(name) not in (None, 0):
+      raise ModelError(f"config.json sets {name}={hf[name]!r}: only softmax top-k routing "
+                       f"without shared experts is supported")
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if experts is None:
+    raise ModelError("config.json lacks the required field 'num_experts'")
+  step = int(hf.get("decoder_sparse_step", 1) or 1)
+  dense = set(int(i) for i in (hf.get("mlp_only_layers") or ()))
+  sparse = tuple(i not in dense and int(experts) > 0 and (i + 1) % step == 0
+                 for i in range(layers))
+  try:
+    return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), sparse_layers=sparse,
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0) or 0.0))
+  except KeyError as e:
+    raise ModelError(f"config.json lacks the required field {e.args[0]!r}") from None
+
+
+def _gemma_fields(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+  """Gemma 3 text fields: layer types, two RoPE bases, scalings and soft-caps."""
+  act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+  if act not in _GEMMA_ACTIVATIONS:
+    raise ModelError(f"config.json hidden_activation {act!r} is not supported "
+                     f"(only {_GEMMA_ACTIVATIONS[0]})")
+  if hf.get("use_bidirectional_attention"):
+    raise ModelError("config.json sets use_bidirectional_attention, which is not supported")
+  types = hf.get("layer_types")
+  if types is None:
+    pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+             for i in range(layers)]
+  bad = sorted(set(types) - set(LAYER_TYPES))
+  if bad:
+    raise ModelError(f"config.json layer_types has unsupported attention {bad[0]!r}; "
+                     f"supported: {list(LAYER_TYPES)}")
+  rope = dict(hf.get("rope_parameters") or {})
+  if rope and set(rope) <= set(LAYER_TYPES):
+    glob, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+  else:  # one dict for the global layers (older files), local base separate
+    glob, local = rope, {}
+  theta, scaling = _rope_fields(glob, hf, 1_000_000.0)
+  local_theta, local_scaling = _rope_fields(
+      local, {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}, 10_000.0)
+  if local_scaling:
+    raise ModelError(f"config.json rope_parameters.sliding_attention scaling "
+                     f"{dict(local_scaling)} is not supported (default RoPE only)")
+  window = hf.get("sliding_window")
+  cap = lambda name: None if hf.get(name) is None else float(hf[name])
+  return dict(layer_types=tuple(types), sliding_window=None if window is None else int(window),
+              rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+              final_softcap=cap("final_logit_softcapping"),
+              tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), qk_norm=True)
 
 
 def from_hf_dict(hf: Mapping[str, Any], **overrides) -> ModelConfig:
@@ -178,44 +364,42 @@ def from_hf_dict(hf: Mapping[str, Any], **overrides) -> ModelConfig:
     raise ModelError(f"config.json model_type {model_type!r} is not supported; supported: "
                      f"{sorted(_HF_MODEL_TYPES)}")
   arch = _HF_MODEL_TYPES[model_type]
-  act = hf.get("hidden_act", "silu")
-  if act != "silu":
-    raise ModelError(f"config.json hidden_act {act!r} is not supported (only silu)")
+  if arch != "gemma3":
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+      raise ModelError(f"config.json hidden_act {act!r} is not supported (only silu)")
   if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
     raise ModelError("config.json enables sliding-window attention, which is not supported")
   try:
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    rope_params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    scaling.update({k: v for k, v in rope_params.items() if k != "rope_theta"})
-    if "type" in scaling and "rope_type" not in scaling:
-      scaling["rope_type"] = scaling.pop("type")
-    scaling.pop("type", None)
-    theta = rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if scaling.get("rope_type", "default") == "default":
-      scaling = {}
+    layers = int(hf["num_hidden_layers"])
+    theta, scaling = _rope_fields(dict(hf.get("rope_parameters") or {}), hf, 10000.0)
     attention_bias = bool(hf.get("attention_bias", False))
     kw = dict(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hidden // heads),
         architecture=arch,
-        rope_theta=float(theta),
-        rope_scaling=tuple(sorted(scaling.items())) or None,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if arch == "qwen2" else attention_bias,
         o_bias=False if arch == "qwen2" else attention_bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         bos_token_id=_first_id(hf.get("bos_token_id")),
         eos_token_id=_first_id(hf.get("eos_token_id")),
     )
+    if arch == "gemma3":
+      kw.update(_gemma_fields(hf, layers))
+    else:
+      kw.update(rope_theta=theta, rope_scaling=scaling)
+    if arch == "qwen3_moe":
+      kw.update(_moe_fields(hf, layers))
   except KeyError as e:
     raise ModelError(f"config.json lacks the required field {e.args[0]!r}") from None
   if hf.get("mlp_bias"):
@@ -224,11 +408,16 @@ def from_hf_dict(hf: Mapping[str, Any], **overrides) -> ModelConfig:
   return ModelConfig(**kw)
 
 
+def _number(x):
+  """An integral float as int (HF's typed configs declare some of these fields int)."""
+  return int(x) if x is not None and float(x).is_integer() else x
+
+
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
   """HF ``config.json`` contents that ``transformers`` loads as the same architecture."""
   out = {
       "architectures": [_HF_CLASSES[cfg.architecture]],
-      "model_type": cfg.architecture,
+      "model_type": _HF_TYPE_NAMES.get(cfg.architecture, cfg.architecture),
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.hidden_size,
       "intermediate_size": cfg.intermediate_size,
@@ -254,6 +443,25 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.qkv_bias != cfg.o_bias:
       raise ModelError(f"{cfg.architecture} checkpoints have all attention biases or none")
     out["attention_bias"] = cfg.qkv_bias
-  if (cfg.architecture == "qwen3") != cfg.qk_norm:
-    raise ModelError("qk_norm is exactly the qwen3 architecture in HF format")
+  if (cfg.architecture in ("qwen3", "qwen3_moe", "gemma3")) != cfg.qk_norm:
+    raise ModelError(f"qk_norm={cfg.qk_norm} does not match the {cfg.architecture} "
+                     f"architecture in HF format")
+  if cfg.architecture == "qwen3_moe":
+    step_dense = [i for i, s in enumerate(cfg.sparse_layers) if not s]
+    out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               moe_intermediate_size=cfg.moe_intermediate_size,
+               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+               mlp_only_layers=step_dense, router_aux_loss_coef=cfg.router_aux_loss_coef,
+               use_sliding_window=False)
+  if cfg.architecture == "gemma3":
+    full = {"rope_type": "default", **dict(cfg.rope_scaling or ()), "rope_theta": cfg.rope_theta}
+    del out["hidden_act"], out["rope_theta"], out["rope_scaling"]
+    out.update(hidden_activation="gelu_pytorch_tanh", layer_types=list(cfg.layer_types),
+               sliding_window=cfg.sliding_window,
+               rope_parameters={"full_attention": full,
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": cfg.rope_local_theta}},
+               query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar),
+               final_logit_softcapping=cfg.final_softcap,
+               use_bidirectional_attention=False)
   return out

@@ -26,6 +26,12 @@ The logit that predicts response token 0 sits at the last *valid* prompt positio
 the one predicting token j > 0 at response position j − 1: a plain shift-by-one over the packed
 row would be wrong at every segment boundary.
 
+Sliding-window layers (Gemma 3, ``cfg.per_layer_attention``): key s is visible to query t
+only if pos_q − pos_k < window, in both layouts. The Pallas shared-prefix kernel takes no
+window, so a model with sliding layers runs the response part of the packed layout with the
+pure-jnp two-region reference (``pallas_kernels.lse_attention``) in every layer, windowed or
+not. Sequence parallelism does not support sliding windows (ModelError).
+
 References: DualKV (shared-prompt flash attention for RL training, 2025).
 """
 
@@ -40,6 +46,7 @@ from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 
 import pallas_kernels
+from pallas_kernels.lse_attention import two_region_attention
 
 __all__ = ["packed_hidden", "replicated_hidden", "response_hidden", "response_logprobs",
            "token_reduction"]
@@ -71,18 +78,48 @@ def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int):
   q [G,P+M·R,N,H], k and v [G,P+M·R,K,H] -> [G,P+M·R,N,H].
   """
 
-  def attend(q, k, v, state):
+  def attend(q, k, v, state, spec=None):
     G = q.shape[0]
     pos = jnp.arange(P)
     valid = pos[None, :] < prompt_lengths[:, None]
     prompt_mask = (pos[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
+    if spec is not None:
+      prompt_mask = tx.window_mask(spec, prompt_mask, (pos[:, None] - pos[None, :])[None])
     out_p = tx.dense_attention(q[:, :P], k[:, :P], v[:, :P], prompt_mask)
     split = lambda a: a[:, P:].reshape(G, M, R, *a.shape[2:])
-    out_r = pallas_kernels.shared_prefix_attention(
-        split(q), k[:, :P], v[:, :P], split(k), split(v), ctx_lengths=prompt_lengths)
+    if spec is None:
+      out_r = pallas_kernels.shared_prefix_attention(
+          split(q), k[:, :P], v[:, :P], split(k), split(v), ctx_lengths=prompt_lengths)
+    else:
+      out_r = _windowed_responses(spec, split(q), k[:, :P], v[:, :P], split(k), split(v),
+                                  prompt_lengths)
     return jnp.concatenate([out_p, out_r.reshape(G, M * R, *out_r.shape[3:])], axis=1), state
 
   return attend
+
+
+def _windowed_responses(spec, q, k_ctx, v_ctx, k_resp, v_resp, prompt_lengths):
+  """Shared-prefix attention of the responses with the layer's window (jnp reference).
+
+  q [G,M,R,N,H]; k_ctx, v_ctx [G,P,K,H]; k_resp, v_resp [G,M,R,K,H] -> [G,M,R,N,H].
+  Response token j has position len_g + j, prompt token p position p.
+  """
+  R, P = q.shape[2], k_ctx.shape[1]
+  j, p = jnp.arange(R), jnp.arange(P)
+  ctx_mask = (p[None, None, :] < prompt_lengths[:, None, None])  # [G,1,P]
+  ctx_delta = prompt_lengths[:, None, None] + j[None, :, None] - p[None, None, :]  # [G,R,P]
+  ctx_mask = tx.window_mask(spec, ctx_mask, ctx_delta)[:, None]  # [G,1,R,P]
+  own_delta = j[:, None] - j[None, :]
+  own_mask = tx.window_mask(spec, own_delta >= 0, own_delta)[None, None]  # [1,1,R,R]
+  out, _ = two_region_attention(q, k_resp, v_resp, own_mask, k_ctx, v_ctx, ctx_mask,
+                                layout="query_major")
+  return out.reshape(q.shape).astype(q.dtype)
+
+
+def _check_sequence_plan(cfg: ModelConfig, pl) -> None:
+  if pl is not None and cfg.per_layer_attention:
+    raise ModelError(f"sequence parallelism does not support the sliding-window layers of "
+                     f"{cfg.architecture!r} (layer_types); use a mesh with sequence=1")
 
 
 def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens):
@@ -97,6 +134,7 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
   _, M, R = response_tokens.shape
   resp_pos = prompt_lengths[:, None, None] + jnp.arange(R)[None, None, :]
   pl = sp.plan(P + M * R, (P, M))
+  _check_sequence_plan(cfg, pl)
   if pl is not None:
     return _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths,
                                 response_tokens, resp_pos)
@@ -142,7 +180,9 @@ def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
                            jnp.ones((G * M, R), bool)], axis=1)
   mask = tx.causal_mask(positions, positions, valid)
   pl = sp.plan(P + R)
-  attend = tx.mask_attend(mask) if pl is None else sp.replicated_attend(pl, mask)
+  _check_sequence_plan(cfg, pl)
+  delta = positions[:, :, None] - positions[:, None, :] if cfg.per_layer_attention else None
+  attend = tx.mask_attend(mask, delta) if pl is None else sp.replicated_attend(pl, mask)
   h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, attend)
   first = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [G·M,1,D]
   pred = jnp.concatenate([first, h[:, P:P + R - 1]], axis=1)

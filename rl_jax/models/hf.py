@@ -48,6 +48,42 @@ _LAYER_MAP = (
     ("up", "mlp.up_proj.weight", "transpose"),
     ("down", "mlp.down_proj.weight", "transpose"),
 )
+_GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight",
+                "post_attn_norm": "post_attention_layernorm.weight",
+                "post_mlp_norm": "post_feedforward_layernorm.weight"}
+_DENSE_MLP = ("gate", "up", "down")
+# expert tensors: (our key, HF per-expert suffix); ours [E,D,F] / [E,F,D], HF [F,D] / [D,F]
+_EXPERT_MAP = (("expert_gate", "gate_proj.weight"), ("expert_up", "up_proj.weight"),
+               ("expert_down", "down_proj.weight"))
+
+
+def _layer_map(cfg: ModelConfig) -> tuple[tuple[str, str, str], ...]:
+  """(our key, HF suffix, kind) of the per-layer tensors in ``params["layers"]``."""
+  rows = list(_LAYER_MAP)
+  if cfg.architecture == "gemma3":
+    rows = [(k, _GEMMA_NORMS.get(k, suffix), kind) for k, suffix, kind in rows]
+    rows += [(k, _GEMMA_NORMS[k], "vector") for k in ("post_attn_norm", "post_mlp_norm")]
+  if cfg.is_moe:
+    rows = [r for r in rows if r[0] not in _DENSE_MLP]
+  return tuple(rows)
+
+
+def _load_experts(idx: "_TensorIndex", cfg: ModelConfig, layer: int) -> dict[str, np.ndarray]:
+  """One MoE layer's router [D,E] and experts ([E,D,F] gate/up, [E,F,D] down), from
+  per-expert tensors or the fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
+  pre = f"model.layers.{layer}.mlp."
+  out = {"router": idx.get(pre + "gate.weight").T}
+  if pre + "experts.gate_up_proj" in idx:  # fused [E,2F,D] and [E,D,F]
+    gate_up = idx.get(pre + "experts.gate_up_proj")
+    F = gate_up.shape[1] // 2
+    out["expert_gate"] = np.swapaxes(gate_up[:, :F], 1, 2)
+    out["expert_up"] = np.swapaxes(gate_up[:, F:], 1, 2)
+    out["expert_down"] = np.swapaxes(idx.get(pre + "experts.down_proj"), 1, 2)
+    return out
+  for key, suffix in _EXPERT_MAP:
+    out[key] = np.stack([idx.get(f"{pre}experts.{e}.{suffix}").T
+                         for e in range(cfg.num_experts)])
+  return out
 
 
 def _to_ours(cfg: ModelConfig, kind: str, w: np.ndarray) -> np.ndarray:
@@ -150,7 +186,7 @@ def read_hf_config(path: str, **overrides) -> ModelConfig:
 
 def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=None,
             **overrides):
-  """Load a Llama/Qwen2/Qwen3 HF directory.
+  """Load a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 (text) HF directory.
 
   Args:
     path: directory with config.json and model.safetensors (or sharded files + index).
@@ -193,7 +229,7 @@ def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=N
     params["lm_head"] = place(check("lm_head", idx.get("lm_head.weight").T, expected["lm_head"]),
                               sh.get("lm_head"))
   layers = {}
-  for key, suffix, kind in _LAYER_MAP:
+  for key, suffix, kind in _layer_map(cfg):
     if key not in expected["layers"]:
       continue
     per_layer = []
@@ -203,9 +239,29 @@ def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=N
                              expected["layers"][key][1:]))
     layers[key] = place(np.stack(per_layer), sh.get("layers", {}).get(key))
   params["layers"] = layers
+  if cfg.is_moe:
+    _load_mlp_stacks(cfg, idx, expected, params, place, check, sh)
   idx = per_layer = None  # noqa: F841  (drop the file handles and the last host tensors)
   release_host_memory()  # the host staging copies of the tensors, freed above
   return cfg, params
+
+
+def _load_mlp_stacks(cfg, idx, expected, params, place, check, sh):
+  """MoE models: ``params["moe"]`` over the Y MoE layers, ``params["mlp"]`` over the others."""
+  if cfg.dense_layers:
+    mlp = {}
+    for key, suffix, kind in _LAYER_MAP:
+      if key in _DENSE_MLP:
+        rows = [check(f"model.layers.{i}.{suffix}", _to_ours(cfg, kind,
+                                                             idx.get(f"model.layers.{i}.{suffix}")),
+                      expected["mlp"][key][1:]) for i in cfg.dense_layers]
+        mlp[key] = place(np.stack(rows), sh.get("mlp", {}).get(key))
+    params["mlp"] = mlp
+  stacks: dict[str, list] = {k: [] for k in expected["moe"]}
+  for i in cfg.moe_layers:
+    for key, arr in _load_experts(idx, cfg, i).items():
+      stacks[key].append(check(f"model.layers.{i}.mlp.{key}", arr, expected["moe"][key][1:]))
+  params["moe"] = {k: place(np.stack(v), sh.get("moe", {}).get(k)) for k, v in stacks.items()}
 
 
 def release_host_memory() -> bool:
@@ -227,13 +283,32 @@ def hf_state_dict(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
          "model.norm.weight": np.asarray(host["final_norm"])}
   if not cfg.tie_word_embeddings:
     out["lm_head.weight"] = np.asarray(host["lm_head"]).T
-  for key, suffix, kind in _LAYER_MAP:
+  for key, suffix, kind in _layer_map(cfg):
     if key not in host["layers"]:
       continue
     stacked = np.asarray(host["layers"][key])
     for i in range(cfg.num_layers):
       out[f"model.layers.{i}.{suffix}"] = _to_hf(kind, stacked[i])
+  if cfg.is_moe:
+    out.update(_moe_state_dict(cfg, host))
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _moe_state_dict(cfg: ModelConfig, host) -> dict[str, np.ndarray]:
+  """HF tensors of the MLPs of a MoE model (per-expert tensors, as transformers saves them)."""
+  out = {}
+  for j, i in enumerate(cfg.dense_layers):
+    for key, suffix, kind in _LAYER_MAP:
+      if key in _DENSE_MLP:
+        out[f"model.layers.{i}.{suffix}"] = _to_hf(kind, np.asarray(host["mlp"][key][j]))
+  for j, i in enumerate(cfg.moe_layers):
+    pre = f"model.layers.{i}.mlp."
+    out[pre + "gate.weight"] = np.asarray(host["moe"]["router"][j]).T
+    for key, suffix in _EXPERT_MAP:
+      stacked = np.asarray(host["moe"][key][j])
+      for e in range(cfg.num_experts):
+        out[f"{pre}experts.{e}.{suffix}"] = stacked[e].T
+  return out
 
 
 def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30) -> str:

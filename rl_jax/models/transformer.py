@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 decoder as pure functions over a parameter pytree.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 decoders as pure functions over a parameter pytree.
 
 Axis letters: the package legend (``rl_jax/__init__.py``).
 
@@ -9,29 +9,79 @@ maps to the mesh.
 
 Attention is pluggable: the trunk takes ``attend(q, k, v, layer_state) -> (out, layer_state)``
 so the same layer code serves dense masked attention (training), the KV-cache sampler and the
-shared-prefix (prompt-once) layout.
+shared-prefix (prompt-once) layout. Where attention differs between layers
+(``cfg.per_layer_attention``: Gemma 3's sliding-window layers), the trunk calls
+``attend(q, k, v, layer_state, spec)`` with an ``AttnSpec``.
+
+Families:
+  llama / qwen2 / qwen3: pre-norm blocks, SwiGLU MLP (qwen2 q/k/v biases, qwen3 q/k norms).
+  qwen3_moe: qwen3 attention; the MLP of the layers flagged in ``cfg.sparse_layers`` is a
+    mixture of experts (``moe.py``). Their weights live in ``params["moe"]`` stacked over the
+    Y MoE layers ([Y,E,...]); dense MLPs of the other layers (if any) in ``params["mlp"]``
+    ([L−Y,...]); ``params["layers"]`` holds the attention and norms of all L layers. The trunk
+    scans each run of consecutive layers of one kind.
+  gemma3: embeddings times sqrt(D); RMSNorm with (1 + weight); norms before and after both
+    attention and MLP; q/k norms; GeGLU (tanh gelu) MLP; sliding-window and global layers
+    (``cfg.layer_types``) with their own RoPE bases; query_pre_attn_scalar scaling; optional
+    final-logit soft-capping; tied embeddings.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rl_jax import sharding
+from rl_jax.models import moe
 from rl_jax.models.config import ModelConfig, rope_frequencies
 
-__all__ = ["AttendFn", "Params", "apply_rope", "causal_mask", "dense_attention", "embed",
+__all__ = ["AttendFn", "AttnSpec", "Params", "apply_rope", "causal_mask", "dense_attention",
+           "embed", "gemma_rms_norm", "softcap", "window_mask",
            "forward", "hidden_states", "init_params", "init_sharded", "lm_head_weight",
            "logits_from_hidden", "mask_attend", "param_axes", "param_shapes", "param_shardings",
            "rms_norm", "rope_tables", "sequence_logprobs", "token_logprobs", "trunk",
            "trunk_unrolled", "unstack_layers"]
 
 Params = dict[str, Any]
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+AttendFn = Callable[..., tuple[jax.Array, Any]]
+
+
+class AttnSpec(NamedTuple):
+  """Per-layer attention settings, the fifth argument of an AttendFn when
+  ``cfg.per_layer_attention``.
+
+  Attributes:
+    sliding: this layer attends only within the window: a bool scalar (traced under the
+      layer scan) or a Python bool (unrolled layer loops).
+    window: key s is visible to query t only if pos_q[t] − pos_k[s] < window (sliding
+      layers; None = no window anywhere).
+  """
+
+  sliding: Any
+  window: int | None
+
+
+def window_mask(spec: AttnSpec | None, mask: jax.Array, delta: jax.Array) -> jax.Array:
+  """``mask`` restricted to the sliding window in sliding layers.
+
+  Args:
+    mask: bool [..]; delta: int, broadcastable to mask, query position minus key position.
+  """
+  if spec is None or spec.window is None or spec.sliding is False:
+    return mask
+  inside = mask & (delta < spec.window)
+  if spec.sliding is True:
+    return inside
+  return jnp.where(spec.sliding, inside, mask)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """``cap · tanh(x / cap)`` (identity for cap None)."""
+  return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 # ------------------------------------------------------------------------------ parameters
@@ -55,7 +105,17 @@ def param_axes(cfg: ModelConfig) -> Params:
     layer["o_bias"] = ("layers", "norm")
   if cfg.qk_norm:
     layer.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+  if cfg.architecture == "gemma3":
+    layer.update(post_attn_norm=("layers", "norm"), post_mlp_norm=("layers", "norm"))
   axes = {"embed": ("vocab", "embed"), "layers": layer, "final_norm": ("norm",)}
+  if cfg.is_moe:
+    mlp = {k: layer.pop(k) for k in ("gate", "up", "down")}
+    if cfg.dense_layers:
+      axes["mlp"] = mlp
+    axes["moe"] = {"router": ("layers", "embed", None),
+                   "expert_gate": ("layers", "expert", "embed", "mlp"),
+                   "expert_up": ("layers", "expert", "embed", "mlp"),
+                   "expert_down": ("layers", "expert", "mlp", "embed")}
   if not cfg.tie_word_embeddings:
     axes["lm_head"] = ("embed", "vocab")
   return axes
@@ -74,15 +134,27 @@ def param_shapes(cfg: ModelConfig) -> Params:
     layer["o_bias"] = (L, D)
   if cfg.qk_norm:
     layer.update(q_norm=(L, H), k_norm=(L, H))
+  if cfg.architecture == "gemma3":
+    layer.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
   shapes = {"embed": (V, D), "layers": layer, "final_norm": (D,)}
+  if cfg.is_moe:
+    for k in ("gate", "up", "down"):
+      del layer[k]
+    Ld, Y, E, Fe = len(cfg.dense_layers), len(cfg.moe_layers), cfg.num_experts, \
+        cfg.moe_intermediate_size
+    if Ld:
+      shapes["mlp"] = {"gate": (Ld, D, F), "up": (Ld, D, F), "down": (Ld, F, D)}
+    shapes["moe"] = {"router": (Y, D, E), "expert_gate": (Y, E, D, Fe),
+                     "expert_up": (Y, E, D, Fe), "expert_down": (Y, E, Fe, D)}
   if not cfg.tie_word_embeddings:
     shapes["lm_head"] = (D, V)
   return shapes
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
-  """Random parameters: normal(std) matrices, zero biases, unit norms. Pure; jit it with
-  ``out_shardings`` (see ``init_sharded``) to create weights directly on their devices."""
+  """Random parameters: normal(std) matrices, zero biases, unit norms (zero for Gemma's
+  (1 + weight) norms). Pure; jit it with ``out_shardings`` (see ``init_sharded``) to create
+  weights directly on their devices."""
   shapes = param_shapes(cfg)
   dtype = jnp.dtype(cfg.param_dtype)
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
@@ -92,7 +164,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
   out = []
   for path, shape, key in zip(paths, leaves, keys):
     if "norm" in path:
-      out.append(jnp.ones(shape, dtype))
+      out.append((jnp.zeros if cfg.architecture == "gemma3" else jnp.ones)(shape, dtype))
     elif "bias" in path:
       out.append(jnp.zeros(shape, dtype))
     else:
@@ -119,6 +191,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return weight.astype(x.dtype) * y.astype(x.dtype)
 
 
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """Gemma's RMSNorm: float32 normalisation times (1 + weight), result in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def _norm_fn(cfg: ModelConfig):
+  return gemma_rms_norm if cfg.architecture == "gemma3" else rms_norm
+
+
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
   """cos, sin [B,T,H] (float32) for integer positions [B,T]."""
   inv, attn_factor = rope_frequencies(cfg)
@@ -133,6 +216,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
   return x * c + rotated * s
+
+
+def local_rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [B,T,H] of the sliding-window layers (base ``rope_local_theta``, no scaling)."""
+  return rope_tables(cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=None), positions)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -166,13 +254,90 @@ def causal_mask(positions_q: jax.Array, positions_k: jax.Array,
   return mask
 
 
-def mask_attend(mask: jax.Array) -> AttendFn:
-  """Stateless AttendFn using one boolean mask [B,T,S] for every layer."""
+def mask_attend(mask: jax.Array, delta: jax.Array | None = None) -> AttendFn:
+  """Stateless AttendFn using one boolean mask [B,T,S] for every layer.
 
-  def attend(q, k, v, state):
-    return dense_attention(q, k, v, mask), state
+  ``delta`` int [B,T,S] (query minus key position) restricts sliding-window layers to their
+  window when the trunk passes an ``AttnSpec``.
+  """
+
+  def attend(q, k, v, state, spec=None):
+    if spec is None:
+      return dense_attention(q, k, v, mask), state
+    m = mask if delta is None else window_mask(spec, mask, delta)
+    return dense_attention(q, k, v, m), state
 
   return attend
+
+
+def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               attend: AttendFn, state: Any, spec: AttnSpec | None):
+  """Attention sub-block of the extended families. x [B,T,D] -> residual update [B,T,D]."""
+  dt = jnp.dtype(cfg.dtype)
+  w = lambda name: lp[name].astype(dt)
+  norm = _norm_fn(cfg)
+  h = norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("btd,dnh->btnh", h, w("q"))
+  k = jnp.einsum("btd,dkh->btkh", h, w("k"))
+  v = jnp.einsum("btd,dkh->btkh", h, w("v"))
+  if cfg.qkv_bias:
+    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+  if cfg.qk_norm:
+    q = norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    k = norm(k, lp["k_norm"], cfg.rms_norm_eps)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  if cfg.query_pre_attn_scalar is not None:  # attention divides by sqrt(H)
+    q = q * jnp.asarray(np.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), q.dtype)
+  q = sharding.constrain(q, ("batch", "length", "act_heads", None))
+  k = sharding.constrain(k, ("batch", "length", "act_kv_heads", None))
+  out, state = attend(q, k, v, state) if spec is None else attend(q, k, v, state, spec)
+  o = jnp.einsum("btnh,nhd->btd", out, w("o"))
+  if cfg.o_bias:
+    o = o + w("o_bias")
+  if cfg.architecture == "gemma3":
+    o = norm(o, lp["post_attn_norm"], cfg.rms_norm_eps)
+  return o, state
+
+
+def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
+  """MLP sub-block of the extended families: (update [B,T,D], (ids, logits) or None)."""
+  dt = jnp.dtype(cfg.dtype)
+  w = lambda name: lp[name].astype(dt)
+  norm = _norm_fn(cfg)
+  h = norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+  if "router" in lp:
+    weights, ids, logits = moe.route(h, lp["router"], cfg.num_experts_per_tok,
+                                     cfg.norm_topk_prob, routing)
+    y = moe.expert_mlp(h, weights, ids, w("expert_gate"), w("expert_up"), w("expert_down"))
+    return y, (ids, logits)
+  gate = jnp.einsum("btd,df->btf", h, w("gate"))
+  up = jnp.einsum("btd,df->btf", h, w("up"))
+  if cfg.architecture == "gemma3":
+    act = jax.nn.gelu(gate, approximate=True) * up
+  else:
+    act = jax.nn.silu(gate) * up
+  act = sharding.constrain(act, ("batch", "length", "act_mlp"))
+  y = jnp.einsum("btf,fd->btd", act, w("down"))
+  if cfg.architecture == "gemma3":
+    y = norm(y, lp["post_mlp_norm"], cfg.rms_norm_eps)
+  return y, None
+
+
+def _layer_ext(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               attend: AttendFn, state: Any, spec: AttnSpec | None, routing: jax.Array | None):
+  """One block of the MoE / Gemma families: x [B,T,D] -> ([B,T,D], state, routing or None)."""
+  with jax.named_scope("attention"):
+    o, state = _attention(cfg, lp, x, cos, sin, attend, state, spec)
+    x = x + o
+  with jax.named_scope("moe" if "router" in lp else "mlp"):
+    y, route = _mlp(cfg, lp, x, routing)
+    x = x + y
+  return sharding.constrain(x, ("batch", "length", None)), state, route
+
+
+def _extended(cfg: ModelConfig) -> bool:
+  """Families with per-layer differences (experts, layer types) or Gemma's block layout."""
+  return cfg.is_moe or cfg.architecture == "gemma3"
 
 
 def _layer(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -214,16 +379,25 @@ _REMAT = {
 
 
 def trunk(cfg: ModelConfig, params: Params, x: jax.Array, positions: jax.Array,
-          attend: AttendFn, layer_state: Any = None) -> tuple[jax.Array, Any]:
+          attend: AttendFn, layer_state: Any = None, *, routing: jax.Array | None = None,
+          return_routing: bool = False):
   """Run all layers and the final norm.
 
   Args:
     x: input embeddings [B,T,D]. positions: int [B,T] RoPE positions.
     attend: AttendFn; ``layer_state`` is a pytree with a leading L axis (e.g. a KV cache)
       that is scanned alongside the layer weights and returned updated.
+    routing: MoE models only: int [Y,B,T,X] experts to use in each MoE layer (router
+      replay; weights recomputed from the router, see ``moe.py``).
+    return_routing: MoE models only: also return the ``moe.Routing`` of this pass.
   Returns:
-    hidden [B,T,D] after the final RMSNorm, updated layer_state.
+    hidden [B,T,D] after the final RMSNorm, updated layer_state (and the Routing if asked).
   """
+  if _extended(cfg):
+    return _trunk_ext(cfg, params, x, positions, attend, layer_state, routing, return_routing)
+  if routing is not None or return_routing:
+    raise ValueError(f"routing is only defined for mixture-of-experts models, not "
+                     f"{cfg.architecture!r}")
   cos, sin = rope_tables(cfg, positions)
   x = x.astype(jnp.dtype(cfg.dtype))
 
@@ -238,8 +412,112 @@ def trunk(cfg: ModelConfig, params: Params, x: jax.Array, positions: jax.Array,
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), layer_state
 
 
-def unstack_layers(params: Params) -> list[Params]:
-  """The stacked ``params["layers"]`` ([L,...] leaves) as a list of L per-layer dicts."""
+def _segments(cfg: ModelConfig) -> list[tuple[int, int, str, int]]:
+  """Runs of consecutive layers of one kind: (first, end, kind, offset in the kind's stack).
+
+  kind "layers": the MLP is in ``params["layers"]`` (dense families, gemma3); "moe" / "mlp":
+  the MLP weights are rows offset.. of ``params["moe"]`` / ``params["mlp"]``.
+  """
+  if not cfg.is_moe:
+    return [(0, cfg.num_layers, "layers", 0)]
+  out, counts = [], {"moe": 0, "mlp": 0}
+  for i, sparse in enumerate(cfg.sparse_layers):
+    kind = "moe" if sparse else "mlp"
+    if out and out[-1][2] == kind:
+      first, _, _, off = out[-1]
+      out[-1] = (first, i + 1, kind, off)
+    else:
+      out.append((i, i + 1, kind, counts[kind]))
+    counts[kind] += 1
+  return out
+
+
+def _rows(tree: Any, lo: int, hi: int, total: int) -> Any:
+  """Leading-axis slice lo:hi of every leaf (no slice when it is the whole stack)."""
+  if tree is None or (lo == 0 and hi == total):
+    return tree
+  return jax.tree.map(lambda a: a[lo:hi], tree)
+
+
+def _layer_tables(cfg: ModelConfig, positions: jax.Array):
+  """(global cos, sin) and, with sliding layers, (local cos, sin) or None; each [B,T,H]."""
+  glob = rope_tables(cfg, positions)
+  local = local_rope_tables(cfg, positions) if cfg.rope_local_theta is not None else None
+  return glob, local
+
+
+def _select_tables(tables, sliding):
+  glob, local = tables
+  if local is None or sliding is False:
+    return glob
+  if sliding is True:
+    return local
+  return tuple(jnp.where(sliding, l, g) for l, g in zip(local, glob))
+
+
+def _spec(cfg: ModelConfig, sliding) -> AttnSpec | None:
+  if not cfg.per_layer_attention:
+    return None
+  return AttnSpec(sliding, cfg.sliding_window)
+
+
+def _trunk_ext(cfg, params, x, positions, attend, layer_state, routing, return_routing):
+  """``trunk`` for the extended families: one ``lax.scan`` per run of same-kind layers."""
+  if (routing is not None or return_routing) and not cfg.is_moe:
+    raise ValueError(f"routing is only defined for mixture-of-experts models, not "
+                     f"{cfg.architecture!r}")
+  tables = _layer_tables(cfg, positions)
+  x = x.astype(jnp.dtype(cfg.dtype))
+  sliding = jnp.asarray(cfg.sliding_layers)
+  L, Y = cfg.num_layers, len(cfg.moe_layers)
+  states, routes = [], []
+  for first, end, kind, off in _segments(cfg):
+    n = end - first
+    mlp = {} if kind == "layers" else _rows(params[kind], off, off + n,
+                                             Y if kind == "moe" else L - Y)
+    replay = None if (routing is None or kind != "moe") else routing[off:off + n]
+
+    def body(carry, xs):
+      lp, mp, st, flag, rt = xs
+      cos, sin = _select_tables(tables, flag)
+      y, st, route = _layer_ext(cfg, {**lp, **mp}, carry, cos, sin, attend, st,
+                                _spec(cfg, flag), rt)
+      return y, (st, route if return_routing else None)
+
+    if cfg.remat != "none":
+      body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+    xs = (_rows(params["layers"], first, end, L), mlp, _rows(layer_state, first, end, L),
+          sliding[first:end], replay)
+    x, (st, route) = jax.lax.scan(body, x, xs)
+    states.append(st)
+    if route is not None:
+      routes.append(route)
+  layer_state = states[0] if len(states) == 1 else jax.tree.map(
+      lambda *a: jnp.concatenate(a, axis=0), *states)
+  h = _norm_fn(cfg)(x, params["final_norm"], cfg.rms_norm_eps)
+  if not return_routing:
+    return h, layer_state
+  ids, logits = (routes[0] if len(routes) == 1 else
+                 [jnp.concatenate(parts, axis=0) for parts in zip(*routes)])
+  return h, layer_state, moe.Routing(ids, logits)
+
+
+def unstack_layers(params: Params, cfg: ModelConfig | None = None) -> list[Params]:
+  """The stacked layer weights as a list of L per-layer dicts.
+
+  Mixture-of-experts models (``params["moe"]``) need ``cfg``: each layer's dict then also
+  holds its MLP (its experts or its dense MLP).
+  """
+  if cfg is not None and cfg.is_moe:
+    base = unstack_layers({"layers": params["layers"]})
+    counts = {"moe": 0, "mlp": 0}
+    for i, sparse in enumerate(cfg.sparse_layers):
+      kind = "moe" if sparse else "mlp"
+      base[i].update(jax.tree.map(lambda a, j=counts[kind]: a[j], params[kind]))
+      counts[kind] += 1
+    return base
+  if "moe" in params:
+    raise ValueError("unstack_layers of a mixture-of-experts model needs its cfg")
   layers = params["layers"]
   L = jax.tree.leaves(layers)[0].shape[0]
   return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
@@ -251,12 +529,23 @@ def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: ja
   """``trunk`` with a Python loop over per-layer weights (``unstack_layers``).
 
   For decode steps inside a ``while_loop``: no per-step slicing of stacked weights or caches.
+  Layer kinds are static here: attention functions get ``AttnSpec.sliding`` as a Python bool.
 
   Args:
-    layers: L per-layer parameter dicts; layer_states: L per-layer attention states.
+    layers: L per-layer parameter dicts (``unstack_layers(params, cfg)``); layer_states: L
+      per-layer attention states.
   Returns:
     hidden [B,T,D] after the final RMSNorm, list of L updated states.
   """
+  if _extended(cfg):
+    tables = _layer_tables(cfg, positions)
+    x = x.astype(jnp.dtype(cfg.dtype))
+    out = []
+    for lp, st, flag in zip(layers, layer_states, cfg.sliding_layers):
+      cos, sin = _select_tables(tables, flag)
+      x, st, _ = _layer_ext(cfg, lp, x, cos, sin, attend, st, _spec(cfg, flag), None)
+      out.append(st)
+    return _norm_fn(cfg)(x, params["final_norm"], cfg.rms_norm_eps), out
   cos, sin = rope_tables(cfg, positions)
   x = x.astype(jnp.dtype(cfg.dtype))
   out = []
@@ -267,8 +556,12 @@ def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: ja
 
 
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
-  """tokens int [B,T] -> embeddings [B,T,D] in the compute dtype."""
-  x = jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+  """tokens int [B,T] -> embeddings [B,T,D] in the compute dtype (Gemma: times sqrt(D),
+  rounded to the embedding's dtype first)."""
+  x = jnp.take(params["embed"], tokens, axis=0)
+  if cfg.architecture == "gemma3":
+    x = x * jnp.asarray(np.float32(np.sqrt(cfg.hidden_size)), x.dtype)
+  x = x.astype(jnp.dtype(cfg.dtype))
   return sharding.constrain(x, ("batch", "length", None))
 
 
@@ -279,34 +572,59 @@ def lm_head_weight(cfg: ModelConfig, params: Params) -> jax.Array:
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
-  """hidden [...,D] -> float32 logits [...,V]."""
-  return jnp.einsum("...d,dv->...v", hidden, lm_head_weight(cfg, params),
-                    preferred_element_type=jnp.float32)
+  """hidden [...,D] -> float32 logits [...,V] (soft-capped where ``cfg.final_softcap``)."""
+  logits = jnp.einsum("...d,dv->...v", hidden, lm_head_weight(cfg, params),
+                      preferred_element_type=jnp.float32)
+  return softcap(logits, cfg.final_softcap)
 
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens: jax.Array,
                   positions: jax.Array | None = None,
-                  attention_mask: jax.Array | None = None) -> jax.Array:
+                  attention_mask: jax.Array | None = None, *,
+                  routing: jax.Array | None = None, return_routing: bool = False):
   """Final hidden states [B,T,D] of a causal pass.
 
   Args:
     tokens int [B,T]; positions int [B,T] (default 0..T-1); attention_mask bool [B,T]
       marks valid keys (padding excluded); causality follows ``positions``.
+    routing, return_routing: MoE router replay / recorded routing (see ``trunk``).
+  Returns:
+    hidden [B,T,D] (and the ``moe.Routing`` if ``return_routing``).
   """
   B, T = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   mask = causal_mask(positions, positions, attention_mask)
-  h, _ = trunk(cfg, params, embed(cfg, params, tokens), positions, mask_attend(mask))
-  return h
+  if not _extended(cfg):
+    if routing is not None or return_routing:
+      raise ValueError(f"routing is only defined for mixture-of-experts models, not "
+                       f"{cfg.architecture!r}")
+    h, _ = trunk(cfg, params, embed(cfg, params, tokens), positions, mask_attend(mask))
+    return h
+  delta = positions[:, :, None] - positions[:, None, :] if cfg.per_layer_attention else None
+  out = trunk(cfg, params, embed(cfg, params, tokens), positions, mask_attend(mask, delta),
+              routing=routing, return_routing=return_routing)
+  return (out[0], out[2]) if return_routing else out[0]
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
             positions: jax.Array | None = None,
-            attention_mask: jax.Array | None = None) -> jax.Array:
-  """Logits of a causal LM. tokens int32 [B,T] -> float32 [B,T,V]; positions 0..T-1 by default."""
-  return logits_from_hidden(cfg, params,
-                            hidden_states(cfg, params, tokens, positions, attention_mask))
+            attention_mask: jax.Array | None = None, *,
+            routing: jax.Array | None = None, return_routing: bool = False):
+  """Logits of a causal LM. tokens int32 [B,T] -> float32 [B,T,V]; positions 0..T-1 by default.
+
+  MoE models: ``routing`` int [Y,B,T,X] replays the given experts (router replay: the
+  weights are recomputed from the current router's probabilities of those experts);
+  ``return_routing=True`` returns ``(logits, moe.Routing)`` with the chosen ids and the
+  router logits (for ``moe.load_balancing_loss``).
+  """
+  if not return_routing and routing is None:
+    return logits_from_hidden(cfg, params,
+                              hidden_states(cfg, params, tokens, positions, attention_mask))
+  h, route = hidden_states(cfg, params, tokens, positions, attention_mask, routing=routing,
+                           return_routing=True)
+  logits = logits_from_hidden(cfg, params, h)
+  return (logits, route) if return_routing else logits
 
 
 # ------------------------------------------------------------------------------ log-probs
@@ -334,7 +652,8 @@ def token_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, targets:
 
   @jax.checkpoint
   def chunk(hc, tc):
-    z = jnp.einsum("bcd,dv->bcv", hc, w, preferred_element_type=jnp.float32) / temperature
+    z = jnp.einsum("bcd,dv->bcv", hc, w, preferred_element_type=jnp.float32)
+    z = softcap(z, cfg.final_softcap) / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     lp = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0] - lse
     if not with_entropy:

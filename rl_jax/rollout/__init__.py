@@ -6,13 +6,20 @@ Public API::
                            top_p=1.0, top_k=0, eos_id=None, seed=0)
     engine = rollout.RolloutEngine(cfg, n=8, max_slots=16, max_new_tokens=512)
     out = engine.rollout_groups(params, prompt_iter, k_groups=32, policy_version=step)
+    agent = rollout.AgentEngine(cfg, renderer, tok.decode, n=4, max_slots=8, max_turns=4)
+    out = agent.rollout(params, [rollout.EpisodeSpec(make_env, example)], policy_version=step)
 
 Modules: ``engine`` (the scheduling loop, APRIL), ``generation`` (``generate``), ``records``
 (prompts, groups, ``Rollout``), ``slots`` (engine bookkeeping), ``sampler``
-(the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``sampling`` (token draws).
+(the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``sampling`` (token draws);
+multi-turn rollouts: ``agent`` (``AgentEngine``), ``agent_loop`` (its scheduling loop),
+``agent_records``, ``agent_held`` (held groups, checkpoints), ``env_pool`` (environment
+steps off the decode loop) and ``extend`` (incremental prefill of observations).
 Axis letters: the legend of ``rl_jax/__init__.py``.
 """
 
+from rl_jax.rollout.agent import AgentEngine
+from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Renderer, env_seed
 from rl_jax.rollout.engine import RolloutEngine
 from rl_jax.rollout.generation import generate
 from rl_jax.rollout.records import (GroupRequest, Prompt, Rollout, RolloutError, Sample,
@@ -21,9 +28,13 @@ from rl_jax.rollout.sampler import DecodeState, cast_params, kv_cache_bytes, mer
 from rl_jax.rollout.sampling import SamplingParams, filter_logits, sample_logits
 
 __all__ = [
+    "AgentEngine",
+    "AgentRollout",
     "DecodeState",
+    "EpisodeSpec",
     "GroupRequest",
     "Prompt",
+    "Renderer",
     "Rollout",
     "RolloutEngine",
     "RolloutError",
@@ -31,6 +42,7 @@ __all__ = [
     "SamplingParams",
     "assemble",
     "cast_params",
+    "env_seed",
     "filter_logits",
     "generate",
     "kv_cache_bytes",

@@ -10,6 +10,10 @@ score sets share one softmax (``decode_attention``): the same result as the log-
 merge of the two partial softmaxes that prefill uses, with fewer passes, which matters in
 the per-token loop.
 
+Sliding-window layers (Gemma 3): the query at position pos sees prefix key p only if
+pos − p < window and suffix key r only if cur − r < window (``AttnSpec`` from the trunk;
+layer kinds are static in the unrolled decode step).
+
 Every sampled token is drawn from a uniform that depends only on (request id, sample id,
 token index) (``sampling.token_uniforms``), so results do not depend on batching, slots or
 the mesh.
@@ -41,7 +45,7 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
   (``pallas_kernels.merge_partials``) with fewer passes.
 
   Args:
-    q: [G,M,N,H]. prefix_k, prefix_v: [G,K,P,H]; prefix_valid: bool [G,P].
+    q: [G,M,N,H]. prefix_k, prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or [G,M,P].
     suffix_k, suffix_v: [G,M,K,R,H]; suffix_valid: bool [G,M,R].
   Returns:
     [G,M,N,H] in q's dtype.
@@ -57,7 +61,8 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
   s_pre = f32("gkah,gkph->gkap", q_pre, prefix_k).reshape(G, K, M, J, P)
   s_pre = jnp.swapaxes(s_pre, 1, 2)  # [G,M,K,J,P]
   s_suf = f32("gmkjh,gmkrh->gmkjr", qg, suffix_k)
-  valid = jnp.concatenate([jnp.broadcast_to(prefix_valid[:, None, :], (G, M, P)),
+  pre_valid = prefix_valid if prefix_valid.ndim == 3 else prefix_valid[:, None, :]
+  valid = jnp.concatenate([jnp.broadcast_to(pre_valid, (G, M, P)),
                            suffix_valid], axis=-1)[:, :, None, None, :]
   scores = jnp.where(valid, jnp.concatenate([s_pre, s_suf], axis=-1), -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)  # at least the current token is valid
@@ -74,7 +79,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   Per layer, the fed token's K/V is scattered into the sample's suffix cache at its fill
   position (in place), then the query attends its prefix and suffix (``decode_attention``).
 
-  Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params)``. One step.
+  Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params, cfg)``. One step.
   """
   G, M, R = state.tokens.shape
   P = state.prefix_k[0].shape[2]
@@ -88,12 +93,18 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   mi = jnp.broadcast_to(jnp.arange(M)[None, :], (G, M))
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
 
-  def attend(q, k, v, layer):
+  qpos = state.prefix_len[:, None] + cur  # [G,M]
+
+  def attend(q, k, v, layer, spec=None):
     l = layer
     put = lambda c, x: c.at[gi, mi, :, cur].set(x.reshape(G, M, *x.shape[2:]).astype(c.dtype))
     caches["sk"][l], caches["sv"][l] = put(caches["sk"][l], k), put(caches["sv"][l], v)
+    pv, sv = pvalid, svalid
+    if spec is not None:
+      pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))
+      sv = tx.window_mask(spec, svalid, cur[..., None] - jnp.arange(R))
     out = decode_attention(q.reshape(G, M, *q.shape[2:]), state.prefix_k[l], state.prefix_v[l],
-                           pvalid, caches["sk"][l], caches["sv"][l], svalid)
+                           pv, caches["sk"][l], caches["sv"][l], sv)
     return out.reshape(G * M, 1, *out.shape[2:]), layer
 
   x = tx.embed(cfg, params, feed.reshape(G * M, 1))
@@ -135,7 +146,7 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
       running = jnp.any((s.reason == RUNNING) & s.active[:, None])
       return running & (step < max_steps) & (finished(s) < min_finished)
 
-    layers = tx.unstack_layers(params)  # sliced once per call, not per step
+    layers = tx.unstack_layers(params, cfg)  # sliced once per call, not per step
 
     def body(carry):
       s, step = carry

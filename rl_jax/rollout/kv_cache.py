@@ -133,8 +133,8 @@ def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPara
   versions = jnp.where(hot, version, state.versions)
   length = state.length + take.astype(jnp.int32)
   is_eos = jnp.any(tok[..., None] == sp.eos_ids, axis=-1)
-  W = sp.stop_seqs.shape[-1]  # stop-sequence window (a local letter)
-  window_idx = length[..., None] - W + jnp.arange(W)  # [G,M,W]
+  w = sp.stop_seqs.shape[-1]  # stop-sequence window (a local letter)
+  window_idx = length[..., None] - w + jnp.arange(w)  # [G,M,w]
   window = jnp.take_along_axis(tokens, jnp.clip(window_idx, 0, R - 1), axis=-1)
   match = (sp.stop_seqs[None, None] < 0) | (window[:, :, None, :] == sp.stop_seqs[None, None])
   is_stop = jnp.any(jnp.all(match, axis=-1) & (sp.stop_lens > 0)

@@ -12,6 +12,9 @@ Prompt token t has RoPE position t, response token j of every sample position
 two-region log-sum-exp attention of ``pallas_kernels.lse_attention`` (the block of the
 queries' own tokens, plus the slot's prompt for resumed responses).
 
+Sliding-window layers (Gemma 3): key s is visible to query t only if their positions differ
+by less than the window (``models.transformer.window_mask``), in the block and in the prefix.
+
 Every first token is drawn from a uniform that depends only on (request id, sample id,
 token index) (``sampling.stream_words`` at admission), so results do not depend on batching,
 slots or the mesh.
@@ -43,30 +46,43 @@ def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
   Args:
     q: [G,M,T,N,H]. block_k, block_v: [G,M,T,K,H] K/V of the queries' own tokens;
       block_mask: bool [G,M,T,T] (query t may see block key s).
-    prefix: optional (k [G,P,K,H], v [G,P,K,H], valid bool [G,P]) shared by the M samples.
+    prefix: optional (k [G,P,K,H], v [G,P,K,H], valid) shared by the M samples; valid is
+      bool [G,P] (every query sees the same prefix keys) or [G,M,T,P] (per query).
   Returns:
     [G,M,T,N,H] in q's dtype.
   """
   G, M, T, N, H = q.shape
-  ctx = (None, None, None) if prefix is None else (prefix[0], prefix[1],
-                                                   prefix[2][:, None, None, :])
+  if prefix is None:
+    ctx = (None, None, None)
+  else:
+    valid = prefix[2] if prefix[2].ndim == 4 else prefix[2][:, None, None, :]
+    ctx = (prefix[0], prefix[1], valid)
   out, _ = two_region_attention(q, block_k, block_v, block_mask, *ctx, layout="head_major")
   return out.reshape(G, M, T, N, H).astype(q.dtype)
 
 
-def run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None):
+def run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None, block_delta=None,
+              prefix_delta=None):
   """Prefill trunk over tokens [G·M,T] with grouped attention.
 
   ``prefix`` = (k [L,G,P,K,H], v [L,G,P,K,H], valid bool [G,P]) is scanned with the layers.
+  Models with sliding-window layers need the position differences (query minus key) of the
+  block, ``block_delta`` int broadcastable to [G,M,T,T], and of the prefix, ``prefix_delta``
+  int [G,M,T,P].
   Returns hidden [G·M,T,D] and the block's new K/V, each [L,G,M,T,K,H].
   """
   T = tokens.shape[1]
   pre_kv = None if prefix is None else (prefix[0], prefix[1])
 
-  def attend(q, k, v, pre):
+  def attend(q, k, v, pre, spec=None):
     split = lambda a: a.reshape(G, M, T, *a.shape[2:])
-    out = grouped_attention(split(q), split(k), split(v), block_mask,
-                            prefix=None if pre is None else (pre[0], pre[1], prefix[2]))
+    bmask, pvalid = block_mask, None if prefix is None else prefix[2]
+    if spec is not None:
+      bmask = tx.window_mask(spec, bmask, block_delta)
+      if prefix is not None:
+        pvalid = tx.window_mask(spec, pvalid[:, None, None, :], prefix_delta)
+    out = grouped_attention(split(q), split(k), split(v), bmask,
+                            prefix=None if pre is None else (pre[0], pre[1], pvalid))
     return out.reshape(G * M, T, *out.shape[3:]), (split(k), split(v))
 
   x = tx.embed(cfg, params, tokens)
@@ -125,7 +141,9 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     pos = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (Bn, Pb))
     pvalid = pos < adm.prompt_len[:, None]
     causal = tx.causal_mask(pos, pos, pvalid)
-    h, pk, pv = run_trunk(cfg, params, adm.prompt, pos, Bn, 1, causal[:, None])
+    delta = (pos[:, :, None] - pos[:, None, :])[:, None]  # [Bn,1,Pb,Pb]
+    h, pk, pv = run_trunk(cfg, params, adm.prompt, pos, Bn, 1, causal[:, None],
+                          block_delta=delta)
     pk, pv = pk[:, :, 0], pv[:, :, 0]  # [L,Bn,Pb,K,H]
     last = jnp.take_along_axis(h, (adm.prompt_len - 1)[:, None, None], axis=1)[:, 0]
     logits = tx.logits_from_hidden(cfg, params, last)  # [Bn,V]
@@ -206,7 +224,9 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
     # prefix of each row's slot, [L,Br,K,P,H] -> [L,Br,P,K,H] for grouped_attention
     gather = lambda cache: jnp.swapaxes(jnp.stack([c[slot] for c in cache]), 2, 3)
     _, rk, rv = run_trunk(cfg, params, res.tokens, rpos, Br, 1, bmask[:, None],
-                          prefix=(gather(state.prefix_k), gather(state.prefix_v), pvalid))
+                          prefix=(gather(state.prefix_k), gather(state.prefix_v), pvalid),
+                          block_delta=(j[:, None] - j[None, :])[None, None],
+                          prefix_delta=(rpos[:, :, None] - jnp.arange(P)[None, None, :])[:, None])
     place = lambda cache, u: tuple(
         c.at[res.slot, res.sample, :, :T].set(jnp.swapaxes(u[l, :, 0], 1, 2).astype(c.dtype),
                                               mode="drop")

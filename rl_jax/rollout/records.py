@@ -2,7 +2,7 @@
 ``Rollout``, and validation of the engine's arguments.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (G groups, M samples per group,
-B = G·M rows); local letters as in ``sampling``: Z stop sequences, W stop window, E eos ids.
+B = G·M rows); local letters as in ``sampling``: z stop sequences, w stop window, e eos ids.
 """
 
 from __future__ import annotations
@@ -149,15 +149,15 @@ def sampling_params(cfg: ModelConfig, temperature, top_k, top_p, eos_id, stop):
     if not ids:
       raise RolloutError(f"stop sequence {i} is empty")
     seqs.append(ids)
-  W = pow2(max([len(s) for s in seqs] or [1]), 4)  # buckets: few distinct shapes
-  Z = pow2(max(len(seqs), 1), 4)
-  stop_arr = np.full((Z, W), -1, np.int32)
-  lens = np.zeros(Z, np.int32)
+  w = pow2(max([len(s) for s in seqs] or [1]), 4)  # buckets: few distinct shapes
+  z = pow2(max(len(seqs), 1), 4)
+  stop_arr = np.full((z, w), -1, np.int32)
+  lens = np.zeros(z, np.int32)
   for i, s in enumerate(seqs):
-    stop_arr[i, W - len(s):] = s
+    stop_arr[i, w - len(s):] = s
     lens[i] = len(s)
-  E = pow2(len(eos), 4)
-  eos_arr = np.full(E, -1, np.int32)
+  e = pow2(len(eos), 4)
+  eos_arr = np.full(e, -1, np.int32)
   eos_arr[:len(eos)] = eos
   sp = sampling.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
                                jnp.asarray(eos_arr), jnp.asarray(stop_arr), jnp.asarray(lens))

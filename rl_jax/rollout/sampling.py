@@ -1,7 +1,7 @@
 """Token sampling: temperature, top-k, top-p, greedy, and the exact behaviour log-prob.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (B rows, V vocab); local to
-this module: E eos ids, Z stop sequences, W stop-sequence window.
+this module (lower case, local): e eos ids, z stop sequences, w stop-sequence window.
 
 The log-prob recorded for a sampled token is ``log_softmax(filtered)[token]`` where
 ``filtered`` is the tempered logits with every token outside the top-k / top-p set at -inf:
@@ -31,9 +31,9 @@ class SamplingParams(NamedTuple):
     temperature: float32 scalar; 0 means greedy.
     top_k: int32 scalar; 0 disables top-k.
     top_p: float32 scalar in (0, 1]; 1 disables top-p.
-    eos_ids: int32 [E] end-of-sequence ids (-1 entries are padding).
-    stop_seqs: int32 [Z,W] stop sequences, right-aligned, left-padded with -1.
-    stop_lens: int32 [Z] true length of each stop sequence (0 = unused row).
+    eos_ids: int32 [e] end-of-sequence ids (-1 entries are padding).
+    stop_seqs: int32 [z,w] stop sequences, right-aligned, left-padded with -1.
+    stop_lens: int32 [z] true length of each stop sequence (0 = unused row).
   """
 
   temperature: jax.Array

@@ -26,7 +26,7 @@ from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, DataError, RLJaxError
 from rl_jax.train import speculative_stage
-from rl_jax.train.inputs import PROVIDED_INPUTS
+from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
 
 __all__ = ["Optimizers", "Setup", "build_setup", "device_rules", "PROVIDED_INPUTS"]
 
@@ -99,7 +99,7 @@ def make_objective(config) -> losses.Objective:
     obj = losses.get_objective(config.loss.preset, **knobs)
   except ValueError as e:
     raise ConfigError(f"loss: {e}") from None
-  missing = sorted(obj.needs - PROVIDED_INPUTS)
+  missing = sorted(obj.needs - SINGLE_TURN_INPUTS)
   if missing:
     raise ConfigError(f"loss: the objective ({config.loss.preset}) needs {missing}, which the "
                       "trainer does not compute; use it through rl_jax.losses directly")

@@ -33,7 +33,7 @@ def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
   chunks of exactly the training batch's G groups (the last one padded with copies of its
   last prompt, dropped after), M samples each, prompt ``i`` on key stream ``i``."""
   c = s.config
-  G, M = s.geometry.rows, s.geometry.row_size  # (U, m) with adaptive group size
+  G, M = s.geometry.rows, s.geometry.row_size  # (W, m) with adaptive group size
   if not (c.eval.share_programs and k <= M):
     out = generate(s, params, prompts, n=k, temperature=temperature, seed=seed)
     return np.asarray(out.tokens), np.asarray(out.mask)

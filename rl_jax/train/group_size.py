@@ -1,10 +1,10 @@
 """Adaptive group size (``data.group_size="adaptive"``): samples per prompt from its success rate.
 
 A step's sample budget is B = G·M rows (``Setup.geometry``: groups × samples). It is cut
-into U = B / m chunks of m = ``data.group_chunk`` samples; every chunk is one prompt repeated
-m times, so the sampler and the prompt-once layout always see the same [U, m, R] shapes
+into W = B / m chunks of m = ``data.group_chunk`` samples; every chunk is one prompt repeated
+m times, so the sampler and the prompt-once layout always see the same [W, m, R] shapes
 (nothing recompiles when the allocation changes). Each of the step's G prompts gets
-k_i >= 1 chunks (n_i = k_i·m samples, Σ k_i = U, k_i <= X), chosen to maximise the
+k_i >= 1 chunks (n_i = k_i·m samples, Σ k_i = W, k_i <= Z), chosen to maximise the
 expected number of prompts whose samples are not all equal (the only groups GRPO learns
 from) under each prompt's Beta(α_i, β_i) posterior on its success rate p_i::
 
@@ -19,14 +19,14 @@ almost nothing. References: sGPO ("Trading Inference FLOPs for Training Efficien
 RLVR": group size from the inverse success rate); XRPO (Explore-eXploit GRPO: a rollout
 allocator favouring prompts with the most uncertainty to resolve).
 
-Advantages are per prompt, across its chunks: the learner regroups the [U, m] rows into
-[G, X·m] with the missing samples' rewards set to NaN (every estimator leaves non-finite
+Advantages are per prompt, across its chunks: the learner regroups the [W, m] rows into
+[G, Z·m] with the missing samples' rewards set to NaN (every estimator leaves non-finite
 rewards out of its statistics and gives them advantage 0), runs the run's estimator
-unchanged, and scatters the result back to [U, m].
+unchanged, and scatters the result back to [W, m].
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G prompts, M samples per prompt
-(plain), U chunks, m chunk size,
-X most chunks of one prompt, R new tokens.
+(plain), W chunks, m chunk size,
+Z most chunks of one prompt, R new tokens.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def allocate(alpha: np.ndarray, beta: np.ndarray, chunks: int, chunk: int,
   """Chunks per prompt: k int64 [G], k_i >= 1, Σ k = ``chunks``, k_i <= ``cap``.
 
   Greedy on the concave gains ``f((k+1)·chunk) − f(k·chunk)`` (``mixed_prob``); ties go to
-  the earlier prompt. Args: alpha, beta float [G] posteriors; chunks U; chunk m; cap X
+  the earlier prompt. Args: alpha, beta float [G] posteriors; chunks W; chunk m; cap Z
   (None: no cap).
   """
   alpha, beta = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
@@ -76,8 +76,8 @@ def allocate(alpha: np.ndarray, beta: np.ndarray, chunks: int, chunk: int,
 
 
 def prompt_spread(rewards: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
-  """Whether each prompt's rewards are not all equal: bool [G] from rewards [U, m] and the
-  prompt of each chunk ``groups`` int [U] (None: one prompt per row)."""
+  """Whether each prompt's rewards are not all equal: bool [G] from rewards [W, m] and the
+  prompt of each chunk ``groups`` int [W] (None: one prompt per row)."""
   if groups is None:
     return np.ptp(rewards, axis=1) > 0
   G = int(groups.max()) + 1
@@ -95,29 +95,29 @@ def zero_variance_fraction(rewards: np.ndarray, groups: np.ndarray | None) -> fl
   return float(np.mean(~prompt_spread(rewards, groups)))
 
 
-def regroup_index(groups: np.ndarray, G: int, m: int, X: int) -> tuple[np.ndarray, np.ndarray]:
-  """Where the rows of U chunks (prompt ``groups`` int [U], in order) sit in [G, X·m].
+def regroup_index(groups: np.ndarray, G: int, m: int, Z: int) -> tuple[np.ndarray, np.ndarray]:
+  """Where the rows of W chunks (prompt ``groups`` int [W], in order) sit in [G, Z·m].
 
-  Returns (gather int32 [G, X·m]: the row in [U·m] of each slot, -1 for a missing sample;
-  scatter int32 [U·m]: the flat slot in [G·X·m] of each row). A prompt's chunks fill its
+  Returns (gather int32 [G, Z·m]: the row in [W·m] of each slot, -1 for a missing sample;
+  scatter int32 [W·m]: the flat slot in [G·Z·m] of each row). A prompt's chunks fill its
   slots in chunk order.
   """
   groups = np.asarray(groups, np.int64)
-  U = len(groups)
+  W = len(groups)
   seen = np.zeros(G, np.int64)
-  scatter = np.empty(U * m, np.int64)
+  scatter = np.empty(W * m, np.int64)
   for c, g in enumerate(groups):
-    if seen[g] >= X:
-      raise ValueError(f"prompt {g} has more than {X} chunks")
-    scatter[c * m:(c + 1) * m] = g * X * m + seen[g] * m + np.arange(m)
+    if seen[g] >= Z:
+      raise ValueError(f"prompt {g} has more than {Z} chunks")
+    scatter[c * m:(c + 1) * m] = g * Z * m + seen[g] * m + np.arange(m)
     seen[g] += 1
-  gather = np.full(G * X * m, -1, np.int64)
-  gather[scatter] = np.arange(U * m)
-  return gather.reshape(G, X * m).astype(np.int32), scatter.astype(np.int32)
+  gather = np.full(G * Z * m, -1, np.int64)
+  gather[scatter] = np.arange(W * m)
+  return gather.reshape(G, Z * m).astype(np.int32), scatter.astype(np.int32)
 
 
 def regroup_inputs(x: losses.ObjectiveInputs, gather) -> losses.ObjectiveInputs:
-  """[U, m, ...] objective inputs -> [G, X·m, ...]: missing samples get NaN rewards (and
+  """[W, m, ...] objective inputs -> [G, Z·m, ...]: missing samples get NaN rewards (and
   reward components), False masks and zeros elsewhere."""
   gather = jnp.asarray(gather)
   ok = gather >= 0
@@ -136,25 +136,25 @@ def regroup_inputs(x: losses.ObjectiveInputs, gather) -> losses.ObjectiveInputs:
   return losses.ObjectiveInputs(**{k: take(k, v) for k, v in x._asdict().items()})
 
 
-def ungroup(a, scatter, U: int, m: int):
-  """[G, X·m, ...] per-slot values -> the [U, m, ...] rows (``regroup_index``'s scatter)."""
+def ungroup(a, scatter, W: int, m: int):
+  """[G, Z·m, ...] per-slot values -> the [W, m, ...] rows (``regroup_index``'s scatter)."""
   if a is None:
     return None
   flat = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-  return jnp.take(flat, jnp.asarray(scatter), axis=0).reshape(U, m, *a.shape[2:])
+  return jnp.take(flat, jnp.asarray(scatter), axis=0).reshape(W, m, *a.shape[2:])
 
 
 def per_prompt_advantages(objective: Any, x: losses.ObjectiveInputs, groups: np.ndarray,
-                          G: int, X: int) -> losses.Advantages:
-  """The objective's estimator over each prompt's chunks together: inputs [U, m, ...] and the
-  prompt ``groups`` int [U] of each chunk -> ``Advantages`` on the [U, m] rows."""
-  U, m = x.rewards.shape
-  gather, scatter = regroup_index(groups, G, m, X)
+                          G: int, Z: int) -> losses.Advantages:
+  """The objective's estimator over each prompt's chunks together: inputs [W, m, ...] and the
+  prompt ``groups`` int [W] of each chunk -> ``Advantages`` on the [W, m] rows."""
+  W, m = x.rewards.shape
+  gather, scatter = regroup_index(groups, G, m, Z)
   out = objective.advantages_from(regroup_inputs(x, gather))
   sharding = getattr(x.rewards, "sharding", None)  # rows split like the inputs' rows
 
   def back(a):
-    a = ungroup(a, scatter, U, m)
+    a = ungroup(a, scatter, W, m)
     return a if a is None or sharding is None else jax.device_put(a, sharding)
 
   return losses.Advantages(back(out.advantages), back(out.returns), back(out.keep))

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from rl_jax import losses
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["Source", "Input", "INPUTS", "PROVIDED_INPUTS", "SHAPES", "provided", "make_inputs",
+__all__ = ["Source", "Input", "INPUTS", "PROVIDED_INPUTS", "SINGLE_TURN_INPUTS", "SHAPES",
+           "provided", "make_inputs",
            "abstract_inputs"]
 
 
@@ -38,6 +39,7 @@ class Source(NamedTuple):
   generated_mask: Any
   behaviour_logp: Any
   seed: int
+  turns: Any = None  # multi-turn rollouts: a mapping with the losses.TURN_FIELDS arrays
 
 
 class Input(NamedTuple):
@@ -75,16 +77,23 @@ INPUTS: dict[str, Input] = {
     "reward_components": Input("components", jnp.float32, False, lambda x: x.rewards[..., None]),
     "values": Input("tokens", jnp.float32, False,
                     lambda x: x.steps.values(x.state.value_params, *x.args)),
+    # per-turn fields of multi-turn trajectories (only an agentic producer has them)
+    "turn_rewards": Input("turns", jnp.float32, False, lambda x: x.turns["turn_rewards"]),
+    "turn_ids": Input("tokens", jnp.int32, False, lambda x: x.turns["turn_ids"]),
+    "turn_states": Input("turns", jnp.int32, False, lambda x: x.turns["turn_states"]),
 }
 assert set(INPUTS) == set(losses.INPUT_FIELDS), "every ObjectiveInputs field has one entry"
 
 # What the trainer can hand an objective: every input of the table, and the per-token
-# entropy of the policy (computed inside the update). build_setup rejects anything else.
+# entropy of the policy (computed inside the update). build_setup rejects anything else; the
+# per-turn fields (losses.TURN_FIELDS) only for multi-turn (agentic) runs.
 PROVIDED_INPUTS = frozenset(INPUTS) | {"entropy"}
+SINGLE_TURN_INPUTS = PROVIDED_INPUTS - frozenset(losses.TURN_FIELDS)
 
 # shape kind -> the shape for G row groups of M samples and R tokens
 SHAPES = {"rows": lambda G, M, R: (G, M), "tokens": lambda G, M, R: (G, M, R),
           "components": lambda G, M, R: (G, M, 1)}
+# (the "turns" kind, [G,M,U], is sized by the agentic producer: U = the most turns of a row)
 
 
 def provided(needs) -> list[str]:

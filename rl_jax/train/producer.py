@@ -17,7 +17,7 @@ decided once per run (``source``), never inside a step:
 
 Every source ends in the same scoring stage (the task's verifier, DAPO overlong shaping).
 
-Shapes (the package legend, ``rl_jax/__init__.py``): G groups (row groups: U chunks with
+Shapes (the package legend, ``rl_jax/__init__.py``): G groups (row groups: W chunks with
 adaptive group size), M samples per group, R new tokens.
 """
 

@@ -13,7 +13,7 @@
   probabilities live in ``TrainState.selector``.
 * ``data.group_size="adaptive"`` (with selector none or beta): the G prompts get k_i chunks
   of m samples each from their Beta posteriors (``rl_jax.train.group_size``); the rolled
-  out ``Scored`` has U = G·M/m chunks and ``groups`` (the prompt of each chunk).
+  out ``Scored`` has W = G·M/m chunks and ``groups`` (the prompt of each chunk).
 * ``"beta"``: draw ``ceil(data.select_pool · G)`` candidates, roll out the G best by their
   Beta posterior (``data.beta_mode``), then update every posterior with decay
   ``data.beta_decay`` (successes: rewards > 0.5).
@@ -24,7 +24,7 @@ With ``loss.preset="dapo"`` and ``data.selector="none"`` the selector is ``"dapo
 Every draw is a function of (train.seed, step, stream); the per-prompt state is part of
 the checkpoint, so a resumed run selects exactly what the uninterrupted run selects.
 
-Shapes (package legend): G groups, M samples per prompt, R new tokens; E train prompts.
+Shapes (package legend): G groups, M samples per prompt, R new tokens; I train prompts.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def shape_rewards(c, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def selector_state(c, num_prompts: int) -> dict:
   """``TrainState.selector`` of a fresh run (host arrays; ``{}`` without per-prompt state).
 
-  greso: streak int32 [E], kind int8 [E], p float32 [2] (p_easy, p_hard).
-  beta (and adaptive group size): alpha, beta float32 [E] at the Beta(1, 1) prior.
+  greso: streak int32 [I], kind int8 [I], p float32 [2] (p_easy, p_hard).
+  beta (and adaptive group size): alpha, beta float32 [I] at the Beta(1, 1) prior.
   """
   sel = effective_selector(c)
   if sel == "greso":
@@ -178,7 +178,7 @@ def _adaptive(c, data, sel, next_indices, roll, step, seed):
   """Adaptive group size (``rl_jax.train.group_size``): G prompts (the sampler's next, or the
   Beta selector's choice), k_i chunks of m samples each from their posteriors."""
   geo = config_lib.geometry(c)
-  G, U, m = geo.groups, geo.rows, geo.row_size
+  G, W, m = geo.groups, geo.rows, geo.row_size
   bs = _beta_state(c, sel, seed)
   if effective_selector(c) == "beta":
     pool = math.ceil(c.data.select_pool * G)
@@ -187,7 +187,7 @@ def _adaptive(c, data, sel, next_indices, roll, step, seed):
   else:
     pool = G
     idx, data = next_indices(data, G)
-  k = group_size.allocate(bs.alpha[idx], bs.beta[idx], U, m, geo.max_chunks)
+  k = group_size.allocate(bs.alpha[idx], bs.beta[idx], W, m, geo.max_chunks)
   groups = np.repeat(np.arange(G), k).astype(np.int32)
   out = roll(np.repeat(idx, k), 0)._replace(groups=groups)
   new = _beta_update(bs, idx, out, groups, (k * m).astype(np.float64))

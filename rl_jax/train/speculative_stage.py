@@ -3,15 +3,15 @@ the drafts of its next visit.
 
 ``TrainState.spec_drafts`` keeps, per train prompt, its M most recent responses and the full
 sampling distribution each token was drawn from (``rl_jax.rollout.speculative``): tokens
-int32 [E,M,R], length int32 [E,M] (0 = no draft yet), logq float32 [E,M,R,V]. A step
+int32 [I,M,R], length int32 [I,M] (0 = no draft yet), logq float32 [I,M,R,V]. A step
 verifies the drafts of its prompts with one teacher-forced pass of the current policy,
 keeps the accepted prefixes (exact speculative sampling: the replacement token at a
 rejection comes from the residual distribution), decodes only the rest, and stores the
 final responses with the current policy's distributions as the next drafts. Memory of the
-drafts: E·M·R·V·4 bytes (the full distributions are what makes the residual draw exact).
+drafts: I·M·R·V·4 bytes (the full distributions are what makes the residual draw exact).
 
 Shapes (package legend): G groups, M samples per prompt, P prompt bucket, R new tokens,
-V vocab; E train prompts.
+V vocab; I train prompts.
 """
 
 from __future__ import annotations

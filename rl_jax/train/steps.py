@@ -123,7 +123,7 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
 
 
 def _groups(s: Setup) -> int:
-  """Row groups of a step's batch: G, or U chunks with adaptive group size."""
+  """Row groups of a step's batch: G, or W chunks with adaptive group size."""
   return s.geometry.rows
 
 

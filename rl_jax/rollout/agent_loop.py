@@ -1,0 +1,351 @@
+"""The scheduling loop of ``AgentEngine`` (one ``rollout`` call) and its group records.
+
+Each iteration: apply returned environment steps (``collect``), fill free slots (groups
+returning from eviction first, then new groups; ``admit``, evicting groups whose KV
+time-to-live expired when work waits), append returned observations by incremental prefill
+(``extend``), record turns that ended and submit their environment steps (``turn_ends``),
+and decode until the next turn ends (``decode``). With ``turn_sync`` the loop waits at each
+turn for every environment step of the resident samples before anything continues.
+
+Axis letters: the legend of ``rl_jax/__init__.py`` (G slots, M samples, P prompt
+cache length, R trajectory cache length); Bn, Pb, Br, Be, C are the admission, prompt,
+resume, extension and chunk buckets.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.envs.base import Message
+from rl_jax.rollout import kv_cache, prefill, slots
+from rl_jax.rollout.agent_records import (AgentRollout, Trajectory, assemble_trajectories,
+                                          error_count)
+from rl_jax.rollout.env_pool import observation_ids
+from rl_jax.rollout.extend import Extension, decode_turns, extend
+from rl_jax.rollout.records import pow2
+
+__all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "apply_outcome",
+           "poll_outcomes"]
+
+RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
+STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
+             "reprefill_tokens", "decode_calls")
+
+
+class Group:
+  """A group in flight: its samples' trajectories and scheduling status."""
+
+  def __init__(self, uid: int, prompt: list[int], trajs: list[Trajectory], spec):
+    self.uid, self.prompt, self.trajs, self.spec = uid, prompt, trajs, spec
+    self.meta = spec.meta
+    M = len(trajs)
+    self.status = [RUN] * M
+    self.budget = [0] * M  # length limit of the current turn (the device's ``budget``)
+    self.turn_start = [0] * M  # trajectory index of the current turn's first model token
+    self.epoch = [0] * M  # restarts (the staleness bound): late outcomes of old epochs drop
+    self.resumed = 0  # calls this group was held across
+    self.chunk: list[list[int] | None] = [None] * M  # observation ids waiting for ``extend``
+    self.since = [0.0] * M  # when the sample's environment step was submitted
+    self.cut = [False] * M  # the turn ended on its budget (stop id appended)
+    self.evicted = [False] * M  # KV dropped since the turn ended (a re-prefill)
+    self.slot: int | None = None
+
+  @property
+  def done(self) -> bool:
+    return all(s == DONE for s in self.status)
+
+  def has(self, status: str) -> bool:
+    return status in self.status
+
+
+class Loop:
+  """One ``rollout`` call: the scheduling loop over the engine's slots."""
+
+  def __init__(self, eng, params, policy_version: int):
+    self.e, self.params = eng, params
+    self.version = jnp.int32(policy_version)
+    self.key = jax.random.key(eng.seed, impl="threefry2x32")
+    self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R)
+    self.slot_group: list[Group | None] = [None] * eng.G
+    self.queue: collections.deque[Group] = collections.deque()
+    self.evicted: list[Group] = []
+    self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
+    self.sync = eng.schedule == "turn_sync"
+
+  def run(self, groups: list[Group], min_complete: int | None = None):
+    """Serve ``groups`` until ``min_complete`` are complete (None = all).
+
+    Returns:
+      (complete groups in completion order, unfinished groups in submission order: their
+      partial turns are copied back to the host and their slots freed).
+    """
+    t0 = time.perf_counter()
+    want = len(groups) if min_complete is None else min(min_complete, len(groups))
+    self.queue.extend(g for g in groups if not g.done)
+    complete = [g for g in groups if g.done]
+    while len(complete) < want:
+      self.step()
+      seen = {id(g) for g in complete}
+      complete += [g for g in groups if g.done and id(g) not in seen]
+    self.hold()
+    self.stats["seconds"] = time.perf_counter() - t0
+    done = {id(g) for g in complete}
+    return complete, [g for g in groups if id(g) not in done]
+
+  def hold(self):
+    """Copy the partial turns of decoding samples to their records; free every slot."""
+    live = [(g, m, grp) for g, grp in self.resident() for m, s in enumerate(grp.status)
+            if s == RUN]
+    if live:
+      host = jax.device_get((self.state.tokens, self.state.logprobs, self.state.versions,
+                             self.state.length))
+      for g, m, grp in live:
+        t, n1 = grp.trajs[m], int(host[3][g, m])
+        n0 = len(t.tokens)
+        t.append(host[0][g, m, n0:n1], host[1][g, m, n0:n1], host[2][g, m, n0:n1], True,
+                 len(t.actions))
+    for g, grp in self.resident():
+      self.slot_group[g], grp.slot = None, None
+
+  def result(self, groups: list[Group]) -> AgentRollout:
+    """The AgentRollout of complete ``groups`` with this call's stats."""
+    e, s = self.e, self.stats
+    out = assemble_trajectories([(g.uid, g.prompt, g.trajs, g.meta) for g in groups], e.R,
+                                e.max_turns)
+    seconds = s.pop("seconds", 0.0)
+    out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
+                     kv_hit_rate=s["kv_hits"] / max(s["resumes"], 1),
+                     trajectories_per_s=len(groups) * e.M / max(seconds, 1e-9))
+    return out
+
+  # ---------------------------------------------------------------- one iteration
+  def resident(self):
+    return [(g, grp) for g, grp in enumerate(self.slot_group) if grp is not None]
+
+  def step(self):
+    progressed = self.collect()
+    if self.sync and any(grp.has(WAIT) for _, grp in self.resident()):
+      self.e.pool.wait(0.02)  # the barrier: every environment step of the turn returns
+      return
+    progressed |= self.admit()
+    progressed |= self.extend()
+    progressed |= self.turn_ends()
+    if any(grp.has(RUN) for _, grp in self.resident()):
+      self.decode()
+      self.turn_ends()
+    elif not progressed:
+      self.e.pool.wait(0.02)
+
+  def collect(self) -> bool:
+    """Apply returned environment steps: rewards, counters, observation chunks."""
+    outcomes = poll_outcomes(self.e, self.stats)
+    for grp in list(self.evicted):
+      if grp.done:
+        self.evicted.remove(grp)
+    for g, grp in self.resident():
+      if grp.done:  # harvest: the slot is free
+        self.slot_group[g], grp.slot = None, None
+    return bool(outcomes)
+
+  def admit(self) -> bool:
+    """Fill free slots: groups returning from eviction first, then new groups."""
+    e = self.e
+    free = [g for g, grp in enumerate(self.slot_group) if grp is None]
+    returning = [grp for grp in self.evicted if grp.has(READY)]
+    want = len(returning) + len(self.queue)
+    if want > len(free) and not self.sync and e.ttl is not None:
+      free += self.evict(want - len(free))
+    batch = []
+    for g in free:
+      if returning:
+        grp = returning.pop(0)
+        self.evicted.remove(grp)
+      elif self.queue:
+        grp = self.queue.popleft()
+      else:
+        break
+      grp.slot, self.slot_group[g] = g, grp
+      batch.append((g, grp))
+    if not batch:
+      return False
+    Bn = min(e.G, pow2(len(batch), 4))
+    Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
+    a, rebuild = self.admission(batch, Bn, Pb)
+    self.state = prefill.admit(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
+                               self.version, self.key, filtered=e.filtered)
+    if rebuild:  # re-prefill evicted samples from their full history
+      Br, T = slots.resume_shape(len(rebuild), max(len(t) for *_, t in rebuild), G=e.G,
+                                 M=e.M, R=e.R)
+      for i in range(0, len(rebuild), Br):
+        res = slots.resume_rows(Br, T, e.G)
+        for r, (g, m, toks) in enumerate(rebuild[i:i + Br]):
+          res.slot[r], res.sample[r], res.length[r] = g, m, len(toks)
+          res.tokens[r, :len(toks)] = toks
+          self.stats["reprefill_tokens"] += len(toks) - 1
+        self.state = prefill.resume(e.cfg, self.params, self.state, res)
+    return True
+
+  def admission(self, batch, Bn: int, Pb: int):
+    """Admission arrays for (slot, group) pairs and the samples whose K/V is rebuilt."""
+    e = self.e
+    M, R = e.M, e.R
+    a = dict(slots=np.full(Bn, e.G, np.int32), prompt=np.zeros((Bn, Pb), np.int32),
+             prompt_len=np.ones(Bn, np.int32), tokens=np.zeros((Bn, M, R), np.int32),
+             logprobs=np.zeros((Bn, M, R), np.float32),
+             versions=np.full((Bn, M, R), -1, np.int32), length=np.zeros((Bn, M), np.int32),
+             reason=np.zeros((Bn, M), np.int32),
+             budget=np.full((Bn, M), min(e.max_turn, e.max_total), np.int32),
+             request_id=np.zeros(Bn, np.int32), sample_id=np.tile(np.arange(M, dtype=np.int32),
+                                                                  (Bn, 1)))
+    rebuild = []
+    for b, (g, grp) in enumerate(batch):
+      a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.uid
+      a["prompt"][b, :len(grp.prompt)] = grp.prompt
+      for m, t in enumerate(grp.trajs):
+        n = len(t.tokens)
+        if n == 0:  # a fresh sample: its first token is drawn by ``admit``
+          grp.budget[m], grp.turn_start[m] = int(a["budget"][b, m]), 0
+          continue
+        a["tokens"][b, m, :n], a["length"][b, m] = t.tokens, n
+        a["logprobs"][b, m, :n], a["versions"][b, m, :n] = t.logprobs, t.versions
+        a["budget"][b, m] = grp.budget[m]
+        if grp.status[m] != RUN:
+          a["reason"][b, m] = kv_cache.EOS  # waiting or done: not decoding
+        if grp.status[m] != DONE and n > 1:
+          rebuild.append((g, m, t.tokens))
+    return a, rebuild
+
+  def evict(self, need: int) -> list[int]:
+    """Free up to ``need`` slots whose groups all wait on environments past the TTL."""
+    e, now, freed = self.e, time.monotonic(), []
+    for g, grp in self.resident():
+      if len(freed) >= need:
+        break
+      if grp.has(RUN) or grp.has(READY) or not grp.has(WAIT):
+        continue
+      if any(now - grp.since[m] < e.ttl for m, s in enumerate(grp.status) if s == WAIT):
+        continue
+      for m, s in enumerate(grp.status):
+        grp.evicted[m] |= s == WAIT
+      self.slot_group[g], grp.slot = None, None
+      self.evicted.append(grp)
+      self.stats["evictions"] += 1
+      freed.append(g)
+    return freed
+
+  def extend(self) -> bool:
+    """Incremental prefill of returned observations; the samples resume decoding."""
+    e = self.e
+    rows = [(g, m, grp) for g, grp in self.resident() for m, s in enumerate(grp.status)
+            if s == READY]
+    if not rows:
+      return False
+    Be = min(e.G * e.M, pow2(len(rows), 4))
+    C = min(e.R, pow2(max(len(grp.chunk[m]) + 1 for _, m, grp in rows), 16))
+    for i in range(0, len(rows), Be):
+      x = Extension(np.full(Be, e.G, np.int32), np.zeros(Be, np.int32),
+                    np.zeros(Be, np.int32), np.zeros((Be, C), np.int32),
+                    np.ones(Be, np.int32), np.zeros(Be, np.int32))
+      for r, (g, m, grp) in enumerate(rows[i:i + Be]):
+        t, chunk = grp.trajs[m], grp.chunk[m]
+        x.slot[r], x.sample[r], x.start[r] = g, m, len(t.tokens) - 1
+        x.tokens[r, 0], x.tokens[r, 1:1 + len(chunk)] = t.tokens[-1], chunk
+        x.count[r] = 1 + len(chunk)
+        x.budget[r] = min(len(t.tokens) + len(chunk) + e.max_turn, e.max_total)
+        grp.budget[m], grp.turn_start[m] = int(x.budget[r]), len(t.tokens) + len(chunk)
+        t.append(chunk, [0.0] * len(chunk), [-1] * len(chunk), False, len(t.actions) - 1)
+        self.stats["resumes"] += 1
+        self.stats["kv_hits"] += int(not grp.evicted[m])
+        grp.evicted[m], grp.chunk[m], grp.status[m] = False, None, RUN
+      self.state, _ = extend(e.cfg, self.params, self.state, x, e.sp, self.version,
+                             filtered=e.filtered)
+    return True
+
+  def decode(self):
+    """Decode until a turn ends (continuous) or every turn of the batch ends (turn_sync)."""
+    e = self.e
+    poll = not self.sync and len(e.pool) > 0
+    steps = e.poll_steps if poll else e.R
+    stop = e.G * e.M if self.sync else 1
+    self.state, _ = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
+                                 jnp.int32(steps), jnp.int32(stop), filtered=e.filtered)
+    self.stats["decode_calls"] += 1
+
+  def turn_ends(self) -> bool:
+    """Record the turns that ended on device and submit their environment steps."""
+    e = self.e
+    live = [(g, m, grp) for g, grp in self.resident() for m, s in enumerate(grp.status)
+            if s == RUN]
+    if not live:
+      return False
+    reason, length = jax.device_get((self.state.reason, self.state.length))
+    ended = [(g, m, grp) for g, m, grp in live if reason[g, m] != kv_cache.RUNNING]
+    if not ended:
+      return False
+    tokens, logprobs, versions = jax.device_get((self.state.tokens, self.state.logprobs,
+                                                 self.state.versions))
+    now = time.monotonic()
+    for g, m, grp in ended:
+      t = grp.trajs[m]
+      n0, n1 = len(t.tokens), int(length[g, m])
+      new = tokens[g, m, n0:n1]
+      t.append(new, logprobs[g, m, n0:n1], versions[g, m, n0:n1], True, len(t.actions))
+      stopped = reason[g, m] == kv_cache.EOS and int(new[-1]) in e.stop
+      grp.cut[m] = not stopped
+      t.truncated_turn |= not stopped and n1 < e.max_total
+      turn = t.tokens[grp.turn_start[m]:n1]
+      action = e.detokenize(turn[:-1] if stopped else turn)
+      t.actions.append(action)
+      t.turn_ends.append(n1)
+      t.messages.append(Message("assistant", action))
+      history = tuple(t.messages)
+      render = lambda msgs, h=history: observation_ids(e.renderer, h, msgs, e.max_obs)
+      e.pool.submit((grp.uid, m, grp.epoch[m]), t.env, action, render)
+      grp.status[m], grp.since[m] = WAIT, now
+    return True
+
+
+def apply_outcome(e, grp: Group, m: int, out) -> None:
+  """Apply one environment step's outcome to sample m: reward, counters, and either the
+  episode's end (done, max turns, no room left) or the observation chunk (READY)."""
+  t, res = grp.trajs[m], out.result
+  t.turn_rewards.append(float(res.reward))
+  t.env_time += out.elapsed
+  t.tool_calls += int(res.info.get("tool_calls", 0))
+  t.tool_errors += error_count(res.info.get("tool_errors", 0))
+  t.timeouts += int(out.timed_out)
+  t.env_errors += int(out.error is not None and not out.timed_out)
+  chunk = (list(e.renderer.end_of_turn_ids[:1]) if grp.cut[m] else []) + list(out.ids)
+  if res.done:
+    t.finish = "done"
+  elif len(t.actions) >= e.max_turns:
+    t.finish = "max_turns"
+  elif len(t.tokens) + len(chunk) + 1 > e.max_total:
+    t.finish = "max_tokens"  # no room for the observation and a model token
+  else:
+    t.truncated_obs |= out.truncated
+    t.messages.extend(out.messages)
+    grp.chunk[m], grp.status[m] = chunk, READY
+  if t.finish is not None:
+    grp.status[m] = DONE
+
+
+def poll_outcomes(e, stats=None) -> bool:
+  """Apply every finished environment step of the engine's live groups (never blocks);
+  outcomes of restarted samples are dropped. Returns whether any step finished."""
+  outcomes = e.pool.poll()
+  for (uid, m, epoch), out in outcomes:
+    grp = e.live.get(uid)
+    if grp is None or grp.epoch[m] != epoch:
+      continue  # the sample was restarted (or its group returned): a stale outcome
+    apply_outcome(e, grp, m, out)
+    if stats is not None:
+      stats["env_steps"] += 1
+      stats["timeouts"] += int(out.timed_out)
+      stats["env_errors"] += int(out.error is not None and not out.timed_out)
+  return bool(outcomes)

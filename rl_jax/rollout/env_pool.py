@@ -1,0 +1,144 @@
+"""Environment steps off the decode loop: a thread pool with per-step time-outs, and the
+rendering of observations into token ids (with the per-turn observation limit).
+
+A step runs ``env.step(action)`` then renders the environment's messages with the
+renderer's ``delta_ids`` in a worker thread, so the host loop keeps the device decoding.
+An exception raised by the environment, or a step running longer than the time-out (counted
+from when the worker starts it, not from submission), becomes an error observation
+(``error_message``) that is flagged in the outcome; the loop never crashes or stalls on it.
+A timed-out worker cannot be interrupted: its late result is discarded (size the pool for
+the steps that may hang).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+from rl_jax.envs.base import Message, StepResult
+
+__all__ = ["EnvPool", "StepOutcome", "error_message", "observation_ids"]
+
+
+@dataclasses.dataclass
+class StepOutcome:
+  """One finished environment step.
+
+  result: the environment's StepResult (a stand-in with the error observation after a
+  time-out or an exception). ids: observation ids to append (``delta_ids``, truncated).
+  messages: the messages those ids render (contents cut when truncated).
+  truncated: the observation was cut to the limit. elapsed: seconds in the step.
+  timed_out: the step ran past the time-out. error: the exception's text, else None.
+  """
+
+  result: StepResult
+  ids: list[int]
+  messages: tuple[Message, ...]
+  truncated: bool
+  elapsed: float
+  timed_out: bool = False
+  error: str | None = None
+
+
+def error_message(text: str) -> Message:
+  """The observation standing in for a failed or timed-out step."""
+  return Message("tool", f"error: {text}")
+
+
+def _cut(messages: Sequence[Message], chars: int) -> tuple[Message, ...]:
+  return tuple(dataclasses.replace(m, content=m.content[:chars]) for m in messages)
+
+
+def observation_ids(renderer, history: Sequence[Message], messages: Sequence[Message],
+                    limit: int) -> tuple[list[int], tuple[Message, ...], bool]:
+  """``renderer.delta_ids(history, messages)`` within ``limit`` ids.
+
+  A longer observation keeps the chat format: each message's content is cut to the largest
+  character count whose rendering fits (binary search); only if even empty contents do not
+  fit are the ids themselves cut.
+
+  Returns:
+    (ids, the messages they render, truncated).
+  """
+  messages = tuple(messages)
+  ids = list(renderer.delta_ids(history, messages))
+  if len(ids) <= limit:
+    return ids, messages, False
+  lo, hi = -1, max((len(m.content) for m in messages), default=0)  # fits(lo), not fits(hi)
+  best = None
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    cand = list(renderer.delta_ids(history, _cut(messages, mid)))
+    if len(cand) <= limit:
+      lo, best = mid, cand
+    else:
+      hi = mid
+  if best is None:
+    return ids[:limit], _cut(messages, 0), True
+  return best, _cut(messages, lo), True
+
+
+class EnvPool:
+  """Environment steps in worker threads, polled without blocking the decode loop.
+
+  Args:
+    workers: threads (steps run concurrently up to this many).
+    timeout: seconds a step may run (None = no limit).
+  """
+
+  def __init__(self, workers: int, timeout: float | None):
+    self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
+    self.timeout = timeout
+    self._pending: dict[Any, tuple[cf.Future, dict, Callable]] = {}
+
+  def __len__(self) -> int:
+    return len(self._pending)
+
+  def submit(self, key, env, action: str, render: Callable[[Sequence[Message]], Any]):
+    """Run ``env.step(action)`` then ``render(messages) -> (ids, messages, truncated)``."""
+    box: dict[str, float] = {}
+
+    def work():
+      box["start"] = time.monotonic()
+      try:
+        result, error = env.step(action), None
+      except Exception as e:  # the environment failed: an error observation, not a crash
+        result, error = None, f"{type(e).__name__}: {e}"
+      box["elapsed"] = time.monotonic() - box["start"]
+      if error is not None:
+        return None, error, render((error_message(error),))
+      return result, None, (([], (), False) if result.done else render(result.messages))
+
+    self._pending[key] = (self._pool.submit(work), box, render)
+
+  def poll(self) -> list[tuple[Any, StepOutcome]]:
+    """Finished (or timed-out) steps, in submission order; never blocks."""
+    out, now = [], time.monotonic()
+    for key, (fut, box, render) in list(self._pending.items()):
+      if fut.done():
+        result, error, (ids, msgs, cut) = fut.result()  # a renderer error propagates
+        if result is None:
+          result = StepResult(msgs)
+        out.append((key, StepOutcome(result, ids, msgs, cut, box["elapsed"], error=error)))
+      elif self.timeout is not None and "start" in box and now - box["start"] > self.timeout:
+        text = f"environment step timed out after {self.timeout:g} s"
+        ids, msgs, cut = render((error_message(text),))
+        out.append((key, StepOutcome(StepResult(msgs), ids, msgs, cut, now - box["start"],
+                                     timed_out=True, error=text)))
+      else:
+        continue
+      del self._pending[key]
+    return out
+
+  def wait(self, seconds: float) -> None:
+    """Block until a step finishes or ``seconds`` pass."""
+    futs = [f for f, _, _ in self._pending.values()]
+    if futs:
+      cf.wait(futs, timeout=max(seconds, 0.0), return_when=cf.FIRST_COMPLETED)
+
+  def close(self) -> None:
+    """Stop accepting steps; running ones finish in the background."""
+    self._pool.shutdown(wait=False, cancel_futures=True)
+

@@ -1,0 +1,172 @@
+"""Device pieces of multi-turn rollouts: incremental prefill of observation chunks onto the
+per-sample KV cache (``extend``) and a decode loop that stops at turn ends (``decode_turns``).
+
+Axis letters: the legend of ``rl_jax/__init__.py`` (G group slots, M samples per
+slot, P prefix cache length, R response (trajectory) cache length, L layers, K kv heads,
+H head dim, V vocab). Be is the extension bucket (rows) and C the chunk bucket (tokens).
+
+A trajectory lives in its sample's response region: token j of the trajectory (model tokens
+and observation tokens alike) has RoPE position ``prefix_len + j``, exactly as in the
+unpacked sequence ``prompt + trajectory``. When a turn ends, the last sampled token (the
+end-of-turn token, index ``length − 1``) is not yet in the cache (the decode loop feeds a
+token one step after sampling it). ``extend`` writes the chunk ``[that token] + observation``
+at indices ``length − 1 ..``: its queries attend the slot's prompt, the sample's cached
+trajectory and the chunk itself (causally), its K/V goes into the sample's suffix cache in
+place, and the next model token is drawn from the chunk's last logits with the uniform of its
+trajectory index, so sampling does not depend on when (or in which batch) the chunk arrived.
+
+Nothing of the history is recomputed: the cost is that of the chunk's tokens attending a
+cached context (an incremental prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.models import transformer as tx
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout import sampling
+from rl_jax.rollout.decode import decode_step
+from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
+                                     mesh_context, record)
+from rl_jax.rollout.prefill import run_trunk
+
+__all__ = ["Extension", "decode_turns", "extend"]
+
+
+class Extension(NamedTuple):
+  """Chunks appended to samples' trajectories (host arrays; padding rows have slot >= G).
+
+  Attributes:
+    slot, sample: int32 [Be] the row's slot and sample index within the slot.
+    start: int32 [Be] trajectory index of the chunk's first token (the sample's
+      ``length − 1``: its last sampled token, not yet cached).
+    tokens: int32 [Be,C] the chunk, right-padded: ``[tokens[start]] + observation ids``.
+    count: int32 [Be] valid chunk tokens (>= 1).
+    budget: int32 [Be] the sample's new length limit (end of its next turn).
+  """
+
+  slot: Any
+  sample: Any
+  start: Any
+  tokens: Any
+  count: Any
+  budget: Any
+
+
+def _context(state: DecodeState, slot, sample, start):
+  """Per-row cached context, prompt then trajectory: (k, v) [L,Be,P+R,K,H], valid [Be,P+R]."""
+  P = state.prefix_k[0].shape[2]
+  R = state.suffix_k[0].shape[3]
+  join = lambda pre, suf: jnp.stack([
+      jnp.swapaxes(jnp.concatenate([p[slot], s[slot, sample]], axis=2), 1, 2)
+      for p, s in zip(pre, suf)])
+  pvalid = jnp.arange(P)[None, :] < state.prefix_len[slot][:, None]
+  svalid = jnp.arange(R)[None, :] < start[:, None]
+  return (join(state.prefix_k, state.suffix_k), join(state.prefix_v, state.suffix_v),
+          jnp.concatenate([pvalid, svalid], axis=1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
+                   donate_argnames=("state",))
+def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, version,
+           filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
+  """Incremental prefill of chunks onto samples' caches, then one sampled token per row.
+
+  Args:
+    params: model parameters (jit argument). state: DecodeState (donated). ext: Extension.
+    sp: SamplingParams. version: int32 policy version recorded for the sampled tokens.
+    filtered: static; top-k/top-p active.
+  Returns:
+    (state, logits float32 [Be,V] of each chunk's last token). Each listed sample's
+    trajectory holds the chunk at ``start ..`` (log-prob 0, version -1 on the observation
+    tokens), then the sampled token; ``length = start + count + 1``, ``budget`` is set and
+    the reason is RUNNING unless the new token already ends the turn.
+  """
+  TRACE_COUNTS["extend"] += 1
+  with mesh_context(ctx):
+    Be, C = ext.tokens.shape
+    G = state.active.shape[0]
+    R = state.tokens.shape[-1]
+    slot = jnp.minimum(ext.slot, G - 1)  # padding rows compute on slot G-1, dropped below
+    j = jnp.arange(C, dtype=jnp.int32)
+    pos = state.prefix_len[slot][:, None] + ext.start[:, None] + j
+    cvalid = j[None, :] < ext.count[:, None]
+    bmask = (j[:, None] >= j[None, :])[None] & cvalid[:, None, :]
+    h, ck, cv = run_trunk(cfg, params, ext.tokens, pos, Be, 1, bmask[:, None],
+                          prefix=_context(state, slot, ext.sample, ext.start))
+    last = jnp.take_along_axis(h, (ext.count - 1)[:, None, None], axis=1)[:, 0]
+    logits = tx.logits_from_hidden(cfg, params, last)  # [Be,V]
+
+    # chunk K/V into the suffix caches at start + j (invalid tokens and padding rows dropped)
+    at = jnp.where(cvalid, ext.start[:, None] + j, R)
+    rows = (ext.slot[:, None], ext.sample[:, None])
+    place = lambda cache, u: tuple(
+        c.at[rows[0], rows[1], :, at].set(u[l, :, 0].astype(c.dtype), mode="drop")
+        for l, c in enumerate(cache))
+
+    # the rows' token records: chunk written, then the sampled token appended by ``record``
+    r = jnp.arange(R, dtype=jnp.int32)
+    in_chunk = (r[None] >= ext.start[:, None]) & (r[None] < (ext.start + ext.count)[:, None])
+    src = jnp.clip(r[None] - ext.start[:, None], 0, C - 1)
+    old = lambda a: a[slot, ext.sample]
+    obs = in_chunk & (r[None] > ext.start[:, None])  # the chunk after the sampled token
+    toks = jnp.where(in_chunk, jnp.take_along_axis(ext.tokens, src, axis=1), old(state.tokens))
+    sub = DecodeState(None, None, None, None, None, toks[:, None],
+                      jnp.where(obs, 0.0, old(state.logprobs))[:, None],
+                      jnp.where(obs, -1, old(state.versions))[:, None],
+                      (ext.start + ext.count)[:, None], ext.budget[:, None],
+                      jnp.full((Be, 1), RUNNING, jnp.int32), None, None, None, None)
+    stream = state.stream[slot, ext.sample]
+    uniforms = lambda: sampling.token_uniforms(stream, ext.start + ext.count)
+    tok, lp = sampling.sample_logits(uniforms, logits, sp, filtered)
+    sub = record(sub, tok[:, None], lp[:, None], jnp.ones((Be, 1), bool), version, sp)
+
+    put = lambda a, u: a.at[ext.slot, ext.sample].set(u[:, 0].astype(a.dtype), mode="drop")
+    new = state._replace(
+        suffix_k=place(state.suffix_k, ck), suffix_v=place(state.suffix_v, cv),
+        tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
+        versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
+        budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason))
+    return constrain_state(new), logits
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
+                   donate_argnames=("state",))
+def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
+                 stop_count, filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
+  """Decode inside one ``lax.while_loop`` until ``stop_count`` samples end their turn.
+
+  A sample's turn ends on an end-of-turn id (``sp.eos_ids``) or at its ``budget``; it then
+  leaves the decode batch (``decode_step`` skips samples that are not RUNNING) until the
+  host appends its observation with ``extend``.
+
+  Args:
+    params: model parameters (jit argument). state: DecodeState (donated).
+    sp: SamplingParams. version: int32 policy version recorded for new tokens.
+    max_steps, stop_count: int32 scalars (traced): stop after ``max_steps`` steps, once
+      ``stop_count`` of the samples running at entry have stopped, or when none runs.
+    filtered: static; top-k/top-p active.
+  Returns:
+    (state, steps run).
+  """
+  TRACE_COUNTS["decode_turns"] += 1
+  with mesh_context(ctx):
+    running = lambda s: jnp.sum((s.reason == RUNNING) & s.active[:, None])
+    at_entry = running(state)
+    layers = tx.unstack_layers(params)
+
+    def cond(carry):
+      s, step = carry
+      n = running(s)
+      return (n > 0) & (step < max_steps) & (at_entry - n < stop_count)
+
+    def body(carry):
+      s, step = carry
+      return decode_step(cfg, params, layers, s, sp, version, filtered), step + 1
+
+    return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))
