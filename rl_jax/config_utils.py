@@ -10,25 +10,35 @@ after the first ``:`` is passed to ``get_config`` as one string) and refined wit
 
 Override values are parsed against the type of the field they replace:
 
-  int     ``4``, ``-1``                      (not ``4.5``, not ``true``)
-  float   ``0.5``, ``3e-4``, ``2``           (an int literal is widened)
-  bool    ``true false 1 0 yes no`` (any case)
+  int     ``4``, ``-1``, ``0x10``                (not ``4.5``, not ``true``)
+  float   ``0.5``, ``3e-4``, ``2``, ``inf``      (an int literal is widened)
+  bool    ``true false t f 1 0`` (any case)
   str     taken verbatim; surrounding quotes are stripped
   tuple   ``(1, 2)``, ``1,2``, ``(fsdp,tensor)`` (bare words become strings)
   list    as tuple, with ``[...]``
   None    ``None`` / ``none`` / ``null``, allowed only where the field is a placeholder
           (``config_dict.placeholder(int)``) or currently None
 
-A field whose current value is None and that is not a typed placeholder accepts any Python
-literal (and otherwise the raw string). After overrides the config is locked, so a typo in
-code (``config.modle``) fails loudly too.
+int, float and bool use absl's flag parsers, the same ones ``config_flags`` applies. A field
+whose current value is None and that is not a typed placeholder accepts any Python literal
+(and otherwise the raw string). After overrides the config is locked, so a typo in code
+(``config.modle``) fails loudly too.
 
-Why not ``ml_collections.config_flags``: it defers a missing config file to the first
-attribute access, wraps errors into multi-line tracebacks inside absl's flag errors, and
-silently turns a typed field into an untyped one when it is set to None. Here every mistake
-(unknown key, wrong type, missing file, file without ``get_config``, bad ``:arg``) is one
-``ConfigError`` whose message names the key or file, and ``main_guard`` prints it as one
-line. Flags other than ``--config``/``--workdir`` are handed to absl, so absl's own flags
+Why not ``ml_collections.config_flags`` alone (each point is pinned by a test in
+``tests/test_config_utils.py`` that runs ``config_flags`` on the same input):
+
+  * it needs absl flag state (a ``FlagValues`` and an argv); ``load_config(path, overrides)``
+    is a plain function for notebooks and scripts;
+  * a missing config file parses fine and fails only at the first attribute access, and a
+    failing ``get_config(arg)`` becomes a multi-line traceback inside the flag error;
+  * an unknown key escapes as a raw ``AttributeError`` naming only its last part, and
+    ``absl.app`` prints a flag error over several lines (exit 1); here each is one
+    ``ConfigError`` that ``main_guard`` prints as one ``error:`` line (exit 2);
+  * it cannot set a placeholder to None, cannot override a field that is None or a list, keeps
+    the quotes of ``'text'`` in a str field, and turns ``(data,tensor)`` into the one-string
+    tuple ``('(data,tensor)',)``.
+
+Flags other than ``--config``/``--workdir`` are handed to absl, so absl's own flags
 (``--verbosity`` ...) keep working.
 
 Config files are plain Python files executed by path; they import what they need from the
@@ -51,6 +61,7 @@ import uuid
 from typing import Any, Callable, Iterable, Sequence
 
 import ml_collections
+from absl import flags
 from ml_collections import config_dict
 
 from rl_jax.config_checks import (Check, check, check_choice, get_value, in_range, is_int, is_number,
@@ -67,8 +78,11 @@ __all__ = [
 ]
 
 _NONE_WORDS = ("none", "null")
-_TRUE_WORDS = ("true", "t", "yes", "y", "1")
-_FALSE_WORDS = ("false", "f", "no", "n", "0")
+# The parsers config_flags itself uses for these field types (absl's): ``4`` / ``0x10`` for
+# int (not ``4.5`` or ``true``), ``3e-4`` / ``2`` / ``inf`` for float, ``true t 1 false f 0``
+# (any case) for bool.
+_SCALAR_PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(),
+                   bool: flags.BooleanParser()}
 
 
 # ------------------------------------------------------------------ loading config files
@@ -230,24 +244,14 @@ def parse_value(raw: str, field_type: type | None, *, key: str = "value",
     return None
   if field_type in (None, type(None), object):
     return _literal(text)
-  if field_type is bool:
-    if text.lower() in _TRUE_WORDS:
-      return True
-    if text.lower() in _FALSE_WORDS:
-      return False
-    raise ConfigError(f"config.{key} is a bool field; got {raw!r} (use true or false)")
-  if field_type is int:
-    value = _literal(text)
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-    raise ConfigError(f"config.{key} is an int field; got {raw!r}")
-  if field_type is float:
-    value = _literal(text)
-    if text.lower() in ("inf", "+inf", "-inf", "nan"):
-      return float(text)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    raise ConfigError(f"config.{key} is a float field; got {raw!r}")
+  if field_type in _SCALAR_PARSERS:
+    try:
+      return _SCALAR_PARSERS[field_type].parse(text)
+    except (TypeError, ValueError):
+      hint = " (use true or false)" if field_type is bool else ""
+      article = "an" if field_type is int else "a"
+      raise ConfigError(f"config.{key} is {article} {field_type.__name__} field; "
+                        f"got {raw!r}{hint}") from None
   if field_type is str:
     return _strip_quotes(raw)
   if field_type in (tuple, list):
@@ -376,7 +380,6 @@ def parse_cli(argv: Sequence[str], *, require_workdir: bool = True,
 
 def _parse_absl_flags(argv: list[str]) -> None:
   """Lets absl parse the remaining flags; turns its errors into one-line ConfigErrors."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
   try:
     leftover = flags.FLAGS(argv, known_only=False)
   except flags.Error as e:

@@ -24,6 +24,7 @@ def get_config(arg=None):
   c.seed = config_dict.placeholder(int)
   c.extra = None
   c.tag = "x"
+  c.widths = [4, 4]
   if arg == "big":
     c.model.num_layers = 24
   elif arg not in (None, "small"):
@@ -66,6 +67,9 @@ def test_bad_arg_is_one_line_naming_file(cfg_path):
     ("model.use_bias=false", "model.use_bias", False),
     ("model.use_bias=True", "model.use_bias", True),
     ("model.use_bias=0", "model.use_bias", False),
+    ("model.use_bias=t", "model.use_bias", True),
+    ("model.num_layers=0x10", "model.num_layers", 16),
+    ("model.dropout=inf", "model.dropout", float("inf")),
     ("tag=hello world", "tag", "hello world"),
     ("tag='quoted'", "tag", "quoted"),
     ("tag=12", "tag", "12"),
@@ -77,6 +81,8 @@ def test_bad_arg_is_one_line_naming_file(cfg_path):
     ("seed=None", "seed", None),
     ("extra=[1, 2]", "extra", [1, 2]),
     ("extra=some text", "extra", "some text"),
+    ("widths=[8, 16]", "widths", [8, 16]),
+    ("widths=8,16", "widths", [8, 16]),
 ])
 def test_override_parsing(cfg_path, override, key, expected):
   c = cu.load_config(cfg_path, [override])
@@ -112,6 +118,7 @@ def test_unknown_key_names_key(cfg_path, override, pattern):
     ("model.num_layers=true", r"model.num_layers is an int field"),
     ("model.dropout=high", r"model.dropout is a float field"),
     ("model.use_bias=maybe", r"model.use_bias is a bool field"),
+    ("model.use_bias=yes", r"model.use_bias is a bool field; got 'yes' \(use true or false\)"),
     ("model.num_layers=None", r"model.num_layers is a int field and cannot be None"),
     ("seed=1.5", r"config.seed is an int field"),
     ("model=3", r"config.model is a section"),
@@ -313,3 +320,118 @@ def test_cli_guard_one_line_exit_2(tmp_path, cfg_path):
 
   bug = _run_guarded(tmp_path, "bug")
   assert bug.returncode == 1 and "Traceback" in bug.stderr
+
+
+# ------------------------------------------------------------------ why not config_flags alone
+def _config_flags(spec, *overrides):
+  """Runs ml_collections.config_flags on the same command line, on fresh absl flag state."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  values = flags.FlagValues()
+  argv = ["prog", f"--config={spec}", *(f"--config.{o}" for o in overrides)]
+  holder = config_flags.DEFINE_config_file("config", None, "config", flag_values=values,
+                                           sys_argv=argv)
+  values(argv)
+  return holder.value
+
+
+@pytest.mark.parametrize("override,theirs,ours", [
+    ("tag='quoted'", "'quoted'", "quoted"),
+    ("mesh.axes=(data,tensor)", ("(data,tensor)",), ("data", "tensor")),
+])
+def test_config_flags_parses_these_overrides_differently(cfg_path, override, theirs, ours):
+  key = override.split("=")[0]
+  assert cu.get_value(_config_flags(cfg_path, override), key) == theirs
+  assert cu.get_value(cu.load_config(cfg_path, [override]), key) == ours
+
+
+@pytest.mark.parametrize("override", ["seed=None", "extra=[1, 2]", "widths=[8, 16]"])
+def test_config_flags_rejects_these_overrides(cfg_path, override):
+  """A placeholder set to None, a field that is None, a list field: config_flags refuses."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  with pytest.raises(flags.Error):
+    _config_flags(cfg_path, override)
+  cu.load_config(cfg_path, [override])
+
+
+def test_config_flags_scalar_parsing_matches(cfg_path):
+  """int, float and bool go through the same absl parsers, so these agree."""
+  overrides = ["model.num_layers=0x10", "model.dropout=2", "model.use_bias=F", "seed=7",
+               "mesh.sizes=2,4", "tag=hello"]
+  theirs = _config_flags(cfg_path, *overrides)
+  ours = cu.load_config(cfg_path, overrides)
+  for override in overrides:
+    key = override.split("=")[0]
+    assert cu.get_value(theirs, key) == cu.get_value(ours, key)
+    assert type(cu.get_value(theirs, key)) is type(cu.get_value(ours, key))
+
+
+def test_config_flags_defers_a_missing_file_and_wraps_get_config_errors(cfg_path, tmp_path):
+  missing = str(tmp_path / "nope.py")
+  config = _config_flags(missing)  # Parsing "succeeds" ...
+  assert not isinstance(config, ml_collections.ConfigDict)
+  with pytest.raises(OSError, match="nope.py"):  # ... and fails at the first access.
+    _ = config.model
+  with pytest.raises(ConfigError, match="config file not found"):
+    cu.load_config(missing)
+
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  with pytest.raises(flags.Error) as theirs:
+    _config_flags(f"{cfg_path}:huge")
+  assert "Traceback" in str(theirs.value) and "\n" in str(theirs.value)
+  with pytest.raises(ConfigError) as ours:
+    cu.load_config(f"{cfg_path}:huge")
+  assert "\n" not in str(ours.value)
+
+
+def test_config_flags_unknown_key_is_not_a_flag_error(cfg_path):
+  """config_flags lets a raw AttributeError escape (a traceback under absl.app), naming only
+  the last part of the key."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  with pytest.raises(AttributeError) as theirs:
+    _config_flags(cfg_path, "model.num_layerz=4")
+  assert not isinstance(theirs.value, flags.Error)
+  assert "model.num_layerz" not in str(theirs.value)
+  with pytest.raises(ConfigError) as ours:
+    cu.load_config(cfg_path, ["model.num_layerz=4"])
+  assert "\n" not in str(ours.value) and "did you mean 'model.num_layers'" in str(ours.value)
+
+
+def test_config_flags_state_is_per_flag_values(cfg_path):
+  """config_flags defines one flag per FlagValues; load_config is a plain, repeatable call."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "config", flag_values=values)
+  with pytest.raises(flags.DuplicateFlagError):
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=values)
+  a = cu.load_config(cfg_path, ["model.num_layers=3"])
+  b = cu.load_config(cfg_path, ["model.num_layers=5"])
+  assert (a.model.num_layers, b.model.num_layers) == (3, 5)
+  assert "config" not in flags.FLAGS
+
+
+ABSL_APP_SCRIPT = '''
+from absl import app
+from ml_collections import config_flags
+CONFIG = config_flags.DEFINE_config_file("config")
+
+def main(argv):
+  print("ok", CONFIG.value.model.num_layers)
+
+app.run(main)
+'''
+
+
+def test_absl_app_flag_error_is_not_one_line(tmp_path, cfg_path):
+  """The plain absl.app + config_flags CLI prints a wrong-type override over several lines
+  and exits 1; ours prints one ``error:`` line and exits 2."""
+  script = tmp_path / "absl_cli.py"
+  script.write_text(ABSL_APP_SCRIPT)
+  args = [f"--config={cfg_path}", "--config.model.num_layers=4.5"]
+  theirs = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+  assert theirs.returncode == 1 and theirs.stderr.strip().count("\n") >= 1, theirs.stderr
+  ours = _run_guarded(tmp_path, *args, "--workdir=W")
+  assert ours.returncode == 2
+  assert ours.stderr == "error: config.model.num_layers is an int field; got '4.5'\n"

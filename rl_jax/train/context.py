@@ -215,15 +215,7 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   device_rules(config)
   tokenizer, task, train, evals, prompt_len = _task(config)
   model_cfg = _model_config(config, tokenizer)
-  if config.rollout.speculative:
-    size = speculative_stage.draft_bytes(config, len(train), model_cfg.vocab_size)
-    if size > speculative_stage.MAX_DRAFT_BYTES:
-      geo = config_lib.geometry(config)
-      raise ConfigError(
-          f"rollout.speculative=True would keep {size / 2**30:.1f} GiB of drafts "
-          f"({len(train)} prompts x {geo.samples} samples x {geo.new_tokens} tokens x "
-          f"{model_cfg.vocab_size} vocab x 4 bytes; the limit is "
-          f"{speculative_stage.MAX_DRAFT_BYTES / 2**30:.0f} GiB)")
+  speculative_stage.check_draft_bytes(config, len(train), model_cfg.vocab_size)
   mesh = _mesh(config)
   if prompt_len + config.rollout.max_new_tokens > model_cfg.max_position_embeddings:
     raise ConfigError(f"data: prompts of {prompt_len} tokens + rollout.max_new_tokens="

@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax import config as config_lib
+from rl_jax.errors import ConfigError
 from rl_jax.rollout import speculative
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["MAX_DRAFT_BYTES", "draft_bytes", "drafts_state", "roll"]
+__all__ = ["MAX_DRAFT_BYTES", "draft_bytes", "check_draft_bytes", "drafts_state", "roll"]
 
 MAX_DRAFT_BYTES = 4 << 30  # the drafts' distributions are train state: keep them bounded
 
@@ -34,11 +35,24 @@ def draft_bytes(c, num_prompts: int, vocab: int) -> int:
   return num_prompts * geo.samples * geo.new_tokens * vocab * 4
 
 
+def check_draft_bytes(c, num_prompts: int, vocab: int) -> None:
+  """The SPEC-RL rule: the drafts of ``num_prompts`` prompts fit ``MAX_DRAFT_BYTES`` (the
+  setup checks it before anything is built)."""
+  size = draft_bytes(c, num_prompts, vocab)
+  if c.rollout.speculative and size > MAX_DRAFT_BYTES:
+    geo = config_lib.geometry(c)
+    raise ConfigError(f"rollout.speculative=True would keep {size / 2**30:.1f} GiB of drafts "
+                      f"({num_prompts} prompts x {geo.samples} samples x {geo.new_tokens} "
+                      f"tokens x {vocab} vocab x 4 bytes; the limit is "
+                      f"{MAX_DRAFT_BYTES / 2**30:.0f} GiB)")
+
+
 def drafts_state(c, num_prompts: int, vocab: int) -> dict:
   """The drafts of a fresh run (``ProducerState.drafts``): none yet (``{}`` when the feature
   is off)."""
   if not c.rollout.speculative:
     return {}
+  check_draft_bytes(c, num_prompts, vocab)
   geo = config_lib.geometry(c)
   M, R = geo.samples, geo.new_tokens
   return {"tokens": np.zeros((num_prompts, M, R), np.int32),

@@ -28,7 +28,7 @@ __all__ = ["ProducerState", "TrainState", "init_state", "abstract_state", "begin
            "held_capacity", "place_replicated", "rl_layout", "ref_dtype", "make_reference"]
 
 
-class TrainState(NamedTuple):
+class _State(NamedTuple):
   """Everything a resumed run needs (a pytree; checkpointed whole).
 
   step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
@@ -42,8 +42,8 @@ class TrainState(NamedTuple):
   batches sampled ahead of the learner (``queue.empty_queue``); ``{}`` otherwise.
   With ``train.offload``, the reference and / or the optimizer states are placed in the
   devices' host memory (``offload``; same layout, memory kind ``pinned_host``).
-  ``data``, ``rollout_buffer``, ``selector`` and ``spec_drafts`` read the producer's fields
-  by the names of the earlier flat layout.
+  ``data``, ``rollout_buffer``, ``selector`` and ``spec_drafts`` read (and ``_replace``
+  writes) the producer's fields by the names of the earlier flat layout.
   """
 
   step: jax.Array
@@ -55,6 +55,22 @@ class TrainState(NamedTuple):
   value_opt_state: Any
   producer: ProducerState
   rollout_queue: Any = {}
+
+
+# the earlier flat names of the producer's fields
+_FLAT = {"data": "data", "rollout_buffer": "held", "selector": "selector",
+         "spec_drafts": "drafts"}
+
+
+class TrainState(_State):
+  __doc__ = _State.__doc__
+  __slots__ = ()
+
+  def _replace(self, /, **kw) -> "TrainState":
+    flat = {_FLAT[k]: kw.pop(k) for k in list(kw) if k in _FLAT}
+    if flat:
+      kw["producer"] = kw.get("producer", self.producer)._replace(**flat)
+    return super()._replace(**kw)
 
   @property
   def data(self):
