@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rl_jax.train import group_size, selection_stage
+from rl_jax.train import agent_stage, group_size, selection_stage
 
 __all__ = ["ENGINE_STATS", "STATS", "Scored", "ProducerState", "array_fields"]
 
@@ -19,7 +19,7 @@ __all__ = ["ENGINE_STATS", "STATS", "Scored", "ProducerState", "array_fields"]
 ENGINE_STATS = ("off_policy_token_fraction", "max_token_lag", "aborted_groups",
                 "restarted_samples", "buffer_size")
 # ``Scored.stats`` keys the learner copies into the step's metrics (and the queue keeps)
-STATS = ENGINE_STATS + selection_stage.METRICS + group_size.METRICS
+STATS = ENGINE_STATS + selection_stage.METRICS + group_size.METRICS + agent_stage.METRICS
 
 
 class Scored(NamedTuple):
@@ -32,6 +32,9 @@ class Scored(NamedTuple):
   faults int64 [2]: verifier exceptions and timeouts; rollout_s: sampling wall time;
   version: the policy version the producer held; stats: counters (``STATS``); groups
   int32 [g]: with adaptive group size, the step's prompt of each row group (chunk), else None.
+  turns: multi-turn batches (``env.name``): the per-turn inputs of ``agent_stage.turn_fields``
+  (turn_rewards [g·M,U], turn_ids [g·M,R], turn_states [g·M,U]), else None; their
+  ``tokens`` are the trajectories (model and observation ids) and ``mask`` the model tokens.
   g is G with one process, this process's groups with several.
   """
 
@@ -46,6 +49,7 @@ class Scored(NamedTuple):
   version: int
   stats: dict
   groups: np.ndarray | None = None
+  turns: dict | None = None
 
 
 def array_fields() -> tuple[str, ...]:
