@@ -37,9 +37,9 @@ def get_config(arg=None):
   config.data.update(eval_size=128, max_prompt_len=24)
   config.rollout.update(n=8, temperature=0.7)
   config.loss.update(preset="grpo", kl_beta=0.0)
-  config.optim.update(lr=2e-4, grad_clip=1.0)
-  config.sft.update(steps=20, lr=1e-3, batch_size=64)
-  config.train.update(steps=60, batch_groups=16, minibatches=1, seed=0, eval_every=10,
+  config.optim.update(lr=3e-4, grad_clip=1.0)
+  config.sft.update(steps=75, lr=2e-3, batch_size=64)
+  config.train.update(steps=100, batch_groups=16, minibatches=1, seed=0, eval_every=25,
                       checkpoint_every=10, keep=2)
   config.train.old_logp_pass = "separate"
   if arg == "guess":
