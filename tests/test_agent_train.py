@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file

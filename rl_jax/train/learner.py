@@ -21,7 +21,7 @@ import numpy as np
 
 from rl_jax import losses
 from rl_jax.models.hf import release_host_memory
-from rl_jax.train import group_size
+from rl_jax.train import agent_stage, group_size
 from rl_jax.train.inputs import Source, make_inputs
 from rl_jax.train.records import STATS, Scored
 from rl_jax.train.rollouts import Trainer, encode_prompts, pad_prompts
@@ -114,8 +114,8 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
       "local_groups": g,  # groups this process sampled and scored (G with one process)
   }
   info.update({k: float(scored.stats[k]) for k in STATS if k in scored.stats})
-  info.update({k: float(v) for k, v in scored.stats.items()  # multi-turn: errors by kind
-               if k.startswith("tool_errors_")})
+  info.update({k: float(v) for k, v in scored.stats.items()  # multi-turn batches
+               if k in agent_stage.METRICS or k.startswith("tool_errors_")})
   if staleness:
     info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
   return UpdateBatch(pt, pl, rt, inputs, advantages), info

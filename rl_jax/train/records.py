@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rl_jax.train import agent_stage, group_size, selection_stage
+from rl_jax.train import group_size, selection_stage
 
 __all__ = ["ENGINE_STATS", "STATS", "Scored", "ProducerState", "array_fields"]
 
@@ -19,7 +19,7 @@ __all__ = ["ENGINE_STATS", "STATS", "Scored", "ProducerState", "array_fields"]
 ENGINE_STATS = ("off_policy_token_fraction", "max_token_lag", "aborted_groups",
                 "restarted_samples", "buffer_size")
 # ``Scored.stats`` keys the learner copies into the step's metrics (and the queue keeps)
-STATS = ENGINE_STATS + selection_stage.METRICS + group_size.METRICS + agent_stage.METRICS
+STATS = ENGINE_STATS + selection_stage.METRICS + group_size.METRICS
 
 
 class Scored(NamedTuple):
