@@ -29,6 +29,8 @@ every episode takes 2 turns (tool call, answer), ~5% of tool calls are malformed
 (``tool_errors_bad_call`` / ``tool_errors_bad_arguments``). The whole command takes 1 min
 32 s with a warm compilation cache, about 2.5 minutes from a cold one. The success rate
 plateaus near 0.70 (the tiny model's copying of digits): more GRPO steps do not raise it.
+``:guess`` (same stages, measured): 0.50 -> 0.55 success on the 20 targets, 3.1 turns per
+episode, 2 min 18 s; the 30-point target is met by the calculator task only.
 """
 
 from rl_jax import config as base
