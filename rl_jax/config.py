@@ -47,6 +47,7 @@ __all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geom
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 OFFLOAD_PARTS = ("optimizer", "reference")  # train.offload (rl_jax.train.offload)
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
+ENV_TASKS = ("calculator", "guess")  # env.name (rl_jax.envs.tasks.TASKS)
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -128,6 +129,29 @@ def _data() -> ml_collections.ConfigDict:
       # DAPO overlong shaping: linear penalty over the last L_cache response tokens
       # (0 = off; None = the preset's: max_new_tokens // 4 for "dapo", else off).
       overlong_buffer=config_dict.placeholder(int),
+  ))
+
+
+def _env() -> ml_collections.ConfigDict:
+  """Multi-turn (agentic) training on a built-in environment task (``rl_jax.envs.tasks``);
+  ``name=""`` is the single-turn trainer (``data``). With a name, the prompts are the task's
+  opening messages, the rollouts are episodes of the ``AgentEngine`` and R (the training
+  row's response length) is ``max_total_tokens`` (``rl_jax.train.agent_stage``)."""
+  return ml_collections.ConfigDict(dict(
+      name="",  # "" | one of rl_jax.envs.tasks.TASKS ("calculator", "guess")
+      max_turns=3,  # U: assistant turns per trajectory
+      max_total_tokens=48,  # R: every token after the first prompt (model + observation)
+      max_turn_tokens=16,  # model tokens per assistant turn
+      max_obs_tokens=16,  # ids per observation (longer ones are cut and counted)
+      step_timeout_s=10.0,  # seconds an environment step may run (then an error observation)
+      kv_ttl_s=-1.0,  # seconds a group waiting on its environments keeps its KV (-1: always)
+      workers=4,  # environment threads
+      n_train=2000,  # examples of the task's train split
+      n_eval=200,  # calculator: held-out examples (guess: every target once)
+      digits_min=2,  # calculator: digits of each factor (min, max)
+      digits_max=3,
+      guess_n=20,  # guess: targets in [1, guess_n]
+      step_penalty=0.0,  # guess: reward of each wrong guess is -step_penalty
   ))
 
 
@@ -261,9 +285,9 @@ def _log() -> ml_collections.ConfigDict:
 
 def base_config() -> ml_collections.ConfigDict:
   """The full default config tree (unlocked): model, mesh, distributed, data, rollout, loss,
-  loss_extra, optim, train, sft, eval, log."""
+  loss_extra, optim, train, sft, eval, log, env."""
   return ml_collections.ConfigDict(dict(
-      model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(),
+      model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),
       rollout=_rollout(), loss=_loss(), loss_extra=_loss_extra(), optim=_optim(),
       train=_train(), sft=_sft(), eval=_eval(), log=_log(),
   ))
@@ -345,6 +369,21 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,
       "eval.pass_k": cu.nonnegative_int,
+      "env.name": cu.one_of(("",) + ENV_TASKS),
+      "env.max_turns": cu.positive_int,
+      "env.max_total_tokens": cu.positive_int,
+      "env.max_turn_tokens": cu.positive_int,
+      "env.max_obs_tokens": cu.positive_int,
+      "env.step_timeout_s": cu.positive,
+      "env.kv_ttl_s": lambda x: (None if cu.is_number(x) and (x >= 0 or x == -1) else
+                                 "must be seconds >= 0, or -1 (never evict)"),
+      "env.workers": cu.positive_int,
+      "env.n_train": cu.positive_int,
+      "env.n_eval": cu.positive_int,
+      "env.digits_min": cu.positive_int,
+      "env.digits_max": cu.positive_int,
+      "env.guess_n": cu.positive_int,
+      "env.step_penalty": cu.nonnegative,
   }
 
 
@@ -376,12 +415,38 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"optim.stochastic_rounding=True needs model.param_dtype=bfloat16 (got "
                       f"{config.model.param_dtype}: its updates already add exactly enough)")
   _check_group_size(config)
+  _check_env(config)
   _check_offload(config)
   _check_async(config)
   check_wandb(config)
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
                       f"train.minibatches={config.train.minibatches}")
+
+
+def _check_env(config: ml_collections.ConfigDict) -> None:
+  """Multi-turn runs: what the agentic producer supports (synchronous, fixed groups, every
+  episode finished within its step; see rl_jax.train.agent_stage)."""
+  e = config.get("env")
+  if e is None or not e.name:
+    return
+  if e.digits_min > e.digits_max:
+    raise ConfigError(f"env.digits_min={e.digits_min} exceeds env.digits_max={e.digits_max}")
+  if e.max_turn_tokens > e.max_total_tokens:
+    raise ConfigError(f"env.max_turn_tokens={e.max_turn_tokens} exceeds env.max_total_tokens="
+                      f"{e.max_total_tokens}")
+  c = config
+  sel = c.data.selector or "none"
+  for key, bad in (("train.mode=async", c.train.mode == "async"),
+                   ("rollout.partial=True", c.rollout.partial),
+                   ("rollout.speculative=True", c.rollout.speculative),
+                   ("data.group_size=adaptive", c.data.group_size == "adaptive"),
+                   (f"data.selector={sel}", sel != "none"),
+                   ("loss.preset=dapo (dynamic sampling)", c.loss.preset == "dapo"),
+                   ("data.overlong_buffer", bool(c.data.overlong_buffer))):
+    if bad:
+      raise ConfigError(f"env.name={e.name!r} (multi-turn) is not supported with {key}; the "
+                        "agentic producer is synchronous with fixed groups")
 
 
 def _check_offload(config: ml_collections.ConfigDict) -> None:
@@ -472,6 +537,8 @@ class Geometry(NamedTuple):
   row_size: samples per row group (M, or m per chunk). max_chunks: Z, the most chunks of one
   prompt (adaptive group size; 1 otherwise). new_tokens: R (``rollout.max_new_tokens``).
   adaptive: whether rows are chunks of a per-prompt allocation (``data.group_size``).
+  turns: U, the most assistant turns of a trajectory (``env.max_turns``; 1 single-turn).
+  With ``env.name`` set, new_tokens is R = ``env.max_total_tokens``.
   """
 
   groups: int
@@ -481,11 +548,15 @@ class Geometry(NamedTuple):
   max_chunks: int
   new_tokens: int
   adaptive: bool
+  turns: int = 1
 
 
 def geometry(config: ml_collections.ConfigDict) -> Geometry:
   """The batch geometry of ``config`` (see ``Geometry``)."""
   G, M, R = config.train.batch_groups, config.rollout.n, config.rollout.max_new_tokens
+  env = config.get("env")
+  if env is not None and env.name:
+    return Geometry(G, M, G, M, 1, int(env.max_total_tokens), False, int(env.max_turns))
   if (config.data.group_size or "fixed") != "adaptive":
     return Geometry(G, M, G, M, 1, R, False)
   m = config.data.group_chunk

@@ -19,7 +19,8 @@ GRAPH = import_graph.graph(ROOT, "rl_jax")
 # those acyclic); the modules of an ``apart`` layer (producer and learner) never import
 # each other.
 TRAIN_LAYERS = [
-    ("stages", ["streams", "group_size", "selection_stage", "speculative_stage"], False),
+    ("stages", ["streams", "group_size", "selection_stage", "speculative_stage",
+                "agent_stage"], False),
     ("setup", ["inputs", "context", "on_policy", "startup", "offload"], False),
     ("state", ["records", "queue", "state", "resume", "layout", "steps", "rollouts"], False),
     ("step", ["producer", "learner", "evaluation", "memory"], True),

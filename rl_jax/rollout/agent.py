@@ -171,19 +171,22 @@ class AgentEngine(HeldEpisodes):
     return Group(uid, prompt, trajs, spec)
 
   def rollout(self, params, episodes: Sequence[EpisodeSpec], *,
-              policy_version: int = 0) -> AgentRollout:
+              policy_version: int = 0, first_uid: int | None = None) -> AgentRollout:
     """Run every episode (M samples each) to its end.
 
     Args:
       params: trainer parameters. episodes: one EpisodeSpec per group; group uids are
-        drawn in order from the engine's counter. policy_version: recorded per model token.
+        drawn in order from the engine's counter, or are ``first_uid, first_uid + 1, ..``
+        when given (a trainer seeds each step's groups by their place in the run).
+        policy_version: recorded per model token.
     Returns:
       AgentRollout, groups in uid order; ``stats`` adds ``kv_hit_rate``, ``resumes``,
       ``evictions``, ``reprefill_tokens``, ``env_steps``, ``timeouts``, ``env_errors``,
       ``decode_calls``, ``seconds`` and ``trajectories_per_s``.
     """
     params = self.prepare_params(params)
-    groups = [self.new_group(spec) for spec in episodes]
+    groups = [self.new_group(spec, None if first_uid is None else first_uid + i)
+              for i, spec in enumerate(episodes)]
     self.live.update((g.uid, g) for g in groups)
     loop = Loop(self, params, policy_version)
     loop.run(groups)

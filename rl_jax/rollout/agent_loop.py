@@ -24,7 +24,7 @@ import numpy as np
 from rl_jax.envs.base import Message
 from rl_jax.rollout import kv_cache, prefill, slots
 from rl_jax.rollout.agent_records import (AgentRollout, Trajectory, assemble_trajectories,
-                                          error_count)
+                                          error_count, error_kinds)
 from rl_jax.rollout.env_pool import observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.records import pow2
@@ -76,6 +76,7 @@ class Loop:
     self.evicted: list[Group] = []
     self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
     self.sync = eng.schedule == "turn_sync"
+    self.wait_s = 0.0
 
   def run(self, groups: list[Group], min_complete: int | None = None):
     """Serve ``groups`` until ``min_complete`` are complete (None = all).
@@ -119,6 +120,7 @@ class Loop:
                                 e.max_turns)
     seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
+                     env_wait_s=self.wait_s,
                      kv_hit_rate=s["kv_hits"] / max(s["resumes"], 1),
                      trajectories_per_s=len(groups) * e.M / max(seconds, 1e-9))
     return out
@@ -130,7 +132,7 @@ class Loop:
   def step(self):
     progressed = self.collect()
     if self.sync and any(grp.has(WAIT) for _, grp in self.resident()):
-      self.e.pool.wait(0.02)  # the barrier: every environment step of the turn returns
+      self.wait()  # the barrier: every environment step of the turn returns
       return
     progressed |= self.admit()
     progressed |= self.extend()
@@ -139,7 +141,14 @@ class Loop:
       self.decode()
       self.turn_ends()
     elif not progressed:
-      self.e.pool.wait(0.02)
+      self.wait()
+
+  def wait(self) -> None:
+    """Block on the environments (nothing to decode); the time is ``stats["env_wait_s"]``,
+    the environment time not hidden behind decoding."""
+    t0 = time.perf_counter()
+    self.e.pool.wait(0.02)
+    self.wait_s += time.perf_counter() - t0
 
   def collect(self) -> bool:
     """Apply returned environment steps: rewards, counters, observation chunks."""
@@ -318,6 +327,9 @@ def apply_outcome(e, grp: Group, m: int, out) -> None:
   t.env_time += out.elapsed
   t.tool_calls += int(res.info.get("tool_calls", 0))
   t.tool_errors += error_count(res.info.get("tool_errors", 0))
+  t.tool_latency += float(res.info.get("tool_latency_s", 0.0) or 0.0)
+  for kind, n in error_kinds(res.info.get("tool_errors", 0)).items():
+    t.error_kinds[kind] = t.error_kinds.get(kind, 0) + n
   t.timeouts += int(out.timed_out)
   t.env_errors += int(out.error is not None and not out.timed_out)
   chunk = (list(e.renderer.end_of_turn_ids[:1]) if grp.cut[m] else []) + list(out.ids)

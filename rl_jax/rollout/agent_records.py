@@ -16,7 +16,7 @@ import numpy as np
 from rl_jax.envs.base import Environment, Message
 
 __all__ = ["AgentRollout", "EpisodeSpec", "Renderer", "Trajectory", "assemble_trajectories",
-           "env_seed", "error_count"]
+           "env_seed", "error_count", "error_kinds"]
 
 
 @runtime_checkable
@@ -60,6 +60,13 @@ def env_seed(seed: int, uid: int, sample: int) -> int:
   return int(words.generate_state(1, np.uint32)[0] >> 1)
 
 
+def error_kinds(value) -> dict[str, int]:
+  """A tool-error counter from ``StepResult.info`` by kind (a bare int counts as "error")."""
+  if isinstance(value, Mapping):
+    return {str(k): int(v) for k, v in value.items() if int(v)}
+  return {"error": int(value)} if int(value or 0) else {}
+
+
 def error_count(value) -> int:
   """A tool-error counter from ``StepResult.info``: an int, or a dict of ints by kind."""
   if isinstance(value, Mapping):
@@ -90,6 +97,8 @@ class Trajectory:
   timeouts: int = 0
   env_errors: int = 0
   env_time: float = 0.0
+  tool_latency: float = 0.0  # seconds inside tools (``info["tool_latency_s"]``)
+  error_kinds: dict = dataclasses.field(default_factory=dict)  # tool-error kind -> count
   truncated_obs: bool = False  # an observation was cut to max_obs_tokens
   truncated_turn: bool = False  # a turn was cut by max_turn_tokens
   finish: str | None = None  # "done", "max_turns" or "max_tokens"; None while running
@@ -124,6 +133,8 @@ class AgentRollout:
     truncated_obs, truncated_turn: bool [B] an observation / a turn was cut to its limit.
     finish_reason: str [B] "done" (the environment ended it), "max_turns" or "max_tokens".
     actions: per row, the decoded assistant turns (rebuild an episode: reset + replay).
+    tool_latency: float32 [B] seconds inside tools. error_kinds: per row, tool errors by
+      kind (``StepResult.info["tool_errors"]`` as a dict).
     prompts: the G first prompts (id lists). prompt_index: int32 [B]. group_ids: int [G].
     group_meta: each group's ``EpisodeSpec.meta``. stats: dict of scalars.
   """
@@ -152,6 +163,8 @@ class AgentRollout:
   group_ids: np.ndarray
   group_meta: list
   stats: dict[str, float]
+  tool_latency: np.ndarray | None = None
+  error_kinds: list | None = None
 
 
 def assemble_trajectories(groups: Sequence[tuple[int, list[int], list[Trajectory], Any]],
@@ -166,7 +179,8 @@ def assemble_trajectories(groups: Sequence[tuple[int, list[int], list[Trajectory
              num_turns=np.zeros(B, np.int32), reward=np.zeros(B, np.float32),
              tool_calls=np.zeros(B, np.int32), tool_errors=np.zeros(B, np.int32),
              timeouts=np.zeros(B, np.int32), env_errors=np.zeros(B, np.int32),
-             env_time=np.zeros(B, np.float32), truncated_obs=np.zeros(B, bool),
+             env_time=np.zeros(B, np.float32), tool_latency=np.zeros(B, np.float32),
+             truncated_obs=np.zeros(B, bool),
              truncated_turn=np.zeros(B, bool))
   reasons = []
   for b, (_, t) in enumerate(rows):
@@ -178,12 +192,13 @@ def assemble_trajectories(groups: Sequence[tuple[int, list[int], list[Trajectory
     out["turn_rewards"][b, :u], out["turn_ends"][b, :u] = t.turn_rewards, t.turn_ends
     out["num_turns"][b], out["reward"][b] = u, sum(t.turn_rewards)
     for name in ("tool_calls", "tool_errors", "timeouts", "env_errors", "env_time",
-                 "truncated_obs", "truncated_turn"):
+                 "tool_latency", "truncated_obs", "truncated_turn"):
       out[name][b] = getattr(t, name)
     reasons.append(t.finish)
   return AgentRollout(
       **out, finish_reason=np.asarray(reasons, dtype=str).reshape(B),
-      actions=[list(t.actions) for _, t in rows], prompts=[list(g[1]) for g in groups],
+      actions=[list(t.actions) for _, t in rows],
+      error_kinds=[dict(t.error_kinds) for _, t in rows], prompts=[list(g[1]) for g in groups],
       prompt_index=np.asarray([g for g, _ in rows], np.int32),
       group_ids=np.asarray([g[0] for g in groups], np.int64),
       group_meta=[g[3] for g in groups],

@@ -25,7 +25,7 @@ from rl_jax import sharding
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, DataError, RLJaxError
-from rl_jax.train import speculative_stage
+from rl_jax.train import agent_stage, speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
 
 __all__ = ["Optimizers", "Setup", "build_setup", "device_rules", "PROVIDED_INPUTS"]
@@ -49,6 +49,8 @@ class Setup:
   P, the prompt bucket (longest tokenized prompt + 1). ``mesh`` spans every device of the
   job; ``sampler_mesh`` is the mesh the sampler runs on: the same with one process, this
   process's own devices with several (each process samples on its own devices).
+  With ``env.name`` set, ``task`` is the environment task (``rl_jax.envs.spec.EnvSpec``)
+  and the splits are ``agent_stage.EnvExample``s (the rendered first prompt of each).
   ``geometry`` (the step's groups, samples per group and chunks) and ``schedule`` (how the
   producer and learner are joined) are computed once from the config; every module reads
   them from here.
@@ -67,6 +69,7 @@ class Setup:
   optimizers: Optimizers
   prompt_len: int
   eos_id: int
+  chat: Any = None  # multi-turn runs (env.name): the task's chat format (agent_stage)
   geometry: config_lib.Geometry = dataclasses.field(init=False)
   schedule: config_lib.Schedule = dataclasses.field(init=False)
 
@@ -99,26 +102,42 @@ def make_objective(config) -> losses.Objective:
     obj = losses.get_objective(config.loss.preset, **knobs)
   except ValueError as e:
     raise ConfigError(f"loss: {e}") from None
-  missing = sorted(obj.needs - SINGLE_TURN_INPUTS)
+  accepted = PROVIDED_INPUTS if config.env.name else SINGLE_TURN_INPUTS  # per-turn: agentic
+  missing = sorted(obj.needs - accepted)
   if missing:
     raise ConfigError(f"loss: the objective ({config.loss.preset}) needs {missing}, which the "
-                      "trainer does not compute; use it through rl_jax.losses directly")
+                      "trainer does not compute; use it through rl_jax.losses directly"
+                      + ("" if config.env.name else " (per-turn inputs need env.name)"))
   return obj
 
 
+def _env_task(config, tokenizer):
+  """(task, train split, eval split, chat format) of a multi-turn run (``env.name``)."""
+  spec = agent_stage.env_task(config)
+  fmt = agent_stage.chat_format(tokenizer)
+  train = agent_stage.env_examples(spec, spec.train, fmt)
+  evals = agent_stage.env_examples(spec, spec.eval[:config.data.eval_size], fmt)
+  return spec, train, evals, fmt
+
+
 def _task(config):
-  """(tokenizer, task, train split, eval split, P) with data errors as one line."""
+  """(tokenizer, task, train split, eval split, P, chat format or None) with data errors as
+  one line."""
   d = config.data
+  fmt = None
   try:
     tokenizer = tok_lib.load_tokenizer(d.tokenizer or config.model.hf_path or "char")
-    if d.task == "file":
+    if config.env.name:
+      task, train, evals, fmt = _env_task(config, tokenizer)
+    elif d.task == "file":
       task = tasks_lib.get_task("file", path=d.path or "", format=d.format,
                                 eval_path=d.eval_path, template=d.template, seed=d.seed)
     else:
       task = tasks_lib.get_task(d.task, difficulty=d.difficulty, seed=d.seed)
-    train = task.split("train")
-    evals = task.split("eval")
-    evals = [evals[i] for i in range(min(d.eval_size, len(evals)))]
+    if fmt is None:
+      train = task.split("train")
+      evals = task.split("eval")
+      evals = [evals[i] for i in range(min(d.eval_size, len(evals)))]
     prompt_len = max((len(tokenizer.encode(e.prompt))
                       for e in itertools.chain(train, evals)), default=0) + 1
   except (ValueError, FileNotFoundError, OSError) as e:
@@ -132,7 +151,7 @@ def _task(config):
   if prompt_len > d.max_prompt_len:
     raise ConfigError(f"data: a prompt has {prompt_len} tokens > data.max_prompt_len="
                       f"{d.max_prompt_len}")
-  return tokenizer, task, train, evals, prompt_len
+  return tokenizer, task, train, evals, prompt_len, fmt
 
 
 def _model_config(config, tokenizer) -> models.ModelConfig:
@@ -213,17 +232,19 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   objective = make_objective(config)
   config_lib.check_objective(config, objective.needs)
   device_rules(config)
-  tokenizer, task, train, evals, prompt_len = _task(config)
+  tokenizer, task, train, evals, prompt_len, fmt = _task(config)
   model_cfg = _model_config(config, tokenizer)
   speculative_stage.check_draft_bytes(config, len(train), model_cfg.vocab_size)
   mesh = _mesh(config)
-  if prompt_len + config.rollout.max_new_tokens > model_cfg.max_position_embeddings:
-    raise ConfigError(f"data: prompts of {prompt_len} tokens + rollout.max_new_tokens="
-                      f"{config.rollout.max_new_tokens} exceed the model's "
+  R, what = ((config.env.max_total_tokens, "env.max_total_tokens") if fmt is not None else
+             (config.rollout.max_new_tokens, "rollout.max_new_tokens"))
+  if prompt_len + R > model_cfg.max_position_embeddings:
+    raise ConfigError(f"data: prompts of {prompt_len} tokens + {what}={R} exceed the model's "
                       f"{model_cfg.max_position_embeddings} positions")
   eos = config.rollout.eos_id
   return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh), rules=config.mesh.rules,
                objective=objective, optimizers=_optimizers(config, objective),
-               prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos)
+               prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos,
+               chat=fmt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rl_jax.train import agent_stage
 from rl_jax.train.context import Setup
 from rl_jax.train.rollouts import decode, encode_prompts, generate, score
 from rl_jax.train.streams import Stream, seed_for
@@ -49,10 +50,13 @@ def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
   return np.concatenate(tokens), np.concatenate(mask)
 
 
-def evaluate(s: Setup, params, step: int) -> dict[str, float]:
+def evaluate(s: Setup, params, step: int, agent=None) -> dict[str, float]:
   """``eval_accuracy`` (greedy, reward >= 1) on the eval split, and ``eval_pass@k`` (any of k
   samples correct) if ``eval.pass_k`` > 0; the pass@k draws use the EVAL_PASS_K stream of
-  ``step``."""
+  ``step``. Multi-turn runs (``agent``: the greedy ``AgentEngine``): the success rate of
+  greedy episodes and ``eval_turns_mean`` (``agent_stage.evaluate``)."""
+  if agent is not None:
+    return agent_stage.evaluate(s, agent, params)
   c = s.config
   examples = s.eval_examples
   answers = [e.answer for e in examples]

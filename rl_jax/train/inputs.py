@@ -9,7 +9,7 @@ batch on the training mesh and the passes that compute the rest). ``PROVIDED_INP
 ``entropy``, computed inside the update itself (``steps.make_rl_update``).
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G row groups, M samples per group, R new
-tokens, C reward components (C = 1: the verifier's reward).
+tokens, C reward components (C = 1: the verifier's reward), U turns (multi-turn runs).
 """
 
 from __future__ import annotations
@@ -90,10 +90,9 @@ assert set(INPUTS) == set(losses.INPUT_FIELDS), "every ObjectiveInputs field has
 PROVIDED_INPUTS = frozenset(INPUTS) | {"entropy"}
 SINGLE_TURN_INPUTS = PROVIDED_INPUTS - frozenset(losses.TURN_FIELDS)
 
-# shape kind -> the shape for G row groups of M samples and R tokens
-SHAPES = {"rows": lambda G, M, R: (G, M), "tokens": lambda G, M, R: (G, M, R),
-          "components": lambda G, M, R: (G, M, 1)}
-# (the "turns" kind, [G,M,U], is sized by the agentic producer: U = the most turns of a row)
+# shape kind -> the shape for G row groups of M samples, R tokens and U turns
+SHAPES = {"rows": lambda G, M, R, U: (G, M), "tokens": lambda G, M, R, U: (G, M, R),
+          "components": lambda G, M, R, U: (G, M, 1), "turns": lambda G, M, R, U: (G, M, U)}
 
 
 def provided(needs) -> list[str]:
@@ -107,10 +106,10 @@ def make_inputs(needs, src: Source) -> losses.ObjectiveInputs:
 
 
 def abstract_inputs(needs, G: int, M: int, R: int, spec: Callable,
-                    old_logp_in_update: bool) -> losses.ObjectiveInputs:
+                    old_logp_in_update: bool, U: int = 1) -> losses.ObjectiveInputs:
   """The record's ``spec(shape, dtype)`` stand-ins (for the memory plan); ``old_logp`` is
-  None when the update computes it itself."""
-  out = {k: spec(SHAPES[INPUTS[k].shape](G, M, R), INPUTS[k].dtype) for k in provided(needs)}
+  None when the update computes it itself; U turns (``Geometry.turns``)."""
+  out = {k: spec(SHAPES[INPUTS[k].shape](G, M, R, U), INPUTS[k].dtype) for k in provided(needs)}
   if old_logp_in_update:
     out["old_logp"] = None
   return losses.ObjectiveInputs(**out)

@@ -21,7 +21,7 @@ import numpy as np
 
 from rl_jax import losses
 from rl_jax.models.hf import release_host_memory
-from rl_jax.train import group_size
+from rl_jax.train import agent_stage, group_size
 from rl_jax.train.inputs import Source, make_inputs
 from rl_jax.train.records import STATS, Scored
 from rl_jax.train.rollouts import Trainer, encode_prompts, pad_prompts
@@ -32,12 +32,14 @@ __all__ = ["objective_inputs", "staleness_metrics", "learner_batch", "apply_upda
 
 
 def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
-                     mask, generated_mask, rewards, behaviour_logp) -> losses.ObjectiveInputs:
+                     mask, generated_mask, rewards, behaviour_logp,
+                     turns=None) -> losses.ObjectiveInputs:
   """The objective's input record with every field ``Objective.needs`` names, each made as
   ``inputs.INPUTS`` declares (``old_logp`` is None when the update takes it from its own
-  policy pass, ``StepFns.old_logp_in_update``)."""
+  policy pass, ``StepFns.old_logp_in_update``); ``turns``: the per-turn arrays of a
+  multi-turn batch."""
   src = Source(t.steps, state, (prompt_tokens, prompt_lengths, tokens, mask), rewards,
-               generated_mask, behaviour_logp, t.setup.config.train.seed)
+               generated_mask, behaviour_logp, t.setup.config.train.seed, turns)
   return make_inputs(t.setup.objective.needs, src)
 
 
@@ -87,10 +89,13 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
   prompts = encode_prompts(s, [s.train_examples[i] for i in scored.indices])
   pt, pl = (put(a) for a in pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id))
   rt = put(scored.tokens.reshape(g, M, R))
+  turns = None
+  if scored.turns is not None and s.objective.needs & set(losses.TURN_FIELDS):
+    turns = {k: put(v.reshape(g, M, -1)) for k, v in scored.turns.items()}
   inputs = objective_inputs(
       t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
       generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
-      behaviour_logp=put(scored.logprobs.reshape(g, M, R)))
+      behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns)
   advantages = (s.objective.advantages_from(inputs) if scored.groups is None else
                 group_size.per_prompt_advantages(s.objective, inputs, scored.groups,
                                                  geo.groups, geo.max_chunks))
@@ -109,6 +114,8 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
       "local_groups": g,  # groups this process sampled and scored (G with one process)
   }
   info.update({k: float(scored.stats[k]) for k in STATS if k in scored.stats})
+  info.update({k: float(v) for k, v in scored.stats.items()  # multi-turn batches
+               if k in agent_stage.METRICS or k.startswith("tool_errors_")})
   if staleness:
     info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
   return UpdateBatch(pt, pl, rt, inputs, advantages), info

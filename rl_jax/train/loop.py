@@ -27,7 +27,7 @@ from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax import wandb_log
 from rl_jax.errors import RLJaxError
-from rl_jax.train import startup
+from rl_jax.train import agent_stage, startup
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
 from rl_jax.train import memory
@@ -46,7 +46,9 @@ def make_trainer(s: Setup, abstract: TrainState | None = None) -> Trainer:
   """The setup with its layout, jitted steps and rollout engine (``abstract``: the state's
   ``abstract_state``, if already computed)."""
   layout = make_layout(s, abstract)
-  return Trainer(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s))
+  agent = agent_stage.make_engines(s) if s.config.env.name else None
+  return Trainer(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s),
+                 agent=agent)
 
 
 def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -71,10 +73,12 @@ def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def sft_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
-  """One supervised step: (state, metrics record, new data position)."""
+  """One supervised step: (state, metrics record, new data position). Multi-turn runs
+  train on the task expert's trajectories (``agent_stage.expert_batch``)."""
   s = t.setup
   examples, data = next_examples(s, np.asarray(state.data), s.config.sft.batch_size)
-  batch = (t.layout.put(a) for a in sft_batch(s, examples))
+  rows = agent_stage.expert_batch if s.config.env.name else sft_batch
+  batch = (t.layout.put(a) for a in rows(s, examples))
   params, opt, mets = t.steps.sft(state.params, state.sft_opt_state, *batch)
   return state._replace(params=params, sft_opt_state=opt), {"phase": "sft",
                                                             **jax.device_get(mets)}, data
@@ -190,7 +194,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
         print(f"profile of step {step}: {profile_dir} (summary.txt)", file=sys.stderr)
       record["step_time_s"] = time.perf_counter() - t0
       if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
-        record.update(evaluate(s, t.layout.sampler_params(state.params), step))
+        record.update(evaluate(s, t.layout.sampler_params(state.params), step,
+                               agent=t.agent[1] if t.agent else None))
       record["compile_time_s"] = clock.take()  # tracing + compiling (or cache loads)
       if writer is not None:
         writer.write(step, record)
@@ -206,6 +211,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   finally:
     if runner is not None:
       runner.close()
+    for engine in t.agent or ():
+      engine.close()
     signal.signal(signal.SIGTERM, old_handler)
     if writer is not None:
       writer.close()

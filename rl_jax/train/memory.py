@@ -198,7 +198,7 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
   tok = lambda dt: _spec((groups, M, R), dt, rows)
   inputs = abstract_inputs(s.objective.needs, groups, M, R,
                            lambda shape, dtype: _spec(shape, dtype, rows),
-                           t.steps.old_logp_in_update)
+                           t.steps.old_logp_in_update, geo.turns)
   adv = jax.eval_shape(s.objective.advantages_from, inputs)
   adv = jax.tree.map(lambda x: _spec(x.shape, x.dtype, rows), adv)
   return UpdateBatch(_spec((groups, P), jnp.int32, rows), _spec((groups,), jnp.int32, rows),

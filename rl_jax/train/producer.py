@@ -10,12 +10,17 @@ decided once per run (``source``), never inside a step:
   devices);
 * ``engine``: APRIL (``rollout.partial``): the rollout engine draws prompts lazily and
   returns G complete groups; its held groups travel in ``ProducerState.held``;
+* ``agentic``: multi-turn episodes (``env.name``): G groups of the env task's train
+  split, rolled out by the ``AgentEngine`` (``agent_stage``) to their end; the response
+  tokens are the trajectories (model and observation ids as sampled / appended), the loss
+  mask the model tokens, the rewards the trajectory returns, plus the per-turn inputs;
 * ``selected``: the selection stage (``selection_stage.select``: DAPO dynamic sampling,
   GRESO, Beta, adaptive group size) picks the prompts and rolls them out through the
   producer's ``roll`` stage, sampling speculatively from ``ProducerState.drafts`` with
   SPEC-RL (``speculative_stage``).
 
-Every source ends in the same scoring stage (the task's verifier, DAPO overlong shaping).
+Every single-turn source ends in the same scoring stage (the task's verifier, DAPO overlong
+shaping); the agentic source's rewards are the environments' returns.
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G groups (row groups: W chunks with
 adaptive group size), M samples per group, R new tokens.
@@ -30,7 +35,8 @@ import jax
 import numpy as np
 
 from rl_jax import rollout
-from rl_jax.train import group_size, selection_stage, speculative_stage
+from rl_jax.errors import RLJaxError
+from rl_jax.train import agent_stage, group_size, selection_stage, speculative_stage
 from rl_jax.train.records import ProducerState, Scored
 from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
                                    next_indices, score)
@@ -111,6 +117,31 @@ def _engine(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo
           _placed(t, sampled.producer))
 
 
+def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+             hi: int) -> tuple[Scored, ProducerState]:
+  """Step ``step``'s G groups of multi-turn episodes (every process runs every group), each
+  run to its end: nothing is held across steps, the position is the prompt sampler's."""
+  del lo, hi
+  s, geo = t.setup, t.setup.geometry
+  t0 = time.perf_counter()
+  idx, data = next_indices(s, np.asarray(p.data), geo.groups)
+  out = agent_stage.roll(s, t.agent[0], params, idx, step=step, version=version)
+  rollout_s = time.perf_counter() - t0
+  if out.prompts != encode_prompts(s, [s.train_examples[i] for i in idx]):
+    raise RLJaxError("env: the engine's first prompts differ from the packed layout's "
+                     "(the chat format does not tokenize like the tokenizer)")
+  R, G, M = geo.new_tokens, geo.groups, geo.samples
+  turns = agent_stage.turn_fields(out, geo.turns, R)
+  stats = {**agent_stage.rollout_metrics(out),
+           "rollout_tokens": float(out.model_mask.sum())}
+  scored = Scored(np.asarray(idx, np.int32), out.tokens[:, :R], out.model_mask[:, :R],
+                  out.logprobs[:, :R], out.versions[:, :R],
+                  out.reward.reshape(G, M).astype(np.float32),
+                  np.asarray([out.env_errors.sum(), out.timeouts.sum()], np.int64), rollout_s,
+                  version, stats, turns=turns)
+  return scored, _placed(t, p._replace(data=data))
+
+
 def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *, step: int,
           version: int) -> Scored:
   """The selection stage's rollout: sample (speculatively when ``drafts``) and score the
@@ -164,12 +195,14 @@ def _selected(t: Trainer, params, p: ProducerState, *, step: int, version: int, 
 
 # source name -> the producer of one batch
 SOURCES: dict[str, Callable[..., tuple[Scored, ProducerState]]] = {
-    "fresh": _fresh, "engine": _engine, "selected": _selected}
+    "fresh": _fresh, "engine": _engine, "selected": _selected, "agentic": _agentic}
 
 
 def source(t: Trainer) -> str:
   """The run's prompt source (see the module docstring)."""
   c = t.setup.config
+  if t.agent is not None:
+    return "agentic"
   if t.engine is not None:
     return "engine"
   if (selection_stage.effective_selector(c) != "none" or bool(c.rollout.speculative)

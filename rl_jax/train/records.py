@@ -32,6 +32,9 @@ class Scored(NamedTuple):
   faults int64 [2]: verifier exceptions and timeouts; rollout_s: sampling wall time;
   version: the policy version the producer held; stats: counters (``STATS``); groups
   int32 [g]: with adaptive group size, the step's prompt of each row group (chunk), else None.
+  turns: multi-turn batches (``env.name``): the per-turn inputs of ``agent_stage.turn_fields``
+  (turn_rewards [g·M,U], turn_ids [g·M,R], turn_states [g·M,U]), else None; their
+  ``tokens`` are the trajectories (model and observation ids) and ``mask`` the model tokens.
   g is G with one process, this process's groups with several.
   """
 
@@ -46,6 +49,7 @@ class Scored(NamedTuple):
   version: int
   stats: dict
   groups: np.ndarray | None = None
+  turns: dict | None = None
 
 
 def array_fields() -> tuple[str, ...]:

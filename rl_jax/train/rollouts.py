@@ -25,13 +25,15 @@ __all__ = ["Trainer", "Sampled", "Scored", "next_indices", "next_examples", "enc
 
 
 class Trainer(NamedTuple):
-  """A run's static setup, its layout on the mesh, its compiled steps and (for
-  ``rollout.partial``) its engine."""
+  """A run's static setup, its layout on the mesh, its compiled steps, (for
+  ``rollout.partial``) its engine and (for ``env.name``) its multi-turn engines
+  (``agent_stage.make_engines``: training, greedy evaluation)."""
 
   setup: Setup
   layout: Layout
   steps: StepFns
   engine: rollout.RolloutEngine | None
+  agent: tuple | None = None
 
 
 class Sampled(NamedTuple):

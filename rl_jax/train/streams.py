@@ -26,6 +26,8 @@ class Stream(enum.IntEnum):
   SELECTOR = 9      # prompt selectors' draws: GRESO skips, Thompson samples (per step)
   SPECULATIVE = 11  # SPEC-RL acceptance and residual draws (per step)
   ROUNDING = 13     # optim.stochastic_rounding: folded with each optimizer's update count
+  AGENT = 15        # multi-turn episodes: the AgentEngine's base seed (step 0 only; every
+                    # group is seeded by its uid = step · G + group, each sample by its index)
 
 
 def seed_for(seed: int, step: int, stream: Stream) -> int:

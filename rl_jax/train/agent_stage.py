@@ -1,0 +1,238 @@
+"""The agentic stage: multi-turn episodes of a built-in environment task (``env.name``).
+
+What the producer, the learner, the supervised warm start and the evaluation need from an
+environment task, as small functions of the setup's config and host arrays:
+
+* ``env_task`` / ``env_examples``: the task (``rl_jax.envs.tasks``) and its splits as
+  ``EnvExample``s whose ``prompt`` is the rendered first prompt (opening messages and the
+  assistant's generation header), so the packed training layout's prompt part is exactly the
+  engine's first prompt (prompt-once groups share it).
+* ``make_engines``: the training ``AgentEngine`` (M samples per group at the rollout
+  temperature) and the greedy evaluation engine (same slots and samples: the same compiled
+  programs). ``roll`` runs groups to their end, each group ``uid = step · G + group`` so every
+  environment seed and every token draw is a function of (seed, step, group, sample).
+* ``turn_fields``: the per-turn objective inputs (``losses.TURN_FIELDS``) of a rollout.
+* ``rollout_metrics``: turns, tool calls and errors (by kind), latency, environment time
+  (and the part hidden behind decoding), truncations, KV hit rate.
+* ``expert_batch``: supervised rows of the task's expert trajectories, the loss on the
+  assistant's tokens only (their end-of-turn id included), observations masked.
+* ``evaluate``: held-out success rate and mean turns of greedy episodes.
+
+Every group finishes within its step (no partial rollouts are held), so the producer's
+position is the prompt sampler's alone and a resumed run continues exactly.
+
+Shapes (the package legend, ``rl_jax/__init__.py``): G groups, M samples per group,
+B = G·M rows, R trajectory tokens after the first prompt, U turns, P prompt bucket, T = P + R.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from rl_jax import rollout
+from rl_jax.envs import chat as chat_lib
+from rl_jax.envs import tasks as env_tasks
+from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec
+from rl_jax.train.streams import Stream, seed_for
+
+__all__ = ["EnvExample", "METRICS", "env_task", "env_examples", "chat_format", "make_engines",
+           "engine_params", "episodes", "roll", "turn_fields", "rollout_metrics", "expert_rows", "expert_batch",
+           "evaluate"]
+
+# the step metrics of a multi-turn batch (besides ``tool_errors_<kind>``)
+METRICS = ("turns_mean", "tool_calls", "tool_errors", "tool_latency_s", "env_time_s",
+           "env_time_hidden_s", "truncated_trajectories", "kv_hit_rate")
+
+
+class EnvExample(NamedTuple):
+  """One episode's example: ``prompt`` the rendered first prompt (text), ``answer`` the
+  reference answer if the task has one, ``data`` the task's example dict."""
+
+  prompt: str
+  answer: str
+  data: dict
+
+
+def env_task(config):
+  """The configured built-in task (``rl_jax.envs.spec.EnvSpec``)."""
+  e = config.env
+  if e.name == "calculator":
+    return env_tasks.make_task("calculator", seed=config.data.seed, n_train=e.n_train,
+                               n_eval=e.n_eval, digits=(e.digits_min, e.digits_max),
+                               max_turns=e.max_turns)
+  return env_tasks.make_task("guess", seed=config.data.seed, n_train=e.n_train, n=e.guess_n,
+                             max_turns=e.max_turns, step_penalty=e.step_penalty)
+
+
+def chat_format(tokenizer):
+  """The chat format of the built-in tasks (the character tokenizer's compact template)."""
+  return chat_lib.ChatFormat.builtin(tokenizer)
+
+
+def env_examples(spec, split: Sequence[dict], fmt) -> list[EnvExample]:
+  """``split``'s examples with their rendered first prompts."""
+  out = []
+  for ex in split:
+    env, messages = spec.start(ex)
+    text = fmt.render(messages, tuple(env.tools), add_generation_prompt=True)
+    out.append(EnvExample(text, str(ex.get("answer", "")), dict(ex)))
+  return out
+
+
+def make_engines(s) -> tuple[Any, Any]:
+  """(training engine, greedy evaluation engine) of the setup ``s``: G slots of M samples,
+  R = ``env.max_total_tokens``; the evaluation engine differs only in its temperature."""
+  c, e, geo = s.config, s.config.env, s.geometry
+
+  def engine(temperature):
+    return rollout.AgentEngine(
+        s.model_cfg, s.chat, s.tokenizer.decode, n=geo.samples, max_slots=geo.groups,
+        max_prompt_len=s.prompt_len, max_total_tokens=geo.new_tokens,
+        max_turn_tokens=e.max_turn_tokens, max_turns=e.max_turns,
+        max_obs_tokens=e.max_obs_tokens, temperature=temperature, top_p=c.rollout.top_p,
+        top_k=c.rollout.top_k, seed=seed_for(c.train.seed, 0, Stream.AGENT),
+        ttl=None if e.kv_ttl_s < 0 else e.kv_ttl_s, step_timeout=e.step_timeout_s,
+        workers=e.workers, context=s.model_cfg.max_position_embeddings)
+
+  return engine(c.rollout.temperature), engine(0.0)
+
+
+def episodes(s, examples: Sequence[EnvExample], meta: Sequence[Any]) -> list[EpisodeSpec]:
+  """One EpisodeSpec per example (a fresh environment per sample)."""
+  make = s.task.make_env
+  return [EpisodeSpec(lambda ex=ex.data: make(ex), ex.data, m) for ex, m in zip(examples, meta)]
+
+
+def engine_params(s, params):
+  """The weights on the sampler's first device (the engine's programs are single-device)."""
+  return jax.device_put(params, s.sampler_mesh.devices.flat[0])
+
+
+def roll(s, engine, params, idx: np.ndarray, *, step: int, version: int) -> AgentRollout:
+  """Groups of the train examples ``idx`` [G], run to their end from ``params``; group g
+  has uid ``step · G + g``."""
+  G = s.geometry.groups
+  params = engine_params(s, params)
+  specs = episodes(s, [s.train_examples[i] for i in idx], [int(i) for i in idx])
+  return engine.rollout(params, specs, policy_version=version, first_uid=step * G)
+
+
+def _turn_starts(out: AgentRollout, U: int) -> np.ndarray:
+  """int32 [B,U]: index of each turn's first model token (-1 past the last turn)."""
+  B = out.tokens.shape[0]
+  starts = np.full((B, U), -1, np.int32)
+  for b in range(B):
+    for u in range(int(out.num_turns[b])):
+      hit = np.flatnonzero(out.model_mask[b] & (out.turn[b] == u))
+      starts[b, u] = hit[0] if hit.size else -1
+  return starts
+
+
+def turn_fields(out: AgentRollout, U: int, R: int) -> dict[str, np.ndarray]:
+  """The per-turn inputs of ``out``: turn_rewards float32 [B,U] (NaN past the last turn),
+  turn_ids int32 [B,R] (the turn of each model token, -1 on observation tokens and padding)
+  and turn_states int32 [B,U] (a hash of the token history each turn starts from: equal
+  histories, equal states; -1 past the last turn)."""
+  B = out.tokens.shape[0]
+  present = np.arange(U)[None, :] < out.num_turns[:, None]
+  rewards = np.where(present, out.turn_rewards[:, :U], np.nan).astype(np.float32)
+  ids = np.where(out.model_mask, out.turn, -1)[:, :R].astype(np.int32)
+  starts = _turn_starts(out, U)
+  prompts = [out.prompts[i] for i in out.prompt_index]
+  states = np.full((B, U), -1, np.int32)
+  for b in range(B):
+    for u in range(U):
+      if starts[b, u] >= 0:
+        hist = np.asarray(list(prompts[b]) + list(out.tokens[b, :starts[b, u]]), np.int32)
+        states[b, u] = zlib.crc32(hist.tobytes()) & 0x7FFFFFFF
+  return {"turn_rewards": rewards, "turn_ids": ids, "turn_states": states}
+
+
+def rollout_metrics(out: AgentRollout) -> dict[str, float]:
+  """The step metrics of a multi-turn batch (``METRICS`` and ``tool_errors_<kind>``)."""
+  env_s = float(out.env_time.sum())
+  kinds: dict[str, int] = {}
+  for row in out.error_kinds or ():
+    for k, n in row.items():
+      kinds[k] = kinds.get(k, 0) + int(n)
+  latency = out.tool_latency if out.tool_latency is not None else np.zeros(1)
+  return {
+      "turns_mean": float(out.num_turns.mean()),
+      "tool_calls": float(out.tool_calls.sum()),
+      "tool_errors": float(out.tool_errors.sum()),
+      "tool_latency_s": float(latency.sum()),
+      "env_time_s": env_s,
+      "env_time_hidden_s": max(env_s - float(out.stats.get("env_wait_s", 0.0)), 0.0),
+      "truncated_trajectories": float(np.sum(out.finish_reason != "done")),
+      "kv_hit_rate": float(out.stats.get("kv_hit_rate", 0.0)),
+      **{f"tool_errors_{k}": float(n) for k, n in sorted(kinds.items())},
+  }
+
+
+def expert_rows(s, example: EnvExample) -> tuple[list[int], list[int], int]:
+  """(ids, loss flags, prompt length) of the task expert's trajectory on ``example``: the
+  first prompt, then each assistant turn as the engine would sample it (its text's ids and
+  the end-of-turn id: loss 1) and the environment's answer as the engine appends it
+  (``delta_ids``: loss 0)."""
+  fmt, tok = s.chat, s.tokenizer
+  env, opening = s.task.start(example.data)
+  messages = s.task.expert(example.data, 0)
+  prompt = fmt.prompt_ids(opening, tuple(env.tools))
+  ids, flags = list(prompt), [0] * len(prompt)
+  i = len(opening)
+  eot = list(fmt.end_of_turn_ids[:1])
+  while i < len(messages):
+    m = messages[i]
+    if m.role == "assistant":
+      turn = list(tok.encode(m.content)) + eot
+      ids += turn
+      flags += [1] * len(turn)
+      i += 1
+      continue
+    j = i
+    while j < len(messages) and messages[j].role != "assistant":
+      j += 1
+    obs = fmt.delta_ids(messages[:i], messages[i:j])
+    ids += obs
+    flags += [0] * len(obs)
+    i = j
+  return ids, flags, len(prompt)
+
+
+def expert_batch(s, examples: Sequence[EnvExample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Supervised rows of the expert trajectories, right-padded to T = P + R: tokens int32
+  [B,T], attention mask bool [B,T], loss mask float32 [B,T] (1 where the target is an
+  assistant token)."""
+  T = s.prompt_len + s.geometry.new_tokens
+  tokens = np.full((len(examples), T), s.tokenizer.pad_id, np.int32)
+  attn = np.zeros((len(examples), T), bool)
+  loss = np.zeros((len(examples), T), np.float32)
+  for b, ex in enumerate(examples):
+    ids, flags, _ = expert_rows(s, ex)
+    ids, flags = ids[:T], flags[:T]
+    tokens[b, :len(ids)], attn[b, :len(ids)] = ids, True
+    loss[b, :len(ids)] = flags
+  return tokens, attn, loss
+
+
+def evaluate(s, engine, params) -> dict[str, float]:
+  """``eval_accuracy``: the held-out success rate (return >= 1) of greedy episodes, and
+  ``eval_turns_mean``; the eval split goes through in chunks of G groups (the last one
+  padded with copies of its last example), the first of each group's M identical samples
+  read."""
+  G, M = s.geometry.groups, s.geometry.samples
+  params = engine_params(s, params)
+  examples = list(s.eval_examples)
+  success, turns = [], []
+  for lo in range(0, len(examples), G):
+    chunk = examples[lo:lo + G]
+    real = len(chunk)
+    chunk = chunk + [chunk[-1]] * (G - real)
+    out = engine.rollout(params, episodes(s, chunk, range(len(chunk))), first_uid=lo)
+    success += list(out.reward.reshape(G, M)[:real, 0] >= 1.0)
+    turns += list(out.num_turns.reshape(G, M)[:real, 0])
+  return {"eval_accuracy": float(np.mean(success)), "eval_turns_mean": float(np.mean(turns))}

@@ -1,0 +1,164 @@
+"""Multi-turn training end to end (``env.name``): the agentic producer trains and writes its
+metrics, the learner scores exactly the sampled trajectory ids, observations are masked from
+the loss, GiGPO trains through the trainer, SIGKILL + rerun is bit-exact, bad env settings
+fail in one line.
+
+The runs use the guess game with 4 targets and 2 turns: after a short warm start the policy
+guesses digits, so groups have reward variance and first-turn misses get an observation.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from rl_jax import config_utils, metrics, train
+from rl_jax.errors import ConfigError
+from rl_jax.train import learner, loop, producer, state as state_lib
+from rl_jax.train.context import build_setup
+from tests.tiny import ROOT, TINY_MODEL
+
+AGENT_QUICKSTART = os.path.join(ROOT, "configs", "agent_quickstart.py")
+TINY = TINY_MODEL + [
+    "env.guess_n=4", "env.max_turns=2", "env.max_total_tokens=24", "env.max_turn_tokens=3",
+    "env.max_obs_tokens=12", "env.n_train=64", "data.eval_size=4", "sft.steps=10",
+    "sft.lr=1e-2", "sft.batch_size=16", "train.steps=3", "train.batch_groups=4",
+    "rollout.n=4", "rollout.temperature=0.5", "train.eval_every=13",
+    "train.checkpoint_every=1", "log.tensorboard=False"]
+# metrics that depend on the clock, and the behaviour-log-prob mismatch: the engine's
+# log-probs equal the learner's to float rounding, but their last bits depend on which
+# samples shared a decode batch, which depends on environment timing (ids, rewards and the
+# GRPO / GiGPO weights do not)
+TIMING = ("time", "_s", "per_s", "kv_hit_rate", "mismatch")
+
+
+def _config(overrides=()):
+  return config_utils.load_config(AGENT_QUICKSTART + ":guess", list(TINY) + list(overrides))
+
+
+def _rl_rows(workdir):
+  return [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+          if r["phase"] == "rl"]
+
+
+def test_agentic_run_trains_and_writes_metrics(tmp_path):
+  train.train(_config(), str(tmp_path), progress=False)
+  rows = _rl_rows(str(tmp_path))
+  assert len(rows) == 3
+  for key in ("turns_mean", "tool_calls", "tool_errors", "tool_latency_s", "env_time_s",
+              "env_time_hidden_s", "truncated_trajectories", "kv_hit_rate", "reward_mean"):
+    assert all(key in r for r in rows), key
+  assert 1.0 <= rows[0]["turns_mean"] <= 2.0
+  assert any(r["grad_norm"] > 0 for r in rows)  # groups with reward variance were trained
+  last = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))[-1]
+  assert 0.0 <= last["eval_accuracy"] <= 1.0 and 1.0 <= last["eval_turns_mean"] <= 2.0
+
+
+def test_calculator_tool_metrics_and_error_kinds():
+  """The calculator's tool calls and per-kind tool errors reach the step metrics."""
+  from rl_jax.rollout.agent_records import AgentRollout  # pylint: disable=import-outside-toplevel
+  from rl_jax.train import agent_stage  # pylint: disable=import-outside-toplevel
+  B, R, U = 2, 4, 2
+  z = lambda dt: np.zeros(B, dt)
+  out = AgentRollout(
+      tokens=np.zeros((B, R), np.int32), lengths=z(np.int32), model_mask=np.zeros((B, R), bool),
+      logprobs=np.zeros((B, R), np.float32), versions=np.zeros((B, R), np.int32),
+      turn=np.zeros((B, R), np.int32), turn_rewards=np.zeros((B, U), np.float32),
+      turn_ends=np.zeros((B, U), np.int32), num_turns=np.asarray([1, 2], np.int32),
+      reward=z(np.float32), tool_calls=np.asarray([1, 2], np.int32),
+      tool_errors=np.asarray([0, 1], np.int32), timeouts=z(np.int32), env_errors=z(np.int32),
+      env_time=np.asarray([0.5, 0.25], np.float32), truncated_obs=z(bool),
+      truncated_turn=z(bool), finish_reason=np.asarray(["done", "max_turns"]), actions=[[], []],
+      prompts=[[1]], prompt_index=np.zeros(B, np.int32), group_ids=np.zeros(1, np.int64),
+      group_meta=[None], stats={"env_wait_s": 0.25, "kv_hit_rate": 1.0},
+      tool_latency=np.asarray([0.1, 0.2], np.float32), error_kinds=[{}, {"parse": 1}])
+  m = agent_stage.rollout_metrics(out)
+  assert m["tool_calls"] == 3 and m["tool_errors"] == 1 and m["tool_errors_parse"] == 1
+  assert m["turns_mean"] == 1.5 and m["truncated_trajectories"] == 1
+  assert m["env_time_s"] == 0.75 and m["env_time_hidden_s"] == 0.5
+  assert abs(m["tool_latency_s"] - 0.3) < 1e-6
+
+
+def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
+  """Old log-probs of the packed training layout == the engine's behaviour log-probs on
+  model tokens (float32); the loss mask is the model tokens, observations excluded."""
+  s = build_setup(_config(["sft.steps=0", "train.old_logp_pass=separate"]))
+  t = loop.make_trainer(s)
+  try:
+    st = state_lib.init_state(s)
+    scored, _ = producer.produce(t, t.layout.sampler_params(st.params), st.producer, step=0,
+                                 version=0, lo=0, hi=s.geometry.groups)
+    batch, _ = learner.learner_batch(t, st, scored)
+  finally:
+    for e in t.agent:
+      e.close()
+  G, M, R = s.geometry.groups, s.geometry.samples, s.geometry.new_tokens
+  mask = scored.mask.reshape(G, M, R)
+  old = np.asarray(batch.inputs.old_logp)
+  np.testing.assert_allclose(old[mask], scored.logprobs.reshape(G, M, R)[mask], atol=1e-5)
+  assert np.array_equal(np.asarray(batch.inputs.mask), mask)
+  assert np.array_equal(np.asarray(batch.tokens), scored.tokens.reshape(G, M, R))
+  # observation tokens: inside the trajectory, not sampled, never in the loss
+  turn_ids = scored.turns["turn_ids"]
+  length = np.asarray([r.max(initial=-1) for r in
+                       np.where(scored.tokens != 0, np.arange(R)[None], -1)]) + 1
+  obs = (np.arange(R)[None] < length[:, None]) & ~scored.mask  # appended ids of a row
+  assert obs.any() and not (np.asarray(batch.inputs.mask).reshape(-1, R) & obs).any()
+  assert (turn_ids[~scored.mask] == -1).all() and (turn_ids[scored.mask] >= 0).all()
+
+
+def test_gigpo_trains_through_the_trainer(tmp_path):
+  train.train(_config(["loss.advantage=gigpo", "train.checkpoint_every=0"]), str(tmp_path),
+              progress=False)
+  rows = _rl_rows(str(tmp_path))
+  assert all(np.isfinite(r["loss"]) for r in rows)
+  assert any(r["grad_norm"] > 0 for r in rows)
+
+
+def test_resume_after_sigkill_is_bit_exact(tmp_path):
+  ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
+  train.train(_config(), ref_dir, progress=False)
+  cmd = [sys.executable, "-m", "rl_jax.train", f"--config={AGENT_QUICKSTART}:guess",
+         f"--workdir={killed_dir}"] + [f"--config.{o}" for o in TINY]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  path = os.path.join(killed_dir, "metrics.jsonl")
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None and len(metrics.read_jsonl(path)) < 11:
+    time.sleep(0.05)  # killed during the RL stage (step 11 of 13)
+  proc.kill()
+  proc.wait()
+  assert not os.path.exists(os.path.join(killed_dir, "hf")), "run finished before the kill"
+  train.train(_config(), killed_dir, progress=False)
+  a = load_file(os.path.join(ref_dir, "hf", "model.safetensors"))
+  b = load_file(os.path.join(killed_dir, "hf", "model.safetensors"))
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  exact = lambda rows: [{k: v for k, v in r.items() if not any(x in k for x in TIMING)}
+                        for r in rows]
+  ref = metrics.read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+  assert exact(metrics.read_jsonl(path)) == exact(ref)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("env.name=chess", "config.env.name"),
+    ("env.max_turns=0", "config.env.max_turns"),
+    ("env.kv_ttl_s=-2.0", "config.env.kv_ttl_s"),
+    ("env.max_turn_tokens=64", "env.max_turn_tokens=64 exceeds"),
+    ("train.mode=async", "not supported with train.mode=async"),
+    ("rollout.partial=True", "not supported with rollout.partial=True"),
+])
+def test_bad_env_settings_fail_in_one_line(override, needle):
+  with pytest.raises(ConfigError) as e:
+    build_setup(_config([override]))
+  assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_turn_inputs_need_an_environment():
+  with pytest.raises(ConfigError) as e:
+    build_setup(config_utils.load_config(os.path.join(ROOT, "configs", "quickstart.py"),
+                                         ["loss.advantage=gigpo"]))
+  assert "env.name" in str(e.value) and "\n" not in str(e.value)
