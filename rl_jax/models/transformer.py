@@ -272,7 +272,7 @@ def mask_attend(mask: jax.Array, delta: jax.Array | None = None) -> AttendFn:
 
 def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
                attend: AttendFn, state: Any, spec: AttnSpec | None):
-  """Attention sub-block of the extended families. x [B,T,D] -> residual update [B,T,D]."""
+  """Attention sub-block (every family). x [B,T,D] -> residual update [B,T,D]."""
   dt = jnp.dtype(cfg.dtype)
   w = lambda name: lp[name].astype(dt)
   norm = _norm_fn(cfg)
@@ -300,7 +300,7 @@ def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: 
 
 
 def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
-  """MLP sub-block of the extended families: (update [B,T,D], (ids, logits) or None)."""
+  """MLP sub-block (every family): (update [B,T,D], (ids, logits) or None)."""
   dt = jnp.dtype(cfg.dtype)
   w = lambda name: lp[name].astype(dt)
   norm = _norm_fn(cfg)
@@ -325,7 +325,8 @@ def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
 
 def _layer_ext(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
                attend: AttendFn, state: Any, spec: AttnSpec | None, routing: jax.Array | None):
-  """One block of the MoE / Gemma families: x [B,T,D] -> ([B,T,D], state, routing or None)."""
+  """One decoder block: x [B,T,D] -> ([B,T,D], state, routing or None). Gemma 3 adds norms
+  after both sub-blocks; MoE layers replace the MLP by the experts."""
   with jax.named_scope("attention"):
     o, state = _attention(cfg, lp, x, cos, sin, attend, state, spec)
     x = x + o
@@ -342,34 +343,9 @@ def _extended(cfg: ModelConfig) -> bool:
 
 def _layer(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
            attend: AttendFn, state: Any) -> tuple[jax.Array, Any]:
-  """One pre-norm decoder block. x [B,T,D] -> [B,T,D]."""
-  dt = jnp.dtype(cfg.dtype)
-  w = lambda name: lp[name].astype(dt)
-  with jax.named_scope("attention"):
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, w("q"))
-    k = jnp.einsum("btd,dkh->btkh", h, w("k"))
-    v = jnp.einsum("btd,dkh->btkh", h, w("v"))
-    if cfg.qkv_bias:
-      q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
-    if cfg.qk_norm:
-      q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-      k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q = sharding.constrain(q, ("batch", "length", "act_heads", None))
-    k = sharding.constrain(k, ("batch", "length", "act_kv_heads", None))
-    out, state = attend(q, k, v, state)
-    o = jnp.einsum("btnh,nhd->btd", out, w("o"))
-    if cfg.o_bias:
-      o = o + w("o_bias")
-    x = x + o
-  with jax.named_scope("mlp"):
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, w("gate"))
-    up = jnp.einsum("btd,df->btf", h, w("up"))
-    act = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    x = x + jnp.einsum("btf,fd->btd", act, w("down"))
-  return sharding.constrain(x, ("batch", "length", None)), state
+  """One pre-norm decoder block of the dense families. x [B,T,D] -> [B,T,D]."""
+  x, state, _ = _layer_ext(cfg, lp, x, cos, sin, attend, state, None, None)
+  return x, state
 
 
 _REMAT = {
