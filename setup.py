@@ -27,12 +27,12 @@ setup(
         "matplotlib",
         "tensorboardX",
         "numpy",
+        "jinja2>=3.1",  # chat templates of multi-turn (agentic) runs, imported by the trainer
     ],
     extras_require={
-        # rl_jax.envs: chat templates (jinja2) and the gymnasium / verifiers adapters.
-        "agent": ["jinja2>=3.1.6", "gymnasium>=1.0", "verifiers==0.4.0"],
+        # rl_jax.envs adapters for gymnasium and verifiers environments.
+        "agent": ["gymnasium>=1.0", "verifiers==0.4.0"],
         "test": [
-            "jinja2>=3.1.6",
             "gymnasium>=1.0",
             "verifiers==0.4.0",
             "pytest",
