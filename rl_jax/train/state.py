@@ -72,21 +72,11 @@ class TrainState(_State):
       kw["producer"] = kw.get("producer", self.producer)._replace(**flat)
     return super()._replace(**kw)
 
-  @property
-  def data(self):
-    return self.producer.data
 
-  @property
-  def rollout_buffer(self):
-    return self.producer.held
-
-  @property
-  def selector(self):
-    return self.producer.selector
-
-  @property
-  def spec_drafts(self):
-    return self.producer.drafts
+# TrainState.data, .rollout_buffer, .selector, .spec_drafts: read through to the producer
+for _flat, _field in _FLAT.items():
+  setattr(TrainState, _flat, property(lambda self, f=_field: getattr(self.producer, f),
+                                      doc=f"The producer's ``{_field}`` (earlier flat name)."))
 
 
 def held_capacity(s: Setup) -> int:
