@@ -12,9 +12,9 @@ Public API::
 Modules: ``engine`` (the scheduling loop, APRIL), ``generation`` (``generate``), ``records``
 (prompts, groups, ``Rollout``), ``slots`` (engine bookkeeping), ``sampler``
 (the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``sampling`` (token draws);
-multi-turn rollouts: ``agent`` (``AgentEngine``), ``agent_loop`` (its scheduling loop),
-``agent_records``, ``agent_held`` (held groups, checkpoints), ``env_pool`` (environment
-steps off the decode loop) and ``extend`` (incremental prefill of observations).
+multi-turn rollouts: ``agent`` (``AgentEngine``, its held groups and checkpoints),
+``agent_loop`` (its scheduling loop), ``agent_records``, ``env_pool`` (environment steps off
+the decode loop) and ``extend`` (incremental prefill of observations).
 Axis letters: the legend of ``rl_jax/__init__.py``.
 """
 
