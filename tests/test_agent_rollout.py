@@ -320,6 +320,34 @@ def test_held_groups_resume_exactly_across_calls_and_checkpoints():
       assert ((v >= 0) & (v <= 5)).all() and (out.versions[~out.model_mask] == -1).all()
 
 
+def test_deterministic_schedule_holds_the_same_groups_whatever_the_tool_timing():
+  """``deterministic=True`` (the trainer's APRIL mode): with tools of random latency, which
+  groups complete, everything held and the token versions are the same in two runs, and an
+  engine exported and re-imported around every call (a trainer resuming from each
+  checkpoint) matches one that keeps its groups in memory."""
+  specs = _specs(10, sleep="random")
+  runs = []
+  for reimport in (False, True):
+    e = _engine(over_sampling=3.0, deterministic=True)
+    it, outs = iter(specs), []
+    for step in range(3):
+      if reimport:
+        e.import_held(e.export_held(capacity=8), spec_of=lambda meta: specs[meta])
+      outs.append(e.rollout_groups(PARAMS, it, k_groups=1, policy_version=step))
+    runs.append((outs, e.export_held(capacity=8)))
+    e.close()
+  (outs_a, held_a), (outs_b, held_b) = runs
+  assert sum(o.stats["resumed_groups"] for o in outs_a) > 0 and held_a["valid"].sum() > 0
+  for a, b in zip(outs_a, outs_b):
+    assert list(a.group_ids) == list(b.group_ids)
+    for k in ("tokens", "versions", "model_mask", "turn_rewards"):
+      np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+  for k in held_a:
+    if k not in ("env_time", "logprobs"):
+      np.testing.assert_array_equal(held_a[k], held_b[k], err_msg=k)
+
+
 def test_staleness_bound_across_turns():
   eng = _engine(over_sampling=2.0, max_staleness=1, max_turns=6)
   specs = [rollout.EpisodeSpec(CounterEnv, {"q": f"q{i}", "turns": 6 if i % 3 == 0 else 1})

@@ -75,6 +75,7 @@ __all__ = ["AgentEngine", "SCHEDULES"]
 
 SCHEDULES = ("continuous", "turn_sync")
 _STATUS = (RUN, WAIT, READY, DONE)
+_FINISH = ("", "done", "max_turns", "max_tokens")  # export code of ``Trajectory.finish``
 _COUNTERS = ("tool_calls", "tool_errors", "timeouts", "env_errors", "truncated_obs",
              "truncated_turn")
 
@@ -103,6 +104,11 @@ class AgentEngine:
     poll_steps: decode steps between checks for returned observations.
     over_sampling: ``rollout_groups`` keeps ceil(f·K) groups in flight (APRIL).
     max_staleness: η; held samples with a model token more than η versions old restart.
+    deterministic: lockstep scheduling: every environment step submitted in one iteration
+      of the loop is applied at the start of the next (waiting for it if it is late; no
+      evictions), so which groups complete first, and everything held, is a function of the
+      seeds alone (a resumed trainer holding groups continues exactly). Steps still overlap
+      the decode call of the iteration that submitted them.
     dtype: sampler dtype (None = cfg's). context: maximum positions.
   """
 
@@ -114,7 +120,8 @@ class AgentEngine:
                ttl: float | None = 1.0, step_timeout: float | None = 30.0, workers: int = 16,
                schedule: str = "continuous", poll_steps: int = 8,
                over_sampling: float = 2.0, max_staleness: int | None = None,
-               dtype: str | None = None, context: int | None = None):
+               deterministic: bool = False, dtype: str | None = None,
+               context: int | None = None):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -142,7 +149,8 @@ class AgentEngine:
     self.max_prompt_len, self.max_total = int(max_prompt_len), int(max_total_tokens)
     self.max_turn, self.max_turns = int(max_turn_tokens), int(max_turns)
     self.max_obs, self.seed, self.schedule = int(max_obs_tokens), int(seed), schedule
-    self.ttl = None if ttl is None else float(ttl)
+    self.deterministic = bool(deterministic)
+    self.ttl = None if ttl is None or self.deterministic else float(ttl)
     self.poll_steps = int(poll_steps)
     self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
     self.stop = set(stop)
@@ -336,11 +344,11 @@ class AgentEngine:
       dict of arrays: valid, ready bool [capacity]; uid, resumed, meta, prompt_len int32
       [capacity]; prompt int32 [capacity,P]; tokens, versions, turn int32 [capacity,M,R];
       logprobs float32 [capacity,M,R]; model bool [capacity,M,R]; length, status, budget,
-      turn_start, cut, n_rewards, epoch and the counters int32 [capacity,M] (``status``
-      indexes run/wait/ready/done); turn_rewards float32 [capacity,M,U]; turn_ends int32
-      [capacity,M,U]; env_time float32 [capacity,M]; finish str [capacity,M]; next_uid int32
-      [];
-      and ``actions``: per row, per sample, the list of decoded actions.
+      turn_start, cut, n_rewards, epoch, finish and the counters int32 [capacity,M]
+      (``status`` indexes run/wait/ready/done, ``finish`` "", done, max_turns, max_tokens);
+      turn_rewards float32 [capacity,M,U]; turn_ends int32 [capacity,M,U]; env_time float32
+      [capacity,M]; next_uid int32 []. Numbers only (a checkpoint holds them as they are):
+      the actions to replay are the decoded model tokens of each ended turn.
     """
     poll_outcomes(self)
     held = [(g, True) for g in self._ready] + [(g, False) for g in self.buffer]
@@ -354,10 +362,10 @@ class AgentEngine:
              versions=z((C, M, R), np.int32, -1), turn=z((C, M, R), np.int32, -1),
              logprobs=z((C, M, R), np.float32), model=z((C, M, R), bool),
              turn_rewards=z((C, M, U), np.float32), turn_ends=z((C, M, U), np.int32, -1),
-             env_time=z((C, M), np.float32), finish=z((C, M), "<U16", ""),
+             env_time=z((C, M), np.float32),
              **{k: z((C, M), np.int32) for k in ("length", "status", "budget", "turn_start",
-                                                 "cut", "n_rewards", "epoch", *_COUNTERS)})
-    actions = [[[] for _ in range(M)] for _ in range(C)]
+                                                 "cut", "n_rewards", "epoch", "finish",
+                                                 *_COUNTERS)})
     for h, (grp, ready) in enumerate(held):
       d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, ready, grp.uid, grp.resumed
       d["meta"][h] = -1 if grp.meta is None else int(grp.meta)
@@ -372,21 +380,23 @@ class AgentEngine:
         d["budget"][h, m], d["turn_start"][h, m] = grp.budget[m], grp.turn_start[m]
         d["cut"][h, m], d["n_rewards"][h, m] = grp.cut[m], len(t.turn_rewards)
         d["epoch"][h, m], d["env_time"][h, m] = grp.epoch[m], t.env_time
-        d["finish"][h, m] = t.finish or ""
+        d["finish"][h, m] = _FINISH.index(t.finish or "")
         for k in _COUNTERS:
           d[k][h, m] = getattr(t, k)
-        actions[h][m] = list(t.actions)
     d["next_uid"] = np.int32(self._next_uid())
-    d["actions"] = actions
     return d
 
   def import_held(self, d, spec_of: Callable[[Any], EpisodeSpec]) -> None:
     """Replace the held groups with ``export_held``'s, rebuilding every environment.
 
     ``spec_of(meta)`` returns the EpisodeSpec of a group's tag (e.g. a dataset index).
-    Each sample's environment is reset with its seed and replays its recorded actions; a
-    sample exported while its step was running gets that step's outcome from the replay.
+    Each sample's environment is reset with its seed and replays its recorded actions (the
+    detokenized model tokens of its ended turns, as the loop decoded them); a sample exported
+    while its step was running gets that step's outcome from the replay. Steps of the
+    replaced groups still running in the pool are dropped.
     """
+    self.pool.drop()
+    self.live.clear()
     self._ready.clear()
     self.buffer.clear()
     for h in np.flatnonzero(np.asarray(d["valid"])):
@@ -397,10 +407,22 @@ class AgentEngine:
       if grp.prompt != np.asarray(d["prompt"][h, :int(d["prompt_len"][h])]).tolist():
         raise RolloutError(f"held group {grp.uid}: the rebuilt first prompt differs")
       for m in range(self.M):
-        self._replay(grp, m, d, h, d["actions"][h][m])
+        self._replay(grp, m, d, h, self._actions(d, h, m))
       self.live[grp.uid] = grp
       (self._ready if d["ready"][h] else self.buffer).append(grp)
     self._uids = itertools.count(int(d["next_uid"]))
+
+  def _actions(self, d, h: int, m: int) -> list[str]:
+    """The actions of sample m of row h: each ended turn's model tokens, decoded without
+    the stop id that ended it (as ``agent_loop`` decoded them when the turn ended)."""
+    n = int(d["length"][h, m])
+    tokens, model = np.asarray(d["tokens"][h, m, :n]), np.asarray(d["model"][h, m, :n], bool)
+    turn = np.asarray(d["turn"][h, m, :n])
+    out = []
+    for u in range(int(np.sum(np.asarray(d["turn_ends"][h, m]) >= 0))):
+      ids = tokens[model & (turn == u)].tolist()
+      out.append(self.detokenize(ids[:-1] if ids and ids[-1] in self.stop else ids))
+    return out
 
   def _next_uid(self) -> int:
     """The uid the next new group gets (without consuming it)."""
@@ -417,7 +439,7 @@ class AgentEngine:
     u = int(np.sum(np.asarray(d["turn_ends"][h, m]) >= 0))
     t.turn_ends = np.asarray(d["turn_ends"][h, m, :u]).tolist()
     t.env_time = float(d["env_time"][h, m])
-    t.finish = str(d["finish"][h, m]) or None
+    t.finish = _FINISH[int(d["finish"][h, m])] or None
     for k in _COUNTERS:
       setattr(t, k, type(getattr(t, k))(d[k][h, m]))
     grp.status[m] = _STATUS[int(d["status"][h, m])]

@@ -151,7 +151,12 @@ class Loop:
     self.wait_s += time.perf_counter() - t0
 
   def collect(self) -> bool:
-    """Apply returned environment steps: rewards, counters, observation chunks."""
+    """Apply returned environment steps: rewards, counters, observation chunks (with a
+    deterministic engine: every step submitted so far, waiting for the late ones)."""
+    if self.e.deterministic and len(self.e.pool):
+      t0 = time.perf_counter()
+      self.e.pool.wait_all()
+      self.wait_s += time.perf_counter() - t0
     outcomes = poll_outcomes(self.e, self.stats)
     for grp in list(self.evicted):
       if grp.done:

@@ -138,6 +138,22 @@ class EnvPool:
     if futs:
       cf.wait(futs, timeout=max(seconds, 0.0), return_when=cf.FIRST_COMPLETED)
 
+  def wait_all(self) -> None:
+    """Block until every pending step finishes or passes its time-out (then ``poll``
+    returns them all)."""
+    while True:
+      now = time.monotonic()
+      running = [f for f, box, _ in self._pending.values() if not f.done() and not (
+          self.timeout is not None and "start" in box and now - box["start"] > self.timeout)]
+      if not running:
+        return
+      cf.wait(running, timeout=None if self.timeout is None else 0.05)
+
+  def drop(self) -> None:
+    """Forget every pending step (its result is never returned; the thread finishes in the
+    background)."""
+    self._pending.clear()
+
   def close(self) -> None:
     """Stop accepting steps; running ones finish in the background."""
     self._pool.shutdown(wait=False, cancel_futures=True)
