@@ -425,8 +425,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_env(config: ml_collections.ConfigDict) -> None:
-  """Multi-turn runs: what the agentic producer supports (synchronous, fixed groups, every
-  episode finished within its step; see rl_jax.train.agent_stage)."""
+  """Multi-turn runs: what the agentic producer supports (fixed groups; synchronous or
+  asynchronous; every episode finished within its step, or held across steps with
+  ``rollout.partial``; see rl_jax.train.agent_stage)."""
   e = config.get("env")
   if e is None or not e.name:
     return
@@ -437,16 +438,14 @@ def _check_env(config: ml_collections.ConfigDict) -> None:
                       f"{e.max_total_tokens}")
   c = config
   sel = c.data.selector or "none"
-  for key, bad in (("train.mode=async", c.train.mode == "async"),
-                   ("rollout.partial=True", c.rollout.partial),
-                   ("rollout.speculative=True", c.rollout.speculative),
+  for key, bad in (("rollout.speculative=True", c.rollout.speculative),
                    ("data.group_size=adaptive", c.data.group_size == "adaptive"),
                    (f"data.selector={sel}", sel != "none"),
                    ("loss.preset=dapo (dynamic sampling)", c.loss.preset == "dapo"),
                    ("data.overlong_buffer", bool(c.data.overlong_buffer))):
     if bad:
       raise ConfigError(f"env.name={e.name!r} (multi-turn) is not supported with {key}; the "
-                        "agentic producer is synchronous with fixed groups")
+                        "agentic producer samples fixed groups")
 
 
 def _check_offload(config: ml_collections.ConfigDict) -> None:

@@ -1,7 +1,8 @@
 """Multi-turn training end to end (``env.name``): the agentic producer trains and writes its
 metrics, the learner scores exactly the sampled trajectory ids, observations are masked from
-the loss, GiGPO trains through the trainer, SIGKILL + rerun is bit-exact, bad env settings
-fail in one line.
+the loss, the learner's proximal log-probs of every turn are recomputed from its own weights,
+GiGPO trains through the trainer, SIGKILL + rerun of an asynchronous run holding partial
+multi-turn trajectories (APRIL) is bit-exact, bad env settings fail in one line.
 
 The runs use the guess game with 4 targets and 2 turns: after a short warm start the policy
 guesses digits, so groups have reward variance and first-turn misses get an observation.
@@ -16,9 +17,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from rl_jax import config_utils, metrics, train
+import jax
+import jax.numpy as jnp
+
+from rl_jax import config_utils, metrics, models, train
 from rl_jax.errors import ConfigError
-from rl_jax.train import learner, loop, producer, state as state_lib
+from rl_jax.train import learner, loop, producer, rollouts, state as state_lib
 from rl_jax.train.context import build_setup
 from tests.tiny import ROOT, TINY_MODEL
 
@@ -33,7 +37,7 @@ TINY = TINY_MODEL + [
 # log-probs equal the learner's to float rounding, but their last bits depend on which
 # samples shared a decode batch, which depends on environment timing (ids, rewards and the
 # GRPO / GiGPO weights do not)
-TIMING = ("time", "_s", "per_s", "kv_hit_rate", "mismatch")
+TIMING = ("time", "_s", "per_s", "kv_hit_rate", "mismatch", "utilisation")
 
 
 def _config(overrides=()):
@@ -109,6 +113,26 @@ def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
   obs = (np.arange(R)[None] < length[:, None]) & ~scored.mask  # appended ids of a row
   assert obs.any() and not (np.asarray(batch.inputs.mask).reshape(-1, R) & obs).any()
   assert (turn_ids[~scored.mask] == -1).all() and (turn_ids[scored.mask] >= 0).all()
+  # weights moved since sampling (an asynchronous learner): the proximal log-probs of every
+  # turn are recomputed from the learner's weights (a teacher-forced pass over prompt +
+  # trajectory), not the behaviour log-probs of the sampler
+  st2 = st._replace(params=jax.tree.map(lambda w: w * 1.1, st.params))
+  old2 = np.asarray(learner.learner_batch(t, st2, scored)[0].inputs.old_logp).reshape(-1, R)
+  prompts = rollouts.encode_prompts(s, [s.train_examples[i] for i in scored.indices])
+  seqs = [prompts[b // M] + scored.tokens[b, :length[b]].tolist() for b in range(G * M)]
+  rows = np.zeros((G * M, max(map(len, seqs))), np.int32)
+  for b, seq in enumerate(seqs):
+    rows[b, :len(seq)] = seq
+  logits = models.forward(s.model_cfg, jax.device_get(st2.params), jnp.asarray(rows))
+  logp = np.asarray(jax.nn.log_softmax(logits / s.config.rollout.temperature))
+  flat_mask, later = scored.mask.reshape(-1, R), turn_ids > 0
+  for b, seq in enumerate(seqs):
+    p = len(prompts[b // M])
+    ref = np.asarray([logp[b, p + j - 1, seq[p + j]] for j in range(length[b])])
+    m = flat_mask[b, :length[b]]
+    np.testing.assert_allclose(old2[b, :length[b]][m], ref[m], atol=2e-5)
+  assert (flat_mask & later).any()  # later turns are in the batch ...
+  assert np.abs(old2 - scored.logprobs.reshape(-1, R))[flat_mask & later].max() > 1e-4  # ... moved
 
 
 def test_gigpo_trains_through_the_trainer(tmp_path):
@@ -119,11 +143,19 @@ def test_gigpo_trains_through_the_trainer(tmp_path):
   assert any(r["grad_norm"] > 0 for r in rows)
 
 
-def test_resume_after_sigkill_is_bit_exact(tmp_path):
+# asynchronous (one step off) with partial rollouts: groups held mid-turn or waiting on
+# their environment cross steps and checkpoints
+HELD = ["rollout.partial=True", "train.mode=async"]
+
+
+def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path):
   ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
-  train.train(_config(), ref_dir, progress=False)
+  train.train(_config(HELD), ref_dir, progress=False)
+  ref = metrics.read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+  rl = [r for r in ref if r["phase"] == "rl"]
+  assert all(r["buffer_size"] > 0 for r in rl) and max(r["max_token_lag"] for r in rl) >= 1
   cmd = [sys.executable, "-m", "rl_jax.train", f"--config={AGENT_QUICKSTART}:guess",
-         f"--workdir={killed_dir}"] + [f"--config.{o}" for o in TINY]
+         f"--workdir={killed_dir}"] + [f"--config.{o}" for o in TINY + HELD]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   path = os.path.join(killed_dir, "metrics.jsonl")
   deadline = time.time() + 600
@@ -132,14 +164,13 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
   proc.kill()
   proc.wait()
   assert not os.path.exists(os.path.join(killed_dir, "hf")), "run finished before the kill"
-  train.train(_config(), killed_dir, progress=False)
+  train.train(_config(HELD), killed_dir, progress=False)
   a = load_file(os.path.join(ref_dir, "hf", "model.safetensors"))
   b = load_file(os.path.join(killed_dir, "hf", "model.safetensors"))
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
   exact = lambda rows: [{k: v for k, v in r.items() if not any(x in k for x in TIMING)}
                         for r in rows]
-  ref = metrics.read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
   assert exact(metrics.read_jsonl(path)) == exact(ref)
 
 
@@ -148,8 +179,8 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
     ("env.max_turns=0", "config.env.max_turns"),
     ("env.kv_ttl_s=-2.0", "config.env.kv_ttl_s"),
     ("env.max_turn_tokens=64", "env.max_turn_tokens=64 exceeds"),
-    ("train.mode=async", "not supported with train.mode=async"),
-    ("rollout.partial=True", "not supported with rollout.partial=True"),
+    ("rollout.speculative=True", "not supported with rollout.speculative=True"),
+    ("data.selector=greso", "not supported with data.selector=greso"),
 ])
 def test_bad_env_settings_fail_in_one_line(override, needle):
   with pytest.raises(ConfigError) as e:

@@ -263,7 +263,7 @@ class AgentEngine:
     ``(η+1)·K`` under the staleness bound). Pass an iterator to keep its position.
 
     Returns:
-      AgentRollout of K·M rows; stats add ``held_groups``, ``resumed_groups``,
+      AgentRollout of K·M rows; stats add ``held_groups`` (= ``buffer_size``), ``resumed_groups``,
       ``restarted_samples``, ``max_token_lag`` and ``off_policy_token_fraction``.
     """
     check_int("k_groups", k_groups, 1)
@@ -301,7 +301,8 @@ class AgentEngine:
     out = loop.result(result)
     lag = np.where(out.model_mask, policy_version - out.versions, 0)
     stale = (out.versions < policy_version) & out.model_mask
-    out.stats.update(held_groups=len(self.buffer), restarted_samples=restarted,
+    out.stats.update(held_groups=len(self.buffer), buffer_size=len(self.buffer),
+                     restarted_samples=restarted,
                      resumed_groups=sum(1 for g in result if g.resumed),
                      max_token_lag=int(lag.max(initial=0)),
                      off_policy_token_fraction=float(stale.sum() / max(out.model_mask.sum(), 1)))

@@ -11,6 +11,13 @@ environment task, as small functions of the setup's config and host arrays:
   temperature) and the greedy evaluation engine (same slots and samples: the same compiled
   programs). ``roll`` runs groups to their end, each group ``uid = step · G + group`` so every
   environment seed and every token draw is a function of (seed, step, group, sample).
+* ``roll_partial`` (``rollout.partial``, APRIL across turns): the engine returns the first G
+  groups to complete and holds the rest (mid-turn, waiting on a tool, or with an observation
+  to append) in ``ProducerState.held``; group uids come from the engine's
+  counter, which travels with the held groups. The engine's schedule is deterministic
+  (lockstep environment steps), so which groups complete and everything held is a function of
+  the seeds, and a resumed run continues exactly; held environments are rebuilt by replaying
+  their actions.
 * ``turn_fields``: the per-turn objective inputs (``losses.TURN_FIELDS``) of a rollout.
 * ``rollout_metrics``: turns, tool calls and errors (by kind), latency, environment time
   (and the part hidden behind decoding), truncations, KV hit rate.
@@ -18,8 +25,8 @@ environment task, as small functions of the setup's config and host arrays:
   assistant's tokens only (their end-of-turn id included), observations masked.
 * ``evaluate``: held-out success rate and mean turns of greedy episodes.
 
-Every group finishes within its step (no partial rollouts are held), so the producer's
-position is the prompt sampler's alone and a resumed run continues exactly.
+Without ``rollout.partial`` every group finishes within its step (nothing is held), so the
+producer's position is the prompt sampler's alone and a resumed run continues exactly.
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G groups, M samples per group,
 B = G·M rows, R trajectory tokens after the first prompt, U turns, P prompt bucket, T = P + R.
@@ -28,7 +35,7 @@ B = G·M rows, R trajectory tokens after the first prompt, U turns, P prompt buc
 from __future__ import annotations
 
 import zlib
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -40,7 +47,7 @@ from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["EnvExample", "METRICS", "env_task", "env_examples", "chat_format", "make_engines",
-           "engine_params", "episodes", "roll", "turn_fields", "rollout_metrics", "expert_rows", "expert_batch",
+           "engine_params", "episodes", "roll", "roll_partial", "turn_fields", "rollout_metrics", "expert_rows", "expert_batch",
            "evaluate"]
 
 # the step metrics of a multi-turn batch (besides ``tool_errors_<kind>``)
@@ -84,21 +91,27 @@ def env_examples(spec, split: Sequence[dict], fmt) -> list[EnvExample]:
 
 
 def make_engines(s) -> tuple[Any, Any]:
-  """(training engine, greedy evaluation engine) of the setup ``s``: G slots of M samples,
-  R = ``env.max_total_tokens``; the evaluation engine differs only in its temperature."""
+  """(training engine, greedy evaluation engine) of the setup ``s``; the evaluation engine
+  differs only in its temperature."""
+  return make_engine(s, s.config.rollout.temperature), make_engine(s, 0.0)
+
+
+def make_engine(s, temperature: float):
+  """An ``AgentEngine`` of the setup ``s``: G slots of M samples, R = ``env.max_total_tokens``,
+  APRIL's over-sampling and staleness bound, deterministic with ``rollout.partial``."""
   c, e, geo = s.config, s.config.env, s.geometry
-
-  def engine(temperature):
-    return rollout.AgentEngine(
-        s.model_cfg, s.chat, s.tokenizer.decode, n=geo.samples, max_slots=geo.groups,
-        max_prompt_len=s.prompt_len, max_total_tokens=geo.new_tokens,
-        max_turn_tokens=e.max_turn_tokens, max_turns=e.max_turns,
-        max_obs_tokens=e.max_obs_tokens, temperature=temperature, top_p=c.rollout.top_p,
-        top_k=c.rollout.top_k, seed=seed_for(c.train.seed, 0, Stream.AGENT),
-        ttl=None if e.kv_ttl_s < 0 else e.kv_ttl_s, step_timeout=e.step_timeout_s,
-        workers=e.workers, context=s.model_cfg.max_position_embeddings)
-
-  return engine(c.rollout.temperature), engine(0.0)
+  r = c.rollout
+  return rollout.AgentEngine(
+      s.model_cfg, s.chat, s.tokenizer.decode, n=geo.samples, max_slots=geo.groups,
+      max_prompt_len=s.prompt_len, max_total_tokens=geo.new_tokens,
+      max_turn_tokens=e.max_turn_tokens, max_turns=e.max_turns,
+      max_obs_tokens=e.max_obs_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+      seed=seed_for(c.train.seed, 0, Stream.AGENT),
+      ttl=None if e.kv_ttl_s < 0 else e.kv_ttl_s, step_timeout=e.step_timeout_s,
+      workers=e.workers, context=s.model_cfg.max_position_embeddings,
+      over_sampling=r.over_sampling,
+      max_staleness=None if r.max_staleness < 0 else r.max_staleness,
+      deterministic=bool(r.partial))
 
 
 def episodes(s, examples: Sequence[EnvExample], meta: Sequence[Any]) -> list[EpisodeSpec]:
@@ -119,6 +132,27 @@ def roll(s, engine, params, idx: np.ndarray, *, step: int, version: int) -> Agen
   params = engine_params(s, params)
   specs = episodes(s, [s.train_examples[i] for i in idx], [int(i) for i in idx])
   return engine.rollout(params, specs, policy_version=version, first_uid=step * G)
+
+
+def _spec_of(s, i: int) -> EpisodeSpec:
+  """The EpisodeSpec of train example ``i`` (its meta is ``i``)."""
+  return episodes(s, [s.train_examples[i]], [i])[0]
+
+
+def roll_partial(s, engine, params, held: dict, next_index: Callable[[], int], *,
+                 version: int, capacity: int) -> tuple[AgentRollout, dict]:
+  """The first G groups to complete, from the groups ``held`` (an ``export_held`` dict)
+  and new episodes of the train examples ``next_index()`` draws; (the rollout, the held
+  groups after it as ``export_held(capacity)``)."""
+  engine.import_held(held, spec_of=lambda i: _spec_of(s, i))
+
+  def specs():
+    while True:
+      yield _spec_of(s, next_index())
+
+  out = engine.rollout_groups(engine_params(s, params), specs(), s.geometry.groups,
+                              policy_version=version)
+  return out, engine.export_held(capacity)
 
 
 def _turn_starts(out: AgentRollout, U: int) -> np.ndarray:

@@ -37,7 +37,7 @@ import numpy as np
 from rl_jax import rollout
 from rl_jax.errors import RLJaxError
 from rl_jax.train import agent_stage, group_size, selection_stage, speculative_stage
-from rl_jax.train.records import ProducerState, Scored
+from rl_jax.train.records import ENGINE_STATS, ProducerState, Scored
 from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
                                    next_indices, score)
 from rl_jax.train.state import held_capacity, place_replicated
@@ -119,13 +119,28 @@ def _engine(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo
 
 def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
              hi: int) -> tuple[Scored, ProducerState]:
-  """Step ``step``'s G groups of multi-turn episodes (every process runs every group), each
-  run to its end: nothing is held across steps, the position is the prompt sampler's."""
+  """Step ``step``'s G groups of multi-turn episodes (every process runs every group): each
+  run to its end (the position is the prompt sampler's), or with ``rollout.partial`` the
+  first G to complete, the rest held in ``p.held`` (APRIL across turns; prompts drawn lazily
+  from the data sampler)."""
   del lo, hi
   s, geo = t.setup, t.setup.geometry
   t0 = time.perf_counter()
-  idx, data = next_indices(s, np.asarray(p.data), geo.groups)
-  out = agent_stage.roll(s, t.agent[0], params, idx, step=step, version=version)
+  if s.config.rollout.partial:
+    position = [np.asarray(p.data)]
+
+    def next_index() -> int:
+      i, position[0] = next_indices(s, position[0], 1)
+      return int(i[0])
+
+    out, held = agent_stage.roll_partial(s, t.agent[0], params, jax.device_get(p.held),
+                                         next_index, version=version,
+                                         capacity=held_capacity(s))
+    idx, data = np.asarray(out.group_meta, np.int32), position[0]
+    p = p._replace(held=held)
+  else:
+    idx, data = next_indices(s, np.asarray(p.data), geo.groups)
+    out = agent_stage.roll(s, t.agent[0], params, idx, step=step, version=version)
   rollout_s = time.perf_counter() - t0
   if out.prompts != encode_prompts(s, [s.train_examples[i] for i in idx]):
     raise RLJaxError("env: the engine's first prompts differ from the packed layout's "
@@ -133,6 +148,7 @@ def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, l
   R, G, M = geo.new_tokens, geo.groups, geo.samples
   turns = agent_stage.turn_fields(out, geo.turns, R)
   stats = {**agent_stage.rollout_metrics(out),
+           **{k: float(out.stats[k]) for k in ENGINE_STATS if k in out.stats},
            "rollout_tokens": float(out.model_mask.sum())}
   scored = Scored(np.asarray(idx, np.int32), out.tokens[:, :R], out.model_mask[:, :R],
                   out.logprobs[:, :R], out.versions[:, :R],

@@ -4,7 +4,9 @@ Scored batches sampled ahead of the learner (``records.Scored``) are checkpointe
 rest of the state, so a resumed asynchronous run trains on exactly the batches it would have.
 The queue is a dict of fixed-shape host arrays with Q slots (``Schedule.queue``) and a
 ``count`` of the slots in use, oldest first. The stored fields are ``Scored``'s own (its
-array fields, ``rollout_s``, ``version``, and ``stats`` as one column per ``records.STATS``).
+array fields, ``rollout_s``, ``version``, and ``stats`` as one column per ``records.STATS``);
+multi-turn runs (``env.name``) add the per-turn inputs (``Scored.turns``) and their step
+metrics (``agent_stats``, one column per ``AGENT_STATS``).
 
 Shapes (the package legend, ``rl_jax/__init__.py``): Q slots, G groups, M samples per
 prompt, R new tokens.
@@ -18,9 +20,14 @@ import jax
 import numpy as np
 
 from rl_jax import config as config_lib
+from rl_jax.envs.tools import ERROR_KINDS
+from rl_jax.train.agent_stage import METRICS
 from rl_jax.train.records import STATS, array_fields
 
-__all__ = ["empty_queue", "to_arrays", "from_arrays"]
+__all__ = ["AGENT_STATS", "empty_queue", "to_arrays", "from_arrays"]
+
+# the multi-turn step metrics a queued batch keeps (tool errors of the built-in tools' kinds)
+AGENT_STATS = METRICS + tuple(f"tool_errors_{k}" for k in ERROR_KINDS)
 
 
 def empty_queue(config) -> dict[str, np.ndarray]:
@@ -28,7 +35,9 @@ def empty_queue(config) -> dict[str, np.ndarray]:
 
   count int32 []; indices int32 [Q,G]; tokens / versions int32 [Q,G·M,R]; mask bool
   [Q,G·M,R]; logprobs float32 [Q,G·M,R]; rewards float32 [Q,G,M]; faults int32 [Q,2];
-  rollout_s float32 [Q]; version int32 [Q]; stats float32 [Q, len(STATS)].
+  rollout_s float32 [Q]; version int32 [Q]; stats float32 [Q, len(STATS)]; with
+  ``env.name`` also turn_rewards float32 [Q,G·M,U], turn_ids int32 [Q,G·M,R], turn_states
+  int32 [Q,G·M,U] and agent_stats float32 [Q, len(AGENT_STATS)].
   """
   config = getattr(config, "config", config)  # a Setup or its config
   Q = config_lib.schedule(config).queue
@@ -37,7 +46,12 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   geo = config_lib.geometry(config)
   G, M, R = geo.groups, geo.samples, geo.new_tokens
   rows = (Q, G * M, R)
-  return {
+  turns = {} if not config.env.name else {
+      "turn_rewards": np.zeros((Q, G * M, geo.turns), np.float32),
+      "turn_ids": np.zeros(rows, np.int32),
+      "turn_states": np.zeros((Q, G * M, geo.turns), np.int32),
+      "agent_stats": np.full((Q, len(AGENT_STATS)), np.nan, np.float32)}
+  return {**turns,
       "count": np.zeros((), np.int32),
       "indices": np.zeros((Q, G), np.int32),
       "tokens": np.zeros(rows, np.int32),
@@ -65,6 +79,10 @@ def to_arrays(config, items) -> dict[str, np.ndarray]:
       out[name][i] = getattr(x, name)
     out["rollout_s"][i], out["version"][i] = x.rollout_s, x.version
     out["stats"][i] = [x.stats.get(k, np.nan) for k in STATS]
+    if "agent_stats" in out:
+      for name, v in x.turns.items():
+        out[name][i] = v
+      out["agent_stats"][i] = [x.stats.get(k, np.nan) for k in AGENT_STATS]
   return out
 
 
@@ -79,5 +97,9 @@ def from_arrays(arrays: dict) -> list[dict[str, Any]]:
     x = {name: np.asarray(a[name][i]) for name in array_fields()}
     x.update(rollout_s=float(a["rollout_s"][i]), version=int(a["version"][i]),
              stats={k: float(v) for k, v in zip(STATS, a["stats"][i]) if not np.isnan(v)})
+    if "agent_stats" in a:
+      x["turns"] = {k: np.asarray(a[k][i]) for k in ("turn_rewards", "turn_ids", "turn_states")}
+      x["stats"].update({k: float(v) for k, v in zip(AGENT_STATS, a["agent_stats"][i])
+                         if not np.isnan(v)})
     out.append(x)
   return out

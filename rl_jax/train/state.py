@@ -17,7 +17,7 @@ import optax
 from rl_jax import models
 from rl_jax import rollout
 from rl_jax import sharding
-from rl_jax.train import offload
+from rl_jax.train import agent_stage, offload
 from rl_jax.train import queue as queue_lib
 from rl_jax.train import selection_stage, speculative_stage
 from rl_jax.train.context import Setup
@@ -99,7 +99,16 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
 
 
 def _empty_buffer(s: Setup) -> dict:
-  """``ProducerState.held`` of a fresh run: host arrays with nothing held."""
+  """``ProducerState.held`` of a fresh run: host arrays with nothing held (the multi-turn
+  engine's with ``env.name``)."""
+  if s.config.env.name:
+    if not s.config.rollout.partial:
+      return {}
+    engine = agent_stage.make_engine(s, s.config.rollout.temperature)
+    try:
+      return engine.export_held(held_capacity(s))
+    finally:
+      engine.close()
   engine = make_engine(s)
   return {} if engine is None else engine.export_held(held_capacity(s))
 
