@@ -3,6 +3,7 @@ tiny random Qwen3 checkpoint whose directory holds a byte-level tokenizer and a 
 chat template with tools (tests/envs_fixtures.py), a GSM8K-format file, and the sandboxed
 Python tool called in the hermes format the template advertises."""
 
+import dataclasses
 import json
 import os
 
@@ -15,7 +16,7 @@ from rl_jax.data.tokenizers import HFTokenizer
 from rl_jax.envs import Message, run_episode
 from rl_jax.envs import tasks as env_tasks
 from rl_jax.envs.chat import ChatFormat
-from rl_jax.envs.tool_calls import template_format
+from rl_jax.envs.tool_calls import ParsedTurn, ToolCall, template_format
 from rl_jax.errors import ConfigError
 from rl_jax.train import learner, loop, producer, state as state_lib
 from rl_jax.train.context import build_setup
@@ -55,8 +56,8 @@ def _config(files, overrides=()):
   return config_utils.load_config(CONFIG, [
       f"model.hf_path={model_dir}", f"data.path={train_path}", f"data.eval_path={eval_path}",
       "model.dtype=float32", "data.eval_size=2", "data.max_prompt_len=1024",
-      "env.max_turns=2", "env.max_total_tokens=40", "env.max_turn_tokens=16",
-      "env.max_obs_tokens=16", "env.workers=2", "rollout.n=2", "train.steps=2",
+      "env.max_turns=2", "env.max_total_tokens=128", "env.max_turn_tokens=16",
+      "env.max_obs_tokens=96", "env.workers=2", "rollout.n=2", "train.steps=2",
       "train.batch_groups=2", "train.minibatches=1", "train.eval_every=2",
       "train.checkpoint_every=0", "log.tensorboard=False"] + list(overrides))
 
@@ -106,12 +107,21 @@ def test_math_tools_trains_end_to_end(run):
   assert exported.model_type == "qwen3"
 
 
+def _always_calls(text):
+  """A parser that reads every turn as a Python call: the random policy's episodes then
+  take two turns with a real sandbox observation between them."""
+  del text
+  return ParsedTurn(calls=(ToolCall("python", {"code": "print(6 * 7)"}),))
+
+
 def test_trained_ids_are_the_sampled_ids(files):
   """The learner's packed rows hold exactly the engine's ids (first prompt rendered by the
-  checkpoint's template, sampled ids, appended observation ids) and score them with the
-  engine's log-probs."""
+  checkpoint's template, sampled ids, the sandbox's observation ids appended through the
+  template) and score them with the engine's log-probs; observations are not trained."""
   s = build_setup(_config(files, ["train.old_logp_pass=separate"]))
   assert s.chat.end_of_turn_ids[0] == s.tokenizer.eos_id  # <|im_end|> ends a turn
+  make_env = lambda ex: env_tasks.make_math_tools_env(_always_calls, max_turns=2)
+  s = dataclasses.replace(s, task=dataclasses.replace(s.task, make_env=make_env))
   t = loop.make_trainer(s)
   try:
     st = state_lib.init_state(s)
@@ -130,6 +140,13 @@ def test_trained_ids_are_the_sampled_ids(files):
   np.testing.assert_allclose(old[mask], scored.logprobs.reshape(G, M, R)[mask], atol=1e-5)
   prompt = s.tokenizer.encode(s.train_examples[int(scored.indices[0])].prompt)
   assert np.array_equal(np.asarray(batch.prompt_tokens)[0, :len(prompt)], prompt)
+  # every row: turn 1, the tool's answer "42" in a tool turn (ids not in the loss), turn 2
+  assert scored.stats["turns_mean"] == 2.0 and scored.stats["tool_calls"] == 2 * G * M
+  for row, m in zip(scored.tokens, scored.mask):
+    first, last = np.flatnonzero(m)[[0, -1]]
+    obs = row[first:last][~m[first:last]]
+    assert "<tool_response>\n42\n\n</tool_response>" in s.tokenizer._tok.decode(
+        obs.tolist(), skip_special_tokens=False)
 
 
 def test_checkpoint_without_template_or_tool_format_fails_in_one_line(files, tmp_path):

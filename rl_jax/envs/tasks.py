@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rl_jax.data import verifiers
 from rl_jax.envs.base import Message, StepResult
 from rl_jax.envs.spec import EnvSpec, run_episode
+from rl_jax.envs.tool_calls import ParsedTurn
 from rl_jax.envs.tool_env import ToolEnvironment
 from rl_jax.envs.tools import Calculator, PythonSandbox
 
@@ -217,17 +218,20 @@ def math_tools_verifier(example: Mapping[str, Any], answer: str) -> float:
   return verifiers.math_reward(answer, str(example["answer"]))
 
 
-def make_math_tools_env(parser: str = "hermes", max_turns: int = 4,
-                        system_prompt: str = MATH_TOOLS_SYSTEM, python_timeout_s: float = 5.0,
+def make_math_tools_env(parser: str | Callable[[str], ParsedTurn] = "hermes",
+                        max_turns: int = 4, system_prompt: str = MATH_TOOLS_SYSTEM,
+                        python_timeout_s: float = 5.0,
                         max_tool_calls_per_turn: int = 2) -> ToolEnvironment:
-  """The math_tools environment: the "python" tool, calls in ``parser``'s format."""
+  """The math_tools environment: the "python" tool, calls in ``parser``'s format (a name of
+  ``rl_jax.envs.tool_calls.PARSERS`` or a callable)."""
   return ToolEnvironment([PythonSandbox("python", timeout_s=python_timeout_s)],
                          math_tools_verifier, parser=parser,
                          max_tool_calls_per_turn=max_tool_calls_per_turn, max_turns=max_turns,
                          system_prompt=system_prompt or None)
 
 
-def math_tools_task(train: Sequence[Mapping[str, Any]], eval: Sequence[Mapping[str, Any]] = (),  # pylint: disable=redefined-builtin
+def math_tools_task(train: Sequence[Mapping[str, Any]],
+                    eval: Sequence[Mapping[str, Any]] = (),  # pylint: disable=redefined-builtin
                     parser: str = "hermes", max_turns: int = 4,
                     system_prompt: str = MATH_TOOLS_SYSTEM, python_timeout_s: float = 5.0,
                     max_tool_calls_per_turn: int = 2) -> EnvSpec:
