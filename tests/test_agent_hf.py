@@ -157,6 +157,8 @@ def test_checkpoint_without_template_or_tool_format_fails_in_one_line(files, tmp
     (bare / name).write_bytes(open(os.path.join(model_dir, name), "rb").read())
   (bare / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
   plain = envs_fixtures.write_checkpoint(tmp_path / "plain", "qwen3")  # no tool markers
+  assert template_format(envs_fixtures.LLAMA3_STYLE) == "llama3"
+  assert template_format(envs_fixtures.QWEN3_STYLE) is None
   for overrides, needle in (([f"model.hf_path={bare}"], "no chat template"),
                             ([f"data.tokenizer={plain}"], "env.tool_format=hermes or llama3"),
                             (["sft.steps=3"], "sft.steps=3"),

@@ -89,8 +89,9 @@ def chat_format(tokenizer):
 def task_chat_format(config, tokenizer):
   """The run's chat format: the compact built-in one for the character tokenizer, else the
   chat template of the tokenizer's checkpoint directory (``data.tokenizer`` or
-  ``model.hf_path``) with ``env.enable_thinking`` when set; one ``ConfigError`` line when
-  the directory has none, or when math_tools would get the built-in format."""
+  ``model.hf_path``; of named templates the "tool_use" one) with ``env.enable_thinking``
+  when set; one ``ConfigError`` line when the directory has none, or when math_tools would
+  get the built-in format."""
   if isinstance(tokenizer, CharTokenizer):
     if config.env.name == "math_tools":
       raise ConfigError("env.name='math_tools' renders prompts with a checkpoint's chat "
