@@ -29,8 +29,9 @@ What to expect: every step's metrics.jsonl row holds ``reward_mean`` (training s
 temperature 1), ``turns_mean`` (about 2 when the model calls the tool once, then answers),
 ``tool_calls``, ``tool_errors`` and ``tool_errors_<kind>`` (malformed calls, Python
 exceptions, time-outs); every 25 steps ``eval_accuracy`` (greedy success on the first 256
-eval questions) and ``eval_turns_mean``; DIR/hf/ holds the final policy. Not measured here
-(no accelerator with a Qwen3 checkpoint was available).
+eval questions) and ``eval_turns_mean``; DIR/hf/ holds the final policy. No measured
+success rates yet: tests/test_agent_hf.py runs this config end to end on a tiny random
+Qwen3-shaped checkpoint only.
 """
 
 from rl_jax import config as base
