@@ -47,7 +47,8 @@ __all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geom
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 OFFLOAD_PARTS = ("optimizer", "reference")  # train.offload (rl_jax.train.offload)
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
-ENV_TASKS = ("calculator", "guess")  # env.name (rl_jax.envs.tasks.TASKS)
+ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks.TASKS)
+TOOL_FORMATS = ("auto", "hermes", "llama3")  # env.tool_format (rl_jax.envs.tool_calls)
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -133,12 +134,15 @@ def _data() -> ml_collections.ConfigDict:
 
 
 def _env() -> ml_collections.ConfigDict:
-  """Multi-turn (agentic) training on a built-in environment task (``rl_jax.envs.tasks``);
+  """Multi-turn (agentic) training on an environment task (``rl_jax.envs.tasks``);
   ``name=""`` is the single-turn trainer (``data``). With a name, the prompts are the task's
   opening messages, the rollouts are episodes of the ``AgentEngine`` and R (the training
-  row's response length) is ``max_total_tokens`` (``rl_jax.train.agent_stage``)."""
+  row's response length) is ``max_total_tokens`` (``rl_jax.train.agent_stage``). The chat
+  format is the compact built-in one with the char tokenizer, else the checkpoint's own
+  template (``model.hf_path`` or ``data.tokenizer``). ``math_tools`` reads its questions
+  from ``data.path`` (``data.format``, ``data.eval_path`` as for file tasks)."""
   return ml_collections.ConfigDict(dict(
-      name="",  # "" | one of rl_jax.envs.tasks.TASKS ("calculator", "guess")
+      name="",  # "" | one of rl_jax.envs.tasks.TASKS ("calculator", "guess", "math_tools")
       max_turns=3,  # U: assistant turns per trajectory
       max_total_tokens=48,  # R: every token after the first prompt (model + observation)
       max_turn_tokens=16,  # model tokens per assistant turn
@@ -152,6 +156,13 @@ def _env() -> ml_collections.ConfigDict:
       digits_max=3,
       guess_n=20,  # guess: targets in [1, guess_n]
       step_penalty=0.0,  # guess: reward of each wrong guess is -step_penalty
+      # math_tools: tool-call format, "auto" = the one the chat template writes
+      tool_format="auto",
+      system_prompt=config_dict.placeholder(str),  # math_tools: None = the task's, "" = none
+      python_timeout_s=5.0,  # math_tools: wall-clock seconds per Python call
+      max_tool_calls=2,  # math_tools: tool calls run per assistant turn
+      # HF chat templates: Qwen3's enable_thinking (None: the template's default)
+      enable_thinking=config_dict.placeholder(bool),
   ))
 
 
@@ -384,6 +395,9 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "env.digits_max": cu.positive_int,
       "env.guess_n": cu.positive_int,
       "env.step_penalty": cu.nonnegative,
+      "env.tool_format": cu.one_of(TOOL_FORMATS),
+      "env.python_timeout_s": cu.positive,
+      "env.max_tool_calls": cu.positive_int,
   }
 
 

@@ -1,6 +1,7 @@
 """Fixtures for the environment tests: a tiny byte-level HF tokenizer written to a directory
-with a chat template (Qwen-style, Llama-3-style, or a Qwen3-style template that drops earlier
-reasoning), built locally with the ``tokenizers`` library."""
+with a chat template (Qwen-style, Llama-3-style, a Qwen3-style template that drops earlier
+reasoning, or a Qwen3-style one with tools and ``enable_thinking``), built locally with the
+``tokenizers`` library."""
 
 from __future__ import annotations
 
@@ -67,9 +68,43 @@ QWEN3_STYLE = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{% endif %}
 """
 
+# Like Qwen3 with tools: a tool list in the system turn, hermes calls, tool results as user
+# turns, earlier reasoning dropped, and an empty think block when enable_thinking is false.
+QWEN3_TOOLS_STYLE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{% endif %}
+{{- '# Tools\n<tools>' }}
+{%- for t in tools %}{{- '\n' + (t | tojson) }}{% endfor %}
+{{- '\n</tools>\nCall a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for m in messages %}
+  {%- if m.role == 'assistant' %}
+    {%- set body = m.content %}
+    {%- if loop.index0 < ns.last_user and '</think>' in body %}{% set body = body.split('</think>')[-1].lstrip('\n') %}{% endif %}
+    {{- '<|im_start|>assistant\n' + body + '<|im_end|>\n' }}
+  {%- elif m.role == 'tool' %}
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{% endif %}
+    {{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{% endif %}
+  {%- elif m.role != 'system' %}
+    {{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{% endif %}
+{%- endif %}
+"""
+
 _TEMPLATES = {"qwen": (QWEN_STYLE, "<|im_end|>", None),
               "llama3": (LLAMA3_STYLE, "<|eot_id|>", "<|begin_of_text|>"),
-              "qwen3": (QWEN3_STYLE, "<|im_end|>", None)}
+              "qwen3": (QWEN3_STYLE, "<|im_end|>", None),
+              "qwen3_tools": (QWEN3_TOOLS_STYLE, "<|im_end|>", None)}
 
 
 def byte_level_tokenizer():
@@ -89,7 +124,8 @@ def byte_level_tokenizer():
 
 def write_checkpoint(path: pathlib.Path, style: str, template_file: bool = False) -> pathlib.Path:
   """Write tokenizer.json and tokenizer_config.json (chat template inline, or in
-  chat_template.jinja when ``template_file``) for a template style: qwen, llama3, qwen3."""
+  chat_template.jinja when ``template_file``) for a template style: qwen, llama3, qwen3,
+  qwen3_tools."""
   template, eos, bos = _TEMPLATES[style]
   path.mkdir(parents=True, exist_ok=True)
   byte_level_tokenizer().save(str(path / "tokenizer.json"))

@@ -164,7 +164,8 @@ class ChatFormat:
 
   def __init__(self, template: str, tokenizer: Any, special_tokens: Mapping[str, str],
                name: str = "template", end_of_turn: str | None = None,
-               special_ids: Mapping[str, int] | None = None):
+               special_ids: Mapping[str, int] | None = None,
+               template_vars: Mapping[str, Any] | None = None):
     """Bind a template to a tokenizer.
 
     Args:
@@ -176,12 +177,15 @@ class ChatFormat:
       end_of_turn: the string that ends an assistant turn; probed from the template if None.
       special_ids: strings the tokenizer cannot encode as text, mapped to their ids (the
         char tokenizer's "<eos>"); text is split on them before encoding.
+      template_vars: extra variables every render passes to the template (Qwen3's
+        ``enable_thinking``).
     """
     self.name = name
     self.tokenizer = tokenizer
     self.source = template
     self._template = compile_template(template)
     self._special_tokens = dict(special_tokens)
+    self._vars = {**self._special_tokens, **dict(template_vars or {})}
     self._special_ids = dict(special_ids or {})
     self.end_of_turn = end_of_turn or self._probe_end_of_turn()
     eot_ids = self.encode(self.end_of_turn)
@@ -196,12 +200,14 @@ class ChatFormat:
 
   @classmethod
   def from_pretrained(cls, dirpath: str, tokenizer: Any, with_tools: bool = False,
-                      end_of_turn: str | None = None) -> "ChatFormat":
+                      end_of_turn: str | None = None,
+                      template_vars: Mapping[str, Any] | None = None) -> "ChatFormat":
     """The chat template of a checkpoint directory.
 
     Reads ``chat_template.jinja`` if present, else ``chat_template`` from
     ``tokenizer_config.json`` (with named templates, "tool_use" if ``with_tools`` else
-    "default"); special-token strings come from ``tokenizer_config.json``.
+    "default"); special-token strings come from ``tokenizer_config.json``;
+    ``template_vars`` as in the constructor.
     """
     cfg_path = os.path.join(dirpath, "tokenizer_config.json")
     cfg = {}
@@ -210,7 +216,8 @@ class ChatFormat:
         cfg = json.load(f)
     template = _read_template(dirpath, cfg, with_tools)
     name = os.path.basename(os.path.normpath(dirpath))
-    return cls(template, tokenizer, _special_strings(cfg), name=name, end_of_turn=end_of_turn)
+    return cls(template, tokenizer, _special_strings(cfg), name=name, end_of_turn=end_of_turn,
+               template_vars=template_vars)
 
   @classmethod
   def builtin(cls, tokenizer: Any | None = None) -> "ChatFormat":
@@ -227,7 +234,7 @@ class ChatFormat:
     """The template's text for messages (``Message`` objects or dicts)."""
     return self._template.render(
         messages=_as_dicts(messages), tools=tool_schemas(tools), documents=None,
-        add_generation_prompt=add_generation_prompt, **self._special_tokens)
+        add_generation_prompt=add_generation_prompt, **self._vars)
 
   def encode(self, text: str) -> list[int]:
     """Token ids of ``text``; special strings in ``special_ids`` map to their ids.

@@ -32,7 +32,8 @@ class EnvSpec:
     train: training examples (dicts), deterministic given the task's seed.
     eval: evaluation examples, disjoint from ``train`` where the task's space allows.
     expert: ``(example, seed) -> list[Message]``, a full correct trajectory, or None.
-    chat: the chat format the task is meant for ("builtin" for the char-level tasks).
+    chat: the chat format the task is meant for: "builtin" (the char-level tasks; any
+      format works) or "model" (a checkpoint's own chat template, which advertises the tools).
   """
 
   name: str

@@ -18,24 +18,49 @@ per-guess penalty (off by default) shapes toward fewer guesses::
     A:15<eos>U:lower
     A:12<eos>
 
-Examples are deterministic given the seed; each task's ``expert`` plays a correct trajectory
-through the task's own environment (``rl_jax.envs.spec.run_episode``).
+``math_tools``: question/answer examples from a file (GSM8K or MATH format, read by the
+trainer: ``rl_jax.train.agent_stage``) for a checkpoint's own chat template, with a sandboxed
+Python tool (``rl_jax.envs.tools.PythonSandbox``) called in the template's tool-call format
+(hermes for Qwen). A solved episode in Qwen's format::
+
+    <|im_start|>system
+    Solve the problem ... \\boxed{} ...  (then the template's tool list)<|im_end|>
+    <|im_start|>user
+    Tom has 3 apples and buys 4 more. How many apples?<|im_end|>
+    <|im_start|>assistant
+    <tool_call>{"name": "python", "arguments": {"code": "print(3 + 4)"}}</tool_call><|im_end|>
+    <|im_start|>user
+    <tool_response>
+    7
+    </tool_response><|im_end|>
+    <|im_start|>assistant
+    \\boxed{7}<|im_end|>
+
+reward 1 when the final answer (the turn without a call; its last ``\\boxed{}``, else the
+text after ``####``, else its last number) equals the reference (``rl_jax.data.verifiers``).
+No expert.
+
+Examples are deterministic given the seed; the built-in tasks' ``expert`` plays a correct
+trajectory through the task's own environment (``rl_jax.envs.spec.run_episode``).
 """
 
 from __future__ import annotations
 
 import random
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from rl_jax.data import verifiers
 from rl_jax.envs.base import Message, StepResult
 from rl_jax.envs.spec import EnvSpec, run_episode
+from rl_jax.envs.tool_calls import ParsedTurn
 from rl_jax.envs.tool_env import ToolEnvironment
-from rl_jax.envs.tools import Calculator
+from rl_jax.envs.tools import Calculator, PythonSandbox
 
-__all__ = ["GuessEnvironment", "TASKS", "calculator_task", "calculator_examples",
-           "calculator_expert_policy", "calculator_verifier", "guess_examples",
-           "guess_expert_policy", "guess_task", "make_calculator_env", "make_task"]
+__all__ = ["GuessEnvironment", "MATH_TOOLS_SYSTEM", "TASKS", "calculator_task",
+           "calculator_examples", "calculator_expert_policy", "calculator_verifier",
+           "guess_examples", "guess_expert_policy", "guess_task", "make_calculator_env",
+           "make_math_tools_env", "make_task", "math_tools_task", "math_tools_verifier"]
 
 
 # -- calculator --
@@ -179,11 +204,60 @@ def guess_task(seed: int = 0, n_train: int = 2000, n: int = 20, max_turns: int =
   return EnvSpec("guess", make_env, train, eval_ex, expert)
 
 
-TASKS = {"calculator": calculator_task, "guess": guess_task}
+# -- math with a Python tool (file examples, a checkpoint's chat template) --
+
+MATH_TOOLS_SYSTEM = (
+    "Solve the math problem. You can run Python with the python tool: it returns what the "
+    "program prints. When you know the answer, reply without a tool call and put the final "
+    "answer in \\boxed{}.")
+
+
+def math_tools_verifier(example: Mapping[str, Any], answer: str) -> float:
+  """1.0 if the final answer of ``answer`` (last ``\\boxed{}``, else after ``####``, else the
+  last number) equals ``example["answer"]`` (``rl_jax.data.verifiers.math_reward``)."""
+  return verifiers.math_reward(answer, str(example["answer"]))
+
+
+def make_math_tools_env(parser: str | Callable[[str], ParsedTurn] = "hermes",
+                        max_turns: int = 4, system_prompt: str = MATH_TOOLS_SYSTEM,
+                        python_timeout_s: float = 5.0,
+                        max_tool_calls_per_turn: int = 2) -> ToolEnvironment:
+  """The math_tools environment: the "python" tool, calls in ``parser``'s format (a name of
+  ``rl_jax.envs.tool_calls.PARSERS`` or a callable)."""
+  return ToolEnvironment([PythonSandbox("python", timeout_s=python_timeout_s)],
+                         math_tools_verifier, parser=parser,
+                         max_tool_calls_per_turn=max_tool_calls_per_turn, max_turns=max_turns,
+                         system_prompt=system_prompt or None)
+
+
+def math_tools_task(train: Sequence[Mapping[str, Any]],
+                    eval: Sequence[Mapping[str, Any]] = (),  # pylint: disable=redefined-builtin
+                    parser: str = "hermes", max_turns: int = 4,
+                    system_prompt: str = MATH_TOOLS_SYSTEM, python_timeout_s: float = 5.0,
+                    max_tool_calls_per_turn: int = 2) -> EnvSpec:
+  """The math_tools task (module docstring) over given examples.
+
+  Args:
+    train, eval: examples ``{"prompt": question, "answer": reference}``.
+    parser: the tool-call format of the chat template ("hermes", "llama3").
+    max_turns: assistant turns per episode.
+    system_prompt: the system message ("" for none).
+    python_timeout_s: wall-clock seconds per Python call.
+    max_tool_calls_per_turn: calls run per assistant turn.
+  """
+  def make_env(example):
+    del example  # one environment type for every example
+    return make_math_tools_env(parser, max_turns, system_prompt, python_timeout_s,
+                               max_tool_calls_per_turn)
+
+  return EnvSpec("math_tools", make_env, list(train), list(eval), None, chat="model")
+
+
+TASKS = {"calculator": calculator_task, "guess": guess_task, "math_tools": math_tools_task}
 
 
 def make_task(name: str, **kwargs: Any) -> EnvSpec:
-  """A built-in task by name ("calculator", "guess") with its keyword arguments."""
+  """A task by name ("calculator", "guess", "math_tools") with its keyword arguments."""
   if name not in TASKS:
     raise ValueError(f"unknown agent task {name!r}; choose from {sorted(TASKS)}")
   return TASKS[name](**kwargs)

@@ -25,7 +25,7 @@ import re
 from typing import Any, Callable, Mapping
 
 __all__ = ["COMPACT_TAGS", "PARSERS", "ParseError", "ParsedTurn", "ToolCall", "get_parser",
-           "parse_compact", "parse_hermes", "parse_llama3"]
+           "parse_compact", "parse_hermes", "parse_llama3", "template_format"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,3 +169,17 @@ def get_parser(parser: str | Callable[[str], ParsedTurn]) -> Callable[[str], Par
   if parser not in PARSERS:
     raise ValueError(f"unknown tool-call parser {parser!r}; choose from {sorted(PARSERS)}")
   return PARSERS[parser]
+
+
+# (format, markers): a chat template that writes one of the markers asks for that format
+_TEMPLATE_MARKERS = (("hermes", ("<tool_call>",)), ("llama3", ("<|python_tag|>", "ipython")))
+
+
+def template_format(template: str) -> str | None:
+  """The tool-call format a chat template's source teaches the model: "hermes" when it writes
+  ``<tool_call>`` (Qwen 2.5/3, Hermes), "llama3" when it writes ``<|python_tag|>`` or the
+  ``ipython`` role; None when it names neither."""
+  for name, markers in _TEMPLATE_MARKERS:
+    if any(m in template for m in markers):
+      return name
+  return None

@@ -1,9 +1,14 @@
-"""The agentic stage: multi-turn episodes of a built-in environment task (``env.name``).
+"""The agentic stage: multi-turn episodes of an environment task (``env.name``).
 
 What the producer, the learner, the supervised warm start and the evaluation need from an
 environment task, as small functions of the setup's config and host arrays:
 
-* ``env_task`` / ``env_examples``: the task (``rl_jax.envs.tasks``) and its splits as
+* ``task_chat_format``: the compact built-in format for the character tokenizer, else the
+  checkpoint's own chat template (``ChatFormat.from_pretrained``: its end of turn, e.g.
+  ``<|im_end|>``, ends the engine's turns); ``tool_format``: the tool-call format of
+  ``math_tools`` (``env.tool_format``, or the one the template writes).
+* ``env_task`` / ``env_examples``: the task (``rl_jax.envs.tasks``; ``math_tools`` reads its
+  questions from ``data.path``, ``file_examples``) and its splits as
   ``EnvExample``s whose ``prompt`` is the rendered first prompt (opening messages and the
   assistant's generation header), so the packed training layout's prompt part is exactly the
   engine's first prompt (prompt-once groups share it).
@@ -41,13 +46,19 @@ import jax
 import numpy as np
 
 from rl_jax import rollout
+from rl_jax.data import files
+from rl_jax.data.tokenizers import CharTokenizer
 from rl_jax.envs import chat as chat_lib
 from rl_jax.envs import tasks as env_tasks
+from rl_jax.envs import tool_calls
+from rl_jax.errors import ConfigError
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["EnvExample", "METRICS", "env_task", "env_examples", "chat_format", "make_engines",
-           "engine_params", "episodes", "roll", "roll_partial", "turn_fields", "rollout_metrics", "expert_rows", "expert_batch",
+__all__ = ["EnvExample", "METRICS", "env_task", "env_examples", "chat_format",
+           "task_chat_format", "tool_format", "file_examples", "make_engines", "make_engine",
+           "engine_params", "episodes", "roll", "roll_partial", "turn_fields",
+           "rollout_metrics", "expert_rows", "expert_batch",
            "evaluate"]
 
 # the step metrics of a multi-turn batch (besides ``tool_errors_<kind>``)
@@ -64,9 +75,12 @@ class EnvExample(NamedTuple):
   data: dict
 
 
-def env_task(config):
-  """The configured built-in task (``rl_jax.envs.spec.EnvSpec``)."""
+def env_task(config, fmt=None):
+  """The configured task (``rl_jax.envs.spec.EnvSpec``); ``fmt`` is the run's chat format
+  (``task_chat_format``; math_tools calls tools in its format)."""
   e = config.env
+  if e.name == "math_tools":
+    return math_tools_task(config, fmt)
   if e.name == "calculator":
     return env_tasks.make_task("calculator", seed=config.data.seed, n_train=e.n_train,
                                n_eval=e.n_eval, digits=(e.digits_min, e.digits_max),
@@ -78,6 +92,68 @@ def env_task(config):
 def chat_format(tokenizer):
   """The chat format of the built-in tasks (the character tokenizer's compact template)."""
   return chat_lib.ChatFormat.builtin(tokenizer)
+
+
+def task_chat_format(config, tokenizer):
+  """The run's chat format: the compact built-in one for the character tokenizer, else the
+  chat template of the tokenizer's checkpoint directory (``data.tokenizer`` or
+  ``model.hf_path``; of named templates the "tool_use" one) with ``env.enable_thinking``
+  when set; one ``ConfigError`` line when the directory has none, or when math_tools would
+  get the built-in format."""
+  if isinstance(tokenizer, CharTokenizer):
+    if config.env.name == "math_tools":
+      raise ConfigError("env.name='math_tools' renders prompts with a checkpoint's chat "
+                        "template; set model.hf_path (or data.tokenizer) to a directory with "
+                        "tokenizer.json and a chat template")
+    return chat_format(tokenizer)
+  path = config.data.tokenizer or config.model.hf_path
+  thinking = config.env.enable_thinking
+  try:
+    return chat_lib.ChatFormat.from_pretrained(
+        path, tokenizer, with_tools=True,
+        template_vars=None if thinking is None else {"enable_thinking": bool(thinking)})
+  except ValueError as e:
+    raise ConfigError(f"env.name={config.env.name!r}: {' '.join(str(e).split())}") from None
+
+
+def tool_format(config, fmt) -> str:
+  """The tool-call format math_tools parses: ``env.tool_format``, or with "auto" the one
+  the chat template writes (``tool_calls.template_format``); one ``ConfigError`` line when
+  it names none."""
+  if config.env.tool_format != "auto":
+    return config.env.tool_format
+  found = tool_calls.template_format(fmt.source)
+  if found is None:
+    raise ConfigError(f"env.tool_format=auto: the chat template of {fmt.name!r} shows no "
+                      "tool-call format (no <tool_call> or <|python_tag|>); set "
+                      "env.tool_format=hermes or llama3")
+  return found
+
+
+def file_examples(config) -> tuple[list[dict], list[dict]]:
+  """(train, eval) examples ``{"prompt": question, "answer": reference}`` of the
+  question/answer file ``data.path`` (``data.format``; eval from ``data.eval_path``, else a
+  stable hash split: ``rl_jax.data.files.FileTask``), eval cut to ``data.eval_size``."""
+  d = config.data
+  task = files.FileTask(path=d.path or "", format=d.format, eval_path=d.eval_path,
+                        backend="memory")
+  as_dicts = lambda view: [{"prompt": x.prompt, "answer": x.answer} for x in view]
+  return as_dicts(task.split("train")), as_dicts(task.split("eval", d.eval_size))
+
+
+def math_tools_task(config, fmt):
+  """The math_tools task (``rl_jax.envs.tasks``) on ``data.path``, tools called in
+  ``fmt``'s format; no expert, so ``sft.steps`` must be 0."""
+  e = config.env
+  if config.sft.steps:
+    raise ConfigError(f"sft.steps={config.sft.steps}: env.name='math_tools' has no expert "
+                      "trajectories to warm-start on; set sft.steps=0")
+  train, evals = file_examples(config)
+  system = env_tasks.MATH_TOOLS_SYSTEM if e.system_prompt is None else e.system_prompt
+  return env_tasks.make_task("math_tools", train=train, eval=evals,
+                             parser=tool_format(config, fmt), max_turns=e.max_turns,
+                             system_prompt=system, python_timeout_s=e.python_timeout_s,
+                             max_tool_calls_per_turn=e.max_tool_calls)
 
 
 def env_examples(spec, split: Sequence[dict], fmt) -> list[EnvExample]:

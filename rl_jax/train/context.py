@@ -113,8 +113,8 @@ def make_objective(config) -> losses.Objective:
 
 def _env_task(config, tokenizer):
   """(task, train split, eval split, chat format) of a multi-turn run (``env.name``)."""
-  spec = agent_stage.env_task(config)
-  fmt = agent_stage.chat_format(tokenizer)
+  fmt = agent_stage.task_chat_format(config, tokenizer)
+  spec = agent_stage.env_task(config, fmt)
   train = agent_stage.env_examples(spec, spec.train, fmt)
   evals = agent_stage.env_examples(spec, spec.eval[:config.data.eval_size], fmt)
   return spec, train, evals, fmt
