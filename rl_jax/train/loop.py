@@ -25,18 +25,20 @@ from rl_jax import config_utils
 from rl_jax import distributed
 from rl_jax import metrics as metrics_lib
 from rl_jax import models
+from rl_jax import storage
 from rl_jax import wandb_log
 from rl_jax.errors import RLJaxError
 from rl_jax.train import agent_stage, startup
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
+from rl_jax.train import lock as lock_lib
 from rl_jax.train import memory
 from rl_jax.train.layout import make_layout
-from rl_jax.train.resume import restore_state
+from rl_jax.train.resume import restore_newest
 from rl_jax.train.rollouts import Trainer, next_examples
 from rl_jax.train.runner import FixedLag, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine,
-                                 place_replicated, rl_layout)
+                                 place_replicated)
 from rl_jax.train.steps import make_step_fns
 
 __all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
@@ -110,14 +112,12 @@ class _Preempted:
 
 
 def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainState:
-  """A fresh state, or the newest checkpoint restored onto the abstract target; metrics
-  rows after that point (from a killed attempt) are dropped."""
-  latest = ckpt.latest_step()
-  if latest is None:
+  """A fresh state, or the newest checkpoint that reads back whole restored onto the abstract
+  target; metrics rows after that point (from a killed attempt) are dropped."""
+  state = restore_newest(s, ckpt, abstract)
+  latest = None if state is None else int(state.step)
+  if state is None:
     state = init_state(s)
-  else:  # the parts saved at that step (state.rl_layout); older layouts are read too
-    target = abstract if rl_layout(s, latest) == rl_layout(s, 0) else abstract_state(s, latest)
-    state = restore_state(s, ckpt, latest, target)
   if distributed.is_lead() and os.path.exists(metrics_path):
     metrics_lib.truncate_after(metrics_path, latest or 0)
   return state
@@ -130,11 +130,23 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   The memory plan (``rl_jax.train.memory``) is printed and written to
   ``workdir/memory_plan.json`` first; ``train.dry_run`` stops there (returns None, no weight
   read), and a run that cannot fit fails there in one line (``train.memory_check``).
+
+  Raises:
+    WorkdirBusyError: another live run holds ``workdir`` (``rl_jax.train.lock``).
   """
   wandb_log.check(config)
-  s = build_setup(config)
-  os.makedirs(workdir, exist_ok=True)
-  c = config
+  storage.check_path(workdir, "--workdir")
+  storage.makedirs(workdir)
+  lock = lock_lib.hold_workdir(workdir, config.distributed, config.train.lock_stale_s)
+  try:
+    return _train(build_setup(config), workdir, progress)
+  finally:
+    lock.release()
+
+
+def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
+  """``train`` once the workdir is this run's."""
+  c = s.config
   startup.use_compile_cache(c.train.compile_cache, workdir)
   clock = startup.compile_clock()
   clock.take()
