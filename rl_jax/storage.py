@@ -21,7 +21,7 @@ from etils import epath
 
 from rl_jax.errors import StorageError
 
-__all__ = ["is_remote", "join", "check_path", "makedirs", "replace"]
+__all__ = ["is_remote", "join", "check_path", "makedirs", "replace", "upload_dir"]
 
 # URL schemes and the module their epath backend imports
 _CLIENTS = {"gs://": "gcsfs"}
@@ -71,3 +71,16 @@ def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     epath.Path(src).replace(epath.Path(dst))
   else:
     os.replace(src, dst)
+
+
+def upload_dir(local: str | os.PathLike, dst: str | os.PathLike) -> None:
+  """Copies every file under the local directory ``local`` to ``dst`` (same relative paths),
+  overwriting; ``dst`` may be a URL."""
+  for root, _, files in os.walk(local):
+    for name in files:
+      src = os.path.join(root, name)
+      rel = os.path.relpath(src, local)
+      target = epath.Path(join(dst, *rel.split(os.sep)))
+      if not is_remote(dst):
+        target.parent.mkdir(parents=True, exist_ok=True)
+      target.write_bytes(epath.Path(src).read_bytes())

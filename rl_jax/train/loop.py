@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
+from etils import epath
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax import config_utils
@@ -118,7 +120,7 @@ def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainStat
   latest = None if state is None else int(state.step)
   if state is None:
     state = init_state(s)
-  if distributed.is_lead() and os.path.exists(metrics_path):
+  if distributed.is_lead() and epath.Path(metrics_path).exists():
     metrics_lib.truncate_after(metrics_path, latest or 0)
   return state
 
@@ -151,9 +153,9 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   clock = startup.compile_clock()
   clock.take()
   sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep,
+  ckpt = ckpt_lib.Checkpointer(storage.join(workdir, "checkpoints"), keep=c.train.keep,
                                save_every=c.train.checkpoint_every or total)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  metrics_path = storage.join(workdir, "metrics.jsonl")
   abstract = abstract_state(s)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
   t = make_trainer(s, abstract)
@@ -213,13 +215,15 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
         writer.write(step, record)
       _update_progress(bar, record)
       if ckpt.should_save(step) or step == total:
+        if writer is not None:
+          writer.flush()  # a saved step's metrics rows are durable before its checkpoint
         ckpt.save(step, snapshot(state), force=step == total)
     ckpt.wait()
     if int(state.step) >= total:
       params = t.layout.sampler_params(state.params)  # collective: every process takes part
       if lead:
-        models.save_hf(s.model_cfg, params, os.path.join(workdir, "hf"))
-        metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
+        _export_hf(s, params, storage.join(workdir, "hf"))
+        metrics_lib.plot_curves(metrics_path, storage.join(workdir, "curves.png"))
   finally:
     if runner is not None:
       runner.close()
@@ -232,6 +236,22 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
     if bar is not None:
       bar.close()
   return state
+
+
+def _export_hf(s: Setup, params, path: str) -> None:
+  """``models.save_hf`` into ``path``; a ``gs://`` path gets a local export uploaded file by
+  file (config.json last, so an export without it is known to be incomplete)."""
+  if not storage.is_remote(path):
+    models.save_hf(s.model_cfg, params, path)
+    return
+  with tempfile.TemporaryDirectory(prefix="rl_jax_hf_") as tmp:
+    local = os.path.join(tmp, "hf")
+    models.save_hf(s.model_cfg, params, local)
+    config = os.path.join(tmp, "config.json")
+    os.replace(os.path.join(local, "config.json"), config)
+    epath.Path(path).joinpath("config.json").unlink(missing_ok=True)
+    storage.upload_dir(local, path)
+    epath.Path(path).joinpath("config.json").write_bytes(epath.Path(config).read_bytes())
 
 
 def _progress(enabled: bool, total: int, initial: int):
