@@ -30,9 +30,10 @@ CHECKSUMS = "checksums.json"
 def _files(step_dir: epath.Path) -> list[str]:
   """Paths of every file under ``step_dir`` relative to it (the checksum list excluded)."""
   out = []
+  bare = lambda p: os.fspath(p).split("://", 1)[-1]  # a bucket's walk drops the scheme
   for root, _, files in step_dir.walk():
     for name in files:
-      rel = os.path.relpath(os.fspath(epath.Path(root) / name), os.fspath(step_dir))
+      rel = os.path.relpath(os.path.join(bare(root), name), bare(step_dir))
       if rel != CHECKSUMS:
         out.append(rel)
   return sorted(out)
