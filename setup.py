@@ -32,6 +32,8 @@ setup(
     extras_require={
         # rl_jax.envs adapters for gymnasium and verifiers environments.
         "agent": ["gymnasium>=1.0", "verifiers==0.4.0"],
+        # gs:// workdirs and data files (rl_jax.storage; etils.epath reads them with gcsfs).
+        "gcs": ["gcsfs"],
         "test": [
             "gymnasium>=1.0",
             "verifiers==0.4.0",
@@ -47,6 +49,9 @@ setup(
             "nbclient",
             "nbformat",
             "ipykernel",
+            # tests/test_workdir_gcs.py: a gs:// workdir against a local emulator.
+            "gcsfs",
+            "gcp-storage-emulator",
         ],
     },
 )

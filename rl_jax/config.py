@@ -240,6 +240,9 @@ def _train() -> ml_collections.ConfigDict:
       eval_every=50,  # 0 disables evaluation
       checkpoint_every=50,  # 0 saves only at the end
       keep=3,  # checkpoints kept
+      # a lock whose holder runs on another host is stale after this many seconds without a
+      # heartbeat (rl_jax.train.lock); a holder on this host is stale once its pid is gone
+      lock_stale_s=300,
       # storage dtype of the frozen KL reference (None: model.dtype, the compute dtype)
       ref_dtype=config_dict.placeholder(str),
       # state parts kept in host memory between steps (JAX memory kind "pinned_host"):
@@ -368,6 +371,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.eval_every": cu.nonnegative_int,
       "train.checkpoint_every": cu.nonnegative_int,
       "train.keep": cu.positive_int,
+      "train.lock_stale_s": cu.positive_int,
       "train.max_bad_steps": cu.positive_int,
       "train.ref_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
       "train.mode": cu.one_of(("sync", "async")),

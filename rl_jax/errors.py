@@ -13,7 +13,8 @@ Each class also derives from the matching builtin so callers can catch it the or
 from __future__ import annotations
 
 __all__ = ["RLJaxError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
-           "DataError", "ModelError"]
+           "CheckpointCorruptError",
+           "DataError", "ModelError", "WorkdirBusyError", "StorageError"]
 
 
 class RLJaxError(Exception):
@@ -32,9 +33,21 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
   """No (complete) checkpoint exists where restore looked."""
 
 
+class CheckpointCorruptError(CheckpointError):
+  """A saved step does not read back whole (a file missing, changed or unreadable)."""
+
+
 class DataError(RLJaxError, ValueError):
   """An input data file, task or tokenizer is malformed or missing something."""
 
 
 class ModelError(RLJaxError, ValueError):
   """A model config, weights file or parameter tree is inconsistent."""
+
+
+class WorkdirBusyError(RLJaxError, RuntimeError):
+  """Another live run holds the workdir (``rl_jax.train.lock``)."""
+
+
+class StorageError(RLJaxError, OSError):
+  """A path (``gs://...``) cannot be used: its client is missing or it cannot be reached."""

@@ -3,14 +3,28 @@ Biases, ``rl_jax.wandb_log``), and a PNG of the curves.
 
 ``metrics.jsonl`` holds one JSON object per line with ``"step"``; on resume, lines past the
 restored step are dropped (rewritten atomically) so a rerun never duplicates a step.
+
+A ``gs://`` workdir (``rl_jax.storage``) cannot append to an object: the writer keeps the
+file's lines and uploads the whole file at most every ``upload_every_s`` seconds, at every
+``flush()`` (the trainer flushes before each checkpoint, so the rows of a saved step are
+never missing) and at ``close()``; TensorBoard events go to a local folder that is uploaded
+at ``flush()``/``close()``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import shutil
+import tempfile
+import time
 from typing import Any, Mapping, Sequence
+
+from etils import epath
+
+from rl_jax import storage
 
 __all__ = ["MetricsWriter", "read_jsonl", "truncate_after", "plot_curves"]
 
@@ -25,10 +39,10 @@ def _clean(value: Any) -> Any:
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
   """All complete records of a metrics file (a torn last line from a kill is skipped)."""
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     return []
   rows = []
-  with open(path) as f:
+  with epath.Path(path).open() as f:
     for line in f:
       line = line.strip()
       if not line:
@@ -43,31 +57,49 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 def truncate_after(path: str, step: int) -> None:
   """Keep only records with ``step <= step`` (atomic rewrite)."""
   rows = [r for r in read_jsonl(path) if r.get("step", -1) <= step]
+  text = "".join(json.dumps(r) + "\n" for r in rows)
+  if storage.is_remote(path):  # one object, replaced whole by the upload
+    epath.Path(path).write_text(text)
+    return
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
-    for r in rows:
-      f.write(json.dumps(r) + "\n")
+    f.write(text)
   os.replace(tmp, path)
 
 
 class MetricsWriter:
-  """Append-only JSONL + optional TensorBoard scalars."""
+  """Append-only JSONL + optional TensorBoard scalars (local or ``gs://`` workdir)."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True, sinks: Sequence[Any] = ()):
+  def __init__(self, workdir: str, tensorboard: bool = True, sinks: Sequence[Any] = (),
+               upload_every_s: float = 30.0):
     """``sinks``: more outputs, each with ``write(step, record)`` and ``close()`` (e.g.
     ``rl_jax.wandb_log.WandbSink``)."""
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = storage.join(workdir, "metrics.jsonl")
+    self._remote = storage.is_remote(workdir)
     self._sinks = list(sinks)
-    self._file = open(self.path, "a")
-    self._tb = None
+    self._upload_every_s, self._uploaded = upload_every_s, time.monotonic()
+    if self._remote:  # the file's lines, uploaded whole
+      self._lines = [json.dumps(r) + "\n" for r in read_jsonl(self.path)]
+      self._file = None
+    else:
+      self._file = open(self.path, "a")
+    self._tb = self._tb_remote = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      tb_dir = storage.join(workdir, "tensorboard")
+      if self._remote:
+        self._tb_remote, tb_dir = tb_dir, tempfile.mkdtemp(prefix="rl_jax_tensorboard_")
+      self._tb = SummaryWriter(tb_dir)
 
   def write(self, step: int, values: Mapping[str, Any]) -> None:
     record = {"step": int(step), **{k: _clean(v) for k, v in values.items()}}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    if self._remote:
+      self._lines.append(json.dumps(record) + "\n")
+      if time.monotonic() - self._uploaded > self._upload_every_s:
+        self.flush()
+    else:
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
     if self._tb is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)):
@@ -75,12 +107,26 @@ class MetricsWriter:
     for sink in self._sinks:
       sink.write(int(step), record)
 
+  def flush(self) -> None:
+    """Makes every written row durable (uploads the file and the events on ``gs://``)."""
+    if not self._remote:
+      return
+    epath.Path(self.path).write_text("".join(self._lines))
+    if self._tb is not None:
+      self._tb.flush()
+      storage.upload_dir(self._tb.logdir, self._tb_remote)
+    self._uploaded = time.monotonic()
+
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     for sink in self._sinks:
       sink.close()
     if self._tb is not None:
       self._tb.close()
+    self.flush()
+    if self._tb_remote is not None:
+      shutil.rmtree(self._tb.logdir, ignore_errors=True)
 
 
 def plot_curves(metrics_path: str, out_png: str,
@@ -107,5 +153,7 @@ def plot_curves(metrics_path: str, out_png: str,
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(out_png, dpi=100)
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=100)
+  epath.Path(out_png).write_bytes(buf.getvalue())
   return out_png

@@ -11,6 +11,8 @@ Layout of ``directory``::
                        metadata/   the user's JSON dict
                        manifest/   path -> shape/dtype of every leaf, checked on restore
                        commit_success.txt
+                       checksums.json  every file's size and sha256, written once the save
+                                       is complete and checked on restore (``integrity``)
 
 Which steps exist is decided in one place, orbax's step bookkeeping: a step is a directory
 named ``<step>`` (orbax's standard step name) that holds orbax's ``commit_success.txt``

@@ -10,8 +10,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from rl_jax.checkpoint import tree
-from rl_jax.errors import CheckpointError, CheckpointNotFoundError
+from rl_jax.checkpoint import integrity, tree
+from rl_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 __all__ = ["STEP_NAMES", "Checkpointer", "latest_step", "all_steps", "restore", "read_metadata",
            "saved_leaves"]
@@ -63,7 +63,7 @@ def _restore_items(step_dir: epath.Path, **items: ocp.args.CheckpointArgs) -> An
     raise
   except Exception as e:  # Unreadable or corrupted files; name the directory.
     first = (str(e).strip().splitlines() or [""])[0]
-    raise CheckpointError(f"cannot read checkpoint {step_dir}: {type(e).__name__}: {first}") from e
+    raise CheckpointCorruptError(f"cannot read checkpoint {step_dir}: {type(e).__name__}: {first}") from e
 
 
 def read_metadata(directory: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
@@ -95,10 +95,13 @@ def restore(directory: str | os.PathLike, abstract_state: Any,
 
   Raises:
     CheckpointNotFoundError: no complete checkpoint (for ``step``) in ``directory``.
+    CheckpointCorruptError: a file of the step is missing, changed since it was saved
+      (``integrity``) or unreadable.
     CheckpointError: the target's structure, a shape or key-ness differs from the checkpoint
-      (the message names the first differing leaf), or the files cannot be read.
+      (the message names the first differing leaf).
   """
   step_dir = _step_path(epath.Path(directory), step)
+  integrity.verify(step_dir)
   paths, leaves, treedef = tree.leaf_paths(abstract_state)
   specs = [tree.target_spec(p, leaf) for p, leaf in zip(paths, leaves)]
   manifest = _restore_items(step_dir, **{MANIFEST: ocp.args.JsonRestore()})[MANIFEST] or {}
@@ -198,6 +201,7 @@ class Checkpointer:
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=(STATE, METADATA, MANIFEST))
+    self._unsealed: list[int] = []  # saved steps without their checksum list yet
 
   def should_save(self, step: int) -> bool:
     """True when ``step`` is a positive multiple of ``save_every`` newer than every saved step."""
@@ -240,6 +244,7 @@ class Checkpointer:
         METADATA: ocp.args.JsonSave(_json_copy(metadata)),
         MANIFEST: ocp.args.JsonSave(manifest),
     }))
+    self._unsealed.append(step)
     return True
 
   def all_steps(self) -> list[int]:
@@ -261,11 +266,32 @@ class Checkpointer:
     return read_metadata(self.directory, step)
 
   def wait(self) -> None:
-    """Blocks until every started save is complete on disk (and old steps are pruned)."""
+    """Blocks until every started save is complete on disk (and old steps are pruned),
+    then writes the checksum list of each (``integrity.seal``; process 0)."""
     self._manager.wait_until_finished()
+    done, self._unsealed = self._unsealed, []
+    if jax.process_index() != 0:
+      return
+    for step in sorted(set(done) & set(self._manager.all_steps())):
+      integrity.seal(ocp.path.step.build_step_path(self.directory, STEP_NAMES, step))
+
+  def set_aside(self, step: int) -> str:
+    """Renames the damaged ``step`` to ``<step>.damaged`` (kept, no longer a saved step);
+    returns the new path. Every process calls this."""
+    self.wait()
+    path = ocp.path.step.build_step_path(self.directory, STEP_NAMES, step)
+    target = f"{path}.damaged"
+    if jax.process_index() == 0:
+      target = integrity.set_aside(path)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      multihost_utils.sync_global_devices(f"rl_jax checkpoint set_aside {step}")
+    self._manager.reload()
+    return target
 
   def close(self) -> None:
-    """Waits for pending saves and releases orbax's resources."""
+    """Waits for pending saves (sealing them) and releases orbax's resources."""
+    self.wait()
     self._manager.close()
 
   def __enter__(self) -> "Checkpointer":

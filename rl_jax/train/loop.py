@@ -13,30 +13,34 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
+from etils import epath
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax import config_utils
 from rl_jax import distributed
 from rl_jax import metrics as metrics_lib
 from rl_jax import models
+from rl_jax import storage
 from rl_jax import wandb_log
 from rl_jax.errors import RLJaxError
 from rl_jax.train import agent_stage, startup
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
+from rl_jax.train import lock as lock_lib
 from rl_jax.train import memory
 from rl_jax.train.layout import make_layout
-from rl_jax.train.resume import restore_state
+from rl_jax.train.resume import restore_newest
 from rl_jax.train.rollouts import Trainer, next_examples
 from rl_jax.train.runner import FixedLag, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine,
-                                 place_replicated, rl_layout)
+                                 place_replicated)
 from rl_jax.train.steps import make_step_fns
 
 __all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
@@ -110,15 +114,13 @@ class _Preempted:
 
 
 def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainState:
-  """A fresh state, or the newest checkpoint restored onto the abstract target; metrics
-  rows after that point (from a killed attempt) are dropped."""
-  latest = ckpt.latest_step()
-  if latest is None:
+  """A fresh state, or the newest checkpoint that reads back whole restored onto the abstract
+  target; metrics rows after that point (from a killed attempt) are dropped."""
+  state = restore_newest(s, ckpt, abstract)
+  latest = None if state is None else int(state.step)
+  if state is None:
     state = init_state(s)
-  else:  # the parts saved at that step (state.rl_layout); older layouts are read too
-    target = abstract if rl_layout(s, latest) == rl_layout(s, 0) else abstract_state(s, latest)
-    state = restore_state(s, ckpt, latest, target)
-  if distributed.is_lead() and os.path.exists(metrics_path):
+  if distributed.is_lead() and epath.Path(metrics_path).exists():
     metrics_lib.truncate_after(metrics_path, latest or 0)
   return state
 
@@ -130,18 +132,30 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   The memory plan (``rl_jax.train.memory``) is printed and written to
   ``workdir/memory_plan.json`` first; ``train.dry_run`` stops there (returns None, no weight
   read), and a run that cannot fit fails there in one line (``train.memory_check``).
+
+  Raises:
+    WorkdirBusyError: another live run holds ``workdir`` (``rl_jax.train.lock``).
   """
   wandb_log.check(config)
-  s = build_setup(config)
-  os.makedirs(workdir, exist_ok=True)
-  c = config
+  storage.check_path(workdir, "--workdir")
+  storage.makedirs(workdir)
+  lock = lock_lib.hold_workdir(workdir, config.distributed, config.train.lock_stale_s)
+  try:
+    return _train(build_setup(config), workdir, progress)
+  finally:
+    lock.release()
+
+
+def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
+  """``train`` once the workdir is this run's."""
+  c = s.config
   startup.use_compile_cache(c.train.compile_cache, workdir)
   clock = startup.compile_clock()
   clock.take()
   sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep,
+  ckpt = ckpt_lib.Checkpointer(storage.join(workdir, "checkpoints"), keep=c.train.keep,
                                save_every=c.train.checkpoint_every or total)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  metrics_path = storage.join(workdir, "metrics.jsonl")
   abstract = abstract_state(s)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
   t = make_trainer(s, abstract)
@@ -201,13 +215,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
         writer.write(step, record)
       _update_progress(bar, record)
       if ckpt.should_save(step) or step == total:
+        if writer is not None:
+          writer.flush()  # a saved step's metrics rows are durable before its checkpoint
         ckpt.save(step, snapshot(state), force=step == total)
     ckpt.wait()
     if int(state.step) >= total:
       params = t.layout.sampler_params(state.params)  # collective: every process takes part
       if lead:
-        models.save_hf(s.model_cfg, params, os.path.join(workdir, "hf"))
-        metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
+        _export_hf(s, params, storage.join(workdir, "hf"))
+        metrics_lib.plot_curves(metrics_path, storage.join(workdir, "curves.png"))
   finally:
     if runner is not None:
       runner.close()
@@ -220,6 +236,22 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     if bar is not None:
       bar.close()
   return state
+
+
+def _export_hf(s: Setup, params, path: str) -> None:
+  """``models.save_hf`` into ``path``; a ``gs://`` path gets a local export uploaded file by
+  file (config.json last, so an export without it is known to be incomplete)."""
+  if not storage.is_remote(path):
+    models.save_hf(s.model_cfg, params, path)
+    return
+  with tempfile.TemporaryDirectory(prefix="rl_jax_hf_") as tmp:
+    local = os.path.join(tmp, "hf")
+    models.save_hf(s.model_cfg, params, local)
+    config = os.path.join(tmp, "config.json")
+    os.replace(os.path.join(local, "config.json"), config)
+    epath.Path(path).joinpath("config.json").unlink(missing_ok=True)
+    storage.upload_dir(local, path)
+    epath.Path(path).joinpath("config.json").write_bytes(epath.Path(config).read_bytes())
 
 
 def _progress(enabled: bool, total: int, initial: int):

@@ -40,8 +40,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
-from rl_jax import rollout
+from rl_jax import rollout, storage
 from rl_jax.errors import RLJaxError
 from rl_jax.train import offload
 from rl_jax.train.inputs import abstract_inputs
@@ -349,8 +350,7 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 
 def write_plan(plan: dict[str, Any], path: str) -> None:
-  with open(path, "w") as f:
-    json.dump(plan, f, indent=1, sort_keys=True)
+  epath.Path(path).write_text(json.dumps(plan, indent=1, sort_keys=True))
 
 
 def _too_big(need: int, capacity: int, source: str, parts: dict[str, int], what: str) -> str:
@@ -388,18 +388,17 @@ def plan_workdir(t: Trainer, abstract: TrainState, workdir: str, *, check: bool 
   s = t.setup
   sft = s.config.sft.steps
   rl_state = abstract_state(s, sft + 1) if sft else abstract
-  path = os.path.join(workdir, PLAN_FILE) if lead else None
+  path = storage.join(workdir, PLAN_FILE) if lead else None
   return plan_run(t, abstract if sft else None, rl_state, check=check, path=path, echo=lead)
 
 
 def record_live(workdir: str, state: TrainState) -> None:
   """Adds the bytes the started (or restored) state really holds on the first device to
   ``workdir/memory_plan.json`` (``live_state``; compare with ``state``)."""
-  path = os.path.join(workdir, PLAN_FILE)
-  if not os.path.exists(path):
+  path = storage.join(workdir, PLAN_FILE)
+  if not epath.Path(path).exists():
     return
-  with open(path) as f:
-    plan = json.load(f)
+  plan = json.loads(epath.Path(path).read_text())
   plan["live_state"] = {"step": int(state.step), **live_bytes(state)}
   plan["live_host_state"] = live_bytes(state, host=True)
   write_plan(plan, path)

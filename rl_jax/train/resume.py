@@ -13,20 +13,27 @@ flat at the top of the state (``FLAT_PRODUCER``: ``data``, ``rollout_buffer``, `
 ``spec_drafts``), and their queue's ``stats`` may have fewer columns (counters added later
 come last): ``restore_state`` reads such a checkpoint onto a target of its own layout and
 regroups it. Nothing needs converting by hand.
+
+A newest checkpoint that does not read back whole (a file missing or changed since the save,
+``rl_jax.checkpoint.integrity``) is no dead end: ``restore_newest`` renames it to
+``<step>.damaged`` (kept for inspection), says so in one line, and restores the newest step
+that does read back.
 """
 
 from __future__ import annotations
+
+import sys
 
 import jax
 import numpy as np
 
 from rl_jax import checkpoint as ckpt_lib
-from rl_jax.errors import CheckpointError
+from rl_jax.errors import CheckpointCorruptError, CheckpointError
 from rl_jax.train import offload
 from rl_jax.train.context import Setup
-from rl_jax.train.state import TrainState, abstract_state, place_replicated
+from rl_jax.train.state import TrainState, abstract_state, place_replicated, rl_layout
 
-__all__ = ["OPTIONAL_PARTS", "FLAT_PRODUCER", "restore_state", "legacy_target", "flat_layout",
+__all__ = ["restore_newest", "OPTIONAL_PARTS", "FLAT_PRODUCER", "restore_state", "legacy_target", "flat_layout",
            "from_flat_layout"]
 
 # TrainState fields that exist only in some phases of a run (see ``state.rl_layout``).
@@ -121,3 +128,23 @@ def restore_state(s: Setup, ckpt: ckpt_lib.Checkpointer, step: int,
   # train.offload: the target already places these in host memory; an older layout's
   # reference (read onto the policy's layout) is moved there too
   return offload.place(state, offload.offloaded_fields(s))
+
+
+def restore_newest(s: Setup, ckpt: ckpt_lib.Checkpointer,
+                   abstract: TrainState) -> TrainState | None:
+  """The newest checkpoint that reads back whole, restored (None: no checkpoint). Damaged
+  newer steps are set aside (``Checkpointer.set_aside``) with one line on stderr each.
+
+  Args:
+    abstract: ``abstract_state(s)``, the target of a checkpoint of the current layout.
+  """
+  while (step := ckpt.latest_step()) is not None:
+    # the parts saved at that step (state.rl_layout); older layouts are read too
+    target = abstract if rl_layout(s, step) == rl_layout(s, 0) else abstract_state(s, step)
+    try:
+      return restore_state(s, ckpt, step, target)
+    except CheckpointCorruptError as e:
+      aside = ckpt.set_aside(step)
+      print(f"checkpoint of step {step} skipped, it does not read back whole ({e}); kept as "
+            f"{aside}", file=sys.stderr)
+  return None

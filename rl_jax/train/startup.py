@@ -21,7 +21,7 @@ import threading
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from rl_jax import profiling
+from rl_jax import profiling, storage
 
 __all__ = ["COMPILE_EVENTS", "CompileClock", "compile_clock", "use_compile_cache",
            "cache_dir", "start_profile", "stop_profile"]
@@ -69,7 +69,10 @@ def cache_dir(path: str, workdir: str) -> str | None:
   """The cache directory for config value ``path`` (None: disabled)."""
   if not path:
     return None
-  return os.path.abspath(os.path.join(workdir, os.path.expanduser(path)))
+  path = os.path.expanduser(path)
+  if storage.is_remote(path) or (storage.is_remote(workdir) and not os.path.isabs(path)):
+    return path if storage.is_remote(path) else storage.join(workdir, path)
+  return os.path.abspath(os.path.join(workdir, path))
 
 
 def use_compile_cache(path: str, workdir: str) -> str | None:
@@ -77,7 +80,7 @@ def use_compile_cache(path: str, workdir: str) -> str | None:
   off for ""), caching every program; returns the directory."""
   directory = cache_dir(path, workdir)
   if directory is not None:
-    os.makedirs(directory, exist_ok=True)
+    storage.makedirs(directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   if jax.config.jax_compilation_cache_dir != directory:
