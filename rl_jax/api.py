@@ -69,7 +69,9 @@ class Batch(NamedTuple):
     advantages: float32 [G,M] or [G,M,R]; given, they replace the estimator's.
     old_logp: float32 [G,M,R] proximal log-probs the ratio is taken against; None: the
       current weights' (as the trainer does; pass ``logprobs(batch)`` taken before the first
-      ``optim_step`` to reuse them over several updates of one batch).
+      ``optim_step`` to reuse them over several updates of one batch). Ignored when the
+      update takes them from its own pass (``train.old_logp_pass=auto`` with an objective
+      that only ever trains on-policy batches: they are the current weights' anyway).
   """
 
   prompt_tokens: Any
@@ -208,7 +210,13 @@ class Trainer:
 
   # ----------------------------------------------------------------------- passes, updates
   def _put(self, x, dtype) -> jax.Array | None:
-    return None if x is None else self.trainer.layout.put(np.asarray(x, dtype))
+    """A whole host batch (the same on every process) as a global array split along
+    ``batch``: each process places the rows that live on its devices."""
+    if x is None:
+      return None
+    x, lay = np.asarray(x, dtype), self.trainer.layout
+    lo, hi = lay.share(x.shape[0])
+    return lay.put(x[lo:hi], x.shape[0])
 
   def _placed(self, b: Batch) -> tuple:
     """(prompt tokens, prompt lengths, tokens, mask) on the training mesh."""
