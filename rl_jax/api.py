@@ -35,7 +35,7 @@ from rl_jax import losses
 from rl_jax import rollout
 from rl_jax.errors import CheckpointNotFoundError, RLJaxError
 from rl_jax.train.context import build_setup
-from rl_jax.train.inputs import Source, make_inputs
+from rl_jax.train.inputs import SINGLE_TURN_INPUTS, Source, make_inputs
 from rl_jax.train.layout import jit_on_mesh
 from rl_jax.train.loop import make_trainer
 from rl_jax.train.on_policy import old_logp_in_update
@@ -249,6 +249,13 @@ class Trainer:
     if "ref_logp" in obj.needs and not jax.tree.leaves(self.state.ref_params):
       raise RLJaxError("api: the loss needs a reference (a KL term) but the config's "
                        "objective keeps none; set loss.kl_beta > 0 in the config")
+    if "values" in obj.needs and not jax.tree.leaves(self.state.value_params):
+      raise RLJaxError("api: the loss needs a critic but the config's objective has none; "
+                       "configure a value-based objective (loss.preset=ppo)")
+    unknown = sorted(set(obj.needs) - SINGLE_TURN_INPUTS)
+    if unknown:
+      raise RLJaxError(f"api: the loss needs {unknown}, which single-turn batches do not "
+                       "provide")
     steps = t.steps._replace(old_logp_in_update=own_old or b.old_logp is not None)
     behaviour = (self._put(b.behaviour_logp, np.float32) if b.behaviour_logp is not None
                  else t.steps.logprobs(self.state.params, *args))

@@ -98,6 +98,11 @@ def test_accumulating_two_half_batches_equals_the_full_batch(runs):
   np.testing.assert_allclose(np.asarray(old), np.asarray(b.behaviour_logp), atol=2e-4)
   with pytest.raises(RLJaxError, match="optim_step without gradients"):
     run.optim_step()
+  with pytest.raises(RLJaxError, match="batch shapes differ"):
+    run.forward_backward(b._replace(mask=np.asarray(b.mask)[:, :1]))
+  with pytest.raises(RLJaxError, match="rewards or advantages"):
+    run.forward_backward(b._replace(rewards=None))
+  assert run.gradients is None
 
 
 def test_save_load_round_trips_and_reads_the_trainers_checkpoint(runs, tmp_path):
