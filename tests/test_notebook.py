@@ -63,3 +63,6 @@ def test_quickstart_notebook_runs_and_shows_its_results(tmp_path):
   assert os.path.exists(tmp_path / "runs" / "dapo" / "hf" / "model.safetensors")
   rows = [json.loads(l) for l in open(tmp_path / "runs" / "dapo" / "metrics.jsonl")]
   assert rows[-1]["step"] == 27 and rows[-1]["phase"] == "rl"
+  # the hand-written loop (rl_jax.api) continues from step 45 and prints each step
+  steps = re.findall(r"step (\d+): reward ([\d.]+), loss [-+][\d.]+, grad norm [\d.]+", text)
+  assert [int(s) for s, _ in steps] == list(range(46, 56)), text

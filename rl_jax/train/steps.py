@@ -29,7 +29,7 @@ from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
            "make_logprob_fn", "make_ref_logprob_fn", "make_value_fn", "make_rl_update",
-           "make_grad_norm_fn", "rounding_key"]
+           "rl_grads", "rl_apply", "make_grad_norm_fn", "rounding_key"]
 
 
 class UpdateBatch(NamedTuple):
@@ -171,30 +171,23 @@ def make_value_fn(s: Setup, layout: Layout) -> Callable:
                          s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared))
 
 
-def make_rl_update(s: Setup, layout: Layout) -> Callable:
-  """``update(params, opt_state, value_params, value_opt_state, batch: UpdateBatch)`` ->
-  the four updated and a metrics dict; one optimizer step on one minibatch of groups.
+def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
+  """The gradient half of the RL update (not jitted): ``grads(params, value_params,
+  b: UpdateBatch) -> (loss, denom, metrics, grads, value_grads)``.
 
-  The objective's loss runs over the flattened rows (``losses.loss_batch``); the critic is
-  updated alongside when the objective reads values, and the policy pass also returns the
-  per-token entropy when the objective has an entropy bonus. A non-finite loss or policy gradient
-  skips the policy update, a non-finite critic gradient the critic update; either counts as
-  a skipped step. VCPO: ρ = ESS/B of the minibatch scales the final update (the objective's
-  update transform reads ``ess_ratio``).
-
-  When ``on_policy.old_logp_in_update`` holds, ``b.inputs.old_logp`` is None and the
-  proximal log-probs are ``stop_gradient`` of this pass's own log-probs (same weights).
+  ``obj`` (default the run's objective) gives ``loss_sum`` and ``denom``; ``loss`` is
+  ``loss_sum / denom`` (``losses.finalize``), the gradients are those of ``loss``, and
+  ``denom`` is returned so that gradients of several micro-batches can be combined weighted
+  by their denominators. ``value_grads`` are the critic's (zeros-shaped ``{}`` without one).
+  See ``make_rl_update`` for the on-policy ``old_logp`` and the entropy pass.
   """
-  cfg, obj = s.model_cfg, s.objective
+  cfg, obj = s.model_cfg, s.objective if obj is None else obj
   temp, shared = _temperature(s), s.config.train.shared_prefix
   with_critic = "values" in obj.needs
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
   own_old = old_logp_in_update(s.config, obj)
-  host = offload.offloaded_fields(s)
 
-  def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
-    opt_state = offload.to_device(opt_state, "opt_state" in host)  # train.offload
-    value_opt_state = offload.to_device(value_opt_state, "value_opt_state" in host)
+  def grads_fn(params, value_params, b: UpdateBatch):
     G, M, R = b.tokens.shape
     outer_batch = None if own_old else obj.prepare(losses.loss_batch(b.inputs, b.advantages))
     mask = b.inputs.mask
@@ -215,10 +208,29 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
                                         mask, shared_prefix=shared).reshape(G * M, R)
       rows = lambda a: None if a is None else a.reshape(G * M, R)
       loss_sum, denom, mets = obj.loss(rows(lp), batch, values=values, entropy=rows(entropy))
-      return losses.finalize(loss_sum, denom), mets
+      return losses.finalize(loss_sum, denom), (mets, denom)
 
-    (loss, mets), (grads, vgrads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        params, value_params)
+    (loss, (mets, denom)), (grads, vgrads) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(params, value_params)
+    return loss, denom, mets, grads, vgrads
+
+  return grads_fn
+
+
+def rl_apply(s: Setup) -> Callable:
+  """The optimizer half of the RL update (not jitted): ``apply(params, opt_state,
+  value_params, value_opt_state, grads, value_grads, loss, metrics)`` -> the four updated
+  and the metrics with ``loss``, ``grad_norm``, ``ess_ratio`` and ``update_skipped`` added.
+
+  VCPO: ρ = ESS/B from the sums ``vcpo/sum_w``, ``vcpo/sum_w2``, ``vcpo/num_seqs`` in
+  ``metrics`` scales the update. The critic is updated when the objective reads values.
+  """
+  with_critic = "values" in s.objective.needs
+  host = offload.offloaded_fields(s)
+
+  def apply(params, opt_state, value_params, value_opt_state, grads, vgrads, loss, mets):
+    opt_state = offload.to_device(opt_state, "opt_state" in host)  # train.offload
+    value_opt_state = offload.to_device(value_opt_state, "value_opt_state" in host)
     ess = (losses.ess_ratio_from_sums(mets["vcpo/sum_w"], mets["vcpo/sum_w2"],
                                       mets["vcpo/num_seqs"]) if "vcpo/sum_w" in mets else 1.0)
     params, opt_state, finite = finite_update(s.optimizers.rl, params, opt_state, grads, loss,
@@ -231,6 +243,30 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
     mets = dict(mets, loss=loss, grad_norm=optax.tree.norm(grads), ess_ratio=ess,
                 update_skipped=1 - finite.astype(jnp.int32))
     return params, opt_state, value_params, value_opt_state, mets
+
+  return apply
+
+
+def make_rl_update(s: Setup, layout: Layout) -> Callable:
+  """``update(params, opt_state, value_params, value_opt_state, batch: UpdateBatch)`` ->
+  the four updated and a metrics dict; one optimizer step on one minibatch of groups
+  (``rl_grads`` then ``rl_apply``, compiled as one program).
+
+  The objective's loss runs over the flattened rows (``losses.loss_batch``); the critic is
+  updated alongside when the objective reads values, and the policy pass also returns the
+  per-token entropy when the objective has an entropy bonus. A non-finite loss or policy gradient
+  skips the policy update, a non-finite critic gradient the critic update; either counts as
+  a skipped step. VCPO: ρ = ESS/B of the minibatch scales the final update (the objective's
+  update transform reads ``ess_ratio``).
+
+  When ``on_policy.old_logp_in_update`` holds, ``b.inputs.old_logp`` is None and the
+  proximal log-probs are ``stop_gradient`` of this pass's own log-probs (same weights).
+  """
+  grads_fn, apply = rl_grads(s), rl_apply(s)
+
+  def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
+    loss, _, mets, grads, vgrads = grads_fn(params, value_params, b)
+    return apply(params, opt_state, value_params, value_opt_state, grads, vgrads, loss, mets)
 
   st = layout.state
   weights = (st.params, st.opt_state, st.value_params, st.value_opt_state)
