@@ -27,7 +27,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Routing", "expert_mlp", "load_balancing_loss", "route"]
+__all__ = ["ROUTERS", "Routing", "expert_mlp", "load_balancing_loss", "route"]
+
+ROUTERS = ("softmax_topk",)  # routing schemes (``model.router``): softmax, top X
 
 
 class Routing(NamedTuple):

@@ -4,7 +4,8 @@ Scored batches sampled ahead of the learner (``records.Scored``) are checkpointe
 rest of the state, so a resumed asynchronous run trains on exactly the batches it would have.
 The queue is a dict of fixed-shape host arrays with Q slots (``Schedule.queue``) and a
 ``count`` of the slots in use, oldest first. The stored fields are ``Scored``'s own (its
-array fields, ``rollout_s``, ``version``, and ``stats`` as one column per ``records.STATS``).
+array fields, ``rollout_s``, ``version``, and ``stats`` as one column per ``records.STATS``),
+and for mixture-of-experts models the sampler's expert records (``routing``).
 
 Shapes (the package legend, ``rl_jax/__init__.py``): Q slots, G groups, M samples per
 prompt, R new tokens.
@@ -28,8 +29,10 @@ def empty_queue(config) -> dict[str, np.ndarray]:
 
   count int32 []; indices int32 [Q,G]; tokens / versions int32 [Q,G·M,R]; mask bool
   [Q,G·M,R]; logprobs float32 [Q,G·M,R]; rewards float32 [Q,G,M]; faults int32 [Q,2];
-  rollout_s float32 [Q]; version int32 [Q]; stats float32 [Q, len(STATS)].
+  rollout_s float32 [Q]; version int32 [Q]; stats float32 [Q, len(STATS)]; given a Setup
+  of a mixture-of-experts model, also routing int32 [Q,G·M,R,Y,X] (-1: none recorded).
   """
+  model_cfg = getattr(config, "model_cfg", None)
   config = getattr(config, "config", config)  # a Setup or its config
   Q = config_lib.schedule(config).queue
   if not Q:
@@ -37,7 +40,9 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   geo = config_lib.geometry(config)
   G, M, R = geo.groups, geo.samples, geo.new_tokens
   rows = (Q, G * M, R)
-  return {
+  moe = {} if model_cfg is None or not model_cfg.is_moe else {"routing": np.full(
+      (*rows, len(model_cfg.moe_layers), model_cfg.num_experts_per_tok), -1, np.int32)}
+  return {**moe,
       "count": np.zeros((), np.int32),
       "indices": np.zeros((Q, G), np.int32),
       "tokens": np.zeros(rows, np.int32),
@@ -65,6 +70,8 @@ def to_arrays(config, items) -> dict[str, np.ndarray]:
       out[name][i] = getattr(x, name)
     out["rollout_s"][i], out["version"][i] = x.rollout_s, x.version
     out["stats"][i] = [x.stats.get(k, np.nan) for k in STATS]
+    if "routing" in out and getattr(x, "routing", None) is not None:
+      out["routing"][i] = x.routing
   return out
 
 
@@ -79,5 +86,7 @@ def from_arrays(arrays: dict) -> list[dict[str, Any]]:
     x = {name: np.asarray(a[name][i]) for name in array_fields()}
     x.update(rollout_s=float(a["rollout_s"][i]), version=int(a["version"][i]),
              stats={k: float(v) for k, v in zip(STATS, a["stats"][i]) if not np.isnan(v)})
+    if "routing" in a:
+      x["routing"] = np.asarray(a["routing"][i])
     out.append(x)
   return out
