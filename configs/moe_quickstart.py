@@ -15,8 +15,12 @@ and trainer (0 with replay by construction).
 Stages and hyperparameters as configs/quickstart.py: 25 supervised steps, then 250 GRPO
 steps (ε = 0.2, N = 8 samples at temperature 0.5, 32 prompts per step, β = 0, η = 2e-4).
 
-Expected result (2-core CPU, JAX 0.10.2, measured): see docs/BENCHMARKS.md ("Mixture of
-experts").
+Expected result (2-core CPU shared with other jobs, JAX 0.10.2, measured): about 8-9 minutes;
+held-out greedy accuracy 0.638 after the supervised stage (step 25) -> 0.918 at the end
+(step 275; peak 0.952 at step 250), pass@4 0.087 -> 0.947, training reward 0.02 -> 0.86;
+``routing_mismatch`` 0 at every step. With ``model.router_replay=True`` the same numbers and
+bit-identical final weights (float32: sampler and trainer already choose the same experts).
+Table and the bfloat16 mismatch benchmark: docs/BENCHMARKS.md ("Mixture of experts").
 """
 
 from rl_jax import config as base
