@@ -40,6 +40,7 @@ from rl_jax import optim
 from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
+from rl_jax.models import moe
 
 __all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
            "validate"]
@@ -70,6 +71,21 @@ def _model() -> ml_collections.ConfigDict:
       dtype="float32",  # compute dtype
       param_dtype="float32",  # storage dtype of the weights
       remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
+      # mixture of experts (architecture="qwen3_moe"): E experts per MoE layer, top X per
+      # token, every ``moe_every``-th layer MoE (the others a dense MLP of intermediate_size)
+      num_experts=0,
+      num_experts_per_tok=2,
+      moe_intermediate_size=0,  # expert MLP width (0: intermediate_size)
+      norm_topk_prob=True,  # renormalise the X routing weights to sum to one
+      moe_every=1,
+      router="softmax_topk",  # one of rl_jax.models.moe.ROUTERS
+      # the training passes use the experts the sampler chose for each response token
+      router_replay=False,
+      # attention layout: "full" everywhere, or (gemma3) "sliding": sliding-window layers of
+      # ``sliding_window`` keys with a global layer every ``global_every`` layers
+      attention="full",  # one of rl_jax.models.config.ATTENTION_LAYOUTS
+      sliding_window=512,
+      global_every=6,
   ))
 
 
@@ -316,6 +332,15 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.remat": cu.one_of(model_config_lib.REMAT_POLICIES),
       "model.dtype": cu.one_of(model_config_lib.DTYPES),
       "model.param_dtype": cu.one_of(model_config_lib.DTYPES),
+      "model.num_experts": cu.nonnegative_int,
+      "model.num_experts_per_tok": cu.positive_int,
+      "model.moe_intermediate_size": cu.nonnegative_int,
+      "model.moe_every": cu.positive_int,
+      "model.router": cu.one_of(moe.ROUTERS),
+      "model.router_replay": cu.one_of((False, True)),
+      "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
+      "model.sliding_window": cu.positive_int,
+      "model.global_every": cu.positive_int,
       "mesh.rules": cu.one_of(sharding.RULES),
       "mesh.num_devices": cu.nonnegative_int,
       "distributed.initialization_timeout_s": cu.positive_int,
@@ -413,6 +438,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ``config.rollout.n must be a positive int, got 0``.
   """
   cu.validate(config, checks())
+  _check_model(config)
   axes = sorted(dict(config.mesh.shape))
   if axes != sorted(sharding.MESH_AXES):
     raise ConfigError(f"config.mesh.shape must name the axes {list(sharding.MESH_AXES)}, "
@@ -440,6 +466,30 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
                       f"train.minibatches={config.train.minibatches}")
+
+
+def _check_model(config: ml_collections.ConfigDict) -> None:
+  """The mixture-of-experts and attention-layout fields against the architecture."""
+  m = config.model
+  if m.hf_path:
+    arch = None  # config.json decides (router_replay is checked against it at setup)
+  else:
+    arch = m.architecture
+    if (arch == "qwen3_moe") != (m.num_experts > 0):
+      raise ConfigError(f"model.num_experts={m.num_experts}: architecture 'qwen3_moe' needs "
+                        f"experts (> 0) and the other architectures none (got {arch!r})")
+    if m.num_experts and m.num_experts_per_tok > m.num_experts:
+      raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds "
+                        f"model.num_experts={m.num_experts}")
+    if m.attention == "sliding" and arch != "gemma3":
+      raise ConfigError(f"model.attention='sliding' needs model.architecture='gemma3' "
+                        f"(got {arch!r})")
+    if m.router_replay and arch != "qwen3_moe":
+      raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model "
+                        f"(architecture 'qwen3_moe'), got {arch!r}")
+  if m.router_replay and (config.rollout.speculative or config.env.name):
+    raise ConfigError("model.router_replay=True needs the sampler's expert records, which "
+                      "rollout.speculative and env.name rollouts do not keep")
 
 
 def _check_env(config: ml_collections.ConfigDict) -> None:

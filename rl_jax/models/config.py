@@ -11,11 +11,12 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "DTYPES", "LAYER_TYPES", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
+__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
            "from_hf_dict", "rope_frequencies", "to_hf_dict", "validate"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYOUTS = ("full", "sliding")  # model.attention: all global / Gemma 3 interleave
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -32,6 +32,12 @@ window, so a model with sliding layers runs the response part of the packed layo
 pure-jnp two-region reference (``pallas_kernels.lse_attention``) in every layer, windowed or
 not. Sequence parallelism does not support sliding windows (ModelError).
 
+Mixture of experts (router replay): ``routing`` int [G,M,R,Y,X] gives the experts of every
+response token (as the sampler recorded them when it fed the token; -1 where nothing was
+recorded); prompt tokens are always routed by the router. ``return_routing`` returns the
+experts this pass used for the response tokens in the same layout. Not with sequence
+parallelism (ModelError).
+
 References: DualKV (shared-prompt flash attention for RL training, 2025).
 """
 
@@ -122,19 +128,48 @@ def _check_sequence_plan(cfg: ModelConfig, pl) -> None:
                      f"{cfg.architecture!r} (layer_types); use a mesh with sequence=1")
 
 
-def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens):
+def _check_routing(cfg: ModelConfig, pl, routing, return_routing: bool) -> None:
+  if (routing is not None or return_routing) and not cfg.is_moe:
+    raise ModelError(f"routing is only defined for mixture-of-experts models, not "
+                     f"{cfg.architecture!r}")
+  if (routing is not None or return_routing) and pl is not None:
+    raise ModelError("router replay / returned routing is not supported with sequence "
+                     "parallelism; use a mesh with sequence=1")
+
+
+def _trunk_routing(routing, rows: int, P: int):
+  """Recorded response routing [G,M,R,Y,X] -> the trunk's [Y,rows,P+(M·R·G/rows),X] with
+  the P prompt positions of every row set to -1 (routed by the router)."""
+  if routing is None:
+    return None
+  G, M, R, Y, X = routing.shape
+  resp = jnp.moveaxis(routing.astype(jnp.int32), 3, 0).reshape(Y, rows, -1, X)
+  return jnp.concatenate([jnp.full((Y, rows, P, X), -1, jnp.int32), resp], axis=2)
+
+
+def _response_ids(route, G: int, M: int, R: int, P: int):
+  """The trunk's expert ids [Y,rows,P+..,X] at the response positions -> [G,M,R,Y,X]."""
+  ids = route.ids[:, :, P:]
+  return jnp.moveaxis(ids.reshape(ids.shape[0], G, M, R, ids.shape[-1]), 0, 3)
+
+
+def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
+                  routing=None, return_routing: bool = False):
   """Hidden states at the predictor position of every response token, packed layout.
 
   Args:
     prompt_tokens int [G,P] right-padded; prompt_lengths int [G]; response_tokens int [G,M,R].
+    routing, return_routing: MoE router replay (see the module docstring).
   Returns:
-    [G,M,R,D]: the hidden state whose logits predict response_tokens[g,i,j].
+    [G,M,R,D]: the hidden state whose logits predict response_tokens[g,i,j] (and the
+    response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``).
   """
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
   resp_pos = prompt_lengths[:, None, None] + jnp.arange(R)[None, None, :]
   pl = sp.plan(P + M * R, (P, M))
   _check_sequence_plan(cfg, pl)
+  _check_routing(cfg, pl, routing, return_routing)
   if pl is not None:
     return _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths,
                                 response_tokens, resp_pos)
@@ -142,12 +177,16 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
   positions = jnp.concatenate(
       [jnp.broadcast_to(jnp.arange(P), (G, P)), jnp.broadcast_to(resp_pos, (G, M, R)).reshape(G, -1)],
       axis=1).astype(jnp.int32)
-  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions,
-                  _packed_attend(prompt_lengths, P, M, R))
+  kw = {} if not cfg.is_moe else dict(routing=_trunk_routing(routing, G, P),
+                                      return_routing=return_routing)
+  out = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions,
+                 _packed_attend(prompt_lengths, P, M, R), **kw)
+  h = out[0]
   first = jnp.take_along_axis(h, (prompt_lengths - 1)[:, None, None], axis=1)  # [G,1,D]
   resp = h[:, P:].reshape(G, M, R, -1)
   first = jnp.broadcast_to(first[:, None], (G, M, 1, h.shape[-1]))
-  return jnp.concatenate([first, resp[:, :, :-1]], axis=2)
+  pred = jnp.concatenate([first, resp[:, :, :-1]], axis=2)
+  return (pred, _response_ids(out[2], G, M, R, P)) if return_routing else pred
 
 
 def _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths, response_tokens,
@@ -166,7 +205,8 @@ def _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths, respons
   return jnp.concatenate([first, resp[:, :, :-1]], axis=2)
 
 
-def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens):
+def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
+                      routing=None, return_routing: bool = False):
   """Same as ``packed_hidden`` computed on G·M rows of [prompt (P)][response (R)]."""
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
@@ -181,24 +221,32 @@ def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   mask = tx.causal_mask(positions, positions, valid)
   pl = sp.plan(P + R)
   _check_sequence_plan(cfg, pl)
+  _check_routing(cfg, pl, routing, return_routing)
   delta = positions[:, :, None] - positions[:, None, :] if cfg.per_layer_attention else None
   attend = tx.mask_attend(mask, delta) if pl is None else sp.replicated_attend(pl, mask)
-  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, attend)
+  kw = {} if not cfg.is_moe else dict(routing=_trunk_routing(routing, G * M, P),
+                                      return_routing=return_routing)
+  out = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, attend, **kw)
+  h = out[0]
   first = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [G·M,1,D]
-  pred = jnp.concatenate([first, h[:, P:P + R - 1]], axis=1)
-  return pred.reshape(G, M, R, -1)
+  pred = jnp.concatenate([first, h[:, P:P + R - 1]], axis=1).reshape(G, M, R, -1)
+  return (pred, _response_ids(out[2], G, M, R, P)) if return_routing else pred
 
 
 def response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
-                    shared_prefix: bool = True):
-  """Predictor hidden states [G,M,R,D] in the packed (default) or replicated layout."""
+                    shared_prefix: bool = True, routing=None, return_routing: bool = False):
+  """Predictor hidden states [G,M,R,D] in the packed (default) or replicated layout (and the
+  response tokens' expert ids [G,M,R,Y,X] if ``return_routing``)."""
   fn = packed_hidden if shared_prefix else replicated_hidden
-  return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens)
+  if routing is None and not return_routing:
+    return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens)
+  return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens, routing,
+            return_routing)
 
 
 def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
                       response_mask=None, shared_prefix: bool = True, temperature: float = 1.0,
-                      with_entropy: bool = False):
+                      with_entropy: bool = False, *, routing=None, return_routing: bool = False):
   """Per-token log-probs of grouped responses.
 
   Args:
@@ -206,12 +254,17 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
     response_tokens int32 [G,M,R]; response_mask bool [G,M,R] (None = all valid);
     shared_prefix: packed P+M·R layout (True) or replicated M·(P+R) (False); equal results.
     temperature: log-probs of softmax(logits / temperature) (the sampling distribution).
+    routing: MoE only: int [G,M,R,Y,X] experts of each response token (router replay; -1 =
+      the router decides). return_routing: MoE only: also return the experts used.
   Returns:
-    float32 [G,M,R], zero where response_mask is False (and entropy [G,M,R] if asked).
+    float32 [G,M,R], zero where response_mask is False (and entropy [G,M,R] if asked; then
+    the response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``).
   """
   _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask)
   G, M, R = response_tokens.shape
-  h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix)
+  h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix,
+                      routing, return_routing)
+  h, used = h if return_routing else (h, None)
   pl = sp.plan(M * R, (M,))
   if pl is None:
     h, targets = h.reshape(G, M * R, -1), response_tokens.reshape(G, M * R)
@@ -221,8 +274,12 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   mask = jnp.ones((G, M, R), bool) if response_mask is None else response_mask
   if with_entropy:
     lp, ent = out
-    return (jnp.where(mask, lp.reshape(G, M, R), 0.0), jnp.where(mask, ent.reshape(G, M, R), 0.0))
-  return jnp.where(mask, out.reshape(G, M, R), 0.0)
+    res = (jnp.where(mask, lp.reshape(G, M, R), 0.0), jnp.where(mask, ent.reshape(G, M, R), 0.0))
+  else:
+    res = jnp.where(mask, out.reshape(G, M, R), 0.0)
+  if not return_routing:
+    return res
+  return (*res, used) if with_entropy else (res, used)
 
 
 def token_reduction(M: int, P: int, R: int) -> float:

@@ -7,7 +7,8 @@ Routing: ``softmax(x W_r)`` in float32 over the E experts, the X largest kept, o
 renormalised to sum to one (``norm_topk_prob``). Router replay: given expert ids (e.g. those
 the sampler recorded), the same experts are used and their weights are recomputed from the
 current router's probabilities of exactly those experts (renormalised over them when
-``norm_topk_prob``), so gradients still reach the router.
+``norm_topk_prob``), so gradients still reach the router. A token whose given ids are -1
+(nothing recorded: prompt tokens, a response's last token) is routed by the router itself.
 
 Dispatch: every (token, expert) assignment is one row; rows are sorted by expert so each
 expert's rows are contiguous, and the three expert matmuls are ``jax.lax.ragged_dot`` over
@@ -26,14 +27,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Routing", "expert_mlp", "load_balancing_loss", "route"]
+__all__ = ["ROUTERS", "Routing", "expert_mlp", "load_balancing_loss", "route"]
+
+ROUTERS = ("softmax_topk",)  # routing schemes (``model.router``): softmax, top X
 
 
 class Routing(NamedTuple):
   """Router outputs of the Y MoE layers of one pass.
 
   Attributes:
-    ids: int32 [Y,B,T,X] experts chosen for every token (replay them with ``routing=ids``).
+    ids: int32 [Y,B,T,X] experts chosen for every token (replay them with ``routing=ids``;
+      -1 rows in a replayed routing are routed by the router).
     logits: float32 [Y,B,T,E] router logits (for ``load_balancing_loss``).
   """
 
@@ -47,7 +51,8 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool,
 
   Args:
     x [B,T,D] (compute dtype); w_router [D,E]; top_k: X.
-    ids: optional int [B,T,X] experts to use (router replay) instead of the top X.
+    ids: optional int [B,T,X] experts to use (router replay) instead of the top X; a token
+      whose first id is -1 takes the router's own top X.
   Returns:
     weights [B,T,X] in x's dtype, ids int32 [B,T,X], logits float32 [B,T,E].
   """
@@ -57,6 +62,8 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool,
     if ids is None:
       top, ids = jax.lax.top_k(probs, top_k)
     else:
+      own = jax.lax.top_k(probs, top_k)[1]
+      ids = jnp.where(ids[..., :1] >= 0, ids.astype(own.dtype), own)
       top = jnp.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
       top = top / jnp.sum(top, axis=-1, keepdims=True)

@@ -500,8 +500,8 @@ def unstack_layers(params: Params, cfg: ModelConfig | None = None) -> list[Param
 
 
 def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: jax.Array,
-                   positions: jax.Array, attend: AttendFn,
-                   layer_states: list[Any]) -> tuple[jax.Array, list[Any]]:
+                   positions: jax.Array, attend: AttendFn, layer_states: list[Any], *,
+                   return_routing: bool = False):
   """``trunk`` with a Python loop over per-layer weights (``unstack_layers``).
 
   For decode steps inside a ``while_loop``: no per-step slicing of stacked weights or caches.
@@ -510,18 +510,25 @@ def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: ja
   Args:
     layers: L per-layer parameter dicts (``unstack_layers(params, cfg)``); layer_states: L
       per-layer attention states.
+    return_routing: MoE models only: also return the chosen experts, int32 [Y,B,T,X].
   Returns:
-    hidden [B,T,D] after the final RMSNorm, list of L updated states.
+    hidden [B,T,D] after the final RMSNorm, list of L updated states (and the expert ids).
   """
+  if return_routing and not cfg.is_moe:
+    raise ValueError(f"routing is only defined for mixture-of-experts models, not "
+                     f"{cfg.architecture!r}")
   if _extended(cfg):
     tables = _layer_tables(cfg, positions)
     x = x.astype(jnp.dtype(cfg.dtype))
-    out = []
+    out, ids = [], []
     for lp, st, flag in zip(layers, layer_states, cfg.sliding_layers):
       cos, sin = _select_tables(tables, flag)
-      x, st, _ = _layer_ext(cfg, lp, x, cos, sin, attend, st, _spec(cfg, flag), None)
+      x, st, route = _layer_ext(cfg, lp, x, cos, sin, attend, st, _spec(cfg, flag), None)
       out.append(st)
-    return _norm_fn(cfg)(x, params["final_norm"], cfg.rms_norm_eps), out
+      if route is not None:
+        ids.append(route[0])
+    h = _norm_fn(cfg)(x, params["final_norm"], cfg.rms_norm_eps)
+    return (h, out, jnp.stack(ids)) if return_routing else (h, out)
   cos, sin = rope_tables(cfg, positions)
   x = x.astype(jnp.dtype(cfg.dtype))
   out = []

@@ -14,6 +14,9 @@ Sliding-window layers (Gemma 3): the query at position pos sees prefix key p onl
 pos − p < window and suffix key r only if cur − r < window (``AttnSpec`` from the trunk;
 layer kinds are static in the unrolled decode step).
 
+Mixture of experts: the experts every MoE layer chooses for the fed token are written into
+``DecodeState.routing`` at the token's index (what router replay feeds the trainer).
+
 Every sampled token is drawn from a uniform that depends only on (request id, sample id,
 token index) (``sampling.token_uniforms``), so results do not depend on batching, slots or
 the mesh.
@@ -108,7 +111,14 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
     return out.reshape(G * M, 1, *out.shape[2:]), layer
 
   x = tx.embed(cfg, params, feed.reshape(G * M, 1))
-  h, _ = tx.trunk_unrolled(cfg, params, layers, x, pos, attend, list(range(len(layers))))
+  moe = state.routing is not None
+  out = tx.trunk_unrolled(cfg, params, layers, x, pos, attend, list(range(len(layers))),
+                          return_routing=moe)
+  h = out[0]
+  if moe:  # the fed token's experts [Y,G·M,1,X] -> its record at index cur
+    ids = jnp.moveaxis(out[2][:, :, 0], 0, 1).reshape(G, M, 1, *state.routing.shape[3:])
+    hot = ((jnp.arange(R) == cur[..., None]) & take[..., None])[..., None, None]
+    state = state._replace(routing=jnp.where(hot, ids, state.routing))
   logits = tx.logits_from_hidden(cfg, params, h[:, 0])  # [G·M,V]
   uniforms = lambda: sampling.token_uniforms(state.stream.reshape(G * M, 2),
                                              state.length.reshape(-1))

@@ -373,7 +373,8 @@ class RolloutEngine:
       dict: valid, ready bool [capacity]; uid, resumed, meta, prompt_len int32 [capacity];
       prompt int32 [capacity,P]; tokens, versions int32 [capacity,M,R]; logprobs float32
       [capacity,M,R]; length, reason int32 [capacity,M] (reason -1 = unfinished);
-      next_uid int32 [].
+      next_uid int32 []; mixture-of-experts models also routing int32 [capacity,M,R,Y,X]
+      (``Sample.routing``, -1 where none was recorded).
     """
     held = [(r, True) for r in self._ready] + [(r, False) for r in self.buffer]
     if len(held) > capacity:
@@ -385,6 +386,9 @@ class RolloutEngine:
              tokens=np.zeros((cap, n, R), np.int32), versions=np.full((cap, n, R), -1, np.int32),
              logprobs=np.zeros((cap, n, R), np.float32), length=np.zeros((cap, n), np.int32),
              reason=np.full((cap, n), -1, np.int32))
+    if self.cfg.is_moe:
+      d["routing"] = np.full((cap, n, R, len(self.cfg.moe_layers), self.cfg.num_experts_per_tok),
+                             -1, np.int32)
     for h, (req, ready) in enumerate(held):
       d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, ready, req.uid, req.resumed
       d["meta"][h] = -1 if req.meta is None else int(req.meta)
@@ -396,6 +400,8 @@ class RolloutEngine:
         d["logprobs"][h, i, :t], d["length"][h, i] = smp.logprobs, t
         if smp.finish_reason is not None:
           d["reason"][h, i] = REASON_CODES[smp.finish_reason]
+        if "routing" in d and smp.routing is not None:
+          d["routing"][h, i, :t] = smp.routing
     d["next_uid"] = np.int32(self._next_uid())
     return d
 
@@ -411,7 +417,8 @@ class RolloutEngine:
         code = int(d["reason"][h, i])
         samples.append(Sample(d["tokens"][h, i, :t].tolist(), d["logprobs"][h, i, :t].tolist(),
                               d["versions"][h, i, :t].tolist(),
-                              None if code < 0 else REASON_NAMES[code]))
+                              None if code < 0 else REASON_NAMES[code],
+                              d["routing"][h, i, :t].copy() if "routing" in d else None))
       meta = int(d["meta"][h])
       req = GroupRequest(int(d["uid"][h]), d["prompt"][h, :int(d["prompt_len"][h])].tolist(),
                          samples, int(d["resumed"][h]), None if meta < 0 else meta)

@@ -28,7 +28,7 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
-           "DecodeState", "cast_params", "constrain_state", "init_state", "kv_cache_bytes",
+           "DecodeState", "cast_params", "constrain_state", "empty_routing", "init_state", "kv_cache_bytes",
            "mesh_context", "record"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
@@ -55,6 +55,9 @@ class DecodeState(NamedTuple):
     active: bool [G] slot holds a group.
     request_id: int32 [G]; sample_id: int32 [G,M] (PRNG stream identifiers).
     stream: uint32 [G,M,2] key words of each sample's random stream.
+    routing: mixture-of-experts models: int32 [G,M,R,Y,X] the experts each MoE layer chose
+      for response token j when the decode step fed it (-1 until then, and for the last
+      token, which is never fed); None for dense models.
   """
 
   prefix_k: jax.Array
@@ -72,6 +75,7 @@ class DecodeState(NamedTuple):
   request_id: jax.Array
   sample_id: jax.Array
   stream: jax.Array
+  routing: jax.Array | None = None
 
 
 CACHE_AXES = DecodeState(
@@ -90,6 +94,7 @@ CACHE_AXES = DecodeState(
     request_id=("batch",),
     sample_id=("batch", None),
     stream=("batch", None, None),
+    routing=("batch", None, None, None, None),
 )
 
 
@@ -99,6 +104,8 @@ def mesh_context(ctx):
 
 
 def _constrain(x, axes):
+  if x is None:  # routing of a dense model
+    return x
   if isinstance(x, tuple):  # per-layer caches
     return tuple(sharding.constrain(c, axes) for c in x)
   return sharding.constrain(x, axes)
@@ -158,7 +165,15 @@ def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int) -> DecodeState
       versions=jnp.full((G, M, R), -1, jnp.int32), length=jnp.zeros((G, M), jnp.int32),
       budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),
       active=jnp.zeros((G,), bool), request_id=jnp.zeros((G,), jnp.int32),
-      sample_id=jnp.zeros((G, M), jnp.int32), stream=jnp.zeros((G, M, 2), jnp.uint32))
+      sample_id=jnp.zeros((G, M), jnp.int32), stream=jnp.zeros((G, M, 2), jnp.uint32),
+      routing=empty_routing(cfg, (G, M, R)))
+
+
+def empty_routing(cfg: ModelConfig, lead: tuple[int, ...]) -> jax.Array | None:
+  """-1 routing records int32 [*lead,Y,X] of an MoE model (None for dense models)."""
+  if not cfg.is_moe:
+    return None
+  return jnp.full((*lead, len(cfg.moe_layers), cfg.num_experts_per_tok), -1, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "ctx"))

@@ -178,6 +178,9 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
         request_id=put(state.request_id, adm.request_id),
         sample_id=put(state.sample_id, adm.sample_id),
         stream=put(state.stream, stream.reshape(Bn, M, 2)))
+    if state.routing is not None:  # MoE: no expert record yet in the admitted slots
+      new = new._replace(routing=put(state.routing, jnp.full(
+          (Bn, *state.routing.shape[1:]), -1, jnp.int32)))
     return constrain_state(new)
 
 

@@ -37,6 +37,8 @@ class Sample:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None  # None while unfinished
+  # mixture of experts: int32 [len(tokens),Y,X] experts of each token (-1: not recorded)
+  routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +83,9 @@ class Rollout:
     prompts: list of the G prompts (token-id lists). group_ids: int [G] request uids.
     stats: dict of scalars (tokens, kv bytes, aborted groups, off-policy token fraction ...).
     group_meta: the caller's tag of each group (``Prompt.meta``; None for plain prompts).
+    routing: mixture-of-experts models: int32 [B,R,Y,X] the experts each MoE layer chose
+      for each token when the sampler fed it (-1 where none was recorded: the last token of
+      a sample and padding); None for dense models.
   """
 
   tokens: np.ndarray
@@ -94,6 +99,7 @@ class Rollout:
   group_ids: np.ndarray
   stats: dict[str, float]
   group_meta: list = dataclasses.field(default_factory=list)
+  routing: np.ndarray | None = None
 
 
 def pow2(x: int, lo: int = 1) -> int:
@@ -183,4 +189,16 @@ def assemble(groups: Sequence[GroupRequest], width: int) -> Rollout:
   return Rollout(tokens, mask, logprobs, versions, lengths, reasons.astype(str), index,
                  [list(r.prompt) for r in groups], np.asarray([r.uid for r in groups], np.int64),
                  {"tokens": int(lengths.sum()), "groups": len(groups)},
-                 [r.meta for r in groups])
+                 [r.meta for r in groups], _routing([s for _, s in rows], width))
+
+
+def _routing(samples: Sequence[Sample], width: int) -> np.ndarray | None:
+  """The samples' expert records as int32 [B,width,Y,X] (-1 padded); None without any."""
+  recorded = [s.routing for s in samples if s.routing is not None]
+  if not recorded:
+    return None
+  out = np.full((len(samples), width, *recorded[0].shape[1:]), -1, np.int32)
+  for b, s in enumerate(samples):
+    if s.routing is not None:
+      out[b, :len(s.routing)] = s.routing
+  return out

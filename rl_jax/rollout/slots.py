@@ -78,6 +78,17 @@ def resume_shape(rows: int, longest: int, *, G: int, M: int, R: int) -> tuple[in
   return min(Br, G * M), min(T, R)
 
 
+def _merged_routing(old, new: np.ndarray) -> np.ndarray:
+  """A sample's expert records [t,Y,X]: this slot's, and for tokens it holds no record of
+  (a resumed sample's earlier tokens, fed before it was aborted) the earlier ones."""
+  new = np.array(new)
+  if old is not None and len(old):
+    n = min(len(old), len(new))
+    keep = new[:n, :1] < 0
+    new[:n] = np.where(keep, old[:n], new[:n])
+  return new
+
+
 def harvest(state, slot_unit, remaining, complete):
   """Move groups whose samples all finished out of their slots.
 
@@ -103,8 +114,8 @@ def collect(state, slots, slot_unit, remaining=None, complete=None):
   counts the units of each request still in flight).
   """
   host = jax.device_get((state.tokens, state.logprobs, state.versions, state.length,
-                         state.reason))
-  tokens, logprobs, versions, length, reason = host
+                         state.reason, state.routing))
+  tokens, logprobs, versions, length, reason, routing = host
   for g in slots:
     req, sids = slot_unit[g]
     for m, i in enumerate(sids):
@@ -112,7 +123,9 @@ def collect(state, slots, slot_unit, remaining=None, complete=None):
       req.samples[i] = Sample(tokens[g, m, :t].tolist(), logprobs[g, m, :t].tolist(),
                               versions[g, m, :t].tolist(),
                               REASON_NAMES[int(reason[g, m])]
-                              if reason[g, m] != RUNNING else None)
+                              if reason[g, m] != RUNNING else None,
+                              None if routing is None else
+                              _merged_routing(req.samples[i].routing, routing[g, m, :t]))
     slot_unit[g] = None
     if remaining is not None:
       remaining[id(req)] -= 1

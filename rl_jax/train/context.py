@@ -154,6 +154,25 @@ def _task(config):
   return tokenizer, task, train, evals, prompt_len, fmt
 
 
+def _family_fields(m) -> dict:
+  """ModelConfig fields of the Qwen3-MoE and Gemma 3 families from ``config.model``
+  (random init; ``rl_jax.config`` has checked them against the architecture)."""
+  L = m.num_layers
+  if m.architecture == "qwen3_moe":
+    return dict(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size,
+                norm_topk_prob=m.norm_topk_prob,
+                sparse_layers=tuple((i + 1) % m.moe_every == 0 for i in range(L)))
+  if m.architecture == "gemma3":
+    out = dict(query_pre_attn_scalar=float(m.head_dim), rope_local_theta=10000.0)
+    if m.attention == "sliding":
+      out.update(layer_types=tuple("full_attention" if (i + 1) % m.global_every == 0 else
+                                   "sliding_attention" for i in range(L)),
+                 sliding_window=m.sliding_window)
+    return out
+  return {}
+
+
 def _model_config(config, tokenizer) -> models.ModelConfig:
   m = config.model
   if m.hf_path:
@@ -166,8 +185,12 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, architecture=m.architecture,
         rope_theta=m.rope_theta, max_position_embeddings=m.max_position_embeddings,
         tie_word_embeddings=m.tie_word_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-        remat=m.remat, qkv_bias=m.architecture == "qwen2", qk_norm=m.architecture == "qwen3",
-        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+        remat=m.remat, qkv_bias=m.architecture == "qwen2",
+        qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
+        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
+  if m.router_replay and not cfg.is_moe:
+    raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model, got "
+                      f"{cfg.architecture!r}")
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                       f"{cfg.vocab_size}")

@@ -40,6 +40,12 @@ class Source(NamedTuple):
   behaviour_logp: Any
   seed: int
   turns: Any = None  # multi-turn rollouts: a mapping with the losses.TURN_FIELDS arrays
+  routing: Any = None  # model.router_replay: the sampler's experts [G,M,R,Y,X]
+
+
+def _replayed(x: "Source") -> tuple:
+  """The log-prob passes' routing argument under ``model.router_replay`` (else none)."""
+  return () if x.routing is None else (x.routing,)
 
 
 class Input(NamedTuple):
@@ -54,7 +60,7 @@ class Input(NamedTuple):
 def _old_logp(x: Source):
   if x.steps.old_logp_in_update:  # on-policy: the update's own pass gives old_logp
     return None
-  return x.steps.logprobs(x.state.params, *x.args)
+  return x.steps.logprobs(x.state.params, *x.args, *_replayed(x))
 
 
 def _grad_sq_norms(x: Source):
@@ -73,7 +79,7 @@ INPUTS: dict[str, Input] = {
     "lengths": Input("rows", jnp.float32, False,
                      lambda x: jnp.sum(x.args[3], axis=-1).astype(jnp.float32)),
     "ref_logp": Input("tokens", jnp.float32, False, lambda x: (
-        x.steps.ref_logprobs or x.steps.logprobs)(x.state.ref_params, *x.args)),
+        x.steps.ref_logprobs or x.steps.logprobs)(x.state.ref_params, *x.args, *_replayed(x))),
     "reward_components": Input("components", jnp.float32, False, lambda x: x.rewards[..., None]),
     "values": Input("tokens", jnp.float32, False,
                     lambda x: x.steps.values(x.state.value_params, *x.args)),

@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from rl_jax import losses
+from rl_jax.errors import RLJaxError
 from rl_jax.models.hf import release_host_memory
 from rl_jax.train import agent_stage, group_size
 from rl_jax.train.inputs import Source, make_inputs
@@ -33,13 +34,14 @@ __all__ = ["objective_inputs", "staleness_metrics", "learner_batch", "apply_upda
 
 def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
                      mask, generated_mask, rewards, behaviour_logp,
-                     turns=None) -> losses.ObjectiveInputs:
+                     turns=None, routing=None) -> losses.ObjectiveInputs:
   """The objective's input record with every field ``Objective.needs`` names, each made as
   ``inputs.INPUTS`` declares (``old_logp`` is None when the update takes it from its own
   policy pass, ``StepFns.old_logp_in_update``); ``turns``: the per-turn arrays of a
-  multi-turn batch."""
+  multi-turn batch; ``routing``: the sampler's experts [G,M,R,Y,X] that the log-prob passes
+  replay (``model.router_replay``)."""
   src = Source(t.steps, state, (prompt_tokens, prompt_lengths, tokens, mask), rewards,
-               generated_mask, behaviour_logp, t.setup.config.train.seed, turns)
+               generated_mask, behaviour_logp, t.setup.config.train.seed, turns, routing)
   return make_inputs(t.setup.objective.needs, src)
 
 
@@ -92,10 +94,16 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
   turns = None
   if scored.turns is not None and s.objective.needs & set(losses.TURN_FIELDS):
     turns = {k: put(v.reshape(g, M, -1)) for k, v in scored.turns.items()}
+  routing = None  # mixture of experts: the sampler's expert records
+  if scored.routing is not None:
+    routing = put(scored.routing.reshape(g, M, R, *scored.routing.shape[2:]))
+  elif c.model.get("router_replay", False):
+    raise RLJaxError("model.router_replay=True: this batch has no expert records")
+  replay = routing if c.model.get("router_replay", False) else None
   inputs = objective_inputs(
       t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
       generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
-      behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns)
+      behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns, routing=replay)
   advantages = (s.objective.advantages_from(inputs) if scored.groups is None else
                 group_size.per_prompt_advantages(s.objective, inputs, scored.groups,
                                                  geo.groups, geo.max_chunks))
@@ -118,7 +126,7 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
                if k in agent_stage.METRICS or k.startswith("tool_errors_")})
   if staleness:
     info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
-  return UpdateBatch(pt, pl, rt, inputs, advantages), info
+  return UpdateBatch(pt, pl, rt, inputs, advantages, routing), info
 
 
 def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:

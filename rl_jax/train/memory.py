@@ -202,8 +202,11 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
                            t.steps.old_logp_in_update, geo.turns)
   adv = jax.eval_shape(s.objective.advantages_from, inputs)
   adv = jax.tree.map(lambda x: _spec(x.shape, x.dtype, rows), adv)
+  cfg = s.model_cfg  # mixture of experts: the sampler's expert records
+  routing = None if not cfg.is_moe else _spec(
+      (groups, M, R, len(cfg.moe_layers), cfg.num_experts_per_tok), jnp.int32, rows)
   return UpdateBatch(_spec((groups, P), jnp.int32, rows), _spec((groups,), jnp.int32, rows),
-                     tok(jnp.int32), inputs, adv)
+                     tok(jnp.int32), inputs, adv, routing)
 
 
 def compile_steps(t: Trainer, sft_state: TrainState | None,
@@ -220,6 +223,8 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
                                                  *b).compile()), sft_state.sft_opt_state)
   batch = abstract_update_batch(t, G)
   args = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, batch.inputs.mask)
+  if c.model.get("router_replay", False):  # the log-prob passes replay the records
+    args += (batch.routing,)
   if not f.old_logp_in_update:  # else the update's own pass gives old_logp
     out["logprobs"] = step_memory(f.logprobs.lower(rl_state.params, *args).compile())
   needs = s.objective.needs
@@ -228,7 +233,7 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
     out["ref_logprobs"] = _staged(step_memory(ref.lower(rl_state.ref_params, *args).compile()),
                                   rl_state.ref_params)
   if "values" in needs:
-    out["values"] = step_memory(f.values.lower(rl_state.value_params, *args).compile())
+    out["values"] = step_memory(f.values.lower(rl_state.value_params, *args[:4]).compile())
   mb = abstract_update_batch(t, G // c.train.minibatches)
   out["rl_update"] = _staged(step_memory(f.rl_update.lower(
       rl_state.params, rl_state.opt_state, rl_state.value_params, rl_state.value_opt_state,

@@ -66,7 +66,7 @@ def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version
   return Scored(np.asarray(idx, np.int32), out.tokens, out.mask, out.logprobs,
                 out.versions.astype(np.int32), rewards.reshape(len(idx), M).astype(np.float32),
                 np.asarray([faults["exceptions"], faults["timeouts"]], np.int64), rollout_s,
-                version, out.stats)
+                version, out.stats, routing=out.routing)
 
 
 def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
@@ -84,7 +84,8 @@ def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo:
                  seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
   tokens = np.asarray(out.tokens)
   out = Sampled(examples, prompts, tokens, np.asarray(out.mask), np.asarray(out.logprobs),
-                np.full(tokens.shape, version, np.int32), {}, p._replace(data=data))
+                np.full(tokens.shape, version, np.int32), {}, p._replace(data=data),
+                out.routing)
   rollout_s = time.perf_counter() - t0
   return _scored(t, out, idx, rollout_s, version, geo.samples), _placed(t, out.producer)
 
@@ -111,7 +112,7 @@ def _engine(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo
   idx = np.asarray(out.group_meta, np.int32)
   sampled = Sampled([s.train_examples[i] for i in idx], out.prompts, np.asarray(out.tokens),
                     np.asarray(out.mask), np.asarray(out.logprobs), np.asarray(out.versions),
-                    dict(out.stats), p._replace(data=position[0], held=held))
+                    dict(out.stats), p._replace(data=position[0], held=held), out.routing)
   rollout_s = time.perf_counter() - t0
   return (_scored(t, sampled, idx, rollout_s, version, s.geometry.samples),
           _placed(t, sampled.producer))
@@ -167,6 +168,7 @@ def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *
   M = s.geometry.row_size
   prompts = encode_prompts(s, [s.train_examples[i] for i in idx])
   t0 = time.perf_counter()
+  routing = None  # SPEC-RL's drafts keep no expert records
   if drafts:
     tokens, mask, logprobs, stats = speculative_stage.roll(
         s, params, drafts, idx, prompts, step=step, first_index=first_index, version=version)
@@ -176,10 +178,11 @@ def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *
                    seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
     tokens, mask, logprobs, stats = (np.asarray(out.tokens), np.asarray(out.mask),
                                      np.asarray(out.logprobs), {})
+    routing = out.routing
   rollout_s = time.perf_counter() - t0
   stats["rollout_tokens"] = float(mask.sum())
   sampled = Sampled(None, prompts, tokens, mask, logprobs,
-                    np.full(tokens.shape, version, np.int32), stats, None)
+                    np.full(tokens.shape, version, np.int32), stats, None, routing)
   return _scored(t, sampled, idx, rollout_s, version, M)
 
 

@@ -6,7 +6,8 @@ The queue is a dict of fixed-shape host arrays with Q slots (``Schedule.queue``)
 ``count`` of the slots in use, oldest first. The stored fields are ``Scored``'s own (its
 array fields, ``rollout_s``, ``version``, and ``stats`` as one column per ``records.STATS``);
 multi-turn runs (``env.name``) add the per-turn inputs (``Scored.turns``) and their step
-metrics (``agent_stats``, one column per ``AGENT_STATS``).
+metrics (``agent_stats``, one column per ``AGENT_STATS``), mixture-of-experts models the
+sampler's expert records (``routing``).
 
 Shapes (the package legend, ``rl_jax/__init__.py``): Q slots, G groups, M samples per
 prompt, R new tokens.
@@ -37,8 +38,10 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   [Q,G·M,R]; logprobs float32 [Q,G·M,R]; rewards float32 [Q,G,M]; faults int32 [Q,2];
   rollout_s float32 [Q]; version int32 [Q]; stats float32 [Q, len(STATS)]; with
   ``env.name`` also turn_rewards float32 [Q,G·M,U], turn_ids int32 [Q,G·M,R], turn_states
-  int32 [Q,G·M,U] and agent_stats float32 [Q, len(AGENT_STATS)].
+  int32 [Q,G·M,U] and agent_stats float32 [Q, len(AGENT_STATS)]; given a Setup of a
+  mixture-of-experts model, also routing int32 [Q,G·M,R,Y,X] (-1: none recorded).
   """
+  model_cfg = getattr(config, "model_cfg", None)
   config = getattr(config, "config", config)  # a Setup or its config
   Q = config_lib.schedule(config).queue
   if not Q:
@@ -51,7 +54,9 @@ def empty_queue(config) -> dict[str, np.ndarray]:
       "turn_ids": np.zeros(rows, np.int32),
       "turn_states": np.zeros((Q, G * M, geo.turns), np.int32),
       "agent_stats": np.full((Q, len(AGENT_STATS)), np.nan, np.float32)}
-  return {**turns,
+  moe = {} if model_cfg is None or not model_cfg.is_moe else {"routing": np.full(
+      (*rows, len(model_cfg.moe_layers), model_cfg.num_experts_per_tok), -1, np.int32)}
+  return {**turns, **moe,
       "count": np.zeros((), np.int32),
       "indices": np.zeros((Q, G), np.int32),
       "tokens": np.zeros(rows, np.int32),
@@ -83,6 +88,8 @@ def to_arrays(config, items) -> dict[str, np.ndarray]:
       for name, v in x.turns.items():
         out[name][i] = v
       out["agent_stats"][i] = [x.stats.get(k, np.nan) for k in AGENT_STATS]
+    if "routing" in out and getattr(x, "routing", None) is not None:
+      out["routing"][i] = x.routing
   return out
 
 
@@ -101,5 +108,7 @@ def from_arrays(arrays: dict) -> list[dict[str, Any]]:
       x["turns"] = {k: np.asarray(a[k][i]) for k in ("turn_rewards", "turn_ids", "turn_states")}
       x["stats"].update({k: float(v) for k, v in zip(AGENT_STATS, a["agent_stats"][i])
                          if not np.isnan(v)})
+    if "routing" in a:
+      x["routing"] = np.asarray(a["routing"][i])
     out.append(x)
   return out

@@ -35,6 +35,8 @@ class Scored(NamedTuple):
   turns: multi-turn batches (``env.name``): the per-turn inputs of ``agent_stage.turn_fields``
   (turn_rewards [g·M,U], turn_ids [g·M,R], turn_states [g·M,U]), else None; their
   ``tokens`` are the trajectories (model and observation ids) and ``mask`` the model tokens.
+  routing: mixture-of-experts models: int32 [g·M,R,Y,X] the experts the sampler chose for
+  each response token (``rollout.Rollout.routing``; -1 where none was recorded), else None.
   g is G with one process, this process's groups with several.
   """
 
@@ -50,6 +52,7 @@ class Scored(NamedTuple):
   stats: dict
   groups: np.ndarray | None = None
   turns: dict | None = None
+  routing: np.ndarray | None = None
 
 
 def array_fields() -> tuple[str, ...]:

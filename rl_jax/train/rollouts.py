@@ -41,7 +41,8 @@ class Sampled(NamedTuple):
 
   examples: G ``Example``s; prompts: G token lists; tokens / mask / logprobs [G·M,R]
   (behaviour log-probs); versions int32 [G·M,R] policy version of each token;
-  stats: the engine's counters; producer: the producer's position after them.
+  stats: the engine's counters; producer: the producer's position after them;
+  routing: MoE models: int32 [G·M,R,Y,X] the sampler's expert records, else None.
   """
 
   examples: list
@@ -52,6 +53,7 @@ class Sampled(NamedTuple):
   versions: np.ndarray | None
   stats: dict
   producer: ProducerState
+  routing: np.ndarray | None = None
 
 
 # ---------------------------------------------------------------------- host-side helpers

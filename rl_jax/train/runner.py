@@ -79,7 +79,7 @@ def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
 
 def _with_queue(t: Trainer, state: TrainState, items: list[Scored]) -> TrainState:
   s = t.setup
-  arrays = queue_lib.to_arrays(s.config, items)
+  arrays = queue_lib.to_arrays(s, items)
   return state._replace(rollout_queue=jax.tree.map(lambda x: place_replicated(s, x), arrays))
 
 

@@ -29,7 +29,7 @@ from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
            "make_logprob_fn", "make_ref_logprob_fn", "make_value_fn", "make_rl_update",
-           "rl_grads", "rl_apply", "make_grad_norm_fn", "rounding_key"]
+           "rl_grads", "rl_apply", "make_grad_norm_fn", "rounding_key", "routing_mismatch"]
 
 
 class UpdateBatch(NamedTuple):
@@ -38,6 +38,8 @@ class UpdateBatch(NamedTuple):
   prompt_tokens int32 [G,P] right-padded; prompt_lengths int32 [G]; tokens int32 [G,M,R];
   inputs: the objective's input record (``inputs.mask`` bool [G,M,R] is the loss mask);
   advantages: what the objective's estimator returned for ``inputs``.
+  routing: mixture-of-experts models: int32 [G,M,R,Y,X] the sampler's experts of each
+  response token (-1: none recorded), or None (dense models, rollouts without records).
   """
 
   prompt_tokens: jax.Array
@@ -45,6 +47,7 @@ class UpdateBatch(NamedTuple):
   tokens: jax.Array
   inputs: losses.ObjectiveInputs
   advantages: losses.Advantages
+  routing: jax.Array | None = None
 
 
 class StepFns(NamedTuple):
@@ -139,14 +142,36 @@ def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=()) ->
                      out_shardings=rows)
 
 
+def _replay(s: Setup) -> bool:
+  """``model.router_replay``: the passes route response tokens as the sampler did."""
+  return bool(s.config.model.get("router_replay", False))
+
+
+def routing_mismatch(used: jax.Array, recorded: jax.Array, mask: jax.Array) -> jax.Array:
+  """Fraction of the tokens with a record whose expert set differs in some MoE layer.
+
+  Args:
+    used, recorded: int [G,M,R,Y,X] experts of the trainer's pass and of the sampler
+      (recorded -1: none); mask bool [G,M,R] tokens to count.
+  Returns:
+    float32 scalar (0 when no token counts).
+  """
+  counted = mask & jnp.all(recorded[..., 0] >= 0, axis=-1)
+  differ = jnp.any(jnp.sort(used, axis=-1) != jnp.sort(recorded, axis=-1), axis=(-2, -1))
+  return (jnp.sum(differ & counted) / jnp.maximum(jnp.sum(counted), 1)).astype(jnp.float32)
+
+
 def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
   """``logprobs(params, prompt_tokens [G,P], prompt_lengths [G], tokens [G,M,R],
-  mask [G,M,R]) -> [G,M,R]`` at the sampling temperature (packed layout by default)."""
+  mask [G,M,R]) -> [G,M,R]`` at the sampling temperature (packed layout by default); with
+  ``model.router_replay`` a sixth argument, the sampler's routing [G,M,R,Y,X]."""
   temp, shared = _temperature(s), s.config.train.shared_prefix
+  rows = layout.rows(_groups(s))
   return _group_pass(layout, layout.state.params, _groups(s),
-                     lambda p, pt, pl, rt, rm: models.response_logprobs(
+                     lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
                          s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared,
-                         temperature=temp))
+                         temperature=temp, routing=routing[0] if routing else None),
+                     extra=(rows,) if _replay(s) else ())
 
 
 def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
@@ -158,9 +183,11 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
   temp, shared = _temperature(s), s.config.train.shared_prefix
   weights = jax.tree.map(offload.host_sharding, layout.state.params)  # laid out like the policy
   return _group_pass(layout, weights, _groups(s),
-                     lambda p, pt, pl, rt, rm: models.response_logprobs(
+                     lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
                          s.model_cfg, offload.to_device(p, True), pt, pl, rt, rm,
-                         shared_prefix=shared, temperature=temp))
+                         shared_prefix=shared, temperature=temp,
+                         routing=routing[0] if routing else None),
+                     extra=(layout.rows(_groups(s)),) if _replay(s) else ())
 
 
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
@@ -180,8 +207,13 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
   ``denom`` is returned so that gradients of several micro-batches can be combined weighted
   by their denominators. ``value_grads`` are the critic's (zeros-shaped ``{}`` without one).
   See ``make_rl_update`` for the on-policy ``old_logp`` and the entropy pass.
+
+  Mixture of experts with the sampler's records (``b.routing``): ``model.router_replay``
+  routes the response tokens with them, and the metric ``routing_mismatch``
+  (``routing_mismatch``) compares the experts this pass used with them.
   """
   cfg, obj = s.model_cfg, s.objective if obj is None else obj
+  replay = _replay(s)
   temp, shared = _temperature(s), s.config.train.shared_prefix
   with_critic = "values" in obj.needs
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
@@ -193,9 +225,14 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
     mask = b.inputs.mask
 
     def loss_fn(p, v):
+      routed = {} if b.routing is None else dict(routing=b.routing if replay else None,
+                                                 return_routing=True)
       lp = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens, mask,
                                     shared_prefix=shared, temperature=temp,
-                                    with_entropy=with_entropy)
+                                    with_entropy=with_entropy, **routed)
+      if routed:
+        *lp, used = lp
+        lp = tuple(lp) if with_entropy else lp[0]
       lp, entropy = lp if with_entropy else (lp, None)
       if own_old:
         inputs = b.inputs._replace(old_logp=jax.lax.stop_gradient(lp))
@@ -208,6 +245,9 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
                                         mask, shared_prefix=shared).reshape(G * M, R)
       rows = lambda a: None if a is None else a.reshape(G * M, R)
       loss_sum, denom, mets = obj.loss(rows(lp), batch, values=values, entropy=rows(entropy))
+      if routed:
+        mets = dict(mets, routing_mismatch=routing_mismatch(
+            used, b.routing, b.inputs.generated_mask))
       return losses.finalize(loss_sum, denom), (mets, denom)
 
     (loss, (mets, denom)), (grads, vgrads) = jax.value_and_grad(

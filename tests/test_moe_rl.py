@@ -1,0 +1,165 @@
+"""Mixture-of-experts RL: the sampler's expert records, router replay in the grouped
+log-prob passes, and the routing-mismatch metric."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax import config as config_lib
+from rl_jax import config_utils, models, rollout, train
+from rl_jax.errors import ConfigError
+from rl_jax.train import queue
+from rl_jax.train.steps import routing_mismatch
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
+
+MOE_QUICKSTART = os.path.join(ROOT, "configs", "moe_quickstart.py")
+
+# 2 MoE layers around a dense one, 8 experts, top 2, renormalised; float32
+CFG = models.ModelConfig(vocab_size=31, hidden_size=32, intermediate_size=48, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8, architecture="qwen3_moe",
+                         qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=16, norm_topk_prob=True,
+                         sparse_layers=(True, False, True), max_position_embeddings=64)
+PROMPTS = [[3, 7, 1, 9, 4], [5, 2], [8, 8, 6]]
+
+
+@pytest.fixture(scope="module")
+def sampled():
+  params = models.init_params(CFG, jax.random.key(0), std=0.3)
+  out = rollout.generate(CFG, params, PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=3)
+  return params, out
+
+
+def test_sampler_records_the_experts_of_every_fed_token(sampled):
+  params, out = sampled
+  assert out.routing.shape == (6, 6, 2, 2)
+  # one teacher-forced pass over prompt + response rows (right-padded: causal, so the
+  # padding changes nothing before it)
+  rows = [PROMPTS[out.prompt_index[b]] + out.tokens[b].tolist() for b in range(6)]
+  width = max(map(len, rows))
+  seq = jnp.asarray([r + [0] * (width - len(r)) for r in rows])
+  _, route = jax.jit(lambda p, t: models.forward(CFG, p, t, return_routing=True))(params, seq)
+  ids = np.moveaxis(np.asarray(route.ids), 0, 2)  # [B,T,Y,X]
+  for b in range(6):
+    p, n = len(PROMPTS[out.prompt_index[b]]), int(out.lengths[b])
+    rec = out.routing[b]
+    # token j is routed when the decode step feeds it; the last one is never fed
+    np.testing.assert_array_equal(np.sort(rec[:n - 1], -1), np.sort(ids[b, p:p + n - 1], -1))
+    assert (rec[n - 1:] == -1).all()
+
+
+def test_replayed_logprobs_equal_the_forward_with_that_routing(sampled):
+  """``response_logprobs(routing=)`` (packed and replicated layouts) == log-softmax of
+  ``models.forward(routing=)`` on the prompt + response rows, with the router's own experts
+  for the prompt tokens and for a token without a record."""
+  params, _ = sampled
+  rng = np.random.default_rng(1)
+  G, M, R, P = 2, 2, 4, 6
+  lengths = np.asarray([6, 3], np.int32)
+  prompts = rng.integers(1, 31, (G, P)).astype(np.int32)
+  tokens = rng.integers(1, 31, (G, M, R)).astype(np.int32)
+  # a routing the router would not choose: two distinct random experts per token and layer
+  given = np.argsort(rng.random((G, M, R, 2, 8)), axis=-1)[..., :2].astype(np.int32)
+  given[1, 0, 2] = -1  # no record for this token: the router decides
+  lp = jax.jit(lambda p, r: [models.response_logprobs(
+      CFG, p, prompts, lengths, tokens, shared_prefix=shared, routing=r)
+      for shared in (True, False)])
+  packed, replicated = map(np.asarray, lp(params, given))
+  # the plain forward over right-padded rows prompt_g[:len_g] + response (causal: the
+  # padding changes nothing before it)
+  rows = [list(prompts[g, :lengths[g]]) + list(tokens[g, i]) for g in range(G) for i in range(M)]
+  seq = jnp.asarray([r + [0] * (P + R - len(r)) for r in rows])
+  fwd = jax.jit(lambda p, r: models.forward(CFG, p, seq, routing=r, return_routing=True))
+  own_logits, own = fwd(params, jnp.full((2, G * M, P + R, 2), -1, jnp.int32))
+  route = np.array(own.ids)  # the router's own experts (prompt, unrecorded token)
+  for b in range(G * M):
+    n = int(lengths[b // M])
+    route[:, b, n:n + R] = np.moveaxis(given[b // M, b % M], 1, 0)  # -1: the router's
+  logits, _ = fwd(params, jnp.asarray(route))
+  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  own_logp = np.asarray(jax.nn.log_softmax(own_logits, axis=-1))
+  assert np.abs(logp - own_logp).max() > 1e-3  # the replayed routing matters
+  for b in range(G * M):
+    n = int(lengths[b // M])
+    want = np.take_along_axis(logp[b, n - 1:n + R - 1], tokens[b // M, b % M][:, None], -1)
+    np.testing.assert_allclose(packed[b // M, b % M], want[:, 0], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(replicated[b // M, b % M], want[:, 0], atol=2e-5, rtol=1e-5)
+
+
+def test_routing_mismatch_counts_tokens_whose_expert_set_differs():
+  rec = np.asarray([[[[[0, 1]], [[2, 3]], [[4, 5]], [[-1, -1]]]]], np.int32)  # [1,1,4,Y=1,2]
+  used = np.asarray([[[[[1, 0]], [[2, 4]], [[4, 5]], [[6, 7]]]]], np.int32)
+  mask = np.asarray([[[True, True, False, True]]])
+  # counted: tokens 0, 1 (token 2 masked, token 3 unrecorded); token 1 differs
+  assert float(routing_mismatch(jnp.asarray(used), jnp.asarray(rec),
+                                      jnp.asarray(mask))) == 0.5
+
+
+@pytest.fixture(scope="module")
+def replay_run():
+  """One synchronous RL step of a one-layer MoE policy with router replay (float32)."""
+  config = config_utils.load_config(MOE_QUICKSTART, list(TINY_MODEL) + [
+      "model.num_experts=4", "model.moe_intermediate_size=16", "model.router_replay=True",
+      "sft.steps=0", "train.steps=1", "train.batch_groups=2", "rollout.n=2",
+      "rollout.max_new_tokens=2", "train.eval_every=0", "log.tensorboard=False",
+      "rollout.temperature=1.0"])
+  s = train.build_setup(config)
+  t = train.make_trainer(s)
+  state = train.begin_rl(s, train.init_state(s))
+  _, record, _ = train.rl_step(t, state)
+  return s, record
+
+
+def test_router_replay_step_has_no_routing_mismatch(replay_run):
+  s, record = replay_run
+  assert s.model_cfg.is_moe and s.model_cfg.sparse_layers == (True,)
+  assert record["routing_mismatch"] == 0.0
+  # the proximal pass replays the same routing as the update: ratios are exactly 1
+  assert record["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_queue_keeps_the_expert_records_of_moe_models(replay_run):
+  s, _ = replay_run
+  c = s.config.copy_and_resolve_references()
+  c.train.mode, c.train.async_lag = "async", 1
+  s = dataclasses.replace(s, config=c)
+  assert "routing" not in queue.empty_queue(c)  # no model config: the dense layout
+  empty = queue.empty_queue(s)
+  R, Y, X = c.rollout.max_new_tokens, 1, 2
+  assert empty["routing"].shape == (1, 4, R, Y, X)
+  rng = np.random.default_rng(0)
+  item = train.Scored(
+      indices=np.arange(2, dtype=np.int32), tokens=np.ones((4, R), np.int32),
+      mask=np.ones((4, R), bool), logprobs=np.zeros((4, R), np.float32),
+      versions=np.zeros((4, R), np.int32), rewards=np.zeros((2, 2), np.float32),
+      faults=np.zeros(2, np.int64), rollout_s=1.0, version=0, stats={},
+      routing=rng.integers(-1, 4, (4, R, Y, X)).astype(np.int32))
+  (back,) = queue.from_arrays(queue.to_arrays(s, [item]))
+  np.testing.assert_array_equal(back["routing"], item.routing)
+
+
+@pytest.mark.parametrize("override,field", [
+    ("model.router=grouped_topk", "model.router"),
+    ("model.attention=chunked", "model.attention"),
+    ("model.num_experts=0", "model.num_experts"),
+    ("model.architecture=qwen3", "model.num_experts"),
+    ("model.num_experts_per_tok=9", "model.num_experts_per_tok"),
+])
+def test_bad_moe_configs_fail_in_one_line(override, field):
+  config = config_utils.load_config(MOE_QUICKSTART, [override])
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
+    config_lib.validate(config)
+  assert "\n" not in str(e.value)
+
+
+def test_sliding_attention_and_replay_need_their_families():
+  config = config_utils.load_config(QUICKSTART, ["model.attention=sliding"])
+  with pytest.raises(ConfigError, match=r"model\.attention='sliding' needs"):
+    config_lib.validate(config)
+  config = config_utils.load_config(QUICKSTART, ["model.router_replay=True"])
+  with pytest.raises(ConfigError, match=r"model\.router_replay=True needs"):
+    config_lib.validate(config)
