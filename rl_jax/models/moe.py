@@ -12,9 +12,28 @@ current router's probabilities of exactly those experts (renormalised over them 
 
 Dispatch: every (token, expert) assignment is one row; rows are sorted by expert so each
 expert's rows are contiguous, and the three expert matmuls are ``jax.lax.ragged_dot`` over
-those groups: compute is proportional to A, no [tokens, E] one-hot, no capacity and no dropped
-tokens. Outputs are put back in token order and summed over each token's X experts with its
-routing weights.
+those groups: compute is proportional to A (with a native grouped matmul, see Lowering), no
+[tokens, E] one-hot, no capacity and no dropped tokens. Outputs are put back in token order and
+summed over each token's X experts with its routing weights. Dropless by design: no capacity
+factor, so training and sampling route every token exactly as the router says (what router
+replay needs). The price is static shapes sized for the worst case: a buffer holds all A rows
+whatever the balance.
+
+Lowering: on TPU and GPU ``ragged_dot`` is a native grouped matmul (work ∝ A). On CPU JAX
+lowers it to one masked dense matmul per expert over all A rows, E times the active FLOPs;
+the numbers are equal, only the cost differs (``tests/test_moe_sharding.py`` measures it).
+
+Sharding (expert parallelism): the ``expert`` logical axis of the weights [Y,E,D,F] maps to
+the ``fsdp`` mesh axis (``rl_jax/sharding.py``), so n devices hold E/n experts each and the
+weights are never gathered; tokens stay batch-sharded outside the layer. As compiled on 8
+fake CPU devices (``tests/test_moe_sharding.py``), XLA partitions the grouped matmuls along
+the expert axis: the routing (ids, probabilities, group sizes) is all-gathered, the
+dispatched rows [A,D] are all-reduced (each device sees every assignment), each device runs
+its own experts, and the partial matmul outputs ([A,F] gate/up, [A,D] down) are summed with
+all-reduces. No all-to-all: exact and simple, at A·(2D + 2F) words per device per layer. An
+all-to-all dispatch would move ~A/n rows but needs a capacity (static per-device buffers)
+or a ragged all-to-all; not done here. The TPU/GPU partitioning of the native grouped
+matmul is not checked on hardware.
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Fedus et al. 2021 (Switch
 Transformer, the load-balancing loss).
