@@ -95,8 +95,8 @@ def test_moe_layer_moves_tokens_not_expert_weights(layer):
 
 def _update(n_devices):
   config = config_utils.load_config(MOE_QUICKSTART, list(TINY_MODEL) + [
-      f"model.num_experts={E}", f"model.moe_intermediate_size={F}", "sft.steps=0",
-      f"train.batch_groups={G}", f"rollout.n={M}", f"rollout.max_new_tokens={R}",
+      f"model.hidden_size={D}", f"model.num_experts={E}", f"model.moe_intermediate_size={F}",
+      "sft.steps=0", f"train.batch_groups={G}", f"rollout.n={M}", f"rollout.max_new_tokens={R}",
       f"mesh.num_devices={n_devices}", "mesh.rules=fsdp", "train.eval_every=0",
       "log.tensorboard=False"])
   setup = train.build_setup(config)
@@ -115,18 +115,23 @@ def _update(n_devices):
   update = train.make_rl_update(setup, layout)
   args = (state.params, state.opt_state, state.value_params, state.value_opt_state, batch)
   compiled = update.lower(*args).compile()
-  return compiled, compiled(*args)[0]
+  return compiled, compiled(*args)[0], setup.prompt_len
 
 
 def test_moe_rl_update_on_8_devices_equals_1():
   """The whole RL update of a one-layer MoE policy (E = 8, top 2): 1/8 of the FLOPs per
-  device, expert weights sharded over the experts, the same new weights as on 1 device."""
-  (c1, p1), (c8, p8) = _update(1), _update(8)
+  device, expert weights sharded over the experts, the layer's all-reduces in the program
+  (an all-to-all there belongs to the packed layout's gathers, never to the expert rows), the
+  same new weights as on 1 device."""
+  (c1, p1, _), (c8, p8, P) = _update(1), _update(8)
   assert p8["moe"]["expert_gate"].sharding.spec[:2] == (None, "fsdp")
   assert len(p8["moe"]["expert_gate"].sharding.device_set) == 8
   f1, f8 = _flops(c1), _flops(c8)
   assert abs(f8 - f1 / 8) <= TOL * f1 / 8, (f1, f8)
   ops = _collectives(c8.as_text())
-  assert ops["all-reduce"] and not ops["all-to-all"], ops
+  A = G * (P + M * R) * X  # assignments of the packed P + M·R tokens of each group
+  for width in (D, F):  # the expert layer's all-reduces: rows, gate/up/down partial outputs
+    assert any(f"f32[{A},{width}]" in t for t in ops["all-reduce"]), (A, ops)
+  assert not any(f"[{A}," in t for t in ops["all-to-all"]), ops
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        atol=2e-5, rtol=1e-4), p1, p8)
