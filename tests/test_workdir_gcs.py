@@ -97,7 +97,8 @@ def test_training_run_in_a_bucket_resumes_from_it(emulator):
   workdir = f"gs://{BUCKET}/run"
   root = epath.Path(workdir)
   tiny = TINY_MODEL + ["sft.steps=0", "train.batch_groups=4", "rollout.n=2", "train.eval_every=0",
-                       "train.checkpoint_every=1", "train.keep=10", "log.tensorboard=False"]
+                       "train.checkpoint_every=1", "train.keep=10", "log.tensorboard=False",
+                       "mesh.num_devices=1"]
   train.train(config_utils.load_config(QUICKSTART, tiny + ["train.steps=1"]), workdir,
               progress=False)
   assert checkpoint.all_steps(f"{workdir}/checkpoints") == [1]
