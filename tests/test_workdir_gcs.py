@@ -105,8 +105,9 @@ def test_training_run_in_a_bucket_resumes_from_it(emulator):
   assert not list((root / "checkpoints" / "1" / "state").glob("ocdbt*"))  # zarr per array
   first = metrics.read_jsonl(f"{workdir}/metrics.jsonl")
   (root / "hf" / "config.json").unlink()
-  # the rerun with more steps restores step 1 from the bucket and trains step 2 only
-  train.train(config_utils.load_config(QUICKSTART, tiny + ["train.steps=2"]), workdir,
+  # the rerun with more steps restores step 1 from the bucket and trains (and profiles) step 2
+  train.train(config_utils.load_config(QUICKSTART, tiny + ["train.steps=2",
+                                                           "train.profile_step=2"]), workdir,
               progress=False)
   rows = metrics.read_jsonl(f"{workdir}/metrics.jsonl")
   assert [r["step"] for r in rows] == [1, 2] and rows[:1] == first  # step 1 not redone
@@ -115,6 +116,7 @@ def test_training_run_in_a_bucket_resumes_from_it(emulator):
   assert json.loads((root / "hf" / "config.json").read_text())["hidden_size"] == 32
   assert (root / "hf" / "model.safetensors").exists()
   assert "live_state" in json.loads((root / "memory_plan.json").read_text())
+  assert "jit_update" in (root / "profile" / "summary.txt").read_text()  # the traced step
   assert not (root / lock_lib.LOCK_FILE).exists()
 
 
