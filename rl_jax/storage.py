@@ -21,7 +21,8 @@ from etils import epath
 
 from rl_jax.errors import StorageError
 
-__all__ = ["is_remote", "join", "check_path", "makedirs", "replace", "upload_dir"]
+__all__ = ["is_remote", "join", "check_path", "is_file", "open_file", "makedirs", "replace",
+           "upload_dir"]
 
 # URL schemes and the module their epath backend imports
 _CLIENTS = {"gs://": "gcsfs"}
@@ -56,6 +57,23 @@ def check_path(path: str | os.PathLike, what: str = "path") -> None:
                        f"(pip install {module})") from None
   if not path[len(scheme):].split("/", 1)[0]:
     raise StorageError(f"{what} {path}: no bucket name")
+
+
+def is_file(path: str | os.PathLike) -> bool:
+  """Whether ``path`` (local or a URL) is an existing file; an unusable URL raises
+  ``StorageError`` (``check_path``)."""
+  if not is_remote(path):
+    return os.path.isfile(path)
+  check_path(path)
+  return epath.Path(path).is_file()
+
+
+def open_file(path: str | os.PathLike, mode: str = "r", **kwargs):
+  """``open(path, mode)`` for a local path or a URL (read through gcsfs for ``gs://``)."""
+  if not is_remote(path):
+    return open(path, mode, **kwargs)  # pylint: disable=unspecified-encoding
+  check_path(path)
+  return epath.Path(path).open(mode, **kwargs)
 
 
 def makedirs(path: str | os.PathLike) -> None:

@@ -7,7 +7,7 @@ state. A small JSON-able ``metadata`` dict travels with it (config, data cursor,
 
 Layout of ``directory``::
 
-    <directory>/<step>/state/      arrays (orbax, OCDBT/tensorstore)
+    <directory>/<step>/state/      arrays (orbax/tensorstore: OCDBT locally, zarr per array on gs://)
                        metadata/   the user's JSON dict
                        manifest/   path -> shape/dtype of every leaf, checked on restore
                        commit_success.txt

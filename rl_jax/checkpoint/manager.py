@@ -10,6 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rl_jax import storage
 from rl_jax.checkpoint import integrity, tree
 from rl_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
@@ -18,6 +19,13 @@ __all__ = ["STEP_NAMES", "Checkpointer", "latest_step", "all_steps", "restore", 
 
 STATE, METADATA, MANIFEST = "state", "metadata", "manifest"
 _FORMAT = 1
+
+# Whether a ``gs://`` checkpoint directory gets OCDBT by default. Off: OCDBT commits its
+# ``manifest.ocdbt`` with generation-conditional reads and writes, which gcp-storage-emulator
+# does not serve (it ignores ``ifGenerationNotMatch`` and sends no ``x-goog-generation``
+# header, so tensorstore's next conditional write fails with "Malformed StorageGeneration"
+# once a save commits the manifest more than once). Plain zarr arrays need none of that.
+REMOTE_OCDBT = False
 
 # The one definition of "a step exists": orbax's standard step name (``<step>``, no padding)
 # for a directory that holds orbax's commit marker. Saves go through a tmp directory that is
@@ -165,7 +173,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3,
-               save_every: int = 1, async_save: bool = True):
+               save_every: int = 1, async_save: bool = True, use_ocdbt: bool | None = None):
     """Opens (creating if needed) ``directory``; deletes unfinished saves of earlier runs.
 
     Args:
@@ -174,6 +182,9 @@ class Checkpointer:
       save_every: ``should_save(step)`` is true for multiples of this; 0 means only forced
         saves.
       async_save: write files in a background thread.
+      use_ocdbt: store the arrays in one OCDBT database per process (orbax's default) rather
+        than one zarr directory per array. None: OCDBT for a local directory, not for a
+        ``gs://`` one (``REMOTE_OCDBT``). Restore reads either layout.
     """
     if keep is not None:
       _check_count("keep", keep, 1)
@@ -199,8 +210,12 @@ class Checkpointer:
         cleanup_tmp_directories=True,
         create=True,
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=(STATE, METADATA, MANIFEST))
+    if use_ocdbt is None:
+      use_ocdbt = REMOTE_OCDBT or not storage.is_remote(self.directory)
+    self.use_ocdbt = bool(use_ocdbt)
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+        STATE: ocp.StandardCheckpointHandler(use_ocdbt=self.use_ocdbt),
+        METADATA: ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()})
     self._unsealed: list[int] = []  # saved steps without their checksum list yet
 
   def should_save(self, step: int) -> bool:

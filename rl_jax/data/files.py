@@ -48,6 +48,7 @@ import hashlib
 import os
 from typing import Any, Iterable, Sequence
 
+from rl_jax import storage
 from rl_jax.data import verifiers
 from rl_jax.data.base import SPLITS, Example, check_options, check_split, split_of
 from rl_jax.data.records import (FIELDS, FORMATS, detect_format, gsm8k_reference, iter_qa,
@@ -69,7 +70,7 @@ def file_digest(path: str, fmt: str, eval_fraction: float = 0.0) -> str:
   h = hashlib.sha256(fmt.encode())
   if eval_fraction:
     h.update(f"|eval_fraction={float(eval_fraction)!r}|".encode())
-  with open(path, "rb") as f:
+  with storage.open_file(path, "rb") as f:
     for chunk in iter(lambda: f.read(1 << 20), b""):
       h.update(chunk)
   return "h" + h.hexdigest()[:20]
@@ -146,12 +147,14 @@ def tfds_source(path: str, fmt: str = "auto", data_dir: str | None = None,
   check_split(split)
   if not 0.0 <= eval_fraction < 1.0:
     raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-  if not os.path.isfile(path):
+  if not storage.is_file(path):
     raise FileNotFoundError(f"data file not found: {path}")
   import tensorflow_datasets as tfds
 
   tfds.disable_progress_bar()
-  builder = _builder_class()(path=os.path.abspath(path), fmt=fmt, eval_fraction=eval_fraction,
+  local = not storage.is_remote(path)
+  builder = _builder_class()(path=os.path.abspath(path) if local else path, fmt=fmt,
+                             eval_fraction=eval_fraction,
                              data_dir=data_dir or DEFAULT_DATA_DIR, file_format="array_record")
   builder.download_and_prepare()
   if split not in builder.info.splits:

@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any, Iterator
 
+from rl_jax import storage
 from rl_jax.data import verifiers
 
 __all__ = ["FIELDS", "FORMATS", "detect_format", "gsm8k_reference", "iter_qa",
@@ -39,16 +40,18 @@ def iter_records(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     FileNotFoundError: missing file.
     ValueError: unsupported extension, or a line that is not a JSON object (names the line).
   """
-  if not os.path.isfile(path):
+  if not storage.is_file(path):
     raise FileNotFoundError(f"data file not found: {path}")
   ext = os.path.splitext(path)[1].lower()
   if ext == ".parquet":
     import pyarrow.parquet as pq
 
-    for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+    with storage.open_file(path, "rb") as f:
+      table = pq.read_table(f)
+    for i, row in enumerate(table.to_pylist(), start=1):
       yield i, row
   elif ext in (".jsonl", ".json"):
-    with open(path, encoding="utf-8") as f:
+    with storage.open_file(path, encoding="utf-8") as f:
       for i, line in enumerate(f, start=1):
         if not line.strip():
           continue

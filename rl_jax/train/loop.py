@@ -204,8 +204,9 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
           data=place_replicated(s, data)))
       step += 1
       if profiling:
-        startup.stop_profile(profile_dir, state)
-        print(f"profile of step {step}: {profile_dir} (summary.txt)", file=sys.stderr)
+        remote = storage.join(workdir, "profile") if storage.is_remote(workdir) else None
+        startup.stop_profile(profile_dir, state, upload_to=remote)
+        print(f"profile of step {step}: {remote or profile_dir} (summary.txt)", file=sys.stderr)
       record["step_time_s"] = time.perf_counter() - t0
       if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
         record.update(evaluate(s, t.layout.sampler_params(state.params), step,

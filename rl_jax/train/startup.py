@@ -16,6 +16,8 @@ spent compiling, and a profiler trace of one step.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 
 import jax
@@ -90,19 +92,27 @@ def use_compile_cache(path: str, workdir: str) -> str | None:
 
 
 def start_profile(workdir: str) -> str:
-  """Starts a ``jax.profiler`` trace into ``workdir/profile``; returns that directory."""
-  directory = os.path.join(workdir, "profile")
-  os.makedirs(directory, exist_ok=True)
+  """Starts a ``jax.profiler`` trace into ``workdir/profile`` (a ``gs://`` workdir: into a
+  local temporary directory, which ``stop_profile`` uploads there); returns the directory."""
+  if storage.is_remote(workdir):
+    directory = tempfile.mkdtemp(prefix="rl_jax_profile_")
+  else:
+    directory = os.path.join(workdir, "profile")
+    os.makedirs(directory, exist_ok=True)
   jax.profiler.start_trace(directory, create_perfetto_trace=True)
   return directory
 
 
-def stop_profile(directory: str, *wait_for) -> str:
+def stop_profile(directory: str, *wait_for, upload_to: str | None = None) -> str:
   """Waits for ``wait_for`` (pytrees of arrays) to be computed, stops the trace, and writes
-  its summary to ``directory/summary.txt``; returns the summary."""
+  its summary to ``directory/summary.txt``; returns the summary. ``upload_to``: a
+  ``gs://`` directory that receives ``directory``'s files (the local copy is then deleted)."""
   jax.block_until_ready(wait_for)
   jax.profiler.stop_trace()
   summary = profiling.summarize(directory)
   with open(os.path.join(directory, "summary.txt"), "w") as f:
     f.write(summary)
+  if upload_to is not None:
+    storage.upload_dir(directory, upload_to)
+    shutil.rmtree(directory, ignore_errors=True)
   return summary
