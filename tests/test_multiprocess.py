@@ -29,13 +29,15 @@ def _free_port():
 
 
 def _launch(workdir, overrides, heartbeat_s=30):
-  """Start 2 processes of ``python -m rl_jax.train`` with 4 CPU devices each."""
+  """Start 2 processes of ``python -m rl_jax.train`` with 4 CPU devices each (through
+  ``tests.multiprocess_main``: every process loads the programs of earlier launches from the
+  session's compilation cache)."""
   port = _free_port()
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu"}
   procs = []
   for i in range(2):
-    cmd = [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}",
+    cmd = [sys.executable, "-m", "tests.multiprocess_main", f"--config={QUICKSTART}",
            f"--workdir={workdir}"] + [f"--config.{o}" for o in RUN + overrides] + [
                f"--config.distributed.coordinator_address=localhost:{port}",
                "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",

@@ -53,11 +53,23 @@ def test_grpo_improves_reward(tmp_path):
   assert os.path.exists(tmp_path / "curves.png")
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """The workdir of one finished ``_config()`` run, shared read-only by the tests below."""
+  workdir = str(tmp_path_factory.mktemp("tiny_run"))
+  train.train(_config(), workdir, progress=False)
+  return workdir
+
+
 @pytest.mark.parametrize("extra", [
     (), ("data.selector=beta", "rollout.speculative=True")])  # per-prompt state checkpointed
-def test_resume_after_sigkill_is_bit_exact(tmp_path, extra):
-  ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
-  train.train(_config(extra), ref_dir, progress=False)
+def test_resume_after_sigkill_is_bit_exact(tmp_path, extra, request):
+  killed_dir = str(tmp_path / "killed")
+  if extra:
+    ref_dir = str(tmp_path / "ref")
+    train.train(_config(extra), ref_dir, progress=False)
+  else:
+    ref_dir = request.getfixturevalue("tiny_run")
   kill_after = int(np.random.default_rng(0).integers(1, 6))  # steps 1..5 of 6
   cmd = [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={killed_dir}"]
   cmd += [f"--config.{o}" for o in list(TINY) + list(extra)]
@@ -117,8 +129,8 @@ def test_rerun_before_the_first_checkpoint_rewrites_metrics(tmp_path):
   assert rows[0]["sft_loss"] != 123.0
 
 
-def test_rerun_of_finished_run_changes_nothing(tmp_path):
-  train.train(_config(), str(tmp_path), progress=False)
+def test_rerun_of_finished_run_changes_nothing(tmp_path, tiny_run):
+  shutil.copytree(tiny_run, tmp_path, dirs_exist_ok=True)
   before = _final_weights(str(tmp_path))
   n_rows = len(metrics.read_jsonl(str(tmp_path / "metrics.jsonl")))
   train.train(_config(), str(tmp_path), progress=False)
@@ -251,13 +263,26 @@ def test_non_finite_loss_skips_update():
     ("--config.train.minibatches=3", "minibatches"),
     ("--config.rollout.max_new_tokens=5000", "max_new_tokens"),
 ])
-def test_bad_config_fails_in_one_line(tmp_path, override, message):
+def test_bad_config_fails_in_one_line(tmp_path, override, message, capsys):
+  """The command's entry point (run in this process; the subprocess test below runs the
+  command itself once) exits with 2 and one ``error:`` line."""
+  with pytest.raises(SystemExit) as e:
+    train.main(["rl_jax.train", f"--config={QUICKSTART}", f"--workdir={tmp_path}", override])
+  assert e.value.code == 2
+  stderr = capsys.readouterr().err
+  lines = [l for l in stderr.strip().splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and message in lines[0], stderr
+  assert "Traceback" not in stderr
+
+
+def test_bad_config_command_fails_in_one_line(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}",
-       f"--workdir={tmp_path}", override], cwd=ROOT, capture_output=True, text=True, timeout=300)
+       f"--workdir={tmp_path}", "--config.rollout.nn=3"], cwd=ROOT, capture_output=True,
+      text=True, timeout=300)
   assert proc.returncode == 2
   lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error:")]
-  assert len(lines) == 1 and message in lines[0], proc.stderr
+  assert len(lines) == 1 and "rollout.nn" in lines[0], proc.stderr
   assert "Traceback" not in proc.stderr
 
 
