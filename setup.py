@@ -32,6 +32,8 @@ setup(
     extras_require={
         # rl_jax.envs adapters for gymnasium and verifiers environments.
         "agent": ["gymnasium>=1.0", "verifiers==0.4.0"],
+        # loading the exported LoRA adapters (DIR/hf_adapter) onto transformers models.
+        "lora": ["peft>=0.13"],
         "test": [
             "gymnasium>=1.0",
             "verifiers==0.4.0",
@@ -40,6 +42,7 @@ setup(
             "pytest-xdist",
             "hypothesis",
             "transformers>=4.50",
+            "peft>=0.13",  # the LoRA export's parity test
             # Pinned for the parity tests. On Linux from PyPI this is the CUDA build (GBs); for a
             # CPU-only machine install torch from https://download.pytorch.org/whl/cpu first.
             "torch==2.13.0",

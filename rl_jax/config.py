@@ -40,6 +40,7 @@ from rl_jax import optim
 from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
+from rl_jax.models import lora as lora_lib
 
 __all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
            "validate"]
@@ -69,6 +70,11 @@ def _model() -> ml_collections.ConfigDict:
       dtype="float32",  # compute dtype
       param_dtype="float32",  # storage dtype of the weights
       remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
+      # low-rank adapters (rl_jax.models.lora): rank r > 0 trains only the adapters of the
+      # projections in `targets` (comma-separated: q,k,v,o,gate,up,down); they add
+      # (alpha/r)·x·A·B; A starts random (`init`: gaussian | kaiming), B at zero
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down",
+                                          init="gaussian")),
   ))
 
 
@@ -293,6 +299,16 @@ def base_config() -> ml_collections.ConfigDict:
   ))
 
 
+def _lora_targets(x) -> str | None:
+  """``model.lora.targets``: distinct names of ``LORA_TARGETS``, comma-separated."""
+  try:
+    lora_lib.parse_targets(x)
+  except (ValueError, AttributeError, TypeError):
+    return (f"must be distinct names from {','.join(model_config_lib.LORA_TARGETS)}, "
+            "comma-separated")
+  return None
+
+
 def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
   """Value-range checks of every field the trainer reads: ``key -> check(s)``."""
   opt = cu.optional
@@ -302,6 +318,10 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.remat": cu.one_of(model_config_lib.REMAT_POLICIES),
       "model.dtype": cu.one_of(model_config_lib.DTYPES),
       "model.param_dtype": cu.one_of(model_config_lib.DTYPES),
+      "model.lora.rank": cu.nonnegative_int,
+      "model.lora.alpha": cu.positive,
+      "model.lora.targets": _lora_targets,
+      "model.lora.init": cu.one_of(lora_lib.LORA_INITS),
       "mesh.rules": cu.one_of(sharding.RULES),
       "mesh.num_devices": cu.nonnegative_int,
       "distributed.initialization_timeout_s": cu.positive_int,
@@ -417,6 +437,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_group_size(config)
   _check_env(config)
   _check_offload(config)
+  if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
+    raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
+                      "frozen base the policy already holds; there is no copy to offload")
   _check_async(config)
   check_wandb(config)
   if config.train.batch_groups % config.train.minibatches:

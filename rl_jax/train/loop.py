@@ -206,7 +206,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     if int(state.step) >= total:
       params = t.layout.sampler_params(state.params)  # collective: every process takes part
       if lead:
-        models.save_hf(s.model_cfg, params, os.path.join(workdir, "hf"))
+        export_hf(s, params, workdir)
         metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
   finally:
     if runner is not None:
@@ -220,6 +220,23 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     if bar is not None:
       bar.close()
   return state
+
+
+def export_hf(s: Setup, params, workdir: str) -> None:
+  """The final policy in HF format: ``workdir/hf`` (adapters merged). With LoRA also the
+  adapters in PEFT's format (``workdir/hf_adapter``) and, unless the base is the unchanged
+  ``model.hf_path`` checkpoint (a supervised stage merges its adapters into the base; a
+  random init exists nowhere else), the base (``workdir/hf_base``), which the adapter's
+  ``base_model_name_or_path`` names."""
+  cfg = s.model_cfg
+  models.save_hf(cfg, params, os.path.join(workdir, "hf"))
+  if not cfg.lora_rank:
+    return
+  base_path = s.config.model.hf_path
+  if s.config.sft.steps or not base_path:
+    base_path = os.path.abspath(os.path.join(workdir, "hf_base"))
+    models.save_hf(cfg, models.lora.strip(params), base_path)
+  models.save_hf_adapter(cfg, params, os.path.join(workdir, "hf_adapter"), base_path)
 
 
 def _progress(enabled: bool, total: int, initial: int):
