@@ -54,7 +54,8 @@ def test_grpo_improves_reward(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [
-    (), ("data.selector=beta", "rollout.speculative=True")])  # per-prompt state checkpointed
+    (), ("data.selector=beta", "rollout.speculative=True"),  # per-prompt state checkpointed
+    ("model.lora.rank=4", "loss.kl_beta=0.05")])  # adapters; supervised ones merged at RL start
 def test_resume_after_sigkill_is_bit_exact(tmp_path, extra):
   ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
   train.train(_config(extra), ref_dir, progress=False)
