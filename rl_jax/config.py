@@ -181,6 +181,10 @@ def _rollout() -> ml_collections.ConfigDict:
       # current policy (exact speculative sampling; docs/SELECTION.md).
       speculative=False,
       spec_lenience=0.0,  # l: accept with min(1, e^l p_new/p_old); 0 is exact
+      # LoRA (model.lora.rank > 0): the sampler decodes merged weights W + (alpha/r)·A·B,
+      # merged once per policy version (faster on the measured CPU: docs/BENCHMARKS.md);
+      # False decodes the base and the adapters unmerged (no merged copy of the weights)
+      lora_merge=True,
   ))
 
 
@@ -339,6 +343,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "data.group_max": opt(cu.positive_int),
       "data.overlong_buffer": opt(cu.nonnegative_int),
       "rollout.spec_lenience": cu.nonnegative,
+      "rollout.lora_merge": cu.one_of((False, True)),
       "rollout.n": cu.positive_int,
       "rollout.max_new_tokens": cu.positive_int,
       "rollout.temperature": cu.nonnegative,

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from rl_jax import config_utils, models, train
+from rl_jax import config_utils, models, rollout, train
 from rl_jax.errors import ConfigError, ModelError
 from tests.hf_utils import hf_logits, tiny_hf_model
 from tests.tiny import QUICKSTART, TINY_MODEL
@@ -100,6 +100,20 @@ def test_fresh_adapters_leave_the_model_unchanged_and_gradients_match_finite_dif
   np.testing.assert_allclose(float(analytic), float(fd), rtol=1e-3)
 
 
+def test_sampler_decodes_unmerged_adapters_like_merged_weights():
+  """``rollout.generate`` with the base and its adapters == with the merged weights."""
+  cfg = _tiny_lora_cfg()
+  params = _with_adapters(cfg, jax.jit(models.init_params, static_argnums=0)(
+      cfg, jax.random.key(0)))
+  merged = jax.jit(models.lora.merge, static_argnums=0)(cfg, params)
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  run = lambda p: rollout.generate(cfg, p, prompts, n=2, max_new_tokens=6, temperature=1.0,
+                                   seed=3)
+  a, b = run(params), run(merged)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def test_adapters_are_laid_out_like_their_weights():
   """A keeps W's input axes, B its output axes; the rank axis is never sharded."""
   axes = models.param_axes(_tiny_lora_cfg())["layers"]["lora"]
@@ -161,6 +175,9 @@ def test_lora_run_trains_adapters_only_and_exports_peft(lora_run):
   assert not jax.tree.leaves(state.ref_params)
   b = jax.tree.leaves(adapters["q"]["b"])[0]
   assert float(jnp.abs(b).max()) > 0  # RL moved the adapters
+  plan = json.loads(open(os.path.join(workdir, "memory_plan.json")).read())["state"]["rl"]
+  assert plan["adapters"] > 0 and plan["rl_optimizer"] == 2 * plan["adapters"]  # Adam: μ, ν
+  assert plan["sampler_copy"] > 0 and plan["reference"] == 0  # merged for the sampler; no copy
 
   config = json.loads(open(os.path.join(workdir, "hf_adapter", "adapter_config.json")).read())
   assert config["base_model_name_or_path"] == os.path.join(workdir, "hf_base")

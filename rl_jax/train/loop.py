@@ -204,7 +204,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
         ckpt.save(step, snapshot(state), force=step == total)
     ckpt.wait()
     if int(state.step) >= total:
-      params = t.layout.sampler_params(state.params)  # collective: every process takes part
+      params = t.layout.local_params(state.params)  # collective: every process takes part
       if lead:
         export_hf(s, params, workdir)
         metrics_lib.plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
