@@ -33,10 +33,12 @@ class _State(NamedTuple):
   """Everything a resumed run needs (a pytree; checkpointed whole).
 
   step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
-  optimizer state. sft_opt_state: optimizer state of the supervised stage, only while it
+  optimizer state (with ``model.lora.rank``: params hold the frozen base and the adapters,
+  ``params["layers"]["lora"]``, and both optimizer states cover the adapters only). sft_opt_state: optimizer state of the supervised stage, only while it
   runs (``{}`` once RL starts, and always with ``sft.steps=0``). ref_params: the frozen
   reference policy in ``ref_dtype`` (the policy when RL starts; ``{}`` during the supervised
-  stage and if the objective has no KL). Which parts exist at a step: ``rl_layout``.
+  stage, if the objective has no KL, and with LoRA: the reference is then the base inside
+  ``params`` with the adapters off). Which parts exist at a step: ``rl_layout``.
   value_params / value_opt_state: the PPO critic and its optimizer state (``{}`` otherwise).
   producer: the rollout producer's position (``ProducerState``).
   rollout_queue: with a runner that samples ahead (``Schedule.queue`` > 0), the scored
