@@ -32,7 +32,7 @@ def _with_adapters(cfg, params):
   return models.lora.combine(params, ad)
 
 
-@pytest.mark.parametrize("arch,targets", [("qwen3", "q,k,v,o,gate,up,down"), ("qwen2", "q,v")])
+@pytest.mark.parametrize("arch,targets", [("qwen2", "q,k,v,o,up,down")])  # biases; no gate
 def test_adapters_match_peft_and_the_merged_export(tmp_path, arch, targets):
   """rl_jax's forward with unmerged adapters == PEFT's LoRA on the transformers model ==
   the merged ``save_hf`` export loaded by transformers."""
@@ -107,7 +107,7 @@ def test_sampler_decodes_unmerged_adapters_like_merged_weights():
       cfg, jax.random.key(0)))
   merged = jax.jit(models.lora.merge, static_argnums=0)(cfg, params)
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-  run = lambda p: rollout.generate(cfg, p, prompts, n=2, max_new_tokens=6, temperature=1.0,
+  run = lambda p: rollout.generate(cfg, p, prompts, n=1, max_new_tokens=4, temperature=1.0,
                                    seed=3)
   a, b = run(params), run(merged)
   np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -130,6 +130,7 @@ def test_adapters_are_laid_out_like_their_weights():
     ("model.lora.targets=q,q", "config.model.lora.targets must be distinct names"),
     ("model.lora.rank=-1", "config.model.lora.rank must be"),
     ("model.lora.init=ones", "config.model.lora.init must be one of"),
+    ("train.offload=reference", "train.offload=reference: with model.lora.rank > 0"),
 ])
 def test_bad_lora_config_fails_in_one_line(override, message):
   config = config_utils.load_config(QUICKSTART, [override, "model.lora.rank=4"]
@@ -176,7 +177,8 @@ def test_lora_run_trains_adapters_only_and_exports_peft(lora_run):
   b = jax.tree.leaves(adapters["q"]["b"])[0]
   assert float(jnp.abs(b).max()) > 0  # RL moved the adapters
   plan = json.loads(open(os.path.join(workdir, "memory_plan.json")).read())["state"]["rl"]
-  assert plan["adapters"] > 0 and plan["rl_optimizer"] == 2 * plan["adapters"]  # Adam: μ, ν
+  assert plan["adapters"] > 0  # Adam's μ and ν of the adapters (and an int32 count):
+  assert 2 * plan["adapters"] <= plan["rl_optimizer"] < 2 * plan["adapters"] + 64
   assert plan["sampler_copy"] > 0 and plan["reference"] == 0  # merged for the sampler; no copy
 
   config = json.loads(open(os.path.join(workdir, "hf_adapter", "adapter_config.json")).read())
