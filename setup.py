@@ -34,6 +34,8 @@ setup(
         "agent": ["gymnasium>=1.0", "verifiers==0.4.0"],
         # gs:// workdirs and data files (rl_jax.storage; etils.epath reads them with gcsfs).
         "gcs": ["gcsfs"],
+        # loading the exported LoRA adapters (DIR/hf_adapter) onto transformers models.
+        "lora": ["peft>=0.13"],
         "test": [
             "gymnasium>=1.0",
             "verifiers==0.4.0",
@@ -42,6 +44,7 @@ setup(
             "pytest-xdist",
             "hypothesis",
             "transformers>=4.50",
+            "peft>=0.13",  # the LoRA export's parity test
             # Pinned for the parity tests. On Linux from PyPI this is the CUDA build (GBs); for a
             # CPU-only machine install torch from https://download.pytorch.org/whl/cpu first.
             "torch==2.13.0",

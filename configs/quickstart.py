@@ -12,13 +12,20 @@ N = 8 samples per prompt (rollout.n) at temperature 0.5, 32 prompts per step, β
 Expected result (2-core CPU, JAX 0.10.2, measured): the whole command takes about 1 minute;
 held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.928 at the end
 (step 275), pass@4 0.068 -> 0.971; training reward 0.03 -> 0.91. Curves: DIR/curves.png.
+
+LoRA (``:lora``; rank-8 adapters, frozen base, adapter-only optimizer state)::
+
+    python -m rl_jax.train --config=configs/quickstart.py:lora --workdir=/tmp/rl_jax_lora
+
+Expected result (2-core CPU, measured): held-out greedy accuracy 0.082 after the 10-step
+LoRA warm start -> 0.768 at the end (step 260), pass@4 0.116 -> 0.792. Writes DIR/hf
+(merged), DIR/hf_adapter (PEFT) and DIR/hf_base.
 """
 
 from rl_jax import config as base
 
 
 def get_config(arg=None):
-  del arg
   config = base.base_config()
   config.model.update(architecture="qwen3", hidden_size=64, intermediate_size=192,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -36,4 +43,13 @@ def get_config(arg=None):
   # one forward pass less per step, a different (equally valid) rounding trajectory.
   config.train.old_logp_pass = "separate"
   config.eval.pass_k = 4  # pass@4 at the rollout temperature on the held-out split
+  if arg == "lora":  # rank-8 adapters on every projection; the base stays frozen
+    config.model.lora.update(rank=8, alpha=16.0)
+    # a frozen random lm_head of std 0.02 caps the logits the adapters can reach near 1.3
+    # nats (the supervised stage then stalls at a loss of ~3.8); std 0.1 leaves room
+    config.model.init_std = 0.1
+    config.sft.update(steps=10, lr=1e-2)
+    config.optim.lr = 5e-4
+  elif arg:
+    raise ValueError(f"configs/quickstart.py takes no argument or 'lora', got {arg!r}")
   return config

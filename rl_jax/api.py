@@ -32,6 +32,7 @@ import numpy as np
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax import losses
+from rl_jax import models
 from rl_jax import rollout
 from rl_jax.errors import CheckpointNotFoundError, RLJaxError
 from rl_jax.train.context import build_setup
@@ -274,8 +275,9 @@ class Trainer:
     if id(obj) not in self._grads:
       lay = self.trainer.layout
       st = lay.state
+      trained = models.lora.trainable(self.setup.model_cfg, st.params)[1]  # LoRA: adapters
       self._grads[id(obj)] = obj, jit_on_mesh(rl_grads(self.setup, obj), lay, out_shardings=(
-          lay.replicated, lay.replicated, lay.replicated, st.params, st.value_params))
+          lay.replicated, lay.replicated, lay.replicated, trained, st.value_params))
     return self._grads[id(obj)][1]
 
   def forward_backward(self, b: Batch, loss: losses.Objective | None = None) -> dict:
@@ -300,7 +302,8 @@ class Trainer:
 
   @property
   def gradients(self) -> Any:
-    """The accumulated policy gradients (a params-shaped pytree, laid out like the weights),
+    """The accumulated policy gradients (a params-shaped pytree, the adapters only with LoRA;
+    laid out like the weights),
     or None; the next ``forward_backward`` consumes them (copy what you keep)."""
     return None if self._pending is None else self._pending.grads
 

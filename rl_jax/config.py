@@ -41,6 +41,7 @@ from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 from rl_jax.models import moe
+from rl_jax.models import lora as lora_lib
 
 __all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
            "validate"]
@@ -86,6 +87,11 @@ def _model() -> ml_collections.ConfigDict:
       attention="full",  # one of rl_jax.models.config.ATTENTION_LAYOUTS
       sliding_window=512,
       global_every=6,
+      # low-rank adapters (rl_jax.models.lora): rank r > 0 trains only the adapters of the
+      # projections in `targets` (comma-separated: q,k,v,o,gate,up,down); they add
+      # (alpha/r)·x·A·B; A starts random (`init`: gaussian | kaiming), B at zero
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down",
+                                          init="gaussian")),
   ))
 
 
@@ -202,6 +208,10 @@ def _rollout() -> ml_collections.ConfigDict:
       # current policy (exact speculative sampling; docs/SELECTION.md).
       speculative=False,
       spec_lenience=0.0,  # l: accept with min(1, e^l p_new/p_old); 0 is exact
+      # LoRA (model.lora.rank > 0): the sampler decodes merged weights W + (alpha/r)·A·B,
+      # merged once per policy version (faster on the measured CPU: docs/BENCHMARKS.md);
+      # False decodes the base and the adapters unmerged (no merged copy of the weights)
+      lora_merge=True,
   ))
 
 
@@ -323,6 +333,16 @@ def base_config() -> ml_collections.ConfigDict:
   ))
 
 
+def _lora_targets(x) -> str | None:
+  """``model.lora.targets``: distinct names of ``LORA_TARGETS``, comma-separated."""
+  try:
+    lora_lib.parse_targets(x)
+  except (ValueError, AttributeError, TypeError):
+    return (f"must be distinct names from {','.join(model_config_lib.LORA_TARGETS)}, "
+            "comma-separated")
+  return None
+
+
 def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
   """Value-range checks of every field the trainer reads: ``key -> check(s)``."""
   opt = cu.optional
@@ -341,6 +361,10 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
       "model.sliding_window": cu.positive_int,
       "model.global_every": cu.positive_int,
+      "model.lora.rank": cu.nonnegative_int,
+      "model.lora.alpha": cu.positive,
+      "model.lora.targets": _lora_targets,
+      "model.lora.init": cu.one_of(lora_lib.LORA_INITS),
       "mesh.rules": cu.one_of(sharding.RULES),
       "mesh.num_devices": cu.nonnegative_int,
       "distributed.initialization_timeout_s": cu.positive_int,
@@ -358,6 +382,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "data.group_max": opt(cu.positive_int),
       "data.overlong_buffer": opt(cu.nonnegative_int),
       "rollout.spec_lenience": cu.nonnegative,
+      "rollout.lora_merge": cu.one_of((False, True)),
       "rollout.n": cu.positive_int,
       "rollout.max_new_tokens": cu.positive_int,
       "rollout.temperature": cu.nonnegative,
@@ -461,6 +486,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_group_size(config)
   _check_env(config)
   _check_offload(config)
+  if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
+    raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
+                      "frozen base the policy already holds; there is no copy to offload")
   _check_async(config)
   check_wandb(config)
   if config.train.batch_groups % config.train.minibatches:

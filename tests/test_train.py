@@ -62,7 +62,9 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra", [
-    (), ("data.selector=beta", "rollout.speculative=True")])  # per-prompt state checkpointed
+    # per-prompt state checkpointed; LoRA adapters (supervised ones merged at RL start)
+    (), ("data.selector=beta", "rollout.speculative=True", "model.lora.rank=4",
+         "loss.kl_beta=0.05")])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, extra, request):
   killed_dir = str(tmp_path / "killed")
   if extra:

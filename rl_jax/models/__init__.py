@@ -15,13 +15,21 @@ Public API (see shared Contract)::
     aux = cfg.router_aux_loss_coef * models.load_balancing_loss(
         routing.logits, cfg.num_experts_per_tok, mask)
 
+    # low-rank adapters beside the frozen base (cfg.lora_rank > 0; ``models.lora``)
+    params = models.init_params(cfg, rng)                  # base + adapters (B = 0)
+    base, adapters = models.lora.split(params)             # reference = base (adapters off)
+    models.save_hf(cfg, params, path)                      # merged weights
+    models.save_hf_adapter(cfg, params, path, base_model_name_or_path=base_path)  # PEFT
+
 Axis letters: the legend in the docstring of ``rl_jax/__init__.py``.
 """
 
 from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to_hf_dict
 from rl_jax.models.grouped import (packed_hidden, replicated_hidden, response_hidden,
                                    response_logprobs, token_reduction)
-from rl_jax.models.hf import hf_state_dict, load_hf, read_hf_config, save_hf
+from rl_jax.models import lora
+from rl_jax.models.hf import (hf_adapter_state_dict, hf_state_dict, load_hf, read_hf_config,
+                              save_hf, save_hf_adapter)
 from rl_jax.models.moe import Routing, load_balancing_loss
 from rl_jax.models.transformer import (AttnSpec, apply_rope, causal_mask, dense_attention,
                                        embed, forward,
@@ -41,6 +49,7 @@ __all__ = [
     "embed",
     "forward",
     "from_hf_dict",
+    "hf_adapter_state_dict",
     "hf_state_dict",
     "hidden_states",
     "init_params",
@@ -50,6 +59,7 @@ __all__ = [
     "load_balancing_loss",
     "load_hf",
     "logits_from_hidden",
+    "lora",
     "mask_attend",
     "packed_hidden",
     "param_axes",
@@ -65,6 +75,7 @@ __all__ = [
     "rope_frequencies",
     "to_hf_dict",
     "save_hf",
+    "save_hf_adapter",
     "sequence_logprobs",
     "token_logprobs",
     "token_reduction",

@@ -11,7 +11,7 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
+__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
            "from_hf_dict", "rope_frequencies", "to_hf_dict", "validate"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
@@ -20,6 +20,7 @@ ATTENTION_LAYOUTS = ("full", "sliding")  # model.attention: all global / Gemma 3
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # projections LoRA can adapt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,10 @@ class ModelConfig:
     final_softcap: output logits become ``c·tanh(logits/c)``. (Gemma 3 checkpoints may carry
       ``attn_logit_softcapping``; transformers' Gemma 3 attention does not apply it, and
       neither does this model.)
+
+  Low-rank adapters (``rl_jax.models.lora``; off with ``lora_rank=0``):
+    lora_rank: r, the adapters' rank. lora_alpha: α; the adapters add (α/r)·x·A·B.
+    lora_targets: the adapted projections, names from ``LORA_TARGETS``.
   """
 
   vocab_size: int
@@ -92,6 +97,9 @@ class ModelConfig:
   rope_local_theta: float | None = None
   query_pre_attn_scalar: float | None = None
   final_softcap: float | None = None
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     validate(self)
@@ -202,12 +210,28 @@ def validate(cfg: ModelConfig) -> None:
                                     or cfg.sliding_window <= 0):
       raise ModelError(f"model config: sliding_window must be a positive integer when "
                        f"layer_types has sliding layers, got {cfg.sliding_window!r}")
+  _validate_lora(cfg)
   gemma_only = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_softcap")
   if cfg.architecture != "gemma3":
     for name in gemma_only:
       if getattr(cfg, name) is not None:
         raise ModelError(f"model config: {name} needs architecture 'gemma3', "
                          f"got {cfg.architecture!r}")
+
+
+def _validate_lora(cfg: ModelConfig) -> None:
+  if not isinstance(cfg.lora_rank, (int, np.integer)) or cfg.lora_rank < 0:
+    raise ModelError(f"model config: lora_rank must be a non-negative integer, got "
+                     f"{cfg.lora_rank!r}")
+  if not cfg.lora_rank:
+    return
+  if not cfg.lora_targets or any(t not in LORA_TARGETS for t in cfg.lora_targets) or \
+      len(set(cfg.lora_targets)) != len(cfg.lora_targets):
+    raise ModelError(f"model config: lora_targets must be distinct names from {LORA_TARGETS}, "
+                     f"got {cfg.lora_targets!r}")
+  if cfg.is_moe and set(cfg.lora_targets) & {"gate", "up", "down"}:
+    raise ModelError("model config: LoRA adapts the attention projections of mixture-of-"
+                     "experts models (lora_targets from q,k,v,o)")
 
 
 # ------------------------------------------------------------------------------- RoPE tables

@@ -25,10 +25,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rl_jax.errors import ModelError
+from rl_jax.models import lora
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig, from_hf_dict, to_hf_dict
 
-__all__ = ["hf_state_dict", "load_hf", "read_hf_config", "save_hf", "release_host_memory"]
+__all__ = ["hf_adapter_state_dict", "hf_state_dict", "load_hf", "read_hf_config", "save_hf",
+           "save_hf_adapter", "release_host_memory"]
 
 # (our layer key, HF suffix, kind) kind: how to turn the HF tensor into ours.
 _LAYER_MAP = (
@@ -277,8 +279,9 @@ def release_host_memory() -> bool:
 
 
 def hf_state_dict(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
-  """HF tensor names -> host arrays (float32 or the parameter dtype)."""
-  host = jax.device_get(params)
+  """HF tensor names -> host arrays (float32 or the parameter dtype). Adapters
+  (``cfg.lora_rank``) are merged into their weights (``lora.merge``)."""
+  host = jax.device_get(lora.merge(cfg, params))
   out = {"model.embed_tokens.weight": np.asarray(host["embed"]),
          "model.norm.weight": np.asarray(host["final_norm"])}
   if not cfg.tie_word_embeddings:
@@ -311,6 +314,86 @@ def _moe_state_dict(cfg: ModelConfig, host) -> dict[str, np.ndarray]:
   return out
 
 
+# LoRA target -> PEFT module path under model.layers.{i}
+_PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                 "down": "mlp.down_proj"}
+
+
+def hf_adapter_state_dict(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+  """PEFT tensor names -> host arrays of the adapters in ``params``.
+
+  PEFT stores ``lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r] (delta W_hf =
+  (α/r)·B_hf·A_hf); ours are A [<in>, r] and B [r, <out>] per layer, with the head axes in
+  the order of the HF projections (``_to_hf``), so A_hf = A.reshape(in, r).T and
+  B_hf = B.reshape(r, out).T.
+  """
+  _, adapters = lora.split(params)
+  host = jax.device_get(adapters)
+  out = {}
+  for t, ab in host.items():
+    a, b = np.asarray(ab["a"]), np.asarray(ab["b"])
+    for i in range(cfg.num_layers):
+      pre = f"base_model.model.model.layers.{i}.{_PEFT_MODULES[t]}."
+      out[pre + "lora_A.weight"] = a[i].reshape(-1, cfg.lora_rank).T
+      out[pre + "lora_B.weight"] = b[i].reshape(cfg.lora_rank, -1).T
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def adapter_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict[str, Any]:
+  """PEFT's ``adapter_config.json`` of the adapters of ``cfg``."""
+  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank,
+          "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+          "target_modules": sorted(_PEFT_MODULES[t].split(".")[1] for t in cfg.lora_targets),
+          "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+          "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+          "base_model_name_or_path": base_model_name_or_path}
+
+
+def save_hf_adapter(cfg: ModelConfig, params, path: str,
+                    base_model_name_or_path: str | None = None) -> str:
+  """Write the adapters of ``params`` to ``path`` in PEFT's format (``adapter_config.json`` +
+  ``adapter_model.safetensors``), atomically like ``save_hf``; ``peft.PeftModel.from_pretrained``
+  loads it onto the transformers model of the base."""
+  if not cfg.lora_rank:
+    raise ModelError("save_hf_adapter: the model has no adapters (lora_rank=0)")
+  tensors = {k: v.astype(np.float32) if v.dtype not in (np.float32, np.float16) else v
+             for k, v in hf_adapter_state_dict(cfg, params).items()}
+  with _atomic_dir(path) as tmp:
+    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+      json.dump(adapter_config(cfg, base_model_name_or_path), f, indent=2, sort_keys=True)
+    save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+  return path
+
+
+class _atomic_dir:  # pylint: disable=invalid-name
+  """``with _atomic_dir(path) as tmp``: fill ``tmp``; it replaces ``path`` on success."""
+
+  def __init__(self, path: str):
+    self.path = path
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    self.tmp = tempfile.mkdtemp(prefix=".tmp_hf_", dir=parent)
+
+  def __enter__(self) -> str:
+    return self.tmp
+
+  def __exit__(self, kind, value, tb):
+    if kind is not None:
+      shutil.rmtree(self.tmp, ignore_errors=True)
+      return False
+    path = self.path
+    if os.path.exists(path):
+      old = path + ".old"
+      shutil.rmtree(old, ignore_errors=True)
+      os.replace(path, old)
+      os.replace(self.tmp, path)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.replace(self.tmp, path)
+    return False
+
+
 def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30) -> str:
   """Write ``path`` (config.json + safetensors, sharded above ``max_shard_bytes``) atomically.
 
@@ -321,10 +404,7 @@ def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30)
   tensors = hf_state_dict(cfg, params)
   tensors = {k: v.astype(np.float32) if v.dtype not in (np.float32, np.float16) else v
              for k, v in tensors.items()}
-  parent = os.path.dirname(os.path.abspath(path)) or "."
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp_hf_", dir=parent)
-  try:
+  with _atomic_dir(path) as tmp:
     hf_cfg = to_hf_dict(cfg)
     hf_cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -348,15 +428,4 @@ def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30)
       total = sum(a.nbytes for a in tensors.values())
       with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    if os.path.exists(path):
-      old = path + ".old"
-      shutil.rmtree(old, ignore_errors=True)
-      os.replace(path, old)
-      os.replace(tmp, path)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      os.replace(tmp, path)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return path

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax import sharding
-from rl_jax.models import moe
+from rl_jax.models import lora, moe
 from rl_jax.models.config import ModelConfig, rope_frequencies
 
 __all__ = ["AttendFn", "AttnSpec", "Params", "apply_rope", "causal_mask", "dense_attention",
@@ -118,6 +118,8 @@ def param_axes(cfg: ModelConfig) -> Params:
                    "expert_down": ("layers", "expert", "mlp", "embed")}
   if not cfg.tie_word_embeddings:
     axes["lm_head"] = ("embed", "vocab")
+  if cfg.lora_rank:
+    layer[lora.KEY] = lora.adapter_axes(cfg)
   return axes
 
 
@@ -148,13 +150,20 @@ def param_shapes(cfg: ModelConfig) -> Params:
                      "expert_up": (Y, E, D, Fe), "expert_down": (Y, E, Fe, D)}
   if not cfg.tie_word_embeddings:
     shapes["lm_head"] = (D, V)
+  if cfg.lora_rank:
+    layer[lora.KEY] = lora.adapter_shapes(cfg)
   return shapes
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
+def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02,
+                lora_init: str = "gaussian") -> Params:
   """Random parameters: normal(std) matrices, zero biases, unit norms (zero for Gemma's
   (1 + weight) norms). Pure; jit it with ``out_shardings`` (see ``init_sharded``) to create
-  weights directly on their devices."""
+  weights directly on their devices. With ``cfg.lora_rank`` the base is the same as without
+  adapters and the adapters are ``lora.init_adapters(cfg, fold_in(rng, 1), lora_init)``."""
+  if cfg.lora_rank:
+    base = init_params(cfg.replace(lora_rank=0), rng, std)
+    return lora.combine(base, lora.init_adapters(cfg, jax.random.fold_in(rng, 1), lora_init))
   shapes = param_shapes(cfg)
   dtype = jnp.dtype(cfg.param_dtype)
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
@@ -177,9 +186,10 @@ def param_shardings(cfg: ModelConfig, mesh, rules) -> Params:
   return sharding.logical_to_sharding(param_axes(cfg), mesh, rules, param_shapes(cfg))
 
 
-def init_sharded(cfg: ModelConfig, rng: jax.Array, mesh, rules, std: float = 0.02) -> Params:
+def init_sharded(cfg: ModelConfig, rng: jax.Array, mesh, rules, std: float = 0.02,
+                 lora_init: str = "gaussian") -> Params:
   """Parameters created already sharded: ``jit(init, out_shardings=...)``."""
-  return jax.jit(functools.partial(init_params, cfg, std=std),
+  return jax.jit(functools.partial(init_params, cfg, std=std, lora_init=lora_init),
                  out_shardings=param_shardings(cfg, mesh, rules))(rng)
 
 
@@ -277,9 +287,9 @@ def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: 
   w = lambda name: lp[name].astype(dt)
   norm = _norm_fn(cfg)
   h = norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("btd,dnh->btnh", h, w("q"))
-  k = jnp.einsum("btd,dkh->btkh", h, w("k"))
-  v = jnp.einsum("btd,dkh->btkh", h, w("v"))
+  q = lora.project(cfg, lp, "q", "btd,dnh->btnh", h)
+  k = lora.project(cfg, lp, "k", "btd,dkh->btkh", h)
+  v = lora.project(cfg, lp, "v", "btd,dkh->btkh", h)
   if cfg.qkv_bias:
     q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
   if cfg.qk_norm:
@@ -291,7 +301,7 @@ def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: 
   q = sharding.constrain(q, ("batch", "length", "act_heads", None))
   k = sharding.constrain(k, ("batch", "length", "act_kv_heads", None))
   out, state = attend(q, k, v, state) if spec is None else attend(q, k, v, state, spec)
-  o = jnp.einsum("btnh,nhd->btd", out, w("o"))
+  o = lora.project(cfg, lp, "o", "btnh,nhd->btd", out)
   if cfg.o_bias:
     o = o + w("o_bias")
   if cfg.architecture == "gemma3":
@@ -310,14 +320,14 @@ def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
                                      cfg.norm_topk_prob, routing)
     y = moe.expert_mlp(h, weights, ids, w("expert_gate"), w("expert_up"), w("expert_down"))
     return y, (ids, logits)
-  gate = jnp.einsum("btd,df->btf", h, w("gate"))
-  up = jnp.einsum("btd,df->btf", h, w("up"))
+  gate = lora.project(cfg, lp, "gate", "btd,df->btf", h)
+  up = lora.project(cfg, lp, "up", "btd,df->btf", h)
   if cfg.architecture == "gemma3":
     act = jax.nn.gelu(gate, approximate=True) * up
   else:
     act = jax.nn.silu(gate) * up
   act = sharding.constrain(act, ("batch", "length", "act_mlp"))
-  y = jnp.einsum("btf,fd->btd", act, w("down"))
+  y = lora.project(cfg, lp, "down", "btf,fd->btd", act)
   if cfg.architecture == "gemma3":
     y = norm(y, lp["post_mlp_norm"], cfg.rms_norm_eps)
   return y, None

@@ -153,6 +153,8 @@ class RolloutEngine:
     mesh, rules = self.ctx
     if self._target is None:
       self._target = models.param_shardings(self.cfg, mesh, rules)
+      if not models.lora.split(params)[1]:  # LoRA weights merged for the sampler
+        self._target = models.lora.strip(self._target)
       self._sync = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(want), p),
                            out_shardings=self._target)
     targets = jax.tree.leaves(self._target)

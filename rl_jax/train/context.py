@@ -24,7 +24,7 @@ from rl_jax import optim
 from rl_jax import sharding
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
-from rl_jax.errors import ConfigError, DataError, RLJaxError
+from rl_jax.errors import ConfigError, DataError, ModelError, RLJaxError
 from rl_jax.train import agent_stage, speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
 
@@ -191,6 +191,12 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
   if m.router_replay and not cfg.is_moe:
     raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model, got "
                       f"{cfg.architecture!r}")
+  if m.lora.rank:
+    try:
+      cfg = cfg.replace(lora_rank=m.lora.rank, lora_alpha=float(m.lora.alpha),
+                        lora_targets=models.lora.parse_targets(m.lora.targets))
+    except ModelError as e:
+      raise ConfigError(f"model.lora: {e}") from None
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                       f"{cfg.vocab_size}")

@@ -79,7 +79,9 @@ INPUTS: dict[str, Input] = {
     "lengths": Input("rows", jnp.float32, False,
                      lambda x: jnp.sum(x.args[3], axis=-1).astype(jnp.float32)),
     "ref_logp": Input("tokens", jnp.float32, False, lambda x: (
-        x.steps.ref_logprobs or x.steps.logprobs)(x.state.ref_params, *x.args, *_replayed(x))),
+        x.steps.ref_logprobs or x.steps.logprobs)(
+            x.state.params if x.steps.ref_from_policy else x.state.ref_params, *x.args,
+            *_replayed(x))),
     "reward_components": Input("components", jnp.float32, False, lambda x: x.rewards[..., None]),
     "values": Input("tokens", jnp.float32, False,
                     lambda x: x.steps.values(x.state.value_params, *x.args)),

@@ -12,7 +12,8 @@ Each process samples and scores only the groups whose rows live on its own devic
 ``jax.make_array_from_process_local_data``. When the batch axes do not divide the rows
 (the batch is replicated), every process holds every row and the global array is filled
 from the host copy.
-``Layout.sampler_params`` hands the sampler the policy on ``Setup.sampler_mesh``: the
+``Layout.sampler_params`` hands the sampler the policy (with LoRA and ``rollout.lora_merge``
+the merged weights) on ``Setup.sampler_mesh``: the
 weights themselves with one process (a device-to-device copy when the asynchronous trainer
 samples on devices of its own); with several, a jitted all-gather to a replica on every
 device, whose shards on this process's devices then form the local copy (no host copy).
@@ -27,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from rl_jax import models
 from rl_jax import sharding
 from rl_jax.train.context import Setup
 from rl_jax.train.state import TrainState, abstract_state
@@ -42,6 +44,7 @@ class Layout(NamedTuple):
   sampler_mesh: jax.sharding.Mesh
   rules: str
   state: TrainState  # a TrainState of NamedShardings
+  merge: Callable | None = None  # LoRA with rollout.lora_merge: params -> merged weights
 
   @property
   def replicated(self) -> jax.sharding.NamedSharding:
@@ -74,8 +77,19 @@ class Layout(NamedTuple):
       return jax.make_array_from_callback(shape, self.rows(n), lambda idx: x[idx])
     return jax.make_array_from_process_local_data(self.rows(n), x, shape)
 
+  def sampler_weights(self, params: Any) -> Any:
+    """The weights the sampler decodes with: ``params`` (the base and its adapters as they
+    are), or with ``rollout.lora_merge`` the merged weights (``models.lora.merge``, a
+    jitted pass laid out like the base; no adapters in the tree, so the model runs plain)."""
+    return params if self.merge is None else self.merge(params)
+
   def sampler_params(self, params: Any) -> Any:
-    """``params`` placed for the sampler (``Setup.sampler_mesh``)."""
+    """``sampler_weights(params)`` placed for the sampler (``local_params``)."""
+    return self.local_params(self.sampler_weights(params))
+
+  def local_params(self, params: Any) -> Any:
+    """``params`` as they are, placed on ``Setup.sampler_mesh`` (the final export reads
+    them there)."""
     if self.sampler_mesh is self.mesh:
       return params
     local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
@@ -103,7 +117,12 @@ def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
   """The run's layout; the state shardings come from ``abstract`` (default:
   ``abstract_state(s)``: shapes and shardings only, nothing computed)."""
   shardings = jax.tree.map(lambda x: x.sharding, abstract or abstract_state(s))
-  return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings)
+  merge = None
+  if s.model_cfg.lora_rank and s.config.rollout.lora_merge:
+    base_sh, _ = models.lora.split(shardings.params)
+    merge = jax.jit(functools.partial(models.lora.merge, s.model_cfg), out_shardings=base_sh)
+  return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings,
+                merge=merge)
 
 
 def jit_on_mesh(fn: Callable, layout: Layout, **jit_kwargs) -> Callable:

@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import jax
 from jax.experimental import multihost_utils
@@ -221,9 +222,9 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
         ckpt.save(step, snapshot(state), force=step == total)
     ckpt.wait()
     if int(state.step) >= total:
-      params = t.layout.sampler_params(state.params)  # collective: every process takes part
+      params = t.layout.local_params(state.params)  # collective: every process takes part
       if lead:
-        _export_hf(s, params, storage.join(workdir, "hf"))
+        export_hf(s, params, workdir)
         metrics_lib.plot_curves(metrics_path, storage.join(workdir, "curves.png"))
   finally:
     if runner is not None:
@@ -239,20 +240,44 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   return state
 
 
-def _export_hf(s: Setup, params, path: str) -> None:
-  """``models.save_hf`` into ``path``; a ``gs://`` path gets a local export uploaded file by
-  file (config.json last, so an export without it is known to be incomplete)."""
+def _write_hf(path: str, write: Callable[[str], None]) -> None:
+  """``write(directory)`` into ``path``; a ``gs://`` path gets a local export uploaded file
+  by file, its config file (``config.json`` / ``adapter_config.json``) last, so an export
+  without it is known to be incomplete."""
   if not storage.is_remote(path):
-    models.save_hf(s.model_cfg, params, path)
+    write(path)
     return
   with tempfile.TemporaryDirectory(prefix="rl_jax_hf_") as tmp:
     local = os.path.join(tmp, "hf")
-    models.save_hf(s.model_cfg, params, local)
-    config = os.path.join(tmp, "config.json")
-    os.replace(os.path.join(local, "config.json"), config)
-    epath.Path(path).joinpath("config.json").unlink(missing_ok=True)
+    write(local)
+    last = [n for n in ("config.json", "adapter_config.json")
+            if os.path.exists(os.path.join(local, n))]
+    for name in last:
+      os.replace(os.path.join(local, name), os.path.join(tmp, name))
+      epath.Path(path).joinpath(name).unlink(missing_ok=True)
     storage.upload_dir(local, path)
-    epath.Path(path).joinpath("config.json").write_bytes(epath.Path(config).read_bytes())
+    for name in last:
+      epath.Path(path).joinpath(name).write_bytes(epath.Path(tmp, name).read_bytes())
+
+
+def export_hf(s: Setup, params, workdir: str) -> None:
+  """The final policy in HF format: ``workdir/hf`` (adapters merged). With LoRA also the
+  adapters in PEFT's format (``workdir/hf_adapter``) and, unless the base is the unchanged
+  ``model.hf_path`` checkpoint (a supervised stage merges its adapters into the base; a
+  random init exists nowhere else), the base (``workdir/hf_base``), which the adapter's
+  ``base_model_name_or_path`` names."""
+  cfg = s.model_cfg
+  _write_hf(storage.join(workdir, "hf"), lambda d: models.save_hf(cfg, params, d))
+  if not cfg.lora_rank:
+    return
+  base_path = s.config.model.hf_path
+  if s.config.sft.steps or not base_path:
+    base_path = storage.join(workdir, "hf_base")
+    if not storage.is_remote(base_path):
+      base_path = os.path.abspath(base_path)
+    _write_hf(base_path, lambda d: models.save_hf(cfg, models.lora.strip(params), d))
+  _write_hf(storage.join(workdir, "hf_adapter"),
+            lambda d: models.save_hf_adapter(cfg, params, d, base_path))
 
 
 def _progress(enabled: bool, total: int, initial: int):

@@ -8,11 +8,13 @@ plan for any config and mesh costs compile time only (``--config.train.dry_run=T
 
 Per device (the busiest one; FSDP shards split evenly):
 
-* state parts: ``policy`` (params), ``rl_optimizer`` (the RL optimizer state: Adam's two
+* state parts: ``policy`` (params; with LoRA the frozen base), ``adapters`` (the LoRA
+  adapters), ``rl_optimizer`` (the RL optimizer state: Adam's two
   moments), ``sft_optimizer`` (only while the supervised stage runs), ``reference`` (only with
   a KL term, in ``train.ref_dtype``), ``critic`` (PPO value params + their optimizer state),
   ``sampler_copy`` (with several processes: the policy all-gathered for the local sampler;
-  one process samples from the trainer's weights in place), ``rollout_buffer`` (APRIL's
+  one process samples from the trainer's weights in place, or with LoRA and
+  ``rollout.lora_merge`` from merged copies of the adapted weights), ``rollout_buffer`` (APRIL's
   held groups), ``rollout_queue`` (a runner with a lag: the scored batches sampled ahead of
   the learner), ``selector`` / ``spec_drafts`` (prompt selection, speculative rollouts), and
   ``other`` (step, data position). Bytes = shard shape size x itemsize, summed over the part's leaves.
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
+from rl_jax import models
 from rl_jax import rollout, storage
 from rl_jax.errors import RLJaxError
 from rl_jax.train import offload
@@ -66,11 +69,12 @@ PARTS = {"policy": ("params",), "rl_optimizer": ("opt_state",),
 # what shrinks each part (named in the one-line error of a run that does not fit)
 KNOBS = {
     "policy": "model.param_dtype=bfloat16, a larger mesh.shape.fsdp",
+    "adapters": "a smaller model.lora.rank, fewer model.lora.targets",
     "rl_optimizer": "optim.mu_dtype=bfloat16, train.offload=optimizer, a larger mesh.shape.fsdp",
     "sft_optimizer": "sft.steps=0, optim.mu_dtype=bfloat16",
     "reference": "train.ref_dtype=bfloat16, train.offload=reference, loss.kl_beta=0",
     "critic": "a larger mesh.shape.fsdp",
-    "sampler_copy": "fewer processes per host",
+    "sampler_copy": "fewer processes per host, rollout.lora_merge=False (LoRA)",
     "rollout_buffer": "rollout.over_sampling",
     "rollout_queue": "train.async_lag",
     "spec_drafts": "rollout.speculative=False",
@@ -135,8 +139,22 @@ def _fields(state: TrainState) -> dict[str, tuple]:
 def state_parts(state: TrainState, host: bool = False) -> dict[str, int]:
   """Bytes per device of each plan part of a (concrete or abstract) train state, in device
   memory (or, ``host``, the parts offloaded to the device's host memory)."""
-  return {part: sum(tree_bytes(_get(state, f), host) for f in fields)
-          for part, fields in _fields(state).items()}
+  parts = {part: sum(tree_bytes(_get(state, f), host) for f in fields)
+           for part, fields in _fields(state).items()}
+  return _split_adapters(parts, tree_bytes(models.lora.split(state.params)[1], host))
+
+
+def _split_adapters(parts: dict[str, int], adapters: int) -> dict[str, int]:
+  """``parts`` with the policy's LoRA adapters (``adapters`` bytes) counted apart from the
+  frozen base: ``policy`` then is the base alone."""
+  if not adapters:
+    return parts
+  out = {}
+  for k, v in parts.items():
+    out[k] = v - adapters if k == "policy" else v
+    if k == "policy":
+      out["adapters"] = adapters
+  return out
 
 
 def host_parts(state: TrainState) -> dict[str, int]:
@@ -154,8 +172,9 @@ def live_bytes(state: TrainState, host: bool = False) -> dict[str, int]:
                if isinstance(x, jax.Array) and offload.is_host(x) == host
                for s in x.addressable_shards if s.device == dev)
 
-  return {part: sum(held(_get(state, f)) for f in fields)
-          for part, fields in _fields(state).items()}
+  parts = {part: sum(held(_get(state, f)) for f in fields)
+           for part, fields in _fields(state).items()}
+  return _split_adapters(parts, held(models.lora.split(state.params)[1]))
 
 
 def step_memory(compiled) -> dict[str, int]:
@@ -232,6 +251,8 @@ def compile_steps(t: Trainer, sft_state: TrainState | None,
     ref = f.ref_logprobs or f.logprobs
     out["ref_logprobs"] = _staged(step_memory(ref.lower(rl_state.ref_params, *args).compile()),
                                   rl_state.ref_params)
+  if "ref_logp" in needs and f.ref_from_policy:  # LoRA: the base's pass, adapters off
+    out["ref_logprobs"] = step_memory(f.ref_logprobs.lower(rl_state.params, *args).compile())
   if "values" in needs:
     out["values"] = step_memory(f.values.lower(rl_state.value_params, *args[:4]).compile())
   mb = abstract_update_batch(t, G // c.train.minibatches)
@@ -276,6 +297,9 @@ def state_plan(t: Trainer, sft_state: TrainState | None,
   if s.sampler_mesh is not s.mesh:  # the policy gathered whole onto every local device
     sampler = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                   for x in jax.tree.leaves(rl_state.params))
+  elif t.layout.merge is not None:  # LoRA merged for the sampler: new adapted weights
+    base = models.lora.split(rl_state.params)[0]["layers"]
+    sampler = sum(leaf_bytes(base[k]) for k in s.model_cfg.lora_targets)
   phases["rl"]["sampler_copy"] = sampler
   host = {"rl": host_parts(rl_state)}
   if sft_state is not None:

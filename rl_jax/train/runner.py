@@ -58,6 +58,7 @@ def publish(t: Trainer, params) -> Any:
   """The policy for a producer that runs beside the learner: a device-to-device copy on the
   rollout mesh that never aliases the learner's buffers (the update donates them)."""
   layout = t.layout
+  params = layout.sampler_weights(params)
   if layout.sampler_mesh is layout.mesh:  # shared devices: a copy laid out like the weights
     target = jax.tree.map(lambda x: x.sharding, params)
   else:  # the producer's own devices: a replica on each

@@ -25,17 +25,20 @@ from rl_jax.train.records import ProducerState
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["ProducerState", "TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
-           "held_capacity", "place_replicated", "rl_layout", "ref_dtype", "make_reference"]
+           "held_capacity", "place_replicated", "rl_layout", "ref_dtype", "make_reference",
+           "reference_copy", "adapters"]
 
 
 class _State(NamedTuple):
   """Everything a resumed run needs (a pytree; checkpointed whole).
 
   step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
-  optimizer state. sft_opt_state: optimizer state of the supervised stage, only while it
+  optimizer state (with ``model.lora.rank``: params hold the frozen base and the adapters,
+  ``params["layers"]["lora"]``, and both optimizer states cover the adapters only). sft_opt_state: optimizer state of the supervised stage, only while it
   runs (``{}`` once RL starts, and always with ``sft.steps=0``). ref_params: the frozen
   reference policy in ``ref_dtype`` (the policy when RL starts; ``{}`` during the supervised
-  stage and if the objective has no KL). Which parts exist at a step: ``rl_layout``.
+  stage, if the objective has no KL, and with LoRA: the reference is then the base inside
+  ``params`` with the adapters off). Which parts exist at a step: ``rl_layout``.
   value_params / value_opt_state: the PPO critic and its optimizer state (``{}`` otherwise).
   producer: the rollout producer's position (``ProducerState``).
   rollout_queue: with a runner that samples ahead (``Schedule.queue`` > 0), the scored
@@ -158,10 +161,18 @@ def ref_dtype(s: Setup) -> jnp.dtype:
   return jnp.dtype(s.config.train.ref_dtype or s.model_cfg.dtype)
 
 
+def reference_copy(s: Setup) -> bool:
+  """Whether the run keeps a copy of the policy as its frozen reference: the objective reads
+  reference log-probs and the policy is not a base with adapters (LoRA: the reference is
+  the base the policy holds, with the adapters off)."""
+  return "ref_logp" in s.objective.needs and not s.model_cfg.lora_rank
+
+
 def make_reference(s: Setup, params):
   """A new buffer per leaf (never the policy's: steps donate those) in ``ref_dtype``;
-  ``{}`` when the objective reads no reference log-probs."""
-  if "ref_logp" not in s.objective.needs:
+  ``{}`` when the objective reads no reference log-probs or with LoRA
+  (``reference_copy``)."""
+  if not reference_copy(s):
     return {}
   dtype = ref_dtype(s)
   return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
@@ -171,7 +182,10 @@ def _state_from_params(s: Setup, params, rl: bool = True) -> TrainState:
   """The rest of a fresh state (optimizer states, reference, critic) from the policy params,
   in the RL layout (``rl``) or the supervised stage's (see ``rl_layout``)."""
   needs = s.objective.needs
-  param_sh = _shardings_like(s, models.param_axes(s.model_cfg), params)
+  cfg = s.model_cfg
+  _, trained = models.lora.trainable(cfg, params)  # the optimizers see the adapters only
+  _, trained_axes = models.lora.trainable(cfg, models.param_axes(cfg))
+  param_sh = _shardings_like(s, trained_axes, trained)
   ref = make_reference(s, params) if rl else {}
   value, value_opt = {}, {}
   if "values" in needs:  # critic warm-started from (a copy of) the policy trunk
@@ -181,8 +195,8 @@ def _state_from_params(s: Setup, params, rl: bool = True) -> TrainState:
     value_opt = _init_optimizer(s, s.optimizers.value, value,
                                 _shardings_like(s, models.value_axes(s.model_cfg), value))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=_init_optimizer(s, s.optimizers.rl, params, param_sh),
-                    sft_opt_state={} if rl else _init_optimizer(s, s.optimizers.sft, params,
+                    opt_state=_init_optimizer(s, s.optimizers.rl, trained, param_sh),
+                    sft_opt_state={} if rl else _init_optimizer(s, s.optimizers.sft, trained,
                                                                 param_sh),
                     ref_params=ref, value_params=value, value_opt_state=value_opt,
                     producer=ProducerState(data=jnp.zeros((2,), jnp.int32)))
@@ -197,7 +211,8 @@ def _on_mesh(sh, mesh) -> bool:
 
 
 def init_state(s: Setup) -> TrainState:
-  """Fresh state: params from ``model.hf_path`` or a seeded random init, placed sharded.
+  """Fresh state: params from ``model.hf_path`` or a seeded random init, placed sharded
+  (with ``model.lora.rank``: that base and fresh adapters, ``adapters``).
 
   Arrays the parameter table does not lay out (optimizer counts, step, data position, the
   rollout buffer) are replicated on the mesh, as in ``abstract_state``.
@@ -205,17 +220,29 @@ def init_state(s: Setup) -> TrainState:
   shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
   hf_path = s.config.model.hf_path
   if hf_path:
+    base_sh, _ = models.lora.split(shardings)
     _, params = models.load_hf(hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
-                               shardings=shardings)
+                               shardings=base_sh)
+    if s.model_cfg.lora_rank:
+      params = jax.jit(lambda p: models.lora.combine(p, adapters(s)),
+                       out_shardings=shardings)(params)
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
-                                 s.rules, std=s.config.model.init_std)
+                                 s.rules, std=s.config.model.init_std,
+                                 lora_init=s.config.model.lora.init)
   state = _state_from_params(s, params, rl_layout(s, 0))  # arrays not laid out on the mesh
   # (optimizer counts, step, data position) are replicated:
   state = jax.tree.map(
       lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
   state = _with_host_parts(state, _host_parts(s), lambda x: place_replicated(s, x))
   return offload.place(state, offload.offloaded_fields(s))  # train.offload: to host memory
+
+
+def adapters(s: Setup) -> dict:
+  """Fresh adapters of the run (``model.lora``): the ones a random init makes (key
+  ``fold_in(key(train.seed), 1)``, ``models.init_params``), for a loaded base too."""
+  key = jax.random.fold_in(jax.random.key(s.config.train.seed), 1)
+  return models.lora.init_adapters(s.model_cfg, key, s.config.model.lora.init)
 
 
 def place_replicated(s: Setup, x) -> jax.Array:
@@ -258,13 +285,27 @@ def abstract_state(s: Setup, step: int = 0, *, rl: bool | None = None) -> TrainS
 def begin_rl(s: Setup, state: TrainState) -> TrainState:
   """At the first RL step: the supervised optimizer state is dropped and the reference
   becomes a copy of the current policy (in ``ref_dtype``). A state already in the RL
-  layout (``sft.steps=0``: made so by ``init_state``) is returned unchanged."""
+  layout (``sft.steps=0``: made so by ``init_state``) is returned unchanged.
+
+  With LoRA the supervised adapters are merged into the base, which becomes the reference
+  (adapters off), and RL starts from fresh adapters (B = 0: the policy is unchanged).
+  """
   if not jax.tree.leaves(state.sft_opt_state) and (
-      jax.tree.leaves(state.ref_params) or "ref_logp" not in s.objective.needs):
+      jax.tree.leaves(state.ref_params) or not reference_copy(s)):
     return state
   state = state._replace(sft_opt_state={})
+  if s.model_cfg.lora_rank:
+    state = state._replace(params=_restart_adapters(s)(state.params))
   state = state._replace(ref_params=_copy_reference(s)(state.params))
   return offload.place(state, offload.offloaded_fields(s))
+
+
+def _restart_adapters(s: Setup):
+  """``params -> merge(params) + adapters(s)``, jitted onto the parameters' shardings (the
+  input is donated)."""
+  fn = lambda p: models.lora.combine(models.lora.merge(s.model_cfg, p), adapters(s))
+  return jax.jit(fn, out_shardings=models.param_shardings(s.model_cfg, s.mesh, s.rules),
+                 donate_argnums=0)
 
 
 def _copy_reference(s: Setup):

@@ -60,6 +60,7 @@ class StepFns(NamedTuple):
   grad_sq_norms: Callable
   old_logp_in_update: bool = False  # rl_update takes old_logp from its own policy pass
   ref_logprobs: Callable | None = None  # the reference's pass when it lives in host memory
+  ref_from_policy: bool = False  # LoRA: ref_logprobs takes the policy (runs its base)
 
 
 def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
@@ -108,14 +109,17 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
 
   def step(params, opt_state, tokens, attn_mask, loss_mask):
     opt_state = offload.to_device(opt_state, host_opt)  # train.offload: into device memory
+    frozen, trained = models.lora.trainable(cfg, params)  # LoRA: the adapters only
 
     def loss_fn(p):
-      lp = models.sequence_logprobs(cfg, p, tokens, attention_mask=attn_mask)
+      lp = models.sequence_logprobs(cfg, models.lora.untrainable(cfg, frozen, p), tokens,
+                                    attention_mask=attn_mask)
       return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    params, opt_state, finite = finite_update(s.optimizers.sft, params, opt_state, grads, loss,
-                                              key=rounding_key(s, opt_state, 0))
+    loss, grads = jax.value_and_grad(loss_fn)(trained)
+    trained, opt_state, finite = finite_update(s.optimizers.sft, trained, opt_state, grads, loss,
+                                               key=rounding_key(s, opt_state, 0))
+    params = models.lora.untrainable(cfg, frozen, trained)
     return params, opt_state, {"sft_loss": loss, "grad_norm": optax.tree.norm(grads),
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
@@ -176,11 +180,18 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
 
 def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
   """``make_logprob_fn`` for a reference kept in host memory (``train.offload`` naming it):
-  compiled for that placement, the weights brought to the device inside the pass. None when
-  the reference is on the device: ``logprobs`` serves it."""
+  compiled for that placement, the weights brought to the device inside the pass. With
+  LoRA the pass takes the policy's params and runs the base with the adapters off
+  (``StepFns.ref_from_policy``). None when the reference is on the device: ``logprobs``
+  serves it."""
+  temp, shared = _temperature(s), s.config.train.shared_prefix
+  if s.model_cfg.lora_rank:
+    return _group_pass(layout, layout.state.params, _groups(s),
+                       lambda p, pt, pl, rt, rm: models.response_logprobs(
+                           s.model_cfg, models.lora.strip(p), pt, pl, rt, rm,
+                           shared_prefix=shared, temperature=temp))
   if "ref_params" not in offload.offloaded_fields(s):
     return None
-  temp, shared = _temperature(s), s.config.train.shared_prefix
   weights = jax.tree.map(offload.host_sharding, layout.state.params)  # laid out like the policy
   return _group_pass(layout, weights, _groups(s),
                      lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
@@ -223,8 +234,10 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
     G, M, R = b.tokens.shape
     outer_batch = None if own_old else obj.prepare(losses.loss_batch(b.inputs, b.advantages))
     mask = b.inputs.mask
+    frozen, trained = models.lora.trainable(cfg, params)  # LoRA: the adapters only
 
     def loss_fn(p, v):
+      p = models.lora.untrainable(cfg, frozen, p)
       routed = {} if b.routing is None else dict(routing=b.routing if replay else None,
                                                  return_routing=True)
       lp = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens, mask,
@@ -251,7 +264,7 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
       return losses.finalize(loss_sum, denom), (mets, denom)
 
     (loss, (mets, denom)), (grads, vgrads) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(params, value_params)
+        loss_fn, argnums=(0, 1), has_aux=True)(trained, value_params)
     return loss, denom, mets, grads, vgrads
 
   return grads_fn
@@ -261,20 +274,25 @@ def rl_apply(s: Setup) -> Callable:
   """The optimizer half of the RL update (not jitted): ``apply(params, opt_state,
   value_params, value_opt_state, grads, value_grads, loss, metrics)`` -> the four updated
   and the metrics with ``loss``, ``grad_norm``, ``ess_ratio`` and ``update_skipped`` added.
+  With LoRA, ``grads`` are the adapters' (``rl_grads``) and only the adapters change.
 
   VCPO: ρ = ESS/B from the sums ``vcpo/sum_w``, ``vcpo/sum_w2``, ``vcpo/num_seqs`` in
   ``metrics`` scales the update. The critic is updated when the objective reads values.
   """
+  cfg = s.model_cfg
   with_critic = "values" in s.objective.needs
   host = offload.offloaded_fields(s)
 
   def apply(params, opt_state, value_params, value_opt_state, grads, vgrads, loss, mets):
     opt_state = offload.to_device(opt_state, "opt_state" in host)  # train.offload
     value_opt_state = offload.to_device(value_opt_state, "value_opt_state" in host)
+    frozen, trained = models.lora.trainable(cfg, params)  # LoRA: the adapters only
     ess = (losses.ess_ratio_from_sums(mets["vcpo/sum_w"], mets["vcpo/sum_w2"],
                                       mets["vcpo/num_seqs"]) if "vcpo/sum_w" in mets else 1.0)
-    params, opt_state, finite = finite_update(s.optimizers.rl, params, opt_state, grads, loss,
-                                              key=rounding_key(s, opt_state, 1), ess_ratio=ess)
+    trained, opt_state, finite = finite_update(s.optimizers.rl, trained, opt_state, grads,
+                                               loss, key=rounding_key(s, opt_state, 1),
+                                               ess_ratio=ess)
+    params = models.lora.untrainable(cfg, frozen, trained)
     if with_critic:
       value_params, value_opt_state, vfinite = finite_update(
           s.optimizers.value, value_params, value_opt_state, vgrads, loss,
@@ -333,8 +351,10 @@ def make_grad_norm_fn(s: Setup, layout: Layout) -> Callable:
     G, M, R = rt.shape
     x = (jnp.repeat(pt, M, axis=0), jnp.repeat(pl, M, axis=0), rt.reshape(G * M, R),
          rm.reshape(G * M, R))
-    sq = losses.per_row_grad_sq_norms(row_logp, params, x, method=method, key=key,
-                                      chunk_size=chunk if method == "map" else None)
+    frozen, trained = models.lora.trainable(cfg, params)  # gradients of what is trained
+    sq = losses.per_row_grad_sq_norms(
+        lambda p, x: row_logp(models.lora.untrainable(cfg, frozen, p), x), trained, x,
+        method=method, key=key, chunk_size=chunk if method == "map" else None)
     return sq.reshape(G, M)
 
   return _group_pass(layout, layout.state.params, _groups(s), fn,
@@ -347,4 +367,5 @@ def make_step_fns(s: Setup, layout: Layout) -> StepFns:
                  logprobs=make_logprob_fn(s, layout), values=make_value_fn(s, layout),
                  grad_sq_norms=make_grad_norm_fn(s, layout),
                  old_logp_in_update=old_logp_in_update(s.config, s.objective),
-                 ref_logprobs=make_ref_logprob_fn(s, layout))
+                 ref_logprobs=make_ref_logprob_fn(s, layout),
+                 ref_from_policy=bool(s.model_cfg.lora_rank))

@@ -1,0 +1,210 @@
+"""LoRA: the adapted forward against PEFT, the merged export, gradients of the adapters,
+config errors, and a trainer run that trains the adapters only and exports all three
+directories."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+from rl_jax import config_utils, models, rollout, train
+from rl_jax.errors import ConfigError, ModelError
+from tests.hf_utils import hf_logits, tiny_hf_model
+from tests.tiny import QUICKSTART, TINY_MODEL
+
+peft = pytest.importorskip("peft")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _with_adapters(cfg, params):
+  """``params`` with random non-zero adapters of ``cfg`` (B != 0, so they change the output)."""
+  key = jax.random.key(1)
+  ad = models.lora.init_adapters(cfg, key)
+  ad = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.fold_in(key, x.size),
+                                                           x.shape), ad)
+  return models.lora.combine(params, ad)
+
+
+@pytest.mark.parametrize("arch,targets", [("qwen2", "q,k,v,o,up,down")])  # biases; no gate
+def test_adapters_match_peft_and_the_merged_export(tmp_path, arch, targets):
+  """rl_jax's forward with unmerged adapters == PEFT's LoRA on the transformers model ==
+  the merged ``save_hf`` export loaded by transformers."""
+  base_dir, ad_dir, merged_dir = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
+  hf_model = tiny_hf_model(arch, base_dir, layers=2)
+  cfg, base = models.load_hf(str(base_dir))
+  cfg = cfg.replace(lora_rank=4, lora_alpha=8.0, lora_targets=models.lora.parse_targets(targets))
+  params = _with_adapters(cfg, base)
+  models.save_hf_adapter(cfg, params, str(ad_dir), base_model_name_or_path=str(base_dir))
+  models.save_hf(cfg, params, str(merged_dir))
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+
+  ours = np.asarray(models.forward(cfg, params, jnp.asarray(tokens)))
+  with_peft = hf_logits(peft.PeftModel.from_pretrained(hf_model, str(ad_dir)).eval(), tokens)
+  merged = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(
+      str(merged_dir), dtype=torch.float32).eval(), tokens)
+  base_logits = np.asarray(models.forward(cfg.replace(lora_rank=0), base, jnp.asarray(tokens)))
+  assert np.abs(ours - base_logits).max() > 1e-2  # the adapters matter
+  np.testing.assert_allclose(ours, with_peft, atol=1e-4)
+  np.testing.assert_allclose(merged, with_peft, atol=1e-4)
+  config = json.loads((ad_dir / "adapter_config.json").read_text())
+  assert config["r"] == 4 and config["lora_alpha"] == 8.0
+  assert "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight" in load_file(
+      str(ad_dir / "adapter_model.safetensors"))
+
+
+def _tiny_lora_cfg():
+  return models.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2,
+                            num_heads=2, num_kv_heads=1, head_dim=8, lora_rank=2,
+                            lora_alpha=4.0, lora_targets=models.lora.LORA_TARGETS)
+
+
+def test_fresh_adapters_leave_the_model_unchanged_and_gradients_match_finite_differences():
+  """B = 0 at init: the same logits bit for bit as the base; the adapter gradient of a
+  scalar of the logits equals a central finite difference along a random direction."""
+  cfg = _tiny_lora_cfg()
+  tokens = jnp.asarray([[1, 5, 7, 2, 9]])
+
+  @jax.jit
+  def check(key):
+    params = models.init_params(cfg, key)
+    base, _ = models.lora.split(params)
+    fresh = models.forward(cfg, params, tokens)
+    plain = models.forward(cfg.replace(lora_rank=0), base, tokens)
+    merged = jax.tree.map(jnp.array_equal, models.lora.merge(cfg, params), base)
+    ad = _with_adapters(cfg, params)["layers"]["lora"]
+    f = lambda a: jnp.sum(jnp.sin(models.forward(cfg, models.lora.combine(base, a), tokens)))
+    leaves, tree = jax.tree.flatten(ad)
+    keys = jax.random.split(jax.random.fold_in(key, 7), len(leaves))
+    d = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+    norm = jnp.sqrt(sum(jnp.sum(x * x) for x in d))
+    direction = jax.tree.unflatten(tree, [x / norm for x in d])  # a unit direction
+    eps = 1e-3
+    shift = lambda sign: jax.tree.map(lambda x, d: x + sign * eps * d, ad, direction)
+    fd = (f(shift(1.0)) - f(shift(-1.0))) / (2 * eps)
+    grad = jax.grad(f)(ad)
+    analytic = sum(jnp.sum(g * d) for g, d in zip(jax.tree.leaves(grad),
+                                                   jax.tree.leaves(direction)))
+    return fresh, plain, merged, analytic, fd
+
+  fresh, plain, merged, analytic, fd = check(jax.random.key(0))
+  np.testing.assert_array_equal(fresh, plain)
+  assert all(jax.tree.leaves(merged))
+  assert abs(float(analytic)) > 0.1
+  np.testing.assert_allclose(float(analytic), float(fd), rtol=1e-3)
+
+
+def test_sampler_decodes_unmerged_adapters_like_merged_weights():
+  """``rollout.generate`` with the base and its adapters == with the merged weights."""
+  cfg = _tiny_lora_cfg()
+  params = _with_adapters(cfg, jax.jit(models.init_params, static_argnums=0)(
+      cfg, jax.random.key(0)))
+  merged = jax.jit(models.lora.merge, static_argnums=0)(cfg, params)
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  run = lambda p: rollout.generate(cfg, p, prompts, n=1, max_new_tokens=4, temperature=1.0,
+                                   seed=3)
+  a, b = run(params), run(merged)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_adapters_are_laid_out_like_their_weights():
+  """A keeps W's input axes, B its output axes; the rank axis is never sharded."""
+  axes = models.param_axes(_tiny_lora_cfg())["layers"]["lora"]
+  assert axes["q"] == {"a": ("layers", "embed", "lora_rank"),
+                       "b": ("layers", "lora_rank", "q_heads", "head_dim")}
+  assert axes["down"] == {"a": ("layers", "mlp", "lora_rank"), "b": ("layers", "lora_rank",
+                                                                     "embed")}
+  shapes = models.param_shapes(_tiny_lora_cfg())["layers"]["lora"]
+  assert shapes["o"] == {"a": (2, 2, 8, 2), "b": (2, 2, 16)}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.lora.targets=q,x", "config.model.lora.targets must be distinct names"),
+    ("model.lora.targets=q,q", "config.model.lora.targets must be distinct names"),
+    ("model.lora.rank=-1", "config.model.lora.rank must be"),
+    ("model.lora.init=ones", "config.model.lora.init must be one of"),
+    ("train.offload=reference", "train.offload=reference: with model.lora.rank > 0"),
+])
+def test_bad_lora_config_fails_in_one_line(override, message):
+  config = config_utils.load_config(QUICKSTART, [override, "model.lora.rank=4"]
+                                    if "rank" not in override else [override])
+  with pytest.raises(ConfigError, match=message) as err:
+    train.build_setup(config)
+  assert "\n" not in str(err.value)
+
+
+def test_moe_mlp_adapters_are_rejected():
+  with pytest.raises(ModelError, match="attention projections of mixture-of-experts"):
+    models.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=8, architecture="qwen3_moe",
+                       num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                       sparse_layers=(True,), qk_norm=True, lora_rank=2,
+                       lora_targets=("q", "up"))
+
+
+# ------------------------------------------------------------------------------ the trainer
+LORA_RUN = TINY_MODEL + [
+    "sft.steps=1", "sft.batch_size=8", "train.steps=1", "train.batch_groups=4", "rollout.n=4",
+    "train.eval_every=0", "train.checkpoint_every=0", "log.tensorboard=False",
+    "model.lora.rank=4", "loss.kl_beta=0.05", "optim.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  """A supervised + RL run with LoRA (KL to the base), its setup, and states along the way."""
+  workdir = str(tmp_path_factory.mktemp("lora_run"))
+  config = config_utils.load_config(QUICKSTART, LORA_RUN)
+  state = train.train(config, workdir, progress=False)
+  return workdir, train.build_setup(config), state
+
+
+def test_lora_run_trains_adapters_only_and_exports_peft(lora_run):
+  """The optimizer state has the adapters' shapes only, no reference copy exists, and the
+  three exports agree: PEFT(hf_base + hf_adapter) == hf (merged) == rl_jax's forward."""
+  workdir, s, state = lora_run
+  _, adapters = models.lora.split(state.params)
+  shapes = {x.shape for x in jax.tree.leaves(adapters)}
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+  assert moments and all(x.shape in shapes for x in moments)
+  assert not jax.tree.leaves(state.ref_params)
+  b = jax.tree.leaves(adapters["q"]["b"])[0]
+  assert float(jnp.abs(b).max()) > 0  # RL moved the adapters
+  plan = json.loads(open(os.path.join(workdir, "memory_plan.json")).read())["state"]["rl"]
+  assert plan["adapters"] > 0  # Adam's μ and ν of the adapters (and an int32 count):
+  assert 2 * plan["adapters"] <= plan["rl_optimizer"] < 2 * plan["adapters"] + 64
+  assert plan["sampler_copy"] > 0 and plan["reference"] == 0  # merged for the sampler; no copy
+
+  config = json.loads(open(os.path.join(workdir, "hf_adapter", "adapter_config.json")).read())
+  assert config["base_model_name_or_path"] == os.path.join(workdir, "hf_base")
+  base_model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.join(workdir, "hf_base"), dtype=torch.float32).eval()
+  with_peft = peft.PeftModel.from_pretrained(base_model, os.path.join(workdir, "hf_adapter"))
+  merged = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.join(workdir, "hf"), dtype=torch.float32).eval()
+  tokens = np.random.default_rng(0).integers(0, s.model_cfg.vocab_size, (2, 12))
+  ours = np.asarray(models.forward(s.model_cfg, jax.device_get(state.params), tokens))
+  np.testing.assert_allclose(hf_logits(with_peft.eval(), tokens), ours, atol=1e-4)
+  np.testing.assert_allclose(hf_logits(merged, tokens), ours, atol=1e-4)
+
+
+def test_rl_steps_leave_the_base_frozen(lora_run):
+  """One more RL step from the finished state changes the adapters and nothing of the base
+  (the supervised adapters were merged into it when RL began)."""
+  _, s, state = lora_run
+  t = train.make_trainer(s)
+  before = jax.device_get(state.params)
+  state, record, _ = train.rl_step(t, state)
+  after = jax.device_get(state.params)
+  base0, ad0 = models.lora.split(before)
+  base1, ad1 = models.lora.split(after)
+  for x, y in zip(jax.tree.leaves(base0), jax.tree.leaves(base1)):
+    np.testing.assert_array_equal(x, y)
+  assert any(np.any(x != y) for x, y in zip(jax.tree.leaves(ad0), jax.tree.leaves(ad1)))
+  assert np.isfinite(record["kl"])
