@@ -303,8 +303,8 @@ class Trainer:
   @property
   def gradients(self) -> Any:
     """The accumulated policy gradients (a params-shaped pytree, the adapters only with LoRA;
-    laid out like the weights),
-    or None; the next ``forward_backward`` consumes them (copy what you keep)."""
+    laid out like the weights), or None; the next ``forward_backward`` consumes them (copy
+    what you keep)."""
     return None if self._pending is None else self._pending.grads
 
   def zero_grad(self) -> None:
