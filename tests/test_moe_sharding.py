@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from rl_jax import config_utils, losses, sharding, train
+from rl_jax import sharding
 from rl_jax.models import moe
 from tests.test_moe_rl import MOE_QUICKSTART
-from tests.tiny import TINY_MODEL
+from tests.tiny import TINY_MODEL, compiled_rl_update
 
 B, T, D, E, X, F = 16, 8, 32, 8, 2, 16  # tokens B·T = 128, A = B·T·X = 256 assignments
 G, M, R = 8, 4, 5  # the RL update: 8 groups (one per device) of 4 samples of 5 tokens
@@ -94,27 +94,9 @@ def test_moe_layer_moves_tokens_not_expert_weights(layer):
 
 
 def _update(n_devices):
-  config = config_utils.load_config(MOE_QUICKSTART, list(TINY_MODEL) + [
+  compiled, args, setup = compiled_rl_update(MOE_QUICKSTART, list(TINY_MODEL) + [
       f"model.hidden_size={D}", f"model.num_experts={E}", f"model.moe_intermediate_size={F}",
-      "sft.steps=0", f"train.batch_groups={G}", f"rollout.n={M}", f"rollout.max_new_tokens={R}",
-      f"mesh.num_devices={n_devices}", "mesh.rules=fsdp", "train.eval_every=0",
-      "log.tensorboard=False"])
-  setup = train.build_setup(config)
-  layout = train.make_layout(setup)
-  state = train.init_state(setup)
-  rng = np.random.default_rng(0)
-  put = layout.put
-  inputs = losses.ObjectiveInputs(
-      rewards=put(rng.random((G, M)).astype(np.float32)), mask=put(np.ones((G, M, R), bool)),
-      old_logp=put(np.full((G, M, R), -1.0, np.float32)),
-      behaviour_logp=put(np.full((G, M, R), -1.0, np.float32)))
-  batch = train.UpdateBatch(
-      put(rng.integers(3, 20, (G, setup.prompt_len)).astype(np.int32)),
-      put(np.full((G,), 4, np.int32)), put(rng.integers(3, 20, (G, M, R)).astype(np.int32)),
-      inputs, losses.Advantages(put(rng.normal(size=(G, M)).astype(np.float32))))
-  update = train.make_rl_update(setup, layout)
-  args = (state.params, state.opt_state, state.value_params, state.value_opt_state, batch)
-  compiled = update.lower(*args).compile()
+      f"mesh.num_devices={n_devices}", "mesh.rules=fsdp"], G, M, R)
   return compiled, compiled(*args)[0], setup.prompt_len
 
 

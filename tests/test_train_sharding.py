@@ -2,41 +2,19 @@
 the RL update's batch is split over (data, fsdp), each device does 1/8 of the 1-device FLOPs,
 and the FSDP rule set all-gathers weights inside the step."""
 
-import os
 import re
 
 import jax
-import numpy as np
 import pytest
 
-from rl_jax import config_utils, losses, train
+from tests.tiny import QUICKSTART, compiled_rl_update
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 G, M, R = 8, 4, 5
 
 
 def _compiled_update(n_devices, rules="fsdp"):
-  config = config_utils.load_config(QUICKSTART, [
-      "model.hidden_size=64", "sft.steps=0", f"train.batch_groups={G}", f"rollout.n={M}",
-      f"rollout.max_new_tokens={R}", f"mesh.num_devices={n_devices}", f"mesh.rules={rules}",
-      "train.eval_every=0", "log.tensorboard=False"])
-  setup = train.build_setup(config)
-  layout = train.make_layout(setup)
-  state = train.init_state(setup)
-  rng = np.random.default_rng(0)
-  put = layout.put
-  inputs = losses.ObjectiveInputs(
-      rewards=put(rng.random((G, M)).astype(np.float32)), mask=put(np.ones((G, M, R), bool)),
-      old_logp=put(np.full((G, M, R), -1.0, np.float32)),
-      behaviour_logp=put(np.full((G, M, R), -1.0, np.float32)))
-  batch = train.UpdateBatch(
-      put(rng.integers(3, 20, (G, setup.prompt_len)).astype(np.int32)),
-      put(np.full((G,), 4, np.int32)), put(rng.integers(3, 20, (G, M, R)).astype(np.int32)),
-      inputs, losses.Advantages(put(rng.normal(size=(G, M)).astype(np.float32))))
-  update = train.make_rl_update(setup, layout)
-  return update.lower(state.params, state.opt_state, state.value_params,
-                      state.value_opt_state, batch).compile()
+  return compiled_rl_update(QUICKSTART, ["model.hidden_size=64", f"mesh.num_devices={n_devices}",
+                                         f"mesh.rules={rules}"], G, M, R)[0]
 
 
 def _flops(compiled):

@@ -1,6 +1,11 @@
-"""The quickstart config and a tiny model for trainer tests (one layer, width 32)."""
+"""The quickstart config and a tiny model for trainer tests (one layer, width 32), and a
+random RL update on a setup's mesh."""
 
 import os
+
+import numpy as np
+
+from rl_jax import config_utils, losses, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
@@ -24,3 +29,27 @@ class ParityTask:
   def verify(self, completion, answer):
     del answer
     return float(ord(completion[0]) % 2) if completion else 0.0
+
+
+def compiled_rl_update(config_path, overrides, G, M, R):
+  """The RL update of ``config_path`` + ``overrides`` (with sft off, G groups of M samples
+  of R tokens) compiled for a random batch on the setup's mesh: (compiled update, its
+  arguments, setup)."""
+  config = config_utils.load_config(config_path, list(overrides) + [
+      "sft.steps=0", f"train.batch_groups={G}", f"rollout.n={M}", f"rollout.max_new_tokens={R}",
+      "train.eval_every=0", "log.tensorboard=False"])
+  setup = train.build_setup(config)
+  layout = train.make_layout(setup)
+  state = train.init_state(setup)
+  rng = np.random.default_rng(0)
+  put = layout.put
+  inputs = losses.ObjectiveInputs(
+      rewards=put(rng.random((G, M)).astype(np.float32)), mask=put(np.ones((G, M, R), bool)),
+      old_logp=put(np.full((G, M, R), -1.0, np.float32)),
+      behaviour_logp=put(np.full((G, M, R), -1.0, np.float32)))
+  batch = train.UpdateBatch(
+      put(rng.integers(3, 20, (G, setup.prompt_len)).astype(np.int32)),
+      put(np.full((G,), 4, np.int32)), put(rng.integers(3, 20, (G, M, R)).astype(np.int32)),
+      inputs, losses.Advantages(put(rng.normal(size=(G, M)).astype(np.float32))))
+  args = (state.params, state.opt_state, state.value_params, state.value_opt_state, batch)
+  return train.make_rl_update(setup, layout).lower(*args).compile(), args, setup
