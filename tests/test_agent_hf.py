@@ -18,10 +18,10 @@ from rl_jax.envs import tasks as env_tasks
 from rl_jax.envs.chat import ChatFormat
 from rl_jax.envs.tool_calls import ParsedTurn, ToolCall, template_format
 from rl_jax.errors import ConfigError
-from rl_jax.train import learner, loop, producer, state as state_lib
 from rl_jax.train.context import build_setup
 from tests import envs_fixtures
 from tests.hf_utils import tiny_hf_model
+from tests.test_agent_train import first_batch
 from tests.tiny import ROOT
 
 CONFIG = os.path.join(ROOT, "configs", "gsm8k_tools_hf.py")
@@ -122,15 +122,7 @@ def test_trained_ids_are_the_sampled_ids(files):
   assert s.chat.end_of_turn_ids[0] == s.tokenizer.eos_id  # <|im_end|> ends a turn
   make_env = lambda ex: env_tasks.make_math_tools_env(_always_calls, max_turns=2)
   s = dataclasses.replace(s, task=dataclasses.replace(s.task, make_env=make_env))
-  t = loop.make_trainer(s)
-  try:
-    st = state_lib.init_state(s)
-    scored, _ = producer.produce(t, t.layout.sampler_params(st.params), st.producer, step=0,
-                                 version=0, lo=0, hi=s.geometry.groups)
-    batch, _ = learner.learner_batch(t, st, scored)
-  finally:
-    for e in t.agent:
-      e.close()
+  _, _, scored, batch = first_batch(s)
   G, M, R = s.geometry.groups, s.geometry.samples, s.geometry.new_tokens
   mask = scored.mask.reshape(G, M, R)
   assert mask.any()

@@ -49,6 +49,21 @@ def _rl_rows(workdir):
           if r["phase"] == "rl"]
 
 
+def first_batch(s):
+  """Step 0 of setup ``s`` from its initial weights, produced and packed for the learner:
+  (trainer, state, the scored groups, the update batch); the engines are closed."""
+  t = loop.make_trainer(s)
+  try:
+    st = state_lib.init_state(s)
+    scored, _ = producer.produce(t, t.layout.sampler_params(st.params), st.producer, step=0,
+                                 version=0, lo=0, hi=s.geometry.groups)
+    batch, _ = learner.learner_batch(t, st, scored)
+  finally:
+    for e in t.agent:
+      e.close()
+  return t, st, scored, batch
+
+
 def test_agentic_run_trains_and_writes_metrics(tmp_path):
   train.train(_config(), str(tmp_path), progress=False)
   rows = _rl_rows(str(tmp_path))
@@ -91,15 +106,7 @@ def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
   """Old log-probs of the packed training layout == the engine's behaviour log-probs on
   model tokens (float32); the loss mask is the model tokens, observations excluded."""
   s = build_setup(_config(["sft.steps=0", "train.old_logp_pass=separate"]))
-  t = loop.make_trainer(s)
-  try:
-    st = state_lib.init_state(s)
-    scored, _ = producer.produce(t, t.layout.sampler_params(st.params), st.producer, step=0,
-                                 version=0, lo=0, hi=s.geometry.groups)
-    batch, _ = learner.learner_batch(t, st, scored)
-  finally:
-    for e in t.agent:
-      e.close()
+  t, st, scored, batch = first_batch(s)
   G, M, R = s.geometry.groups, s.geometry.samples, s.geometry.new_tokens
   mask = scored.mask.reshape(G, M, R)
   old = np.asarray(batch.inputs.old_logp)

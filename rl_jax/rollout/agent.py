@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -69,7 +68,8 @@ from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, appl
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
-from rl_jax.rollout.records import RolloutError, check_int, pow2, sampling_params
+from rl_jax.rollout.records import (RolloutError, check_int, in_flight_budget, pow2,
+                                    sampling_params)
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 
@@ -274,10 +274,7 @@ class AgentEngine:
     while self._ready and len(result) < k_groups:
       result.append(self._ready.popleft())
     need = k_groups - len(result)
-    in_flight = math.ceil(self.over_sampling * k_groups)
-    if self.max_staleness is not None:
-      in_flight = min(in_flight, (self.max_staleness + 1) * k_groups)
-    in_flight = in_flight - len(result) if need > 0 else 0
+    in_flight = in_flight_budget(k_groups, len(result), self.over_sampling, self.max_staleness)
     submit = []
     while self.buffer and len(submit) < in_flight:
       submit.append(self.buffer.popleft())

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 from typing import Any, Iterable, Iterator, Sequence
 
 import jax
@@ -52,7 +51,8 @@ from rl_jax.rollout import sampler, slots
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble,
-                                    check_int, check_prompt, pow2, sampling_params)
+                                    check_int, check_prompt, in_flight_budget, pow2,
+                                    sampling_params)
 
 __all__ = ["RolloutEngine", "kv_bytes"]
 
@@ -324,12 +324,7 @@ class RolloutEngine:
     while self._ready and len(result) < k_groups:
       result.append(self._ready.popleft())
     need = k_groups - len(result)
-    in_flight = math.ceil(self.over_sampling * k_groups)
-    if self.max_staleness is not None:
-      # AReaL capacity (η + v + 1)·k_groups − (accepted + running) with k_groups groups
-      # accepted per version: (η + 1)·k_groups − running.
-      in_flight = min(in_flight, (self.max_staleness + 1) * k_groups)
-    in_flight = in_flight - len(result) if need > 0 else 0
+    in_flight = in_flight_budget(k_groups, len(result), self.over_sampling, self.max_staleness)
     submit: list[GroupRequest] = []
     while self.buffer and len(submit) < in_flight:
       submit.append(self.buffer.popleft())

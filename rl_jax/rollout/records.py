@@ -133,6 +133,21 @@ def check_prompt(prompt, index: int, cfg: ModelConfig, max_new_tokens: int,
   return ids
 
 
+def in_flight_budget(k_groups: int, ready: int, over_sampling: float,
+                     max_staleness: int | None) -> int:
+  """New or held groups an APRIL call submits to return ``k_groups`` complete ones when
+  ``ready`` complete groups are already at hand: ceil(over_sampling·k_groups) in flight, at
+  most (η + 1)·k_groups under the staleness bound η (AReaL's capacity (η + v + 1)·k −
+  (accepted + running) with k groups accepted per version), less the ready ones; 0 when the
+  ready ones suffice."""
+  if ready >= k_groups:
+    return 0
+  in_flight = math.ceil(over_sampling * k_groups)
+  if max_staleness is not None:
+    in_flight = min(in_flight, (max_staleness + 1) * k_groups)
+  return in_flight - ready
+
+
 def check_int(name: str, value, lo: int):
   """Raises RolloutError unless ``value`` is an integer >= ``lo``."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
