@@ -219,7 +219,9 @@ def roll_partial(s, engine, params, held: dict, next_index: Callable[[], int], *
                  version: int, capacity: int) -> tuple[AgentRollout, dict]:
   """The first G groups to complete, from the groups ``held`` (an ``export_held`` dict)
   and new episodes of the train examples ``next_index()`` draws; (the rollout, the held
-  groups after it as ``export_held(capacity)``)."""
+  groups after it as ``export_held(capacity)``). The held groups are imported every step,
+  not only after a resume, so a resumed run takes exactly the path of an uninterrupted one
+  (the replay costs one environment step per recorded action of each held sample)."""
   engine.import_held(held, spec_of=lambda i: _spec_of(s, i))
 
   def specs():
