@@ -333,8 +333,9 @@ class AgentEngine:
   def export_held(self, capacity: int) -> dict[str, Any]:
     """The held groups (complete extras, then the buffer) as arrays for a checkpoint.
 
-    Finished environment steps are applied first; steps still running are not waited for:
-    their samples are exported as waiting and ``import_held`` re-runs the step in replay.
+    Finished environment steps are applied first; steps still running are not waited for
+    (with ``deterministic``, they are, so the arrays depend on the seeds alone): their samples
+    are exported as waiting and ``import_held`` re-runs the step in replay.
 
     Args:
       capacity: rows of the arrays (>= number of held groups).
@@ -348,6 +349,8 @@ class AgentEngine:
       [capacity,M]; next_uid int32 []. Numbers only (a checkpoint holds them as they are):
       the actions to replay are the decoded model tokens of each ended turn.
     """
+    if self.deterministic:
+      self.pool.wait_all()
     poll_outcomes(self)
     held = [(g, True) for g in self._ready] + [(g, False) for g in self.buffer]
     if len(held) > capacity:
