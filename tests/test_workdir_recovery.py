@@ -3,6 +3,7 @@ line; after SIGKILL a rerun takes the lock over, skips a damaged newest checkpoi
 as ``<step>.damaged``) and resumes on 4 devices from a checkpoint written on 8."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from rl_jax import checkpoint, metrics
+from rl_jax.checkpoint import integrity
 from rl_jax.train import lock as lock_lib
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
 
@@ -43,6 +45,12 @@ def _flip_bytes(step_dir):
     f.write(bytes(data))
 
 
+def _sealed(ckpt_dir):
+  """Saved steps that have their checksum list (``integrity.seal``)."""
+  return [s for s in checkpoint.all_steps(ckpt_dir)
+          if os.path.exists(os.path.join(ckpt_dir, str(s), integrity.CHECKSUMS))]
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("pod") / "run")
@@ -51,8 +59,7 @@ def scenario(tmp_path_factory):
                            env=_env(8), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + 400
-    while time.time() < deadline and first.poll() is None and (
-        checkpoint.latest_step(ckpt_dir) or 0) < 2:
+    while time.time() < deadline and first.poll() is None and len(_sealed(ckpt_dir)) < 2:
       time.sleep(0.05)
     assert first.poll() is None, "the first run ended early"
     # the workdir is in use: the second run stops before it reads anything
@@ -62,7 +69,12 @@ def scenario(tmp_path_factory):
     first.kill()
     first.wait()
   killed_rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  damaged = checkpoint.latest_step(ckpt_dir)
+  # the newest step with its checksum list; a newer one the kill caught before its sealing
+  # is removed, as if the kill had come before its commit
+  damaged = _sealed(ckpt_dir)[-1]
+  for s in checkpoint.all_steps(ckpt_dir):
+    if s > damaged:
+      shutil.rmtree(os.path.join(ckpt_dir, str(s)))
   _flip_bytes(os.path.join(ckpt_dir, str(damaged)))
   # the rerun: another device count, the run ends with the damaged step
   rerun = subprocess.run(_cmd(workdir, [f"train.steps={damaged}", "mesh.num_devices=4"]),

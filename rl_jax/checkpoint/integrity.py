@@ -7,8 +7,9 @@ and sha256 (local paths) or its size (``gs://``, where the bucket checks object 
 itself). ``verify`` compares the step against that list; ``set_aside`` renames a damaged
 step to ``<step>.damaged`` (never deleting it), which takes it out of the step list.
 
-A step saved without the list (sealed only at the next save or ``wait``, so one cut short
-by a crash right after its commit, or one written by an earlier version) is not checked.
+A step saved without the list is not checked: one cut short by a crash between its commit
+and its sealing (the trainer seals a finished background save at the next training step),
+or one written by an earlier version.
 """
 
 from __future__ import annotations

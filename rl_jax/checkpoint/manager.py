@@ -284,6 +284,13 @@ class Checkpointer:
     """Blocks until every started save is complete on disk (and old steps are pruned),
     then writes the checksum list of each (``integrity.seal``; process 0)."""
     self._manager.wait_until_finished()
+    self.seal_finished()
+
+  def seal_finished(self) -> None:
+    """Seals the saves that finished in the background, without waiting for one in flight
+    (called once per training step, so a crash soon after a save leaves it checked)."""
+    if not self._unsealed or self._manager.is_saving_in_progress():
+      return
     done, self._unsealed = self._unsealed, []
     if jax.process_index() != 0:
       return

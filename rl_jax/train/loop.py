@@ -216,6 +216,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
       if writer is not None:
         writer.write(step, record)
       _update_progress(bar, record)
+      ckpt.seal_finished()
       if ckpt.should_save(step) or step == total:
         if writer is not None:
           writer.flush()  # a saved step's metrics rows are durable before its checkpoint
