@@ -64,19 +64,6 @@ def first_batch(s):
   return t, st, scored, batch
 
 
-def test_agentic_run_trains_and_writes_metrics(tmp_path):
-  train.train(_config(), str(tmp_path), progress=False)
-  rows = _rl_rows(str(tmp_path))
-  assert len(rows) == 3
-  for key in ("turns_mean", "tool_calls", "tool_errors", "tool_latency_s", "env_time_s",
-              "env_time_hidden_s", "truncated_trajectories", "kv_hit_rate", "reward_mean"):
-    assert all(key in r for r in rows), key
-  assert 1.0 <= rows[0]["turns_mean"] <= 2.0
-  assert any(r["grad_norm"] > 0 for r in rows)  # groups with reward variance were trained
-  last = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))[-1]
-  assert 0.0 <= last["eval_accuracy"] <= 1.0 and 1.0 <= last["eval_turns_mean"] <= 2.0
-
-
 def test_calculator_tool_metrics_and_error_kinds():
   """The calculator's tool calls and per-kind tool errors reach the step metrics."""
   from rl_jax.rollout.agent_records import AgentRollout  # pylint: disable=import-outside-toplevel
@@ -142,12 +129,21 @@ def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
   assert np.abs(old2 - scored.logprobs.reshape(-1, R))[flat_mask & later].max() > 1e-4  # ... moved
 
 
-def test_gigpo_trains_through_the_trainer(tmp_path):
+def test_agentic_gigpo_run_trains_and_writes_metrics(tmp_path):
+  """A synchronous run (GiGPO's turn-level advantages) trains, logs the multi-turn metrics
+  every step and evaluates greedy episodes at its end."""
   train.train(_config(["loss.advantage=gigpo", "train.checkpoint_every=0"]), str(tmp_path),
               progress=False)
   rows = _rl_rows(str(tmp_path))
+  assert len(rows) == 3
+  for key in ("turns_mean", "tool_calls", "tool_errors", "tool_latency_s", "env_time_s",
+              "env_time_hidden_s", "truncated_trajectories", "kv_hit_rate", "reward_mean"):
+    assert all(key in r for r in rows), key
+  assert 1.0 <= rows[0]["turns_mean"] <= 2.0
   assert all(np.isfinite(r["loss"]) for r in rows)
-  assert any(r["grad_norm"] > 0 for r in rows)
+  assert any(r["grad_norm"] > 0 for r in rows)  # groups with reward variance were trained
+  last = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))[-1]
+  assert 0.0 <= last["eval_accuracy"] <= 1.0 and 1.0 <= last["eval_turns_mean"] <= 2.0
 
 
 # asynchronous (one step off) with partial rollouts: groups held mid-turn or waiting on

@@ -173,13 +173,18 @@ def test_bad_async_settings_fail_in_one_line(overrides, message):
 
 
 def test_quickstart_trains_asynchronously(tmp_path):
-  """The quickstart with ``train.mode=async`` (one-step-off) reaches 0.9 held-out accuracy;
-  200 of its 250 RL steps (constant learning rate, so the same trajectory)."""
+  """The quickstart with ``train.mode=async`` (one-step-off) learns: 100 of its 250 RL steps
+  (constant learning rate, so the same trajectory) raise the training reward and take
+  held-out accuracy from the warm start's 0.45 past 0.8 (0.95 at the end of the full run,
+  README); the learning curves are plotted."""
   config = config_utils.load_config(QUICKSTART, [
-      "train.mode=async", "train.steps=200", "train.eval_every=200", "eval.pass_k=0",
+      "train.mode=async", "train.steps=100", "train.eval_every=200", "eval.pass_k=0",
       "train.checkpoint_every=0", "log.tensorboard=False", "mesh.num_devices=1"])
   train.train(config, str(tmp_path), progress=False)
   rows = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
   evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-  assert evals[0] < 0.5 and max(evals[1:]) >= 0.9, evals
+  assert len(evals) == 2 and evals[0] < 0.5 and evals[1] >= 0.8, evals
+  rl = [r["reward_mean"] for r in rows if r["phase"] == "rl"]
+  assert len(rl) == 100 and np.mean(rl[-8:]) > np.mean(rl[:8]) + 0.2, (rl[:8], rl[-8:])
   assert max(r.get("max_token_lag", 0) for r in rows) == 1
+  assert os.path.exists(tmp_path / "curves.png")
