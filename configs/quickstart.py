@@ -50,6 +50,9 @@ def get_config(arg=None):
     config.model.init_std = 0.1
     config.sft.update(steps=10, lr=1e-2)
     config.optim.lr = 5e-4
+  elif arg == "qlora":  # the same adapters on a 4-bit base (int4, a scale per 16 entries)
+    config = get_config("lora")
+    config.model.lora.update(quant="int4", quant_block=16)  # 16 divides head_dim=16
   elif arg:
-    raise ValueError(f"configs/quickstart.py takes no argument or 'lora', got {arg!r}")
+    raise ValueError(f"configs/quickstart.py takes no argument, 'lora' or 'qlora', got {arg!r}")
   return config

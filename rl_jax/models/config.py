@@ -11,7 +11,7 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
+__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "QUANTS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
            "from_hf_dict", "rope_frequencies", "to_hf_dict", "validate"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
@@ -62,6 +62,12 @@ class ModelConfig:
   Low-rank adapters (``rl_jax.models.lora``; off with ``lora_rank=0``):
     lora_rank: r, the adapters' rank. lora_alpha: α; the adapters add (α/r)·x·A·B.
     lora_targets: the adapted projections, names from ``LORA_TARGETS``.
+
+  Quantised base (QLoRA; ``rl_jax.models.quant``):
+    quant: ``""`` (weights in ``param_dtype``), ``"int8"`` or ``"int4"``: the dense
+      projections of the layers are stored as integers with float32 per-block scales.
+    quant_block: entries per scale along each projection's last contraction axis; must
+      divide hidden_size, head_dim and intermediate_size.
   """
 
   vocab_size: int
@@ -100,6 +106,8 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
+  quant: str = ""
+  quant_block: int = 64
 
   def __post_init__(self):
     validate(self)
@@ -211,6 +219,7 @@ def validate(cfg: ModelConfig) -> None:
       raise ModelError(f"model config: sliding_window must be a positive integer when "
                        f"layer_types has sliding layers, got {cfg.sliding_window!r}")
   _validate_lora(cfg)
+  _validate_quant(cfg)
   gemma_only = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_softcap")
   if cfg.architecture != "gemma3":
     for name in gemma_only:
@@ -232,6 +241,23 @@ def _validate_lora(cfg: ModelConfig) -> None:
   if cfg.is_moe and set(cfg.lora_targets) & {"gate", "up", "down"}:
     raise ModelError("model config: LoRA adapts the attention projections of mixture-of-"
                      "experts models (lora_targets from q,k,v,o)")
+
+
+QUANTS = ("", "int8", "int4")  # quant: "" keeps the base in param_dtype
+
+
+def _validate_quant(cfg: ModelConfig) -> None:
+  if cfg.quant not in QUANTS:
+    raise ModelError(f"model config: quant must be one of {QUANTS}, got {cfg.quant!r}")
+  if not cfg.quant:
+    return
+  b = cfg.quant_block
+  dims = {"hidden_size": cfg.hidden_size, "head_dim": cfg.head_dim}
+  if not cfg.is_moe:
+    dims["intermediate_size"] = cfg.intermediate_size
+  if not isinstance(b, (int, np.integer)) or b <= 0 or any(d % b for d in dims.values()):
+    raise ModelError(f"model config: quant_block must be a positive integer dividing "
+                     f"{', '.join(f'{k}={v}' for k, v in dims.items())}; got {b!r}")
 
 
 # ------------------------------------------------------------------------------- RoPE tables
