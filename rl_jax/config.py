@@ -578,10 +578,15 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
 
 
 def check_objective(config: ml_collections.ConfigDict, needs) -> None:
-  """Rules between the schedule and the objective's declared inputs ``needs``: one step off
+  """Rules between the schedule and the objective's declared inputs ``needs``: a quantised
+  base cannot seed a critic (``values``); one step off
   (a lag of at most 1) is the common practice without correction; more needs an objective
   that reads the behaviour log-probs."""
   c = config
+  if c.model.lora.quant and "values" in needs:
+    raise ConfigError(f"model.lora.quant={c.model.lora.quant!r}: loss.preset={c.loss.preset!r} "
+                      f"trains a critic of full weights, which a quantised base cannot seed; "
+                      f"use a critic-free objective or model.lora.quant=''")
   if c.train.mode != "async":
     return
   lag = c.train.async_lag if c.train.async_lag >= 0 else c.rollout.max_staleness

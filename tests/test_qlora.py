@@ -1,17 +1,19 @@
 """QLoRA: block quantisation against numpy, its error bound, the quantised model against the
 LoRA model on the dequantised base, gradients of the adapters, config errors, the memory plan,
-and the LoRA update on 8 fake devices against 1."""
+the LoRA update on 8 fake devices against 1, and a trainer run that checkpoints, resumes and
+exports the quantised base."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax import config_utils, models, train
+from rl_jax import checkpoint, config_utils, models, train
 from rl_jax.errors import ConfigError
-from rl_jax.train import memory
+from rl_jax.train import memory, resume
 from tests.tiny import QUICKSTART, TINY_MODEL, compiled_rl_update
 
 QMAX = {"int8": 127, "int4": 7}
@@ -138,6 +140,8 @@ def test_gradients_reach_the_adapters_only():
     (["model.lora.rank=4", "model.lora.quant=nf4"], r"config.model.lora.quant must be one of"),
     (["model.lora.rank=4", "model.lora.quant=int4", "model.lora.quant_block=12"],
      r"model.lora.quant_block=12: must be a positive integer dividing hidden_size=32"),
+    (["model.lora.rank=4", "model.lora.quant=int8", "loss.preset=ppo"],
+     r"model.lora.quant='int8': loss.preset='ppo' trains a critic"),
 ])
 def test_bad_quant_config_fails_in_one_line(overrides, message):
   config = config_utils.load_config(QUICKSTART, TINY_MODEL + overrides)
@@ -173,8 +177,39 @@ def test_lora_rl_update_on_8_devices_equals_1(quant):
     before = jax.device_get(args[0])
     return before, jax.device_get(compiled(*args)[0])
 
-  (b1, p1), (b8, p8) = update(1), update(8)
+  (b1, p1), (_, p8) = update(1), update(8)
   jax.tree.map(np.testing.assert_array_equal, models.lora.strip(b1), models.lora.strip(p1))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), p1, p8)
   ad0, ad1 = models.lora.split(b1)[1], models.lora.split(p1)[1]
   assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(ad0), jax.tree.leaves(ad1)))
+
+
+# ------------------------------------------------------------------------------ the trainer
+QLORA_RUN = TINY_MODEL + [
+    "sft.steps=1", "sft.batch_size=8", "train.steps=2", "train.batch_groups=4", "rollout.n=4",
+    "train.eval_every=0", "train.checkpoint_every=1", "log.tensorboard=False",
+    "model.lora.rank=4", "model.lora.quant=int4", "model.lora.quant_block=16",
+    "loss.kl_beta=0.05", "optim.lr=1e-2"]
+
+
+def test_qlora_run_keeps_an_int4_base_resumes_bit_exactly_and_exports_it(tmp_path):
+  """A supervised + RL run on an int4 base: the checkpoints hold the quantised base, which RL
+  leaves unchanged; one RL step from the restored step-2 checkpoint gives the final state
+  bit for bit; ``hf`` holds the dequantised base with the adapters merged."""
+  workdir = str(tmp_path)
+  config = config_utils.load_config(QUICKSTART, QLORA_RUN)
+  final = train.train(config, workdir, progress=False)
+  s = train.build_setup(config)
+  with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    state = resume.restore_state(s, ckpt, 2, train.abstract_state(s, 2))
+  base = models.lora.strip(state.params)
+  assert base["layers"]["up"].qvalue.dtype == jnp.int4
+  jax.tree.map(np.testing.assert_array_equal, base, models.lora.strip(final.params))
+  state, _, _ = train.rl_step(train.make_trainer(s), state)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
+               jax.device_get(final.params))
+
+  cfg, exported = models.load_hf(os.path.join(workdir, "hf"), dtype=jnp.float32)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+  np.testing.assert_allclose(models.forward(cfg, exported, tokens),
+                             models.forward(s.model_cfg, final.params, tokens), atol=1e-5)

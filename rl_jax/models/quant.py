@@ -65,7 +65,7 @@ def is_quantized(x: Any) -> bool:
   return qwix is not None and isinstance(x, qwix.QArray)
 
 
-def quantize(w: jax.Array, quant: str, axis: int, block: int) -> "qwix.QArray":
+def quantize(w: jax.Array, quant: str, axis: int, block: int) -> Any:
   """``w`` as symmetric ``quant`` integers with float32 scales per ``block`` entries along
   ``axis`` (and per index of every other axis).
 
