@@ -231,8 +231,8 @@ def test_hf_checkpoint_is_quantised_after_loading(tmp_path):
                 kv_heads=1, head_dim=16, max_pos=512)
   config = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"), [
       f"model.hf_path={model_dir}", f"data.path={data}", f"data.eval_path={data}",
-      "data.max_prompt_len=128", "model.lora.rank=4", "model.lora.quant=int8",
-      "model.lora.quant_block=16", "mesh.num_devices=1"])
+      "data.max_prompt_len=128", "rollout.max_new_tokens=8", "model.lora.rank=4",
+      "model.lora.quant=int8", "model.lora.quant_block=16", "mesh.num_devices=1"])
   s = train.build_setup(config)
   state = train.init_state(s)
   _, loaded = models.load_hf(str(model_dir), dtype=jnp.dtype(s.model_cfg.param_dtype))
