@@ -142,7 +142,7 @@ def test_gradients_reach_the_adapters_only():
     (["model.lora.quant=int8"], r"model.lora.quant='int8' needs model.lora.rank > 0"),
     (["model.lora.rank=4", "model.lora.quant=nf4"], r"config.model.lora.quant must be one of"),
     (["model.lora.rank=4", "model.lora.quant=int4", "model.lora.quant_block=12"],
-     r"model.lora.quant_block=12: must be a positive integer dividing hidden_size=32"),
+     r"model.lora.quant_block=12 must be a positive integer dividing hidden_size=32"),
     (["model.lora.rank=4", "model.lora.quant=int8", "loss.preset=ppo"],
      r"model.lora.quant='int8': loss.preset='ppo' trains a critic"),
 ])

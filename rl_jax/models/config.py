@@ -11,8 +11,9 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "QUANTS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
-           "from_hf_dict", "rope_frequencies", "to_hf_dict", "validate"]
+__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "QUANTS",
+           "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig", "from_hf_dict", "quant_block_problem",
+           "rope_frequencies", "to_hf_dict", "validate"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -246,18 +247,25 @@ def _validate_lora(cfg: ModelConfig) -> None:
 QUANTS = ("", "int8", "int4")  # quant: "" keeps the base in param_dtype
 
 
+def quant_block_problem(cfg: ModelConfig, block) -> str | None:
+  """None if ``block`` can be the quantisation block of ``cfg``'s projections (a positive
+  integer dividing each contraction axis that is blocked), else what it must be."""
+  dims = {"hidden_size": cfg.hidden_size, "head_dim": cfg.head_dim}
+  if not cfg.is_moe:  # MoE experts stay unquantised
+    dims["intermediate_size"] = cfg.intermediate_size
+  if isinstance(block, (int, np.integer)) and block > 0 and not any(d % block for d in
+                                                                    dims.values()):
+    return None
+  return (f"must be a positive integer dividing "
+          f"{', '.join(f'{k}={v}' for k, v in dims.items())}")
+
+
 def _validate_quant(cfg: ModelConfig) -> None:
   if cfg.quant not in QUANTS:
     raise ModelError(f"model config: quant must be one of {QUANTS}, got {cfg.quant!r}")
-  if not cfg.quant:
-    return
-  b = cfg.quant_block
-  dims = {"hidden_size": cfg.hidden_size, "head_dim": cfg.head_dim}
-  if not cfg.is_moe:
-    dims["intermediate_size"] = cfg.intermediate_size
-  if not isinstance(b, (int, np.integer)) or b <= 0 or any(d % b for d in dims.values()):
-    raise ModelError(f"model config: quant_block must be a positive integer dividing "
-                     f"{', '.join(f'{k}={v}' for k, v in dims.items())}; got {b!r}")
+  problem = quant_block_problem(cfg, cfg.quant_block) if cfg.quant else None
+  if problem:
+    raise ModelError(f"model config: quant_block {problem}, got {cfg.quant_block!r}")
 
 
 # ------------------------------------------------------------------------------- RoPE tables

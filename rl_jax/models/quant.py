@@ -24,16 +24,15 @@ quantisation of the frozen base, adapters in higher precision).
 
 from __future__ import annotations
 
-from typing import Any
-
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from rl_jax.models.config import QUANTS, ModelConfig
 
-__all__ = ["QUANTS", "contraction_sizes", "dequantize", "dequantize_base", "is_quantized",
+__all__ = ["QUANTS", "dequantize", "dequantize_base", "is_quantized",
            "layer_axes", "layer_shapes", "matmul", "quantize", "quantize_base", "targets"]
 
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
@@ -46,12 +45,6 @@ def targets(cfg: ModelConfig) -> tuple[str, ...]:
   if not cfg.quant:
     return ()
   return ("q", "k", "v", "o") if cfg.is_moe else tuple(_BLOCK_AXIS)
-
-
-def contraction_sizes(cfg: ModelConfig) -> dict[str, int]:
-  """The blocked axis' size of each quantised projection: D, H (o) or F (down)."""
-  D, H, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-  return {t: {"o": H, "down": F}.get(t, D) for t in targets(cfg)}
 
 
 def _qwix():
