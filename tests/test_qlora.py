@@ -1,7 +1,7 @@
 """QLoRA: block quantisation against numpy, its error bound, the quantised model against the
 LoRA model on the dequantised base, gradients of the adapters, config errors, the memory plan,
-the LoRA update on 8 fake devices against 1, and a trainer run that checkpoints, resumes and
-exports the quantised base."""
+the LoRA update on 8 fake devices against 1, a trainer run that checkpoints, resumes and
+exports the quantised base, and an HF checkpoint quantised after loading."""
 
 import functools
 import json
@@ -79,14 +79,12 @@ def test_quantised_matmul_equals_numpy_dequantise_then_matmul(quant):
 def test_quantisation_error_is_bounded(quant, bound):
   """Every entry is within half a step (scale / 2) of the weight; the relative Frobenius
   error is under 1% (int8) / 15% (int4)."""
-  cfg = _cfg(quant, block=16, rank=0)
   w = jax.random.normal(jax.random.key(3), (2, 32, 48))
   qw = models.quant.quantize(w, quant, 1, 16)
   deq = np.asarray(models.quant.dequantize(qw, jnp.float32))
   step = np.repeat(np.asarray(qw.scale), 16, axis=1)
   assert np.all(np.abs(deq - np.asarray(w)) <= step / 2 + 1e-6)
   assert np.linalg.norm(deq - w) / np.linalg.norm(w) < bound
-  assert cfg.quant == quant
 
 
 @pytest.mark.parametrize("quant", ["int4"])  # int8's matmul: the numpy test above
