@@ -28,6 +28,9 @@ setup(
         "tensorboardX",
         "numpy",
         "jinja2>=3.1",  # chat templates of multi-turn (agentic) runs, imported by the trainer
+        # QLoRA's quantised base (model.lora.quant; rl_jax.models.quant imports it on first
+        # use). Pinned: its QArray is what the checkpoints of a quantised base hold.
+        "qwix==0.1.8",
     ],
     extras_require={
         # rl_jax.envs adapters for gymnasium and verifiers environments.

@@ -20,6 +20,16 @@ LoRA (``:lora``; rank-8 adapters, frozen base, adapter-only optimizer state)::
 Expected result (2-core CPU, measured): held-out greedy accuracy 0.082 after the 10-step
 LoRA warm start -> 0.768 at the end (step 260), pass@4 0.116 -> 0.792. Writes DIR/hf
 (merged), DIR/hf_adapter (PEFT) and DIR/hf_base.
+
+QLoRA (``:qlora``; the same adapters on a frozen base stored int4, a float32 scale per 16
+entries; ``--config.model.lora.quant=int8`` for int8)::
+
+    python -m rl_jax.train --config=configs/quickstart.py:qlora --workdir=/tmp/rl_jax_qlora
+
+Expected result (2-core CPU, measured): held-out greedy accuracy 0.087 after the warm start ->
+0.729 at the end (step 260), pass@4 0.111 -> 0.763 (int8: 0.072 -> 0.705). The base's
+projections take 72 KiB (int4) / 120 KiB (int8) instead of 384 KiB (float32). DIR/hf holds
+the dequantised base with the adapters merged.
 """
 
 from rl_jax import config as base
@@ -50,6 +60,9 @@ def get_config(arg=None):
     config.model.init_std = 0.1
     config.sft.update(steps=10, lr=1e-2)
     config.optim.lr = 5e-4
+  elif arg == "qlora":  # the same adapters on a 4-bit base (int4, a scale per 16 entries)
+    config = get_config("lora")
+    config.model.lora.update(quant="int4", quant_block=16)  # 16 divides head_dim=16
   elif arg:
-    raise ValueError(f"configs/quickstart.py takes no argument or 'lora', got {arg!r}")
+    raise ValueError(f"configs/quickstart.py takes no argument, 'lora' or 'qlora', got {arg!r}")
   return config

@@ -89,9 +89,14 @@ def _model() -> ml_collections.ConfigDict:
       global_every=6,
       # low-rank adapters (rl_jax.models.lora): rank r > 0 trains only the adapters of the
       # projections in `targets` (comma-separated: q,k,v,o,gate,up,down); they add
-      # (alpha/r)·x·A·B; A starts random (`init`: gaussian | kaiming), B at zero
+      # (alpha/r)·x·A·B; A starts random (`init`: gaussian | kaiming), B at zero.
+      # QLoRA (rl_jax.models.quant): `quant` = "int8" | "int4" stores the frozen base's
+      # projections (q,k,v,o,gate,up,down) as integers with float32 scales, one per
+      # `quant_block` entries along each weight's contraction axis (must divide hidden_size,
+      # head_dim and intermediate_size); dequantised inside the matmul by the trainer, the
+      # sampler and the reference alike; "" keeps the base in param_dtype
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down",
-                                          init="gaussian")),
+                                          init="gaussian", quant="", quant_block=64)),
   ))
 
 
@@ -210,7 +215,8 @@ def _rollout() -> ml_collections.ConfigDict:
       spec_lenience=0.0,  # l: accept with min(1, e^l p_new/p_old); 0 is exact
       # LoRA (model.lora.rank > 0): the sampler decodes merged weights W + (alpha/r)·A·B,
       # merged once per policy version (faster on the measured CPU: docs/BENCHMARKS.md);
-      # False decodes the base and the adapters unmerged (no merged copy of the weights)
+      # False decodes the base and the adapters unmerged (no merged copy of the weights);
+      # with model.lora.quant the sampler always decodes the quantised base unmerged
       lora_merge=True,
   ))
 
@@ -365,6 +371,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.lora.alpha": cu.positive,
       "model.lora.targets": _lora_targets,
       "model.lora.init": cu.one_of(lora_lib.LORA_INITS),
+      "model.lora.quant": cu.one_of(model_config_lib.QUANTS),
+      "model.lora.quant_block": cu.positive_int,
       "mesh.rules": cu.one_of(sharding.RULES),
       "mesh.num_devices": cu.nonnegative_int,
       "distributed.initialization_timeout_s": cu.positive_int,
@@ -486,6 +494,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_group_size(config)
   _check_env(config)
   _check_offload(config)
+  if config.model.lora.quant and not config.model.lora.rank:
+    raise ConfigError(f"model.lora.quant={config.model.lora.quant!r} needs model.lora.rank > 0 "
+                      f"(a quantised base is frozen: only adapters can train on it)")
   if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
     raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
                       "frozen base the policy already holds; there is no copy to offload")
@@ -567,10 +578,15 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
 
 
 def check_objective(config: ml_collections.ConfigDict, needs) -> None:
-  """Rules between the schedule and the objective's declared inputs ``needs``: one step off
+  """Rules between the schedule and the objective's declared inputs ``needs``: a quantised
+  base cannot seed a critic (``values``); one step off
   (a lag of at most 1) is the common practice without correction; more needs an objective
   that reads the behaviour log-probs."""
   c = config
+  if c.model.lora.quant and "values" in needs:
+    raise ConfigError(f"model.lora.quant={c.model.lora.quant!r}: loss.preset={c.loss.preset!r} "
+                      f"trains a critic of full weights, which a quantised base cannot seed; "
+                      f"use a critic-free objective or model.lora.quant=''")
   if c.train.mode != "async":
     return
   lag = c.train.async_lag if c.train.async_lag >= 0 else c.rollout.max_staleness

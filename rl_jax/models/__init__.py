@@ -20,6 +20,8 @@ Public API (see shared Contract)::
     base, adapters = models.lora.split(params)             # reference = base (adapters off)
     models.save_hf(cfg, params, path)                      # merged weights
     models.save_hf_adapter(cfg, params, path, base_model_name_or_path=base_path)  # PEFT
+    # QLoRA: the base's projections stored int8/int4 (cfg.quant; ``models.quant``)
+    params = models.quant.quantize_base(cfg, params)
 
 Axis letters: the legend in the docstring of ``rl_jax/__init__.py``.
 """
@@ -27,7 +29,7 @@ Axis letters: the legend in the docstring of ``rl_jax/__init__.py``.
 from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to_hf_dict
 from rl_jax.models.grouped import (packed_hidden, replicated_hidden, response_hidden,
                                    response_logprobs, token_reduction)
-from rl_jax.models import lora
+from rl_jax.models import lora, quant
 from rl_jax.models.hf import (hf_adapter_state_dict, hf_state_dict, load_hf, read_hf_config,
                               save_hf, save_hf_adapter)
 from rl_jax.models.moe import Routing, load_balancing_loss
@@ -65,6 +67,7 @@ __all__ = [
     "param_axes",
     "param_shapes",
     "param_shardings",
+    "quant",
     "read_hf_config",
     "replicated_hidden",
     "response_hidden",

@@ -11,8 +11,9 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
-           "from_hf_dict", "rope_frequencies", "to_hf_dict", "validate"]
+__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "QUANTS",
+           "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig", "from_hf_dict", "quant_block_problem",
+           "rope_frequencies", "to_hf_dict", "validate"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -62,6 +63,12 @@ class ModelConfig:
   Low-rank adapters (``rl_jax.models.lora``; off with ``lora_rank=0``):
     lora_rank: r, the adapters' rank. lora_alpha: α; the adapters add (α/r)·x·A·B.
     lora_targets: the adapted projections, names from ``LORA_TARGETS``.
+
+  Quantised base (QLoRA; ``rl_jax.models.quant``):
+    quant: ``""`` (weights in ``param_dtype``), ``"int8"`` or ``"int4"``: the dense
+      projections of the layers are stored as integers with float32 per-block scales.
+    quant_block: entries per scale along each projection's last contraction axis; must
+      divide hidden_size, head_dim and intermediate_size.
   """
 
   vocab_size: int
@@ -100,6 +107,8 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
+  quant: str = ""
+  quant_block: int = 64
 
   def __post_init__(self):
     validate(self)
@@ -211,6 +220,7 @@ def validate(cfg: ModelConfig) -> None:
       raise ModelError(f"model config: sliding_window must be a positive integer when "
                        f"layer_types has sliding layers, got {cfg.sliding_window!r}")
   _validate_lora(cfg)
+  _validate_quant(cfg)
   gemma_only = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_softcap")
   if cfg.architecture != "gemma3":
     for name in gemma_only:
@@ -232,6 +242,30 @@ def _validate_lora(cfg: ModelConfig) -> None:
   if cfg.is_moe and set(cfg.lora_targets) & {"gate", "up", "down"}:
     raise ModelError("model config: LoRA adapts the attention projections of mixture-of-"
                      "experts models (lora_targets from q,k,v,o)")
+
+
+QUANTS = ("", "int8", "int4")  # quant: "" keeps the base in param_dtype
+
+
+def quant_block_problem(cfg: ModelConfig, block) -> str | None:
+  """None if ``block`` can be the quantisation block of ``cfg``'s projections (a positive
+  integer dividing each contraction axis that is blocked), else what it must be."""
+  dims = {"hidden_size": cfg.hidden_size, "head_dim": cfg.head_dim}
+  if not cfg.is_moe:  # MoE experts stay unquantised
+    dims["intermediate_size"] = cfg.intermediate_size
+  if isinstance(block, (int, np.integer)) and block > 0 and not any(d % block for d in
+                                                                    dims.values()):
+    return None
+  return (f"must be a positive integer dividing "
+          f"{', '.join(f'{k}={v}' for k, v in dims.items())}")
+
+
+def _validate_quant(cfg: ModelConfig) -> None:
+  if cfg.quant not in QUANTS:
+    raise ModelError(f"model config: quant must be one of {QUANTS}, got {cfg.quant!r}")
+  problem = quant_block_problem(cfg, cfg.quant_block) if cfg.quant else None
+  if problem:
+    raise ModelError(f"model config: quant_block {problem}, got {cfg.quant_block!r}")
 
 
 # ------------------------------------------------------------------------------- RoPE tables

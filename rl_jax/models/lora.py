@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.models import quant
 from rl_jax.models.config import LORA_TARGETS, ModelConfig
 
 __all__ = ["LORA_INITS", "LORA_TARGETS", "KEY", "adapter_axes", "adapter_shapes", "combine",
@@ -143,7 +144,8 @@ def untrainable(cfg: ModelConfig, frozen: dict, trained: dict) -> dict:
 
 
 def merge(cfg: ModelConfig, params: dict) -> dict:
-  """The base with each adapted weight replaced by W + (α/r)·A·B (in W's dtype); adapters
+  """The base with each adapted weight replaced by W + (α/r)·A·B (in W's dtype; a quantised
+  W is dequantised first, to ``cfg.param_dtype``, and the sum stays unquantised); adapters
   removed. A tree without adapters is returned as is."""
   base, adapters = split(params)
   if not adapters:
@@ -152,6 +154,8 @@ def merge(cfg: ModelConfig, params: dict) -> dict:
   layers = dict(base["layers"])
   for t, ab in adapters.items():
     w = layers[t]
+    if quant.is_quantized(w):
+      w = quant.dequantize(w, jnp.dtype(cfg.param_dtype))
     a = ab["a"].astype(jnp.float32).reshape(w.shape[0], -1, cfg.lora_rank)
     b = ab["b"].astype(jnp.float32).reshape(w.shape[0], cfg.lora_rank, -1)
     delta = jnp.einsum("lir,lro->lio", a, b).reshape(w.shape)
@@ -162,7 +166,8 @@ def merge(cfg: ModelConfig, params: dict) -> dict:
 # ------------------------------------------------------------------------------ the forward
 def project(cfg: ModelConfig, lp: dict[str, Any], name: str, spec: str,
             x: jax.Array) -> jax.Array:
-  """``einsum(spec, x, W)`` of one layer's weight ``lp[name]`` in the compute dtype, plus
+  """``einsum(spec, x, W)`` of one layer's weight ``lp[name]`` (plain or quantised,
+  ``rl_jax.models.quant``) in the compute dtype, plus
   the adapter's (α/r)·(x·A)·B when ``lp`` holds one for ``name``.
 
   Args:
@@ -173,7 +178,7 @@ def project(cfg: ModelConfig, lp: dict[str, Any], name: str, spec: str,
     the projection, e.g. [B,T,N,H].
   """
   dt = jnp.dtype(cfg.dtype)
-  y = jnp.einsum(spec, x, lp[name].astype(dt))
+  y = quant.matmul(spec, x, lp[name], dt)  # a quantised W: dequantised inside the matmul
   adapters = lp.get(KEY)
   if not adapters or name not in adapters:
     return y

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax import sharding
-from rl_jax.models import lora, moe
+from rl_jax.models import lora, moe, quant
 from rl_jax.models.config import ModelConfig, rope_frequencies
 
 __all__ = ["AttendFn", "AttnSpec", "Params", "apply_rope", "causal_mask", "dense_attention",
@@ -118,6 +118,8 @@ def param_axes(cfg: ModelConfig) -> Params:
                    "expert_down": ("layers", "expert", "mlp", "embed")}
   if not cfg.tie_word_embeddings:
     axes["lm_head"] = ("embed", "vocab")
+  if cfg.quant:
+    axes["layers"] = layer = quant.layer_axes(cfg, layer)
   if cfg.lora_rank:
     layer[lora.KEY] = lora.adapter_axes(cfg)
   return axes
@@ -150,6 +152,8 @@ def param_shapes(cfg: ModelConfig) -> Params:
                      "expert_up": (Y, E, D, Fe), "expert_down": (Y, E, Fe, D)}
   if not cfg.tie_word_embeddings:
     shapes["lm_head"] = (D, V)
+  if cfg.quant:
+    shapes["layers"] = layer = quant.layer_shapes(cfg, layer)
   if cfg.lora_rank:
     layer[lora.KEY] = lora.adapter_shapes(cfg)
   return shapes
@@ -160,7 +164,10 @@ def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02,
   """Random parameters: normal(std) matrices, zero biases, unit norms (zero for Gemma's
   (1 + weight) norms). Pure; jit it with ``out_shardings`` (see ``init_sharded``) to create
   weights directly on their devices. With ``cfg.lora_rank`` the base is the same as without
-  adapters and the adapters are ``lora.init_adapters(cfg, fold_in(rng, 1), lora_init)``."""
+  adapters and the adapters are ``lora.init_adapters(cfg, fold_in(rng, 1), lora_init)``.
+  With ``cfg.quant`` that base is then quantised (``quant.quantize_base``)."""
+  if cfg.quant:
+    return quant.quantize_base(cfg, init_params(cfg.replace(quant=""), rng, std, lora_init))
   if cfg.lora_rank:
     base = init_params(cfg.replace(lora_rank=0), rng, std)
     return lora.combine(base, lora.init_adapters(cfg, jax.random.fold_in(rng, 1), lora_init))

@@ -167,7 +167,7 @@ class AgentEngine:
   def prepare_params(self, params):
     """Trainer parameters cast to the sampler's dtype (jitted; a no-op when they match)."""
     want = jnp.dtype(self.cfg.param_dtype)
-    if any(leaf.dtype != want for leaf in jax.tree.leaves(params)):
+    if kv_cache.needs_cast(params, want):
       params = kv_cache.cast_params(params, str(want))
     return params
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import sampler, slots
+from rl_jax.rollout import kv_cache, sampler, slots
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble,
@@ -147,7 +147,7 @@ class RolloutEngine:
     want = jnp.dtype(self.cfg.param_dtype)
     leaves = jax.tree.leaves(params)
     if self.ctx is None:
-      if any(leaf.dtype != want for leaf in leaves):
+      if kv_cache.needs_cast(params, want):
         params = sampler.cast_params(params, str(want))
       return params
     mesh, rules = self.ctx
@@ -155,10 +155,10 @@ class RolloutEngine:
       self._target = models.param_shardings(self.cfg, mesh, rules)
       if not models.lora.split(params)[1]:  # LoRA weights merged for the sampler
         self._target = models.lora.strip(self._target)
-      self._sync = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(want), p),
+      self._sync = jax.jit(lambda p: jax.tree.map(lambda x: kv_cache.cast_leaf(x, want), p),
                            out_shardings=self._target)
     targets = jax.tree.leaves(self._target)
-    if all(leaf.dtype == want and isinstance(leaf, jax.Array)
+    if all(kv_cache.cast_leaf(leaf, want).dtype == leaf.dtype and isinstance(leaf, jax.Array)
            and leaf.sharding.is_equivalent_to(t, leaf.ndim) for leaf, t in zip(leaves, targets)):
       return params
     devices = set(mesh.devices.flat)

@@ -28,8 +28,8 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
-           "DecodeState", "cast_params", "constrain_state", "empty_routing", "init_state", "kv_cache_bytes",
-           "mesh_context", "record"]
+           "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
+           "init_state", "kv_cache_bytes", "mesh_context", "needs_cast", "record"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -184,7 +184,18 @@ def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None) -> De
     return constrain_state(_init_state(cfg, G, M, P, R))
 
 
+def cast_leaf(x, dtype):
+  """One parameter in the sampler's storage dtype: floating arrays cast, integer ones (a
+  quantised base's values, ``rl_jax.models.quant``) kept."""
+  return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def needs_cast(params, dtype) -> bool:
+  """Whether ``cast_params`` would change any leaf of ``params``."""
+  return any(cast_leaf(x, dtype).dtype != x.dtype for x in jax.tree.leaves(params))
+
+
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def cast_params(params, dtype: str):
-  """Jitted cast of the trainer's parameters to the sampler's storage dtype."""
-  return jax.tree.map(lambda x: x.astype(dtype), params)
+  """Jitted cast of the trainer's parameters to the sampler's storage dtype (``cast_leaf``)."""
+  return jax.tree.map(lambda x: cast_leaf(x, dtype), params)

@@ -197,6 +197,12 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
                         lora_targets=models.lora.parse_targets(m.lora.targets))
     except ModelError as e:
       raise ConfigError(f"model.lora: {e}") from None
+  if m.lora.quant:
+    problem = models.config.quant_block_problem(cfg, m.lora.quant_block)
+    if problem:
+      raise ConfigError(f"model.lora.quant_block={m.lora.quant_block} {problem} (the "
+                        f"contraction axes of the quantised projections)")
+    cfg = cfg.replace(quant=m.lora.quant, quant_block=m.lora.quant_block)
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                       f"{cfg.vocab_size}")

@@ -79,7 +79,8 @@ class Layout(NamedTuple):
 
   def sampler_weights(self, params: Any) -> Any:
     """The weights the sampler decodes with: ``params`` (the base and its adapters as they
-    are), or with ``rollout.lora_merge`` the merged weights (``models.lora.merge``, a
+    are), or with ``rollout.lora_merge`` (and no quantised base: ``model.lora.quant``
+    decodes it unmerged) the merged weights (``models.lora.merge``, a
     jitted pass laid out like the base; no adapters in the tree, so the model runs plain)."""
     return params if self.merge is None else self.merge(params)
 
@@ -118,7 +119,7 @@ def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
   ``abstract_state(s)``: shapes and shardings only, nothing computed)."""
   shardings = jax.tree.map(lambda x: x.sharding, abstract or abstract_state(s))
   merge = None
-  if s.model_cfg.lora_rank and s.config.rollout.lora_merge:
+  if s.model_cfg.lora_rank and s.config.rollout.lora_merge and not s.model_cfg.quant:
     base_sh, _ = models.lora.split(shardings.params)
     merge = jax.jit(functools.partial(models.lora.merge, s.model_cfg), out_shardings=base_sh)
   return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings,

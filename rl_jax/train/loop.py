@@ -266,8 +266,10 @@ def export_hf(s: Setup, params, workdir: str) -> None:
   adapters in PEFT's format (``workdir/hf_adapter``) and, unless the base is the unchanged
   ``model.hf_path`` checkpoint (a supervised stage merges its adapters into the base; a
   random init exists nowhere else), the base (``workdir/hf_base``), which the adapter's
-  ``base_model_name_or_path`` names."""
+  ``base_model_name_or_path`` names. A quantised base (``model.lora.quant``) is written
+  dequantised: ``hf`` holds the dequantised base plus the merged adapters."""
   cfg = s.model_cfg
+  params = models.quant.dequantize_base(cfg, params)
   _write_hf(storage.join(workdir, "hf"), lambda d: models.save_hf(cfg, params, d))
   if not cfg.lora_rank:
     return

@@ -8,7 +8,8 @@ plan for any config and mesh costs compile time only (``--config.train.dry_run=T
 
 Per device (the busiest one; FSDP shards split evenly):
 
-* state parts: ``policy`` (params; with LoRA the frozen base), ``adapters`` (the LoRA
+* state parts: ``policy`` (params; with LoRA the frozen base, which with
+  ``model.lora.quant`` counts its integer values and float32 block scales), ``adapters`` (the LoRA
   adapters), ``rl_optimizer`` (the RL optimizer state: Adam's two
   moments), ``sft_optimizer`` (only while the supervised stage runs), ``reference`` (only with
   a KL term, in ``train.ref_dtype``), ``critic`` (PPO value params + their optimizer state),
@@ -91,7 +92,8 @@ class MemoryPlanError(RLJaxError, MemoryError):  # pylint: disable=invalid-name
 
 def leaf_bytes(x) -> int:
   """Bytes of one array (or ShapeDtypeStruct) on its busiest device: its shard's size x
-  itemsize (the whole array without a sharding)."""
+  itemsize (the whole array without a sharding); 4-bit integers (a quantised base's values)
+  count half a byte, as TPU and GPU memory packs them."""
   shape = tuple(np.shape(x))
   sh = getattr(x, "sharding", None)
   if sh is not None and shape:
@@ -104,7 +106,10 @@ def leaf_bytes(x) -> int:
       for i, axes in enumerate(tuple(spec)[:len(shape)]):
         for a in (axes if isinstance(axes, tuple) else (axes,)) if axes else ():
           shape[i] = math.ceil(shape[i] / mesh.shape[a])
-  return int(math.prod(shape)) * jnp.dtype(x.dtype).itemsize
+  dtype = jnp.dtype(x.dtype)
+  if dtype in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
+    return math.ceil(math.prod(shape) / 2)
+  return int(math.prod(shape)) * dtype.itemsize
 
 
 def tree_bytes(tree, host: bool | None = False) -> int:

@@ -212,20 +212,23 @@ def _on_mesh(sh, mesh) -> bool:
 
 def init_state(s: Setup) -> TrainState:
   """Fresh state: params from ``model.hf_path`` or a seeded random init, placed sharded
-  (with ``model.lora.rank``: that base and fresh adapters, ``adapters``).
+  (with ``model.lora.rank``: that base and fresh adapters, ``adapters``; with
+  ``model.lora.quant`` the base's projections quantised after loading or initialising).
 
   Arrays the parameter table does not lay out (optimizer counts, step, data position, the
   rollout buffer) are replicated on the mesh, as in ``abstract_state``.
   """
   shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
   hf_path = s.config.model.hf_path
-  if hf_path:
-    base_sh, _ = models.lora.split(shardings)
+  if hf_path:  # loaded in the float layout, then adapters added and the base quantised
+    float_sh = models.param_shardings(s.model_cfg.replace(quant=""), s.mesh, s.rules)
+    base_sh, _ = models.lora.split(float_sh)
     _, params = models.load_hf(hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
                                shardings=base_sh)
-    if s.model_cfg.lora_rank:
-      params = jax.jit(lambda p: models.lora.combine(p, adapters(s)),
-                       out_shardings=shardings)(params)
+    if s.model_cfg.lora_rank or s.model_cfg.quant:
+      params = jax.jit(lambda p: models.quant.quantize_base(
+          s.model_cfg, models.lora.combine(p, adapters(s) if s.model_cfg.lora_rank else {})),
+          out_shardings=shardings)(params)
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std,
@@ -262,10 +265,9 @@ def abstract_state(s: Setup, step: int = 0, *, rl: bool | None = None) -> TrainS
   """
   offloaded = offload.offloaded_fields(s)  # checked first: a bad train.offload fails here
   cfg = s.model_cfg
-  dtype = jnp.dtype(cfg.param_dtype)
-  params = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
-                        models.param_shapes(cfg), models.param_shardings(cfg, s.mesh, s.rules),
-                        is_leaf=lambda x: isinstance(x, tuple))
+  shapes = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
+  params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        shapes, models.param_shardings(cfg, s.mesh, s.rules))
   rl = rl_layout(s, step) if rl is None else rl
   build = jax.jit(functools.partial(_state_from_params, s, rl=rl))
   shapes = jax.eval_shape(build, params)
@@ -288,7 +290,8 @@ def begin_rl(s: Setup, state: TrainState) -> TrainState:
   layout (``sft.steps=0``: made so by ``init_state``) is returned unchanged.
 
   With LoRA the supervised adapters are merged into the base, which becomes the reference
-  (adapters off), and RL starts from fresh adapters (B = 0: the policy is unchanged).
+  (adapters off), and RL starts from fresh adapters (B = 0: the policy is unchanged). With
+  ``model.lora.quant`` the merged base is quantised again.
   """
   if not jax.tree.leaves(state.sft_opt_state) and (
       jax.tree.leaves(state.ref_params) or not reference_copy(s)):
@@ -303,7 +306,9 @@ def begin_rl(s: Setup, state: TrainState) -> TrainState:
 def _restart_adapters(s: Setup):
   """``params -> merge(params) + adapters(s)``, jitted onto the parameters' shardings (the
   input is donated)."""
-  fn = lambda p: models.lora.combine(models.lora.merge(s.model_cfg, p), adapters(s))
+  cfg = s.model_cfg
+  fn = lambda p: models.lora.combine(
+      models.quant.quantize_base(cfg, models.lora.merge(cfg, p)), adapters(s))
   return jax.jit(fn, out_shardings=models.param_shardings(s.model_cfg, s.mesh, s.rules),
                  donate_argnums=0)
 

@@ -1,0 +1,131 @@
+"""A frozen base stored quantised (QLoRA): int8 or int4 weights with per-block scales.
+
+With ``cfg.quant`` set (``"int8"`` or ``"int4"``) each dense projection of
+``params["layers"]`` (q, k, v, o and, in dense models, gate, up, down; ``targets``) is a
+``qwix.QArray``: integer values ``qvalue`` of W's shape and float32 scales ``scale`` with one
+entry per block of ``cfg.quant_block`` consecutive entries along W's last contraction axis
+(D for q/k/v/gate/up, H for o, F for down) and per index of every other axis:
+
+    W[l, .., i, ..] ≈ qvalue[l, .., i, ..] · scale[l, .., i // block, ..]      (symmetric absmax:
+    scale = max |W| over the block / (qmax + 1/2), qmax = 127 (int8) or 7 (int4))
+
+``project`` (``rl_jax.models.lora``) multiplies by the dequantised weight inside the matmul
+(``qwix.einsum``: the dequantisation fuses into the dot), so the trainer, the sampler and the
+reference (adapters off) all run the quantised base. Embeddings, norms, biases, the LM head
+and MoE experts stay in ``cfg.param_dtype``. A QArray is a pytree of two arrays, so the layer
+scan slices it, the checkpoints save it, and shardings lay it out like W (its scales keep
+W's logical axes except the blocked one, which stays replicated).
+
+Axis letters: the legend of ``rl_jax/__init__.py``.
+
+References: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (block-wise
+quantisation of the frozen base, adapters in higher precision).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.models.config import QUANTS, ModelConfig
+
+__all__ = ["QUANTS", "dequantize", "dequantize_base", "is_quantized",
+           "layer_axes", "layer_shapes", "matmul", "quantize", "quantize_base", "targets"]
+
+_QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
+# projection -> axis of the stacked weight [L, ...] that is blocked (its last contraction axis)
+_BLOCK_AXIS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+
+
+def targets(cfg: ModelConfig) -> tuple[str, ...]:
+  """The projections of ``params["layers"]`` stored quantised (none with ``cfg.quant=""``)."""
+  if not cfg.quant:
+    return ()
+  return ("q", "k", "v", "o") if cfg.is_moe else tuple(_BLOCK_AXIS)
+
+
+def _qwix():
+  import qwix  # imported on first use: a model without quantisation never loads it
+  return qwix
+
+
+def is_quantized(x: Any) -> bool:
+  """Whether ``x`` is a quantised weight (a ``qwix.QArray``; none exist before qwix loads)."""
+  qwix = sys.modules.get("qwix")
+  return qwix is not None and isinstance(x, qwix.QArray)
+
+
+def quantize(w: jax.Array, quant: str, axis: int, block: int) -> Any:
+  """``w`` as symmetric ``quant`` integers with float32 scales per ``block`` entries along
+  ``axis`` (and per index of every other axis).
+
+  Args:
+    w: a weight, e.g. [L,D,N,H].
+    quant: ``"int8"`` or ``"int4"``.
+    axis: the blocked axis; ``block`` must divide ``w.shape[axis]``.
+  Returns:
+    QArray with ``qvalue`` of w's shape and ``scale`` of w's shape with ``axis`` divided by
+    ``block``.
+  """
+  others = tuple(i for i in range(w.ndim) if i != axis)
+  return _qwix().quantize(w.astype(jnp.float32), _QTYPES[quant], channelwise_axes=others,
+                       tiled_axes={axis: block})
+
+
+def dequantize(w, dtype) -> jax.Array:
+  """qvalue · scale (scales broadcast over their blocks), in ``dtype``."""
+  return _qwix().dequantize(w).astype(dtype)
+
+
+def quantize_base(cfg: ModelConfig, params: dict) -> dict:
+  """``params`` with each of ``targets(cfg)`` quantised (weights already quantised are kept:
+  quantising twice changes nothing)."""
+  layers = dict(params["layers"])
+  for t in targets(cfg):
+    if not is_quantized(layers[t]):
+      layers[t] = quantize(layers[t], cfg.quant, _BLOCK_AXIS[t], cfg.quant_block)
+  return {**params, "layers": layers}
+
+
+def dequantize_base(cfg: ModelConfig, params: dict) -> dict:
+  """``params`` with every quantised weight dequantised to ``cfg.param_dtype`` (the float
+  base the quantised one stands for: what HF exports write)."""
+  dtype = jnp.dtype(cfg.param_dtype)
+  return jax.tree.map(lambda x: dequantize(x, dtype) if is_quantized(x) else x, params,
+                      is_leaf=is_quantized)
+
+
+def _blocked(cfg: ModelConfig, t: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  a = _BLOCK_AXIS[t]
+  return (*shape[:a], shape[a] // cfg.quant_block, *shape[a + 1:])
+
+
+def layer_shapes(cfg: ModelConfig, layer: dict) -> dict:
+  """The layer shape table (``param_shapes(cfg)["layers"]``) with each quantised weight's
+  shape as ``QArray(qvalue=<W's shape>, scale=<blocked shape>)``."""
+  out = dict(layer)
+  for t in targets(cfg):
+    out[t] = _qwix().QArray(layer[t], _blocked(cfg, t, layer[t]), None, _QTYPES[cfg.quant])
+  return out
+
+
+def layer_axes(cfg: ModelConfig, layer: dict) -> dict:
+  """The layer axis table (``param_axes(cfg)["layers"]``) with each quantised weight's axes
+  as ``QArray(qvalue=<W's axes>, scale=<W's axes, the blocked one None>)``."""
+  out = dict(layer)
+  for t in targets(cfg):
+    axes, a = layer[t], _BLOCK_AXIS[t]
+    out[t] = _qwix().QArray(axes, (*axes[:a], None, *axes[a + 1:]), None, _QTYPES[cfg.quant])
+  return out
+
+
+def matmul(spec: str, x: jax.Array, w, dtype) -> jax.Array:
+  """``einsum(spec, x, W)`` in ``dtype``; a quantised W is dequantised inside the matmul
+  (``qwix.einsum``), e.g. x [B,T,D], W [D,N,H] -> [B,T,N,H]."""
+  if is_quantized(w):
+    return _qwix().einsum(spec, x, w.astype(dtype))
+  return jnp.einsum(spec, x, w.astype(dtype))
+
