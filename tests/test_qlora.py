@@ -193,10 +193,10 @@ QLORA_RUN = TINY_MODEL + [
     "loss.kl_beta=0.05", "optim.lr=1e-2"]
 
 
-def test_qlora_run_keeps_an_int4_base_resumes_bit_exactly_and_exports_it(tmp_path):
+def test_qlora_run_keeps_an_int4_base_and_exports_it(tmp_path):
   """A supervised + RL run on an int4 base: the checkpoints hold the quantised base, which RL
-  leaves unchanged; one RL step from the restored step-2 checkpoint gives the final state
-  bit for bit; ``hf`` holds the dequantised base with the adapters merged."""
+  leaves unchanged; ``hf`` holds the dequantised base with the adapters merged. (Resuming such
+  a run after SIGKILL is bit-exact: ``test_train.test_resume_after_sigkill_is_bit_exact``.)"""
   workdir = str(tmp_path)
   config = config_utils.load_config(QUICKSTART, QLORA_RUN)
   final = train.train(config, workdir, progress=False)
@@ -206,9 +206,6 @@ def test_qlora_run_keeps_an_int4_base_resumes_bit_exactly_and_exports_it(tmp_pat
   base = models.lora.strip(state.params)
   assert base["layers"]["up"].qvalue.dtype == jnp.int4
   jax.tree.map(np.testing.assert_array_equal, base, models.lora.strip(final.params))
-  state, _, _ = train.rl_step(train.make_trainer(s), state)
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
-               jax.device_get(final.params))
 
   cfg, exported = models.load_hf(os.path.join(workdir, "hf"), dtype=jnp.float32)
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))

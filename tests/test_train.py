@@ -48,9 +48,10 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra", [
-    # per-prompt state checkpointed; LoRA adapters (supervised ones merged at RL start)
+    # per-prompt state checkpointed; QLoRA adapters on an int4 base (supervised ones merged
+    # at RL start, the base quantised again)
     (), ("data.selector=beta", "rollout.speculative=True", "model.lora.rank=4",
-         "loss.kl_beta=0.05")])
+         "model.lora.quant=int4", "model.lora.quant_block=16", "loss.kl_beta=0.05")])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, extra, request):
   killed_dir = str(tmp_path / "killed")
   if extra:
