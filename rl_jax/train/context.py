@@ -213,13 +213,9 @@ def device_rules(config) -> None:
   if n >= jax.device_count():
     raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the training mesh "
                       f"({jax.device_count()} devices exist)")
-  if P > 1 and c.train.mode == "async":
-    if c.train.async_lag < 0:
-      raise ConfigError("train.async_lag=-1 (free-running) runs in one process; with "
-                        f"{P} processes set a fixed lag train.async_lag=k >= 1")
-    if c.train.async_lag and not n:
-      raise ConfigError(f"train.mode='async' with {P} processes samples on devices of its "
-                        f"own: set mesh.rollout_devices to a multiple of {P}")
+  if P > 1 and c.train.mode == "async" and c.train.async_lag < 0:
+    raise ConfigError("train.async_lag=-1 (free-running) runs in one process; with "
+                      f"{P} processes set a fixed lag train.async_lag=k >= 1")
   if P > 1 and n and (n % P or n // P >= jax.local_device_count()):
     raise ConfigError(f"mesh.rollout_devices={n} does not split evenly over {P} processes "
                       f"(each gives rollout_devices/{P} of its {jax.local_device_count()} "
