@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 
 from rl_jax import config_utils, metrics, train
 from rl_jax.errors import ConfigError
-from rl_jax.train import context
+from rl_jax.train import context, runner
+from rl_jax.train.records import Scored
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
 
 # Tiny, with an entropy bonus so every RL update moves the weights even at zero reward.
@@ -168,3 +169,17 @@ def test_async_pod_rules(monkeypatch, overrides, message):
   config = config_utils.load_config(QUICKSTART, ["train.mode=async"] + overrides)
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     context.device_rules(config)
+
+
+def test_own_share_is_a_process_groups_of_a_job_wide_batch():
+  G, M, R = 4, 2, 3
+  rows = np.arange(G * M * R).reshape(G * M, R)
+  x = Scored(np.arange(10, 10 + G), rows, rows % 2 == 0, rows / 10.0, rows + 1,
+             np.arange(G * M, dtype=np.float32).reshape(G, M), np.asarray([3, 1]), 1.0, 0, {})
+  second = runner.own_share(x, 2, 4, lead=False)  # process 1 of 2: groups 2 and 3
+  assert second.indices.tolist() == [12, 13]
+  for k in ("tokens", "mask", "logprobs", "versions"):
+    np.testing.assert_array_equal(getattr(second, k), getattr(x, k)[2 * M:], err_msg=k)
+  np.testing.assert_array_equal(second.rewards, x.rewards[2:])
+  assert second.faults.tolist() == [0, 0]  # the job's faults stay with process 0
+  assert runner.own_share(x, 0, 2, lead=True).faults.tolist() == [3, 1]

@@ -28,10 +28,11 @@
   would sample from different versions).
 
 With a lag, weights reach the producer as a device-to-device copy (``publish``; with
-several processes after a jitted all-gather on the training mesh), never through the host. Every sampled token carries the policy version (completed steps) that
-produced it; the learner's objective sees the behaviour log-probs, the proximal log-probs of
-its current weights and the versions, so decoupled PPO, truncated IS, M2PO and VCPO correct
-the lag (docs/ALGORITHMS.md, "Asynchronous training").
+several processes after a jitted all-gather on the training mesh), never through the host.
+Every sampled token carries the policy version (completed steps) that produced it; the
+learner's objective sees the behaviour log-probs, the proximal log-probs of its current
+weights and the versions, so decoupled PPO, truncated IS, M2PO and VCPO correct the lag
+(docs/ALGORITHMS.md, "Asynchronous training").
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G groups, M samples per prompt, R new
 tokens; a queue of Q batches.
