@@ -1,5 +1,7 @@
-"""``python -m tests.multiprocess_main ARGS`` runs ``python -m rl_jax.train ARGS`` (the same
-``main``) for the multi-process tests, with one change to how JAX caches programs.
+"""``python -m tests.multiprocess_main ARGS [--then ARGS ...]`` runs ``python -m rl_jax.train
+ARGS`` (the same ``main``) for the multi-process tests, then each later run's ARGS in the same
+processes (one start-up and one ``jax.distributed`` job for several runs), with one change to
+how JAX caches programs.
 
 JAX keys a persistent-cache entry by the process's own devices (the CPU topology of each
 process differs) and writes entries from process 0 only, so every other process compiled
@@ -10,9 +12,12 @@ every process, as on a cluster), and every process writes the entries of the pro
 own devices only. A later launch then loads every program of every process.
 """
 
+import sys
+
 import jax
 from jax._src import cache_key, compilation_cache, compiler, distributed
 
+from rl_jax import config_utils
 from rl_jax.train import loop
 
 _write = getattr(compiler, "_cache_write", None)
@@ -32,10 +37,24 @@ def _cache_write(cache_key_, compile_time_secs, module_name, backend, executable
                                               int(compile_time_secs))
 
 
+def _runs(argv: list[str]) -> list[list[str]]:
+  """``argv`` cut at each ``--then``: the command line of each run (program name first)."""
+  runs = [[argv[0]]]
+  for a in argv[1:]:
+    if a == "--then":
+      runs.append([argv[0]])
+    else:
+      runs[-1].append(a)
+  return runs
+
+
 if __name__ == "__main__":
   # (a JAX without these internals runs unchanged: every process compiles, as before)
   if _write is not None and hasattr(cache_key, "_hash_accelerator_config"):
     cache_key._hash_accelerator_config = _hash_devices  # pylint: disable=protected-access
     compiler._cache_write = _cache_write  # pylint: disable=protected-access
     jax.config.update("jax_share_binary_between_hosts", True)
-  loop.main()
+  first, *later = _runs(sys.argv)
+  loop.main(first)
+  for argv in later:  # the job is joined already: train only
+    config_utils.main_guard(lambda a: loop.train(*config_utils.parse_cli(a)))(argv)

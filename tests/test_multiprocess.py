@@ -1,6 +1,7 @@
 """Multi-process training through jax.distributed: 2 processes x 4 CPU devices (gloo) give the
-run of 1 process x 8 devices, only process 0 writes files, a rerun resumes from the
-collective checkpoint, and a killed process takes the job down within a bounded time."""
+run of 1 process x 8 devices, synchronous and fixed-lag asynchronous (in the same processes,
+after the synchronous run), only process 0 writes files, a rerun resumes from the collective
+checkpoint, and a killed process takes the job down within a bounded time."""
 
 import os
 import signal
@@ -9,10 +10,17 @@ import subprocess
 import sys
 import time
 
+from typing import NamedTuple
+
+import jax
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from rl_jax import config_utils, metrics, train
+from rl_jax.errors import ConfigError
+from rl_jax.train import context, runner
+from rl_jax.train.records import Scored
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
 
 # Tiny, with an entropy bonus so every RL update moves the weights even at zero reward.
@@ -22,26 +30,34 @@ RUN = TINY_MODEL + [
 ]
 
 
+# Fixed-lag async: 4 rollout devices (2 per process), the training mesh on the other 4.
+ASYNC = ["train.mode=async", "train.async_lag=1", "mesh.rollout_devices=4", "sft.steps=0",
+         "train.eval_every=0", "train.checkpoint_every=0", "log.tensorboard=False"]
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
 
 
-def _launch(workdir, overrides, heartbeat_s=30):
+def _launch(workdir, overrides, heartbeat_s=30, then=()):
   """Start 2 processes of ``python -m rl_jax.train`` with 4 CPU devices each (through
   ``tests.multiprocess_main``: every process loads the programs of earlier launches from the
-  session's compilation cache)."""
+  session's compilation cache); ``then``: (workdir, overrides) of runs that follow in the
+  same processes."""
   port = _free_port()
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu"}
   procs = []
   for i in range(2):
-    cmd = [sys.executable, "-m", "tests.multiprocess_main", f"--config={QUICKSTART}",
-           f"--workdir={workdir}"] + [f"--config.{o}" for o in RUN + overrides] + [
-               f"--config.distributed.coordinator_address=localhost:{port}",
-               "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
-               f"--config.distributed.heartbeat_timeout_s={heartbeat_s}"]
+    cmd = [sys.executable, "-m", "tests.multiprocess_main"]
+    for n, (w, over) in enumerate([(workdir, overrides), *then]):
+      cmd += ["--then"] * bool(n) + [f"--config={QUICKSTART}", f"--workdir={w}"] + [
+          f"--config.{o}" for o in RUN + over] + [
+              f"--config.distributed.coordinator_address=localhost:{port}",
+              "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+              f"--config.distributed.heartbeat_timeout_s={heartbeat_s}"]
     procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True))
   return procs
@@ -54,16 +70,21 @@ def _finish(procs, timeout=600):
   return outs
 
 
-def test_two_processes_equal_one_and_resume(tmp_path):
-  one, two = tmp_path / "one", tmp_path / "two"
-  train.train(config_utils.load_config(QUICKSTART, RUN + ["train.steps=2"]), str(one),
-              progress=False)
-  _finish(_launch(two, ["train.steps=2"]))
+def _same_weights(one, two):
   a, b = load_file(str(one / "hf" / "model.safetensors")), load_file(
       str(two / "hf" / "model.safetensors"))
   assert a.keys() == b.keys()
   for k in a:
     np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+def test_two_processes_equal_one_and_resume(tmp_path):
+  one, two = tmp_path / "one", tmp_path / "two"
+  one_async, two_async = tmp_path / "one_async", tmp_path / "two_async"
+  train.train(config_utils.load_config(QUICKSTART, RUN + ["train.steps=2"]), str(one),
+              progress=False)
+  _finish(_launch(two, ["train.steps=2"], then=[(two_async, ASYNC + ["train.steps=2"])]))
+  _same_weights(one, two)
   rows_one = metrics.read_jsonl(str(one / "metrics.jsonl"))
   rows_two = metrics.read_jsonl(str(two / "metrics.jsonl"))
   assert [r["step"] for r in rows_two] == [1, 2, 3, 4]  # written once, by process 0
@@ -77,11 +98,29 @@ def test_two_processes_equal_one_and_resume(tmp_path):
         np.testing.assert_allclose(r2[k], r1[k], rtol=1e-5, atol=1e-6, err_msg=k)
   events = [f for _, _, fs in os.walk(two / "tensorboard") for f in fs]
   assert len(events) == 1, events
-  # the rerun with a longer schedule resumes from the collective checkpoint at step 4
-  _finish(_launch(two, ["train.steps=3"]))
+  # the rerun with a longer schedule resumes from the collective checkpoint at step 4 (the
+  # asynchronous run from step 3, with the batch of step 4 sampled before it in its queue)
+  async_two = metrics.read_jsonl(str(two_async / "metrics.jsonl"))
+  _finish(_launch(two, ["train.steps=3"], then=[(two_async, ASYNC + ["train.steps=3"])]))
   rows = metrics.read_jsonl(str(two / "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
   assert rows[:4] == rows_two
+  # fixed-lag async, 2 processes (resumed) == 1 process of 8 devices (unbroken)
+  train.train(config_utils.load_config(QUICKSTART, RUN + ASYNC + ["train.steps=3"]),
+              str(one_async), progress=False)
+  _same_weights(one_async, two_async)
+  async_one = metrics.read_jsonl(str(one_async / "metrics.jsonl"))
+  rows = metrics.read_jsonl(str(two_async / "metrics.jsonl"))
+  assert rows[:2] == async_two
+  assert [r["step"] for r in rows] == [r["step"] for r in async_one] == [1, 2, 3]
+  assert [r["local_groups"] for r in async_one] == [8, 8, 8]
+  assert [r["local_groups"] for r in rows] == [4, 4, 4]
+  assert [r["max_token_lag"] for r in rows] == [0, 1, 1]
+  for r1, r2 in zip(async_one, rows):
+    for k in ("reward_mean", "response_length", "max_token_lag", "mean_token_lag"):
+      assert r2.get(k) == r1.get(k), k
+    for k in ("loss", "grad_norm", "entropy"):
+      np.testing.assert_allclose(r2[k], r1[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_killed_process_stops_the_other(tmp_path):
@@ -99,3 +138,48 @@ def test_killed_process_stops_the_other(tmp_path):
   assert time.time() - start < 60
   assert "heartbeat timeout" in err
   procs[1].wait()
+
+
+class _Device(NamedTuple):
+  id: int
+  process_index: int
+
+
+def test_split_devices_gives_every_process_the_same_share():
+  two = [_Device(i, i // 4) for i in range(8)]  # 2 processes x 4 devices
+  ids = lambda ds: [d.id for d in ds]
+  assert [ids(x) for x in context.split_devices(two, 4)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+  assert [ids(x) for x in context.split_devices(two, 2, 4)] == [[0, 4], [1, 2, 5, 6]]
+  assert [ids(x) for x in context.split_devices(two, 0)] == [[], list(range(8))]
+  one = [_Device(i, 0) for i in range(8)]
+  assert [ids(x) for x in context.split_devices(one, 3, 2)] == [[0, 1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.rollout_devices=3"], "mesh.rollout_devices=3 does not split evenly over 2"),
+    (["mesh.rollout_devices=8"], "leaves no device for the training mesh"),
+    (["mesh.rollout_devices=2", "mesh.num_devices=3"], "num_devices=3 does not split evenly"),
+    (["mesh.rollout_devices=2", "train.async_lag=-1", "rollout.max_staleness=2"],
+     "free-running) runs in one process"),
+])
+def test_async_pod_rules(monkeypatch, overrides, message):
+  """The device rules of an asynchronous job of 2 processes x 4 devices, one line each."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+  config = config_utils.load_config(QUICKSTART, ["train.mode=async"] + overrides)
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    context.device_rules(config)
+
+
+def test_own_share_is_a_process_groups_of_a_job_wide_batch():
+  G, M, R = 4, 2, 3
+  rows = np.arange(G * M * R).reshape(G * M, R)
+  x = Scored(np.arange(10, 10 + G), rows, rows % 2 == 0, rows / 10.0, rows + 1,
+             np.arange(G * M, dtype=np.float32).reshape(G, M), np.asarray([3, 1]), 1.0, 0, {})
+  second = runner.own_share(x, 2, 4, lead=False)  # process 1 of 2: groups 2 and 3
+  assert second.indices.tolist() == [12, 13]
+  for k in ("tokens", "mask", "logprobs", "versions"):
+    np.testing.assert_array_equal(getattr(second, k), getattr(x, k)[2 * M:], err_msg=k)
+  np.testing.assert_array_equal(second.rewards, x.rewards[2:])
+  assert second.faults.tolist() == [0, 0]  # the job's faults stay with process 0
+  assert runner.own_share(x, 0, 2, lead=True).faults.tolist() == [3, 1]

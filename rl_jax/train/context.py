@@ -28,7 +28,8 @@ from rl_jax.errors import ConfigError, DataError, ModelError, RLJaxError
 from rl_jax.train import agent_stage, speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
 
-__all__ = ["Optimizers", "Setup", "build_setup", "device_rules", "PROVIDED_INPUTS"]
+__all__ = ["Optimizers", "Setup", "build_setup", "device_rules", "split_devices",
+           "PROVIDED_INPUTS"]
 
 
 
@@ -47,8 +48,10 @@ class Setup:
   ``train_examples`` / ``eval_examples`` are random-access sequences of ``Example``; the
   trainer indexes them with the seeded sampler and never copies a split. ``prompt_len`` is
   P, the prompt bucket (longest tokenized prompt + 1). ``mesh`` spans every device of the
-  job; ``sampler_mesh`` is the mesh the sampler runs on: the same with one process, this
-  process's own devices with several (each process samples on its own devices).
+  job (but the rollout devices of ``train.mode="async"``); ``sampler_mesh`` is the mesh the
+  sampler runs on: the same with one process, this process's own devices with several (each
+  process samples on its own devices; the asynchronous trainer's on its share of the rollout
+  devices, ``split_devices``).
   With ``env.name`` set, ``task`` is the environment task (``rl_jax.envs.spec.EnvSpec``)
   and the splits are ``agent_stage.EnvExample``s (the rendered first prompt of each).
   ``geometry`` (the step's groups, samples per group and chunks) and ``schedule`` (how the
@@ -212,38 +215,70 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
 def device_rules(config) -> None:
   """The config rules that depend on the devices and processes of this job (every static
   rule is in ``rl_jax.config``), one ``ConfigError`` line each."""
-  n, c = config.mesh.rollout_devices, config
-  if c.train.mode == "async" and jax.process_count() > 1:
-    raise ConfigError("train.mode='async' runs in one process (several processes: "
-                      "train.mode='sync')")
-  if n and jax.process_count() > 1:
-    raise ConfigError("mesh.rollout_devices: the asynchronous trainer runs in one process; "
-                      "set mesh.rollout_devices=0 with several processes")
+  n, c, P = config.mesh.rollout_devices, config, jax.process_count()
   if n >= jax.device_count():
     raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the training mesh "
                       f"({jax.device_count()} devices exist)")
+  if P > 1 and c.train.mode == "async" and c.train.async_lag < 0:
+    raise ConfigError("train.async_lag=-1 (free-running) runs in one process; with "
+                      f"{P} processes set a fixed lag train.async_lag=k >= 1")
+  if P > 1 and n and (n % P or n // P >= jax.local_device_count()):
+    raise ConfigError(f"mesh.rollout_devices={n} does not split evenly over {P} processes "
+                      f"(each gives rollout_devices/{P} of its {jax.local_device_count()} "
+                      f"devices to the sampler and keeps at least one for training)")
   devices = jax.device_count() - n
   n_dev = c.mesh.num_devices or devices
   if n_dev > devices:
     raise ConfigError(f"mesh.num_devices={n_dev} but only {devices} devices exist"
                       + (f" besides mesh.rollout_devices={n}" if n else ""))
+  if P > 1 and n_dev % P:
+    raise ConfigError(f"mesh.num_devices={n_dev} does not split evenly over {P} processes")
+
+
+def split_devices(devices: Sequence[Any], rollout: int,
+                  train: int | None = None) -> tuple[list, list]:
+  """(rollout devices, training devices) of the job, in ``devices``' order.
+
+  Each of the P processes gives its first ``rollout / P`` devices to the sampler and its
+  next ``train / P`` (default: all the rest) to the training mesh, so both sets span every
+  process alike; with one process that is ``devices[:rollout]`` and the ``train`` after them.
+
+  Args:
+    devices: every device of the job (``jax.devices()``), each with its ``process_index``.
+    rollout: rollout devices in all (a multiple of P; ``device_rules`` checks).
+    train: training devices in all (a multiple of P), or None for every other device.
+  """
+  by_process: dict[int, list] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  P = len(by_process)
+  k = rollout // P
+  roll, trn = [], []
+  for local in by_process.values():
+    per = len(local) - k if train is None else train // P
+    roll += local[:k]
+    trn += local[k:k + per]
+  return roll, trn
 
 
 def _mesh(config) -> jax.sharding.Mesh:
   """The training mesh over the devices after the rollout devices (all of them in sync mode)."""
-  devices = jax.devices()[config.mesh.rollout_devices:]
-  n_dev = config.mesh.num_devices or len(devices)
-  return sharding.make_mesh(mesh_shape(config.mesh.shape, n_dev), devices[:n_dev])
+  _, devices = split_devices(jax.devices(), config.mesh.rollout_devices,
+                             config.mesh.num_devices or None)
+  return sharding.make_mesh(mesh_shape(config.mesh.shape, len(devices)), devices)
 
 
 def _sampler_mesh(config, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   """The training mesh with one process (or the asynchronous trainer's own rollout devices,
-  groups over ``fsdp``); with several, this process's devices with the training mesh's
+  groups over ``fsdp``: with several processes this process's share of them); with several
+  processes and no rollout devices, this process's devices with the training mesh's
   ``sequence`` and ``tensor`` sizes (KV cache along sequence, heads along tensor) when they
   fit, groups over ``fsdp``."""
   n = config.mesh.rollout_devices
   if n:
-    return sharding.make_mesh({"fsdp": n}, jax.devices()[:n])
+    roll, _ = split_devices(jax.devices(), n)
+    local = [d for d in roll if d.process_index == jax.process_index()]
+    return sharding.make_mesh({"fsdp": len(local)}, local)
   if jax.process_count() == 1:
     return mesh
   local = jax.local_devices()

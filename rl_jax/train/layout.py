@@ -16,7 +16,9 @@ from the host copy.
 the merged weights) on ``Setup.sampler_mesh``: the
 weights themselves with one process (a device-to-device copy when the asynchronous trainer
 samples on devices of its own); with several, a jitted all-gather to a replica on every
-device, whose shards on this process's devices then form the local copy (no host copy).
+training device, whose shards on this process's devices then form the local copy, or with
+the asynchronous trainer are copied device to device onto this process's rollout devices
+(no host copy either way).
 """
 
 from __future__ import annotations
@@ -90,21 +92,36 @@ class Layout(NamedTuple):
 
   def local_params(self, params: Any) -> Any:
     """``params`` as they are, placed on ``Setup.sampler_mesh`` (the final export reads
-    them there)."""
+    them there): with one process the weights themselves, or a device-to-device copy on the
+    asynchronous trainer's rollout devices; with several, a jitted all-gather to a replica
+    on every training device (every process runs it, in the same order), then this
+    process's shards of it (``_local_replica``)."""
     if self.sampler_mesh is self.mesh:
       return params
     local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
     if jax.process_count() == 1:  # the asynchronous trainer's own rollout devices
-      return jax.device_put(params, local)
+      return jax.device_put(params, local, may_alias=False)
     replicated = _gather(self.mesh)(params)
-    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
-        x.shape, local, [shard.data for shard in x.addressable_shards]), replicated)
+    return jax.tree.map(lambda x: _local_replica(x, local), replicated)
 
   @contextlib.contextmanager
   def active(self):
     """Trace-time context: ``sharding.constrain`` in the model and losses pins activations."""
     with sharding.use(self.mesh, self.rules):
       yield
+
+
+def _local_replica(x: jax.Array, local: jax.sharding.NamedSharding) -> jax.Array:
+  """This process's copy of ``x`` (replicated on every device of a mesh over all
+  processes) on ``local``, a replicated sharding over some of this process's devices: the
+  shards of ``x`` themselves when ``local``'s devices hold them (sampling on the training
+  devices), else a device-to-device copy of one of them (the asynchronous trainer's rollout
+  devices, which the training mesh does not include)."""
+  shards = x.addressable_shards
+  if local.device_set <= {shard.device for shard in shards}:
+    return jax.make_array_from_single_device_arrays(x.shape, local,
+                                                    [shard.data for shard in shards])
+  return jax.device_put(shards[0].data, local, may_alias=False)
 
 
 @functools.lru_cache(maxsize=None)

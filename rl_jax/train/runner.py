@@ -11,20 +11,28 @@
   from the queue, and both finish before the step ends. Nothing depends on thread timing:
   the same seed gives the same run, and the queue (k scored batches) and the producer's
   position (``ProducerState``) are part of the train state, so a resumed run continues
-  bit-exactly.
+  bit-exactly. With several processes both meshes span every process (each gives its
+  first ``mesh.rollout_devices / P`` devices to the rollout mesh and the rest to the
+  training mesh, ``context.split_devices``): every process runs the learner's global
+  programs and the weight hand-off in the same order, and its producer samples its own
+  groups (``Layout.share``) on its own rollout devices. Each process queues only its
+  groups; the checkpointed queue holds the job's (``job_wide``) and a resumed process takes
+  its share back (``own_share``).
 * **free-running** (``FreeRunning``, ``train.async_lag=-1``): the producer samples
   continuously from the newest published weights into a bounded queue. AReaL's admission rule
   bounds the lag: the producer starts batch i only when the learner has completed at least
   i - η updates (η = ``rollout.max_staleness``), so no batch is consumed more than η versions
   after the weights that started it; tokens of held partial rollouts older than η are masked
   from the loss. Throughput is the point; results depend on timing. A checkpoint holds the
-  queue and the producer position at that moment.
+  queue and the producer position at that moment. One process only (the processes of a job
+  would sample from different versions).
 
-With a lag, weights reach the producer as a device-to-device copy (``publish``), never
-through the host. Every sampled token carries the policy version (completed steps) that
-produced it; the learner's objective sees the behaviour log-probs, the proximal log-probs of
-its current weights and the versions, so decoupled PPO, truncated IS, M2PO and VCPO correct
-the lag (docs/ALGORITHMS.md, "Asynchronous training").
+With a lag, weights reach the producer as a device-to-device copy (``publish``; with
+several processes after a jitted all-gather on the training mesh), never through the host.
+Every sampled token carries the policy version (completed steps) that produced it; the
+learner's objective sees the behaviour log-probs, the proximal log-probs of its current
+weights and the versions, so decoupled PPO, truncated IS, M2PO and VCPO correct the lag
+(docs/ALGORITHMS.md, "Asynchronous training").
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G groups, M samples per prompt, R new
 tokens; a queue of Q batches.
@@ -38,15 +46,18 @@ import time
 from typing import Any, NamedTuple
 
 import jax
+from jax.experimental import multihost_utils
+import numpy as np
 
 from rl_jax.train import queue as queue_lib
 from rl_jax.train.learner import apply_update, learner_batch
-from rl_jax.train.producer import produce
-from rl_jax.train.records import ProducerState, Scored
+from rl_jax.train.producer import produce, source
+from rl_jax.train.records import ProducerState, Scored, array_fields
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, place_replicated
 
-__all__ = ["queue_from_arrays", "publish", "collect", "FixedLag", "FreeRunning", "make_runner"]
+__all__ = ["queue_from_arrays", "publish", "collect", "splits_groups", "job_wide", "own_share",
+           "FixedLag", "FreeRunning", "make_runner"]
 
 
 def queue_from_arrays(arrays: dict) -> list[Scored]:
@@ -61,9 +72,10 @@ def publish(t: Trainer, params) -> Any:
   params = layout.sampler_weights(params)
   if layout.sampler_mesh is layout.mesh:  # shared devices: a copy laid out like the weights
     target = jax.tree.map(lambda x: x.sharding, params)
-  else:  # the producer's own devices: a replica on each
-    target = jax.sharding.NamedSharding(layout.sampler_mesh, jax.sharding.PartitionSpec())
-  return jax.device_put(params, target, may_alias=False)
+    return jax.device_put(params, target, may_alias=False)
+  # the producer's own devices: a replica on each (with several processes each process's
+  # rollout devices, copied from the replica of a jitted all-gather)
+  return layout.local_params(params)
 
 
 def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
@@ -76,6 +88,38 @@ def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
                              step=step, version=step, lo=lo, hi=hi)
   batch, info = learner_batch(t, state, scored, staleness=t.setup.schedule.overlapped)
   return batch, info, producer
+
+
+def splits_groups(t: Trainer) -> bool:
+  """Whether each process samples only its own groups (``Layout.share``): the fresh source
+  with several processes and a batch split along ``batch``."""
+  G = t.setup.geometry.rows
+  return source(t) == "fresh" and t.layout.share(G) != (0, G)
+
+
+def job_wide(x: Scored) -> Scored:
+  """A batch of this process's groups (g of them) as the job's G, in process order (the
+  queue's checkpointed form); faults are the job's totals. A collective: every process
+  calls it, in the same order."""
+  gather = lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))
+  arrays = {k: gather(getattr(x, k)) for k in array_fields() if k != "faults"}
+  if x.routing is not None:
+    arrays["routing"] = gather(x.routing)
+  faults = np.asarray(multihost_utils.process_allgather(x.faults)).sum(axis=0)
+  return x._replace(faults=faults, **arrays)
+
+
+def own_share(x: Scored, lo: int, hi: int, lead: bool) -> Scored:
+  """Groups ``[lo, hi)`` of a job-wide batch (``job_wide``'s inverse): indices [g],
+  rows [g·M,...], rewards [g,M]; the job's faults stay with the ``lead`` process only (the
+  learner sums them over processes)."""
+  G = len(x.indices)
+  rows = lambda a: a.reshape(G, -1, *a.shape[1:])[lo:hi].reshape(-1, *a.shape[1:])
+  arrays = {k: rows(getattr(x, k)) for k in ("tokens", "mask", "logprobs", "versions")}
+  if x.routing is not None:
+    arrays["routing"] = rows(x.routing)
+  return x._replace(indices=x.indices[lo:hi], rewards=x.rewards[lo:hi],
+                    faults=x.faults if lead else np.zeros_like(x.faults), **arrays)
 
 
 def _with_queue(t: Trainer, state: TrainState, items: list[Scored]) -> TrainState:
@@ -118,6 +162,10 @@ class FixedLag:
     # the queued batches stay on the host between steps; ``snapshot`` writes them into the
     # state only when a checkpoint is saved
     self.queue = queue_from_arrays(state.rollout_queue)
+    self.split = splits_groups(t)  # several processes: each holds only its groups' rows
+    if self.split:
+      lo, hi = t.layout.share(t.setup.geometry.rows)
+      self.queue = [own_share(x, lo, hi, jax.process_index() == 0) for x in self.queue]
     self.pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
                  if self.k else None)
 
@@ -165,8 +213,10 @@ class FixedLag:
     return state, {**record, **mets, **_timing_metrics(timing, depth)}
 
   def snapshot(self, state: TrainState) -> TrainState:
-    """The state to checkpoint: ``state`` with the queued batches."""
-    return _with_queue(self.t, state, self.queue)
+    """The state to checkpoint: ``state`` with the queued batches (with several processes
+    each batch job-wide, ``job_wide``; a collective)."""
+    items = [job_wide(x) for x in self.queue] if self.split else self.queue
+    return _with_queue(self.t, state, items)
 
   def close(self) -> None:
     if self.pool is not None:
