@@ -8,7 +8,7 @@ import verifiers.v1 as vf
 
 from rl_jax.envs import Environment, Message
 from rl_jax.envs.adapters import (BLACKJACK_CODEC, FROZEN_LAKE_CODEC, GymnasiumTextEnv,
-                                  VerifiersEnvironment, verifiers_spec)
+                                  verifiers_spec)
 from rl_jax.envs.spec import run_episode
 from rl_jax.envs.tools import Calculator
 
