@@ -86,14 +86,27 @@ def _numpy_capacity_layer(x, weights, ids, wg, wu, wd, factor, shards):
   return y, dropped
 
 
-@pytest.mark.parametrize("factor", [0.5, 1.0])
-def test_dropped_assignments_and_output_match_numpy(factor):
-  """8 devices, all-to-all: the dropped count and the output equal the numpy walk with 8
-  shards of 2 batch rows (16 tokens, C = 2 at factor 0.5, 4 at factor 1)."""
+@pytest.mark.parametrize("factor,shape,rules", [
+    (0.5, {"fsdp": 8}, "fsdp"), (1.0, {"fsdp": 8}, "fsdp"),
+    (0.5, {"fsdp": 4, "tensor": 2}, "fsdp_tp")])
+def test_dropped_assignments_and_output_match_numpy(factor, shape, rules):
+  """8 devices, all-to-all over fsdp: the dropped count and the output equal the numpy walk
+  with one shard per fsdp device (8 shards of 2 batch rows: 16 tokens, C = 2 at factor 0.5,
+  4 at factor 1; with fsdp_tp 4 shards and the expert width split over tensor)."""
   args = _layer_args()
-  mesh = _mesh()
-  y, dropped = _capacity_layer(factor, mesh)(*_put(mesh, args, _LAYER_AXES))
-  ref, ref_dropped = _numpy_capacity_layer(*args, factor, N_DEV)
+  mesh = sharding.make_mesh(shape)
+  axes = [("batch", "length", None)] * 3 + [("expert", "embed", "mlp")] * 2 + [
+      ("expert", "mlp", "embed")]
+  placed = [jax.device_put(a, NamedSharding(mesh, sharding.logical_to_spec(ax, rules, mesh,
+                                                                           a.shape)))
+            for a, ax in zip(args, axes)]
+
+  def layer(*a):
+    with sharding.use(mesh, rules):
+      return moe.capacity_mlp(*a, factor)
+
+  y, dropped = jax.jit(layer)(*placed)
+  ref, ref_dropped = _numpy_capacity_layer(*args, factor, shape["fsdp"])
   assert ref_dropped > 0
   assert int(dropped) == ref_dropped
   np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-4)

@@ -10,7 +10,8 @@ current router's probabilities of exactly those experts (renormalised over them 
 ``norm_topk_prob``), so gradients still reach the router. A token whose given ids are -1
 (nothing recorded: prompt tokens, a response's last token) is routed by the router itself.
 
-Dispatch: every (token, expert) assignment is one row; rows are sorted by expert so each
+Dispatch (dropless, ``expert_mlp``; capacity factor 0): every (token, expert) assignment is
+one row; rows are sorted by expert so each
 expert's rows are contiguous, and the three expert matmuls are ``jax.lax.ragged_dot`` over
 those groups: compute is proportional to A (with a native grouped matmul, see Lowering), no
 [tokens, E] one-hot, no capacity and no dropped tokens. Outputs are put back in token order and
@@ -30,10 +31,10 @@ fake CPU devices (``tests/test_moe_sharding.py``), XLA partitions the grouped ma
 the expert axis: the routing (ids, probabilities, group sizes) is all-gathered, the
 dispatched rows [A,D] are all-reduced (each device sees every assignment), each device runs
 its own experts, and the partial matmul outputs ([A,F] gate/up, [A,D] down) are summed with
-all-reduces. No all-to-all: exact and simple, at A·(2D + 2F) words per device per layer. An
-all-to-all dispatch would move ~A/n rows but needs a capacity (static per-device buffers)
-or a ragged all-to-all; not done here. The TPU/GPU partitioning of the native grouped
-matmul is not checked on hardware.
+all-reduces. No all-to-all: exact and simple, at A·(2D + 2F) words per device per layer. The
+capacity path below moves only ~capacity_factor·A/n rows per device by all-to-all, at the
+price of dropping overflow. The TPU/GPU partitioning of the native grouped matmul is not
+checked on hardware.
 
 Capacity and expert-parallel dispatch (``capacity_factor`` > 0, config field
 ``model.moe_capacity_factor``): the tokens are cut into shards (on a mesh, the shards of the
