@@ -69,7 +69,7 @@ def _numpy_capacity_layer(x, weights, ids, wg, wu, wd, factor, shards):
   C kept; output = sum over kept assignments of weight · SwiGLU expert(x)."""
   silu = lambda a: a / (1 + np.exp(-a))
   y, dropped = np.zeros_like(x), 0
-  rows = B // shards
+  rows = x.shape[0] // shards
   cap = math.ceil(factor * rows * T * X / E)
   for s in range(shards):
     used = np.zeros(E, int)
@@ -115,6 +115,21 @@ def test_dropped_assignments_and_output_match_numpy(factor, shape, rules):
   ref1, ref_dropped1 = _numpy_capacity_layer(*args, factor, 1)
   assert int(dropped1) == ref_dropped1
   np.testing.assert_allclose(np.asarray(y1), ref1, atol=1e-5, rtol=1e-4)
+
+
+def test_batch_not_split_over_the_experts_is_one_shard():
+  """4 batch rows on fsdp = 8 cannot be split: the layer falls back to one shard (the
+  weights gathered, no all-to-all) with the numpy walk's drops and output."""
+  args = _layer_args()
+  args = [a[:4] for a in args[:3]] + args[3:]
+  mesh = _mesh()
+  layer = _capacity_layer(0.5, mesh)
+  placed = _put(mesh, args, _LAYER_AXES)
+  y, dropped = layer(*placed)
+  ref, ref_dropped = _numpy_capacity_layer(*args, 0.5, 1)
+  assert int(dropped) == ref_dropped > 0
+  np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-4)
+  assert "all-to-all" not in layer.lower(*placed).compile().as_text()
 
 
 def test_expert_flops_per_device_are_the_capacity_share():
