@@ -11,8 +11,7 @@ current router's probabilities of exactly those experts (renormalised over them 
 (nothing recorded: prompt tokens, a response's last token) is routed by the router itself.
 
 Dispatch (dropless, ``expert_mlp``; capacity factor 0): every (token, expert) assignment is
-one row; rows are sorted by expert so each
-expert's rows are contiguous, and the three expert matmuls are ``jax.lax.ragged_dot`` over
+one row; rows are sorted by expert so each expert's rows are contiguous, and the three expert matmuls are ``jax.lax.ragged_dot`` over
 those groups: compute is proportional to A (with a native grouped matmul, see Lowering), no
 [tokens, E] one-hot, no capacity and no dropped tokens. Outputs are put back in token order and
 summed over each token's X experts with its routing weights. Dropless by design: no capacity
@@ -52,8 +51,9 @@ buffers of the n shards of an expert group are exchanged with one all-to-all ins
 [E/n, n·C, D] (FLOPs ∝ capacity: ≈ capacity_factor × the active share), and a second
 all-to-all returns the outputs, combined with the routing weights where they came from. The
 dropped count is returned (the trainer's metric ``moe_dropped_tokens``). Router replay is
-unchanged: the replayed ids choose the dispatch. The rollout engine always samples with the
-dropless path; the capacity applies to the trainer's passes.
+unchanged: the replayed ids choose the dispatch. The samplers (rollout and agent engines,
+speculative verification) always use the dropless path; the capacity applies to the
+trainer's passes (the supervised stage included).
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020 (GShard: expert
 capacity and all-to-all dispatch); Fedus et al. 2021 (Switch Transformer, the capacity factor
@@ -62,9 +62,8 @@ and the load-balancing loss).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +153,8 @@ def expert_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Arr
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-  """C = ceil(capacity_factor · tokens · X / E), at least 1: a shard's slots per expert."""
+  """C = ceil(capacity_factor · tokens · X / E), at least 1: a shard's slots per expert (the
+  1e-9 keeps float rounding of an exact product from adding a slot)."""
   return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts - 1e-9))
 
 
