@@ -14,10 +14,10 @@ Dispatch (dropless, ``expert_mlp``; capacity factor 0): every (token, expert) as
 one row; rows are sorted by expert so each expert's rows are contiguous, and the three
 expert matmuls are ``jax.lax.ragged_dot`` over those groups: compute is proportional to A
 (with a native grouped matmul, see Lowering), no [tokens, E] one-hot, no capacity and no
-dropped tokens. Outputs are put back in token order and
-summed over each token's X experts with its routing weights. Dropless by design: training
-and sampling route every token exactly as the router says (what router replay needs). The price is static shapes sized for the worst case: a buffer holds all A rows
-whatever the balance.
+dropped tokens. Outputs are put back in token order and summed over each token's X experts
+with its routing weights. Dropless by design: training and sampling route every token exactly
+as the router says (what router replay needs). The price is static shapes sized for the worst
+case: a buffer holds all A rows whatever the balance.
 
 Lowering: on TPU and GPU ``ragged_dot`` is a native grouped matmul (work ∝ A). On CPU JAX
 lowers it to one masked dense matmul per expert over all A rows, E times the active FLOPs;
