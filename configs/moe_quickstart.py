@@ -23,6 +23,19 @@ end (step 325; +31 points), pass@4 0.087 -> 0.971, training reward 0.02 -> 0.93;
 ``routing_mismatch`` 0 at every step. With ``model.router_replay=True`` the same numbers and
 bit-identical final weights (float32: sampler and trainer already choose the same experts).
 Table and the bfloat16 mismatch benchmark: docs/BENCHMARKS.md ("Mixture of experts").
+
+Expert parallelism with a capacity (8 fake devices, one expert per device on the fsdp axis)::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m rl_jax.train \
+        --config=configs/moe_quickstart.py --workdir=/tmp/rl_jax_moe_ep \
+        --config.mesh.num_devices=8 --config.model.moe_capacity_factor=2.0
+
+``model.moe_capacity_factor`` (0 = dropless, the default): each device sends at most
+C = ceil(factor · tokens · X / E) assignments to each expert by all-to-all, earlier tokens
+first; the rest are dropped, metric ``moe_dropped_tokens`` (fraction of assignments, mean
+over the MoE layers). Measured (2-core CPU, shared): factor 2.0 0.628 -> 0.986 (+36 points),
+with router replay 0.628 -> 0.961, about 5% of the assignments dropped at the end; factor
+1.25 drops about 20% and ends at +26 to +28 points; dropless on 8 devices 0.638 -> 0.937.
 """
 
 from rl_jax import config as base

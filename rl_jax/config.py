@@ -82,6 +82,11 @@ def _model() -> ml_collections.ConfigDict:
       router="softmax_topk",  # one of rl_jax.models.moe.ROUTERS
       # the training passes use the experts the sampler chose for each response token
       router_replay=False,
+      # expert capacity of the training passes: 0 (or None) = dropless grouped matmuls; > 0 =
+      # each token shard sends at most C = ceil(factor · tokens · X / E) assignments to an
+      # expert (all-to-all expert parallelism on a mesh that shards the experts); the
+      # assignments past C are dropped, metric moe_dropped_tokens. The sampler is dropless.
+      moe_capacity_factor=0.0,
       # attention layout: "full" everywhere, or (gemma3) "sliding": sliding-window layers of
       # ``sliding_window`` keys with a global layer every ``global_every`` layers
       attention="full",  # one of rl_jax.models.config.ATTENTION_LAYOUTS
@@ -364,6 +369,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.moe_every": cu.positive_int,
       "model.router": cu.one_of(moe.ROUTERS),
       "model.router_replay": cu.one_of((False, True)),
+      "model.moe_capacity_factor": opt(cu.nonnegative),
       "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
       "model.sliding_window": cu.positive_int,
       "model.global_every": cu.positive_int,
@@ -523,6 +529,9 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
     if m.attention == "sliding" and arch != "gemma3":
       raise ConfigError(f"model.attention='sliding' needs model.architecture='gemma3' "
                         f"(got {arch!r})")
+    if m.get("moe_capacity_factor") and arch != "qwen3_moe":
+      raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} needs a "
+                        f"mixture-of-experts model (architecture 'qwen3_moe'), got {arch!r}")
     if m.router_replay and arch != "qwen3_moe":
       raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model "
                         f"(architecture 'qwen3_moe'), got {arch!r}")

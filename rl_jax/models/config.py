@@ -49,6 +49,9 @@ class ModelConfig:
       (from ``decoder_sparse_step`` / ``mlp_only_layers``); the others use a dense SwiGLU MLP
       of ``intermediate_size``.
     router_aux_loss_coef: weight of the load-balancing loss (``moe.load_balancing_loss``).
+    moe_capacity_factor: 0 = dropless grouped matmuls; > 0 = per-expert capacity
+      C = ceil(factor · N · X / E) per token shard with expert-parallel all-to-all dispatch
+      on a mesh; assignments past C are dropped (``moe.capacity_mlp``).
 
   Gemma 3 (``gemma3``; None for the other families):
     layer_types: per-layer "full_attention" / "sliding_attention" (length L).
@@ -99,6 +102,7 @@ class ModelConfig:
   norm_topk_prob: bool = False
   sparse_layers: tuple[bool, ...] | None = None
   router_aux_loss_coef: float = 0.0
+  moe_capacity_factor: float = 0.0
   layer_types: tuple[str, ...] | None = None
   sliding_window: int | None = None
   rope_local_theta: float | None = None
@@ -195,6 +199,9 @@ def validate(cfg: ModelConfig) -> None:
   if rope_type not in ROPE_TYPES:
     raise ModelError(f"model config: rope scaling type {rope_type!r} is not supported; "
                      f"choose one of {ROPE_TYPES}")
+  if not isinstance(cfg.moe_capacity_factor, (int, float)) or cfg.moe_capacity_factor < 0:
+    raise ModelError(f"model config: moe_capacity_factor must be a number >= 0 (0: dropless), "
+                     f"got {cfg.moe_capacity_factor!r}")
   if cfg.architecture == "qwen3_moe":
     for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
       value = getattr(cfg, name)

@@ -35,7 +35,9 @@ not. Sequence parallelism does not support sliding windows (ModelError).
 Mixture of experts (router replay): ``routing`` int [G,M,R,Y,X] gives the experts of every
 response token (as the sampler recorded them when it fed the token; -1 where nothing was
 recorded); prompt tokens are always routed by the router. ``return_routing`` returns the
-experts this pass used for the response tokens in the same layout. Not with sequence
+experts this pass used for the response tokens in the same layout; ``return_dropped`` the
+fraction of each MoE layer's assignments dropped for capacity (float32 [Y], zeros when
+``cfg.moe_capacity_factor`` is 0; see ``moe.py``). Not with sequence
 parallelism (ModelError).
 
 References: DualKV (shared-prompt flash attention for RL training, 2025).
@@ -147,6 +149,13 @@ def _trunk_routing(routing, rows: int, P: int):
   return jnp.concatenate([jnp.full((Y, rows, P, X), -1, jnp.int32), resp], axis=2)
 
 
+def _with_routing(pred, out, G, M, R, P, return_routing: bool, return_dropped: bool):
+  """pred, then the response ids [G,M,R,Y,X] and the dropped fraction [Y] as asked."""
+  extra = (_response_ids(out[2], G, M, R, P),) if return_routing else ()
+  extra += (out[2].dropped,) if return_dropped else ()
+  return (pred, *extra) if extra else pred
+
+
 def _response_ids(route, G: int, M: int, R: int, P: int):
   """The trunk's expert ids [Y,rows,P+..,X] at the response positions -> [G,M,R,Y,X]."""
   ids = route.ids[:, :, P:]
@@ -154,22 +163,24 @@ def _response_ids(route, G: int, M: int, R: int, P: int):
 
 
 def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
-                  routing=None, return_routing: bool = False):
+                  routing=None, return_routing: bool = False, return_dropped: bool = False):
   """Hidden states at the predictor position of every response token, packed layout.
 
   Args:
     prompt_tokens int [G,P] right-padded; prompt_lengths int [G]; response_tokens int [G,M,R].
-    routing, return_routing: MoE router replay (see the module docstring).
+    routing, return_routing, return_dropped: MoE router replay and the dropped fraction (see
+      the module docstring).
   Returns:
     [G,M,R,D]: the hidden state whose logits predict response_tokens[g,i,j] (and the
-    response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``).
+    response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``, then the dropped
+    fraction float32 [Y] if ``return_dropped``).
   """
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
   resp_pos = prompt_lengths[:, None, None] + jnp.arange(R)[None, None, :]
   pl = sp.plan(P + M * R, (P, M))
   _check_sequence_plan(cfg, pl)
-  _check_routing(cfg, pl, routing, return_routing)
+  _check_routing(cfg, pl, routing, return_routing or return_dropped)
   if pl is not None:
     return _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths,
                                 response_tokens, resp_pos)
@@ -178,7 +189,7 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
       [jnp.broadcast_to(jnp.arange(P), (G, P)), jnp.broadcast_to(resp_pos, (G, M, R)).reshape(G, -1)],
       axis=1).astype(jnp.int32)
   kw = {} if not cfg.is_moe else dict(routing=_trunk_routing(routing, G, P),
-                                      return_routing=return_routing)
+                                      return_routing=return_routing or return_dropped)
   out = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions,
                  _packed_attend(prompt_lengths, P, M, R), **kw)
   h = out[0]
@@ -186,7 +197,7 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
   resp = h[:, P:].reshape(G, M, R, -1)
   first = jnp.broadcast_to(first[:, None], (G, M, 1, h.shape[-1]))
   pred = jnp.concatenate([first, resp[:, :, :-1]], axis=2)
-  return (pred, _response_ids(out[2], G, M, R, P)) if return_routing else pred
+  return _with_routing(pred, out, G, M, R, P, return_routing, return_dropped)
 
 
 def _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths, response_tokens,
@@ -206,7 +217,7 @@ def _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths, respons
 
 
 def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
-                      routing=None, return_routing: bool = False):
+                      routing=None, return_routing: bool = False, return_dropped: bool = False):
   """Same as ``packed_hidden`` computed on G·M rows of [prompt (P)][response (R)]."""
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
@@ -221,32 +232,35 @@ def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   mask = tx.causal_mask(positions, positions, valid)
   pl = sp.plan(P + R)
   _check_sequence_plan(cfg, pl)
-  _check_routing(cfg, pl, routing, return_routing)
+  _check_routing(cfg, pl, routing, return_routing or return_dropped)
   delta = positions[:, :, None] - positions[:, None, :] if cfg.per_layer_attention else None
   attend = tx.mask_attend(mask, delta) if pl is None else sp.replicated_attend(pl, mask)
   kw = {} if not cfg.is_moe else dict(routing=_trunk_routing(routing, G * M, P),
-                                      return_routing=return_routing)
+                                      return_routing=return_routing or return_dropped)
   out = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, attend, **kw)
   h = out[0]
   first = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [G·M,1,D]
   pred = jnp.concatenate([first, h[:, P:P + R - 1]], axis=1).reshape(G, M, R, -1)
-  return (pred, _response_ids(out[2], G, M, R, P)) if return_routing else pred
+  return _with_routing(pred, out, G, M, R, P, return_routing, return_dropped)
 
 
 def response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
-                    shared_prefix: bool = True, routing=None, return_routing: bool = False):
+                    shared_prefix: bool = True, routing=None, return_routing: bool = False,
+                    return_dropped: bool = False):
   """Predictor hidden states [G,M,R,D] in the packed (default) or replicated layout (and the
-  response tokens' expert ids [G,M,R,Y,X] if ``return_routing``)."""
+  response tokens' expert ids [G,M,R,Y,X] if ``return_routing``, the dropped fraction [Y] if
+  ``return_dropped``)."""
   fn = packed_hidden if shared_prefix else replicated_hidden
-  if routing is None and not return_routing:
+  if routing is None and not return_routing and not return_dropped:
     return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens)
   return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens, routing,
-            return_routing)
+            return_routing, return_dropped)
 
 
 def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
                       response_mask=None, shared_prefix: bool = True, temperature: float = 1.0,
-                      with_entropy: bool = False, *, routing=None, return_routing: bool = False):
+                      with_entropy: bool = False, *, routing=None, return_routing: bool = False,
+                      return_dropped: bool = False):
   """Per-token log-probs of grouped responses.
 
   Args:
@@ -256,15 +270,17 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
     temperature: log-probs of softmax(logits / temperature) (the sampling distribution).
     routing: MoE only: int [G,M,R,Y,X] experts of each response token (router replay; -1 =
       the router decides). return_routing: MoE only: also return the experts used.
+    return_dropped: MoE only: also return each layer's dropped fraction float32 [Y].
   Returns:
     float32 [G,M,R], zero where response_mask is False (and entropy [G,M,R] if asked; then
-    the response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``).
+    the response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``, then the
+    dropped fraction [Y] if ``return_dropped``).
   """
   _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask)
   G, M, R = response_tokens.shape
   h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix,
-                      routing, return_routing)
-  h, used = h if return_routing else (h, None)
+                      routing, return_routing, return_dropped)
+  h, *extra = h if (return_routing or return_dropped) else (h,)
   pl = sp.plan(M * R, (M,))
   if pl is None:
     h, targets = h.reshape(G, M * R, -1), response_tokens.reshape(G, M * R)
@@ -277,9 +293,9 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
     res = (jnp.where(mask, lp.reshape(G, M, R), 0.0), jnp.where(mask, ent.reshape(G, M, R), 0.0))
   else:
     res = jnp.where(mask, out.reshape(G, M, R), 0.0)
-  if not return_routing:
+  if not extra:
     return res
-  return (*res, used) if with_entropy else (res, used)
+  return (*res, *extra) if with_entropy else (res, *extra)
 
 
 def token_reduction(M: int, P: int, R: int) -> float:

@@ -10,14 +10,14 @@ current router's probabilities of exactly those experts (renormalised over them 
 ``norm_topk_prob``), so gradients still reach the router. A token whose given ids are -1
 (nothing recorded: prompt tokens, a response's last token) is routed by the router itself.
 
-Dispatch: every (token, expert) assignment is one row; rows are sorted by expert so each
-expert's rows are contiguous, and the three expert matmuls are ``jax.lax.ragged_dot`` over
-those groups: compute is proportional to A (with a native grouped matmul, see Lowering), no
-[tokens, E] one-hot, no capacity and no dropped tokens. Outputs are put back in token order and
-summed over each token's X experts with its routing weights. Dropless by design: no capacity
-factor, so training and sampling route every token exactly as the router says (what router
-replay needs). The price is static shapes sized for the worst case: a buffer holds all A rows
-whatever the balance.
+Dispatch (dropless, ``expert_mlp``; capacity factor 0): every (token, expert) assignment is
+one row; rows are sorted by expert so each expert's rows are contiguous, and the three
+expert matmuls are ``jax.lax.ragged_dot`` over those groups: compute is proportional to A
+(with a native grouped matmul, see Lowering), no [tokens, E] one-hot, no capacity and no
+dropped tokens. Outputs are put back in token order and summed over each token's X experts
+with its routing weights. Dropless by design: training and sampling route every token exactly
+as the router says (what router replay needs). The price is static shapes sized for the worst
+case: a buffer holds all A rows whatever the balance.
 
 Lowering: on TPU and GPU ``ragged_dot`` is a native grouped matmul (work ∝ A). On CPU JAX
 lowers it to one masked dense matmul per expert over all A rows, E times the active FLOPs;
@@ -30,23 +30,49 @@ fake CPU devices (``tests/test_moe_sharding.py``), XLA partitions the grouped ma
 the expert axis: the routing (ids, probabilities, group sizes) is all-gathered, the
 dispatched rows [A,D] are all-reduced (each device sees every assignment), each device runs
 its own experts, and the partial matmul outputs ([A,F] gate/up, [A,D] down) are summed with
-all-reduces. No all-to-all: exact and simple, at A·(2D + 2F) words per device per layer. An
-all-to-all dispatch would move ~A/n rows but needs a capacity (static per-device buffers)
-or a ragged all-to-all; not done here. The TPU/GPU partitioning of the native grouped
-matmul is not checked on hardware.
+all-reduces. No all-to-all: exact and simple, at A·(2D + 2F) words per device per layer. The
+capacity path below moves only ~capacity_factor·A/n rows per device by all-to-all, at the
+price of dropping overflow. The TPU/GPU partitioning of the native grouped matmul is not
+checked on hardware.
 
-References: Shazeer et al. 2017 (sparsely-gated MoE); Fedus et al. 2021 (Switch
-Transformer, the load-balancing loss).
+Capacity and expert-parallel dispatch (``capacity_factor`` > 0, config field
+``model.moe_capacity_factor``): the tokens are cut into shards (on a mesh, the shards of the
+batch along the mesh axes that hold the experts; without one, a single shard). Each shard may
+send at most C = ceil(capacity_factor · N · X / E) assignments to each expert (N: the shard's
+tokens). Priority is by position: the shard's assignments in row-major (token, choice) order,
+so an earlier token wins a full expert over a later one, and a token's first choice over its
+second. An assignment past its expert's C is dropped: it contributes zero to the token's
+output (the residual stream passes it unchanged); the token's other experts still add their
+weighted outputs, the weights are not renormalised. Dispatch is sort based: the shard's
+assignments are stably sorted by expert, which gives every assignment its rank within its
+expert, and the buffer [E,C,D] is gathered from those ranks (no [tokens, E] one-hot). The
+buffers of the n shards of an expert group are exchanged with one all-to-all inside
+``jax.shard_map``, each device runs its E/n experts as a dense batched matmul over
+[E/n, n·C, D] (FLOPs ∝ capacity: ≈ capacity_factor × the active share), and a second
+all-to-all returns the outputs, combined with the routing weights where they came from. The
+dropped count is returned (the trainer's metric ``moe_dropped_tokens``). Router replay is
+unchanged: the replayed ids choose the dispatch. The samplers (rollout and agent engines,
+speculative verification) always use the dropless path; the capacity applies to the
+trainer's passes (the supervised stage included).
+
+References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020 (GShard: expert
+capacity and all-to-all dispatch); Fedus et al. 2021 (Switch Transformer, the capacity factor
+and the load-balancing loss).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["ROUTERS", "Routing", "expert_mlp", "load_balancing_loss", "route"]
+from rl_jax import sharding
+
+__all__ = ["ROUTERS", "Routing", "capacity", "capacity_mlp", "expert_mlp", "load_balancing_loss",
+           "route"]
 
 ROUTERS = ("softmax_topk",)  # routing schemes (``model.router``): softmax, top X
 
@@ -58,10 +84,13 @@ class Routing(NamedTuple):
     ids: int32 [Y,B,T,X] experts chosen for every token (replay them with ``routing=ids``;
       -1 rows in a replayed routing are routed by the router).
     logits: float32 [Y,B,T,E] router logits (for ``load_balancing_loss``).
+    dropped: float32 [Y] fraction of each layer's assignments dropped for capacity (zeros on
+      the dropless path; None where not computed).
   """
 
   ids: jax.Array
   logits: jax.Array
+  dropped: jax.Array | None = None
 
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool,
@@ -121,6 +150,132 @@ def expert_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Arr
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     out = jnp.take(out, inverse, axis=0).reshape(B, T, X, D)
     return jnp.einsum("btxd,btx->btd", out, weights)
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+  """C = ceil(capacity_factor · tokens · X / E), at least 1: a shard's slots per expert (the
+  1e-9 keeps float rounding of an exact product from adding a slot)."""
+  return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts - 1e-9))
+
+
+def _ranks(ids: jax.Array, num_experts: int, cap: int):
+  """Sort-based slot assignment of one shard's assignments in priority (row-major) order.
+
+  Args:
+    ids int [N,X]; num_experts: E; cap: C.
+  Returns:
+    rank int32 [N,X]: position of each assignment in its expert's queue (kept iff < C);
+    source int32 [E,C]: the flat assignment (token·X + choice) filling each slot; filled bool
+    [E,C]: whether the slot is used.
+  """
+  flat = ids.reshape(-1)
+  A = flat.shape[0]
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  starts = jnp.cumsum(sizes) - sizes  # [E] first sorted row of each expert
+  rank_sorted = jnp.arange(A, dtype=jnp.int32) - starts[flat[order]]
+  rank = jnp.zeros((A,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+  slot = jnp.arange(cap, dtype=jnp.int32)
+  filled = slot[None, :] < sizes[:, None]
+  source = order[jnp.minimum(starts[:, None] + slot[None, :], A - 1)]
+  return rank.reshape(ids.shape), source, filled
+
+
+def _dispatch(x: jax.Array, ids: jax.Array, num_experts: int, cap: int):
+  """x [N,D], ids int [N,X] -> (buffer [E,C,D] of each expert's kept tokens, zeros in empty
+  slots; rank int32 [N,X])."""
+  rank, source, filled = _ranks(ids, num_experts, cap)
+  rows = jnp.take(x, source // ids.shape[-1], axis=0)  # [E,C,D]
+  return jnp.where(filled[..., None], rows, jnp.zeros((), x.dtype)), rank
+
+
+def _combine(out: jax.Array, ids: jax.Array, rank: jax.Array, weights: jax.Array) -> jax.Array:
+  """out [E,C,D] expert outputs; ids, rank int [N,X]; weights [N,X] -> [N,D] = sum over the
+  kept assignments of weight · output (a dropped assignment adds zero)."""
+  E, C, D = out.shape
+  kept = rank < C
+  rows = jnp.take(out.reshape(E * C, D), ids * C + jnp.minimum(rank, C - 1), axis=0)  # [N,X,D]
+  return jnp.einsum("nxd,nx->nd", rows, jnp.where(kept, weights, jnp.zeros((), weights.dtype)))
+
+
+def _swiglu_experts(buf: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                    w_down: jax.Array) -> jax.Array:
+  """Dense batched SwiGLU over each expert's slots: buf [E,S,D], w_gate/w_up [E,D,F],
+  w_down [E,F,D] -> [E,S,D] (2·E·S·D·F·3 FLOPs)."""
+  gate = jnp.einsum("esd,edf->esf", buf, w_gate)
+  up = jnp.einsum("esd,edf->esf", buf, w_up)
+  return jnp.einsum("esf,efd->esd", jax.nn.silu(gate) * up, w_down)
+
+
+def _shard_mlp(x, weights, ids, w_gate, w_up, w_down, capacity_factor, ep_axes=None,
+               mlp_axes=None):
+  """One shard's capacity MLP: x [..,D], weights/ids [..,X] -> ([..,D], dropped int32).
+
+  With ``ep_axes`` (inside ``shard_map``) the local weights hold E/n of the experts and the
+  expert buffers go through all-to-all over those mesh axes; ``mlp_axes``: the mesh axes the
+  expert width F is split over (the down matmul's partial sums are psum-ed).
+  """
+  D, X = x.shape[-1], ids.shape[-1]
+  lead = x.shape[:-1]
+  x, ids, weights = x.reshape(-1, D), ids.reshape(-1, X), weights.reshape(-1, X)
+  E_local = w_gate.shape[0]
+  n = 1 if ep_axes is None else jax.lax.axis_size(ep_axes)
+  E = E_local * n
+  cap = capacity(x.shape[0], X, E, capacity_factor)
+  with jax.named_scope("dispatch"):
+    buf, rank = _dispatch(x, ids, E, cap)  # [E,C,D]
+    if n > 1:  # [n (expert device), E/n, C, D] -> [n (source shard), E/n, C, D]
+      buf = jax.lax.all_to_all(buf.reshape(n, E_local, cap, D), ep_axes, 0, 0, tiled=True)
+      buf = jnp.swapaxes(buf, 0, 1).reshape(E_local, n * cap, D)
+  with jax.named_scope("experts"):
+    out = _swiglu_experts(buf, w_gate, w_up, w_down)  # [E/n, n·C, D]
+    if mlp_axes:
+      out = jax.lax.psum(out, mlp_axes)
+  with jax.named_scope("combine"):
+    if n > 1:
+      out = jnp.swapaxes(out.reshape(E_local, n, cap, D), 0, 1)
+      out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True).reshape(E, cap, D)
+    y = _combine(out, ids, rank, weights)
+  return y.reshape(*lead, D), jnp.sum(rank >= cap).astype(jnp.int32)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def capacity_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
+                 w_up: jax.Array, w_down: jax.Array, capacity_factor: float):
+  """SwiGLU experts with a per-expert capacity, expert parallel on the active mesh.
+
+  Inside ``sharding.use`` on a mesh whose rules shard the expert axis (``expert``) of the
+  weights, and whose batch split covers those mesh axes, runs in ``jax.shard_map``: each
+  device dispatches its own tokens, all-to-all to the experts' devices and back (module
+  docstring). Elsewhere (no mesh, or the batch not split over the expert axes) the whole
+  batch is one shard, same arithmetic without collectives.
+
+  Args:
+    x [B,T,D]; weights [B,T,X]; ids int [B,T,X]; w_gate, w_up [E,D,F]; w_down [E,F,D];
+    capacity_factor > 0.
+  Returns:
+    ([B,T,D], dropped int32 scalar: assignments dropped over all shards).
+  """
+  run = lambda *a, **kw: _shard_mlp(*a, capacity_factor=capacity_factor, **kw)
+  active = sharding.active()
+  if active is None or active[0].size == 1:
+    return run(x, weights, ids, w_gate, w_up, w_down)
+  mesh, rules = active
+  x_spec = sharding.logical_to_spec(("batch", "length", None), rules, mesh, x.shape)
+  w_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
+  ep_axes, mlp_axes = _axes(w_spec[0]), _axes(w_spec[2])
+  token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
+  if not ep_axes or not set(ep_axes) <= set(token_axes):
+    return run(x, weights, ids, w_gate, w_up, w_down)
+  down_spec = P(w_spec[0], w_spec[2], None)
+  body = lambda *a: (lambda y, d: (y, jax.lax.psum(d, token_axes)))(
+      *run(*a, ep_axes=ep_axes, mlp_axes=mlp_axes))
+  return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec,
+                                                  down_spec),
+                       out_specs=(x_spec, P()))(x, weights, ids, w_gate, w_up, w_down)
 
 
 def load_balancing_loss(router_logits: jax.Array, top_k: int,

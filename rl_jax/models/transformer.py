@@ -317,7 +317,10 @@ def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: 
 
 
 def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
-  """MLP sub-block (every family): (update [B,T,D], (ids, logits) or None)."""
+  """MLP sub-block (every family): (update [B,T,D], (ids, logits, dropped fraction) or None).
+
+  MoE layers: dropless grouped matmuls, or with ``cfg.moe_capacity_factor`` > 0 the capacity
+  (expert-parallel) path of ``moe.capacity_mlp``."""
   dt = jnp.dtype(cfg.dtype)
   w = lambda name: lp[name].astype(dt)
   norm = _norm_fn(cfg)
@@ -325,8 +328,13 @@ def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
   if "router" in lp:
     weights, ids, logits = moe.route(h, lp["router"], cfg.num_experts_per_tok,
                                      cfg.norm_topk_prob, routing)
-    y = moe.expert_mlp(h, weights, ids, w("expert_gate"), w("expert_up"), w("expert_down"))
-    return y, (ids, logits)
+    experts = (w("expert_gate"), w("expert_up"), w("expert_down"))
+    if cfg.moe_capacity_factor:
+      y, dropped = moe.capacity_mlp(h, weights, ids, *experts, cfg.moe_capacity_factor)
+      dropped = dropped.astype(jnp.float32) / ids.size
+    else:
+      y, dropped = moe.expert_mlp(h, weights, ids, *experts), jnp.zeros((), jnp.float32)
+    return y, (ids, logits, dropped)
   gate = lora.project(cfg, lp, "gate", "btd,df->btf", h)
   up = lora.project(cfg, lp, "up", "btd,df->btf", h)
   if cfg.architecture == "gemma3":
@@ -490,9 +498,9 @@ def _trunk_ext(cfg, params, x, positions, attend, layer_state, routing, return_r
   h = _norm_fn(cfg)(x, params["final_norm"], cfg.rms_norm_eps)
   if not return_routing:
     return h, layer_state
-  ids, logits = (routes[0] if len(routes) == 1 else
-                 [jnp.concatenate(parts, axis=0) for parts in zip(*routes)])
-  return h, layer_state, moe.Routing(ids, logits)
+  ids, logits, dropped = (routes[0] if len(routes) == 1 else
+                          [jnp.concatenate(parts, axis=0) for parts in zip(*routes)])
+  return h, layer_state, moe.Routing(ids, logits, dropped)
 
 
 def unstack_layers(params: Params, cfg: ModelConfig | None = None) -> list[Params]:

@@ -140,6 +140,7 @@ class AgentEngine:
       raise RolloutError("no stop id: pass stop_ids or a renderer with end_of_turn_ids")
     if dtype is not None:
       cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
     self.context = int(context or cfg.max_position_embeddings)
     if max_prompt_len + max_total_tokens > self.context:
       raise RolloutError(f"max_prompt_len={max_prompt_len} + max_total_tokens="

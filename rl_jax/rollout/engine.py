@@ -92,6 +92,7 @@ class RolloutEngine:
                over_sampling: float = 2.0, max_staleness: int | None = None,
                prompt_once: bool = True, seed: int = 0,
                mesh=None, rules=None, dtype: str | None = None, context: int | None = None):
+    cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
     self.context = int(context or cfg.max_position_embeddings)
     check_int("n", n, 1)
     check_int("max_slots", max_slots, 1)

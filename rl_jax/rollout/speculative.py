@@ -52,6 +52,7 @@ def sampling_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
     float32 [G,M,R,V]: row [g,m,r] is the distribution token r of sample m was (or would
     be) drawn from given the prompt and tokens 0..r−1 (−inf outside the filtered set).
   """
+  cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler's distribution: dropless experts
   h = grouped.response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens)
   logits = tx.logits_from_hidden(cfg, params, h)
   shape = logits.shape

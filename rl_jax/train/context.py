@@ -191,6 +191,11 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         remat=m.remat, qkv_bias=m.architecture == "qwen2",
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
+  if m.get("moe_capacity_factor") and not cfg.is_moe:
+    raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} needs a "
+                      f"mixture-of-experts model, got {cfg.architecture!r}")
+  if m.get("moe_capacity_factor"):
+    cfg = cfg.replace(moe_capacity_factor=float(m.moe_capacity_factor))
   if m.router_replay and not cfg.is_moe:
     raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model, got "
                       f"{cfg.architecture!r}")

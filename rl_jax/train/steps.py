@@ -221,7 +221,9 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
 
   Mixture of experts with the sampler's records (``b.routing``): ``model.router_replay``
   routes the response tokens with them, and the metric ``routing_mismatch``
-  (``routing_mismatch``) compares the experts this pass used with them.
+  (``routing_mismatch``) compares the experts this pass used with them. With
+  ``model.moe_capacity_factor`` > 0 the metric ``moe_dropped_tokens`` is the fraction of this
+  pass's (token, expert) assignments dropped for capacity, averaged over the MoE layers.
   """
   cfg, obj = s.model_cfg, s.objective if obj is None else obj
   replay = _replay(s)
@@ -229,6 +231,7 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
   with_critic = "values" in obj.needs
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
   own_old = old_logp_in_update(s.config, obj)
+  capacity = cfg.is_moe and bool(cfg.moe_capacity_factor)  # metric moe_dropped_tokens
 
   def grads_fn(params, value_params, b: UpdateBatch):
     G, M, R = b.tokens.shape
@@ -240,10 +243,15 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
       p = models.lora.untrainable(cfg, frozen, p)
       routed = {} if b.routing is None else dict(routing=b.routing if replay else None,
                                                  return_routing=True)
+      if capacity:
+        routed["return_dropped"] = True
       lp = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens, mask,
                                     shared_prefix=shared, temperature=temp,
                                     with_entropy=with_entropy, **routed)
-      if routed:
+      if capacity:
+        *lp, dropped = lp
+        lp = tuple(lp) if len(lp) > 1 else lp[0]
+      if b.routing is not None:
         *lp, used = lp
         lp = tuple(lp) if with_entropy else lp[0]
       lp, entropy = lp if with_entropy else (lp, None)
@@ -258,9 +266,11 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
                                         mask, shared_prefix=shared).reshape(G * M, R)
       rows = lambda a: None if a is None else a.reshape(G * M, R)
       loss_sum, denom, mets = obj.loss(rows(lp), batch, values=values, entropy=rows(entropy))
-      if routed:
+      if b.routing is not None:
         mets = dict(mets, routing_mismatch=routing_mismatch(
             used, b.routing, b.inputs.generated_mask))
+      if capacity:  # mean over the MoE layers of the fraction of assignments dropped
+        mets = dict(mets, moe_dropped_tokens=jnp.mean(dropped))
       return losses.finalize(loss_sum, denom), (mets, denom)
 
     (loss, (mets, denom)), (grads, vgrads) = jax.value_and_grad(
