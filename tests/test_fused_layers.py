@@ -20,6 +20,12 @@ GEMMA = dict(model_type="gemma3_text", vocab_size=41, hidden_size=24, intermedia
              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=12,
              sliding_window=3, layer_types=["sliding_attention", "full_attention"],
              query_pre_attn_scalar=12, max_position_embeddings=64)
+# experts in layer 0, a dense SwiGLU MLP in layer 1 (the experts keep their own path)
+MOE = dict(model_type="qwen3_moe", vocab_size=37, hidden_size=24, intermediate_size=32,
+           moe_intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+           num_key_value_heads=1, head_dim=12, num_experts=4, num_experts_per_tok=2,
+           mlp_only_layers=[1], max_position_embeddings=64)
+FAMILIES = {"qwen3": QWEN3, "gemma3": from_hf_dict(GEMMA), "qwen3_moe": from_hf_dict(MOE)}
 
 
 def _plain_mlp(h, wg, wu, wd):
@@ -96,17 +102,37 @@ def _assert_close_trees(g, g0):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g, g0)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_fused_mlp_and_unrolled_layers_match_plain(family):
   """Two matmuls + autodiff under the layer scan vs the fused MLP with the layers unrolled
-  and rematerialised (gemma3: GeGLU, the fused matmul only)."""
-  cfg = QWEN3 if family == "qwen3" else from_hf_dict(GEMMA)
+  and rematerialised (gemma3: GeGLU, the fused matmul only; qwen3_moe: its dense layer).
+  qwen3 through the packed prompt-once log-probs, the others through the logits."""
+  cfg = FAMILIES[family]
   params = models.init_params(cfg, jax.random.key(1), std=0.2)
-  (_, lp0), g0 = _logprob_grads(cfg.replace(fused_mlp=False, scan_layers=True), params)
-  (_, lp), g = _logprob_grads(cfg.replace(fused_mlp=True, scan_layers=False, remat="full"),
-                              params)
-  np.testing.assert_allclose(lp, lp0, rtol=1e-5, atol=1e-5)
+  plain = cfg.replace(fused_mlp=False, scan_layers=True)
+  fused = cfg.replace(fused_mlp=True, scan_layers=False, remat="full")
+  if family == "qwen3":
+    (_, y0), g0 = _logprob_grads(plain, params)
+    (_, y), g = _logprob_grads(fused, params)
+  else:
+    (y0, g0), (y, g) = (_logits_grads(c, params) for c in (plain, fused))
+  np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-5)
   _assert_close_trees(g, g0)
+
+
+TOKENS = jnp.asarray([[1, 5, 7, 2, 9, 11], [3, 0, 4, 4, 8, 1]], jnp.int32)
+
+
+def _logits_scalar(cfg, params):
+  w = jnp.cos(jnp.arange(cfg.vocab_size, dtype=jnp.float32))
+  return jnp.sum(jnp.sin(models.forward(cfg, params, TOKENS)) * w)
+
+
+def _logits_grads(cfg, params):
+  """(logits [2,6,V], gradient of a scalar of them) of ``params``."""
+  f = jax.jit(lambda p: (models.forward(cfg, p, TOKENS), jax.grad(
+      lambda q: _logits_scalar(cfg, q))(p)))
+  return f(params)
 
 
 def _lora_params(cfg, seed=1):
@@ -119,14 +145,9 @@ def _lora_params(cfg, seed=1):
   return base, ad
 
 
-TOKENS = jnp.asarray([[1, 5, 7, 2, 9, 11], [3, 0, 4, 4, 8, 1]], jnp.int32)
-
-
 def _logits_loss(cfg, base):
   """A scalar of the logits as a function of the adapters: adapters -> float."""
-  w = jnp.cos(jnp.arange(cfg.vocab_size, dtype=jnp.float32))
-  return lambda ad: jnp.sum(jnp.sin(models.forward(cfg, models.lora.combine(base, ad),
-                                                   TOKENS)) * w)
+  return lambda ad: _logits_scalar(cfg, models.lora.combine(base, ad))
 
 
 def _has_custom_vjp(cfg, params):
