@@ -385,8 +385,9 @@ swiglu_mlp.defvjp(_swiglu_fwd, _swiglu_bwd)
 def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
   """MLP sub-block (every family): (update [B,T,D], (ids, logits) or None).
 
-  Dense SwiGLU with ``cfg.fused_mlp`` and no adapter on gate/up/down: ``swiglu_mlp``; with
-  adapters (or GeGLU) the fused gate/up matmul of ``_gate_up`` and autodiff."""
+  Dense SwiGLU with ``cfg.fused_mlp`` and no adapter on gate/up/down: ``swiglu_mlp``;
+  otherwise ``_gate_up`` (fused or not, adapter deltas added) and autodiff.
+  """
   dt = jnp.dtype(cfg.dtype)
   w = lambda name: lp[name].astype(dt)
   norm = _norm_fn(cfg)
