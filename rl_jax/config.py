@@ -72,6 +72,8 @@ def _model() -> ml_collections.ConfigDict:
       dtype="float32",  # compute dtype
       param_dtype="float32",  # storage dtype of the weights
       remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
+      fused_mlp=False,  # one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp)
+      scan_layers=True,  # False unrolls the layer loop: no scan, longer compiles
       # mixture of experts (architecture="qwen3_moe"): E experts per MoE layer, top X per
       # token, every ``moe_every``-th layer MoE (the others a dense MLP of intermediate_size)
       num_experts=0,
@@ -370,6 +372,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.router": cu.one_of(moe.ROUTERS),
       "model.router_replay": cu.one_of((False, True)),
       "model.moe_capacity_factor": opt(cu.nonnegative),
+      "model.fused_mlp": cu.one_of((False, True)),
+      "model.scan_layers": cu.one_of((False, True)),
       "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
       "model.sliding_window": cu.positive_int,
       "model.global_every": cu.positive_int,

@@ -11,10 +11,18 @@
 5. Weight sync from the trainer's layout (f32, FSDP) to the sampler's (bf16, data x tensor):
    jitted cast + reshard vs a host round trip (a subprocess with 8 host devices).
 
+``--sampling`` runs only a sampling comparison instead: ``rollout.generate`` vs transformers
+``generate(do_sample=True)``, temperature 1, top-k/top-p off, no EOS, on a wider random
+Llama-style model (``--hidden``, 4 layers, MLP 11/4 x hidden, heads of hidden/4), prompt 32;
+rounds alternate the two, and the per-round speed-ups are printed with their median and
+worst. PyTorch runs with ``--torch-threads`` intra-op threads (default 1: on a shared 2-core
+machine two OpenMP threads made transformers' decode many times slower).
+
 Usage::
 
     python scripts/bench_rollout.py                  # about 2 minutes on 2 CPU cores
     python scripts/bench_rollout.py --april-steps 16 --repeats 5 --out report.md
+    python scripts/bench_rollout.py --sampling --hidden 256 --batch-sizes 16 --new-tokens 64
 
 References: Zhou et al. 2025 (APRIL); Kwon et al. 2023 (prefix sharing).
 """
@@ -87,6 +95,48 @@ def bench_vs_hf(cfg, params, batch_sizes, prompt_len, new_tokens, repeats):
     print(f"  batch {B}: rl_jax {toks / ours:8.1f} tok/s  transformers {toks / theirs:8.1f} tok/s"
           f"  (first call incl. compile {compile_s:.1f}s; identical tokens: {same})", flush=True)
   return rows
+
+
+def bench_sampling(cfg, params, batch, prompt_len, new_tokens, rounds, threads):
+  """Sampling tokens/s of rl_jax vs transformers, ``rounds`` alternating calls after one
+  warm-up call each: {"ours": [tok/s], "theirs": [tok/s], "ratio": [per round]}."""
+  import torch
+  import transformers
+  torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  with tempfile.TemporaryDirectory() as d:
+    path = models.save_hf(cfg, params, os.path.join(d, "m"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+  prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+  ids = torch.tensor(prompts, dtype=torch.long)
+  seeds = iter(range(10**6))
+
+  def run_ours():
+    out = rollout.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=1.0,
+                           seed=next(seeds))
+    return jax.block_until_ready(out.tokens)
+
+  def run_hf():
+    with torch.no_grad():
+      return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+
+  run_ours(), run_hf()
+  res = {"ours": [], "theirs": [], "ratio": []}
+  toks = batch * new_tokens
+  for _ in range(rounds):
+    for key, fn in (("ours", run_ours), ("theirs", run_hf)):
+      t = time.perf_counter()
+      fn()
+      res[key].append(toks / (time.perf_counter() - t))
+    res["ratio"].append(res["ours"][-1] / res["theirs"][-1])
+    print(f"  rl_jax {res['ours'][-1]:8.0f} tok/s  transformers {res['theirs'][-1]:8.0f} "
+          f"tok/s  {res['ratio'][-1]:.2f}x", flush=True)
+  print(f"  rl_jax / transformers: {np.median(res['ratio']):.2f}x median, "
+        f"{min(res['ratio']):.2f}x worst of {rounds} rounds; load average "
+        f"{os.getloadavg()[0]:.1f}", flush=True)
+  return res
 
 
 def bench_prompt_once(cfg, params, groups, n, prompt_len, new_tokens, repeats):
@@ -233,12 +283,25 @@ def main(argv=None):
   ap.add_argument("--batch-sizes", default="1,4,16")
   ap.add_argument("--new-tokens", type=int, default=32)
   ap.add_argument("--april-steps", type=int, default=4)
+  ap.add_argument("--sampling", action="store_true", help="only the sampling comparison")
+  ap.add_argument("--hidden", type=int, default=256, help="--sampling: model width")
+  ap.add_argument("--torch-threads", type=int, default=1, help="--sampling: PyTorch threads")
   ap.add_argument("--weight-sync-worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.weight_sync_worker:
     import json
     print(json.dumps(weight_sync_worker(args.repeats)))
     return
+  if args.sampling:
+    h = args.hidden
+    cfg = models.ModelConfig(vocab_size=512, hidden_size=h, intermediate_size=h * 11 // 4,
+                             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=h // 4,
+                             max_position_embeddings=1024)
+    params = models.init_params(cfg, jax.random.key(0), std=0.05)
+    print(f"model: {cfg.num_params() / 1e6:.2f}M params, jax {jax.__version__}, "
+          f"{os.cpu_count()} cores; sampling, temperature 1", flush=True)
+    return bench_sampling(cfg, params, int(args.batch_sizes.split(",")[-1]), 32,
+                          args.new_tokens, args.repeats, args.torch_threads)
 
   cfg = models.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4,
                            num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024)

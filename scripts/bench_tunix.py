@@ -11,8 +11,9 @@ distribution; tokens are counted, not assumed).
 * sampler: rl_jax ``rollout.generate(n=16)`` vs Tunix ``Sampler`` on the prompt repeated 16
   times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
-  update; ``train.old_logp_pass=auto``) vs Tunix's ``GRPOLearner`` (num_generations 16,
-  beta 0, one minibatch); wall time per step from the reward function's call times.
+  update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``) vs Tunix's
+  ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
+  reward function's call times.
 
 Each side runs in its own process and virtual environment (Tunix in ``--tunix-python``'s
 venv, so it cannot change this one's packages); the sides alternate over ``--rounds``.
@@ -60,7 +61,7 @@ def _reward(completion: str) -> float:
 
 
 # ----------------------------------------------------------------------------- rl_jax side
-def run_rljax(weights: str, steps: int, repeats: int) -> dict:
+def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False) -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -79,10 +80,10 @@ def run_rljax(weights: str, steps: int, repeats: int) -> dict:
     n_tok = int(np.asarray(out.mask).sum())
     rates.append(n_tok / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
-          "sampler_tokens": n_tok, **_rljax_grpo(weights, steps)}
+          "sampler_tokens": n_tok, **_rljax_grpo(weights, steps, fused_mlp)}
 
 
-def _rljax_grpo(weights: str, steps: int) -> dict:
+def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False) -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -92,7 +93,8 @@ def _rljax_grpo(weights: str, steps: int) -> dict:
       "train.batch_groups=1", f"rollout.n={N}", f"rollout.max_new_tokens={NEW_TOKENS}",
       f"rollout.eos_id={EOS}", "rollout.temperature=1.0", "train.eval_every=0",
       "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
-      "loss.preset=grpo", "loss.kl_beta=0.0", "data.max_prompt_len=16"])
+      "loss.preset=grpo", "loss.kl_beta=0.0", "data.max_prompt_len=16",
+      f"model.fused_mlp={fused_mlp}"])
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
                            "verify": lambda self, c, a: _reward(c)})()
@@ -107,7 +109,7 @@ def _rljax_grpo(weights: str, steps: int) -> dict:
     times.append(time.perf_counter() - t0)
     state = state._replace(step=state.step + 1, data=jax.numpy.asarray(data))
   return {"grpo_first_s": times[0], "grpo_step_s": float(np.median(times[1:])),
-          "grpo_steps": len(times)}
+          "grpo_worst_s": max(times[1:]), "grpo_steps": len(times)}
 
 
 class _RljaxBytes:
@@ -211,7 +213,7 @@ def _tunix_grpo(weights: str, steps: int) -> dict:
   marks = [start] + calls[1:] + [end]  # step i ends when step i+1's rewards are computed
   steps_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
   return {"grpo_first_s": steps_s[0], "grpo_step_s": float(np.median(steps_s[1:])),
-          "grpo_steps": len(calls)}
+          "grpo_worst_s": max(steps_s[1:]), "grpo_steps": len(calls)}
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -221,12 +223,15 @@ def main(argv=None) -> dict:
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--steps", type=int, default=6, help="GRPO steps per side and round")
   ap.add_argument("--repeats", type=int, default=5, help="timed sampler calls")
+  ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
   ap.add_argument("--side", choices=("rljax", "tunix"), default=None, help=argparse.SUPPRESS)
   ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.side:  # a child process: one side, result as JSON on the last line
-    fn = run_rljax if args.side == "rljax" else run_tunix
-    print(json.dumps(fn(args.weights, args.steps, args.repeats)))
+    if args.side == "rljax":
+      print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp)))
+    else:
+      print(json.dumps(run_tunix(args.weights, args.steps, args.repeats)))
     return {}
   weights = tempfile.mkdtemp(prefix="bench_tunix_weights_")
   write_weights(weights)
@@ -236,6 +241,7 @@ def main(argv=None) -> dict:
       python = sys.executable if side == "rljax" else args.tunix_python
       cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
              "--steps", str(args.steps), "--repeats", str(args.repeats)]
+      cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
       if out.returncode != 0:
@@ -250,6 +256,14 @@ def main(argv=None) -> dict:
     print(f"| {side} | " + " | ".join(f"{med(side, k):.3g}" for k in keys) + " |")
   print(f"rl_jax / Tunix: sampler {med('rljax', keys[0]) / med('tunix', keys[0]):.2f}x "
         f"tokens/s, GRPO step {med('tunix', keys[2]) / med('rljax', keys[2]):.2f}x faster")
+  ratio = lambda k, i, j: [results[i][r][k] / results[j][r][k] for r in range(args.rounds)]
+  sampler, step = ratio(keys[0], "rljax", "tunix"), ratio(keys[2], "tunix", "rljax")
+  print("| round | " + " | ".join(f"{side} {k}" for k in keys for side in results) + " |")
+  for r in range(args.rounds):
+    print(f"| {r + 1} | " + " | ".join(f"{results[side][r][k]:.3g}" for k in keys
+                                       for side in results) + " |")
+  print(f"per round: sampler {np.median(sampler):.2f}x median, {min(sampler):.2f}x worst; "
+        f"GRPO step {np.median(step):.2f}x median, {min(step):.2f}x worst")
   return results
 
 

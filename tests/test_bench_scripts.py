@@ -90,3 +90,48 @@ def test_bench_selection_counts_tokens_and_time_to_target():
                                             bench.BASE + bench.method_overrides("adaptive"))
   assert adaptive.data.group_size == "adaptive"
   config_lib.validate(adaptive)  # the benchmark's settings pass the config checks
+
+
+def test_bench_update_runs_at_toy_size():
+  """One variant (the fused MLP's exactness is tests/test_fused_layers.py's)."""
+  bench = _load("bench_update")
+  res = bench.main(["--repeats", "1", "--variants", "fused", "--samples", "2",
+                    "--length", "4", "--hidden", "32", "--layers", "1"])
+  assert res["max_diff"] == {"fused": 0.0} and len(res["times_s"]["fused"]) == 1
+  assert res["times_s"]["fused"][0] > 0 and res["first_s"]["fused"] > 0
+
+
+def test_bench_trl_step_summary_excludes_the_warm_up_step():
+  bench = _load("bench_trl")
+  begins, lengths = [0.0, 10.0, 12.0, 15.0], [9.0, 1.0, 2.0, 4.0]
+  marks = [m for b, n in zip(begins, lengths) for m in (("begin", b), ("end", b + n))]
+  sampled = [(5.0, 1000), (0.5, 900), (0.25, 1024), (1.0, 800)]
+  got = bench.step_summary(marks, sampled)
+  assert (got["grpo_first_s"], got["grpo_step_s"], got["grpo_worst_s"]) == (9.0, 2.0, 4.0)
+  assert (got["grpo_sampling_s"], got["grpo_tokens"], got["grpo_steps"]) == (0.5, 900, 4)
+  with np.testing.assert_raises(RuntimeError):  # a step without its sampling call
+    bench.step_summary(marks, sampled[:3])
+  side = {"sampler_tokens_per_s": 100.0, "grpo_step_s": 2.0, "grpo_first_s": 9.0}
+  trl = {**side, "sampler_tokens_per_s": 25.0, "grpo_step_s": 3.0, "grpo_worst_s": 4.0,
+         "grpo_sampling_s": 1.0, "grpo_tokens": 1000}
+  text = bench.report({"rljax": [side, {**side, "grpo_step_s": 1.0}], "trl": [trl, trl]})
+  assert "sampler 4.00x median, 4.00x worst; GRPO step 2.25x faster median, 1.50x worst" in text
+
+
+def test_bench_rollout_sampling_at_toy_size():
+  bench = _load("bench_rollout")
+  cfg = bench.models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=88,
+                                 num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                                 max_position_embeddings=64)
+  params = bench.models.init_params(cfg, jax.random.key(0), std=0.05)
+  res = bench.bench_sampling(cfg, params, batch=2, prompt_len=3, new_tokens=4, rounds=2,
+                             threads=1)
+  assert len(res["ratio"]) == 2 and all(r > 0 for r in res["ours"] + res["theirs"])
+  np.testing.assert_allclose(res["ratio"], np.divide(res["ours"], res["theirs"]))
+
+
+def test_accelerator_report_reduced_mode_on_cpu():
+  report = _load("accelerator_report")
+  kernel = report.kernel_rows(reduced=True, repeats=1, sizes=[(2, 8, 4)])
+  assert kernel[0]["fwd_diff"] < 1e-5 and kernel[0]["grad_diff"] < 1e-4
+  assert report.device_peaks()[1:] == (None, None)  # no peak known for a CPU

@@ -41,6 +41,14 @@ class ModelConfig:
     remat: rematerialisation per layer: "none", "full" (recompute everything), "dots"
       (save matmul outputs without batch dims).
     logits_chunk: sequence chunk for log-prob computation, so [T, V] logits are never whole.
+    fused_mlp: dense SwiGLU and GeGLU MLPs: one gate/up matmul against the two weights
+      concatenated at compute time (the parameters keep their names and layout); without
+      adapters on gate/up/down the SwiGLU MLP is ``transformer.swiglu_mlp`` with a
+      hand-written backward. LoRA adapters on gate/up add their deltas to the fused outputs.
+      False: two matmuls and autodiff. Equal to float rounding; expert MLPs are unaffected.
+    scan_layers: run the stacked layers under ``lax.scan`` (one compiled layer: fast
+      compiles); False unrolls the layer loop in the compiled program (no per-layer slicing
+      of the stacked weights and their gradients; longer compiles). Equal to float rounding.
 
   Mixture of experts (``qwen3_moe``; all zero/empty for dense families):
     num_experts [E]; num_experts_per_tok [X]; moe_intermediate_size: expert MLP width.
@@ -94,6 +102,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   logits_chunk: int = 512
+  fused_mlp: bool = False
+  scan_layers: bool = True
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   num_experts: int = 0

@@ -30,8 +30,8 @@ from rl_jax.models import quant
 from rl_jax.models.config import LORA_TARGETS, ModelConfig
 
 __all__ = ["LORA_INITS", "LORA_TARGETS", "KEY", "adapter_axes", "adapter_shapes", "combine",
-           "init_adapters", "merge", "parse_targets", "project", "split", "strip", "trainable",
-           "untrainable"]
+           "adapted", "delta", "init_adapters", "merge", "parse_targets", "project", "split",
+           "strip", "trainable", "untrainable"]
 
 KEY = "lora"  # params["layers"][KEY]
 LORA_INITS = ("gaussian", "kaiming")  # A's init (B is zero): PEFT's "gaussian" / default
@@ -179,9 +179,27 @@ def project(cfg: ModelConfig, lp: dict[str, Any], name: str, spec: str,
   """
   dt = jnp.dtype(cfg.dtype)
   y = quant.matmul(spec, x, lp[name], dt)  # a quantised W: dequantised inside the matmul
+  d = delta(cfg, lp, name, spec, x)
+  return y if d is None else y + d
+
+
+def adapted(lp: dict[str, Any], names: tuple[str, ...]) -> bool:
+  """Whether one layer's parameters ``lp`` hold an adapter for any of ``names``."""
+  adapters = lp.get(KEY) or {}
+  return any(n in adapters for n in names)
+
+
+def delta(cfg: ModelConfig, lp: dict[str, Any], name: str, spec: str,
+          x: jax.Array) -> jax.Array | None:
+  """The adapter's part (α/r)·(x·A)·B of ``project`` (None when ``name`` has no adapter),
+  for callers that compute the base product ``einsum(spec, x, W)`` themselves.
+
+  Args and shapes as ``project``; returns the out shape of ``spec``, e.g. [B,T,F].
+  """
   adapters = lp.get(KEY)
   if not adapters or name not in adapters:
-    return y
+    return None
+  dt = jnp.dtype(cfg.dtype)
   ins, out = spec.split("->")
   xs, ws = ins.split(",")
   w_in = "".join(c for c in ws if c in xs)
@@ -190,4 +208,4 @@ def project(cfg: ModelConfig, lp: dict[str, Any], name: str, spec: str,
   a, b = adapters[name]["a"].astype(dt), adapters[name]["b"].astype(dt)
   u = jnp.einsum(f"{xs},{w_in}r->{batch}r", x, a)
   scale = jnp.asarray(cfg.lora_alpha / cfg.lora_rank, dt)
-  return y + jnp.einsum(f"{batch}r,r{w_out}->{out}", u * scale, b)
+  return jnp.einsum(f"{batch}r,r{w_out}->{out}", u * scale, b)

@@ -3,7 +3,8 @@
 Axis letters: the package legend (``rl_jax/__init__.py``).
 
 Parameters are a nested dict; layer weights are stacked along a leading L axis and the
-layers run under ``lax.scan`` (one compiled layer, fast compiles, per-layer remat).
+layers run under ``lax.scan`` (one compiled layer, fast compiles, per-layer remat;
+``cfg.scan_layers=False`` unrolls it).
 Every parameter has a logical-axes tuple in ``param_axes(cfg)`` that ``rl_jax.sharding``
 maps to the mesh.
 
@@ -43,8 +44,8 @@ __all__ = ["AttendFn", "AttnSpec", "Params", "apply_rope", "causal_mask", "dense
            "embed", "gemma_rms_norm", "softcap", "window_mask",
            "forward", "hidden_states", "init_params", "init_sharded", "lm_head_weight",
            "logits_from_hidden", "mask_attend", "param_axes", "param_shapes", "param_shardings",
-           "rms_norm", "rope_tables", "sequence_logprobs", "token_logprobs", "trunk",
-           "trunk_unrolled", "unstack_layers"]
+           "rms_norm", "rope_tables", "sequence_logprobs", "swiglu_mlp", "token_logprobs",
+           "trunk", "trunk_unrolled", "unstack_layers"]
 
 Params = dict[str, Any]
 AttendFn = Callable[..., tuple[jax.Array, Any]]
@@ -316,11 +317,86 @@ def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: 
   return o, state
 
 
+def _gate_up(cfg: ModelConfig, lp: Params, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The MLP's gate and up projections of h [B,T,D] (weights [D,F]): two [B,T,F].
+
+  ``cfg.fused_mlp``: one matmul against [D,2F] (the two weights concatenated here, so the
+  parameters keep their names and layout), split after; adapters on gate/up add their
+  ``lora.delta`` to the split outputs, and autodiff gives the adapter gradients. Otherwise,
+  or with a quantised base (``cfg.quant``), ``lora.project`` twice.
+  """
+  if not cfg.fused_mlp or cfg.quant:
+    return (lora.project(cfg, lp, "gate", "btd,df->btf", h),
+            lora.project(cfg, lp, "up", "btd,df->btf", h))
+  dt = jnp.dtype(cfg.dtype)
+  gate, up = _fused_gate_up(h, lp["gate"].astype(dt), lp["up"].astype(dt))
+  dg, du = (lora.delta(cfg, lp, n, "btd,df->btf", h) for n in ("gate", "up"))
+  return (gate if dg is None else gate + dg), (up if du is None else up + du)
+
+
+def _fused_gate_up(h: jax.Array, w_gate: jax.Array, w_up: jax.Array):
+  """h [B,T,D] · [w_gate | w_up] ([D,2F]) as one matmul, split into gate, up [B,T,F]."""
+  F = w_gate.shape[-1]
+  gu = jnp.einsum("btd,df->btf", h, jnp.concatenate([w_gate, w_up], axis=-1))
+  return gu[..., :F], gu[..., F:]
+
+
+def _swiglu(h, w_gate, w_up, w_down):
+  """Forward of ``swiglu_mlp``: (y [B,T,D], (gate, up) [B,T,F] pre-activations)."""
+  gate, up = _fused_gate_up(h, w_gate, w_up)
+  act = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+  return jnp.einsum("btf,fd->btd", act, w_down), (gate, up)
+
+
+@jax.custom_vjp
+def swiglu_mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+               w_down: jax.Array) -> jax.Array:
+  """SwiGLU MLP ``(silu(h·W_gate) * h·W_up)·W_down`` with a hand-written backward.
+
+  Args:
+    h [B,T,D]; w_gate, w_up [D,F]; w_down [F,D].
+  Returns:
+    [B,T,D].
+
+  The forward is one gate/up matmul (``_fused_gate_up``). The backward keeps only h and the
+  two pre-activations (autodiff saves products of the silu as well), recomputes the sigmoid,
+  and forms the gate and up gradients as one [B,T,2F] array, so dh is one product over 2F and
+  the two weight gradients one [D,2F] product. Equal to autodiff of the two-matmul MLP to
+  float rounding (``tests/test_fused_layers.py``).
+  """
+  return _swiglu(h, w_gate, w_up, w_down)[0]
+
+
+def _swiglu_fwd(h, w_gate, w_up, w_down):
+  y, (gate, up) = _swiglu(h, w_gate, w_up, w_down)
+  return y, (h, gate, up, w_gate, w_up, w_down)
+
+
+def _swiglu_bwd(res, dy):
+  """d/dgate silu(gate) = σ(gate)·(1 + gate·(1 − σ(gate)))."""
+  h, gate, up, w_gate, w_up, w_down = res
+  F = w_gate.shape[-1]
+  sig = jax.nn.sigmoid(gate)
+  silu = gate * sig
+  d_down = jnp.einsum("btf,btd->fd", silu * up, dy)
+  dact = jnp.einsum("btd,fd->btf", dy, w_down)
+  dgu = jnp.concatenate([dact * up * (sig * (1 + gate * (1 - sig))), dact * silu], axis=-1)
+  dh = jnp.einsum("btf,df->btd", dgu, jnp.concatenate([w_gate, w_up], axis=-1))
+  dw = jnp.einsum("btd,btf->df", h, dgu)
+  return dh, dw[:, :F], dw[:, F:], d_down
+
+
+swiglu_mlp.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
   """MLP sub-block (every family): (update [B,T,D], (ids, logits, dropped fraction) or None).
 
   MoE layers: dropless grouped matmuls, or with ``cfg.moe_capacity_factor`` > 0 the capacity
-  (expert-parallel) path of ``moe.capacity_mlp``."""
+  (expert-parallel) path of ``moe.capacity_mlp``. Dense SwiGLU with ``cfg.fused_mlp``, a
+  float base and no adapter on gate/up/down: ``swiglu_mlp``; otherwise ``_gate_up`` (fused
+  or not, adapter deltas added) and autodiff.
+  """
   dt = jnp.dtype(cfg.dtype)
   w = lambda name: lp[name].astype(dt)
   norm = _norm_fn(cfg)
@@ -335,8 +411,10 @@ def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
     else:
       y, dropped = moe.expert_mlp(h, weights, ids, *experts), jnp.zeros((), jnp.float32)
     return y, (ids, logits, dropped)
-  gate = lora.project(cfg, lp, "gate", "btd,df->btf", h)
-  up = lora.project(cfg, lp, "up", "btd,df->btf", h)
+  if (cfg.fused_mlp and not cfg.quant and cfg.architecture != "gemma3"
+      and not lora.adapted(lp, ("gate", "up", "down"))):
+    return swiglu_mlp(h, w("gate"), w("up"), w("down")), None
+  gate, up = _gate_up(cfg, lp, h)
   if cfg.architecture == "gemma3":
     act = jax.nn.gelu(gate, approximate=True) * up
   else:
@@ -409,7 +487,8 @@ def trunk(cfg: ModelConfig, params: Params, x: jax.Array, positions: jax.Array,
 
   if cfg.remat != "none":
     body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-  x, layer_state = jax.lax.scan(body, x, (params["layers"], layer_state))
+  x, layer_state = jax.lax.scan(body, x, (params["layers"], layer_state),
+                                unroll=not cfg.scan_layers)
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), layer_state
 
 
@@ -489,7 +568,7 @@ def _trunk_ext(cfg, params, x, positions, attend, layer_state, routing, return_r
       body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
     xs = (_rows(params["layers"], first, end, L), mlp, _rows(layer_state, first, end, L),
           sliding[first:end], replay)
-    x, (st, route) = jax.lax.scan(body, x, xs)
+    x, (st, route) = jax.lax.scan(body, x, xs, unroll=not cfg.scan_layers)
     states.append(st)
     if route is not None:
       routes.append(route)

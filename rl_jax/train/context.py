@@ -180,7 +180,8 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
   m = config.model
   if m.hf_path:
     cfg = models.read_hf_config(m.hf_path, dtype=m.dtype, param_dtype=m.param_dtype,
-                                remat=m.remat)
+                                remat=m.remat, fused_mlp=m.fused_mlp,
+                                scan_layers=m.scan_layers)
   else:
     cfg = models.ModelConfig(
         vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
@@ -188,7 +189,8 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, architecture=m.architecture,
         rope_theta=m.rope_theta, max_position_embeddings=m.max_position_embeddings,
         tie_word_embeddings=m.tie_word_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-        remat=m.remat, qkv_bias=m.architecture == "qwen2",
+        remat=m.remat, fused_mlp=m.fused_mlp, scan_layers=m.scan_layers,
+        qkv_bias=m.architecture == "qwen2",
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
   if m.get("moe_capacity_factor") and not cfg.is_moe:

@@ -1,0 +1,223 @@
+"""Accelerator figures for docs/BENCHMARKS.md in one run: kernel, update MFU, decode roofline,
+quickstart wall time.
+
+1. Shared-prefix attention: the Pallas kernel (``backend="auto"``) against the jnp reference
+   and plain masked attention over the replicated sequences (what XLA runs without the
+   kernel), forward + backward (grads in every input), at three sizes: max abs difference of
+   the outputs and of every gradient vs the reference, and median ms of interleaved calls.
+2. The RL update's MFU: one GRPO-style policy update (``bench_shared_prefix.make_step``:
+   packed layout, forward + backward + Adam, donated) on a Qwen3-style policy in bfloat16
+   compute; model FLOPs per step from XLA's ``cost_analysis`` of the same step compiled with
+   the layers unrolled and one log-prob chunk (every loop of trip count one, so the count is
+   exact) over the median step time, as a fraction of the device's peak (table below).
+3. Decode: the bytes one decode step reads (weights + KV cache) over its time (slope between
+   two generation lengths: prefill cancels), as a fraction of the device's HBM bandwidth.
+4. The quickstart command's wall time into a fresh workdir (a subprocess; compiles included).
+
+On a GPU or TPU it runs the full sizes. Without one (CPU) it runs every check in a reduced
+mode — toy sizes, the kernel in the Pallas interpreter, a 2-step quickstart — so a test or a
+quick manual run shows the script works; its rows then say that no accelerator was used and
+the fractions are left out (no peak is known for a CPU).
+
+Usage::
+
+    python scripts/accelerator_report.py [--out rows.md]        # on the accelerator host
+    python scripts/accelerator_report.py --reduced --skip-quickstart   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import bench_rollout  # noqa: E402
+import bench_shared_prefix as bsp  # noqa: E402
+import pallas_kernels  # noqa: E402
+from rl_jax import models  # noqa: E402
+
+# Dense peak (bfloat16 matmul FLOP/s, HBM bytes/s) by a substring of device_kind, from the
+# vendors' data sheets (SXM parts; no sparsity).
+PEAKS = {
+    "H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12),
+    "TPU v4": (275e12, 1.2e12), "TPU v5 lite": (197e12, 0.82e12), "TPU v5e": (197e12, 0.82e12),
+    "TPU v5p": (459e12, 2.76e12), "TPU v5": (459e12, 2.76e12), "TPU v6": (918e12, 1.64e12),
+}
+KERNEL_SIZES = {"full": [(16, 1024, 256), (16, 2048, 512), (32, 4096, 512)],
+                "reduced": [(2, 8, 4), (3, 16, 8), (4, 32, 8)]}
+
+
+def device_peaks() -> tuple[str, float | None, float | None]:
+  kind = jax.devices()[0].device_kind
+  for key, (flops, bw) in PEAKS.items():
+    if key.lower() in kind.lower():
+      return kind, flops, bw
+  return kind, None, None
+
+
+def _median_ms(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(ts))
+
+
+def kernel_rows(reduced: bool, repeats: int, sizes=None) -> list[dict]:
+  """Forward/gradient exactness of the kernel vs the reference, and ms of all three, at
+  ``sizes`` ((N, P, R) triples; default the mode's three)."""
+  interpret = jax.default_backend() == "cpu"
+  dtype = jnp.float32 if reduced else jnp.bfloat16
+  heads, kv_heads, head_dim = (2, 1, 8) if reduced else (8, 2, 128)
+  rows = []
+  for n, p, r in sizes or KERNEL_SIZES["reduced" if reduced else "full"]:
+    args = bsp._attention_inputs(1, n, p, r, heads, kv_heads, head_dim, dtype)  # pylint: disable=protected-access
+    w = jax.random.normal(jax.random.key(1), args[0].shape, jnp.float32)
+    variants = {
+        "kernel": lambda *a: pallas_kernels.shared_prefix_attention(
+            *a, interpret=interpret, backend="auto"),
+        "reference": lambda *a: pallas_kernels.shared_prefix_attention(*a,
+                                                                       backend="reference"),
+        "xla": bsp.replicated_attention,
+    }
+    grads = {k: bsp.attention_grad_fn(f) for k, f in variants.items()}
+    outs = {k: jax.jit(f)(*args).astype(jnp.float32) for k, f in variants.items()}
+    g = {k: fn(args, w) for k, fn in grads.items()}
+    fwd = float(jnp.max(jnp.abs(outs["kernel"] - outs["reference"])))
+    bwd = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+              for a, b in zip(g["kernel"], g["reference"]))
+    ms = {k: _median_ms(lambda fn=fn: fn(args, w), repeats) for k, fn in grads.items()}
+    rows.append(dict(n=n, p=p, r=r, fwd_diff=fwd, grad_diff=bwd, ms=ms,
+                     dtype=jnp.dtype(dtype).name))
+  return rows
+
+
+def update_mfu(reduced: bool, repeats: int, peak_flops: float | None) -> dict:
+  hidden, layers, n, p, r = (32, 2, 4, 8, 8) if reduced else (1024, 8, 16, 512, 512)
+  cfg = models.ModelConfig(architecture="qwen3", vocab_size=256 if reduced else 32768,
+                           hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
+                           num_heads=8 if not reduced else 4, num_kv_heads=2,
+                           head_dim=hidden // (8 if not reduced else 4), qk_norm=True,
+                           max_position_embeddings=4096,
+                           dtype="float32" if reduced else "bfloat16")
+  params = models.init_params(cfg, jax.random.key(0))
+  batch = bsp.make_batch(cfg, 1, n, p, r)
+  opt = optax.adam(1e-5)
+  exact = cfg.replace(scan_layers=False, logits_chunk=n * r)
+  flops = bsp.compiled_flops(bsp.compile_step(exact, opt, True, params, opt.init(params), batch))
+  step = jax.jit(bsp.make_step(cfg, opt, True), donate_argnums=(0, 1))
+  state = {"p": jax.tree.map(jnp.copy, params)}
+  state["o"] = opt.init(state["p"])
+
+  def run():
+    state["p"], state["o"], loss = step(state["p"], state["o"], batch)
+    return loss
+
+  ms = _median_ms(run, repeats)
+  achieved = flops / (ms / 1e3)
+  return dict(params=cfg.num_params(), tokens=p + n * r, flops=flops, ms=ms, achieved=achieved,
+              mfu=None if peak_flops is None else achieved / peak_flops, dtype=cfg.dtype)
+
+
+def decode_roofline(reduced: bool, repeats: int, peak_bw: float | None) -> dict:
+  cfg = models.ModelConfig(architecture="qwen3", vocab_size=512 if reduced else 32768,
+                           hidden_size=64 if reduced else 1024,
+                           intermediate_size=128 if reduced else 3072,
+                           num_layers=2 if reduced else 8, num_heads=4 if reduced else 8,
+                           num_kv_heads=2, head_dim=16 if reduced else 128, qk_norm=True,
+                           max_position_embeddings=1024,
+                           dtype="float32" if reduced else "bfloat16",
+                           param_dtype="float32" if reduced else "bfloat16")
+  params = models.init_params(cfg, jax.random.key(0))
+  row = bench_rollout.bench_bandwidth(cfg, params, batch=4 if reduced else 64,
+                                      prompt_len=16 if reduced else 128, repeats=repeats)
+  row["fraction"] = None if peak_bw is None else row["achieved"] / peak_bw
+  return row
+
+
+def quickstart_wall(reduced: bool) -> dict:
+  extra = (["--config.sft.steps=2", "--config.train.steps=2", "--config.train.eval_every=0"]
+           if reduced else [])
+  with tempfile.TemporaryDirectory() as d:
+    cmd = [sys.executable, "-m", "rl_jax.train", "--config=configs/quickstart.py",
+           f"--workdir={d}/qs", *extra]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True,
+                   env=dict(os.environ, PYTHONPATH=ROOT))
+    return dict(seconds=time.perf_counter() - t0, args=" ".join(extra))
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--reduced", action="store_true",
+                  help="toy sizes (automatic without a GPU/TPU)")
+  ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--skip-quickstart", action="store_true")
+  ap.add_argument("--out", default=None, help="also write the rows to this markdown file")
+  args = ap.parse_args(argv)
+  backend = jax.default_backend()
+  accel = backend in ("gpu", "cuda", "rocm", "tpu")
+  reduced = args.reduced or not accel
+  repeats = 2 if reduced else args.repeats
+  kind, peak_flops, peak_bw = device_peaks()
+  if not accel:
+    peak_flops = peak_bw = None
+  out = {"device": kind, "backend": backend, "accelerator": accel, "reduced": reduced}
+  out["kernel"] = kernel_rows(reduced, repeats)
+  out["update"] = update_mfu(reduced, repeats, peak_flops)
+  out["decode"] = decode_roofline(reduced, repeats, peak_bw)
+  out["quickstart"] = None if args.skip_quickstart else quickstart_wall(reduced)
+
+  pct = lambda x: "n/a" if x is None else f"{x:.1%}"
+  head = (f"Device: {kind} ({backend}), JAX {jax.__version__}"
+          + ("" if accel else "; NO ACCELERATOR: reduced mode on the CPU, the checks ran at toy "
+             "sizes (kernel in the Pallas interpreter); no figure here is an accelerator "
+             "figure") + (", reduced sizes" if accel and reduced else "") + ".")
+  lines = [head, "", "| N | P | R | dtype | kernel ms | reference ms | XLA replicated ms | "
+           "kernel vs XLA | max diff out | max diff grads |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for k in out["kernel"]:
+    lines.append(f"| {k['n']} | {k['p']} | {k['r']} | {k['dtype']} | {k['ms']['kernel']:.2f} | "
+                 f"{k['ms']['reference']:.2f} | {k['ms']['xla']:.2f} | "
+                 f"{k['ms']['xla'] / k['ms']['kernel']:.2f}x | {k['fwd_diff']:.1e} | "
+                 f"{k['grad_diff']:.1e} |")
+  u = out["update"]
+  lines += ["", "| RL update | parameters | tokens | dtype | GFLOP / step | ms / step | "
+            "TFLOP/s | MFU |", "|---|---|---|---|---|---|---|---|",
+            f"| packed GRPO step | {u['params'] / 1e6:.2f}M | {u['tokens']} | {u['dtype']} | "
+            f"{u['flops'] / 1e9:.1f} | {u['ms']:.1f} | {u['achieved'] / 1e12:.3f} | "
+            f"{pct(u['mfu'])} |"]
+  dec = out["decode"]
+  lines += ["", "| decode | batch | ms / step | weights MiB | KV MiB | GB/s | of HBM peak |",
+            "|---|---|---|---|---|---|---|",
+            f"| greedy | {dec['batch']} | {dec['step_ms']:.2f} | {dec['weights'] / 2**20:.1f} | "
+            f"{dec['kv'] / 2**20:.1f} | {dec['achieved'] / 1e9:.1f} | {pct(dec['fraction'])} |"]
+  if out["quickstart"]:
+    q = out["quickstart"]
+    lines += ["", f"Quickstart wall time (fresh workdir, compiles included"
+              f"{', ' + q['args'] if q['args'] else ''}): {q['seconds']:.1f} s"]
+  report = "\n".join(lines) + "\n"
+  print(report, end="")
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(report)
+  out["report"] = report
+  return out
+
+
+if __name__ == "__main__":
+  main()
