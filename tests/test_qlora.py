@@ -104,6 +104,10 @@ def test_qlora_logits_equal_lora_on_the_dequantised_base(quant):
   np.testing.assert_allclose(fwd(cfg, models.lora.strip(params), tokens),
                              fwd(float_cfg.replace(lora_rank=0, lora_targets=()),
                                  models.lora.strip(deq), tokens), atol=1e-5, rtol=1e-5)
+  # model.fused_mlp leaves a quantised base's projections to the quantised matmul
+  for c, p in ((cfg, params), (cfg.replace(lora_rank=0, lora_targets=()),
+                               models.lora.strip(params))):
+    np.testing.assert_array_equal(fwd(c.replace(fused_mlp=True), p, tokens), fwd(c, p, tokens))
   merged = models.lora.merge(cfg, params)  # adapted weights dequantised + A·B, rest quantised
   assert models.quant.is_quantized(merged["layers"]["k"])
   assert not models.quant.is_quantized(merged["layers"]["q"])
