@@ -179,14 +179,15 @@ KNOB_RUN = ["mesh.num_devices=1", "train.steps=12", "train.batch_groups=32",
             "rollout.temperature=0.25", "optim.lr=5e-4", "loss.kl_beta=0.001",
             "train.eval_every=0", "train.checkpoint_every=25", "train.keep=10",
             "log.tensorboard=False", "eval.pass_k=0"]
+# Offload and remat change no arithmetic (tests/test_offload.py, test_models.py), so the runs
+# here are the knobs that change the numbers: a bfloat16 policy (with and without stochastic
+# rounding), and bfloat16 first moments with a bfloat16 reference.
 KNOB_TESTS = {
-    "optim.mu_dtype=bfloat16": ["optim.mu_dtype=bfloat16"],
-    "train.ref_dtype=bfloat16": ["train.ref_dtype=bfloat16"],
     "model.param_dtype=bfloat16": ["model.param_dtype=bfloat16"],
     "model.param_dtype=bfloat16 + optim.stochastic_rounding": [
         "model.param_dtype=bfloat16", "optim.stochastic_rounding=True"],
-    "train.offload=reference,optimizer": ["train.offload=reference,optimizer"],
-    "model.remat=dots": ["model.remat=dots"],
+    "optim.mu_dtype=bfloat16 + train.ref_dtype=bfloat16": [
+        "optim.mu_dtype=bfloat16", "train.ref_dtype=bfloat16"],
 }
 
 
@@ -237,13 +238,9 @@ def test_memory_knob_still_learns(knob_baseline, knob, tmp_path):
   dtypes = lambda tree: {x.dtype for x in leaves(tree)}
   if knob.startswith("optim.mu_dtype"):  # the first moment; the second stays float32
     assert sum(x.size for x in leaves(state.opt_state) if x.dtype == jnp.bfloat16) == n_params
-  elif knob.startswith("train.ref_dtype"):
     assert dtypes(state.ref_params) == {jnp.dtype(jnp.bfloat16)}
-  elif knob.startswith("model.param_dtype"):
+  else:
     assert dtypes(state.params) == {jnp.dtype(jnp.bfloat16)}
-  elif knob.startswith("train.offload"):
-    assert {x.sharding.memory_kind for x in leaves((state.ref_params, state.opt_state))} == {
-        "pinned_host"}
   plan = json.load(open(tmp_path / memory.PLAN_FILE))
   assert plan["live_state"]["step"] == sft  # resumed from the baseline's checkpoint
 
