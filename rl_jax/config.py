@@ -214,6 +214,11 @@ def _rollout() -> ml_collections.ConfigDict:
       # tokens, behaviour log-probs and policy versions) into the next step.
       partial=False,
       over_sampling=2.0,
+      # Engine shares: the step's groups split into this many independent APRIL engines
+      # (each its own batch_groups / shares groups, held groups and prompt stream); with
+      # several processes each runs and holds only its own shares. 0: one per process. Runs
+      # with the same shares give the same batches on any number of processes.
+      partial_shares=0,
       max_staleness=1,  # η: no token more than η policy versions old; -1 = unbounded
       mask_stale=False,  # drop tokens sampled by an older policy from the loss
       # SPEC-RL: the previous response of the same prompt is a draft, verified by the
@@ -407,6 +412,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "rollout.top_p": (cu.probability, cu.in_range(0.0, 1.0, low_inclusive=False)),
       "rollout.top_k": cu.nonnegative_int,
       "rollout.over_sampling": cu.in_range(1.0, None),
+      "rollout.partial_shares": cu.nonnegative_int,
       "rollout.max_staleness": cu.in_range(-1, None),
       "loss.preset": cu.one_of(losses.PRESETS),
       "loss.advantage": opt(cu.one_of(losses.ADVANTAGES)),
@@ -495,6 +501,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.rollout.speculative and config.rollout.partial:
     raise ConfigError("rollout.speculative=True and rollout.partial=True cannot be combined; "
                       "choose one")
+  shares = config.rollout.partial_shares
+  if config.rollout.partial and shares and config.train.batch_groups % shares:
+    raise ConfigError(f"rollout.partial_shares={shares} does not divide "
+                      f"train.batch_groups={config.train.batch_groups}")
+  if config.env.name and shares > 1:
+    raise ConfigError(f"rollout.partial_shares={shares} needs env.name unset (the "
+                      f"multi-turn engine holds every group in every process)")
   if (config.data.selector or "none") != "none" and config.rollout.partial:
     raise ConfigError(f"data.selector={config.data.selector!r} needs rollout.partial=False "
                       f"(the partial-rollout engine draws its own prompts)")

@@ -90,6 +90,8 @@ def test_bad_choice_names_the_key(override, word):
     (["rollout.speculative=True", "rollout.partial=True"], "rollout.speculative"),
     (["rollout.speculative=True", "rollout.temperature=0.0"], "rollout.speculative"),
     (["rollout.spec_lenience=-1.0"], "rollout.spec_lenience"),
+    (["rollout.partial=True", "train.batch_groups=8", "rollout.partial_shares=3"],
+     "rollout.partial_shares"),
 ])
 def test_bad_selection_settings_fail_in_one_line(overrides, word):
   config = config_utils.load_config(QUICKSTART, overrides)

@@ -1,7 +1,8 @@
 """Multi-process training through jax.distributed: 2 processes x 4 CPU devices (gloo) give the
-run of 1 process x 8 devices, synchronous and fixed-lag asynchronous (in the same processes,
-after the synchronous run), only process 0 writes files, a rerun resumes from the collective
-checkpoint, and a killed process takes the job down within a bounded time."""
+run of 1 process x 8 devices, synchronous and fixed-lag asynchronous with partial rollouts
+(in the same processes, after the synchronous run), only process 0 writes files, a rerun
+resumes from the collective checkpoint, and a killed process takes the job down within a
+bounded time."""
 
 import os
 import signal
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from rl_jax import config_utils, metrics, train
+from rl_jax import checkpoint, config_utils, metrics, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import context, runner
 from rl_jax.train.records import Scored
@@ -30,9 +31,12 @@ RUN = TINY_MODEL + [
 ]
 
 
-# Fixed-lag async: 4 rollout devices (2 per process), the training mesh on the other 4.
+# Fixed-lag async with partial rollouts (APRIL, 2 engine shares: one per process on 2
+# processes, both in the one process of the reference): 4 rollout devices (2 per process),
+# the training mesh on the other 4.
 ASYNC = ["train.mode=async", "train.async_lag=1", "mesh.rollout_devices=4", "sft.steps=0",
-         "train.eval_every=0", "train.checkpoint_every=0", "log.tensorboard=False"]
+         "train.eval_every=0", "train.checkpoint_every=0", "log.tensorboard=False",
+         "rollout.partial=True", "rollout.partial_shares=2"]
 
 
 def _free_port():
@@ -101,11 +105,18 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   # the rerun with a longer schedule resumes from the collective checkpoint at step 4 (the
   # asynchronous run from step 3, with the batch of step 4 sampled before it in its queue)
   async_two = metrics.read_jsonl(str(two_async / "metrics.jsonl"))
+  # the checkpoint holds both engine shares' held groups (job-wide [2, capacity] arrays)
+  setup = train.build_setup(config_utils.load_config(QUICKSTART, RUN + ASYNC))
+  saved, _ = checkpoint.restore(str(two_async / "checkpoints"),
+                                train.abstract_state(setup, 2), step=2)
+  valid = np.asarray(saved.rollout_buffer["valid"])
+  assert valid.shape == (2, 8) and valid.any(axis=1).all(), valid
   _finish(_launch(two, ["train.steps=3"], then=[(two_async, ASYNC + ["train.steps=3"])]))
   rows = metrics.read_jsonl(str(two / "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
   assert rows[:4] == rows_two
-  # fixed-lag async, 2 processes (resumed) == 1 process of 8 devices (unbroken)
+  # fixed-lag async with partial rollouts, 2 processes (resumed, the held groups from the
+  # checkpoint's job-wide form) == 1 process of 8 devices (unbroken)
   train.train(config_utils.load_config(QUICKSTART, RUN + ASYNC + ["train.steps=3"]),
               str(one_async), progress=False)
   _same_weights(one_async, two_async)
@@ -115,7 +126,9 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   assert [r["step"] for r in rows] == [r["step"] for r in async_one] == [1, 2, 3]
   assert [r["local_groups"] for r in async_one] == [8, 8, 8]
   assert [r["local_groups"] for r in rows] == [4, 4, 4]
-  assert [r["max_token_lag"] for r in rows] == [0, 1, 1]
+  # each process ran and held one of the 2 engine shares (the one process both)
+  assert [r["held_shares"] for r in async_one] == [2, 2, 2]
+  assert [r["held_shares"] for r in rows] == [1, 1, 1]
   for r1, r2 in zip(async_one, rows):
     for k in ("reward_mean", "response_length", "max_token_lag", "mean_token_lag"):
       assert r2.get(k) == r1.get(k), k

@@ -233,6 +233,10 @@ def device_rules(config) -> None:
     raise ConfigError(f"mesh.rollout_devices={n} does not split evenly over {P} processes "
                       f"(each gives rollout_devices/{P} of its {jax.local_device_count()} "
                       f"devices to the sampler and keeps at least one for training)")
+  shares = c.rollout.partial_shares
+  if P > 1 and c.rollout.partial and shares % P:
+    raise ConfigError(f"rollout.partial_shares={shares} does not split evenly over {P} "
+                      f"processes (each runs and holds rollout.partial_shares/{P} engines)")
   devices = jax.device_count() - n
   n_dev = c.mesh.num_devices or devices
   if n_dev > devices:

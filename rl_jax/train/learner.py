@@ -125,7 +125,8 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
   info.update({k: float(v) for k, v in scored.stats.items()  # multi-turn batches
                if k in agent_stage.METRICS or k.startswith("tool_errors_")})
   if staleness:
-    info.update(staleness_metrics(scored.versions, scored.mask, int(state.step)))
+    info.update(staleness_metrics(_everyone(scored.versions, local),  # the job's tokens
+                                  _everyone(scored.mask, local), int(state.step)))
   return UpdateBatch(pt, pl, rt, inputs, advantages, routing), info
 
 

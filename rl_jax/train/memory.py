@@ -51,7 +51,7 @@ from rl_jax.errors import RLJaxError
 from rl_jax.train import offload
 from rl_jax.train.inputs import abstract_inputs
 from rl_jax.train.rollouts import Trainer
-from rl_jax.train.state import TrainState, abstract_state
+from rl_jax.train.state import TrainState, abstract_state, engine_shares
 from rl_jax.train.steps import UpdateBatch
 
 __all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "state_parts",
@@ -282,8 +282,8 @@ def _kv_cache(t: Trainer) -> int:
   """The sampler's KV cache per device (prompt-once layout, groups over the batch axes)."""
   s, c = t.setup, t.setup.config
   G, M = s.geometry.rows, s.geometry.row_size
-  if c.rollout.partial:
-    G = math.ceil(c.rollout.over_sampling * G)
+  if c.rollout.partial:  # one engine share's slots (all of them with one share)
+    G = math.ceil(c.rollout.over_sampling * G / engine_shares(s))
   cache = rollout.kv_cache_bytes(s.model_cfg, G, M, s.prompt_len,
                                  c.rollout.max_new_tokens)
   split = math.prod(s.sampler_mesh.shape[a] for a in ("data", "fsdp")

@@ -9,7 +9,9 @@ decided once per run (``source``), never inside a step:
   (with several processes each samples the groups ``[lo, hi)`` whose rows live on its
   devices);
 * ``engine``: APRIL (``rollout.partial``): the rollout engine draws prompts lazily and
-  returns G complete groups; its held groups travel in ``ProducerState.held``;
+  returns G complete groups; its held groups travel in ``ProducerState.held`` (with S
+  engine shares, ``rollout.partial_shares``, each process runs its own shares' groups
+  ``[lo, hi)`` and holds only theirs);
 * ``agentic``: multi-turn episodes (``env.name``): G groups of the env task's train
   split, rolled out by the ``AgentEngine`` (``agent_stage``) to their end; the response
   tokens are the trajectories (model and observation ids as sampled / appended), the loss
@@ -40,10 +42,11 @@ from rl_jax.train import agent_stage, group_size, selection_stage, speculative_s
 from rl_jax.train.records import ENGINE_STATS, ProducerState, Scored
 from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
                                    next_indices, score)
+from rl_jax.train import state as state_lib
 from rl_jax.train.state import held_capacity, place_replicated
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["SOURCES", "source", "produce", "host_producer"]
+__all__ = ["SOURCES", "source", "produce", "host_producer", "share_prompts", "merge_stats"]
 
 
 def host_producer(p: ProducerState) -> ProducerState:
@@ -90,12 +93,77 @@ def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo:
   return _scored(t, out, idx, rollout_s, version, geo.samples), _placed(t, out.producer)
 
 
+def share_prompts(s, data: np.ndarray, j: int, S: int, drawn: list[int]):
+  """Engine share ``j``'s prompts (of S): its k-th is draw number ``j + k·S`` of the prompt
+  sampler from position ``data`` [2], k counted on from ``drawn[0]`` (advanced per prompt
+  handed out, so it counts what the engine took)."""
+  E = len(s.train_examples)
+  base = int(data[0]) * E + int(data[1])
+  while True:
+    o = base + j + drawn[0] * S
+    idx, _ = next_indices(s, np.asarray([o // E, o % E], np.int32), 1)
+    drawn[0] += 1
+    i = int(idx[0])
+    yield rollout.Prompt(encode_prompts(s, [s.train_examples[i]])[0], meta=i)
+
+
+def merge_stats(stats: list[dict], tokens: list[int]) -> dict:
+  """The engine counters of several shares' rollouts as one batch's: lags and KV bytes the
+  largest, the off-policy fraction weighted by each share's ``tokens``, counts summed."""
+  out = {}
+  for k in stats[0]:
+    v = [float(x[k]) for x in stats]
+    if k in ("max_token_lag", "kv_bytes"):
+      out[k] = max(v)
+    elif k == "off_policy_token_fraction":
+      out[k] = sum(a * n for a, n in zip(v, tokens)) / max(sum(tokens), 1)
+    else:
+      out[k] = sum(v)
+  return out
+
+
+def _engine_shares(t: Trainer, params, p: ProducerState, *, version: int, lo: int,
+                   hi: int) -> tuple[Scored, ProducerState]:
+  """The groups ``[lo, hi)`` of G from this process's engine shares (S > 1,
+  ``state.engine_shares``): share j returns groups ``[j·G/S, (j+1)·G/S)`` of the step, from
+  its own held groups (``p.held[i]``, i-th of this process's; or the job's S shares of a
+  resumed state) and prompt stream (``share_prompts``). Sampling needs no collective."""
+  s, engine = t.setup, t.engine
+  S, G = state_lib.engine_shares(s), s.geometry.rows
+  first, last = lo * S // G, hi * S // G
+  t0 = time.perf_counter()
+  held = jax.device_get(p.held)
+  if len(held["valid"]) == S:  # the job-wide form: this process's shares of it
+    held = state_lib.take_shares(held, first, last)
+  outs, kept = [], []
+  for i, j in enumerate(range(first, last)):
+    h = {k: v[i] for k, v in held.items()}
+    engine.import_held(h)
+    drawn = [int(h["drawn"])]
+    outs.append(engine.rollout_groups(params, share_prompts(s, p.data, j, S, drawn), G // S,
+                                      policy_version=version))
+    kept.append({**engine.export_held(held_capacity(s)), "drawn": np.int32(drawn[0])})
+  cat = lambda f: np.concatenate([np.asarray(getattr(o, f)) for o in outs])
+  idx = np.asarray([m for o in outs for m in o.group_meta], np.int32)
+  routing = None if outs[0].routing is None else cat("routing")
+  stats = merge_stats([o.stats for o in outs], [int(o.mask.sum()) for o in outs])
+  sampled = Sampled([s.train_examples[i] for i in idx], [q for o in outs for q in o.prompts],
+                    cat("tokens"), cat("mask"), cat("logprobs"), cat("versions"), stats,
+                    p._replace(held=state_lib.stack_shares(kept)), routing)
+  rollout_s = time.perf_counter() - t0
+  return (_scored(t, sampled, idx, rollout_s, version, s.geometry.samples),
+          _placed(t, sampled.producer))
+
+
 def _engine(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
             hi: int) -> tuple[Scored, ProducerState]:
   """G complete groups from the APRIL engine, reloaded from ``p.held`` and saved back after
   the call; prompts are drawn lazily from the data sampler, so a resumed run continues
-  exactly (every process runs every group: the held groups are replicated state)."""
-  del step, lo, hi
+  exactly. With S > 1 engine shares (``rollout.partial_shares``; by default one per
+  process) each process runs and holds only its own (``_engine_shares``)."""
+  del step
+  if state_lib.engine_shares(t.setup) > 1:
+    return _engine_shares(t, params, p, version=version, lo=lo, hi=hi)
   s, engine = t.setup, t.engine
   t0 = time.perf_counter()
   engine.import_held(jax.device_get(p.held))

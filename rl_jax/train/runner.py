@@ -17,7 +17,9 @@
   programs and the weight hand-off in the same order, and its producer samples its own
   groups (``Layout.share``) on its own rollout devices. Each process queues only its
   groups; the checkpointed queue holds the job's (``job_wide``) and a resumed process takes
-  its share back (``own_share``).
+  its share back (``own_share``). Partial rollouts (``rollout.partial``) split the same
+  way: each process runs and holds only its APRIL engine shares (``held_shares``); the
+  checkpoint holds the job's S shares (``job_wide_held``).
 * **free-running** (``FreeRunning``, ``train.async_lag=-1``): the producer samples
   continuously from the newest published weights into a bounded queue. AReaL's admission rule
   bounds the lag: the producer starts batch i only when the learner has completed at least
@@ -54,9 +56,10 @@ from rl_jax.train.learner import apply_update, learner_batch
 from rl_jax.train.producer import produce, source
 from rl_jax.train.records import ProducerState, Scored, array_fields
 from rl_jax.train.rollouts import Trainer
-from rl_jax.train.state import TrainState, place_replicated
+from rl_jax.train.state import TrainState, engine_shares, place_replicated, take_shares
 
 __all__ = ["queue_from_arrays", "publish", "collect", "splits_groups", "job_wide", "own_share",
+           "held_shares", "job_wide_held",
            "FixedLag", "FreeRunning", "make_runner"]
 
 
@@ -92,9 +95,10 @@ def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
 
 def splits_groups(t: Trainer) -> bool:
   """Whether each process samples only its own groups (``Layout.share``): the fresh source
-  with several processes and a batch split along ``batch``."""
+  or the APRIL engine's shares (``held_shares``) with several processes and a batch split
+  along ``batch``."""
   G = t.setup.geometry.rows
-  return source(t) == "fresh" and t.layout.share(G) != (0, G)
+  return source(t) in ("fresh", "engine") and t.layout.share(G) != (0, G)
 
 
 def job_wide(x: Scored) -> Scored:
@@ -120,6 +124,26 @@ def own_share(x: Scored, lo: int, hi: int, lead: bool) -> Scored:
     arrays["routing"] = rows(x.routing)
   return x._replace(indices=x.indices[lo:hi], rewards=x.rewards[lo:hi],
                     faults=x.faults if lead else np.zeros_like(x.faults), **arrays)
+
+
+def held_shares(t: Trainer) -> tuple[int, int] | None:
+  """This process's engine shares ``[first, last)`` of S (``state.engine_shares``) when the
+  APRIL engine is split into S > 1 shares, else None."""
+  S = engine_shares(t.setup)
+  if S == 1 or source(t) != "engine":
+    return None
+  G = t.setup.geometry.rows
+  lo, hi = t.layout.share(G)
+  return lo * S // G, hi * S // G
+
+
+def job_wide_held(held: dict, split: bool) -> dict:
+  """This process's engine shares' held groups [L, capacity, ...] as the job's S shares
+  (process order; a collective when ``split``, every process calls it in the same order)."""
+  if not split:
+    return held
+  return {k: np.asarray(multihost_utils.process_allgather(np.asarray(v), tiled=True))
+          for k, v in held.items()}
 
 
 def _with_queue(t: Trainer, state: TrainState, items: list[Scored]) -> TrainState:
@@ -166,6 +190,12 @@ class FixedLag:
     if self.split:
       lo, hi = t.layout.share(t.setup.geometry.rows)
       self.queue = [own_share(x, lo, hi, jax.process_index() == 0) for x in self.queue]
+    # split APRIL engine: this process's shares' held groups stay on the host here (the
+    # state keeps the job-wide form it was built or restored with until ``snapshot``)
+    self.shares = held_shares(t)
+    self.held = None
+    if self.shares is not None:
+      self.held = take_shares(jax.device_get(state.producer.held), *self.shares)
     self.pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
                  if self.k else None)
 
@@ -185,6 +215,9 @@ class FixedLag:
     # place; with a lag it samples a copy the learner's update cannot donate
     params = publish(t, state.params) if k else t.layout.sampler_params(state.params)
     producer, fill_s = state.producer, 0.0
+    job_held = producer.held
+    if self.held is not None:
+      producer = producer._replace(held=self.held)
     while len(queue) < k:  # pipeline fill (first RL step): steps step..step+k-1, weights now
       scored, producer, busy = self._produce(params, producer, step + len(queue), step)
       fill_s += busy
@@ -206,6 +239,10 @@ class FixedLag:
     wait = time.perf_counter() - t1
     if k:
       queue.append(scored)
+    if self.held is not None:
+      self.held = jax.device_get(producer.held)
+      producer = producer._replace(held=job_held)
+      record = {**record, "held_shares": len(self.held["valid"])}
     state = state._replace(producer=producer)
     if not self.overlapped:
       return state, {**record, **mets}
@@ -214,8 +251,14 @@ class FixedLag:
 
   def snapshot(self, state: TrainState) -> TrainState:
     """The state to checkpoint: ``state`` with the queued batches (with several processes
-    each batch job-wide, ``job_wide``; a collective)."""
+    each batch job-wide, ``job_wide``; a collective) and, with a split APRIL engine, every
+    share's held groups (``job_wide_held``)."""
     items = [job_wide(x) for x in self.queue] if self.split else self.queue
+    if self.held is not None:
+      S = engine_shares(self.t.setup)
+      held = job_wide_held(self.held, self.shares != (0, S))
+      state = state._replace(producer=state.producer._replace(
+          held={k: place_replicated(self.t.setup, v) for k, v in held.items()}))
     return _with_queue(self.t, state, items)
 
   def close(self) -> None:

@@ -25,7 +25,8 @@ from rl_jax.train.records import ProducerState
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["ProducerState", "TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
-           "held_capacity", "place_replicated", "rl_layout", "ref_dtype", "make_reference",
+           "held_capacity", "engine_shares", "stack_shares", "take_shares",
+           "UID_STRIDE", "place_replicated", "rl_layout", "ref_dtype", "make_reference",
            "reference_copy", "adapters"]
 
 
@@ -82,9 +83,35 @@ for _flat, _field in _FLAT.items():
                                       doc=f"The producer's ``{_field}`` (earlier flat name)."))
 
 
+# engine share j's group uids (its requests' sampling streams) start at j·UID_STRIDE
+UID_STRIDE = 1 << 24
+
+
+def engine_shares(s: Setup) -> int:
+  """S, the independent APRIL engines the step's G groups are split into
+  (``rollout.partial_shares``; 0: one per process): each returns G / S groups and holds its
+  own groups, uids and prompt stream. 1 without the single-turn partial engine."""
+  c = s.config
+  if not c.rollout.partial or c.env.name:
+    return 1
+  return c.rollout.partial_shares or jax.process_count()
+
+
 def held_capacity(s: Setup) -> int:
-  """Most groups the partial-rollout engine can hold between steps."""
-  return math.ceil(s.config.rollout.over_sampling * s.config.train.batch_groups)
+  """Most groups one partial-rollout engine share can hold between steps (its slots)."""
+  c = s.config
+  return math.ceil(c.rollout.over_sampling * c.train.batch_groups / engine_shares(s))
+
+
+def stack_shares(held: list[dict]) -> dict:
+  """Engine shares' ``export_held`` dicts (each with ``drawn``) as one dict of arrays with
+  a leading share axis: [S, capacity, ...] (``next_uid``, ``drawn``: [S])."""
+  return {k: np.stack([np.asarray(h[k]) for h in held]) for k in held[0]}
+
+
+def take_shares(held: dict, first: int, last: int) -> dict:
+  """Shares ``[first, last)`` of ``stack_shares``' dict (leading axis sliced)."""
+  return {k: np.asarray(v)[first:last] for k, v in held.items()}
 
 
 def make_engine(s: Setup) -> rollout.RolloutEngine | None:
@@ -103,7 +130,8 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
 
 def _empty_buffer(s: Setup) -> dict:
   """``ProducerState.held`` of a fresh run: host arrays with nothing held (the multi-turn
-  engine's with ``env.name``)."""
+  engine's with ``env.name``); with S > 1 engine shares (``engine_shares``) the job-wide
+  form, ``stack_shares`` of S empty shares (share j's uids from j·``UID_STRIDE``)."""
   if s.config.env.name:
     if not s.config.rollout.partial:
       return {}
@@ -113,7 +141,13 @@ def _empty_buffer(s: Setup) -> dict:
     finally:
       engine.close()
   engine = make_engine(s)
-  return {} if engine is None else engine.export_held(held_capacity(s))
+  if engine is None:
+    return {}
+  held, S = engine.export_held(held_capacity(s)), engine_shares(s)
+  if S == 1:
+    return held
+  return stack_shares([{**held, "next_uid": np.int32(j * UID_STRIDE), "drawn": np.int32(0)}
+                       for j in range(S)])
 
 
 def _host_parts(s: Setup) -> dict:
