@@ -1,4 +1,5 @@
-"""GRPO on a local GSM8K-format file with a Hugging Face Qwen2/Qwen3/Llama checkpoint.
+"""GRPO on a local GSM8K-format file with a Hugging Face checkpoint: Qwen2, Qwen3, Llama,
+Qwen3-MoE (``Qwen3MoeForCausalLM``) or Gemma 3 text (``Gemma3ForCausalLM``).
 
     python -m rl_jax.train --config=configs/gsm8k_hf.py --workdir=/tmp/gsm8k_run \\
         --config.model.hf_path=/models/Qwen3-0.6B --config.data.path=/data/gsm8k_train.jsonl
@@ -7,7 +8,11 @@ The checkpoint directory holds config.json, *.safetensors and tokenizer.json; th
 is JSONL (or Parquet) with ``question`` and ``answer`` ("... #### 72") fields; rewards come
 from math-verify on the completion's final answer. The same command runs on a CPU, a GPU or
 a TPU slice: the mesh takes every visible device (FSDP over all of them by default; on a
-large slice use ``--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor=4``).
+large slice use ``--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor=4``). Prompts start
+with the tokenizer's bos where it prepends one (Gemma, Llama). Mixture-of-experts
+checkpoints: add ``--config.model.router_replay=True`` (train on the sampler's experts) and,
+for the load-balancing loss, ``--config.model.router_aux_loss_coef=0.001`` (off by default;
+the checkpoint's own ``router_aux_loss_coef`` is not applied).
 
 Recipe (DeepSeekMath GRPO): N = 8 samples per prompt (rollout.n), ε = 0.2, k3 KL with
 β = 0.001 (loss.kl_beta), seq-mean-token-mean aggregation, bf16 compute with float32 master

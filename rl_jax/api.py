@@ -34,7 +34,9 @@ from rl_jax import checkpoint as ckpt_lib
 from rl_jax import losses
 from rl_jax import models
 from rl_jax import rollout
+from rl_jax.data.tokenizers import encode_prompt
 from rl_jax.errors import CheckpointNotFoundError, RLJaxError
+from rl_jax.train import lora_checkpoint
 from rl_jax.train.context import build_setup
 from rl_jax.train.inputs import SINGLE_TURN_INPUTS, Source, make_inputs
 from rl_jax.train.layout import jit_on_mesh
@@ -180,7 +182,8 @@ class Trainer:
       (behaviour log-probs), rows grouped by prompt.
     """
     s, r = self.setup, self.setup.config.rollout
-    prompts = [s.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    prompts = [encode_prompt(s.tokenizer, p) if isinstance(p, str) else list(p)
+               for p in prompts]
     pick = lambda x, default: default if x is None else x
     seed = pick(seed, seed_for(s.config.train.seed, self.step, Stream.ROLLOUT))
     return rollout.generate(
@@ -197,7 +200,8 @@ class Trainer:
     log-probs as behaviour log-probs; ``rewards`` [G·M] or [G,M]; ``advantages`` likewise
     (or [G,M,R])."""
     s = self.setup
-    prompts = [s.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    prompts = [encode_prompt(s.tokenizer, p) if isinstance(p, str) else list(p)
+               for p in prompts]
     G = len(prompts)
     tokens = np.asarray(out.tokens)
     M, R = tokens.shape[0] // G, tokens.shape[1]
@@ -330,9 +334,12 @@ class Trainer:
   def save(self, path: str) -> None:
     """Writes the train state as the trainer's checkpoint of this step under ``path`` (an
     orbax checkpoint directory; ``load`` and a run's resume read it). Gradients not yet
-    applied are not saved."""
+    applied are not saved. With LoRA the checkpoint holds the adapters and the frozen base
+    goes once into ``path/base/`` (``rl_jax.train.lora_checkpoint``)."""
     with ckpt_lib.Checkpointer(path, keep=None, save_every=0) as ckpt:
-      ckpt.save(self.step, self.state, force=True)
+      state, meta = lora_checkpoint.for_checkpoint(self.setup, ckpt, self.state,
+                                                   from_config=False)
+      ckpt.save(self.step, state, metadata=meta, force=True)
 
   def load(self, path: str, step: int | None = None) -> None:
     """Reads the checkpoint of ``step`` (default the newest) under ``path`` (``save``'s

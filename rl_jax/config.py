@@ -89,6 +89,12 @@ def _model() -> ml_collections.ConfigDict:
       # expert (all-to-all expert parallelism on a mesh that shards the experts); the
       # assignments past C are dropped, metric moe_dropped_tokens. The sampler is dropless.
       moe_capacity_factor=0.0,
+      # load-balancing auxiliary loss (Switch / transformers' ``load_balancing_loss_func``,
+      # ``rl_jax.models.moe.load_balancing_loss``): > 0 adds coef × the loss of the current
+      # router over the real tokens (valid prompt + generated) to the RL update and the
+      # supervised step, metric moe_aux_loss; 0 = off. A checkpoint's own
+      # ``router_aux_loss_coef`` (config.json) is not applied: set this field to use it.
+      router_aux_loss_coef=0.0,
       # attention layout: "full" everywhere, or (gemma3) "sliding": sliding-window layers of
       # ``sliding_window`` keys with a global layer every ``global_every`` layers
       attention="full",  # one of rl_jax.models.config.ATTENTION_LAYOUTS
@@ -101,9 +107,16 @@ def _model() -> ml_collections.ConfigDict:
       # projections (q,k,v,o,gate,up,down) as integers with float32 scales, one per
       # `quant_block` entries along each weight's contraction axis (must divide hidden_size,
       # head_dim and intermediate_size); dequantised inside the matmul by the trainer, the
-      # sampler and the reference alike; "" keeps the base in param_dtype
+      # sampler and the reference alike; "" keeps the base in param_dtype.
+      # `adapter_path`: a PEFT LoRA adapter directory (adapter_config.json +
+      # adapter_model.safetensors, as hf_adapter/ exports) whose A and B replace the fresh
+      # adapters at the start of the run (instead of `init`); its r, lora_alpha,
+      # target_modules and tensor shapes must match rank, alpha, targets and the base, and its
+      # base_model_name_or_path (if set) must name hf_path. The KL reference stays the base
+      # with the adapters off. With rank 0 (off) every other lora field keeps its default.
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down",
-                                          init="gaussian", quant="", quant_block=64)),
+                                          init="gaussian", quant="", quant_block=64,
+                                          adapter_path=config_dict.placeholder(str))),
   ))
 
 
@@ -377,6 +390,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.router": cu.one_of(moe.ROUTERS),
       "model.router_replay": cu.one_of((False, True)),
       "model.moe_capacity_factor": opt(cu.nonnegative),
+      "model.router_aux_loss_coef": cu.nonnegative,
       "model.fused_mlp": cu.one_of((False, True)),
       "model.scan_layers": cu.one_of((False, True)),
       "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
@@ -517,9 +531,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_group_size(config)
   _check_env(config)
   _check_offload(config)
-  if config.model.lora.quant and not config.model.lora.rank:
-    raise ConfigError(f"model.lora.quant={config.model.lora.quant!r} needs model.lora.rank > 0 "
-                      f"(a quantised base is frozen: only adapters can train on it)")
+  _check_lora_off(config)
   if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
     raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
                       "frozen base the policy already holds; there is no copy to offload")
@@ -552,9 +564,30 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
     if m.router_replay and arch != "qwen3_moe":
       raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model "
                         f"(architecture 'qwen3_moe'), got {arch!r}")
+    if m.get("router_aux_loss_coef") and arch != "qwen3_moe":
+      raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} needs a "
+                        f"mixture-of-experts model (architecture 'qwen3_moe'), got {arch!r}")
   if m.router_replay and (config.rollout.speculative or config.env.name):
     raise ConfigError("model.router_replay=True needs the sampler's expert records, which "
                       "rollout.speculative and env.name rollouts do not keep")
+
+
+def _check_lora_off(config: ml_collections.ConfigDict) -> None:
+  """``model.lora.rank=0`` means LoRA is off: any other ``model.lora`` field changed from its
+  default would be silently ignored, so it is an error."""
+  lo = config.model.lora
+  if lo.rank:
+    return
+  defaults = _model().lora
+  for key in ("quant", "adapter_path", "targets", "alpha", "init", "quant_block"):
+    value, default = lo.get(key), defaults[key]
+    same = (lora_lib.parse_targets(value) == lora_lib.parse_targets(default)
+            if key == "targets" else value == default or (not value and not default))
+    if not same:
+      why = (" (a quantised base is frozen: only adapters can train on it)" if key == "quant"
+             else "")
+      raise ConfigError(f"model.lora.{key}={value!r} needs model.lora.rank > 0: "
+                        f"model.lora.rank=0, so LoRA is off{why}")
 
 
 def _check_env(config: ml_collections.ConfigDict) -> None:
@@ -605,7 +638,7 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
 
 def check_objective(config: ml_collections.ConfigDict, needs) -> None:
   """Rules between the schedule and the objective's declared inputs ``needs``: a quantised
-  base cannot seed a critic (``values``); one step off
+  base cannot seed a critic (``values``) and LoRA gives it no adapters; one step off
   (a lag of at most 1) is the common practice without correction; more needs an objective
   that reads the behaviour log-probs."""
   c = config
@@ -613,6 +646,10 @@ def check_objective(config: ml_collections.ConfigDict, needs) -> None:
     raise ConfigError(f"model.lora.quant={c.model.lora.quant!r}: loss.preset={c.loss.preset!r} "
                       f"trains a critic of full weights, which a quantised base cannot seed; "
                       f"use a critic-free objective or model.lora.quant=''")
+  if c.model.lora.rank and "values" in needs:
+    raise ConfigError(f"model.lora.rank={c.model.lora.rank}: loss.preset={c.loss.preset!r} "
+                      f"needs a value model, which LoRA does not support (the critic has no "
+                      f"adapters); use a critic-free objective or model.lora.rank=0")
   if c.train.mode != "async":
     return
   lag = c.train.async_lag if c.train.async_lag >= 0 else c.rollout.max_staleness

@@ -12,18 +12,25 @@ before anything touches a device:
 
 A process that dies takes the job down: the coordination service stops every other process
 once the dead one has missed heartbeats for ``distributed.heartbeat_timeout_s`` seconds.
+
+A process other than 0 first waits (up to ``distributed.initialization_timeout_s`` seconds)
+until something listens at the coordinator address: JAX's own client aborts the process with
+a C++ stack trace when nobody answers, so an address nobody listens on is reported here, in
+one ``ConfigError`` line, instead.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 from typing import Any
 
 import jax
 
 from rl_jax.errors import ConfigError
 
-__all__ = ["initialize", "is_lead", "auto_detected"]
+__all__ = ["initialize", "is_lead", "auto_detected", "wait_for_coordinator"]
 
 
 def auto_detected() -> bool:
@@ -38,7 +45,9 @@ def initialize(d: Any) -> bool:
   Must run before the first device query of the process.
 
   Raises:
-    ConfigError: only some of the explicit fields are set, or they are out of range.
+    ConfigError: only some of the explicit fields are set, or they are out of range, or
+      (on a process other than 0) nobody listens at the coordinator address within
+      ``initialization_timeout_s``.
   """
   fields = (d.coordinator_address, d.num_processes, d.process_id)
   explicit = [f is not None for f in fields]
@@ -53,6 +62,8 @@ def initialize(d: Any) -> bool:
                         f"[0, num_processes={d.num_processes})")
     if d.num_processes == 1:
       return False
+    if d.process_id != 0:
+      wait_for_coordinator(d.coordinator_address, d.initialization_timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=d.coordinator_address,
                                num_processes=d.num_processes, process_id=d.process_id,
@@ -62,6 +73,34 @@ def initialize(d: Any) -> bool:
     jax.distributed.initialize(**timeouts)
     return True
   return False
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Waits until a TCP connection to ``address`` ("host:port") succeeds, for at most
+  ``timeout_s`` seconds.
+
+  Raises:
+    ConfigError: the address is malformed, or nothing listens there within the time-out.
+  """
+  key = "distributed.coordinator_address"
+  host, sep, port = address.rpartition(":")
+  host = host.strip("[]")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ConfigError(f"{key}={address!r} is not host:port")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    left = deadline - time.monotonic()
+    try:
+      socket.create_connection((host, int(port)), timeout=max(min(left, 2.0), 0.1)).close()
+      return
+    except OSError as e:
+      reason = e.strerror or str(e) or type(e).__name__
+    if left <= 0:
+      raise ConfigError(
+          f"{key}={address}: nobody listens there (tried for distributed."
+          f"initialization_timeout_s={timeout_s:g} s; last: {reason}); check that process 0 "
+          "of the job runs with this address and that this host can reach its host and port")
+    time.sleep(min(0.25, max(left, 0.0)))
 
 
 def is_lead() -> bool:

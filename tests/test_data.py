@@ -73,6 +73,35 @@ def test_hf_tokenizer_eos_fallbacks(tmp_path):
   assert tokenizers.HFTokenizer(d).eos_id == 1  # "<|endoftext|>" found in the vocabulary
 
 
+@pytest.mark.parametrize("flag,post,want", [
+    (True, False, True),     # add_bos_token (Gemma, Llama 2)
+    (False, True, False),    # the flag wins over the post-processor
+    (None, True, True),      # no flag: the post-processor prepends it (Llama 3)
+    (None, False, False),
+])
+def test_prompts_start_with_bos_where_the_tokenizer_adds_one(tmp_path, flag, post, want):
+  import tokenizers as hf
+
+  tok = hf.Tokenizer(hf.models.WordLevel({"[PAD]": 0, "</s>": 1, "<bos>": 2, "[UNK]": 3,
+                                          "hello": 4}, unk_token="[UNK]"))
+  tok.pre_tokenizer = hf.pre_tokenizers.Whitespace()
+  tok.add_special_tokens(["[PAD]", "</s>", "<bos>"])
+  if post:
+    tok.post_processor = hf.processors.TemplateProcessing(single="<bos> $A",
+                                                          special_tokens=[("<bos>", 2)])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  config = {"eos_token": "</s>", "bos_token": "<bos>"}
+  if flag is not None:
+    config["add_bos_token"] = flag
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  t = tokenizers.HFTokenizer(str(tmp_path))
+  assert t.bos_id == 2 and t.add_bos == want
+  assert t.encode("hello hello") == [4, 4]
+  assert tokenizers.encode_prompt(t, "hello hello") == ([2, 4, 4] if want else [4, 4])
+  char = tokenizers.CharTokenizer()  # the synthetic tasks' prompts: no bos
+  assert tokenizers.encode_prompt(char, "1+2") == char.encode("1+2")
+
+
 def test_load_tokenizer_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="neither 'char' nor a directory"):
     tokenizers.load_tokenizer(str(tmp_path / "missing"))

@@ -1,10 +1,11 @@
 """LoRA: the adapted forward against PEFT, the merged export, gradients of the adapters,
-config errors, and a trainer run that trains the adapters only and exports all three
-directories."""
+config errors, a trainer run that trains the adapters only and exports all three
+directories, and adapter-only checkpoints."""
 
 import functools
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,9 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from rl_jax import config_utils, models, rollout, train
-from rl_jax.errors import ConfigError, ModelError
+from rl_jax import checkpoint, config_utils, models, rollout, train
+from rl_jax.errors import CheckpointError, ConfigError, ModelError
+from rl_jax.train import resume
 from tests.hf_utils import hf_logits, tiny_hf_model
 from tests.tiny import QUICKSTART, TINY_MODEL
 
@@ -55,6 +57,8 @@ def test_adapters_match_peft_and_the_merged_export(tmp_path, arch, targets):
   np.testing.assert_allclose(merged, with_peft, atol=1e-4)
   config = json.loads((ad_dir / "adapter_config.json").read_text())
   assert config["r"] == 4 and config["lora_alpha"] == 8.0
+  loaded = models.load_hf_adapter(cfg, str(ad_dir), str(base_dir))  # the export's inverse
+  jax.tree.map(np.testing.assert_array_equal, loaded, jax.device_get(params["layers"]["lora"]))
   assert "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight" in load_file(
       str(ad_dir / "adapter_model.safetensors"))
 
@@ -131,10 +135,21 @@ def test_adapters_are_laid_out_like_their_weights():
     ("model.lora.rank=-1", "config.model.lora.rank must be"),
     ("model.lora.init=ones", "config.model.lora.init must be one of"),
     ("train.offload=reference", "train.offload=reference: with model.lora.rank > 0"),
+    ("loss.preset=ppo", r"model.lora.rank=4: loss.preset='ppo' needs a value model, which LoRA "
+                        r"does not support \(the critic has no adapters\)"),
+    # rank 0 is "off": a LoRA setting beside it would be silently ignored
+    ("model.lora.rank=0,model.lora.targets=q,v",
+     r"model.lora.targets='q,v' needs model.lora.rank > 0: model.lora.rank=0, so LoRA is off"),
+    ("model.lora.rank=0,model.lora.alpha=8.0", r"model.lora.alpha=8.0 needs model.lora.rank > 0"),
+    ("model.lora.rank=0,model.lora.adapter_path=/tmp/x",
+     r"model.lora.adapter_path='/tmp/x' needs model.lora.rank > 0"),
 ])
 def test_bad_lora_config_fails_in_one_line(override, message):
-  config = config_utils.load_config(QUICKSTART, [override, "model.lora.rank=4"]
-                                    if "rank" not in override else [override])
+  overrides = override.split(",model.") if ",model." in override else [override]
+  overrides = [o if o.startswith("model.") or i == 0 else "model." + o
+               for i, o in enumerate(overrides)]
+  config = config_utils.load_config(QUICKSTART, overrides + ["model.lora.rank=4"]
+                                    if "rank" not in override else overrides)
   with pytest.raises(ConfigError, match=message) as err:
     train.build_setup(config)
   assert "\n" not in str(err.value)
@@ -147,6 +162,90 @@ def test_moe_mlp_adapters_are_rejected():
                        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
                        sparse_layers=(True,), qk_norm=True, lora_rank=2,
                        lora_targets=("q", "up"))
+
+
+# ------------------------------------------------------------------------- PEFT adapters in
+PEFT_TARGETS = "q,k,o,up,down"  # heads in (q, k), heads out (o), both MLP layouts
+PEFT_MODULES = ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]
+
+
+def _peft_adapter(base_dir, ad_dir, *, hidden=32, r=4, alpha=8, seed=0):
+  """A tiny qwen3 base at ``base_dir`` (the char tokenizer's 99 tokens fit) and a random PEFT
+  LoRA of it (A and B non-zero) saved at ``ad_dir``; returns the PEFT model."""
+  tiny_hf_model("qwen3", base_dir, vocab=100, hidden=hidden, inter=64, layers=2, heads=2,
+                kv_heads=1, head_dim=16, max_pos=64, seed=seed)
+  base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+  torch.manual_seed(seed + 1)
+  model = peft.get_peft_model(base, peft.LoraConfig(
+      r=r, lora_alpha=alpha, target_modules=PEFT_MODULES, init_lora_weights=False))
+  with torch.no_grad():  # B of the order of W, so the adapters change the logits
+    for name, p in model.named_parameters():
+      if "lora_" in name:
+        p.copy_(0.3 * torch.randn_like(p))
+  model.save_pretrained(str(ad_dir))
+  return model.eval()
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory):
+  root = tmp_path_factory.mktemp("peft")
+  model = _peft_adapter(root / "base", root / "adapter")
+  _peft_adapter(root / "other_base", root / "other_adapter", hidden=48, seed=3)
+  return root, model
+
+
+def _adapter_config(root, *extra):
+  return config_utils.load_config(QUICKSTART, [
+      "data.tokenizer=char", f"model.hf_path={root / 'base'}", "model.lora.rank=4",
+      "model.lora.alpha=8", f"model.lora.targets={PEFT_TARGETS}", "sft.steps=0",
+      f"model.lora.adapter_path={root / 'adapter'}", "mesh.num_devices=1", *extra])
+
+
+def test_peft_adapter_loads_as_the_runs_adapters(peft_adapter):
+  """``model.lora.adapter_path``: the run starts from the PEFT adapter, so rl_jax's logits
+  equal PEFT's on the transformers base (and differ from the base's)."""
+  root, model = peft_adapter
+  s = train.build_setup(_adapter_config(root))
+  params = jax.device_get(train.init_state(s).params)
+  tokens = np.random.default_rng(0).integers(0, s.model_cfg.vocab_size, (2, 11))
+  ours = np.asarray(models.forward(s.model_cfg, params, jnp.asarray(tokens)))
+  base = np.asarray(models.forward(s.model_cfg.replace(lora_rank=0, lora_targets=()),
+                                   models.lora.strip(params), jnp.asarray(tokens)))
+  assert np.abs(ours - base).max() > 1e-1  # the loaded adapters matter
+  np.testing.assert_allclose(ours, hf_logits(model, tokens), atol=1e-4)
+  assert set(models.lora.split(params)[1]) == {"q", "k", "o", "up", "down"}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.lora.rank=8"], r"adapter_config.json r=4 but model.lora.rank=8; set "
+                            r"model.lora.rank=4$"),
+    (["model.lora.alpha=16"], r"adapter_config.json lora_alpha=8 but model.lora.alpha=16"),
+    (["model.lora.targets=q,v"], r"adapter_config.json target_modules=.* \(targets "
+                                 r"q,k,o,up,down\) but model.lora.targets=q,v"),
+    (["adapter=other_adapter"], r"tensor 'base_model.model.model.layers.0.mlp.down_proj."
+                                r"lora_B.weight' has shape \(48, 4\) but the base's weights "
+                                r"and r=4 imply \(32, 4\) \(an adapter for another base\)"),
+    (["adapter=renamed"], r"base_model_name_or_path='Qwen/Qwen3-0.6B' does not name "
+                          r"model.hf_path="),
+    (["adapter=missing"], r"model.lora.adapter_path=.*missing: adapter directory .* does not "
+                          r"exist"),
+])
+def test_mismatched_peft_adapter_fails_in_one_line(peft_adapter, overrides, message):
+  """An adapter of another rank, alpha, targets or base fails in ``build_setup`` (before
+  anything is compiled), one line naming the field."""
+  root, _ = peft_adapter
+  extra = [o for o in overrides if not o.startswith("adapter=")]
+  which = [o.split("=")[1] for o in overrides if o.startswith("adapter=")]
+  if which == ["renamed"] and not (root / "renamed").exists():
+    shutil.copytree(root / "adapter", root / "renamed")
+    path = root / "renamed" / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "base_model_name_or_path": "Qwen/Qwen3-0.6B"}))
+  if which:
+    extra.append(f"model.lora.adapter_path={root / which[0]}")
+  with pytest.raises(ConfigError, match=message) as err:
+    train.build_setup(_adapter_config(root, *extra))
+  assert "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -208,3 +307,33 @@ def test_rl_steps_leave_the_base_frozen(lora_run):
     np.testing.assert_array_equal(x, y)
   assert any(np.any(x != y) for x, y in zip(jax.tree.leaves(ad0), jax.tree.leaves(ad1)))
   assert np.isfinite(record["kl"])
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def test_checkpoints_without_warm_start_hold_adapters_and_rebuild_the_base(tmp_path):
+  """``sft.steps=0``: the base is the config's, so no checkpoint holds it and nothing is
+  written besides (``lora_checkpoint``, source ``config``); restore rebuilds it bit for bit,
+  and a config that builds another base fails in one line."""
+  overrides = TINY_MODEL + [
+      "sft.steps=0", "train.steps=2", "train.batch_groups=4", "rollout.n=4",
+      "train.eval_every=0", "train.checkpoint_every=1", "log.tensorboard=False",
+      "model.lora.rank=4", "model.lora.targets=q,v", "optim.lr=1e-2"]
+  config = config_utils.load_config(QUICKSTART, overrides)
+  final = train.train(config, str(tmp_path), progress=False)
+  ckpts = str(tmp_path / "checkpoints")
+  assert checkpoint.all_steps(ckpts) == [1, 2]
+  assert not (tmp_path / "checkpoints" / "base").exists()
+  assert checkpoint.read_metadata(ckpts, 2)["lora_base"]["source"] == "config"
+  assert {p.split("/")[2] for p in checkpoint.saved_leaves(ckpts, 2)
+          if p.startswith("params/")} == {"lora"}
+  s = train.build_setup(config)
+  with checkpoint.Checkpointer(ckpts) as ckpt:
+    state = resume.restore_state(s, ckpt, 2, train.abstract_state(s, 2))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
+               jax.device_get(final.params))
+  other = train.build_setup(config_utils.load_config(QUICKSTART, overrides + [
+      "model.init_std=0.05"]))
+  with checkpoint.Checkpointer(ckpts) as ckpt:
+    with pytest.raises(CheckpointError, match="frozen LoRA base the config builds") as err:
+      resume.restore_state(other, ckpt, 2, train.abstract_state(other, 2))
+  assert "\n" not in str(err.value)

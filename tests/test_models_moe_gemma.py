@@ -247,6 +247,8 @@ def _hf_dict(kind, **changes):
      "sliding_attention"),
     ("qwen3_moe", dict(scoring_func="sigmoid"), "scoring_func"),
     ("qwen3_moe", dict(n_shared_experts=1), "n_shared_experts"),
+    ("qwen3_moe", dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
+    ("gemma3", dict(model_type="gemma3"), "model_type"),  # multimodal Gemma 3
     ("qwen3_moe", dict(num_experts_per_tok=None), "num_experts_per_tok"),
     ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok"),
 ])

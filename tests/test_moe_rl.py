@@ -1,5 +1,5 @@
 """Mixture-of-experts RL: the sampler's expert records, router replay in the grouped
-log-prob passes, and the routing-mismatch metric."""
+log-prob passes, the routing-mismatch metric and the load-balancing loss of the updates."""
 
 import dataclasses
 import os
@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
 from rl_jax import config as config_lib
-from rl_jax import config_utils, models, rollout, train
+from rl_jax import config_utils, losses, models, rollout, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import queue
 from rl_jax.train.steps import routing_mismatch
@@ -148,6 +151,7 @@ def test_queue_keeps_the_expert_records_of_moe_models(replay_run):
     ("model.num_experts=0", "model.num_experts"),
     ("model.architecture=qwen3", "model.num_experts"),
     ("model.num_experts_per_tok=9", "model.num_experts_per_tok"),
+    ("model.router_aux_loss_coef=-0.1", "model.router_aux_loss_coef"),
 ])
 def test_bad_moe_configs_fail_in_one_line(override, field):
   config = config_utils.load_config(MOE_QUICKSTART, [override])
@@ -163,3 +167,106 @@ def test_sliding_attention_and_replay_need_their_families():
   config = config_utils.load_config(QUICKSTART, ["model.router_replay=True"])
   with pytest.raises(ConfigError, match=r"model\.router_replay=True needs"):
     config_lib.validate(config)
+  config = config_utils.load_config(QUICKSTART, ["model.router_aux_loss_coef=0.01"])
+  with pytest.raises(ConfigError, match=r"model\.router_aux_loss_coef=0\.01 needs") as e:
+    config_lib.validate(config)
+  assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ load-balancing loss
+def _aux_setup(coef):
+  """Two MoE layers (4 experts, top 2), router replay, one device; ``coef``: the
+  load-balancing loss weight."""
+  config = config_utils.load_config(MOE_QUICKSTART, list(TINY_MODEL) + [
+      "model.num_layers=2", "model.num_experts=4", "model.moe_intermediate_size=16",
+      "model.router_replay=True", f"model.router_aux_loss_coef={coef}", "mesh.num_devices=1",
+      "sft.steps=1", "sft.batch_size=4", "train.batch_groups=2", "rollout.n=2",
+      "rollout.max_new_tokens=4", "train.eval_every=0", "log.tensorboard=False"])
+  return train.build_setup(config)
+
+
+def _hf_aux_and_grad(logits, mask):
+  """transformers' ``load_balancing_loss_func`` of router logits [Y,B,T,E] over the tokens
+  of ``mask`` [B,T], and its gradient with respect to the logits (torch autograd)."""
+  Y, _, _, E = logits.shape
+  t = torch.tensor(np.asarray(logits), requires_grad=True)
+  loss = load_balancing_loss_func(tuple(t[y].reshape(-1, E) for y in range(Y)), E, 2,
+                                  torch.tensor(np.asarray(mask, bool)))
+  loss.backward()
+  return loss.item(), jnp.asarray(t.grad.numpy())
+
+
+def test_load_balancing_loss_term_of_the_updates():
+  """``model.router_aux_loss_coef`` = c with router replay: the RL update's loss is the
+  objective's plus c × transformers' load-balancing loss of the current router over the
+  valid prompt tokens and the generated tokens of the G·M sequences, and its gradient (every
+  weight, the routers included) adds c × that loss's gradient, pulled back through a plain
+  forward with the same replayed experts; metric ``moe_aux_loss``. c = 0: no term, no
+  metric. The supervised step adds the loss over its valid tokens (same metric)."""
+  c = 0.5
+  s0, s1 = _aux_setup(0.0), _aux_setup(c)
+  cfg = s1.model_cfg
+  G, M, R, P, Y, X, E = 2, 2, 4, s1.prompt_len, 2, 2, 4
+  rng = np.random.default_rng(0)
+  lengths = np.asarray([P, 3], np.int32)
+  prompts = rng.integers(3, 20, (G, P)).astype(np.int32)
+  tokens = rng.integers(3, 20, (G, M, R)).astype(np.int32)
+  generated = np.ones((G, M, R), bool)
+  generated[0, 1, 2:] = generated[1, 0, 3:] = False  # finished early: padding
+  mask = generated.copy()
+  mask[1, 1, 0] = False  # generated but not in the loss (e.g. a stale token): still routed
+  routing = np.argsort(rng.random((G, M, R, Y, E)), axis=-1)[..., :X].astype(np.int32)
+  routing[1, 1, 2] = -1  # no record: the router's own experts
+  inputs = losses.ObjectiveInputs(
+      rewards=rng.random((G, M)).astype(np.float32), mask=mask, generated_mask=generated,
+      old_logp=np.full((G, M, R), -2.0, np.float32),
+      behaviour_logp=np.full((G, M, R), -2.0, np.float32))
+  batch = train.UpdateBatch(prompts, lengths, tokens, inputs,
+                            losses.Advantages(rng.normal(size=(G, M)).astype(np.float32)),
+                            routing)
+  # random weights (std 0.3, unit norms) drawn in numpy: quicker here than init_params
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, a: jnp.asarray(np.ones(a.shape, np.float32) if "norm" in jax.tree_util.keystr(
+          path) else 0.3 * rng.normal(size=a.shape).astype(np.float32)),
+      jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0))))
+  loss0, _, mets0, g0, _ = jax.jit(train.rl_grads(s0))(params, {}, batch)
+  loss1, _, mets1, g1, _ = jax.jit(train.rl_grads(s1))(params, {}, batch)
+
+  # the G·M sequences prompt_g[:len_g] + response, right-padded (causal: padding changes
+  # nothing before it), routed as the update routes them
+  rows = [list(prompts[g, :lengths[g]]) + list(tokens[g, i]) for g in range(G) for i in range(M)]
+  seq = jnp.asarray([r + [0] * (P + R - len(r)) for r in rows])
+  route = np.full((Y, G * M, P + R, X), -1, np.int32)
+  real = np.zeros((G * M, P + R), bool)
+  for b in range(G * M):
+    n = int(lengths[b // M])
+    route[:, b, n:n + R] = np.moveaxis(routing[b // M, b % M], 1, 0)
+    real[b, :n] = True
+    real[b, n:n + R] = generated[b // M, b % M]
+  router_logits = lambda p: models.forward(cfg, p, seq, routing=jnp.asarray(route),
+                                           return_routing=True)[1].logits
+  logits, pullback = jax.vjp(router_logits, params)
+  aux, dlogits = _hf_aux_and_grad(logits, real)
+  (g_aux,) = pullback(dlogits)
+
+  assert "moe_aux_loss" not in mets0
+  assert float(mets1["moe_aux_loss"]) == pytest.approx(aux, rel=1e-5)
+  assert float(loss1) == pytest.approx(float(loss0) + c * aux, rel=1e-5)
+  assert float(jnp.abs(g_aux["moe"]["router"]).max()) > 1e-3  # the term trains the routers
+  jax.tree.map(lambda a, b, d: np.testing.assert_allclose(
+      np.asarray(b) - np.asarray(a), c * np.asarray(d), rtol=1e-4, atol=1e-6), g0, g1, g_aux)
+
+  # the supervised step: the next-token loss (metric sft_loss) plus c × the loss over its
+  # valid tokens
+  sft_tokens, attn, loss_mask = map(jnp.asarray, train.sft_batch(s1, s1.train_examples[:4]))
+  ref = jax.jit(lambda p: (
+      models.forward(cfg, p, sft_tokens, attention_mask=attn, return_routing=True)[1].logits,
+      models.sequence_logprobs(cfg, p, sft_tokens, attention_mask=attn)))
+  sft_logits, lp = ref(params)
+  nll = -float(jnp.sum(lp * loss_mask) / jnp.sum(loss_mask))
+  p = jax.tree.map(jnp.copy, params)  # the step donates its weights
+  out = train.make_sft_step(s1, train.make_layout(s1))(
+      p, s1.optimizers.sft.init(p), sft_tokens, attn, loss_mask)[2]
+  assert float(out["sft_loss"]) == pytest.approx(nll, rel=1e-5)
+  assert float(out["moe_aux_loss"]) == pytest.approx(
+      _hf_aux_and_grad(sft_logits, attn)[0], rel=1e-5)

@@ -197,19 +197,55 @@ QLORA_RUN = TINY_MODEL + [
     "loss.kl_beta=0.05", "optim.lr=1e-2"]
 
 
+def _array_bytes(leaves, prefix=""):
+  """Bytes of the arrays of a checkpoint manifest (``checkpoint.saved_leaves``) under
+  ``prefix``."""
+  size = lambda v: 0.5 if v["dtype"] == "int4" else np.dtype(v["dtype"]).itemsize
+  return sum(int(np.prod(v["shape"])) * size(v) for p, v in leaves.items()
+             if p.startswith(prefix))
+
+
 def test_qlora_run_keeps_an_int4_base_and_exports_it(tmp_path):
-  """A supervised + RL run on an int4 base: the checkpoints hold the quantised base, which RL
-  leaves unchanged; ``hf`` holds the dequantised base with the adapters merged. (Resuming such
-  a run after SIGKILL is bit-exact: ``test_train.test_resume_after_sigkill_is_bit_exact``.)"""
+  """A supervised + RL run on an int4 base. Its checkpoints hold the adapters, not the base:
+  the supervised stage's name the base the config builds, the RL stage's the merged int4
+  base written once into ``checkpoints/base/``, which RL leaves unchanged; each restores
+  whole. ``hf`` holds the dequantised base with the adapters merged. (Resuming such a run
+  after SIGKILL is bit-exact: ``test_train.test_resume_after_sigkill_is_bit_exact``.)"""
   workdir = str(tmp_path)
-  config = config_utils.load_config(QUICKSTART, QLORA_RUN)
+  config = config_utils.load_config(QUICKSTART, QLORA_RUN + ["train.keep=3"])
   final = train.train(config, workdir, progress=False)
   s = train.build_setup(config)
-  with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-    state = resume.restore_state(s, ckpt, 2, train.abstract_state(s, 2))
-  base = models.lora.strip(state.params)
+  ckpts = os.path.join(workdir, "checkpoints")
+  assert checkpoint.all_steps(ckpts) == [1, 2, 3]
+  for step, source in ((1, "config"), (2, "stored"), (3, "stored")):
+    assert checkpoint.read_metadata(ckpts, step)["lora_base"]["source"] == source
+    params = [p for p in checkpoint.saved_leaves(ckpts, step) if p.startswith("params/")]
+    assert params and all(p.startswith("params/layers/lora/") for p in params)
+  assert checkpoint.all_steps(os.path.join(ckpts, "base")) == [0]  # written once
+  adapters = _array_bytes(checkpoint.saved_leaves(ckpts, 3), "params/")
+  base = _array_bytes(checkpoint.saved_leaves(os.path.join(ckpts, "base"), 0))
+  assert adapters == 4 * sum(int(np.prod(x)) for x in jax.tree.leaves(
+      models.lora.adapter_shapes(s.model_cfg), is_leaf=lambda x: isinstance(x, tuple)))
+  assert adapters < base / 3  # even on this 1-layer int4 model of width 32
+  with checkpoint.Checkpointer(ckpts) as ckpt:
+    supervised = resume.restore_state(s, ckpt, 1, train.abstract_state(s, 1))
+    state = resume.restore_state(s, ckpt, 3, train.abstract_state(s, 3))
+  jax.tree.map(np.testing.assert_array_equal, models.lora.strip(supervised.params),
+               models.lora.strip(train.init_state(s).params))  # the supervised stage's base
+  base = models.lora.strip(state.params)  # RL changes nothing of the merged int4 base
   assert base["layers"]["up"].qvalue.dtype == jnp.int4
-  jax.tree.map(np.testing.assert_array_equal, base, models.lora.strip(final.params))
+  jax.tree.map(np.testing.assert_array_equal, state.params, final.params)
+  # a damaged stored base: the RL checkpoints that read it are set aside, the supervised one
+  # (whose base the config builds) restores
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ckpts, "base", "0", "state"))
+           for f in fs]
+  victim = max(files, key=os.path.getsize)
+  data = bytearray(open(victim, "rb").read())
+  data[len(data) // 2] ^= 0xFF
+  open(victim, "wb").write(bytes(data))
+  with checkpoint.Checkpointer(ckpts) as ckpt:
+    assert int(resume.restore_newest(s, ckpt, train.abstract_state(s)).step) == 1
+  assert checkpoint.all_steps(ckpts) == [1]
 
   cfg, exported = models.load_hf(os.path.join(workdir, "hf"), dtype=jnp.float32)
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))

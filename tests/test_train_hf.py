@@ -1,15 +1,20 @@
 """The real-model path of the trainer: an HF checkpoint directory + tokenizer.json + a GSM8K
-file, through configs/gsm8k_hf.py (tiny sizes), and the HF export loads in transformers."""
+file, through configs/gsm8k_hf.py (tiny sizes, unchanged but for sizes) for a dense Qwen3, a
+Qwen3-MoE (router replay and the load-balancing loss on) and a Gemma 3 (text) checkpoint
+whose tokenizer prepends a bos; the HF export loads in transformers."""
 
 import json
 import os
 
 import numpy as np
+import pytest
 import tokenizers
 import transformers
 from tokenizers import models as tok_models, pre_tokenizers, trainers
 
 from rl_jax import config_utils, metrics, train
+from rl_jax.errors import ConfigError
+from rl_jax.train.rollouts import encode_prompts
 from tests.hf_utils import tiny_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,39 +25,74 @@ QUESTIONS = [("Tom has 3 apples and buys 4 more. How many apples?", "3 + 4 = 7\n
              ("There are 5 cats with 4 legs each. How many legs?", "5 * 4 = 20\n#### 20")] * 3
 
 
-def _write_tokenizer(path, texts):
+def _write_tokenizer(path, texts, bos=False):
+  """A byte-level BPE tokenizer.json; ``bos``: Gemma-style specials (pad 0, eos 1, bos 2, as
+  Gemma3TextConfig's ids) with ``add_bos_token`` and a post-processor that prepends it."""
   tok = tokenizers.Tokenizer(tok_models.BPE(unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<unk>", "</s>"],
+  specials = ["<pad>", "</s>", "<bos>", "<unk>"] if bos else ["<pad>", "<unk>", "</s>"]
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator(texts, trainer)
+  special = {"eos_token": "</s>", "pad_token": "<pad>"}
+  if bos:
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 2)])
+    special.update(bos_token="<bos>", add_bos_token=True)
   tok.save(os.path.join(path, "tokenizer.json"))
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump({"eos_token": "</s>", "pad_token": "<pad>"}, f)
+    json.dump(special, f)
   return tok.get_vocab_size()
 
 
-def test_gsm8k_config_with_hf_checkpoint(tmp_path):
+# extra overrides per checkpoint family (MoE: router replay and the load-balancing loss on)
+_FAMILY_OVERRIDES = {"qwen3": [], "gemma3_text": [],
+                     "qwen3_moe": ["model.router_replay=True", "model.router_aux_loss_coef=0.01"]}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma3_text"])
+def test_gsm8k_config_with_hf_checkpoint(tmp_path, arch):
   model_dir, data = tmp_path / "model", tmp_path / "train.jsonl"
   model_dir.mkdir()
   for name, rows in (("train.jsonl", QUESTIONS), ("eval.jsonl", QUESTIONS[:4])):
     with open(tmp_path / name, "w") as f:
       for i, (q, a) in enumerate(rows):
         f.write(json.dumps({"question": f"{q} (#{i})", "answer": a}) + "\n")
-  vocab = _write_tokenizer(str(model_dir), [q + " " + a for q, a in QUESTIONS])
-  tiny_hf_model("qwen3", model_dir, vocab=vocab, hidden=32, inter=64, layers=1, heads=2,
-                kv_heads=1, head_dim=16, max_pos=512)
-  config = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"), [
+  gemma = arch == "gemma3_text"
+  vocab = _write_tokenizer(str(model_dir), [q + " " + a for q, a in QUESTIONS], bos=gemma)
+  tiny_hf_model(arch, model_dir, vocab=vocab, hidden=32, inter=64,
+                layers=2 if gemma else 1, heads=2, kv_heads=1, head_dim=16, max_pos=512)
+  overrides = [
       f"model.hf_path={model_dir}", f"data.path={data}", f"data.eval_path={tmp_path / 'eval.jsonl'}", "data.eval_size=4",
       "rollout.max_new_tokens=8", "rollout.n=2", "train.steps=2", "train.batch_groups=2",
       "train.minibatches=1", "train.eval_every=2", "train.checkpoint_every=0",
-      "log.tensorboard=False", "data.max_prompt_len=128", "model.remat=dots"])
+      "log.tensorboard=False", "data.max_prompt_len=128", "model.remat=dots"]
+  config = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"),
+                                    overrides + _FAMILY_OVERRIDES[arch])
+  if arch == "qwen3":  # the load-balancing loss on a dense checkpoint: one line at setup
+    bad = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"),
+                                   overrides + ["model.router_aux_loss_coef=0.01"])
+    with pytest.raises(ConfigError, match=r"model\.router_aux_loss_coef=0\.01 needs") as e:
+      train.build_setup(bad)
+    assert "\n" not in str(e.value)
+  if gemma:  # every prompt starts with the tokenizer's bos, as transformers encodes it
+    s = train.build_setup(config)
+    assert s.tokenizer.bos_id == 2 and s.tokenizer.add_bos
+    prompts = encode_prompts(s, s.train_examples[:3])
+    assert all(p[0] == 2 and 2 not in p[1:] for p in prompts)
+    assert [p[1:] for p in prompts] == [s.tokenizer.encode(e.prompt)
+                                       for e in s.train_examples[:3]]
   train.train(config, str(tmp_path / "run"), progress=False)
   rows = metrics.read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2] and "eval_accuracy" in rows[-1]
   assert all(np.isfinite(r["loss"]) for r in rows)
+  if arch == "qwen3_moe":
+    assert all(r["routing_mismatch"] == 0.0 for r in rows)
+    assert all(np.isfinite(r["moe_aux_loss"]) and r["moe_aux_loss"] > 0 for r in rows)
+  else:
+    assert not any("moe_aux_loss" in r for r in rows)
   exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "hf"))
-  assert exported.config.model_type == "qwen3"
+  assert exported.config.model_type == arch
   # Resuming restores onto an abstract target: the base weights are not read again.
   for f in model_dir.glob("*.safetensors"):
     f.write_bytes(b"corrupt")

@@ -35,7 +35,7 @@ def _files(step_dir: epath.Path) -> list[str]:
   for root, _, files in step_dir.walk():
     for name in files:
       rel = os.path.relpath(os.path.join(bare(root), name), bare(step_dir))
-      if rel != CHECKSUMS:
+      if rel not in (CHECKSUMS, CHECKSUMS + ".tmp"):
         out.append(rel)
   return sorted(out)
 
@@ -56,7 +56,13 @@ def seal(step_dir: str | os.PathLike) -> None:
   step_dir = epath.Path(step_dir)
   remote = storage.is_remote(step_dir)
   table = {rel: _digest(step_dir / rel, remote) for rel in _files(step_dir)}
-  (step_dir / CHECKSUMS).write_text(json.dumps({"files": table}, sort_keys=True))
+  text = json.dumps({"files": table}, sort_keys=True)
+  if remote:  # an object appears whole or not at all
+    (step_dir / CHECKSUMS).write_text(text)
+    return
+  tmp = step_dir / (CHECKSUMS + ".tmp")  # a kill mid-write leaves no truncated list
+  tmp.write_text(text)
+  os.replace(tmp, step_dir / CHECKSUMS)
 
 
 def verify(step_dir: str | os.PathLike) -> bool:

@@ -2,7 +2,10 @@
 
 Both classes expose ``encode(text) -> list[int]``, ``decode(ids) -> str`` (stops at the first
 eos, drops pad), and the integer attributes ``vocab_size``, ``pad_id``, ``eos_id`` and
-``bos_id`` (``bos_id`` may be None for HF models without one).
+``bos_id`` (``bos_id`` may be None for HF models without one). ``encode_prompt(tok, text)``
+is how the trainer encodes a prompt: after a bos where the tokenizer prepends one
+(``add_bos``: HF tokenizers as ``transformers``' ``tokenizer(text)`` does, e.g. Gemma and
+Llama; never Qwen or the char tokenizer).
 
 Usage::
 
@@ -18,7 +21,7 @@ import string
 from typing import Any, Iterable, Protocol
 
 __all__ = [
-    "BOS", "CHARS", "EOS", "PAD", "CharTokenizer", "HFTokenizer", "Tokenizer",
+    "BOS", "CHARS", "EOS", "PAD", "CharTokenizer", "HFTokenizer", "Tokenizer", "encode_prompt",
     "load_tokenizer",
 ]
 
@@ -50,6 +53,8 @@ class CharTokenizer:
   Meant for the synthetic tasks in ``rl_jax.data.tasks``; every prompt and answer they
   produce is in the vocabulary.
   """
+
+  add_bos = False  # prompts are encoded without a bos (encode_prompt)
 
   def __init__(self):
     self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
@@ -126,6 +131,11 @@ class HFTokenizer:
   Special ids come from ``tokenizer_config.json`` (``eos_token``, ``pad_token``,
   ``bos_token``), else ``generation_config.json``/``config.json`` (``eos_token_id``), else
   a common eos string present in the vocabulary. pad falls back to eos.
+
+  ``add_bos``: prompts start with ``bos_id`` (``encode_prompt``), as ``transformers``
+  encodes text: ``add_bos_token`` of ``tokenizer_config.json`` where set (Gemma, Llama 2),
+  else whether the tokenizer.json post-processor prepends the bos (Llama 3); False without a
+  bos token (Qwen).
   """
 
   def __init__(self, model_dir: str):
@@ -157,6 +167,12 @@ class HFTokenizer:
     pad = self._special_id(cfg.get("pad_token"))
     self.pad_id = self.eos_id if pad is None else pad
     self.bos_id = self._special_id(cfg.get("bos_token"))
+    if self.bos_id is None:
+      self.add_bos = False
+    elif isinstance(cfg.get("add_bos_token"), bool):
+      self.add_bos = cfg["add_bos_token"]
+    else:
+      self.add_bos = self._tok.encode("x", add_special_tokens=True).ids[:1] == [self.bos_id]
 
   def _special_id(self, value: Any) -> int | None:
     content = _token_content(value)
@@ -191,6 +207,15 @@ class HFTokenizer:
       if i != self.pad_id:
         kept.append(i)
     return self._tok.decode(kept, skip_special_tokens=True)
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+  """A prompt's ids as the model reads it: ``tokenizer.encode(text)``, after ``bos_id`` when
+  the tokenizer's ``add_bos`` is set (tokenizers without the attribute: none)."""
+  ids = list(tokenizer.encode(text))
+  if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None:
+    return [tokenizer.bos_id] + ids
+  return ids
 
 
 def _read_json(path: str) -> dict:

@@ -12,14 +12,16 @@ Public API (see shared Contract)::
     # mixture of experts: recorded routing, router replay, load-balancing loss
     logits, routing = models.forward(cfg, params, tokens, return_routing=True)
     logits = models.forward(cfg, params, tokens, routing=routing.ids)
-    aux = cfg.router_aux_loss_coef * models.load_balancing_loss(
-        routing.logits, cfg.num_experts_per_tok, mask)
+    aux = models.load_balancing_loss(routing.logits, cfg.num_experts_per_tok, mask)
+    # (the trainer adds config.model.router_aux_loss_coef × aux; the checkpoint's
+    #  cfg.router_aux_loss_coef is only carried through the HF round trip)
 
     # low-rank adapters beside the frozen base (cfg.lora_rank > 0; ``models.lora``)
     params = models.init_params(cfg, rng)                  # base + adapters (B = 0)
     base, adapters = models.lora.split(params)             # reference = base (adapters off)
     models.save_hf(cfg, params, path)                      # merged weights
     models.save_hf_adapter(cfg, params, path, base_model_name_or_path=base_path)  # PEFT
+    adapters = models.load_hf_adapter(cfg, path, hf_path)  # a PEFT adapter, checked vs cfg
     # QLoRA: the base's projections stored int8/int4 (cfg.quant; ``models.quant``)
     params = models.quant.quantize_base(cfg, params)
 
@@ -30,8 +32,8 @@ from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to
 from rl_jax.models.grouped import (packed_hidden, replicated_hidden, response_hidden,
                                    response_logprobs, token_reduction)
 from rl_jax.models import lora, quant
-from rl_jax.models.hf import (hf_adapter_state_dict, hf_state_dict, load_hf, read_hf_config,
-                              save_hf, save_hf_adapter)
+from rl_jax.models.hf import (check_hf_adapter, hf_adapter_state_dict, hf_state_dict, load_hf,
+                              load_hf_adapter, read_hf_config, save_hf, save_hf_adapter)
 from rl_jax.models.moe import Routing, load_balancing_loss
 from rl_jax.models.transformer import (AttnSpec, apply_rope, causal_mask, dense_attention,
                                        embed, forward,
@@ -47,6 +49,7 @@ __all__ = [
     "Routing",
     "apply_rope",
     "causal_mask",
+    "check_hf_adapter",
     "dense_attention",
     "embed",
     "forward",
@@ -60,6 +63,7 @@ __all__ = [
     "lm_head_weight",
     "load_balancing_loss",
     "load_hf",
+    "load_hf_adapter",
     "logits_from_hidden",
     "lora",
     "mask_attend",

@@ -56,7 +56,9 @@ class ModelConfig:
     sparse_layers: per-layer flags (length L), True where the MLP is a mixture of experts
       (from ``decoder_sparse_step`` / ``mlp_only_layers``); the others use a dense SwiGLU MLP
       of ``intermediate_size``.
-    router_aux_loss_coef: weight of the load-balancing loss (``moe.load_balancing_loss``).
+    router_aux_loss_coef: the checkpoint's weight of the load-balancing loss
+      (``moe.load_balancing_loss``), kept for the HF round trip; the trainer does not apply
+      it (its switch is the train config's ``model.router_aux_loss_coef``, default 0).
     moe_capacity_factor: 0 = dropless grouped matmuls; > 0 = per-expert capacity
       C = ceil(factor · N · X / E) per token shard with expert-parallel all-to-all dispatch
       on a mesh; assignments past C are dropped (``moe.capacity_mlp``).

@@ -37,8 +37,11 @@ response token (as the sampler recorded them when it fed the token; -1 where not
 recorded); prompt tokens are always routed by the router. ``return_routing`` returns the
 experts this pass used for the response tokens in the same layout; ``return_dropped`` the
 fraction of each MoE layer's assignments dropped for capacity (float32 [Y], zeros when
-``cfg.moe_capacity_factor`` is 0; see ``moe.py``). Not with sequence
-parallelism (ModelError).
+``cfg.moe_capacity_factor`` is 0; see ``moe.py``). ``balance_mask`` bool [G,M,R] returns
+the load-balancing loss of the pass (``moe.load_balancing_loss`` of the current router's
+logits) over every valid prompt token and the response tokens it marks, each sequence
+counted as in the replicated layout (a packed prompt token stands for its M copies), so both
+layouts give the same loss. Not with sequence parallelism (ModelError).
 
 References: DualKV (shared-prompt flash attention for RL training, 2025).
 """
@@ -49,6 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.errors import ModelError
+from rl_jax.models import moe
 from rl_jax.models import sequence_parallel as sp
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
@@ -135,8 +139,8 @@ def _check_routing(cfg: ModelConfig, pl, routing, return_routing: bool) -> None:
     raise ModelError(f"routing is only defined for mixture-of-experts models, not "
                      f"{cfg.architecture!r}")
   if (routing is not None or return_routing) and pl is not None:
-    raise ModelError("router replay / returned routing is not supported with sequence "
-                     "parallelism; use a mesh with sequence=1")
+    raise ModelError("router replay / returned routing / the load-balancing loss is not "
+                     "supported with sequence parallelism; use a mesh with sequence=1")
 
 
 def _trunk_routing(routing, rows: int, P: int):
@@ -149,11 +153,25 @@ def _trunk_routing(routing, rows: int, P: int):
   return jnp.concatenate([jnp.full((Y, rows, P, X), -1, jnp.int32), resp], axis=2)
 
 
-def _with_routing(pred, out, G, M, R, P, return_routing: bool, return_dropped: bool):
-  """pred, then the response ids [G,M,R,Y,X] and the dropped fraction [Y] as asked."""
+def _with_routing(cfg, pred, out, G, M, R, P, return_routing: bool, return_dropped: bool,
+                  balance=None):
+  """pred, then the response ids [G,M,R,Y,X], the dropped fraction [Y] and the
+  load-balancing loss (``balance``: float32 [rows,T] token weights of the trunk's rows) as
+  asked."""
   extra = (_response_ids(out[2], G, M, R, P),) if return_routing else ()
   extra += (out[2].dropped,) if return_dropped else ()
+  if balance is not None:
+    extra += (moe.load_balancing_loss(out[2].logits, cfg.num_experts_per_tok, balance),)
   return (pred, *extra) if extra else pred
+
+
+def _balance_weights(prompt_lengths, P: int, balance_mask, copies: int):
+  """Token weights [rows, P+..] of the trunk's rows for the load-balancing loss: ``copies``
+  on the valid prompt positions, the response positions' ``balance_mask`` (rows · .. = G·M·R
+  response tokens)."""
+  prompt = (jnp.arange(P)[None] < prompt_lengths[:, None]).astype(jnp.float32) * copies
+  resp = balance_mask.astype(jnp.float32).reshape(prompt.shape[0], -1)
+  return jnp.concatenate([prompt, resp], axis=1)
 
 
 def _response_ids(route, G: int, M: int, R: int, P: int):
@@ -163,24 +181,27 @@ def _response_ids(route, G: int, M: int, R: int, P: int):
 
 
 def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
-                  routing=None, return_routing: bool = False, return_dropped: bool = False):
+                  routing=None, return_routing: bool = False, return_dropped: bool = False,
+                  balance_mask=None):
   """Hidden states at the predictor position of every response token, packed layout.
 
   Args:
     prompt_tokens int [G,P] right-padded; prompt_lengths int [G]; response_tokens int [G,M,R].
-    routing, return_routing, return_dropped: MoE router replay and the dropped fraction (see
-      the module docstring).
+    routing, return_routing, return_dropped, balance_mask: MoE router replay, the dropped
+      fraction and the load-balancing loss (see the module docstring).
   Returns:
     [G,M,R,D]: the hidden state whose logits predict response_tokens[g,i,j] (and the
     response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``, then the dropped
-    fraction float32 [Y] if ``return_dropped``).
+    fraction float32 [Y] if ``return_dropped``, then the load-balancing loss float32 [] if
+    ``balance_mask`` is given).
   """
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
   resp_pos = prompt_lengths[:, None, None] + jnp.arange(R)[None, None, :]
   pl = sp.plan(P + M * R, (P, M))
   _check_sequence_plan(cfg, pl)
-  _check_routing(cfg, pl, routing, return_routing or return_dropped)
+  routed = return_routing or return_dropped or balance_mask is not None
+  _check_routing(cfg, pl, routing, routed)
   if pl is not None:
     return _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths,
                                 response_tokens, resp_pos)
@@ -189,7 +210,7 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
       [jnp.broadcast_to(jnp.arange(P), (G, P)), jnp.broadcast_to(resp_pos, (G, M, R)).reshape(G, -1)],
       axis=1).astype(jnp.int32)
   kw = {} if not cfg.is_moe else dict(routing=_trunk_routing(routing, G, P),
-                                      return_routing=return_routing or return_dropped)
+                                      return_routing=routed)
   out = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions,
                  _packed_attend(prompt_lengths, P, M, R), **kw)
   h = out[0]
@@ -197,7 +218,9 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
   resp = h[:, P:].reshape(G, M, R, -1)
   first = jnp.broadcast_to(first[:, None], (G, M, 1, h.shape[-1]))
   pred = jnp.concatenate([first, resp[:, :, :-1]], axis=2)
-  return _with_routing(pred, out, G, M, R, P, return_routing, return_dropped)
+  balance = (None if balance_mask is None else
+             _balance_weights(prompt_lengths, P, balance_mask, M))
+  return _with_routing(cfg, pred, out, G, M, R, P, return_routing, return_dropped, balance)
 
 
 def _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths, response_tokens,
@@ -217,7 +240,8 @@ def _packed_hidden_split(cfg, params, pl, prompt_tokens, prompt_lengths, respons
 
 
 def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
-                      routing=None, return_routing: bool = False, return_dropped: bool = False):
+                      routing=None, return_routing: bool = False, return_dropped: bool = False,
+                      balance_mask=None):
   """Same as ``packed_hidden`` computed on G·M rows of [prompt (P)][response (R)]."""
   G, P = prompt_tokens.shape
   _, M, R = response_tokens.shape
@@ -232,35 +256,38 @@ def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   mask = tx.causal_mask(positions, positions, valid)
   pl = sp.plan(P + R)
   _check_sequence_plan(cfg, pl)
-  _check_routing(cfg, pl, routing, return_routing or return_dropped)
+  routed = return_routing or return_dropped or balance_mask is not None
+  _check_routing(cfg, pl, routing, routed)
   delta = positions[:, :, None] - positions[:, None, :] if cfg.per_layer_attention else None
   attend = tx.mask_attend(mask, delta) if pl is None else sp.replicated_attend(pl, mask)
   kw = {} if not cfg.is_moe else dict(routing=_trunk_routing(routing, G * M, P),
-                                      return_routing=return_routing or return_dropped)
+                                      return_routing=routed)
   out = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, attend, **kw)
   h = out[0]
   first = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [G·M,1,D]
   pred = jnp.concatenate([first, h[:, P:P + R - 1]], axis=1).reshape(G, M, R, -1)
-  return _with_routing(pred, out, G, M, R, P, return_routing, return_dropped)
+  balance = (None if balance_mask is None else
+             _balance_weights(lengths, P, balance_mask, 1))
+  return _with_routing(cfg, pred, out, G, M, R, P, return_routing, return_dropped, balance)
 
 
 def response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
                     shared_prefix: bool = True, routing=None, return_routing: bool = False,
-                    return_dropped: bool = False):
+                    return_dropped: bool = False, balance_mask=None):
   """Predictor hidden states [G,M,R,D] in the packed (default) or replicated layout (and the
   response tokens' expert ids [G,M,R,Y,X] if ``return_routing``, the dropped fraction [Y] if
-  ``return_dropped``)."""
+  ``return_dropped``, the load-balancing loss [] if ``balance_mask`` is given)."""
   fn = packed_hidden if shared_prefix else replicated_hidden
-  if routing is None and not return_routing and not return_dropped:
+  if routing is None and not return_routing and not return_dropped and balance_mask is None:
     return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens)
   return fn(cfg, params, prompt_tokens, prompt_lengths, response_tokens, routing,
-            return_routing, return_dropped)
+            return_routing, return_dropped, balance_mask)
 
 
 def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
                       response_mask=None, shared_prefix: bool = True, temperature: float = 1.0,
                       with_entropy: bool = False, *, routing=None, return_routing: bool = False,
-                      return_dropped: bool = False):
+                      return_dropped: bool = False, balance_mask=None):
   """Per-token log-probs of grouped responses.
 
   Args:
@@ -271,16 +298,19 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
     routing: MoE only: int [G,M,R,Y,X] experts of each response token (router replay; -1 =
       the router decides). return_routing: MoE only: also return the experts used.
     return_dropped: MoE only: also return each layer's dropped fraction float32 [Y].
+    balance_mask: MoE only: bool [G,M,R] response tokens that count (with every valid prompt
+      token) in the returned load-balancing loss (module docstring).
   Returns:
     float32 [G,M,R], zero where response_mask is False (and entropy [G,M,R] if asked; then
     the response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``, then the
-    dropped fraction [Y] if ``return_dropped``).
+    dropped fraction [Y] if ``return_dropped``, then the load-balancing loss float32 [] if
+    ``balance_mask`` is given).
   """
   _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask)
   G, M, R = response_tokens.shape
   h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix,
-                      routing, return_routing, return_dropped)
-  h, *extra = h if (return_routing or return_dropped) else (h,)
+                      routing, return_routing, return_dropped, balance_mask)
+  h, *extra = h if (return_routing or return_dropped or balance_mask is not None) else (h,)
   pl = sp.plan(M * R, (M,))
   if pl is None:
     h, targets = h.reshape(G, M * R, -1), response_tokens.reshape(G, M * R)

@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -29,8 +30,9 @@ from rl_jax.models import lora
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig, from_hf_dict, to_hf_dict
 
-__all__ = ["hf_adapter_state_dict", "hf_state_dict", "load_hf", "read_hf_config", "save_hf",
-           "save_hf_adapter", "release_host_memory"]
+__all__ = ["check_hf_adapter", "hf_adapter_state_dict", "hf_state_dict", "load_hf",
+           "load_hf_adapter", "read_hf_config", "save_hf", "save_hf_adapter",
+           "release_host_memory"]
 
 # (our layer key, HF suffix, kind) kind: how to turn the HF tensor into ours.
 _LAYER_MAP = (
@@ -364,6 +366,173 @@ def save_hf_adapter(cfg: ModelConfig, params, path: str,
       json.dump(adapter_config(cfg, base_model_name_or_path), f, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
   return path
+
+
+# PEFT module name -> LoRA target ("q_proj" -> "q")
+_PEFT_TARGETS = {m.split(".")[1]: t for t, m in _PEFT_MODULES.items()}
+_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
+                       r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# adapter_config.json fields rl_jax's plain LoRA cannot represent -> their neutral values
+_PEFT_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False,
+                     "bias": "none", "lora_bias": False, "rank_pattern": {}, "alpha_pattern": {},
+                     "modules_to_save": None, "layers_to_transform": None,
+                     "trainable_token_indices": None, "layer_replication": None}
+
+
+def _read_adapter(path: str) -> tuple[dict[str, Any], str]:
+  """(adapter_config.json, path of adapter_model.safetensors) of a PEFT directory."""
+  if not os.path.isdir(path):
+    raise ModelError(f"adapter directory {path} does not exist")
+  cfg_file = os.path.join(path, "adapter_config.json")
+  tensors = os.path.join(path, "adapter_model.safetensors")
+  if not os.path.exists(cfg_file):
+    raise ModelError(f"{cfg_file} is missing")
+  if not os.path.exists(tensors):
+    raise ModelError(f"{tensors} is missing (PEFT's safetensors format; adapter_model.bin is "
+                     "not read)")
+  try:
+    with open(cfg_file) as f:
+      config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
+  if not isinstance(config, dict):
+    raise ModelError(f"{cfg_file} is not a JSON object")
+  return config, tensors
+
+
+def _open_adapter(fname: str):
+  try:
+    return safe_open(fname, framework="flax")
+  except Exception as e:  # safetensors raises its own error types for corrupt headers
+    raise ModelError(f"safetensors file {fname} is corrupt or unreadable: "
+                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _peft_targets(config: dict[str, Any], names: list[str]) -> tuple[str, ...]:
+  """LoRA targets (``LORA_TARGETS`` order) of ``target_modules`` (a list, a name,
+  ``"all-linear"``, or a regex: then the modules of the tensors ``names``)."""
+  modules = config.get("target_modules")
+  if isinstance(modules, str):
+    if modules == "all-linear":
+      modules = list(_PEFT_TARGETS)
+    elif modules in _PEFT_TARGETS:
+      modules = [modules]
+    else:  # a regular expression over module paths: what the tensors adapt
+      modules = sorted({m.group(2) for m in map(_PEFT_KEY.match, names) if m})
+  if not isinstance(modules, (list, tuple)) or not modules:
+    raise ModelError(f"adapter_config.json target_modules={modules!r} names no module")
+  bad = sorted(str(m) for m in modules if m not in _PEFT_TARGETS)
+  if bad:
+    raise ModelError(f"adapter_config.json target_modules names {bad[0]!r}, which rl_jax "
+                     f"cannot adapt (it adapts {','.join(_PEFT_TARGETS)})")
+  return tuple(t for t in lora.LORA_TARGETS if _PEFT_MODULES[t].split(".")[1] in modules)
+
+
+def _same_base(name: str, hf_path: str) -> bool:
+  """Whether ``base_model_name_or_path`` ``name`` (a hub id or a path) names the checkpoint
+  ``hf_path``: the same directory, or the same last path component (``Qwen/Qwen3-0.6B`` and
+  ``/models/Qwen3-0.6B``, or a hub cache's ``models--Qwen--Qwen3-0.6B/snapshots/<hash>``)."""
+  if os.path.exists(name) and os.path.realpath(name) == os.path.realpath(hf_path):
+    return True
+  tail = name.rstrip("/").split("/")[-1].lower()
+  real = os.path.realpath(hf_path).rstrip("/")
+  return (tail == os.path.basename(hf_path.rstrip("/")).lower()
+          or tail == os.path.basename(real).lower()
+          or "models--" + name.strip("/").replace("/", "--").lower() in real.lower())
+
+
+def check_hf_adapter(cfg: ModelConfig, path: str, hf_path: str | None = None) -> None:
+  """Raise a one-line ``ModelError`` naming the field unless the PEFT adapter at ``path``
+  (``adapter_config.json`` + ``adapter_model.safetensors``) fits ``cfg``: a plain LoRA
+  (``peft_type`` LORA, no DoRA / rsLoRA / per-module ranks / bias / saved modules), ``r`` =
+  ``cfg.lora_rank``, ``lora_alpha`` = ``cfg.lora_alpha``, ``target_modules`` =
+  ``cfg.lora_targets``, one A and one B per target and layer with the shapes of the base's
+  weights, and ``base_model_name_or_path`` (if set) naming ``hf_path`` (``_same_base``).
+  Reads the safetensors header only."""
+  config, fname = _read_adapter(path)
+  if config.get("peft_type", "LORA") != "LORA":
+    raise ModelError(f"adapter_config.json peft_type={config.get('peft_type')!r}: only LORA "
+                     "adapters load")
+  for key, neutral in _PEFT_UNSUPPORTED.items():
+    if config.get(key, neutral) not in (neutral, None, {}, [], False):
+      raise ModelError(f"adapter_config.json {key}={config[key]!r} is not supported (rl_jax "
+                       f"adapters are plain LoRA: {key}={neutral!r})")
+  r = config.get("r")
+  if r != cfg.lora_rank:
+    raise ModelError(f"adapter_config.json r={r!r} but model.lora.rank={cfg.lora_rank}; set "
+                     f"model.lora.rank={r}")
+  alpha = config.get("lora_alpha")
+  if not isinstance(alpha, (int, float)) or not np.isclose(alpha, cfg.lora_alpha):
+    raise ModelError(f"adapter_config.json lora_alpha={alpha!r} but model.lora.alpha="
+                     f"{cfg.lora_alpha:g}; set model.lora.alpha={alpha}")
+  handle = _open_adapter(fname)
+  names = sorted(handle.keys())
+  targets = _peft_targets(config, names)
+  if targets != cfg.lora_targets:
+    raise ModelError(f"adapter_config.json target_modules={config.get('target_modules')!r} "
+                     f"(targets {','.join(targets)}) but model.lora.targets="
+                     f"{','.join(cfg.lora_targets)}; set model.lora.targets={','.join(targets)}")
+  shapes = lora.adapter_shapes(cfg)
+  want = {}
+  for t in targets:
+    sa, sb = shapes[t]["a"], shapes[t]["b"]
+    for i in range(cfg.num_layers):
+      pre = f"base_model.model.model.layers.{i}.{_PEFT_MODULES[t]}."
+      want[pre + "lora_A"] = (cfg.lora_rank, int(np.prod(sa[1:-1])))
+      want[pre + "lora_B"] = (int(np.prod(sb[2:])), cfg.lora_rank)
+  seen = set()
+  for name in names:
+    m = _PEFT_KEY.match(name)
+    if not m or m.group(2) not in _PEFT_TARGETS:
+      raise ModelError(f"adapter_model.safetensors holds {name!r}, which is not the LoRA A or B "
+                       "of a decoder projection")
+    key = name[:m.start(3) - len("lora_")] + "lora_" + m.group(3)
+    if int(m.group(1)) >= cfg.num_layers:
+      raise ModelError(f"adapter_model.safetensors tensor {name!r} is for layer {m.group(1)} "
+                       f"but the base has {cfg.num_layers} layers (an adapter for another base)")
+    if key not in want:
+      raise ModelError(f"adapter_model.safetensors tensor {name!r} adapts a module outside "
+                       f"target_modules")
+    shape = tuple(handle.get_slice(name).get_shape())
+    if shape != want[key]:
+      raise ModelError(f"adapter_model.safetensors tensor {name!r} has shape {shape} but the "
+                       f"base's weights and r={cfg.lora_rank} imply {want[key]} (an adapter for "
+                       "another base)")
+    seen.add(key)
+  missing = sorted(set(want) - seen)
+  if missing:
+    raise ModelError(f"adapter_model.safetensors lacks {missing[0]}.weight")
+  name = config.get("base_model_name_or_path")
+  if name and not hf_path:
+    raise ModelError(f"adapter_config.json base_model_name_or_path={name!r} but model.hf_path "
+                     "is unset (a random base); set model.hf_path to that checkpoint")
+  if name and not _same_base(str(name), hf_path):
+    raise ModelError(f"adapter_config.json base_model_name_or_path={name!r} does not name "
+                     f"model.hf_path={hf_path!r} (an adapter for another base; if it is the same "
+                     "weights, set base_model_name_or_path to null)")
+
+
+def load_hf_adapter(cfg: ModelConfig, path: str, hf_path: str | None = None,
+                    dtype=None) -> dict[str, dict[str, np.ndarray]]:
+  """The PEFT adapter at ``path`` (``check_hf_adapter`` first) as rl_jax adapters: host
+  arrays in ``dtype`` (default ``cfg.param_dtype``), target -> {"a": [L,<in>,r],
+  "b": [L,r,<out>]}, the inverse of ``hf_adapter_state_dict``: A = A_hf.T.reshape(<in>, r),
+  B = B_hf.T.reshape(r, <out>)."""
+  check_hf_adapter(cfg, path, hf_path)
+  _, fname = _read_adapter(path)
+  handle = _open_adapter(fname)
+  by_key = {}
+  for name in handle.keys():
+    m = _PEFT_KEY.match(name)
+    by_key[(_PEFT_TARGETS[m.group(2)], int(m.group(1)), m.group(3))] = name
+  dtype = jnp.dtype(dtype or cfg.param_dtype)
+  get = lambda name: np.asarray(jax.device_get(handle.get_tensor(name).astype(jnp.float32)))
+  out = {}
+  for t, shape in lora.adapter_shapes(cfg).items():
+    a = [get(by_key[(t, i, "A")]).T.reshape(shape["a"][1:]) for i in range(cfg.num_layers)]
+    b = [get(by_key[(t, i, "B")]).T.reshape(shape["b"][1:]) for i in range(cfg.num_layers)]
+    out[t] = {"a": np.stack(a).astype(dtype), "b": np.stack(b).astype(dtype)}
+  return out
 
 
 class _atomic_dir:  # pylint: disable=invalid-name

@@ -284,11 +284,14 @@ def load_balancing_loss(router_logits: jax.Array, top_k: int,
 
   ``E · sum_e f_e · p_e`` with f_e the fraction of (token, layer) assignments to expert e
   (counting all X choices, so sum_e f_e = X) and p_e the mean router probability of e, both
-  averaged over every valid token of every layer. Multiply by ``cfg.router_aux_loss_coef``.
+  averaged over every valid token of every layer. Only p carries a gradient (to the router
+  weights and, through the router's input, the layers below). The trainer multiplies it by
+  ``model.router_aux_loss_coef`` (``rl_jax.train.steps``; off by default).
 
   Args:
     router_logits: float32 [Y,B,T,E] (``Routing.logits``). top_k: X.
-    mask: optional bool [B,T] of valid tokens (padding excluded).
+    mask: optional bool [B,T] of valid tokens (padding excluded), or float [B,T] token
+      weights (a token of weight k counts as k copies).
   Returns:
     float32 scalar.
   """

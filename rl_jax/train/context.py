@@ -141,7 +141,7 @@ def _task(config):
       train = task.split("train")
       evals = task.split("eval")
       evals = [evals[i] for i in range(min(d.eval_size, len(evals)))]
-    prompt_len = max((len(tokenizer.encode(e.prompt))
+    prompt_len = max((len(tok_lib.encode_prompt(tokenizer, e.prompt))
                       for e in itertools.chain(train, evals)), default=0) + 1
   except (ValueError, FileNotFoundError, OSError) as e:
     if isinstance(e, RLJaxError):
@@ -198,6 +198,9 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
                       f"mixture-of-experts model, got {cfg.architecture!r}")
   if m.get("moe_capacity_factor"):
     cfg = cfg.replace(moe_capacity_factor=float(m.moe_capacity_factor))
+  if m.get("router_aux_loss_coef") and not cfg.is_moe:
+    raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} needs a "
+                      f"mixture-of-experts model, got {cfg.architecture!r}")
   if m.router_replay and not cfg.is_moe:
     raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model, got "
                       f"{cfg.architecture!r}")
@@ -207,6 +210,11 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
                         lora_targets=models.lora.parse_targets(m.lora.targets))
     except ModelError as e:
       raise ConfigError(f"model.lora: {e}") from None
+    if m.lora.get("adapter_path"):  # its header against the run's LoRA fields and base
+      try:
+        models.check_hf_adapter(cfg, m.lora.adapter_path, m.hf_path)
+      except ModelError as e:
+        raise ConfigError(f"model.lora.adapter_path={m.lora.adapter_path}: {e}") from None
   if m.lora.quant:
     problem = models.config.quant_block_problem(cfg, m.lora.quant_block)
     if problem:

@@ -36,7 +36,7 @@ import numpy as np
 from etils import epath
 
 from rl_jax import storage
-from rl_jax.errors import WorkdirBusyError
+from rl_jax.errors import StorageError, WorkdirBusyError
 
 __all__ = ["LOCK_FILE", "Holder", "WorkdirLock", "job_id", "holder_alive", "hold_workdir"]
 
@@ -194,7 +194,12 @@ class WorkdirLock:
     """
     taken_over = None
     for _ in range(5):
-      if self._create(self._me()):
+      try:
+        created = self._create(self._me())
+      except OSError as e:  # FileExistsError is handled in _create
+        raise StorageError(f"cannot write the workdir lock {self.path} ({type(e).__name__}: "
+                           f"{e.strerror or e}); check that the workdir is writable") from None
+      if created:
         self._start_heartbeat()
         return taken_over
       holder = self.read()
@@ -266,14 +271,27 @@ def _agreed_job(distributed_config) -> str:
   return job_id(coordinator, int(lead[0]), int(lead[1]) / 1000.0)
 
 
-def hold_workdir(workdir: str, distributed_config, stale_after_s: float) -> WorkdirLock:
+def hold_workdir(workdir: str, distributed_config, stale_after_s: float, *,
+                 probe_timeout_s: float | None = None) -> WorkdirLock:
   """Takes ``workdir``'s lock for this job (every process calls this; process 0 writes the
   file); returns it (``release()`` at the end of the run).
 
+  Every process first checks that it can write into the workdir
+  (``storage.check_writable``, within ``probe_timeout_s`` seconds on a bucket; None: the
+  ``RL_JAX_STORAGE_TIMEOUT_S`` environment variable, default 30).
+
   Raises:
+    StorageError: the workdir is not writable, or its bucket does not answer in time.
     WorkdirBusyError: another run holds the workdir (on every process of the job).
   """
   import jax  # pylint: disable=import-outside-toplevel
+  error: Exception | None = None
+  try:
+    storage.check_writable(workdir, "--workdir", timeout_s=probe_timeout_s)
+  except StorageError as e:
+    error = e
+  if jax.process_count() == 1 and error is not None:
+    raise error
   lock = WorkdirLock(workdir, _agreed_job(distributed_config), stale_after_s=stale_after_s)
   if jax.process_count() == 1:
     taken_over = lock.acquire()
@@ -282,19 +300,24 @@ def hold_workdir(workdir: str, distributed_config, stale_after_s: float) -> Work
     return lock
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   lock.owner = jax.process_index() == 0
-  error = None
-  if jax.process_index() == 0:
+  if error is None and jax.process_index() == 0:
     try:
       taken_over = lock.acquire()
       if taken_over:
         print(taken_over, file=sys.stderr)
-    except WorkdirBusyError as e:
+    except (WorkdirBusyError, StorageError) as e:
       error = e
-  ok = multihost_utils.process_allgather(np.int32(error is None))
+  # every process learns whether all could write and process 0 took the lock
+  ok = np.asarray(multihost_utils.process_allgather(np.int32(error is None))).reshape(-1)
   if error is not None:
     raise error
   if not np.all(ok):
-    raise WorkdirBusyError(f"workdir {workdir} is in use by another run (process 0 says which)")
+    failed = [i for i, good in enumerate(ok) if not good]
+    if failed == [0]:
+      raise WorkdirBusyError(f"workdir {workdir}: process 0 could not take it (in use by "
+                             "another run, or not writable: process 0's error line says which)")
+    raise StorageError(f"workdir {workdir}: processes {failed} cannot write into it (their "
+                       "error lines say why)")
   holder = lock.read()
   if holder is None or holder.job != lock.job:
     seen = "no lock file" if holder is None else f"the lock of {holder.describe()}"

@@ -2,8 +2,9 @@
 
     python -m rl_jax.train --config=configs/quickstart.py --workdir=DIR [--config.x.y=v ...]
 
-Writes DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/, DIR/curves.png and DIR/hf/
-(the final policy in HF format). Rerunning the same command resumes from the newest
+Writes DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ (with LoRA the adapters only,
+the frozen base once: ``lora_checkpoint``), DIR/curves.png and DIR/hf/ (the final policy in
+HF format). Rerunning the same command resumes from the newest
 checkpoint, bit-exactly: every random draw is a function of (seed, step, stream) and the
 data position is part of the checkpoint. SIGTERM saves a checkpoint and exits cleanly.
 """
@@ -30,11 +31,13 @@ from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax import storage
 from rl_jax import wandb_log
+from rl_jax.data.tokenizers import encode_prompt
 from rl_jax.errors import RLJaxError
 from rl_jax.train import agent_stage, startup
 from rl_jax.train.context import Setup, build_setup
 from rl_jax.train.evaluation import evaluate
 from rl_jax.train import lock as lock_lib
+from rl_jax.train import lora_checkpoint
 from rl_jax.train import memory
 from rl_jax.train.layout import make_layout
 from rl_jax.train.resume import restore_newest
@@ -62,7 +65,7 @@ def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   tok = s.tokenizer
   rows, prompt_lens = [], []
   for e in examples:
-    p = tok.encode(e.prompt)
+    p = encode_prompt(tok, e.prompt)
     rows.append(p + tok.encode(e.answer) + [s.eos_id])
     prompt_lens.append(len(p))
   T = s.prompt_len + s.config.rollout.max_new_tokens
@@ -175,11 +178,16 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   bar = _progress(progress and lead, total, int(state.step))
   bad_steps = 0
   runner = None  # the run's runner (runner.make_runner), started at the first RL step
-  snapshot = lambda st: st if runner is None else runner.snapshot(st)
+  def save(st: TrainState, force: bool) -> None:  # LoRA: the adapters (lora_checkpoint)
+    st, meta = lora_checkpoint.for_checkpoint(
+        s, ckpt, st if runner is None else runner.snapshot(st),
+        from_config=lora_checkpoint.config_base(s, int(st.step)))
+    ckpt.save(int(st.step), st, metadata=meta, force=force)
+
   try:
     while int(state.step) < total:
       if preempted.any():
-        ckpt.save(int(state.step), snapshot(state), force=True)
+        save(state, force=True)
         ckpt.wait()
         print(f"SIGTERM: saved checkpoint at step {int(state.step)}; rerun to resume",
               file=sys.stderr)
@@ -220,7 +228,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
       if ckpt.should_save(step) or step == total:
         if writer is not None:
           writer.flush()  # a saved step's metrics rows are durable before its checkpoint
-        ckpt.save(step, snapshot(state), force=step == total)
+        save(state, force=step == total)
     ckpt.wait()
     if int(state.step) >= total:
       params = t.layout.local_params(state.params)  # collective: every process takes part

@@ -14,6 +14,10 @@ flat at the top of the state (``FLAT_PRODUCER``: ``data``, ``rollout_buffer``, `
 come last): ``restore_state`` reads such a checkpoint onto a target of its own layout and
 regroups it. Nothing needs converting by hand.
 
+A LoRA run's checkpoint holds the adapters without the frozen base (``lora_checkpoint``):
+``restore_state`` reads the adapters, rebuilds or reads the base the checkpoint names, and
+joins them; a LoRA checkpoint with full params (written before) restores as it is.
+
 A newest checkpoint that does not read back whole (a file missing or changed since the save,
 ``rl_jax.checkpoint.integrity``) is no dead end: ``restore_newest`` renames it to
 ``<step>.damaged`` (kept for inspection), says so in one line, and restores the newest step
@@ -29,7 +33,7 @@ import numpy as np
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax.errors import CheckpointCorruptError, CheckpointError
-from rl_jax.train import offload
+from rl_jax.train import lora_checkpoint, offload
 from rl_jax.train.context import Setup
 from rl_jax.train.state import TrainState, abstract_state, place_replicated, rl_layout
 
@@ -116,12 +120,18 @@ def restore_state(s: Setup, ckpt: ckpt_lib.Checkpointer, step: int,
         "step (sft.steps or the KL term changed since it was written?); resume with the "
         "config it was written with")
   full, drop = legacy_target(s, target, saved)
+  lora_base = lora_checkpoint.base_info(s, ckpt.directory, step)
+  if lora_base:  # the adapters only; the base is joined below
+    full = full._replace(params=lora_checkpoint.adapters_only(target.params))
   flat = "data" in saved  # written before the producer's fields were grouped
   read = flat_layout(full) if flat else full
   read, stats_spec = _queue_stats(read, saved)
   state, _ = ckpt.restore(read, step=step)
   if flat:
     state = from_flat_layout(state, full)
+  if lora_base:
+    base = lora_checkpoint.restore_base(s, ckpt.directory, step, lora_base, target.params)
+    state = state._replace(params=lora_checkpoint.rejoin(base, state.params))
   if stats_spec is not None:
     state = _pad_stats(s, state, stats_spec)
   state = state._replace(**{name: {} for name in drop})

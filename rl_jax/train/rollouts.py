@@ -15,6 +15,7 @@ import numpy as np
 from rl_jax import rollout
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
+from rl_jax.data import tokenizers
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout
 from rl_jax.train.records import ProducerState, Scored
@@ -58,7 +59,9 @@ class Sampled(NamedTuple):
 
 # ---------------------------------------------------------------------- host-side helpers
 def encode_prompts(s: Setup, examples) -> list[list[int]]:
-  return [s.tokenizer.encode(e.prompt) for e in examples]
+  """Each example's prompt ids (after a bos where the tokenizer prepends one,
+  ``tokenizers.encode_prompt``)."""
+  return [tokenizers.encode_prompt(s.tokenizer, e.prompt) for e in examples]
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], P: int,

@@ -24,14 +24,15 @@ from rl_jax.train.context import Setup
 from rl_jax.train.records import ProducerState
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["ProducerState", "TrainState", "init_state", "abstract_state", "begin_rl", "make_engine",
+__all__ = ["ProducerState", "TrainState", "init_state", "init_params", "abstract_state", "begin_rl", "make_engine",
            "held_capacity", "engine_shares", "stack_shares", "take_shares",
            "UID_STRIDE", "place_replicated", "rl_layout", "ref_dtype", "make_reference",
            "reference_copy", "adapters"]
 
 
 class _State(NamedTuple):
-  """Everything a resumed run needs (a pytree; checkpointed whole).
+  """Everything a resumed run needs (a pytree; checkpointed whole, except that with
+  ``model.lora.rank`` a checkpoint's params hold the adapters only: ``lora_checkpoint``).
 
   step: int32 [] completed steps (supervised + RL). params / opt_state: policy and its RL
   optimizer state (with ``model.lora.rank``: params hold the frozen base and the adapters,
@@ -246,20 +247,38 @@ def _on_mesh(sh, mesh) -> bool:
 
 def init_state(s: Setup) -> TrainState:
   """Fresh state: params from ``model.hf_path`` or a seeded random init, placed sharded
-  (with ``model.lora.rank``: that base and fresh adapters, ``adapters``; with
-  ``model.lora.quant`` the base's projections quantised after loading or initialising).
+  (with ``model.lora.rank``: that base and fresh adapters, ``adapters``, or those of
+  ``model.lora.adapter_path``; with ``model.lora.quant`` the base's projections quantised
+  after loading or initialising).
 
   Arrays the parameter table does not lay out (optimizer counts, step, data position, the
   rollout buffer) are replicated on the mesh, as in ``abstract_state``.
   """
+  state = _state_from_params(s, init_params(s), rl_layout(s, 0))  # arrays not laid out on
+  # the mesh (optimizer counts, step, data position) are replicated:
+  state = jax.tree.map(
+      lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
+  state = _with_host_parts(state, _host_parts(s), lambda x: place_replicated(s, x))
+  return offload.place(state, offload.offloaded_fields(s))  # train.offload: to host memory
+
+
+def init_params(s: Setup) -> dict:
+  """The policy params of a fresh state (``init_state``), placed sharded: the base the config
+  builds (``model.hf_path`` or the seeded random init; with ``model.lora.quant`` quantised),
+  with ``model.lora.rank`` beside its initial adapters. Deterministic: LoRA checkpoints that
+  name this base (``lora_checkpoint``) rebuild it from here on restore."""
   shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
   hf_path = s.config.model.hf_path
+  loaded = _loaded_adapters(s, models.lora.split(shardings)[1])
   if hf_path:  # loaded in the float layout, then adapters added and the base quantised
     float_sh = models.param_shardings(s.model_cfg.replace(quant=""), s.mesh, s.rules)
     base_sh, _ = models.lora.split(float_sh)
     _, params = models.load_hf(hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
                                shardings=base_sh)
-    if s.model_cfg.lora_rank or s.model_cfg.quant:
+    if loaded is not None:
+      params = jax.jit(lambda p, ad: models.quant.quantize_base(
+          s.model_cfg, models.lora.combine(p, ad)), out_shardings=shardings)(params, loaded)
+    elif s.model_cfg.lora_rank or s.model_cfg.quant:
       params = jax.jit(lambda p: models.quant.quantize_base(
           s.model_cfg, models.lora.combine(p, adapters(s) if s.model_cfg.lora_rank else {})),
           out_shardings=shardings)(params)
@@ -267,12 +286,20 @@ def init_state(s: Setup) -> TrainState:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std,
                                  lora_init=s.config.model.lora.init)
-  state = _state_from_params(s, params, rl_layout(s, 0))  # arrays not laid out on the mesh
-  # (optimizer counts, step, data position) are replicated:
-  state = jax.tree.map(
-      lambda x: x if _on_mesh(x.sharding, s.mesh) else place_replicated(s, x), state)
-  state = _with_host_parts(state, _host_parts(s), lambda x: place_replicated(s, x))
-  return offload.place(state, offload.offloaded_fields(s))  # train.offload: to host memory
+    if loaded is not None:
+      params = models.lora.combine(models.lora.split(params)[0], loaded)
+  return params
+
+
+def _loaded_adapters(s: Setup, shardings) -> dict | None:
+  """The adapters of ``model.lora.adapter_path`` (PEFT, checked against the run by
+  ``build_setup``) placed straight onto their ``shardings``; None without one."""
+  path = s.config.model.lora.get("adapter_path")
+  if not path or not s.model_cfg.lora_rank:
+    return None
+  host = models.load_hf_adapter(s.model_cfg, path, s.config.model.hf_path)
+  return jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
+                      host, shardings)
 
 
 def adapters(s: Setup) -> dict:

@@ -100,27 +100,47 @@ def finite_update(tx, params, opt_state, grads, loss, *, key=None, **extra):
   return new_params, new_opt, finite
 
 
+def _aux_coef(s: Setup) -> float:
+  """``model.router_aux_loss_coef`` (0.0: off; dense models never have it, the config
+  checks reject it there). The checkpoint's own ``ModelConfig.router_aux_loss_coef`` is not
+  read."""
+  return float(s.config.model.get("router_aux_loss_coef", 0.0) or 0.0) if s.model_cfg.is_moe \
+      else 0.0
+
+
 def make_sft_step(s: Setup, layout: Layout) -> Callable:
   """``sft(params, opt_state, tokens [B,T], attn_mask [B,T], loss_mask [B,T])`` ->
   ``(params, opt_state, metrics)``: next-token loss on the answer tokens only. Donates the
-  params and optimizer state."""
+  params and optimizer state.
+
+  Mixture of experts with ``model.router_aux_loss_coef`` c > 0: the loss adds c × the
+  load-balancing loss of the router over the valid tokens (``attn_mask``), metric
+  ``moe_aux_loss`` (the loss before c); ``sft_loss`` stays the next-token loss."""
   cfg = s.model_cfg
   host_opt = "sft_opt_state" in offload.offloaded_fields(s)
+  aux_coef = _aux_coef(s)
 
   def step(params, opt_state, tokens, attn_mask, loss_mask):
     opt_state = offload.to_device(opt_state, host_opt)  # train.offload: into device memory
     frozen, trained = models.lora.trainable(cfg, params)  # LoRA: the adapters only
 
     def loss_fn(p):
-      lp = models.sequence_logprobs(cfg, models.lora.untrainable(cfg, frozen, p), tokens,
-                                    attention_mask=attn_mask)
-      return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+      p = models.lora.untrainable(cfg, frozen, p)
+      if not aux_coef:
+        lp = models.sequence_logprobs(cfg, p, tokens, attention_mask=attn_mask)
+        return -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0), {}
+      h, route = models.hidden_states(cfg, p, tokens, attention_mask=attn_mask,
+                                      return_routing=True)
+      lp = jnp.pad(models.token_logprobs(cfg, p, h[:, :-1], tokens[:, 1:]), ((0, 0), (1, 0)))
+      nll = -jnp.sum(lp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+      aux = models.load_balancing_loss(route.logits, cfg.num_experts_per_tok, attn_mask)
+      return nll + aux_coef * aux, {"sft_loss": nll, "moe_aux_loss": aux}
 
-    loss, grads = jax.value_and_grad(loss_fn)(trained)
+    (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained)
     trained, opt_state, finite = finite_update(s.optimizers.sft, trained, opt_state, grads, loss,
                                                key=rounding_key(s, opt_state, 0))
     params = models.lora.untrainable(cfg, frozen, trained)
-    return params, opt_state, {"sft_loss": loss, "grad_norm": optax.tree.norm(grads),
+    return params, opt_state, {"sft_loss": loss, **mets, "grad_norm": optax.tree.norm(grads),
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
   st, rows = layout.state, layout.rows(s.config.sft.batch_size)
@@ -224,6 +244,12 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
   (``routing_mismatch``) compares the experts this pass used with them. With
   ``model.moe_capacity_factor`` > 0 the metric ``moe_dropped_tokens`` is the fraction of this
   pass's (token, expert) assignments dropped for capacity, averaged over the MoE layers.
+  With ``model.router_aux_loss_coef`` c > 0, ``loss`` adds c × ``moe.load_balancing_loss`` of
+  this pass's router logits (the current router's probabilities and own top-X, also under
+  router replay: that is what trains the router) over the valid prompt tokens and the
+  generated response tokens (``generated_mask``), each of the G·M sequences counted once;
+  metric ``moe_aux_loss`` (before c). The gradient-accumulation denominator ``denom`` is the
+  objective's, so micro-batches average the term weighted like the objective.
   """
   cfg, obj = s.model_cfg, s.objective if obj is None else obj
   replay = _replay(s)
@@ -232,6 +258,7 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
   own_old = old_logp_in_update(s.config, obj)
   capacity = cfg.is_moe and bool(cfg.moe_capacity_factor)  # metric moe_dropped_tokens
+  aux_coef = _aux_coef(s)  # load-balancing loss, metric moe_aux_loss
 
   def grads_fn(params, value_params, b: UpdateBatch):
     G, M, R = b.tokens.shape
@@ -245,16 +272,18 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
                                                  return_routing=True)
       if capacity:
         routed["return_dropped"] = True
-      lp = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens, mask,
-                                    shared_prefix=shared, temperature=temp,
-                                    with_entropy=with_entropy, **routed)
-      if capacity:
-        *lp, dropped = lp
-        lp = tuple(lp) if len(lp) > 1 else lp[0]
-      if b.routing is not None:
-        *lp, used = lp
-        lp = tuple(lp) if with_entropy else lp[0]
-      lp, entropy = lp if with_entropy else (lp, None)
+      if aux_coef:
+        gen = b.inputs.generated_mask
+        routed["balance_mask"] = mask if gen is None else gen
+      out = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens,
+                                     mask, shared_prefix=shared, temperature=temp,
+                                     with_entropy=with_entropy, **routed)
+      out = list(out) if isinstance(out, tuple) else [out]
+      lp = out.pop(0)
+      entropy = out.pop(0) if with_entropy else None
+      used = out.pop(0) if b.routing is not None else None
+      dropped = out.pop(0) if capacity else None
+      aux = out.pop(0) if aux_coef else None
       if own_old:
         inputs = b.inputs._replace(old_logp=jax.lax.stop_gradient(lp))
         batch = obj.prepare(losses.loss_batch(inputs, b.advantages))
@@ -271,7 +300,11 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
             used, b.routing, b.inputs.generated_mask))
       if capacity:  # mean over the MoE layers of the fraction of assignments dropped
         mets = dict(mets, moe_dropped_tokens=jnp.mean(dropped))
-      return losses.finalize(loss_sum, denom), (mets, denom)
+      loss = losses.finalize(loss_sum, denom)
+      if aux_coef:
+        loss = loss + aux_coef * aux
+        mets = dict(mets, moe_aux_loss=aux)
+      return loss, (mets, denom)
 
     (loss, (mets, denom)), (grads, vgrads) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(trained, value_params)
