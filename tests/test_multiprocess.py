@@ -1,10 +1,11 @@
 """Multi-process training through jax.distributed: 2 processes x 4 CPU devices (gloo) give the
 run of 1 process x 8 devices, synchronous and fixed-lag asynchronous with partial rollouts
 (in the same processes, after the synchronous run), only process 0 writes files, a rerun
-resumes from the collective checkpoint, and a killed process takes the job down within a
-bounded time."""
+resumes from the collective checkpoint (after a clean finish, and after both processes were
+SIGKILLed: bit-exact), and a killed process takes the job down within a bounded time."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,11 +46,12 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _launch(workdir, overrides, heartbeat_s=30, then=()):
+def _launch(workdir, overrides, heartbeat_s=30, then=(), logs=None):
   """Start 2 processes of ``python -m rl_jax.train`` with 4 CPU devices each (through
   ``tests.multiprocess_main``: every process loads the programs of earlier launches from the
   session's compilation cache); ``then``: (workdir, overrides) of runs that follow in the
-  same processes."""
+  same processes; ``logs``: each process's stderr goes to ``logs.<i>`` instead of a pipe (for
+  a launch that is polled, not read, until it is killed)."""
   port = _free_port()
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu"}
@@ -62,8 +64,11 @@ def _launch(workdir, overrides, heartbeat_s=30, then=()):
               f"--config.distributed.coordinator_address=localhost:{port}",
               "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
               f"--config.distributed.heartbeat_timeout_s={heartbeat_s}"]
+    err = open(f"{logs}.{i}", "w") if logs else subprocess.PIPE  # pylint: disable=R1732
     procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True))
+                                  stderr=err, text=True))
+    if logs:
+      err.close()  # the child holds its own copy
   return procs
 
 
@@ -74,20 +79,50 @@ def _finish(procs, timeout=600):
   return outs
 
 
-def _same_weights(one, two):
+def _same_weights(one, two, exact=False):
   a, b = load_file(str(one / "hf" / "model.safetensors")), load_file(
       str(two / "hf" / "model.safetensors"))
   assert a.keys() == b.keys()
   for k in a:
-    np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+    if exact:
+      np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    else:
+      np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+def _kill_after_checkpoint(procs, ckpts, step, logs):
+  """SIGKILLs every process of a launch once ``step``'s checkpoint is committed in ``ckpts``."""
+  deadline = time.time() + 600
+  while time.time() < deadline and all(p.poll() is None for p in procs):
+    if os.path.isdir(ckpts) and step in checkpoint.all_steps(ckpts):
+      break
+    time.sleep(0.02)
+  for p in procs:
+    p.send_signal(signal.SIGKILL)
+  for p in procs:
+    p.wait()
+  with open(f"{logs}.0") as f:
+    tail = f.read()[-3000:]
+  # killed, not finished (nor failed) before the kill
+  assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2, tail
+  assert step in checkpoint.all_steps(ckpts), tail
 
 
 def test_two_processes_equal_one_and_resume(tmp_path):
   one, two = tmp_path / "one", tmp_path / "two"
   one_async, two_async = tmp_path / "one_async", tmp_path / "two_async"
+  killed = tmp_path / "killed"
+  run_async = ASYNC + ["train.steps=3"]
+  # the same asynchronous run with a checkpoint at every step, both processes SIGKILLed once
+  # the checkpoint of step 2 (a queued batch, both engine shares' held groups) is committed
+  run_killed = run_async + ["train.checkpoint_every=1", "train.keep=10"]
   train.train(config_utils.load_config(QUICKSTART, RUN + ["train.steps=2"]), str(one),
               progress=False)
-  _finish(_launch(two, ["train.steps=2"], then=[(two_async, ASYNC + ["train.steps=2"])]))
+  logs = tmp_path / "stderr"
+  procs = _launch(two, ["train.steps=2"], then=[(two_async, run_async), (killed, run_killed)],
+                  logs=logs)
+  _kill_after_checkpoint(procs, str(killed / "checkpoints"), 2, logs)
+  assert (two_async / "hf" / "model.safetensors").exists()  # the first two runs finished
   _same_weights(one, two)
   rows_one = metrics.read_jsonl(str(one / "metrics.jsonl"))
   rows_two = metrics.read_jsonl(str(two / "metrics.jsonl"))
@@ -102,34 +137,47 @@ def test_two_processes_equal_one_and_resume(tmp_path):
         np.testing.assert_allclose(r2[k], r1[k], rtol=1e-5, atol=1e-6, err_msg=k)
   events = [f for _, _, fs in os.walk(two / "tensorboard") for f in fs]
   assert len(events) == 1, events
-  # the rerun with a longer schedule resumes from the collective checkpoint at step 4 (the
-  # asynchronous run from step 3, with the batch of step 4 sampled before it in its queue)
-  async_two = metrics.read_jsonl(str(two_async / "metrics.jsonl"))
-  # the checkpoint holds both engine shares' held groups (job-wide [2, capacity] arrays)
-  setup = train.build_setup(config_utils.load_config(QUICKSTART, RUN + ASYNC))
-  saved, _ = checkpoint.restore(str(two_async / "checkpoints"),
-                                train.abstract_state(setup, 2), step=2)
+  # as if killed just after the commit of step 2 (a later one the kill came too late for)
+  ckpts = str(killed / "checkpoints")
+  for step in checkpoint.all_steps(ckpts):
+    if step > 2:
+      shutil.rmtree(os.path.join(ckpts, str(step)))
+  assert not (killed / "hf").exists()
+  # the checkpoint holds the queued batch of step 3 and both engine shares' held groups
+  # (job-wide [2, capacity] arrays)
+  setup = train.build_setup(config_utils.load_config(QUICKSTART, RUN + run_killed))
+  saved, _ = checkpoint.restore(ckpts, train.abstract_state(setup, 2), step=2)
   valid = np.asarray(saved.rollout_buffer["valid"])
   assert valid.shape == (2, 8) and valid.any(axis=1).all(), valid
-  _finish(_launch(two, ["train.steps=3"], then=[(two_async, ASYNC + ["train.steps=3"])]))
+  assert int(saved.rollout_queue["count"]) == 1
+  # the rerun of the synchronous run with a longer schedule resumes from its collective
+  # checkpoint at step 4; the rerun of the killed command from step 2, with the held groups
+  # from the checkpoint's job-wide form
+  _finish(_launch(two, ["train.steps=3"], then=[(killed, run_killed)]))
   rows = metrics.read_jsonl(str(two / "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
   assert rows[:4] == rows_two
-  # fixed-lag async with partial rollouts, 2 processes (resumed, the held groups from the
-  # checkpoint's job-wide form) == 1 process of 8 devices (unbroken)
-  train.train(config_utils.load_config(QUICKSTART, RUN + ASYNC + ["train.steps=3"]),
-              str(one_async), progress=False)
+  # killed and resumed == the uninterrupted 2-process run, bit for bit
+  _same_weights(two_async, killed, exact=True)
+  async_two = metrics.read_jsonl(str(two_async / "metrics.jsonl"))
+  rows = metrics.read_jsonl(str(killed / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [r["step"] for r in async_two] == [1, 2, 3]
+  for r1, r2 in zip(async_two, rows):
+    for k in ("reward_mean", "response_length", "max_token_lag", "mean_token_lag", "loss",
+              "grad_norm", "entropy", "local_groups", "held_shares"):
+      assert r2.get(k) == r1.get(k), k
+  # fixed-lag async with partial rollouts, 2 processes == 1 process of 8 devices
+  train.train(config_utils.load_config(QUICKSTART, RUN + run_async), str(one_async),
+              progress=False)
   _same_weights(one_async, two_async)
   async_one = metrics.read_jsonl(str(one_async / "metrics.jsonl"))
-  rows = metrics.read_jsonl(str(two_async / "metrics.jsonl"))
-  assert rows[:2] == async_two
-  assert [r["step"] for r in rows] == [r["step"] for r in async_one] == [1, 2, 3]
+  assert [r["step"] for r in async_one] == [1, 2, 3]
   assert [r["local_groups"] for r in async_one] == [8, 8, 8]
-  assert [r["local_groups"] for r in rows] == [4, 4, 4]
+  assert [r["local_groups"] for r in async_two] == [4, 4, 4]
   # each process ran and held one of the 2 engine shares (the one process both)
   assert [r["held_shares"] for r in async_one] == [2, 2, 2]
-  assert [r["held_shares"] for r in rows] == [1, 1, 1]
-  for r1, r2 in zip(async_one, rows):
+  assert [r["held_shares"] for r in async_two] == [1, 1, 1]
+  for r1, r2 in zip(async_one, async_two):
     for k in ("reward_mean", "response_length", "max_token_lag", "mean_token_lag"):
       assert r2.get(k) == r1.get(k), k
     for k in ("loss", "grad_norm", "entropy"):

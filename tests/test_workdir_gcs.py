@@ -1,7 +1,8 @@
 """A ``gs://`` workdir against a local Cloud Storage emulator (gcp-storage-emulator): the
 metrics file, TensorBoard events, plot, lock and a checkpoint land in the bucket and read
 back; a whole tiny training run writes its checkpoints, metrics, memory plan and HF export
-into the bucket and a rerun resumes from there. A missing client or an unknown scheme is one
+into the bucket, and after a SIGKILL a rerun resumes from there; the HF export, downloaded from
+the bucket, loads as the trained policy. A missing client or an unknown scheme is one
 ``error:`` line."""
 
 import json
@@ -22,7 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rl_jax import checkpoint, config_utils, metrics, train  # noqa: E402
+from rl_jax import (checkpoint, config_utils, metrics, models, storage,  # noqa: E402
+                    train)
 from rl_jax.errors import WorkdirBusyError  # noqa: E402
 from rl_jax.train import lock as lock_lib  # noqa: E402
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL  # noqa: E402
@@ -93,31 +95,62 @@ def test_metrics_lock_and_checkpoints_in_a_bucket(emulator):
   assert (root / "checkpoints" / "1" / "checksums.json").exists()
 
 
-def test_training_run_in_a_bucket_resumes_from_it(emulator):
+def test_training_run_in_a_bucket_resumes_from_it(emulator, tmp_path):
+  """A run killed (SIGKILL) once its checkpoint of step 1 is in the bucket (sealed); the rerun
+  restores step 1 from there, trains (and profiles) step 2 and exports the policy into the
+  bucket, which downloaded and loaded has the trained parameters and their logits."""
   workdir = f"gs://{BUCKET}/run"
   root = epath.Path(workdir)
+  ckpts = f"{workdir}/checkpoints"
   tiny = TINY_MODEL + ["sft.steps=0", "train.batch_groups=4", "rollout.n=2", "train.eval_every=0",
                        "train.checkpoint_every=1", "train.keep=10", "log.tensorboard=False",
                        "mesh.num_devices=1"]
-  train.train(config_utils.load_config(QUICKSTART, tiny + ["train.steps=1"]), workdir,
-              progress=False)
-  assert checkpoint.all_steps(f"{workdir}/checkpoints") == [1]
+  # the storage emulator's address reaches the run through the environment (the fixture's);
+  # the matmul precision of this session (conftest), so that the rerun here loads the
+  # programs it compiled from the session's compilation cache
+  killed = subprocess.Popen(
+      [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={workdir}"]
+      + [f"--config.{o}" for o in tiny + ["train.steps=50"]], cwd=ROOT,
+      env=dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest"),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  sealed = root / "checkpoints" / "1" / "checksums.json"  # written after the commit
+  deadline = time.time() + 300
+  while time.time() < deadline and killed.poll() is None and not sealed.exists():
+    time.sleep(0.5)  # (each look is a request to the emulator, which serves the run too)
+  killed.kill()
+  err = killed.communicate()[1]
+  assert killed.returncode == -9 and 1 in checkpoint.all_steps(ckpts), err[-3000:]
+  for step in checkpoint.all_steps(ckpts):  # as if killed just after the commit of step 1
+    if step > 1:
+      (root / "checkpoints" / str(step)).rmtree()
+  assert not (root / "hf").exists()
   assert not list((root / "checkpoints" / "1" / "state").glob("ocdbt*"))  # zarr per array
-  first = metrics.read_jsonl(f"{workdir}/metrics.jsonl")
-  (root / "hf" / "config.json").unlink()
-  # the rerun with more steps restores step 1 from the bucket and trains (and profiles) step 2
-  train.train(config_utils.load_config(QUICKSTART, tiny + ["train.steps=2",
-                                                           "train.profile_step=2"]), workdir,
-              progress=False)
+  first = metrics.read_jsonl(f"{workdir}/metrics.jsonl")[:1]
+  assert [r["step"] for r in first] == [1]
+  config = config_utils.load_config(QUICKSTART, tiny + ["train.steps=2", "train.profile_step=2"])
+  state = train.train(config, workdir, progress=False)
   rows = metrics.read_jsonl(f"{workdir}/metrics.jsonl")
   assert [r["step"] for r in rows] == [1, 2] and rows[:1] == first  # step 1 not redone
-  assert checkpoint.all_steps(f"{workdir}/checkpoints") == [1, 2]
+  assert checkpoint.all_steps(ckpts) == [1, 2]
   assert all((root / "checkpoints" / str(s) / "checksums.json").exists() for s in (1, 2))
   assert json.loads((root / "hf" / "config.json").read_text())["hidden_size"] == 32
-  assert (root / "hf" / "model.safetensors").exists()
   assert "live_state" in json.loads((root / "memory_plan.json").read_text())
   assert "jit_update" in (root / "profile" / "summary.txt").read_text()  # the traced step
   assert not (root / lock_lib.LOCK_FILE).exists()
+  # the export, downloaded from the bucket, loads as the trained policy
+  local = tmp_path / "hf"
+  local.mkdir()
+  for f in (root / "hf").iterdir():
+    with storage.open_file(str(f), "rb") as src:
+      (local / f.name).write_bytes(src.read())
+  assert (local / "model.safetensors").exists()
+  cfg, params = models.load_hf(str(local))
+  trained = jax.tree.map(np.asarray, state.params)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), trained)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+  model_cfg = train.build_setup(config).model_cfg
+  np.testing.assert_array_equal(np.asarray(models.forward(cfg, params, tokens)),
+                                np.asarray(models.forward(model_cfg, trained, tokens)))
 
 
 def test_data_files_read_from_a_bucket(emulator):
