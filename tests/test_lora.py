@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from rl_jax import checkpoint, config_utils, models, rollout, train
+from rl_jax import checkpoint, config_utils, metrics, models, rollout, train
 from rl_jax.errors import CheckpointError, ConfigError, ModelError
 from rl_jax.train import resume
 from tests.hf_utils import hf_logits, tiny_hf_model
@@ -337,3 +337,49 @@ def test_checkpoints_without_warm_start_hold_adapters_and_rebuild_the_base(tmp_p
     with pytest.raises(CheckpointError, match="frozen LoRA base the config builds") as err:
       resume.restore_state(other, ckpt, 2, train.abstract_state(other, 2))
   assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------- async, APRIL and the dry run
+def test_async_partial_rollouts_train_the_adapters_only_and_dry_run_plans_them(tmp_path,
+                                                                              capsys):
+  """``train.mode=async`` (one step off) with APRIL partial rollouts: groups are aborted
+  and held across steps, the base stays bit for bit the config's (``sft.steps=0``) while
+  the adapters train (the optimizer holds their moments only), and every RL row has a
+  finite loss.
+  ``train.dry_run`` of the same config prints the plan with the adapters apart from the
+  base (the optimizer holds the adapters' moments only) and trains nothing."""
+  # 4 groups of 2 in flight for 1 (the untrained policy ends ~1 response in 3 before 40
+  # tokens, so the first group to complete leaves the others aborted and held); the entropy
+  # bonus moves the adapters whatever the rewards
+  overrides = TINY_MODEL + [
+      "mesh.num_devices=1", "sft.steps=0", "train.steps=3", "train.batch_groups=1",
+      "rollout.n=2", "rollout.max_new_tokens=40", "rollout.over_sampling=4",
+      "rollout.max_staleness=3", "train.eval_every=0", "train.checkpoint_every=0",
+      "log.tensorboard=False", "model.lora.rank=4", "optim.lr=1e-2", "loss.entropy_coef=0.01",
+      "train.mode=async", "train.async_lag=1", "rollout.partial=True"]
+  config = config_utils.load_config(QUICKSTART, overrides)
+  state = train.train(config, str(tmp_path / "run"), progress=False)
+  s = train.build_setup(config)  # after the run: its programs are compiled by then
+  base0 = jax.device_get(models.lora.split(train.init_state(s).params)[0])
+  base1, adapters = jax.device_get(models.lora.split(state.params))
+  jax.tree.map(np.testing.assert_array_equal, base1, base0)
+  assert all(np.abs(ad["b"]).max() > 0 for ad in adapters.values())  # B starts at 0
+  shapes = {x.shape for x in jax.tree.leaves(adapters)}
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+  assert moments and all(x.shape in shapes for x in moments)
+  rows = [r for r in metrics.read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+          if r["phase"] == "rl"]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert all(np.isfinite(r["loss"]) for r in rows)
+  assert any(r["aborted_groups"] > 0 for r in rows), "no group held; APRIL not exercised"
+  capsys.readouterr()
+
+  dry = tmp_path / "dry"
+  assert train.train(config_utils.load_config(QUICKSTART, overrides + ["train.dry_run=True"]),
+                     str(dry), progress=False) is None
+  out = capsys.readouterr().out
+  assert "memory plan:" in out and "adapters" in out and "step rl_update" in out
+  plan = json.loads((dry / "memory_plan.json").read_text())["state"]["rl"]
+  assert plan["adapters"] > 0 and plan["policy"] > plan["adapters"]  # base counted apart
+  assert 2 * plan["adapters"] <= plan["rl_optimizer"] < 2 * plan["adapters"] + 64
+  assert not (dry / "metrics.jsonl").exists() and not (dry / "checkpoints" / "1").exists()
