@@ -2,8 +2,8 @@
 
 The weights, workload and rl_jax side are ``bench_tunix.py``'s: random Qwen3-style weights
 (hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP 896, 256-symbol byte vocabulary: 3.7M
-parameters) written once with ``models.save_hf``; 1 prompt x 16 samples, at most 64 new
-tokens, temperature 1.0, float32.
+parameters) written once with ``models.save_hf``; 1 prompt x 16 samples (``--samples``), at
+most 64 new tokens (``--new-tokens``), temperature 1.0, float32.
 
 * GRPO step: rl_jax ``train.rl_step`` (``old_logp_pass=auto``, GRPO, β = 0; ``--fused-mlp``
   sets ``model.fused_mlp``) vs TRL's ``GRPOTrainer`` (``Qwen3ForCausalLM`` loaded from the
@@ -14,7 +14,8 @@ tokens, temperature 1.0, float32.
   sampled tokens are taken from the trainer's own ``_generate`` call. Step 1 (warm-up) is
   excluded: median and worst of steps 2..``--steps``.
 * sampling: rl_jax ``rollout.generate(n=16)`` vs transformers ``generate`` (what
-  GRPOTrainer samples with) on the prompt x 16, ``do_sample=True``, 64 new tokens, no EOS;
+  GRPOTrainer samples with) on the prompt x 16, ``do_sample=True``, exactly 64 (``--new-tokens``)
+  new tokens, no EOS;
   tokens/s, median of ``--repeats`` calls after a warm-up call.
 
 PyTorch runs with ``--torch-threads`` intra-op threads (default 1). On a shared 2-core
@@ -62,19 +63,20 @@ def _byte_tokenizer():
       tokenizer_object=tok, eos_token=chr(shared.EOS), pad_token=chr(0), bos_token=chr(1))
 
 
-def run_trl(weights: str, steps: int, repeats: int, threads: int = 1) -> dict:
+def run_trl(weights: str, steps: int, repeats: int, threads: int = 1, n: int = shared.N,
+            new_tokens: int = shared.NEW_TOKENS) -> dict:
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(threads)
   tokenizer = _byte_tokenizer()
   model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
-  ids = torch.tensor([list(shared.PROMPT.encode())] * shared.N)
+  ids = torch.tensor([list(shared.PROMPT.encode())] * n)
 
   def gen():
     with torch.no_grad():
       return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                             temperature=1.0, top_k=0, top_p=1.0,
-                            max_new_tokens=shared.NEW_TOKENS, min_new_tokens=shared.NEW_TOKENS,
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             eos_token_id=None, pad_token_id=0)
 
   t0 = time.perf_counter()
@@ -84,12 +86,14 @@ def run_trl(weights: str, steps: int, repeats: int, threads: int = 1) -> dict:
   for _ in range(repeats):
     t0 = time.perf_counter()
     out = gen()
-    rates.append((out.shape[1] - ids.shape[1]) * shared.N / (time.perf_counter() - t0))
+    rates.append((out.shape[1] - ids.shape[1]) * n / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
-          "torch_threads": torch.get_num_threads(), **_trl_grpo(weights, tokenizer, steps)}
+          "torch_threads": torch.get_num_threads(),
+          **_trl_grpo(weights, tokenizer, steps, n, new_tokens)}
 
 
-def _trl_grpo(weights: str, tokenizer, steps: int) -> dict:
+def _trl_grpo(weights: str, tokenizer, steps: int, n: int = shared.N,
+              new_tokens: int = shared.NEW_TOKENS) -> dict:
   import datasets  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   import trl  # pylint: disable=import-outside-toplevel
@@ -109,8 +113,8 @@ def _trl_grpo(weights: str, tokenizer, steps: int) -> dict:
   with tempfile.TemporaryDirectory() as out:
     config = trl.GRPOConfig(
         output_dir=out, use_cpu=True, bf16=False, fp16=False, report_to="none",
-        per_device_train_batch_size=shared.N, num_generations=shared.N,
-        max_completion_length=shared.NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0,
+        per_device_train_batch_size=n, num_generations=n,
+        max_completion_length=new_tokens, temperature=1.0, top_k=0, top_p=1.0,
         beta=0.0, loss_type="grpo", num_iterations=1, gradient_checkpointing=False,
         learning_rate=1e-5, max_steps=steps, logging_steps=10**6, save_strategy="no",
         shuffle_dataset=False, dataloader_num_workers=0, seed=0)
@@ -154,24 +158,30 @@ def main(argv=None) -> dict:
   ap.add_argument("--repeats", type=int, default=3, help="timed sampler calls")
   ap.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads")
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
+  ap.add_argument("--samples", type=int, default=shared.N, help="samples of the one prompt")
+  ap.add_argument("--new-tokens", type=int, default=shared.NEW_TOKENS,
+                  help="new tokens per sample (sampling: exactly; GRPO: at most)")
   ap.add_argument("--side", choices=("rljax", "trl"), default=None, help=argparse.SUPPRESS)
   ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.side == "rljax":  # a child process: one side, result as JSON on the last line
-    print(json.dumps(shared.run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp)))
+    print(json.dumps(shared.run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
+                                      args.samples, args.new_tokens)))
     return {}
   if args.side == "trl":
-    print(json.dumps(run_trl(args.weights, args.steps, args.repeats, args.torch_threads)))
+    print(json.dumps(run_trl(args.weights, args.steps, args.repeats, args.torch_threads,
+                             args.samples, args.new_tokens)))
     return {}
   weights = tempfile.mkdtemp(prefix="bench_trl_weights_")
-  shared.write_weights(weights)
+  shared.write_weights(weights, args.new_tokens)
   results = {"rljax": [], "trl": []}
   for r in range(args.rounds):
     for side in (("rljax", "trl") if r % 2 == 0 else ("trl", "rljax")):
       python = sys.executable if side == "rljax" else args.trl_python
       cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
              "--steps", str(args.steps), "--repeats", str(args.repeats),
-             "--torch-threads", str(args.torch_threads)]
+             "--torch-threads", str(args.torch_threads), "--samples", str(args.samples),
+             "--new-tokens", str(args.new_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -179,7 +189,8 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
       results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
       print(side, r, results[side][-1], flush=True)
-  print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.torch_threads}")
+  print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.torch_threads}; "
+        f"{args.samples} samples x {args.new_tokens} new tokens")
   print(report(results))
   return results
 
@@ -187,16 +198,19 @@ def main(argv=None) -> dict:
 def report(results: dict) -> str:
   """Markdown rows per round and the median / worst per-round ratios (rl_jax over TRL)."""
   lines = ["| round | rl_jax sampler tok/s | transformers generate tok/s | rl_jax GRPO step "
-           "(s), median / worst | TRL GRPO step (s), median / worst | TRL sampling inside "
-           "its step (s) | TRL tokens per step | rl_jax first GRPO step (s) | TRL first GRPO "
-           "step (s) |", "|---|---|---|---|---|---|---|---|---|"]
+           "(s), median / worst | TRL GRPO step (s), median / worst | sampling inside the "
+           "step (s), rl_jax / TRL | tokens per step, rl_jax / TRL | rl_jax first GRPO step "
+           "(s) | TRL first GRPO step (s) |", "|---|---|---|---|---|---|---|---|---|"]
   rounds = list(zip(results["rljax"], results["trl"]))
   for r, (a, b) in enumerate(rounds):
     worst_a = a.get("grpo_worst_s", a["grpo_step_s"])
+    sampling_a = f"{a['grpo_sampling_s']:.2f}" if "grpo_sampling_s" in a else "–"
+    tokens_a = f"{a['grpo_tokens']:.0f}" if "grpo_tokens" in a else "–"
     lines.append(
         f"| {r + 1} | {a['sampler_tokens_per_s']:.0f} | {b['sampler_tokens_per_s']:.0f} | "
         f"{a['grpo_step_s']:.2f} / {worst_a:.2f} | {b['grpo_step_s']:.2f} / "
-        f"{b['grpo_worst_s']:.2f} | {b['grpo_sampling_s']:.2f} | {b['grpo_tokens']:.0f} | "
+        f"{b['grpo_worst_s']:.2f} | {sampling_a} / {b['grpo_sampling_s']:.2f} | {tokens_a} / "
+        f"{b['grpo_tokens']:.0f} | "
         f"{a['grpo_first_s']:.1f} | {b['grpo_first_s']:.1f} |")
   sampler = [a["sampler_tokens_per_s"] / b["sampler_tokens_per_s"] for a, b in rounds]
   step = [b["grpo_step_s"] / a["grpo_step_s"] for a, b in rounds]

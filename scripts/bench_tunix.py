@@ -3,15 +3,17 @@
 The same random Qwen3-style weights (hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP
 896, 256-symbol byte vocabulary: 3.7M parameters) are written once in Hugging Face format
 (``models.save_hf``) and loaded by both sides: rl_jax with ``models.load_hf``, Tunix with its
-Qwen3 safetensors loader. Workload: 1 prompt x 16 samples, at most 64 new tokens,
-temperature 1.0, float32. The sampler part has no EOS (every sample is 64 tokens); in the
-GRPO part both trainers stop a sample at EOS id 255 (same weights, so the same length
-distribution; tokens are counted, not assumed).
+Qwen3 safetensors loader. Workload: 1 prompt x 16 samples (``--samples``), at most 64 new
+tokens (``--new-tokens``), temperature 1.0, float32. The sampler part has no EOS (every sample
+is that long); in the GRPO part both trainers stop a sample at EOS id 255 (same weights, so the
+same length distribution; tokens are counted, not assumed). Positions: the weights' context
+and Tunix's KV cache are 128, or 16 prompt positions + ``--new-tokens`` when that is more.
 
 * sampler: rl_jax ``rollout.generate(n=16)`` vs Tunix ``Sampler`` on the prompt repeated 16
   times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
-  update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``) vs Tunix's
+  update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``; the same
+  prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
 
@@ -41,9 +43,16 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 256, 4, 4, 2, 64, 896, 2
 N, NEW_TOKENS, PROMPT = 16, 64, "sort 302:"
 NEVER = 300  # sampler part: an EOS id outside the vocabulary (always NEW_TOKENS tokens)
 EOS = 255  # GRPO part: both trainers need an EOS in the vocabulary (~1/256 per token)
+MAX_PROMPT = 16  # prompt positions on every side (the prompt itself is 9 bytes)
 
 
-def write_weights(path: str) -> None:
+def context(new_tokens: int = NEW_TOKENS) -> int:
+  """Positions of the weights' config and of Tunix's KV cache: 128 (the 64-token workload's),
+  or the prompt's 16 + ``new_tokens`` when longer."""
+  return max(128, MAX_PROMPT + new_tokens)
+
+
+def write_weights(path: str, new_tokens: int = NEW_TOKENS) -> None:
   """The shared random weights, in HF format (config.json + model.safetensors)."""
   import jax  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, ROOT)
@@ -51,7 +60,7 @@ def write_weights(path: str) -> None:
   cfg = models.ModelConfig(architecture="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,
                            intermediate_size=MLP, num_layers=LAYERS, num_heads=HEADS,
                            num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                           max_position_embeddings=128, qk_norm=True)
+                           max_position_embeddings=context(new_tokens), qk_norm=True)
   params = models.init_params(cfg, jax.random.key(0), std=0.02)
   models.save_hf(cfg, params, path)
 
@@ -61,14 +70,15 @@ def _reward(completion: str) -> float:
 
 
 # ----------------------------------------------------------------------------- rl_jax side
-def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False) -> dict:
+def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
+              new_tokens: int = NEW_TOKENS) -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from rl_jax import models, rollout  # pylint: disable=import-outside-toplevel
   cfg, params = models.load_hf(weights)
   prompt = [list(PROMPT.encode())]
-  gen = lambda: rollout.generate(cfg, params, prompt, n=N, max_new_tokens=NEW_TOKENS,
+  gen = lambda: rollout.generate(cfg, params, prompt, n=n, max_new_tokens=new_tokens,
                                  temperature=1.0, eos_id=None, seed=0)
   t0 = time.perf_counter()
   jax.block_until_ready(gen().tokens)
@@ -80,36 +90,44 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False) -
     n_tok = int(np.asarray(out.mask).sum())
     rates.append(n_tok / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
-          "sampler_tokens": n_tok, **_rljax_grpo(weights, steps, fused_mlp)}
+          "sampler_tokens": n_tok, **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens)}
 
 
-def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False) -> dict:
+def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
+                new_tokens: int = NEW_TOKENS) -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from rl_jax import config_utils, train  # pylint: disable=import-outside-toplevel
+  from rl_jax.data.base import Example  # pylint: disable=import-outside-toplevel
   config = config_utils.load_config(os.path.join(ROOT, "configs", "quickstart.py"), [
       f"model.hf_path={weights}", "data.tokenizer=char", "sft.steps=0",
-      "train.batch_groups=1", f"rollout.n={N}", f"rollout.max_new_tokens={NEW_TOKENS}",
+      "train.batch_groups=1", f"rollout.n={n}", f"rollout.max_new_tokens={new_tokens}",
       f"rollout.eos_id={EOS}", "rollout.temperature=1.0", "train.eval_every=0",
       "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
-      "loss.preset=grpo", "loss.kl_beta=0.0", "data.max_prompt_len=16",
-      f"model.fused_mlp={fused_mlp}"])
+      "loss.preset=grpo", "loss.kl_beta=0.0", f"data.max_prompt_len={MAX_PROMPT}",
+      f"model.fused_mlp={fused_mlp}", "optim.lr=1e-5"])  # the peers' learning rate
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
                            "verify": lambda self, c, a: _reward(c)})()
-  s = dataclasses.replace(s, task=task, tokenizer=_RljaxBytes())
+  # the peers' prompt every step (not the sorting task's prompts)
+  examples = [Example(PROMPT, "")] * len(s.train_examples)
+  s = dataclasses.replace(s, task=task, tokenizer=_RljaxBytes(), train_examples=examples)
   t = train.make_trainer(s)
   state = train.begin_rl(s, train.init_state(s))
-  times = []
+  times, sampled = [], []
   for _ in range(steps):
     t0 = time.perf_counter()
-    state, _, data = train.rl_step(t, state)
+    state, record, data = train.rl_step(t, state)
     jax.block_until_ready(state.params)
     times.append(time.perf_counter() - t0)
     state = state._replace(step=state.step + 1, data=jax.numpy.asarray(data))
+    n_tok = record["response_length"] * n  # the step's sampled tokens and their rate
+    sampled.append((n_tok / record["rollout_tokens_per_s"], n_tok))
   return {"grpo_first_s": times[0], "grpo_step_s": float(np.median(times[1:])),
-          "grpo_worst_s": max(times[1:]), "grpo_steps": len(times)}
+          "grpo_worst_s": max(times[1:]), "grpo_steps": len(times),
+          "grpo_sampling_s": float(np.median([x for x, _ in sampled[1:]])),
+          "grpo_tokens": float(np.median([x for _, x in sampled[1:]]))}
 
 
 class _RljaxBytes:
@@ -155,14 +173,16 @@ def _tunix_model(weights: str):
   return cfg, qwen3_params.create_model_from_safe_tensors(weights, cfg)
 
 
-def run_tunix(weights: str, steps: int, repeats: int) -> dict:
+def run_tunix(weights: str, steps: int, repeats: int, n: int = N,
+              new_tokens: int = NEW_TOKENS) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tunix.generate import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
   cfg, model = _tunix_model(weights)
   sampler = sampler_lib.Sampler(model, _Bytes(), sampler_lib.CacheConfig(
-      cache_size=128, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM))
-  gen = lambda: sampler([PROMPT] * N, max_generation_steps=NEW_TOKENS, temperature=1.0,
-                        eos_tokens=[NEVER], seed=0, max_prompt_length=16)
+      cache_size=context(new_tokens), num_layers=LAYERS, num_kv_heads=KV_HEADS,
+      head_dim=HEAD_DIM))
+  gen = lambda: sampler([PROMPT] * n, max_generation_steps=new_tokens, temperature=1.0,
+                        eos_tokens=[NEVER], seed=0, max_prompt_length=MAX_PROMPT)
   t0 = time.perf_counter()
   out = gen()
   first = time.perf_counter() - t0
@@ -173,10 +193,10 @@ def run_tunix(weights: str, steps: int, repeats: int) -> dict:
     n_tok = sum(len(t) for t in out.tokens)
     rates.append(n_tok / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
-          "sampler_tokens": n_tok, **_tunix_grpo(weights, steps)}
+          "sampler_tokens": n_tok, **_tunix_grpo(weights, steps, n, new_tokens)}
 
 
-def _tunix_grpo(weights: str, steps: int) -> dict:
+def _tunix_grpo(weights: str, steps: int, n: int = N, new_tokens: int = NEW_TOKENS) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -194,7 +214,8 @@ def _tunix_grpo(weights: str, steps: int) -> dict:
           mini_batch_size=1, train_micro_batch_size=1, rollout_micro_batch_size=1,
           compute_logps_micro_batch_size=1),
       rollout_config=base_rollout.RolloutConfig(
-          max_tokens_to_generate=NEW_TOKENS, max_prompt_length=16, kv_cache_size=128,
+          max_tokens_to_generate=new_tokens, max_prompt_length=MAX_PROMPT,
+          kv_cache_size=context(new_tokens),
           temperature=1.0, top_p=1.0, top_k=None))
   cluster = rl_cluster_lib.RLCluster(actor=actor, reference=None, tokenizer=_Bytes(),
                                      cluster_config=cluster_config)
@@ -206,7 +227,7 @@ def _tunix_grpo(weights: str, steps: int) -> dict:
 
   learner = grpo_learner.GRPOLearner(
       rl_cluster=cluster, reward_fns=[reward],
-      algo_config=grpo_learner.GRPOConfig(num_generations=N, num_iterations=1, beta=0.0))
+      algo_config=grpo_learner.GRPOConfig(num_generations=n, num_iterations=1, beta=0.0))
   start = time.perf_counter()
   learner.train([{"prompts": np.array([PROMPT])} for _ in range(steps)])
   end = time.perf_counter()
@@ -224,23 +245,29 @@ def main(argv=None) -> dict:
   ap.add_argument("--steps", type=int, default=6, help="GRPO steps per side and round")
   ap.add_argument("--repeats", type=int, default=5, help="timed sampler calls")
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
+  ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
+  ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                  help="new tokens per sample (sampler: exactly; GRPO: at most)")
   ap.add_argument("--side", choices=("rljax", "tunix"), default=None, help=argparse.SUPPRESS)
   ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.side:  # a child process: one side, result as JSON on the last line
     if args.side == "rljax":
-      print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp)))
+      print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
+                                 args.samples, args.new_tokens)))
     else:
-      print(json.dumps(run_tunix(args.weights, args.steps, args.repeats)))
+      print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
+                                 args.new_tokens)))
     return {}
   weights = tempfile.mkdtemp(prefix="bench_tunix_weights_")
-  write_weights(weights)
+  write_weights(weights, args.new_tokens)
   results = {"rljax": [], "tunix": []}
   for r in range(args.rounds):
     for side in (("rljax", "tunix") if r % 2 == 0 else ("tunix", "rljax")):
       python = sys.executable if side == "rljax" else args.tunix_python
       cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
-             "--steps", str(args.steps), "--repeats", str(args.repeats)]
+             "--steps", str(args.steps), "--repeats", str(args.repeats),
+             "--samples", str(args.samples), "--new-tokens", str(args.new_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -248,10 +275,14 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
       results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
       print(side, r, results[side][-1], flush=True)
+  print(f"load average {os.getloadavg()[0]:.1f}; {args.samples} samples x "
+        f"{args.new_tokens} new tokens")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
-  keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_first_s")
-  print("| side | sampler tokens/s | sampler warm-up (s) | GRPO step (s) | first GRPO step (s) |")
-  print("|---|---|---|---|---|")
+  keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
+          "grpo_first_s")
+  print("| side | sampler tokens/s | sampler warm-up (s) | GRPO step (s) | worst GRPO step (s) "
+        "| first GRPO step (s) |")
+  print("|---|---|---|---|---|---|")
   for side in results:
     print(f"| {side} | " + " | ".join(f"{med(side, k):.3g}" for k in keys) + " |")
   print(f"rl_jax / Tunix: sampler {med('rljax', keys[0]) / med('tunix', keys[0]):.2f}x "
@@ -259,9 +290,14 @@ def main(argv=None) -> dict:
   ratio = lambda k, i, j: [results[i][r][k] / results[j][r][k] for r in range(args.rounds)]
   sampler, step = ratio(keys[0], "rljax", "tunix"), ratio(keys[2], "tunix", "rljax")
   print("| round | " + " | ".join(f"{side} {k}" for k in keys for side in results) + " |")
+  print("|---" * (1 + len(keys) * len(results)) + "|")
   for r in range(args.rounds):
     print(f"| {r + 1} | " + " | ".join(f"{results[side][r][k]:.3g}" for k in keys
                                        for side in results) + " |")
+  for r, a in enumerate(results["rljax"]):
+    if "grpo_sampling_s" in a:
+      print(f"round {r + 1}: rl_jax sampling inside its GRPO step {a['grpo_sampling_s']:.2f} s, "
+            f"{a['grpo_tokens']:.0f} tokens per step")
   print(f"per round: sampler {np.median(sampler):.2f}x median, {min(sampler):.2f}x worst; "
         f"GRPO step {np.median(step):.2f}x median, {min(step):.2f}x worst")
   return results
