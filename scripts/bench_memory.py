@@ -19,6 +19,23 @@ numbers are XLA's memory analysis of those programs, predicted, not run on that 
 
 ``knobs`` prints the plan (dry run, one CPU device) of the ``measure`` run under each memory
 knob (``KNOB_ROWS``).
+
+    python scripts/bench_memory.py lora --model qwen3-1.7b --lora-rank 16 --full-plan
+    python scripts/bench_memory.py lora --model qwen3-4b --lora-rank 16 --lora-quant int4 --steps 1
+
+``lora`` writes a Qwen3-1.7B / 4B-shaped random bf16 checkpoint (HF names, sharded
+safetensors, written layer by layer in a separate process so its own memory stays out of the
+measurement), then: with ``--full-plan`` the full fine-tuning dry run of the same batch
+(``configs/gsm8k_hf.py``: float32 master weights) and its one-line verdict against the
+host's capacity (``memory.check_plan_fits``, the check a real run makes before its first
+step); the dry run of the LoRA run; and the LoRA run itself (``model.lora.rank``, the frozen
+base and the adapters in ``model.param_dtype=bfloat16``, optionally ``model.lora.quant``; k3
+KL with β = 0.001, ``sft.steps=0``, 2 groups x 4 samples x 32 new tokens, ``--steps`` GRPO
+steps). The run's peak RSS is the kernel's: ``VmHWM`` read when each step's metrics row
+appears (the training peak) and ``ru_maxrss`` at exit (the whole run, the final checkpoint
+and HF export included). A watchdog kills the run if its RSS exceeds ``--kill-above-gib``
+(default: the memory available at the start less 1 GiB, to spare other jobs on the host) or when
+the host's available memory falls below 1 GiB, and says in which phase.
 """
 
 from __future__ import annotations
@@ -27,8 +44,10 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1 << 30
@@ -42,9 +61,9 @@ RUN = ["train.steps=3", "train.batch_groups=2", "rollout.n=4", "rollout.max_new_
        "train.minibatches=1", "train.eval_every=0", "log.tensorboard=False"]
 
 
-def write_config(path: str, name: str) -> None:
-  hidden, inter, layers, heads, kv, tied = SHAPES[name]
-  cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": VOCAB,
+def write_config(path: str, name: str, shape: tuple | None = None, vocab: int = VOCAB) -> None:
+  hidden, inter, layers, heads, kv, tied = shape or SHAPES[name]
+  cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
          "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
          "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 128,
          "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
@@ -78,40 +97,84 @@ def write_data(path: str) -> list[str]:
   return texts
 
 
-def write_weights(path: str, name: str, seed: int = 0) -> int:
-  """Random bf16 weights under the HF names (0.02 normal; norms 1); returns the count."""
+def write_weights(path: str, name: str, seed: int = 0, *, shard_bytes: int = 0,
+                  shape: tuple | None = None, vocab: int = VOCAB) -> int:
+  """Random bf16 weights under the HF names (0.02 normal; norms 1); returns the count.
+
+  ``shard_bytes`` > 0: sharded files of about that many bytes plus
+  ``model.safetensors.index.json`` (HF's layout), written as they fill, so the writer holds
+  one shard at a time instead of the whole model."""
   import torch  # pylint: disable=import-outside-toplevel
   from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
-  hidden, inter, layers, heads, kv, tied = SHAPES[name]
+  hidden, inter, layers, heads, kv, tied = shape or SHAPES[name]
   g = torch.Generator().manual_seed(seed)
   rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
   ones = lambda n: torch.ones(n, dtype=torch.bfloat16)
-  t = {"model.embed_tokens.weight": rand(VOCAB, hidden), "model.norm.weight": ones(hidden)}
-  if not tied:
-    t["lm_head.weight"] = rand(VOCAB, hidden)
-  for i in range(layers):
-    p = f"model.layers.{i}."
-    t.update({p + "self_attn.q_proj.weight": rand(heads * 128, hidden),
-              p + "self_attn.k_proj.weight": rand(kv * 128, hidden),
-              p + "self_attn.v_proj.weight": rand(kv * 128, hidden),
-              p + "self_attn.o_proj.weight": rand(hidden, heads * 128),
-              p + "self_attn.q_norm.weight": ones(128), p + "self_attn.k_norm.weight": ones(128),
-              p + "mlp.gate_proj.weight": rand(inter, hidden),
-              p + "mlp.up_proj.weight": rand(inter, hidden),
-              p + "mlp.down_proj.weight": rand(hidden, inter),
-              p + "input_layernorm.weight": ones(hidden),
-              p + "post_attention_layernorm.weight": ones(hidden)})
-  save_file(t, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-  return sum(x.numel() for x in t.values())
+
+  def tensors():
+    yield "model.embed_tokens.weight", rand(vocab, hidden)
+    yield "model.norm.weight", ones(hidden)
+    if not tied:
+      yield "lm_head.weight", rand(vocab, hidden)
+    for i in range(layers):
+      p = f"model.layers.{i}."
+      yield from ((p + "self_attn.q_proj.weight", rand(heads * 128, hidden)),
+                  (p + "self_attn.k_proj.weight", rand(kv * 128, hidden)),
+                  (p + "self_attn.v_proj.weight", rand(kv * 128, hidden)),
+                  (p + "self_attn.o_proj.weight", rand(hidden, heads * 128)),
+                  (p + "self_attn.q_norm.weight", ones(128)),
+                  (p + "self_attn.k_norm.weight", ones(128)),
+                  (p + "mlp.gate_proj.weight", rand(inter, hidden)),
+                  (p + "mlp.up_proj.weight", rand(inter, hidden)),
+                  (p + "mlp.down_proj.weight", rand(hidden, inter)),
+                  (p + "input_layernorm.weight", ones(hidden)),
+                  (p + "post_attention_layernorm.weight", ones(hidden)))
+
+  if not shard_bytes:
+    t = dict(tensors())
+    save_file(t, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return sum(x.numel() for x in t.values())
+  weight_map, shard, size, count, total, files = {}, {}, 0, 0, 0, []
+
+  def flush():
+    fname = f"model-{len(files) + 1:05d}.safetensors"  # renamed "-of-N" below
+    save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+    files.append((fname, list(shard)))
+
+  for key, x in tensors():
+    if shard and size + x.numel() * 2 > shard_bytes:
+      flush()
+      shard, size = {}, 0
+    shard[key] = x
+    size += x.numel() * 2
+    count += x.numel()
+    total += x.numel() * 2
+  flush()
+  for i, (fname, keys) in enumerate(files):
+    final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+    os.replace(os.path.join(path, fname), os.path.join(path, final))
+    weight_map.update({k: final for k in keys})
+  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+  return count
 
 
-def prepare(workdir: str, name: str, weights: bool) -> tuple[str, str]:
+def prepare(workdir: str, name: str, weights: bool, sharded: bool = False) -> tuple[str, str]:
+  """The model directory and data file; ``sharded``: the weights written in ~1 GiB shards
+  by a separate process (its peak stays out of this one and out of the measured run)."""
   model, data = os.path.join(workdir, name), os.path.join(workdir, "gsm8k.jsonl")
   os.makedirs(model, exist_ok=True)
   texts = write_data(data)
   write_config(model, name)
   write_tokenizer(model, texts)
-  if weights and not os.path.exists(os.path.join(model, "model.safetensors")):
+  done = any(os.path.exists(os.path.join(model, f))
+             for f in ("model.safetensors", "model.safetensors.index.json"))
+  if weights and not done and sharded:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, os.path.abspath(__file__), "weights", "--model", name,
+                    "--out", model], check=True)
+    print(f"{name}: written in {time.perf_counter() - t0:.0f} s", flush=True)
+  elif weights and not done:
     print(f"{name}: {write_weights(model, name) / 1e6:.0f}M parameters written", flush=True)
   return model, data
 
@@ -216,6 +279,192 @@ def knobs(args) -> None:
           flush=True)
 
 
+# the LoRA / QLoRA runs (``lora``): the measured run's batch, KL on, no supervised stage
+LORA_RUN = ["train.batch_groups=2", "rollout.n=4", "rollout.max_new_tokens=32",
+            "train.minibatches=1", "train.eval_every=0", "log.tensorboard=False", "sft.steps=0",
+            "loss.kl_beta=0.001"]
+
+
+def lora_overrides(rank: int, quant: str = "", steps: int = 2) -> list[str]:
+  """The LoRA run: rank-``rank`` adapters on every projection, the frozen base (and the
+  adapters) in bfloat16, ``quant`` ("" | "int8" | "int4") for QLoRA."""
+  out = LORA_RUN + [f"train.steps={steps}", f"model.lora.rank={rank}",
+                    "model.param_dtype=bfloat16"]
+  return out + ([f"model.lora.quant={quant}"] if quant else [])
+
+
+def full_overrides(steps: int = 2) -> list[str]:
+  """Full fine-tuning of the same batch at the config's defaults (float32 master weights)."""
+  return LORA_RUN + [f"train.steps={steps}"]
+
+
+def plan_verdict(plan: dict) -> str:
+  """One line: what a real run says before its first step (``memory.MemoryPlanError``, the
+  state and the peak against the capacity) when the plan cannot fit, else that it fits."""
+  from rl_jax.train import memory  # pylint: disable=import-outside-toplevel
+  try:
+    memory.check_state_fits(plan["state"], plan["capacity"], plan["capacity_source"])
+    memory.check_plan_fits(plan)
+  except memory.MemoryPlanError as e:
+    return f"does not fit: {e}"
+  return (f"fits: peak {_gib(max(plan['peak'].values()))} of {_gib(plan['capacity'])} "
+          f"({plan['capacity_source']})")
+
+
+def plan_summary(plan: dict) -> dict:
+  rl = plan["state"]["rl"]
+  steps = {k: v.get("extra", 0) for k, v in plan["steps"].items()}
+  big = max(steps, key=steps.get)
+  return {"state": sum(rl.values()), "parts": {k: v for k, v in rl.items() if v},
+          "largest_step": big, "largest_step_extra": steps[big], "peak": plan["peak"]["rl"],
+          "capacity": plan["capacity"], "dtypes": plan["dtypes"]}
+
+
+def dry_run(model: str, data: str, run: str, overrides: list[str]) -> dict:
+  """The plan of ``overrides`` (``train.dry_run``: no weight read, nothing run)."""
+  subprocess.run(["rm", "-rf", run], check=True)
+  out = subprocess.run(_cmd(model, data, run, overrides + ["train.dry_run=True"]), cwd=ROOT,
+                       capture_output=True, text=True)
+  if out.returncode:
+    sys.exit(out.stderr[-3000:])
+  return json.load(open(os.path.join(run, "memory_plan.json")))
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+  """VmRSS, VmHWM, RssAnon, RssFile of ``pid`` in bytes ({} once it is gone)."""
+  out = {}
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+          out[key] = int(rest.split()[0]) * 1024
+  except OSError:
+    return {}
+  return out
+
+
+def mem_available() -> int:
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def run_watched(cmd: list[str], run: str, log_path: str, kill_above: int,
+                poll_s: float = 0.05, min_free: int = GiB) -> dict:
+  """Runs ``cmd`` (a training run writing ``run``); the kernel's peak RSS per phase: the
+  high-water mark (VmHWM) when the state is loaded (``live_state`` in the plan) and when each
+  step's metrics row appears, the sampled max of anonymous / file-backed RSS per phase, and
+  ``ru_maxrss`` at exit. Kills the run when its RSS exceeds ``kill_above`` or the host's
+  available memory falls below ``min_free`` (before the kernel's OOM killer picks a job)."""
+  subprocess.run(["rm", "-rf", run], check=True)
+  plan_path, metrics = os.path.join(run, "memory_plan.json"), os.path.join(run, "metrics.jsonl")
+  t0 = time.perf_counter()
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+  phase, marks, phases, killed, rows = "load", [], {}, None, 0
+  while True:
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid:
+      break
+    st = _proc_status(proc.pid)
+    if st:
+      if phase == "load" and os.path.exists(plan_path):
+        try:
+          loaded = "live_state" in json.load(open(plan_path))
+        except (ValueError, OSError):
+          loaded = False
+        if loaded:
+          marks.append({"after": "load", "t": time.perf_counter() - t0, "hwm": st["VmHWM"]})
+          phase = "step 1"
+      if phase != "load" and os.path.exists(metrics):
+        n = sum(1 for _ in open(metrics))
+        if n > rows:
+          rows = n
+          marks.append({"after": f"step {n}", "t": time.perf_counter() - t0, "hwm": st["VmHWM"]})
+          phase = f"step {n + 1}"
+      p = phases.setdefault(phase, {"rss": 0, "anon": 0, "file": 0})
+      p["rss"] = max(p["rss"], st.get("VmRSS", 0))
+      p["anon"] = max(p["anon"], st.get("RssAnon", 0))
+      p["file"] = max(p["file"], st.get("RssFile", 0))
+      low = mem_available() < min_free  # other jobs share the host: never let it OOM
+      if killed is None and (st.get("VmRSS", 0) > kill_above or low):
+        killed = {"phase": phase, "rss": st["VmRSS"], "anon": st.get("RssAnon", 0),
+                  "file": st.get("RssFile", 0), "t": time.perf_counter() - t0,
+                  "why": "host memory low" if low else "rss limit"}
+        proc.send_signal(signal.SIGKILL)
+    time.sleep(poll_s)
+  proc.returncode = os.waitstatus_to_exitcode(status)
+  return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0,
+          "peak_rss": usage.ru_maxrss * 1024, "marks": marks, "phases": phases,
+          "killed": killed}
+
+
+def lora(args) -> None:
+  """The LoRA / QLoRA run of ``--model`` against its plan and ``--budget-gb``; with
+  ``--full-plan`` the full fine-tuning dry run's verdict first."""
+  name, budget = args.model, args.budget_gb * 1e9
+  model, data = prepare(args.workdir, name, weights=not args.plan_only, sharded=True)
+  label = f"lora r={args.lora_rank}" + (f" {args.lora_quant}" if args.lora_quant else "")
+  result = {"model": name, "run": label, "budget_gb": args.budget_gb,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  if args.full_plan:
+    plan = dry_run(model, data, os.path.join(args.workdir, "plan-full"),
+                   full_overrides(args.steps))
+    result["full_plan"] = plan_summary(plan)
+    result["full_verdict"] = plan_verdict(plan)
+    print(f"{name} full fine-tuning (dry run): {result['full_verdict']}", flush=True)
+  overrides = lora_overrides(args.lora_rank, args.lora_quant, args.steps) + list(args.extra)
+  plan = dry_run(model, data, os.path.join(args.workdir, "plan-lora"), overrides)
+  result["plan"] = plan_summary(plan)
+  result["verdict"] = plan_verdict(plan)
+  print(f"{name} {label} (dry run): {result['verdict']}", flush=True)
+  if not args.plan_only:
+    run = os.path.join(args.workdir, "run")
+    kill_above = int(args.kill_above_gib * GiB) if args.kill_above_gib else (
+        mem_available() - GiB)
+    w = run_watched(_cmd(model, data, run, overrides), run,
+                    os.path.join(args.workdir, "run.log"), kill_above)
+    result["measured"] = w
+    if os.path.exists(os.path.join(run, "metrics.jsonl")):
+      rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+      result["step_time_s"] = [r.get("step_time_s") for r in rows]
+      result["mismatch_max"] = max((r.get("mismatch_max", 0.0) for r in rows), default=None)
+      result["kl"] = [r.get("kl") for r in rows]
+    live = json.load(open(os.path.join(run, "memory_plan.json"))).get("live_state", {})
+    result["live_state"] = sum(v for k, v in live.items() if k != "step")
+    train_marks = [m for m in w["marks"] if m["after"].startswith("step")]
+    result["train_peak"] = train_marks[-1]["hwm"] if train_marks else None
+    result["export_peak"] = w["phases"].get(f"step {len(train_marks) + 1}", {}).get("rss")
+    print(json.dumps(result, indent=1))
+    if w["killed"]:
+      k = w["killed"]
+      print(f"killed by the watchdog ({k['why']}) in phase {k['phase']!r} at RSS "
+            f"{_gib(k['rss'])} (anonymous {_gib(k['anon'])}, file-backed {_gib(k['file'])}; "
+            f"limit {_gib(kill_above)}): peak over {k['rss'] / 1e9:.2f} GB; log: "
+            f"{args.workdir}/run.log")
+    elif w["returncode"]:
+      why = ": SIGKILL, the OOM killer?" if w["returncode"] == -9 else ""
+      print(f"run failed (rc {w['returncode']}{why}), peak RSS {_gib(w['peak_rss'])}; log: "
+            f"{args.workdir}/run.log")
+    for m in w["marks"]:
+      print(f"  peak RSS through {m['after']}: {_gib(m['hwm'])} ({m['hwm'] / 1e9:.2f} GB), "
+            f"t={m['t']:.0f} s")
+    tp = result["train_peak"]
+    if tp is not None:
+      print(f"{name} {label}: training peak RSS {_gib(tp)} ({tp / 1e9:.2f} GB) "
+            f"{'<=' if tp <= budget else '>'} {args.budget_gb:g} GB; whole run (checkpoint + HF "
+            f"export included) {_gib(w['peak_rss'])} ({w['peak_rss'] / 1e9:.2f} GB); plan: "
+            f"state {_gib(result['plan']['state'])} (live {_gib(result['live_state'])}), "
+            f"device peak {_gib(result['plan']['peak'])}; step times {result['step_time_s']}")
+  else:
+    print(json.dumps(result, indent=1))
+  if args.cleanup:
+    subprocess.run(["rm", "-rf", model, os.path.join(args.workdir, "run")], check=True)
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="mode", required=True)
@@ -228,8 +477,31 @@ def main() -> None:
   k = sub.add_parser("knobs")
   k.add_argument("--workdir", default="/tmp/bench_memory_knobs")
   k.add_argument("--only", nargs="*", default=[], help="rows whose label contains one of these")
+  lo = sub.add_parser("lora")
+  lo.add_argument("--model", choices=["qwen3-1.7b", "qwen3-4b"], default="qwen3-1.7b")
+  lo.add_argument("--lora-rank", type=int, default=16)
+  lo.add_argument("--lora-quant", choices=["", "int8", "int4"], default="")
+  lo.add_argument("--steps", type=int, default=2, help="GRPO steps")
+  lo.add_argument("--budget-gb", type=float, default=12.0, help="peak RSS target (10^9 B)")
+  lo.add_argument("--full-plan", action="store_true",
+                  help="also the full fine-tuning dry run and its verdict")
+  lo.add_argument("--plan-only", action="store_true", help="dry runs only (no weights)")
+  lo.add_argument("--kill-above-gib", type=float, default=0.0,
+                  help="kill the run above this RSS (0: available memory at start - 1 GiB)")
+  lo.add_argument("--cleanup", action="store_true", help="delete the checkpoint afterwards")
+  lo.add_argument("--extra", nargs="*", default=[])
+  lo.add_argument("--workdir", default=None, help="default /tmp/bench_memory_<model>")
+  w = sub.add_parser("weights")  # the checkpoint writer, run as its own process by prepare
+  w.add_argument("--model", required=True)
+  w.add_argument("--out", required=True)
   args = ap.parse_args()
-  {"measure": measure, "predict": predict, "knobs": knobs}[args.mode](args)
+  if args.mode == "lora" and args.workdir is None:
+    args.workdir = f"/tmp/bench_memory_{args.model}"
+  if args.mode == "weights":
+    n = write_weights(args.out, args.model, shard_bytes=1 << 30)
+    print(f"{args.model}: {n / 1e6:.0f}M parameters written", flush=True)
+    return
+  {"measure": measure, "predict": predict, "knobs": knobs, "lora": lora}[args.mode](args)
 
 
 if __name__ == "__main__":
