@@ -5,7 +5,7 @@ shardings and compiled passes) and exposes one step of it in pieces::
 
     run = rl_jax.api.Trainer(config)
     examples = run.next_examples(G)                # the trainer's seeded prompt sampler
-    prompts = [run.setup.tokenizer.encode(e.prompt) for e in examples]
+    prompts = [e.prompt for e in examples]         # text: encoded as the trainer does
     out = run.sample(prompts, n=M)                 # rollout.generate with the current weights
     rewards = ...                                  # [G·M] host floats, your reward
     run.forward_backward(run.batch(prompts, out, rewards))   # gradients accumulate

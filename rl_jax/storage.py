@@ -102,8 +102,7 @@ def makedirs(path: str | os.PathLike) -> None:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
     raise StorageError(f"cannot create the directory {os.fspath(path)} ({_os_reason(e)}); "
-                       f"check that this user (uid {os.geteuid()}) may create it there, on a "
-                       "filesystem mounted read-write") from None
+                       f"{_local_hint()}") from None
 
 
 def _os_reason(e: OSError) -> str:

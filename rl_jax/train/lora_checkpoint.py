@@ -38,6 +38,7 @@ from rl_jax import models
 from rl_jax import storage
 from rl_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from rl_jax.train.context import Setup
+from rl_jax.train.state import init_params
 
 __all__ = ["KEY", "BASE_DIR", "base_dir", "config_base", "adapters_only", "fingerprint",
            "for_checkpoint", "base_info", "restore_base", "rejoin"]
@@ -166,7 +167,6 @@ def restore_base(s: Setup, directory, step: int, info: dict, abstract_params: di
     CheckpointError: the base the config builds is not the one the checkpoint was saved with.
   """
   if info.get("source") == "config":
-    from rl_jax.train.state import init_params  # pylint: disable=import-outside-toplevel
     base = models.lora.strip(init_params(s))
     if fingerprint(base) != info.get("fingerprint"):
       raise CheckpointError(

@@ -24,8 +24,8 @@ from rl_jax.train.context import Setup
 from rl_jax.train.records import ProducerState
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["ProducerState", "TrainState", "init_state", "init_params", "abstract_state", "begin_rl", "make_engine",
-           "held_capacity", "engine_shares", "stack_shares", "take_shares",
+__all__ = ["ProducerState", "TrainState", "init_state", "init_params", "abstract_state",
+           "begin_rl", "make_engine", "held_capacity", "engine_shares", "stack_shares", "take_shares",
            "UID_STRIDE", "place_replicated", "rl_layout", "ref_dtype", "make_reference",
            "reference_copy", "adapters"]
 
