@@ -184,7 +184,9 @@ def _dkv_ctx_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_re
                      lse_ref[m, rows, n][:, None], di_ref[m, rows, n][:, None], mask, scale,
                      *carry)
 
-  trips = jnp.where(c * bk < ctx_len, m_ * rep * num_q_blocks, 0)
+  # Integer arithmetic, not a select: Triton's lowering of a scalar select can type the
+  # loop bound as a boolean.
+  trips = jnp.minimum(jnp.maximum(ctx_len - c * bk, 0), 1) * (m_ * rep * num_q_blocks)
   zeros = jnp.zeros((bk, head_dim), jnp.float32)
   dk, dv = lax.fori_loop(0, trips, step, (zeros, zeros))
   dk_ref[...] = dk.astype(dk_ref.dtype)

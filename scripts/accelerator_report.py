@@ -6,10 +6,11 @@ quickstart wall time.
    kernel), forward + backward (grads in every input), at three sizes: max abs difference of
    the outputs and of every gradient vs the reference, and median ms of interleaved calls.
 2. The RL update's MFU: one GRPO-style policy update (``bench_shared_prefix.make_step``:
-   packed layout, forward + backward + Adam, donated) on a Qwen3-style policy in bfloat16
-   compute; model FLOPs per step from XLA's ``cost_analysis`` of the same step compiled with
-   the layers unrolled and one log-prob chunk (every loop of trip count one, so the count is
-   exact) over the median step time, as a fraction of the device's peak (table below).
+   forward + backward + Adam, donated) on a Qwen3-style policy in bfloat16 compute, packed
+   (layer scan, or layers unrolled) and with replicated prompts; model FLOPs per step from
+   XLA's ``cost_analysis`` of the packed step compiled for the CPU with the layers unrolled
+   and one log-prob chunk (every loop of trip count one, so the count is exact) over the
+   median step time, as a fraction of the device's peak (table below).
 3. Decode: the bytes one decode step reads (weights + KV cache) over its time (slope between
    two generation lengths: prefill cancels), as a fraction of the device's HBM bandwidth.
 4. The quickstart command's wall time into a fresh workdir (a subprocess; compiles included).
@@ -28,11 +29,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -106,7 +109,9 @@ def kernel_rows(reduced: bool, repeats: int, sizes=None) -> list[dict]:
   return rows
 
 
-def update_mfu(reduced: bool, repeats: int, peak_flops: float | None) -> dict:
+def _update_model(reduced: bool):
+  """(config, params, batch, optimizer) of the update benchmark: a Qwen3-style policy,
+  bfloat16 compute, one prompt of P tokens and N responses of R tokens."""
   hidden, layers, n, p, r = (32, 2, 4, 8, 8) if reduced else (1024, 8, 16, 512, 512)
   cfg = models.ModelConfig(architecture="qwen3", vocab_size=256 if reduced else 32768,
                            hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
@@ -115,22 +120,59 @@ def update_mfu(reduced: bool, repeats: int, peak_flops: float | None) -> dict:
                            max_position_embeddings=4096,
                            dtype="float32" if reduced else "bfloat16")
   params = models.init_params(cfg, jax.random.key(0))
-  batch = bsp.make_batch(cfg, 1, n, p, r)
-  opt = optax.adam(1e-5)
-  exact = cfg.replace(scan_layers=False, logits_chunk=n * r)
-  flops = bsp.compiled_flops(bsp.compile_step(exact, opt, True, params, opt.init(params), batch))
-  step = jax.jit(bsp.make_step(cfg, opt, True), donate_argnums=(0, 1))
-  state = {"p": jax.tree.map(jnp.copy, params)}
-  state["o"] = opt.init(state["p"])
+  return cfg, params, bsp.make_batch(cfg, 1, n, p, r), optax.adam(1e-5)
 
-  def run():
-    state["p"], state["o"], loss = step(state["p"], state["o"], batch)
-    return loss
 
-  ms = _median_ms(run, repeats)
-  achieved = flops / (ms / 1e3)
-  return dict(params=cfg.num_params(), tokens=p + n * r, flops=flops, ms=ms, achieved=achieved,
-              mfu=None if peak_flops is None else achieved / peak_flops, dtype=cfg.dtype)
+def _flops_on_cpu(reduced: bool) -> float:
+  """Model FLOPs of one packed update, counted by XLA's ``cost_analysis`` of the step
+  compiled (never run) with the layers unrolled and one log-prob chunk, so every loop has
+  trip count one and the count is exact. Counted for the CPU (in a process that sees only
+  the CPU): a GPU executable's matmuls are library calls its cost analysis leaves out, and
+  the attention kernel's custom call has no count on any backend (the CPU runs its jnp
+  reference, which does the same arithmetic)."""
+  if jax.default_backend() != "cpu":
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--flops-worker"]
+                         + (["--reduced"] if reduced else []), cwd=ROOT, check=True,
+                         capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+    return float(out.stdout.strip().splitlines()[-1])
+  cfg, params, batch, opt = _update_model(reduced)
+  exact = cfg.replace(scan_layers=False, logits_chunk=batch["response_tokens"].size)
+  return bsp.compiled_flops(bsp.compile_step(exact, opt, True, params, opt.init(params),
+                                             batch))
+
+
+UPDATE_VARIANTS = (  # (name, shared_prefix, config overrides)
+    ("packed, layer scan (default)", True, {}),
+    ("packed, layers unrolled", True, {"scan_layers": False}),
+    ("replicated prompts", False, {}),
+)
+
+
+def update_mfu(reduced: bool, repeats: int, peak_flops: float | None) -> list[dict]:
+  """The RL update's median ms in each ``UPDATE_VARIANTS`` layout, and the useful model
+  FLOP/s (the packed step's FLOPs over each variant's time) as a fraction of the peak."""
+  cfg, params, batch, opt = _update_model(reduced)
+  flops = _flops_on_cpu(reduced)
+  rows = []
+  for name, shared_prefix, overrides in UPDATE_VARIANTS:
+    step = jax.jit(bsp.make_step(cfg.replace(**overrides), opt, shared_prefix),
+                   donate_argnums=(0, 1))
+    state = {"p": jax.tree.map(jnp.copy, params)}
+    state["o"] = opt.init(state["p"])
+
+    def run(step=step, state=state):
+      state["p"], state["o"], loss = step(state["p"], state["o"], batch)
+      return loss
+
+    ms = _median_ms(run, repeats)
+    achieved = flops / (ms / 1e3)
+    tokens = batch["prompt_tokens"].size + batch["response_tokens"].size
+    rows.append(dict(name=name, params=cfg.num_params(), tokens=tokens, flops=flops, ms=ms,
+                     achieved=achieved, dtype=cfg.dtype,
+                     mfu=None if peak_flops is None else achieved / peak_flops))
+    del state
+  return rows
 
 
 def decode_roofline(reduced: bool, repeats: int, peak_bw: float | None) -> dict:
@@ -156,9 +198,16 @@ def quickstart_wall(reduced: bool) -> dict:
     cmd = [sys.executable, "-m", "rl_jax.train", "--config=configs/quickstart.py",
            f"--workdir={d}/qs", *extra]
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True,
-                   env=dict(os.environ, PYTHONPATH=ROOT))
-    return dict(seconds=time.perf_counter() - t0, args=" ".join(extra))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    seconds = time.perf_counter() - t0
+    if proc.returncode:
+      raise RuntimeError(f"quickstart exited {proc.returncode}: {proc.stderr[-2000:]}")
+    with open(f"{d}/qs/metrics.jsonl") as f:
+      rows = [json.loads(line) for line in f]
+    accs = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+    return dict(seconds=seconds, args=" ".join(extra), first=accs[0] if accs else None,
+                last=accs[-1] if accs else None)
 
 
 def main(argv=None) -> dict:
@@ -168,7 +217,11 @@ def main(argv=None) -> dict:
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--skip-quickstart", action="store_true")
   ap.add_argument("--out", default=None, help="also write the rows to this markdown file")
+  ap.add_argument("--flops-worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.flops_worker:
+    print(_flops_on_cpu(args.reduced))
+    return None
   backend = jax.default_backend()
   accel = backend in ("gpu", "cuda", "rocm", "tpu")
   reduced = args.reduced or not accel
@@ -177,10 +230,23 @@ def main(argv=None) -> dict:
   if not accel:
     peak_flops = peak_bw = None
   out = {"device": kind, "backend": backend, "accelerator": accel, "reduced": reduced}
-  out["kernel"] = kernel_rows(reduced, repeats)
-  out["update"] = update_mfu(reduced, repeats, peak_flops)
-  out["decode"] = decode_roofline(reduced, repeats, peak_bw)
-  out["quickstart"] = None if args.skip_quickstart else quickstart_wall(reduced)
+  sections = [("kernel", lambda: kernel_rows(reduced, repeats)),
+              ("update", lambda: update_mfu(reduced, repeats, peak_flops)),
+              ("decode", lambda: decode_roofline(reduced, repeats, peak_bw)),
+              ("quickstart", lambda: None if args.skip_quickstart else quickstart_wall(reduced))]
+  errors = {}
+  for name, fn in sections:
+    # A section that fails on a new device (a kernel the backend cannot lower, memory) is
+    # reported and the others still run: one lease of an accelerator gives every figure it can.
+    try:
+      out[name] = fn()
+    except Exception as e:  # pylint: disable=broad-except
+      if not accel:
+        raise
+      out[name] = None
+      errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      traceback.print_exc()
+    print(f"[{name}] {out[name] if name not in errors else errors[name]}", flush=True)
 
   pct = lambda x: "n/a" if x is None else f"{x:.1%}"
   head = (f"Device: {kind} ({backend}), JAX {jax.__version__}"
@@ -190,26 +256,30 @@ def main(argv=None) -> dict:
   lines = [head, "", "| N | P | R | dtype | kernel ms | reference ms | XLA replicated ms | "
            "kernel vs XLA | max diff out | max diff grads |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-  for k in out["kernel"]:
+  for k in out["kernel"] or []:
     lines.append(f"| {k['n']} | {k['p']} | {k['r']} | {k['dtype']} | {k['ms']['kernel']:.2f} | "
                  f"{k['ms']['reference']:.2f} | {k['ms']['xla']:.2f} | "
                  f"{k['ms']['xla'] / k['ms']['kernel']:.2f}x | {k['fwd_diff']:.1e} | "
                  f"{k['grad_diff']:.1e} |")
-  u = out["update"]
-  lines += ["", "| RL update | parameters | tokens | dtype | GFLOP / step | ms / step | "
-            "TFLOP/s | MFU |", "|---|---|---|---|---|---|---|---|",
-            f"| packed GRPO step | {u['params'] / 1e6:.2f}M | {u['tokens']} | {u['dtype']} | "
-            f"{u['flops'] / 1e9:.1f} | {u['ms']:.1f} | {u['achieved'] / 1e12:.3f} | "
-            f"{pct(u['mfu'])} |"]
-  dec = out["decode"]
+  lines += ["", "| RL update (GRPO step, Adam) | parameters | tokens | dtype | model GFLOP / step "
+            "| ms / step | TFLOP/s | MFU |", "|---|---|---|---|---|---|---|---|"]
+  for u in out["update"] or []:
+    lines.append(f"| {u['name']} | {u['params'] / 1e6:.2f}M | {u['tokens']} | {u['dtype']} | "
+                 f"{u['flops'] / 1e9:.1f} | {u['ms']:.1f} | {u['achieved'] / 1e12:.3f} | "
+                 f"{pct(u['mfu'])} |")
+  dec = out["decode"] or dict(batch=0, step_ms=float("nan"), weights=0, kv=0, achieved=0,
+                              fraction=None)
   lines += ["", "| decode | batch | ms / step | weights MiB | KV MiB | GB/s | of HBM peak |",
             "|---|---|---|---|---|---|---|",
             f"| greedy | {dec['batch']} | {dec['step_ms']:.2f} | {dec['weights'] / 2**20:.1f} | "
             f"{dec['kv'] / 2**20:.1f} | {dec['achieved'] / 1e9:.1f} | {pct(dec['fraction'])} |"]
   if out["quickstart"]:
     q = out["quickstart"]
+    acc = ("" if q.get("last") is None else
+           f"; held-out accuracy {q['first']:.3f} -> {q['last']:.3f}")
     lines += ["", f"Quickstart wall time (fresh workdir, compiles included"
-              f"{', ' + q['args'] if q['args'] else ''}): {q['seconds']:.1f} s"]
+              f"{', ' + q['args'] if q['args'] else ''}): {q['seconds']:.1f} s{acc}"]
+  lines += [f"\nFailed on this device: {k}: {v}" for k, v in errors.items()]
   report = "\n".join(lines) + "\n"
   print(report, end="")
   if args.out:

@@ -97,18 +97,20 @@ def bench_vs_hf(cfg, params, batch_sizes, prompt_len, new_tokens, repeats):
   return rows
 
 
-def bench_sampling(cfg, params, batch, prompt_len, new_tokens, rounds, threads):
+def bench_sampling(cfg, params, batch, prompt_len, new_tokens, rounds, threads,
+                   torch_device="cpu"):
   """Sampling tokens/s of rl_jax vs transformers, ``rounds`` alternating calls after one
-  warm-up call each: {"ours": [tok/s], "theirs": [tok/s], "ratio": [per round]}."""
+  warm-up call each: {"ours": [tok/s], "theirs": [tok/s], "ratio": [per round]}.
+  ``torch_device``: where transformers runs ("cuda" beside JAX on a GPU)."""
   import torch
   import transformers
   torch.set_num_threads(threads)
   torch.manual_seed(0)
   with tempfile.TemporaryDirectory() as d:
     path = models.save_hf(cfg, params, os.path.join(d, "m"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval().to(torch_device)
   prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
-  ids = torch.tensor(prompts, dtype=torch.long)
+  ids = torch.tensor(prompts, dtype=torch.long, device=torch_device)
   seeds = iter(range(10**6))
 
   def run_ours():
@@ -118,9 +120,10 @@ def bench_sampling(cfg, params, batch, prompt_len, new_tokens, rounds, threads):
 
   def run_hf():
     with torch.no_grad():
-      return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+      out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    return out.cpu()  # waits for the device
 
   run_ours(), run_hf()
   res = {"ours": [], "theirs": [], "ratio": []}
@@ -286,6 +289,7 @@ def main(argv=None):
   ap.add_argument("--sampling", action="store_true", help="only the sampling comparison")
   ap.add_argument("--hidden", type=int, default=256, help="--sampling: model width")
   ap.add_argument("--torch-threads", type=int, default=1, help="--sampling: PyTorch threads")
+  ap.add_argument("--torch-device", default="cpu", help="--sampling: transformers' device")
   ap.add_argument("--weight-sync-worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.weight_sync_worker:
@@ -301,7 +305,8 @@ def main(argv=None):
     print(f"model: {cfg.num_params() / 1e6:.2f}M params, jax {jax.__version__}, "
           f"{os.cpu_count()} cores; sampling, temperature 1", flush=True)
     return bench_sampling(cfg, params, int(args.batch_sizes.split(",")[-1]), 32,
-                          args.new_tokens, args.repeats, args.torch_threads)
+                          args.new_tokens, args.repeats, args.torch_threads,
+                          args.torch_device)
 
   cfg = models.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4,
                            num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024)

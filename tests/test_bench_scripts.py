@@ -135,6 +135,17 @@ def test_accelerator_report_reduced_mode_on_cpu():
   kernel = report.kernel_rows(reduced=True, repeats=1, sizes=[(2, 8, 4)])
   assert kernel[0]["fwd_diff"] < 1e-5 and kernel[0]["grad_diff"] < 1e-4
   assert report.device_peaks()[1:] == (None, None)  # no peak known for a CPU
+  rows = report.update_mfu(reduced=True, repeats=1, peak_flops=None)
+  assert [r["name"] for r in rows] == [v[0] for v in report.UPDATE_VARIANTS]
+  # Forward + backward of every matmul weight over every token is at least 6 FLOPs per
+  # weight and token: the count is not missing the matmuls (as a GPU cost analysis does).
+  cfg = report.models.ModelConfig(architecture="qwen3", vocab_size=256, hidden_size=32,
+                                  intermediate_size=96, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, head_dim=8, qk_norm=True)
+  layer = 32 * (4 * 8) * 2 + 32 * (2 * 8) * 2 + 3 * 32 * 96  # q, o, k, v, gate/up/down
+  tokens = 8 + 4 * 8
+  assert rows[0]["flops"] >= 6 * (cfg.num_layers * layer) * tokens
+  assert all(r["flops"] == rows[0]["flops"] and r["ms"] > 0 for r in rows)
 
 
 def test_bench_memory_lora_checkpoint_writer_and_plan_verdict(tmp_path):

@@ -32,6 +32,25 @@ def _abstract_inputs(g, m, r, n, k, h, p, dtype):
           S((g, m, r, k, h), dtype), S((g, m, r, k, h), dtype), S((g,), jnp.int32))
 
 
+@pytest.fixture(autouse=True)
+def verified_triton_modules(monkeypatch):
+  """Run MLIR's verifier on every Triton module Pallas builds: the GPU compiler rejects an
+  op that fails it (e.g. a loop whose bounds have different integer types), which export
+  alone, never compiling the kernel, would let through. Returns how many were verified."""
+  from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=import-outside-toplevel
+  lower = registration.lowering.lower_jaxpr_to_triton_module
+  count = []
+
+  def lower_and_verify(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    result.module.operation.verify()  # raises MLIRError with the failing op
+    count.append(1)
+    return result
+
+  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+  return count
+
+
 def _export(fn, platform, args):
   return jax.export.export(
       jax.jit(fn), platforms=[platform],
@@ -59,7 +78,7 @@ def test_forward_lowers(platform, shape):
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}M{}R{}N{}K{}H{}P{}".format(*s[:7]))
-def test_gradient_lowers(platform, shape):
+def test_gradient_lowers(platform, shape, verified_triton_modules):
   backend, target = _TARGETS[platform]
   args = _abstract_inputs(*shape)
   attn = _attention(backend)
@@ -73,6 +92,7 @@ def test_gradient_lowers(platform, shape):
   assert all(a.dtype == args[0].dtype for a in exported.out_avals)
   # Forward (recomputed for the residuals) + dq + context dK/dV + response dK/dV.
   assert exported.mlir_module().count(target) == 4
+  assert len(verified_triton_modules) == (4 if platform == "cuda" else 0)
 
 
 def test_illegal_tpu_block_is_rejected_before_lowering():
