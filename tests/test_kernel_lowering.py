@@ -33,22 +33,28 @@ def _abstract_inputs(g, m, r, n, k, h, p, dtype):
 
 
 @pytest.fixture(autouse=True)
-def verified_triton_modules(monkeypatch):
-  """Run MLIR's verifier on every Triton module Pallas builds: the GPU compiler rejects an
-  op that fails it (e.g. a loop whose bounds have different integer types), which export
-  alone, never compiling the kernel, would let through. Returns how many were verified."""
-  from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=import-outside-toplevel
-  lower = registration.lowering.lower_jaxpr_to_triton_module
-  count = []
+def verified_modules(monkeypatch):
+  """Run MLIR's verifier on every Triton and Mosaic module Pallas builds: the device's
+  compiler rejects an op that fails it (e.g. a loop whose bounds have different integer
+  types, seen on an H100), which export alone, never compiling the kernel, lets through.
+  Returns the platforms of the modules verified, one entry each."""
+  from jax._src.pallas.mosaic import pallas_call_registration as mosaic  # pylint: disable=import-outside-toplevel
+  from jax._src.pallas.triton import pallas_call_registration as triton  # pylint: disable=import-outside-toplevel
+  seen = []
 
-  def lower_and_verify(*args, **kwargs):
-    result = lower(*args, **kwargs)
-    result.module.operation.verify()  # raises MLIRError with the failing op
-    count.append(1)
-    return result
+  def verifying(lower, platform, module_of):
+    def lower_and_verify(*args, **kwargs):
+      result = lower(*args, **kwargs)
+      module_of(result).operation.verify()  # raises MLIRError naming the failing op
+      seen.append(platform)
+      return result
+    return lower_and_verify
 
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-  return count
+  monkeypatch.setattr(triton.lowering, "lower_jaxpr_to_triton_module", verifying(
+      triton.lowering.lower_jaxpr_to_triton_module, "cuda", lambda r: r.module))
+  monkeypatch.setattr(mosaic.lowering, "lower_jaxpr_to_pipelined_module", verifying(
+      mosaic.lowering.lower_jaxpr_to_pipelined_module, "tpu", lambda m: m))
+  return seen
 
 
 def _export(fn, platform, args):
@@ -78,7 +84,7 @@ def test_forward_lowers(platform, shape):
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}M{}R{}N{}K{}H{}P{}".format(*s[:7]))
-def test_gradient_lowers(platform, shape, verified_triton_modules):
+def test_gradient_lowers(platform, shape, verified_modules):
   backend, target = _TARGETS[platform]
   args = _abstract_inputs(*shape)
   attn = _attention(backend)
@@ -92,7 +98,7 @@ def test_gradient_lowers(platform, shape, verified_triton_modules):
   assert all(a.dtype == args[0].dtype for a in exported.out_avals)
   # Forward (recomputed for the residuals) + dq + context dK/dV + response dK/dV.
   assert exported.mlir_module().count(target) == 4
-  assert len(verified_triton_modules) == (4 if platform == "cuda" else 0)
+  assert verified_modules == [platform] * 4
 
 
 def test_illegal_tpu_block_is_rejected_before_lowering():
