@@ -36,6 +36,13 @@ appears (the training peak) and ``ru_maxrss`` at exit (the whole run, the final 
 and HF export included). A watchdog kills the run if its RSS exceeds ``--kill-above-gib``
 (default: the memory available at the start less 1 GiB, to spare other jobs on the host) or when
 the host's available memory falls below 1 GiB, and says in which phase.
+
+    python scripts/bench_memory.py load --model qwen3-1.7b [--quant int4] [--export]
+
+``load`` writes the same checkpoint, then in a fresh process calls ``models.load_hf`` alone
+(bf16; ``--quant``: the base quantised as it is read) and prints the process's peak RSS
+(``VmHWM``) after it, its resident set and the bytes the parameters hold; ``--export`` then
+writes them with ``models.save_hf`` and prints the peak after that too.
 """
 
 from __future__ import annotations
@@ -465,6 +472,58 @@ def lora(args) -> None:
     subprocess.run(["rm", "-rf", model, os.path.join(args.workdir, "run")], check=True)
 
 
+_LOAD_CHILD = r"""
+import json, os, sys, time
+import jax, jax.numpy as jnp
+from rl_jax import models
+def status():
+  out = {}
+  for line in open("/proc/self/status"):
+    key, _, rest = line.partition(":")
+    if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+      out[key] = int(rest.split()[0]) * 1024
+  return out
+model, quant, export = sys.argv[1], sys.argv[2], sys.argv[3]
+res = {"start": status()}
+t0 = time.perf_counter()
+kw = dict(quant=quant) if quant else {}
+cfg, params = models.load_hf(model, dtype=jnp.bfloat16, **kw)
+jax.block_until_ready(params)
+res["load_s"] = time.perf_counter() - t0
+res["load"] = status()
+res["param_bytes"] = sum(x.nbytes for x in jax.tree.leaves(params))
+if export:
+  t0 = time.perf_counter()
+  models.save_hf(cfg, models.quant.dequantize_base(cfg, params), export)
+  res["export_s"] = time.perf_counter() - t0
+  res["export"] = status()
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+def load(args) -> None:
+  """Peak RSS of ``models.load_hf`` alone (and of ``save_hf`` after it), in a fresh process."""
+  model, _ = prepare(args.workdir, args.model, weights=True, sharded=True)
+  export = os.path.join(args.workdir, "export") if args.export else ""
+  out = subprocess.run([sys.executable, "-c", _LOAD_CHILD, model, args.quant, export], cwd=ROOT,
+                       capture_output=True, text=True, check=False)
+  line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+  if out.returncode or not line:
+    print(out.stdout[-2000:], out.stderr[-4000:])
+    raise SystemExit(f"load failed (rc {out.returncode})")
+  res = json.loads(line[0][len("RESULT "):])
+  label = f"{args.model}" + (f" {args.quant}" if args.quant else " bf16")
+  print(f"{label}: parameters {_gib(res['param_bytes'])}; load_hf peak RSS "
+        f"{_gib(res['load']['VmHWM'])} ({res['load']['VmHWM'] / 1e9:.2f} GB; before it "
+        f"{_gib(res['start']['VmRSS'])}), after it RSS {_gib(res['load']['VmRSS'])} (file-backed "
+        f"{_gib(res['load']['RssFile'])}), {res['load_s']:.0f} s")
+  if export:
+    print(f"{label}: save_hf peak RSS {_gib(res['export']['VmHWM'])} "
+          f"({res['export']['VmHWM'] / 1e9:.2f} GB), {res['export_s']:.0f} s")
+    subprocess.run(["rm", "-rf", export], check=True)
+  print(json.dumps(res))
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="mode", required=True)
@@ -491,17 +550,23 @@ def main() -> None:
   lo.add_argument("--cleanup", action="store_true", help="delete the checkpoint afterwards")
   lo.add_argument("--extra", nargs="*", default=[])
   lo.add_argument("--workdir", default=None, help="default /tmp/bench_memory_<model>")
+  ld = sub.add_parser("load")
+  ld.add_argument("--model", choices=["qwen3-1.7b", "qwen3-4b"], default="qwen3-1.7b")
+  ld.add_argument("--quant", choices=["", "int8", "int4"], default="")
+  ld.add_argument("--export", action="store_true", help="then save_hf the loaded parameters")
+  ld.add_argument("--workdir", default=None, help="default /tmp/bench_memory_<model>")
   w = sub.add_parser("weights")  # the checkpoint writer, run as its own process by prepare
   w.add_argument("--model", required=True)
   w.add_argument("--out", required=True)
   args = ap.parse_args()
-  if args.mode == "lora" and args.workdir is None:
+  if args.mode in ("lora", "load") and args.workdir is None:
     args.workdir = f"/tmp/bench_memory_{args.model}"
   if args.mode == "weights":
     n = write_weights(args.out, args.model, shard_bytes=1 << 30)
     print(f"{args.model}: {n / 1e6:.0f}M parameters written", flush=True)
     return
-  {"measure": measure, "predict": predict, "knobs": knobs, "lora": lora}[args.mode](args)
+  {"measure": measure, "predict": predict, "knobs": knobs, "lora": lora,
+   "load": load}[args.mode](args)
 
 
 if __name__ == "__main__":

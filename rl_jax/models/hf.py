@@ -1,9 +1,13 @@
 """Hugging Face checkpoints in and out: ``config.json`` + safetensors (single or sharded).
 
-Tensors are read lazily with ``safe_open`` (memory-mapped, no pickle) and converted one at
-a time into rl_jax's stacked layout, so peak host memory is about one copy of the weights.
-``save_hf`` writes to a temporary directory and renames it into place, so an interrupted
-export never leaves a half-written model where a finished one was.
+``load_hf`` streams: it reads the safetensors files with plain reads (their headers, then
+row ranges of one tensor at a time; nothing is memory-mapped), writes each tensor converted
+into its place in a host array of rl_jax's stacked layout, and puts each finished parameter
+on its devices once, so the host holds the parameters being placed plus one tensor's rows;
+a quantised base (``quant`` override) is quantised layer by layer as it is read. ``save_hf``
+writes tensor by tensor the same way and assembles its directory beside the target, renaming
+it into place, so an interrupted export never leaves a half-written model where a finished
+one was.
 
 Axis letters: the legend of ``rl_jax/__init__.py``.
 """
@@ -21,12 +25,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rl_jax.errors import ModelError
-from rl_jax.models import lora
+from rl_jax.models import lora, quant
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig, from_hf_dict, to_hf_dict
 
@@ -72,24 +77,6 @@ def _layer_map(cfg: ModelConfig) -> tuple[tuple[str, str, str], ...]:
   return tuple(rows)
 
 
-def _load_experts(idx: "_TensorIndex", cfg: ModelConfig, layer: int) -> dict[str, np.ndarray]:
-  """One MoE layer's router [D,E] and experts ([E,D,F] gate/up, [E,F,D] down), from
-  per-expert tensors or the fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
-  pre = f"model.layers.{layer}.mlp."
-  out = {"router": idx.get(pre + "gate.weight").T}
-  if pre + "experts.gate_up_proj" in idx:  # fused [E,2F,D] and [E,D,F]
-    gate_up = idx.get(pre + "experts.gate_up_proj")
-    F = gate_up.shape[1] // 2
-    out["expert_gate"] = np.swapaxes(gate_up[:, :F], 1, 2)
-    out["expert_up"] = np.swapaxes(gate_up[:, F:], 1, 2)
-    out["expert_down"] = np.swapaxes(idx.get(pre + "experts.down_proj"), 1, 2)
-    return out
-  for key, suffix in _EXPERT_MAP:
-    out[key] = np.stack([idx.get(f"{pre}experts.{e}.{suffix}").T
-                         for e in range(cfg.num_experts)])
-  return out
-
-
 def _to_ours(cfg: ModelConfig, kind: str, w: np.ndarray) -> np.ndarray:
   D, H = cfg.hidden_size, cfg.head_dim
   if kind == "vector":
@@ -123,54 +110,193 @@ def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
   raise AssertionError(kind)
 
 
+# safetensors dtype names <-> numpy dtypes (ml_dtypes for those numpy lacks)
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+              "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+              "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+# safetensors lays a file's tensors out by descending dtype (its enum order), then by name
+_ST_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32",
+             "F64", "I64")
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+_CHUNK_BYTES = 64 << 20  # rows of a tensor read (or written) at a time
+
+
+def _corrupt(fname: str, why: str) -> ModelError:
+  return ModelError(f"safetensors file {fname} is corrupt or unreadable: {why}")
+
+
+def _read_header(fname: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
+  """{tensor name: (dtype, shape, offset of its first byte in the file)} of a safetensors
+  file, from its header alone (8-byte little-endian length, then that many bytes of JSON)."""
+  if not os.path.exists(fname):
+    raise ModelError(f"safetensors file {fname} is missing")
+  try:
+    size = os.path.getsize(fname)
+    with open(fname, "rb") as f:
+      head = f.read(8)
+      n = int.from_bytes(head, "little") if len(head) == 8 else -1
+      if n < 2 or n > min(_MAX_HEADER, size - 8):
+        raise _corrupt(fname, f"header length {n} does not fit a file of {size} bytes")
+      header = json.loads(f.read(n).decode("utf-8"))
+  except OSError as e:
+    raise _corrupt(fname, str(e)) from None
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise _corrupt(fname, f"header is not JSON ({e})") from None
+  if not isinstance(header, dict):
+    raise _corrupt(fname, "header is not a JSON object")
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    try:
+      dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+      ok = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
+    except (TypeError, KeyError, ValueError):
+      ok = False
+    if not ok:
+      raise _corrupt(fname, f"bad header entry for {name!r}: {info!r}")
+    if dtype not in _ST_DTYPES:
+      raise ModelError(f"tensor {name!r} in {fname} has dtype {dtype}, which rl_jax does not "
+                       f"read (it reads {','.join(_ST_DTYPES)})")
+    dt = np.dtype(_ST_DTYPES[dtype])
+    if end - begin != int(np.prod(shape)) * dt.itemsize or 8 + n + end > size:
+      raise _corrupt(fname, f"tensor {name!r} data_offsets {[begin, end]} do not match its "
+                     f"shape {list(shape)} and {dtype} or lie outside the file")
+    out[name] = (dt, shape, 8 + n + begin)
+  return out
+
+
 class _TensorIndex:
-  """Name -> file for a single or sharded safetensors checkpoint; lazy, memory-mapped reads."""
+  """Name -> file for a single or sharded safetensors checkpoint. Tensors (or row ranges of
+  them) are read with plain reads into fresh host arrays: nothing stays memory-mapped, so
+  the pages of the files never count in the process's resident set."""
 
   def __init__(self, path: str):
-    self._handles: dict[str, Any] = {}
+    self._headers: dict[str, dict] = {}
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
       try:
         with open(index) as f:
           weight_map = json.load(f)["weight_map"]
-      except (json.JSONDecodeError, KeyError) as e:
+        self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+      except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ModelError(f"{index} is not a valid safetensors index ({e})") from None
-      self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
     else:
       files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
       if not files:
         raise ModelError(f"no *.safetensors file in {path}")
       self.files: dict[str, str] = {}
       for fname in files:
-        for name in self._open(os.path.join(path, fname)).keys():
+        for name in self._header(os.path.join(path, fname)):
           self.files[name] = os.path.join(path, fname)
 
-  def _open(self, fname: str):
-    if fname not in self._handles:
-      if not os.path.exists(fname):
-        raise ModelError(f"safetensors file {fname} is missing")
-      try:
-        handle = safe_open(fname, framework="flax")
-      except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise ModelError(f"safetensors file {fname} is corrupt or unreadable: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-      self._handles[fname] = handle
-    return self._handles[fname]
+  def _header(self, fname: str) -> dict:
+    if fname not in self._headers:
+      self._headers[fname] = _read_header(fname)
+    return self._headers[fname]
 
   def __contains__(self, name: str) -> bool:
     return name in self.files
 
-  def get(self, name: str) -> np.ndarray:
+  def info(self, name: str) -> tuple[np.dtype, tuple[int, ...], int, str]:
+    """(dtype, shape, byte offset, file) of tensor ``name``."""
     if name not in self.files:
       raise ModelError(f"checkpoint lacks tensor {name!r}")
     fname = self.files[name]
+    header = self._header(fname)
+    if name not in header:
+      raise ModelError(f"checkpoint lacks tensor {name!r}: the index names {fname}, which "
+                       "does not hold it")
+    return (*header[name], fname)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self.info(name)[1]
+
+  def read(self, name: str, start: int = 0, stop: int | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``start:stop`` (axis 0) of tensor ``name`` in its file's dtype, read into ``out``
+    (C-contiguous, that shape and dtype) or a new array; [stop-start, *shape[1:]]."""
+    dtype, shape, offset, fname = self.info(name)
+    rows = shape[0] if shape else 1
+    stop = rows if stop is None else stop
+    row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+    if out is None:
+      out = np.empty((stop - start, *shape[1:]), dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8))
     try:
-      arr = self._open(fname).get_tensor(name)
-    except ModelError:
-      raise
-    except Exception as e:
+      with open(fname, "rb", buffering=0) as f:
+        f.seek(offset + start * row_bytes)
+        done = 0
+        while done < len(view):
+          got = f.readinto(view[done:])
+          if not got:
+            raise _corrupt(fname, f"tensor {name!r} is cut short")
+          done += got
+    except OSError as e:
       raise ModelError(f"cannot read tensor {name!r} from {fname}: {e}") from None
-    return np.asarray(jax.device_get(arr).astype(jnp.float32))
+    return out
+
+
+def _convert(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """``x`` in ``dtype``, rounded as the loader always has: to float32 first (exact for every
+  float checkpoint dtype up to float32), then once, to nearest even, to ``dtype``."""
+  if x.dtype == dtype:
+    return x
+  f32 = x if x.dtype == np.float32 else x.astype(np.float32)
+  return f32 if dtype == np.float32 else f32.astype(dtype)
+
+
+def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+  """(shape of the HF tensor, whether ours is its transpose) of one layer's tensor of ours,
+  ``shape``, for ``_to_ours`` kind ``kind``: ours reshaped to the reversed HF shape is the HF
+  tensor transposed (transposing kinds), or reshaped to the HF shape is the HF tensor."""
+  size = int(np.prod(shape))
+  if kind == "vector":
+    return tuple(shape), False
+  if kind in ("bias_q", "bias_kv"):  # [N, H] <- [N·H]
+    return (size,), False
+  if kind == "transpose":  # [A, B] <- [B, A]
+    return tuple(shape[::-1]), True
+  if kind in ("in_heads_q", "in_heads_kv"):  # [D, N, H] <- [N·H, D]
+    return (size // shape[0], shape[0]), True
+  if kind == "out_heads":  # [N, H, D] <- [D, N·H]
+    return (shape[-1], size // shape[-1]), True
+  raise AssertionError(kind)
+
+
+def _check_shape(idx: _TensorIndex, name: str, want: tuple[int, ...]) -> None:
+  got = tuple(idx.shape(name))
+  if got != tuple(want):
+    raise ModelError(f"tensor {name!r} has shape {got}, config.json implies {tuple(want)}")
+
+
+def _fill(idx: _TensorIndex, name: str, dst: np.ndarray, kind: str) -> None:
+  """Writes HF tensor ``name`` into ``dst`` (one C-contiguous tensor of ours, in its final
+  dtype; ``_to_ours`` of the HF tensor), ``_CHUNK_BYTES`` of the file's rows at a time."""
+  hf_shape, transposed = _hf_shape(kind, dst.shape)
+  _check_shape(idx, name, hf_shape)
+  if not dst.size:
+    return
+  src_dtype = idx.info(name)[0]
+  rows = hf_shape[0]
+  step = max(1, _CHUNK_BYTES // max(1, (dst.size // rows) * max(src_dtype.itemsize, 4)))
+  if transposed:
+    view = dst.reshape(hf_shape[::-1])  # = hf.T
+    for r in range(0, rows, step):
+      view[:, r:r + step] = _convert(idx.read(name, r, min(r + step, rows)), dst.dtype).T
+  else:
+    view = dst.reshape(hf_shape)
+    for r in range(0, rows, step):
+      stop = min(r + step, rows)
+      if src_dtype == dst.dtype:  # straight into place
+        idx.read(name, r, stop, out=view[r:stop])
+      else:
+        view[r:stop] = _convert(idx.read(name, r, stop), dst.dtype)
+
+
+_host_empty = quant._host_empty  # pylint: disable=protected-access
 
 
 def read_hf_config(path: str, **overrides) -> ModelConfig:
@@ -192,13 +318,25 @@ def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=N
             **overrides):
   """Load a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 (text) HF directory.
 
+  Streams the checkpoint: each parameter of ours (per-layer tensors stacked over layers,
+  [L, ...]) is filled in a host array of its final dtype, HF tensor by HF tensor (row chunks
+  read from the files, nothing memory-mapped), then placed on its devices once and the host
+  array dropped before the next parameter is read (the CPU backend adopts it without a
+  copy). The peak is the parameters plus about one parameter on the host.
+
+  With ``quant`` in the overrides (``"int8"`` / ``"int4"``, and ``quant_block``) the
+  projections ``quant.targets`` are quantised layer by layer as they are read
+  (``quant.quantize_layers``): the float weights never exist whole, and the result is what
+  ``quant.quantize_base`` makes of the float load.
+
   Args:
     path: directory with config.json and model.safetensors (or sharded files + index).
     dtype: parameter storage dtype (float32 or bfloat16).
     compute_dtype: activation/matmul dtype (default: same as ``dtype``); float32 master
       weights with bfloat16 compute is ``dtype=jnp.float32, compute_dtype="bfloat16"``.
-    shardings: optional pytree of NamedShardings (``transformer.param_shardings``); each
-      tensor is placed straight onto its shards.
+    shardings: optional pytree of NamedShardings (``transformer.param_shardings`` of the
+      returned config: a quantised weight's may be a ``QArray`` of two, or W's alone);
+      each parameter is placed straight onto its shards.
     overrides: ModelConfig fields to override (e.g. ``dtype="bfloat16", remat="full"``).
   Returns:
     (cfg, params).
@@ -207,66 +345,103 @@ def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=N
   compute = jnp.dtype(compute_dtype or dtype).name
   cfg = read_hf_config(path, param_dtype=dtype.name, dtype=compute, **overrides)
   idx = _TensorIndex(path)
-  expected = tx.param_shapes(cfg)
-  prefix = "model."
-
-  def place(arr, where):
-    return jax.device_put(jnp.asarray(arr, dtype), where) if where is not None else jnp.asarray(
-        arr, dtype)
-
-  def check(name, arr, shape):
-    if tuple(arr.shape) != tuple(shape):
-      raise ModelError(f"tensor {name!r} has shape {tuple(arr.shape)}, config.json implies "
-                       f"{tuple(shape)}")
-    return arr
-
+  expected = tx.param_shapes(cfg.replace(quant=""))
   sh = shardings or {}
+
+  def load(names, shape, kind, where):
+    """HF tensors ``names`` (nested lists: the leading axes) stacked, [*lead, *shape]."""
+    return _place(_stack(idx, names, tuple(shape), kind, dtype), where)
+
   params: dict[str, Any] = {}
-  params["embed"] = place(check("embed", idx.get(prefix + "embed_tokens.weight"),
-                                expected["embed"]), sh.get("embed"))
-  params["final_norm"] = place(check("final_norm", idx.get(prefix + "norm.weight"),
-                                     expected["final_norm"]), sh.get("final_norm"))
+  params["embed"] = load("model.embed_tokens.weight", expected["embed"], "vector",
+                         sh.get("embed"))
+  params["final_norm"] = load("model.norm.weight", expected["final_norm"], "vector",
+                              sh.get("final_norm"))
   if not cfg.tie_word_embeddings:
     if "lm_head.weight" not in idx:
       raise ModelError("checkpoint lacks 'lm_head.weight' but config.json says the "
                        "embeddings are untied")
-    params["lm_head"] = place(check("lm_head", idx.get("lm_head.weight").T, expected["lm_head"]),
-                              sh.get("lm_head"))
+    params["lm_head"] = load("lm_head.weight", expected["lm_head"], "transpose",
+                             sh.get("lm_head"))
   layers = {}
   for key, suffix, kind in _layer_map(cfg):
     if key not in expected["layers"]:
       continue
-    per_layer = []
-    for i in range(cfg.num_layers):
-      name = f"{prefix}layers.{i}.{suffix}"
-      per_layer.append(check(name, _to_ours(cfg, kind, idx.get(name)),
-                             expected["layers"][key][1:]))
-    layers[key] = place(np.stack(per_layer), sh.get("layers", {}).get(key))
+    names = [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
+    shape, where = expected["layers"][key][1:], sh.get("layers", {}).get(key)
+    if key in quant.targets(cfg):
+      layers[key] = quant.quantize_layers(
+          cfg, key, (_stack(idx, name, shape, kind, dtype) for name in names), where)
+    else:
+      layers[key] = load(names, shape, kind, where)
   params["layers"] = layers
   if cfg.is_moe:
-    _load_mlp_stacks(cfg, idx, expected, params, place, check, sh)
-  idx = per_layer = None  # noqa: F841  (drop the file handles and the last host tensors)
-  release_host_memory()  # the host staging copies of the tensors, freed above
+    _load_mlp_stacks(cfg, idx, expected, params, load, dtype, sh)
+  release_host_memory()  # the read buffers of the tensors, freed above
   return cfg, params
 
 
-def _load_mlp_stacks(cfg, idx, expected, params, place, check, sh):
-  """MoE models: ``params["moe"]`` over the Y MoE layers, ``params["mlp"]`` over the others."""
+def _stack(idx: _TensorIndex, names, shape: tuple[int, ...], kind: str, dtype) -> np.ndarray:
+  """Host array [*lead, *shape] in ``dtype`` of the HF tensors ``names`` (a name, or nested
+  lists of names whose nesting gives the leading axes ``lead``), each ``_to_ours`` ``kind``."""
+  flat = np.asarray(names, dtype=object)
+  host = _host_empty((*flat.shape, *shape), dtype)
+  rows = host.reshape(-1, *shape)  # a view: host is C-contiguous
+  for i, name in enumerate(flat.reshape(-1)):
+    _fill(idx, name, rows[i], kind)
+  return host
+
+
+def _place(host: np.ndarray, where) -> jax.Array:
+  """``host`` on its sharding ``where`` (None: the default device)."""
+  return jax.device_put(host, where) if where is not None else jax.device_put(host)
+
+
+def _load_mlp_stacks(cfg, idx, expected, params, load, dtype, sh):
+  """MoE models: ``params["moe"]`` over the Y MoE layers (router [Y,D,E], expert gate / up
+  [Y,E,D,F], down [Y,E,F,D]), ``params["mlp"]`` over the dense others."""
   if cfg.dense_layers:
     mlp = {}
     for key, suffix, kind in _LAYER_MAP:
       if key in _DENSE_MLP:
-        rows = [check(f"model.layers.{i}.{suffix}", _to_ours(cfg, kind,
-                                                             idx.get(f"model.layers.{i}.{suffix}")),
-                      expected["mlp"][key][1:]) for i in cfg.dense_layers]
-        mlp[key] = place(np.stack(rows), sh.get("mlp", {}).get(key))
+        mlp[key] = load([f"model.layers.{i}.{suffix}" for i in cfg.dense_layers],
+                        expected["mlp"][key][1:], kind, sh.get("mlp", {}).get(key))
     params["mlp"] = mlp
-  stacks: dict[str, list] = {k: [] for k in expected["moe"]}
-  for i in cfg.moe_layers:
-    for key, arr in _load_experts(idx, cfg, i).items():
-      stacks[key].append(check(f"model.layers.{i}.mlp.{key}", arr, expected["moe"][key][1:]))
-  params["moe"] = {k: place(np.stack(v), sh.get("moe", {}).get(k)) for k, v in stacks.items()}
+  where, shapes = sh.get("moe", {}), expected["moe"]
+  pre = [f"model.layers.{i}.mlp." for i in cfg.moe_layers]
+  moe = {"router": load([p + "gate.weight" for p in pre], shapes["router"][1:], "transpose",
+                        where.get("router"))}
+  if pre[0] + "experts.gate_up_proj" in idx:  # fused [E,2F,D] and [E,D,F] per layer
+    gate_up, down = _fused_experts(idx, pre, shapes, dtype)
+    moe["expert_gate"] = _place(gate_up[0], where.get("expert_gate"))
+    moe["expert_up"] = _place(gate_up[1], where.get("expert_up"))
+    del gate_up
+    moe["expert_down"] = _place(down, where.get("expert_down"))
+  else:  # per-expert [F,D] (gate, up) and [D,F] (down)
+    for key, suffix in _EXPERT_MAP:
+      names = [[f"{p}experts.{e}.{suffix}" for e in range(cfg.num_experts)] for p in pre]
+      moe[key] = load(names, shapes[key][2:], "transpose", where.get(key))
+  params["moe"] = {k: moe[k] for k in shapes}
 
+
+def _fused_experts(idx, pre, shapes, dtype) -> tuple[list[np.ndarray], np.ndarray]:
+  """([gate, up] [Y,E,D,F], down [Y,E,F,D]) host stacks from the fused per-layer tensors
+  ``experts.gate_up_proj`` [E,2F,D] (gate rows first) and ``experts.down_proj`` [E,D,F]
+  (prefixes ``pre``), read a few experts at a time."""
+  Y, E, D, F = shapes["expert_gate"]
+  gate_up = [_host_empty((Y, E, D, F), dtype), _host_empty((Y, E, D, F), dtype)]
+  down = _host_empty((Y, E, F, D), dtype)
+  step = max(1, _CHUNK_BYTES // (2 * F * D * 4))
+  for j, p in enumerate(pre):
+    _check_shape(idx, p + "experts.gate_up_proj", (E, 2 * F, D))
+    _check_shape(idx, p + "experts.down_proj", (E, D, F))
+    for e in range(0, E, step):
+      chunk = _convert(idx.read(p + "experts.gate_up_proj", e, min(e + step, E)), dtype)
+      gate_up[0][j, e:e + step] = np.swapaxes(chunk[:, :F], 1, 2)
+      gate_up[1][j, e:e + step] = np.swapaxes(chunk[:, F:], 1, 2)
+      chunk = _convert(idx.read(p + "experts.down_proj", e, min(e + step, E)), dtype)
+      down[j, e:e + step] = np.swapaxes(chunk, 1, 2)
+  return gate_up, down
 
 def release_host_memory() -> bool:
   """Hands the C heap's free pages back to the OS (glibc ``malloc_trim``); False where
@@ -563,38 +738,138 @@ class _atomic_dir:  # pylint: disable=invalid-name
     return False
 
 
+def _export_tensors(cfg: ModelConfig, params) -> list[tuple[str, tuple[int, ...], Any, Any]]:
+  """The HF tensors of ``params`` (adapters merged), in ``hf_state_dict``'s order, each as
+  (name, shape, dtype, get): ``get()`` returns the tensor as a host array in the parameter dtype
+  (often a transposed view), fetching only its layer (a view, uncopied, of an array on one
+  CPU device)."""
+  merged = lora.merge(cfg, params)
+  host = _HostLayers()
+  out = [("model.embed_tokens.weight", tuple(merged["embed"].shape), merged["embed"].dtype,
+          lambda: host.get(merged["embed"])),
+         ("model.norm.weight", tuple(merged["final_norm"].shape), merged["final_norm"].dtype,
+          lambda: host.get(merged["final_norm"]))]
+  if not cfg.tie_word_embeddings:
+    out.append(("lm_head.weight", tuple(merged["lm_head"].shape[::-1]),
+                merged["lm_head"].dtype, lambda: host.get(merged["lm_head"]).T))
+
+  def layer(arr, i, kind, expert=None):
+    shape = arr.shape[1:] if expert is None else arr.shape[2:]
+    hf_shape = _hf_shape(kind, shape)[0]
+    get = (lambda: _to_hf(kind, host.get(arr, i))) if expert is None else (
+        lambda: _to_hf(kind, host.get(arr, i)[expert]))
+    return hf_shape, arr.dtype, get
+
+  for key, suffix, kind in _layer_map(cfg):
+    if key in merged["layers"]:
+      for i in range(cfg.num_layers):
+        out.append((f"model.layers.{i}.{suffix}", *layer(merged["layers"][key], i, kind)))
+  if cfg.is_moe:
+    for j, i in enumerate(cfg.dense_layers):
+      for key, suffix, kind in _LAYER_MAP:
+        if key in _DENSE_MLP:
+          out.append((f"model.layers.{i}.{suffix}", *layer(merged["mlp"][key], j, kind)))
+    for j, i in enumerate(cfg.moe_layers):
+      pre = f"model.layers.{i}.mlp."
+      out.append((pre + "gate.weight", *layer(merged["moe"]["router"], j, "transpose")))
+      for key, suffix in _EXPERT_MAP:
+        for e in range(cfg.num_experts):
+          out.append((f"{pre}experts.{e}.{suffix}",
+                      *layer(merged["moe"][key], j, "transpose", expert=e)))
+  return out
+
+
+class _HostLayers:
+  """Host views of device arrays, one layer at a time: an array on a single CPU device is
+  read in place (``np.asarray`` does not copy it); any other is fetched one layer per
+  ``get`` (the last layer fetched kept, for the experts of a MoE layer)."""
+
+  def __init__(self):
+    self._last: tuple[Any, Any, np.ndarray] | None = None
+
+  def get(self, arr, i: int | None = None) -> np.ndarray:
+    devices = getattr(arr, "sharding", None) and arr.sharding.device_set
+    if devices and len(devices) == 1 and next(iter(devices)).platform == "cpu":
+      whole = np.asarray(arr)
+      return whole if i is None else whole[i]
+    if i is None:
+      return np.asarray(jax.device_get(arr))
+    if self._last is None or self._last[0] is not arr or self._last[1] != i:
+      self._last = (arr, i, np.asarray(jax.device_get(arr[i])))
+    return self._last[2]
+
+
+def _export_dtype(dtype) -> np.dtype:
+  """The dtype ``save_hf`` writes a ``dtype`` tensor in: float16 and float32 as they are,
+  any other as float32 (safetensors' numpy writer has no bfloat16)."""
+  dtype = np.dtype(dtype)
+  return dtype if dtype in (np.float32, np.float16) else np.dtype(np.float32)
+
+
+def _write_safetensors(fname: str, tensors: list[tuple[str, tuple[int, ...], np.dtype, Any]],
+                       metadata: dict[str, str] | None = None) -> None:
+  """A safetensors file of ``tensors`` ((name, shape, dtype, get): ``get()`` gives the
+  tensor, cast to ``dtype`` here), written tensor by tensor, ``_CHUNK_BYTES`` of rows at a
+  time: byte for byte the file ``safetensors.numpy.save_file`` writes of the same tensors
+  (tensors laid out by descending dtype, then name; a compact JSON header padded with spaces
+  to a multiple of 8 bytes)."""
+  order = sorted(tensors, key=lambda t: (-_ST_ORDER.index(_ST_NAMES[np.dtype(t[2])]), t[0]))
+  header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+  offset = 0
+  for name, shape, dtype, _ in order:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    header[name] = {"dtype": _ST_NAMES[np.dtype(dtype)], "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
+  head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+  head += b" " * (-len(head) % 8)
+  with open(fname, "wb") as f:
+    f.write(len(head).to_bytes(8, "little"))
+    f.write(head)
+    for name, shape, dtype, get in order:
+      arr = get()
+      if tuple(arr.shape) != tuple(shape):
+        raise AssertionError(f"{name}: {arr.shape} != {shape}")
+      rows = max(1, _CHUNK_BYTES // max(1, int(np.prod(shape[1:])) * 4))
+      for r in range(0, shape[0] if shape else 1, rows):
+        part = np.ascontiguousarray(arr[r:r + rows] if shape else arr, dtype=dtype)
+        f.write(memoryview(part.reshape(-1).view(np.uint8)))
+
+
 def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30) -> str:
   """Write ``path`` (config.json + safetensors, sharded above ``max_shard_bytes``) atomically.
 
   The directory is assembled beside ``path`` and renamed into place; an existing ``path`` is
   replaced only once the new one is complete. bfloat16 weights are written as float32
-  (numpy has no native bfloat16 in safetensors' numpy writer).
+  (numpy has no native bfloat16 in safetensors' numpy writer). Tensor by tensor: besides
+  the merged adapters (``lora.merge``, on the devices) the host holds one row chunk at a
+  time (arrays on other devices than one CPU: one layer of one parameter).
   """
-  tensors = hf_state_dict(cfg, params)
-  tensors = {k: v.astype(np.float32) if v.dtype not in (np.float32, np.float16) else v
-             for k, v in tensors.items()}
+  tensors = [(name, shape, _export_dtype(dtype), get)
+             for name, shape, dtype, get in _export_tensors(cfg, params)]
   with _atomic_dir(path) as tmp:
     hf_cfg = to_hf_dict(cfg)
-    hf_cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    hf_cfg["torch_dtype"] = str(tensors[0][2])
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_cfg, f, indent=2, sort_keys=True)
-    shards, cur, size = [], {}, 0
-    for name, arr in tensors.items():
-      if cur and size + arr.nbytes > max_shard_bytes:
+    shards, cur, size = [], [], 0
+    for t in tensors:
+      nbytes = int(np.prod(t[1])) * t[2].itemsize
+      if cur and size + nbytes > max_shard_bytes:
         shards.append(cur)
-        cur, size = {}, 0
-      cur[name] = arr
-      size += arr.nbytes
+        cur, size = [], 0
+      cur.append(t)
+      size += nbytes
     shards.append(cur)
     if len(shards) == 1:
-      save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+      _write_safetensors(os.path.join(tmp, "model.safetensors"), shards[0], {"format": "pt"})
     else:
       weight_map = {}
       for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-      total = sum(a.nbytes for a in tensors.values())
+        _write_safetensors(os.path.join(tmp, fname), shard, {"format": "pt"})
+        weight_map.update({t[0]: fname for t in shard})
+      total = sum(int(np.prod(t[1])) * t[2].itemsize for t in tensors)
       with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   return path

@@ -24,16 +24,18 @@ quantisation of the frozen base, adapters in higher precision).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rl_jax.models.config import QUANTS, ModelConfig
 
-__all__ = ["QUANTS", "dequantize", "dequantize_base", "is_quantized",
-           "layer_axes", "layer_shapes", "matmul", "quantize", "quantize_base", "targets"]
+__all__ = ["QUANTS", "dequantize", "dequantize_base", "is_quantized", "layer_axes",
+           "layer_shapes", "matmul", "quantize", "quantize_base", "quantize_layers", "targets"]
 
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
 # projection -> axis of the stacked weight [L, ...] that is blocked (its last contraction axis)
@@ -88,6 +90,61 @@ def quantize_base(cfg: ModelConfig, params: dict) -> dict:
     if not is_quantized(layers[t]):
       layers[t] = quantize(layers[t], cfg.quant, _BLOCK_AXIS[t], cfg.quant_block)
   return {**params, "layers": layers}
+
+
+def quantize_layers(cfg: ModelConfig, t: str, layers: Iterable[np.ndarray],
+                    sharding: Any = None) -> Any:
+  """``quantize`` of the stacked weight of projection ``t`` computed one layer at a time:
+  what ``quantize_base`` makes of ``np.stack(layers)``, bit for bit (each layer is quantised
+  by the same program on a stack of one: the blocks never span layers), without the float
+  stack ever existing.
+
+  Args:
+    layers: the L layers' weights of ``t`` (host arrays, e.g. [D,N,H]), consumed one by one.
+    sharding: None (the default device), or the stack's placement: a ``QArray`` of the
+      qvalue's and the scale's NamedShardings (``param_shardings`` of a quantised config), or
+      W's NamedSharding (the scale then takes it with the blocked axis replicated).
+  Returns:
+    QArray: ``qvalue`` [L, ...] and ``scale`` [L, ...] (the blocked axis divided by
+    ``cfg.quant_block``), placed on ``sharding``.
+  """
+  axis, L = _BLOCK_AXIS[t], cfg.num_layers
+  one = jax.jit(lambda w: quantize(w[None], cfg.quant, axis, cfg.quant_block))
+  first, q_host, s_host, n = None, None, None, 0
+  for w in layers:
+    if n == L:
+      raise ValueError(f"quantize_layers: more than {L} layers of {t!r}")
+    q = one(w)
+    if first is None:
+      first = q
+      q_host = _host_empty((L, *q.qvalue.shape[1:]), q.qvalue.dtype)
+      s_host = _host_empty((L, *q.scale.shape[1:]), q.scale.dtype)
+    q_host[n], s_host[n] = np.asarray(q.qvalue)[0], np.asarray(q.scale)[0]
+    n += 1
+  if n != L:
+    raise ValueError(f"quantize_layers: {n} layers of {t!r}, the model has {L}")
+  q_sh, s_sh = _split_sharding(sharding, axis, s_host.ndim)
+  put = lambda x, sh: jax.device_put(x, sh) if sh is not None else jax.device_put(x)
+  return dataclasses.replace(first, qvalue=put(q_host, q_sh), scale=put(s_host, s_sh))
+
+
+def _host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """An uninitialised C-contiguous host array aligned to 64 bytes: the CPU backend's
+  ``device_put`` adopts such a buffer without copying it."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  off = (-raw.ctypes.data) % 64
+  return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def _split_sharding(sharding: Any, axis: int, ndim: int) -> tuple[Any, Any]:
+  """(qvalue's, scale's) sharding of a quantised weight placed on ``sharding``."""
+  if sharding is None or is_quantized(sharding):
+    return (None, None) if sharding is None else (sharding.qvalue, sharding.scale)
+  spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+  spec[axis] = None
+  return sharding, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def dequantize_base(cfg: ModelConfig, params: dict) -> dict:

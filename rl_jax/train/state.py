@@ -270,11 +270,11 @@ def init_params(s: Setup) -> dict:
   shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
   hf_path = s.config.model.hf_path
   loaded = _loaded_adapters(s, models.lora.split(shardings)[1])
-  if hf_path:  # loaded in the float layout, then adapters added and the base quantised
-    float_sh = models.param_shardings(s.model_cfg.replace(quant=""), s.mesh, s.rules)
-    base_sh, _ = models.lora.split(float_sh)
+  if hf_path:  # loaded (a quantised base quantised layer by layer as read), adapters added
+    base_sh, _ = models.lora.split(shardings)
     _, params = models.load_hf(hf_path, dtype=jnp.dtype(s.model_cfg.param_dtype),
-                               shardings=base_sh)
+                               shardings=base_sh, quant=s.model_cfg.quant,
+                               quant_block=s.model_cfg.quant_block)
     if loaded is not None:
       params = jax.jit(lambda p, ad: models.quant.quantize_base(
           s.model_cfg, models.lora.combine(p, ad)), out_shardings=shardings)(params, loaded)
