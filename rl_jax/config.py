@@ -74,6 +74,9 @@ def _model() -> ml_collections.ConfigDict:
       remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
       fused_mlp=False,  # one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp)
       scan_layers=True,  # False unrolls the layer loop: no scan, longer compiles
+      # packed-layout response attention: "kernel" (Pallas / its jnp reference) or "concat"
+      # (one softmax over [prompt | own] keys; faster on CPU; ModelConfig.prefix_attention)
+      prefix_attention="kernel",
       # mixture of experts (architecture="qwen3_moe"): E experts per MoE layer, top X per
       # token, every ``moe_every``-th layer MoE (the others a dense MLP of intermediate_size)
       num_experts=0,
@@ -393,6 +396,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.router_aux_loss_coef": cu.nonnegative,
       "model.fused_mlp": cu.one_of((False, True)),
       "model.scan_layers": cu.one_of((False, True)),
+      "model.prefix_attention": cu.one_of(model_config_lib.PREFIX_ATTENTIONS),
       "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
       "model.sliding_window": cu.positive_int,
       "model.global_every": cu.positive_int,

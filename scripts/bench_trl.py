@@ -6,13 +6,14 @@ parameters) written once with ``models.save_hf``; 1 prompt x 16 samples (``--sam
 most 64 new tokens (``--new-tokens``), temperature 1.0, float32.
 
 * GRPO step: rl_jax ``train.rl_step`` (``old_logp_pass=auto``, GRPO, β = 0; ``--fused-mlp``
-  sets ``model.fused_mlp``) vs TRL's ``GRPOTrainer`` (``Qwen3ForCausalLM`` loaded from the
-  same directory; num_generations 16, batch 16, β = 0, ``loss_type="grpo"``, one iteration,
-  no gradient checkpointing, CPU); the same prompt every step, both stop a sample at EOS id
-  255. TRL's step is the wall time between its ``on_step_begin`` and ``on_step_end``
-  callbacks (sampling, rewards, loss, backward, optimizer); the step's sampling time and
-  sampled tokens are taken from the trainer's own ``_generate`` call. Step 1 (warm-up) is
-  excluded: median and worst of steps 2..``--steps``.
+  sets ``model.fused_mlp``, ``--prefix-attention`` ``model.prefix_attention``) vs TRL's
+  ``GRPOTrainer`` (``Qwen3ForCausalLM`` loaded from the same directory; num_generations 16,
+  batch 16, β = 0, ``loss_type="grpo"``, one iteration, no gradient checkpointing, CPU);
+  the same prompt every step, both stop a sample at EOS id 255. TRL's step is the wall
+  time between its ``on_step_begin`` and ``on_step_end`` callbacks (sampling, rewards, loss,
+  backward, optimizer); the step's sampling time and sampled tokens are taken from the
+  trainer's own ``_generate`` call. Step 1 (warm-up) is excluded: median and worst of
+  steps 2..``--steps``.
 * sampling: rl_jax ``rollout.generate(n=16)`` vs transformers ``generate`` (what
   GRPOTrainer samples with) on the prompt x 16, ``do_sample=True``, exactly 64 (``--new-tokens``)
   new tokens, no EOS;
@@ -158,6 +159,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--repeats", type=int, default=3, help="timed sampler calls")
   ap.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads")
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
+  ap.add_argument("--prefix-attention", choices=("kernel", "concat"), default="kernel",
+                  help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--samples", type=int, default=shared.N, help="samples of the one prompt")
   ap.add_argument("--new-tokens", type=int, default=shared.NEW_TOKENS,
                   help="new tokens per sample (sampling: exactly; GRPO: at most)")
@@ -166,7 +169,7 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   if args.side == "rljax":  # a child process: one side, result as JSON on the last line
     print(json.dumps(shared.run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
-                                      args.samples, args.new_tokens)))
+                                      args.samples, args.new_tokens, args.prefix_attention)))
     return {}
   if args.side == "trl":
     print(json.dumps(run_trl(args.weights, args.steps, args.repeats, args.torch_threads,
@@ -183,6 +186,7 @@ def main(argv=None) -> dict:
              "--torch-threads", str(args.torch_threads), "--samples", str(args.samples),
              "--new-tokens", str(args.new_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+      cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
       if out.returncode != 0:
@@ -190,7 +194,8 @@ def main(argv=None) -> dict:
       results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
       print(side, r, results[side][-1], flush=True)
   print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.torch_threads}; "
-        f"{args.samples} samples x {args.new_tokens} new tokens")
+        f"{args.samples} samples x {args.new_tokens} new tokens; rl_jax fused_mlp="
+        f"{args.fused_mlp}, prefix_attention={args.prefix_attention}")
   print(report(results))
   return results
 

@@ -12,7 +12,8 @@ and Tunix's KV cache are 128, or 16 prompt positions + ``--new-tokens`` when tha
 * sampler: rl_jax ``rollout.generate(n=16)`` vs Tunix ``Sampler`` on the prompt repeated 16
   times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
-  update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``; the same
+  update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``,
+  ``--prefix-attention`` ``model.prefix_attention``; the same
   prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
@@ -71,7 +72,7 @@ def _reward(completion: str) -> float:
 
 # ----------------------------------------------------------------------------- rl_jax side
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
-              new_tokens: int = NEW_TOKENS) -> dict:
+              new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel") -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -90,11 +91,12 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n
     n_tok = int(np.asarray(out.mask).sum())
     rates.append(n_tok / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
-          "sampler_tokens": n_tok, **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens)}
+          "sampler_tokens": n_tok,
+          **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens, prefix_attention)}
 
 
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
-                new_tokens: int = NEW_TOKENS) -> dict:
+                new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel") -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -106,7 +108,8 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
       f"rollout.eos_id={EOS}", "rollout.temperature=1.0", "train.eval_every=0",
       "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
       "loss.preset=grpo", "loss.kl_beta=0.0", f"data.max_prompt_len={MAX_PROMPT}",
-      f"model.fused_mlp={fused_mlp}", "optim.lr=1e-5"])  # the peers' learning rate
+      f"model.fused_mlp={fused_mlp}", f"model.prefix_attention={prefix_attention}",
+      "optim.lr=1e-5"])  # the peers' learning rate
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
                            "verify": lambda self, c, a: _reward(c)})()
@@ -245,6 +248,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--steps", type=int, default=6, help="GRPO steps per side and round")
   ap.add_argument("--repeats", type=int, default=5, help="timed sampler calls")
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
+  ap.add_argument("--prefix-attention", choices=("kernel", "concat"), default="kernel",
+                  help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
   ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                   help="new tokens per sample (sampler: exactly; GRPO: at most)")
@@ -254,7 +259,7 @@ def main(argv=None) -> dict:
   if args.side:  # a child process: one side, result as JSON on the last line
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
-                                 args.samples, args.new_tokens)))
+                                 args.samples, args.new_tokens, args.prefix_attention)))
     else:
       print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
                                  args.new_tokens)))
@@ -269,6 +274,7 @@ def main(argv=None) -> dict:
              "--steps", str(args.steps), "--repeats", str(args.repeats),
              "--samples", str(args.samples), "--new-tokens", str(args.new_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+      cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
       if out.returncode != 0:
@@ -276,7 +282,8 @@ def main(argv=None) -> dict:
       results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
       print(side, r, results[side][-1], flush=True)
   print(f"load average {os.getloadavg()[0]:.1f}; {args.samples} samples x "
-        f"{args.new_tokens} new tokens")
+        f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
+        f"prefix_attention={args.prefix_attention}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
           "grpo_first_s")

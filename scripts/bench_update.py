@@ -4,12 +4,14 @@ One GRPO-style policy update — ``-(adv * logp * mask).sum() / mask.sum()`` ove
 ``models.response_logprobs`` (packed prompt-once layout), forward + backward +
 ``optax.adam``, jitted with params and optimizer state donated — on the random Qwen3-style
 policy of ``bench_step.py`` / ``bench_tunix.py`` (hidden 256, 4 layers, 4 query / 2 KV heads
-of 64, MLP 896, 256-symbol vocabulary: 3.7M parameters), 1 prompt of 9 tokens x 16 samples
-x 64 tokens. Variants (``ModelConfig`` fields):
+of 64, MLP 896, 256-symbol vocabulary: 3.7M parameters), 1 prompt of 9 tokens x ``--samples`` 16
+x ``--length`` 64 tokens. Variants (``ModelConfig`` fields):
 
 * ``plain``: ``fused_mlp=False, scan_layers=True`` (two gate/up matmuls, autodiff, layer scan);
 * ``fused``: ``fused_mlp=True`` (``transformer.swiglu_mlp``; the config default is False);
-* ``unrolled``: ``scan_layers=False``; ``fused+unrolled``: both.
+* ``unrolled``: ``scan_layers=False``; ``fused+unrolled``: both;
+* ``concat``: ``prefix_attention="concat"`` (``transformer.concat_prefix_attention``);
+  ``fused+concat``: with ``fused_mlp=True``.
 
 Before timing, every variant's loss and gradients are compared with ``plain`` (max abs
 difference printed). Reported: the first call (compile included), then the median and the
@@ -39,7 +41,9 @@ from rl_jax import models  # noqa: E402
 VARIANTS = {"plain": dict(fused_mlp=False, scan_layers=True),
             "fused": dict(fused_mlp=True, scan_layers=True),
             "unrolled": dict(fused_mlp=False, scan_layers=False),
-            "fused+unrolled": dict(fused_mlp=True, scan_layers=False)}
+            "fused+unrolled": dict(fused_mlp=True, scan_layers=False),
+            "concat": dict(fused_mlp=False, prefix_attention="concat"),
+            "fused+concat": dict(fused_mlp=True, prefix_attention="concat")}
 
 
 def main(argv=None) -> dict:
@@ -55,7 +59,8 @@ def main(argv=None) -> dict:
   base = models.ModelConfig(architecture="qwen3", vocab_size=256, hidden_size=args.hidden,
                             intermediate_size=args.hidden * 7 // 2, num_layers=args.layers,
                             num_heads=4, num_kv_heads=2, head_dim=args.hidden // 4,
-                            max_position_embeddings=128, qk_norm=True)
+                            max_position_embeddings=max(128, 9 + args.length),
+                            qk_norm=True)
   params = models.init_params(base, jax.random.key(0))
   G, M, P, R = 1, args.samples, 9, args.length
   rng = np.random.default_rng(0)

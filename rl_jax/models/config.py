@@ -11,15 +11,17 @@ import numpy as np
 
 from rl_jax.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS", "QUANTS",
-           "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig", "from_hf_dict", "quant_block_problem",
-           "rope_frequencies", "to_hf_dict", "validate"]
+__all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS",
+           "PREFIX_ATTENTIONS", "QUANTS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
+           "from_hf_dict", "quant_block_problem", "rope_frequencies", "to_hf_dict", "validate"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_LAYOUTS = ("full", "sliding")  # model.attention: all global / Gemma 3 interleave
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots")
+# model.prefix_attention: how the packed training layout attends responses to their prompt
+PREFIX_ATTENTIONS = ("kernel", "concat")
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # projections LoRA can adapt
 
@@ -49,6 +51,14 @@ class ModelConfig:
     scan_layers: run the stacked layers under ``lax.scan`` (one compiled layer: fast
       compiles); False unrolls the layer loop in the compiled program (no per-layer slicing
       of the stacked weights and their gradients; longer compiles). Equal to float rounding.
+    prefix_attention: the response queries' attention in the packed (prompt-once) training
+      layout. "kernel": ``pallas_kernels.shared_prefix_attention`` (the Pallas kernel on
+      TPU/GPU, elsewhere its jnp reference: two partial softmaxes merged by log-sum-exp).
+      "concat": ``transformer.concat_prefix_attention``, the group's context keys placed in
+      front of each response's own keys and one masked softmax in a head-major layout (fewer
+      passes and transposes over the [R, P+R] scores: faster on CPU; materialises them, so
+      not for long responses on accelerators). Equal to float rounding; models with
+      sliding-window layers and sequence parallelism keep their own paths.
 
   Mixture of experts (``qwen3_moe``; all zero/empty for dense families):
     num_experts [E]; num_experts_per_tok [X]; moe_intermediate_size: expert MLP width.
@@ -106,6 +116,7 @@ class ModelConfig:
   logits_chunk: int = 512
   fused_mlp: bool = False
   scan_layers: bool = True
+  prefix_attention: str = "kernel"
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   num_experts: int = 0
@@ -205,6 +216,9 @@ def validate(cfg: ModelConfig) -> None:
   if cfg.dtype not in DTYPES or cfg.param_dtype not in DTYPES:
     raise ModelError(f"model config: dtype/param_dtype must be in {DTYPES}, got "
                      f"{cfg.dtype!r}/{cfg.param_dtype!r}")
+  if cfg.prefix_attention not in PREFIX_ATTENTIONS:
+    raise ModelError(f"model config: prefix_attention={cfg.prefix_attention!r}; choose one of "
+                     f"{PREFIX_ATTENTIONS}")
   if cfg.remat not in REMAT_POLICIES:
     raise ModelError(f"model config: remat={cfg.remat!r}; choose one of {REMAT_POLICIES}")
   rope_type = cfg.rope.get("rope_type", "default")

@@ -84,11 +84,17 @@ def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response
       raise ModelError(f"prompt_lengths must lie in [1, P={P}], got {lengths.tolist()}")
 
 
-def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int):
+def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int,
+                   prefix_attention: str = "kernel"):
   """AttendFn for the packed layout: causal prompt + shared-prefix responses.
 
-  q [G,P+M·R,N,H], k and v [G,P+M·R,K,H] -> [G,P+M·R,N,H].
+  q [G,P+M·R,N,H], k and v [G,P+M·R,K,H] -> [G,P+M·R,N,H]. ``prefix_attention``
+  (``ModelConfig.prefix_attention``): "kernel" runs the responses through
+  ``pallas_kernels.shared_prefix_attention``, "concat" through
+  ``tx.concat_prefix_attention`` (layers without a window).
   """
+  responses = (pallas_kernels.shared_prefix_attention if prefix_attention == "kernel" else
+               tx.concat_prefix_attention)
 
   def attend(q, k, v, state, spec=None):
     G = q.shape[0]
@@ -100,8 +106,7 @@ def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int):
     out_p = tx.dense_attention(q[:, :P], k[:, :P], v[:, :P], prompt_mask)
     split = lambda a: a[:, P:].reshape(G, M, R, *a.shape[2:])
     if spec is None:
-      out_r = pallas_kernels.shared_prefix_attention(
-          split(q), k[:, :P], v[:, :P], split(k), split(v), ctx_lengths=prompt_lengths)
+      out_r = responses(split(q), k[:, :P], v[:, :P], split(k), split(v), prompt_lengths)
     else:
       out_r = _windowed_responses(spec, split(q), k[:, :P], v[:, :P], split(k), split(v),
                                   prompt_lengths)
@@ -212,7 +217,7 @@ def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respo
   kw = {} if not cfg.is_moe else dict(routing=_trunk_routing(routing, G, P),
                                       return_routing=routed)
   out = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions,
-                 _packed_attend(prompt_lengths, P, M, R), **kw)
+                 _packed_attend(prompt_lengths, P, M, R, cfg.prefix_attention), **kw)
   h = out[0]
   first = jnp.take_along_axis(h, (prompt_lengths - 1)[:, None, None], axis=1)  # [G,1,D]
   resp = h[:, P:].reshape(G, M, R, -1)

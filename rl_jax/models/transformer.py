@@ -263,6 +263,42 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
   return out.reshape(B, T, N, H).astype(q.dtype)
 
 
+def concat_prefix_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array,
+                            k_resp: jax.Array, v_resp: jax.Array,
+                            ctx_lengths: jax.Array) -> jax.Array:
+  """Shared-prefix attention as one masked softmax over [context | own] keys.
+
+  Response query j of response i in group g sees context keys 0..ctx_lengths[g]-1 and keys
+  0..j of response i (the contract of ``pallas_kernels.shared_prefix_attention``). The
+  group's P context keys are placed in front of each response's R own keys and the scores
+  are laid out head-major, [G,M,K,J,R,P+R], so both score products and the softmax run on
+  the scores without transposing them; the mask is an additive 0 / -1e30 bias (every query
+  sees at least its own key, so no row is empty). Computed in float32; equal to the
+  two-region reference to float rounding (``tests/test_prefix_attention.py``).
+
+  Args:
+    q [G,M,R,N,H]; k_ctx, v_ctx [G,P,K,H]; k_resp, v_resp [G,M,R,K,H]; ctx_lengths int [G].
+  Returns:
+    [G,M,R,N,H] in the dtype of q.
+  """
+  G, M, R, N, H = q.shape
+  P, K = k_ctx.shape[1], k_ctx.shape[2]
+  f32 = lambda a: a.astype(jnp.float32)
+  keys = lambda ctx, own: jnp.concatenate(
+      [jnp.broadcast_to(f32(ctx)[:, None], (G, M, P, K, H)), f32(own)], axis=2)
+  k, v = keys(k_ctx, k_resp), keys(v_ctx, v_resp)  # [G,M,P+R,K,H]
+  qg = f32(q).reshape(G, M, R, K, N // K, H) / np.float32(np.sqrt(H))
+  ctx = jnp.arange(P)[None, None, :] < ctx_lengths[:, None, None]  # [G,1,P]
+  own = jnp.arange(R)[None, :] <= jnp.arange(R)[:, None]  # [R,R]
+  mask = jnp.concatenate([jnp.broadcast_to(ctx, (G, R, P)),
+                          jnp.broadcast_to(own, (G, R, R))], axis=-1)  # [G,R,P+R]
+  bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, None, None, None]
+  scores = jnp.einsum("gmtkjh,gmskh->gmkjts", qg, k) + bias
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("gmkjts,gmskh->gmtkjh", probs, v)
+  return out.reshape(G, M, R, N, H).astype(q.dtype)
+
+
 def causal_mask(positions_q: jax.Array, positions_k: jax.Array,
                 valid_k: jax.Array | None = None) -> jax.Array:
   """mask [B,T,S]: key s visible to query t iff pos_k[s] <= pos_q[t] (and key valid)."""

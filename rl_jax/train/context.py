@@ -193,6 +193,7 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         qkv_bias=m.architecture == "qwen2",
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
+  cfg = cfg.replace(prefix_attention=m.get("prefix_attention", cfg.prefix_attention))
   if m.get("moe_capacity_factor") and not cfg.is_moe:
     raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} needs a "
                       f"mixture-of-experts model, got {cfg.architecture!r}")
