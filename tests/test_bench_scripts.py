@@ -181,3 +181,15 @@ def test_bench_memory_lora_checkpoint_writer_and_plan_verdict(tmp_path):
   assert verdict.startswith("does not fit: memory plan: the rl phase needs 30.000 GiB")
   assert "\n" not in verdict
   assert bench.plan_verdict(dict(plan, peak={"rl": 20 << 30})).startswith("fits: ")
+
+
+def test_bench_speculative_reuses_every_draft_of_an_unchanged_policy():
+  """``bench_speculative`` stores the drafts as the trainer does: with no drift (p = q) the
+  acceptance ratio is exactly 1, so every draft token is kept and nothing is decoded again
+  (a misaligned or wrongly tempered stored distribution would reject some)."""
+  bench = _load("bench_speculative")
+  prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+  cfg, q, p = bench.policy_pair(32, drift=0.0)
+  drafts = bench.make_drafts(cfg, q, prompts, m=2, r=8, seed=1)
+  info = bench.speculative_rollout(cfg, p, prompts, drafts, m=2, r=8, seed=2)
+  assert info == {"reused": 1.0, "longest_decode": 0}
