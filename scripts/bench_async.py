@@ -19,6 +19,8 @@ decoupled PPO, M2PO and VCPO, ``--seeds`` seeds each, same seeds across methods;
 Usage::
 
     python scripts/bench_async.py throughput --repeats 3
+    python scripts/bench_async.py throughput --repeats 3 \
+        --extra rollout.max_new_tokens=64,model.max_position_embeddings=128
     python scripts/bench_async.py staleness --lags 0,1,4,8 --seeds 0,1,2 --png docs/async_staleness.png
 """
 
@@ -69,7 +71,7 @@ def throughput(args) -> dict:
       "sync": ["train.mode=sync"],
       "async": ["train.mode=async", "train.async_lag=1"] + split,
   }
-  base = THROUGHPUT + [f"train.steps={args.steps}"]
+  base = THROUGHPUT + [f"train.steps={args.steps}"] + [o for o in args.extra.split(",") if o]
   out = {m: {"steps_per_s": [], "accuracy": [], "producer_util": [], "learner_util": []}
          for m in modes}
   for rep in range(args.repeats):
@@ -161,6 +163,9 @@ def main(argv=None) -> None:
   t.add_argument("--steps", type=int, default=150)
   t.add_argument("--devices", type=int, default=2, choices=(1, 2),
                  help="2: sync on both, async one each; 1: both modes on one device")
+  t.add_argument("--extra", default="",
+                 help="comma-separated config overrides for both modes, after the workload's "
+                      "(e.g. rollout.max_new_tokens=64 with model.max_position_embeddings=128)")
   s = sub.add_parser("staleness")
   s.add_argument("--lags", default="0,1,4,8")
   s.add_argument("--seeds", default="0,1,2")
