@@ -487,6 +487,71 @@ def _layer(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.
   return x, state
 
 
+@jax.custom_jvp
+def _from_bits(w: jax.Array, bits: jax.Array) -> jax.Array:
+  """``bits`` (the uint16 view of the same slice as ``w``) in ``w``'s dtype: ``w``, bit for
+  bit. Differentiable as the identity in ``w``, which the primal never reads (so XLA drops
+  the slice that made it)."""
+  return jax.lax.bitcast_convert_type(bits, w.dtype)
+
+
+@_from_bits.defjvp
+def _from_bits_jvp(primals, tangents):
+  return _from_bits(*primals), tangents[0]
+
+
+def _half_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+
+
+def _sub_byte(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8
+
+
+def _frozen_stacks(cfg: ModelConfig, stack: Params) -> list | None:
+  """The frozen 16-bit float and sub-byte integer (int4) leaves of a stacked layer tree (None
+  per other leaf; None if there are none, or off the CPU backend), for ``_read_frozen`` and
+  ``_reread_frozen``.
+
+  The CPU backend has no 16-bit float slicing: it converts the whole stacked operand of a
+  bf16 dynamic slice to float32 and slices that (an int4 stack: to int8), and XLA hoists that
+  convert of the loop-invariant stack out of the layer loop, so a program that scans the
+  layers would hold a float32 copy of every layer's weights (twice the bf16 base; int4: the
+  values once more). Frozen leaves: the base of a LoRA model (everything but the adapters),
+  which is never trained.
+  """
+  if not cfg.lora_rank or jax.default_backend() != "cpu":
+    return None
+  flat = jax.tree_util.tree_flatten_with_path(stack)[0]
+  adapter = lambda path: any(getattr(k, "key", None) == lora.KEY for k in path)
+  out = [a if not adapter(path) and (_half_float(a.dtype) or _sub_byte(a.dtype)) else None
+         for path, a in flat]
+  return out if any(a is not None for a in out) else None
+
+
+def _read_frozen(lp: Params, stacks: list | None, i: jax.Array) -> Params:
+  """One layer's parameters ``lp`` (the scan's slice, row ``i`` of the stacks) with each frozen
+  leaf (``_frozen_stacks``) read as a uint16 slice of its stack, bitcast back (int4: sliced
+  from the stack in the loop body): the same values, bit for bit, but a slice the CPU backend
+  makes without converting the whole stack. The stacks pass through an optimisation barrier
+  with the loop index, so nothing is hoisted out of the loop: the bitcast (or int8 widening)
+  is fused into the slice and only one layer is converted at a time."""
+  if stacks is None:
+    return lp
+  frozen, i = jax.lax.optimization_barrier(([a for a in stacks if a is not None], i))
+  frozen = iter(frozen)
+  leaves, treedef = jax.tree.flatten(lp)
+  out = []
+  for a, stack in zip(leaves, stacks):
+    if stack is not None and _sub_byte(a.dtype):
+      a = jax.lax.dynamic_index_in_dim(next(frozen), i, keepdims=False)
+    elif stack is not None:
+      bits = jax.lax.bitcast_convert_type(next(frozen), jnp.uint16)
+      a = _from_bits(a, jax.lax.dynamic_index_in_dim(bits, i, keepdims=False))
+    out.append(a)
+  return jax.tree.unflatten(treedef, out)
+
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -517,13 +582,15 @@ def trunk(cfg: ModelConfig, params: Params, x: jax.Array, positions: jax.Array,
   x = x.astype(jnp.dtype(cfg.dtype))
 
   def body(carry, xs):
-    lp, st = xs
-    y, st = _layer(cfg, lp, carry, cos, sin, attend, st)
+    lp, st, i = xs
+    y, st = _layer(cfg, _read_frozen(lp, stacks, i), carry, cos, sin, attend, st)
     return y, st
 
   if cfg.remat != "none":
     body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-  x, layer_state = jax.lax.scan(body, x, (params["layers"], layer_state),
+  stacks = _frozen_stacks(cfg, params["layers"]) if cfg.scan_layers else None
+  x, layer_state = jax.lax.scan(body, x, (params["layers"], layer_state,
+                                          jnp.arange(cfg.num_layers)),
                                 unroll=not cfg.scan_layers)
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), layer_state
 
@@ -587,14 +654,19 @@ def _trunk_ext(cfg, params, x, positions, attend, layer_state, routing, return_r
   sliding = jnp.asarray(cfg.sliding_layers)
   L, Y = cfg.num_layers, len(cfg.moe_layers)
   states, routes = [], []
+  scan = cfg.scan_layers
+  layer_stacks = _frozen_stacks(cfg, params["layers"]) if scan else None
   for first, end, kind, off in _segments(cfg):
+    stacks = (layer_stacks, _frozen_stacks(cfg, params[kind])
+              if scan and kind != "layers" else None)
     n = end - first
     mlp = {} if kind == "layers" else _rows(params[kind], off, off + n,
                                              Y if kind == "moe" else L - Y)
     replay = None if (routing is None or kind != "moe") else routing[off:off + n]
 
-    def body(carry, xs):
-      lp, mp, st, flag, rt = xs
+    def body(carry, xs, stacks=stacks):
+      lp, mp, st, flag, rt, i, j = xs
+      lp, mp = _read_frozen(lp, stacks[0], i), _read_frozen(mp, stacks[1], j)
       cos, sin = _select_tables(tables, flag)
       y, st, route = _layer_ext(cfg, {**lp, **mp}, carry, cos, sin, attend, st,
                                 _spec(cfg, flag), rt)
@@ -603,7 +675,7 @@ def _trunk_ext(cfg, params, x, positions, attend, layer_state, routing, return_r
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
     xs = (_rows(params["layers"], first, end, L), mlp, _rows(layer_state, first, end, L),
-          sliding[first:end], replay)
+          sliding[first:end], replay, jnp.arange(first, end), jnp.arange(off, off + n))
     x, (st, route) = jax.lax.scan(body, x, xs, unroll=not cfg.scan_layers)
     states.append(st)
     if route is not None:
@@ -639,6 +711,57 @@ def unstack_layers(params: Params, cfg: ModelConfig | None = None) -> list[Param
   return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
 
 
+# ``trunk_unrolled`` re-reads the frozen stacks in the loop body (``_reread_frozen``) only when
+# the float32 copies XLA would otherwise hoist out of a decode loop reach this many bytes:
+# re-reading costs decode time (an int4 base is dequantised again at every step, about 5x
+# slower decode on the CPU), which a small model's few hoisted megabytes do not justify.
+REREAD_MIN_BYTES = 1 << 30
+
+
+def _reread_stacks(cfg: ModelConfig, stack: Params) -> list | None:
+  """``_frozen_stacks`` for ``trunk_unrolled``, or None below ``REREAD_MIN_BYTES`` of float32
+  copies (4 bytes per frozen value)."""
+  stacks = _frozen_stacks(cfg, stack)
+  hoisted = 4 * sum(a.size for a in stacks or () if a is not None)
+  return stacks if hoisted >= REREAD_MIN_BYTES else None
+
+
+def _reread_frozen(params: Params, stacks: list | None, lp: Params, i: int,
+                   x: jax.Array) -> Params:
+  """Layer ``i``'s parameters ``lp`` (an ``unstack_layers`` slice, made outside any loop) with
+  each frozen leaf (``_frozen_stacks`` of ``params["layers"]``) re-read from its stack once
+  the layer's input ``x`` exists: the same values, bit for bit.
+
+  In a ``while_loop`` body (the sampler's decode) per-layer slices made outside the loop are
+  loop invariant, and on the CPU backend so are their conversion for the float32 dots (and
+  the dequantisation of a quantised base), which XLA hoists out of the loop: the loop would
+  hold a float32 copy of every layer (the float32 dequantised weights of an int4 base). Read
+  through an optimisation barrier at an index computed from ``x``, each layer is sliced and
+  converted in the loop body when it runs, one layer at a time, and the slices made outside
+  the loop are dropped."""
+  if stacks is None:
+    return lp
+  # a value of x, so that the reads depend on x (x itself does not pass the barrier: that
+  # would change how XLA rounds it); the index below is i itself, but computed from it: the
+  # barrier is gone when XLA schedules the loop body, and without a data dependence on x
+  # every layer's read would be scheduled (and live) at once
+  nonzero = (x.reshape(-1)[0] != 0).astype(jnp.int32)
+  frozen, nonzero = jax.lax.optimization_barrier(([a for a in stacks if a is not None], nonzero))
+  i = jnp.minimum(i, i + nonzero)
+  frozen = iter(frozen)
+  own = {k: lp[k] for k in params["layers"]}
+  leaves, treedef = jax.tree.flatten(own)
+  read = []
+  for a, stack in zip(leaves, stacks):
+    if stack is not None:
+      s = next(frozen)
+      a = jax.lax.dynamic_index_in_dim(s, i, keepdims=False) if _sub_byte(a.dtype) else \
+          _from_bits(a, jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(
+              s, jnp.uint16), i, keepdims=False))
+    read.append(a)
+  return {**lp, **jax.tree.unflatten(treedef, read)}
+
+
 def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: jax.Array,
                    positions: jax.Array, attend: AttendFn, layer_states: list[Any], *,
                    return_routing: bool = False):
@@ -657,11 +780,13 @@ def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: ja
   if return_routing and not cfg.is_moe:
     raise ValueError(f"routing is only defined for mixture-of-experts models, not "
                      f"{cfg.architecture!r}")
+  stacks = _reread_stacks(cfg, params["layers"])
   if _extended(cfg):
     tables = _layer_tables(cfg, positions)
     x = x.astype(jnp.dtype(cfg.dtype))
     out, ids = [], []
-    for lp, st, flag in zip(layers, layer_states, cfg.sliding_layers):
+    for i, (lp, st, flag) in enumerate(zip(layers, layer_states, cfg.sliding_layers)):
+      lp = _reread_frozen(params, stacks, lp, i, x)
       cos, sin = _select_tables(tables, flag)
       x, st, route = _layer_ext(cfg, lp, x, cos, sin, attend, st, _spec(cfg, flag), None)
       out.append(st)
@@ -672,7 +797,8 @@ def trunk_unrolled(cfg: ModelConfig, params: Params, layers: list[Params], x: ja
   cos, sin = rope_tables(cfg, positions)
   x = x.astype(jnp.dtype(cfg.dtype))
   out = []
-  for lp, st in zip(layers, layer_states):
+  for i, (lp, st) in enumerate(zip(layers, layer_states)):
+    lp = _reread_frozen(params, stacks, lp, i, x)
     x, st = _layer(cfg, lp, x, cos, sin, attend, st)
     out.append(st)
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), out
