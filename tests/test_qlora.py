@@ -275,3 +275,21 @@ def test_hf_checkpoint_is_quantised_after_loading(tmp_path):
   got = jax.device_get(models.lora.strip(state.params))
   assert got["layers"]["gate"].qvalue.dtype == jnp.int8
   jax.tree.map(np.testing.assert_array_equal, got, jax.device_get(want))
+
+
+@pytest.mark.parametrize("quant", ["", "int4", "int8"])
+def test_layerwise_merge_equals_the_whole_stack_merge(quant):
+  """The HF export's merge, one layer at a time on the host (``lora.merge_layerwise``), gives
+  the values of ``lora.merge`` over whole stacks of the dequantised base, bit for bit; a
+  stripped tree gives the dequantised base."""
+  cfg = _cfg(quant or "int8").replace(quant=quant, param_dtype="bfloat16", dtype="bfloat16")
+  params = _params(cfg)
+  whole = models.lora.merge(cfg, models.quant.dequantize_base(cfg, params))
+  layerwise = models.lora.merge_layerwise(cfg, params)
+  assert jax.tree.structure(whole) == jax.tree.structure(layerwise)
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(layerwise)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  base = models.lora.merge_layerwise(cfg, models.lora.strip(params))
+  plain = models.quant.dequantize_base(cfg, models.lora.strip(params))
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(base)):
+    assert np.array_equal(np.asarray(a), np.asarray(b))

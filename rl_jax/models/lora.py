@@ -30,8 +30,8 @@ from rl_jax.models import quant
 from rl_jax.models.config import LORA_TARGETS, ModelConfig
 
 __all__ = ["LORA_INITS", "LORA_TARGETS", "KEY", "adapter_axes", "adapter_shapes", "combine",
-           "adapted", "delta", "init_adapters", "merge", "parse_targets", "project", "split",
-           "strip", "trainable", "untrainable"]
+           "adapted", "delta", "init_adapters", "merge", "merge_layerwise", "parse_targets",
+           "project", "split", "strip", "trainable", "untrainable"]
 
 KEY = "lora"  # params["layers"][KEY]
 LORA_INITS = ("gaussian", "kaiming")  # A's init (B is zero): PEFT's "gaussian" / default
@@ -160,6 +160,39 @@ def merge(cfg: ModelConfig, params: dict) -> dict:
     b = ab["b"].astype(jnp.float32).reshape(w.shape[0], cfg.lora_rank, -1)
     delta = jnp.einsum("lir,lro->lio", a, b).reshape(w.shape)
     layers[t] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+  return {**base, "layers": layers}
+
+
+def merge_layerwise(cfg: ModelConfig, params: dict) -> dict:
+  """``merge`` with every quantised weight dequantised (``quant.dequantize_base``), computed
+  one layer at a time into host arrays: the merged or dequantised weights are numpy stacks
+  [L, ...] in ``cfg.param_dtype``, the rest of the tree as it is. The float32 temporaries
+  (dequantised weight, delta, sum) then exist for one layer of one weight at a time, not
+  for whole stacks (12 bytes per value of a projection: more than the host holds for a
+  4B-parameter QLoRA base's HF export). The same values as the whole-stack computation
+  (tests/test_lora.py)."""
+  base, adapters = split(params)
+  dtype = jnp.dtype(cfg.param_dtype)
+  layers = dict(base["layers"])
+  for t, w in base["layers"].items():
+    ab = adapters.get(t)
+    if ab is None and not quant.is_quantized(w):
+      continue
+
+    @jax.jit
+    def one(w_l, ab_l, t=t):  # [1, ...] slices of one layer
+      if ab_l is None:
+        return quant.dequantize(w_l, dtype)
+      return merge(cfg, {"layers": {t: w_l, KEY: {t: ab_l}}})["layers"][t]
+
+    row = lambda x, i: jax.tree.map(lambda a: a[i:i + 1], x)
+    out = None
+    for i in range(cfg.num_layers):
+      merged = np.asarray(jax.device_get(one(row(w, i), None if ab is None else row(ab, i))))
+      if out is None:
+        out = np.empty((cfg.num_layers, *merged.shape[1:]), merged.dtype)
+      out[i] = merged[0]
+    layers[t] = out
   return {**base, "layers": layers}
 
 
