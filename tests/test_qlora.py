@@ -293,3 +293,18 @@ def test_layerwise_merge_equals_the_whole_stack_merge(quant):
   plain = models.quant.dequantize_base(cfg, models.lora.strip(params))
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(base)):
     assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hf_export_merges_layer_by_layer_to_the_same_files(tmp_path):
+  """``save_hf`` of a QLoRA tree (merging and dequantising each layer as it writes it) writes
+  the files ``save_hf`` writes of the whole-stack merge of the dequantised base, byte for
+  byte; the stripped tree gives the dequantised base's files."""
+  cfg = _cfg("int4").replace(param_dtype="bfloat16", dtype="bfloat16")
+  params = _params(cfg)
+  read = lambda d: {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+  for tree, whole in ((params, models.lora.merge(cfg, models.quant.dequantize_base(cfg, params))),
+                      (models.lora.strip(params),
+                       models.quant.dequantize_base(cfg, models.lora.strip(params)))):
+    ours = models.save_hf(cfg, tree, str(tmp_path / "ours"))
+    ref = models.save_hf(cfg, whole, str(tmp_path / "ref"))
+    assert read(ours) == read(ref)

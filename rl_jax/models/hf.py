@@ -739,11 +739,14 @@ class _atomic_dir:  # pylint: disable=invalid-name
 
 
 def _export_tensors(cfg: ModelConfig, params) -> list[tuple[str, tuple[int, ...], Any, Any]]:
-  """The HF tensors of ``params`` (adapters merged), in ``hf_state_dict``'s order, each as
-  (name, shape, dtype, get): ``get()`` returns the tensor as a host array in the parameter dtype
-  (often a transposed view), fetching only its layer (a view, uncopied, of an array on one
-  CPU device)."""
-  merged = lora.merge(cfg, params)
+  """The HF tensors of ``params`` (adapters merged, a quantised base dequantised), in
+  ``hf_state_dict``'s order, each as (name, shape, dtype, get): ``get()`` returns the tensor as
+  a host array in the parameter dtype (often a transposed view), fetching only its layer (a
+  view, uncopied, of an array on one CPU device; a merged or dequantised weight is computed
+  for that layer alone, ``lora.layer_merges``)."""
+  lazy = lora.layer_merges(cfg, params)  # merged / dequantised a layer at a time, when read
+  base = lora.strip(params)
+  merged = {**base, "layers": {k: v for k, v in base["layers"].items() if k not in lazy}}
   host = _HostLayers()
   out = [("model.embed_tokens.weight", tuple(merged["embed"].shape), merged["embed"].dtype,
           lambda: host.get(merged["embed"])),
@@ -760,8 +763,15 @@ def _export_tensors(cfg: ModelConfig, params) -> list[tuple[str, tuple[int, ...]
         lambda: _to_hf(kind, host.get(arr, i)[expert]))
     return hf_shape, arr.dtype, get
 
+  def lazy_layer(key, i, kind):
+    shape, dtype, get_layer = lazy[key]
+    return _hf_shape(kind, shape[1:])[0], dtype, lambda: _to_hf(kind, get_layer(i))
+
   for key, suffix, kind in _layer_map(cfg):
-    if key in merged["layers"]:
+    if key in lazy:
+      for i in range(cfg.num_layers):
+        out.append((f"model.layers.{i}.{suffix}", *lazy_layer(key, i, kind)))
+    elif key in merged["layers"]:
       for i in range(cfg.num_layers):
         out.append((f"model.layers.{i}.{suffix}", *layer(merged["layers"][key], i, kind)))
   if cfg.is_moe:
@@ -842,8 +852,8 @@ def save_hf(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 4 << 30)
   The directory is assembled beside ``path`` and renamed into place; an existing ``path`` is
   replaced only once the new one is complete. bfloat16 weights are written as float32
   (numpy has no native bfloat16 in safetensors' numpy writer). Tensor by tensor: besides
-  the merged adapters (``lora.merge``, on the devices) the host holds one row chunk at a
-  time (arrays on other devices than one CPU: one layer of one parameter).
+  one layer's merged adapters (``lora.layer_merges``) the host holds one row chunk at a time
+  (arrays on other devices than one CPU: one layer of one parameter).
   """
   tensors = [(name, shape, _export_dtype(dtype), get)
              for name, shape, dtype, get in _export_tensors(cfg, params)]

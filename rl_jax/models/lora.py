@@ -30,8 +30,8 @@ from rl_jax.models import quant
 from rl_jax.models.config import LORA_TARGETS, ModelConfig
 
 __all__ = ["LORA_INITS", "LORA_TARGETS", "KEY", "adapter_axes", "adapter_shapes", "combine",
-           "adapted", "delta", "init_adapters", "merge", "merge_layerwise", "parse_targets",
-           "project", "split", "strip", "trainable", "untrainable"]
+           "adapted", "delta", "init_adapters", "layer_merges", "merge", "merge_layerwise",
+           "parse_targets", "project", "split", "strip", "trainable", "untrainable"]
 
 KEY = "lora"  # params["layers"][KEY]
 LORA_INITS = ("gaussian", "kaiming")  # A's init (B is zero): PEFT's "gaussian" / default
@@ -163,17 +163,19 @@ def merge(cfg: ModelConfig, params: dict) -> dict:
   return {**base, "layers": layers}
 
 
-def merge_layerwise(cfg: ModelConfig, params: dict) -> dict:
-  """``merge`` with every quantised weight dequantised (``quant.dequantize_base``), computed
-  one layer at a time into host arrays: the merged or dequantised weights are numpy stacks
-  [L, ...] in ``cfg.param_dtype``, the rest of the tree as it is. The float32 temporaries
-  (dequantised weight, delta, sum) then exist for one layer of one weight at a time, not
-  for whole stacks (12 bytes per value of a projection: more than the host holds for a
-  4B-parameter QLoRA base's HF export). The same values as the whole-stack computation
-  (tests/test_lora.py)."""
+def layer_merges(cfg: ModelConfig, params: dict) -> dict[str, tuple]:
+  """What ``merge`` with a dequantised base (``quant.dequantize_base``) makes of each layer
+  weight it changes, one layer at a time: ``{name: (shape [L, ...], dtype, layer)}`` for every
+  weight of ``params["layers"]`` that has an adapter or is quantised, where ``layer(i)`` is
+  layer i's merged (dequantised) weight as a host array. The float32 temporaries
+  (dequantised weight, delta, sum) then exist for one layer at a time, not for whole stacks
+  (12 bytes per value of a projection: more than the host holds for the HF export of a
+  4B-parameter QLoRA base). The same values as the whole-stack computation
+  (tests/test_qlora.py)."""
   base, adapters = split(params)
   dtype = jnp.dtype(cfg.param_dtype)
-  layers = dict(base["layers"])
+  row = lambda x, i: jax.tree.map(lambda a: a[i:i + 1], x)
+  out = {}
   for t, w in base["layers"].items():
     ab = adapters.get(t)
     if ab is None and not quant.is_quantized(w):
@@ -185,14 +187,22 @@ def merge_layerwise(cfg: ModelConfig, params: dict) -> dict:
         return quant.dequantize(w_l, dtype)
       return merge(cfg, {"layers": {t: w_l, KEY: {t: ab_l}}})["layers"][t]
 
-    row = lambda x, i: jax.tree.map(lambda a: a[i:i + 1], x)
-    out = None
-    for i in range(cfg.num_layers):
-      merged = np.asarray(jax.device_get(one(row(w, i), None if ab is None else row(ab, i))))
-      if out is None:
-        out = np.empty((cfg.num_layers, *merged.shape[1:]), merged.dtype)
-      out[i] = merged[0]
-    layers[t] = out
+    def layer(i, w=w, ab=ab, one=one) -> np.ndarray:
+      return np.asarray(jax.device_get(one(row(w, i), None if ab is None else row(ab, i))))[0]
+
+    out[t] = (tuple(w.shape), np.dtype(dtype if quant.is_quantized(w) else w.dtype), layer)
+  return out
+
+
+def merge_layerwise(cfg: ModelConfig, params: dict) -> dict:
+  """``merge`` of the dequantised base, its merged weights built layer by layer
+  (``layer_merges``) into host arrays [L, ...]; the rest of the tree as it is."""
+  base, _ = split(params)
+  layers = dict(base["layers"])
+  for t, (shape, dtype, layer) in layer_merges(cfg, params).items():
+    layers[t] = np.empty(shape, dtype)
+    for i in range(shape[0]):
+      layers[t][i] = layer(i)
   return {**base, "layers": layers}
 
 

@@ -281,16 +281,14 @@ def export_hf(s: Setup, params, workdir: str) -> None:
     params = models.quant.dequantize_base(cfg, params)
     _write_hf(storage.join(workdir, "hf"), lambda d: models.save_hf(cfg, params, d))
     return
-  # merged (a quantised base dequantised) a layer at a time, on the host
-  _write_hf(storage.join(workdir, "hf"),
-            lambda d: models.save_hf(cfg, models.lora.merge_layerwise(cfg, params), d))
+  # save_hf merges (and dequantises a quantised base) a layer at a time as it writes
+  _write_hf(storage.join(workdir, "hf"), lambda d: models.save_hf(cfg, params, d))
   base_path = s.config.model.hf_path
   if s.config.sft.steps or not base_path:
     base_path = storage.join(workdir, "hf_base")
     if not storage.is_remote(base_path):
       base_path = os.path.abspath(base_path)
-    _write_hf(base_path, lambda d: models.save_hf(
-        cfg, models.lora.merge_layerwise(cfg, models.lora.strip(params)), d))
+    _write_hf(base_path, lambda d: models.save_hf(cfg, models.lora.strip(params), d))
   _write_hf(storage.join(workdir, "hf_adapter"),
             lambda d: models.save_hf_adapter(cfg, params, d, base_path))
 
