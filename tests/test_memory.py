@@ -20,7 +20,7 @@ from rl_jax.errors import CheckpointError
 from rl_jax.train import memory, resume
 from tests.hf_utils import tiny_hf_model
 from tests.test_train_hf import QUESTIONS, _write_tokenizer
-from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, env_with_devices
 
 TINY = TINY_MODEL + [
     "sft.batch_size=8", "train.steps=2", "train.batch_groups=4", "rollout.n=4",
@@ -155,7 +155,7 @@ def test_dry_run_prints_the_plan_for_eight_devices_without_reading_weights(tmp_p
          "--config.rollout.max_new_tokens=8", "--config.rollout.n=2",
          "--config.train.batch_groups=8", "--config.train.minibatches=1",
          "--config.train.eval_every=0", "--config.train.dry_run=True"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = env_with_devices(8)
   t0 = time.perf_counter()
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   took = time.perf_counter() - t0

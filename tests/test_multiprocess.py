@@ -23,7 +23,7 @@ from rl_jax import checkpoint, config_utils, metrics, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import context, runner
 from rl_jax.train.records import Scored
-from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, env_with_devices
 
 # Tiny, with an entropy bonus so every RL update moves the weights even at zero reward.
 RUN = TINY_MODEL + [
@@ -53,8 +53,7 @@ def _launch(workdir, overrides, heartbeat_s=30, then=(), logs=None):
   same processes; ``logs``: each process's stderr goes to ``logs.<i>`` instead of a pipe (for
   a launch that is polled, not read, until it is killed)."""
   port = _free_port()
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-         "JAX_PLATFORMS": "cpu"}
+  env = {**env_with_devices(4), "JAX_PLATFORMS": "cpu"}
   procs = []
   for i in range(2):
     cmd = [sys.executable, "-m", "tests.multiprocess_main"]

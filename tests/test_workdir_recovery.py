@@ -21,7 +21,7 @@ import pytest
 from rl_jax import checkpoint, config_utils, metrics, train
 from rl_jax.checkpoint import integrity
 from rl_jax.train import lock as lock_lib
-from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, env_with_devices
 
 # A short supervised start (held-out greedy accuracy about 0.15 on 64 prompts, not 0), then
 # RL, with an entropy bonus so every RL step moves the weights even at zero reward; evaluated
@@ -37,12 +37,6 @@ TINY = TINY_MODEL + [
 def _cmd(workdir, overrides):
   return [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={workdir}"
           ] + [f"--config.{o}" for o in TINY + overrides]
-
-
-def _env(devices):
-  flags = os.environ.get("XLA_FLAGS", "").replace(
-      "--xla_force_host_platform_device_count=8", "")
-  return dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}")
 
 
 def _flip_bytes(step_dir):
@@ -80,7 +74,8 @@ def scenario(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("pod") / "run")
   ckpt_dir = os.path.join(workdir, "checkpoints")
   first = subprocess.Popen(_cmd(workdir, ["train.steps=100", "mesh.num_devices=8"]), cwd=ROOT,
-                           env=_env(8), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           env=env_with_devices(8), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + 400
     while (time.time() < deadline and first.poll() is None
@@ -89,7 +84,7 @@ def scenario(tmp_path_factory):
     assert first.poll() is None, "the first run ended early"
     # the workdir is in use: the second run stops before it reads anything
     second = subprocess.run(_cmd(workdir, ["train.steps=100", "train.dry_run=True"]), cwd=ROOT,
-                            env=_env(8), capture_output=True, text=True, timeout=300)
+                            env=env_with_devices(8), capture_output=True, text=True, timeout=300)
   finally:
     first.kill()
     first.wait()
@@ -111,8 +106,9 @@ def scenario(tmp_path_factory):
   # the reruns of the same command, each ending with step n: on the 8 devices of the killed
   # run (skips the damaged step n, resumes from n - 1) and, on the copy, on 2 devices
   steps = f"train.steps={damaged - SFT}"
-  procs = [subprocess.Popen(_cmd(w, [steps, f"mesh.num_devices={d}"]), cwd=ROOT, env=_env(d),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  procs = [subprocess.Popen(_cmd(w, [steps, f"mesh.num_devices={d}"]), cwd=ROOT,
+                            env=env_with_devices(d), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
            for w, d in ((workdir, 8), (two, 2))]
   errs = [p.communicate(timeout=400)[1] for p in procs]
   rerun, rerun_two = [subprocess.CompletedProcess(p.args, p.returncode, None, err)

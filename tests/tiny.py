@@ -15,6 +15,14 @@ TINY_MODEL = [
 ]
 
 
+def env_with_devices(devices: int) -> dict:
+  """This process's environment for a subprocess with ``devices`` host CPU devices: the
+  session's other ``XLA_FLAGS`` (see ``conftest``) are kept."""
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if not f.startswith("--xla_force_host_platform_device_count"))
+  return dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}")
+
+
 class ParityTask:
   """A task wrapper whose reward an untrained policy earns about half the time (the parity of
   the first generated character), so every group has reward variance and every objective
