@@ -383,3 +383,44 @@ def test_async_partial_rollouts_train_the_adapters_only_and_dry_run_plans_them(t
   assert plan["adapters"] > 0 and plan["policy"] > plan["adapters"]  # base counted apart
   assert 2 * plan["adapters"] <= plan["rl_optimizer"] < 2 * plan["adapters"] + 64
   assert not (dry / "metrics.jsonl").exists() and not (dry / "checkpoints" / "1").exists()
+
+
+# ------------------------------------------------------------ the checkpoint's base fingerprint
+def _numpy_bits(a: np.ndarray) -> int:
+  """Σ bits(a_i)·(2i + 1) mod 2³² over a's row-major positions, in numpy (uint64 products)."""
+  if a.dtype == jnp.bfloat16:
+    u = a.view(np.uint16).astype(np.uint64)
+  elif a.dtype == np.float32:
+    u = a.view(np.uint32).astype(np.uint64)
+  else:  # integers: their two's complement bits as uint32
+    u = (a.astype(np.int64) & 0xFFFFFFFF).astype(np.uint64)
+  i = np.arange(a.size, dtype=np.uint64).reshape(a.shape)
+  return int((u * (2 * i + 1) % (1 << 32)).sum() % (1 << 32))
+
+
+def test_base_fingerprint_hashes_leaves_row_by_row_with_the_same_values():
+  """The base fingerprint's per-leaf hash equals Σ bits·(2i + 1) mod 2³² computed in numpy
+  (every dtype a base holds, stacked and not), also on 8 devices, and its program holds one
+  row of a stacked leaf in temporaries, not a uint32 array of every leaf."""
+  from rl_jax import sharding  # pylint: disable=import-outside-toplevel
+  from rl_jax.train import lora_checkpoint  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  leaves = [np.asarray(rng.normal(size=(4, 6, 8)), jnp.bfloat16),
+            np.asarray(rng.normal(size=(8, 16)), np.float32),
+            np.asarray(rng.integers(-8, 8, (8, 8, 16)), jnp.int4),
+            np.asarray(rng.integers(-128, 128, (3, 8)), np.int8),
+            np.asarray(rng.normal(size=(1, 8)), jnp.bfloat16),
+            np.asarray(rng.normal(size=(16,)), np.float32), np.float32(-1.5)]
+  want = [_numpy_bits(np.asarray(a, np.int8) if a.dtype == jnp.int4 else np.asarray(a))
+          for a in leaves]
+  assert [int(v) for v in lora_checkpoint._hashes([jnp.asarray(a) for a in leaves])] == want
+  mesh = sharding.make_mesh({"fsdp": 8})  # the trainer's meshes (axes of type Auto)
+  sharded = [jax.device_put(a, jax.NamedSharding(mesh, jax.P("fsdp") if np.ndim(a) and
+                                                 np.shape(a)[0] % 8 == 0 else jax.P()))
+             for a in leaves]
+  assert [int(v) for v in lora_checkpoint._hashes(sharded)] == want
+  stacked = [jax.ShapeDtypeStruct((16, 256, 256), dt)
+             for dt in (jnp.bfloat16, jnp.float32, jnp.int4, jnp.int8)] * 2
+  temp = lora_checkpoint._hashes.lower(stacked).compile().memory_analysis().temp_size_in_bytes
+  row = 256 * 256 * 4  # one row as uint32
+  assert temp <= 2 * row, temp  # the whole-leaf sums held 16 rows per leaf, 8 leaves at once

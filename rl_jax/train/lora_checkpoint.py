@@ -64,15 +64,19 @@ def adapters_only(params: dict) -> dict:
   return {"layers": {models.lora.KEY: models.lora.split(params)[1]}}
 
 
-def _bits(x: jax.Array) -> jax.Array:
-  """An order-sensitive uint32 hash of ``x``'s bits: Σ bits(x_i)·(2i + 1) mod 2³², the
-  position i from iotas (no reshape, so a sharded leaf is never gathered)."""
-  if jnp.issubdtype(x.dtype, jnp.floating):
+def _bits(x: jax.Array, offset=0) -> jax.Array:
+  """An order-sensitive uint32 hash of ``x``'s bits: Σ bits(x_i)·(2(offset + i) + 1) mod 2³²,
+  the position i from iotas (no reshape, so a sharded leaf is never gathered). Unsigned
+  integer ``x`` is taken as the bits themselves (a float leaf's bitcast rows, ``_rows_bits``).
+  ``offset``: a uint32 scalar added to every position."""
+  if jnp.issubdtype(x.dtype, jnp.unsignedinteger) and x.dtype.itemsize <= 4:
+    u = x.astype(jnp.uint32)
+  elif jnp.issubdtype(x.dtype, jnp.floating):
     width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
     u = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
   else:  # int4 / int8 quantised values, integer leaves
     u = jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)
-  index = jnp.zeros(x.shape, jnp.uint32)
+  index = jnp.zeros(x.shape, jnp.uint32) + jnp.asarray(offset, jnp.uint32)
   stride = 1
   for axis in reversed(range(x.ndim)):
     index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
@@ -80,7 +84,35 @@ def _bits(x: jax.Array) -> jax.Array:
   return jnp.sum(u * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
-_hashes = jax.jit(lambda leaves: jnp.stack([_bits(x) for x in leaves]))
+def _rows_bits(x: jax.Array) -> jax.Array:
+  """``_bits(x)``, the same uint32, summed one row of the leading axis at a time (a stacked
+  layer leaf: one layer at a time). The CPU backend splits a large sum into a tree whose
+  first level reads a materialised ``bits·(2i + 1)`` array of the whole leaf, and one such
+  uint32 array per leaf was alive at once (11 GB for a 4B model's int4 base); row by row the
+  program holds one row's.
+
+  The sum is exact: uint32 arithmetic wraps, so the rows' partial sums add up to the whole
+  leaf's. The leaf goes through an optimisation barrier with the row index and is bitcast
+  (floats) or sliced (integers) inside the loop, so no whole-leaf conversion is hoisted out
+  of it (as ``models.transformer`` reads a frozen base)."""
+  if x.ndim < 2 or x.shape[0] == 1 or (jnp.issubdtype(x.dtype, jnp.floating)
+                                        and x.dtype.itemsize not in (2, 4)):
+    return _bits(x)
+  bits = {2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+  floating = jnp.issubdtype(x.dtype, jnp.floating)
+  row_size = int(np.prod(x.shape[1:], dtype=np.uint64) % (1 << 32))
+
+  def row(i, total):
+    stack, i = jax.lax.optimization_barrier((x, i))
+    if floating:
+      stack = jax.lax.bitcast_convert_type(stack, bits)
+    r = jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
+    return total + _bits(r, i.astype(jnp.uint32) * jnp.uint32(row_size))
+
+  return jax.lax.fori_loop(0, x.shape[0], row, jnp.uint32(0))
+
+
+_hashes = jax.jit(lambda leaves: jnp.stack([_rows_bits(x) for x in leaves]))
 
 
 def fingerprint(params: dict) -> str:
