@@ -424,3 +424,25 @@ def test_base_fingerprint_hashes_leaves_row_by_row_with_the_same_values():
   temp = lora_checkpoint._hashes.lower(stacked).compile().memory_analysis().temp_size_in_bytes
   row = 256 * 256 * 4  # one row as uint32
   assert temp <= 2 * row, temp  # the whole-leaf sums held 16 rows per leaf, 8 leaves at once
+
+
+def test_sampler_merge_weight_by_weight_equals_one_merge_program():
+  """The trainer's merged sampler weights (``rollout.lora_merge``: one program per adapted
+  weight) equal ``models.lora.merge`` in one program, bit for bit and laid out the same, on
+  an 8-device FSDP mesh with trained-looking (non-zero) adapters."""
+  config = config_utils.load_config(QUICKSTART + ":lora", TINY_MODEL + [
+      "model.lora.targets=q,k,v,o,gate,up,down", "mesh.num_devices=8", "mesh.rules=fsdp"])
+  setup = train.build_setup(config)
+  layout = train.make_layout(setup)
+  params = jax.tree.map(
+      lambda x, sh: jax.device_put(
+          jax.random.normal(jax.random.key(x.size), x.shape, jnp.float32).astype(x.dtype), sh),
+      train.abstract_state(setup).params, layout.state.params)
+  base_sh, _ = models.lora.split(layout.state.params)
+  want = jax.jit(functools.partial(models.lora.merge, setup.model_cfg),
+                 out_shardings=base_sh)(params)
+  got = layout.sampler_weights(params)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
