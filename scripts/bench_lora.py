@@ -1,8 +1,10 @@
 """LoRA in the sampler: decode with the adapters unmerged (the base and the adapters as the
 trainer holds them, ``x·W + (α/r)·(x·A)·B`` in every adapted projection) vs merged weights
-(``models.lora.merge`` once per policy version, then the plain model).
+(``models.lora.merge`` once per policy version, as the trainer merges for its sampler:
+``train.layout.merge_weight_by_weight``, one jitted program per adapted weight; then the plain
+model).
 
-The merged path pays the merge (a jitted W + (α/r)·A·B over every adapted weight) each time
+The merged path pays the merge (W + (α/r)·A·B for every adapted weight) each time
 the adapters change, i.e. every RL step; the unmerged path pays two thin matmuls per adapted
 projection per decoded token. Both decode the same greedy batch; they are timed alternately
 (interleaved repeats) so load drift hits both alike, and the greedy tokens are compared.
@@ -27,6 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rl_jax import models, rollout  # noqa: E402
+from rl_jax.train.layout import merge_weight_by_weight  # noqa: E402
 
 
 def _interleaved(fns, repeats: int) -> list[tuple[float, object]]:
@@ -68,7 +71,9 @@ def bench(cfg, params, batch: int, prompt_len: int, new_tokens: int, repeats: in
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(1, cfg.vocab_size, prompt_len)) for _ in range(batch)]
   plain = cfg.replace(lora_rank=0, lora_targets=())
-  merge = jax.jit(lambda p: models.lora.merge(cfg, p))
+  # the trainer's merge for its sampler (one program per adapted weight)
+  merge = merge_weight_by_weight(
+      cfg, jax.tree.map(lambda x: x.sharding, models.lora.split(params)[0]))
   merged = jax.block_until_ready(merge(params))
   gen = lambda c, p: rollout.generate(c, p, prompts, n=1, max_new_tokens=new_tokens,
                                       temperature=0.0).tokens
