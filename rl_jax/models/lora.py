@@ -31,6 +31,7 @@ from rl_jax.models.config import LORA_TARGETS, ModelConfig
 
 __all__ = ["LORA_INITS", "LORA_TARGETS", "KEY", "adapter_axes", "adapter_shapes", "combine",
            "adapted", "delta", "init_adapters", "layer_merges", "merge", "merge_layerwise",
+           "merge_weight",
            "parse_targets", "project", "split", "strip", "trainable", "untrainable"]
 
 KEY = "lora"  # params["layers"][KEY]
@@ -163,6 +164,12 @@ def merge(cfg: ModelConfig, params: dict) -> dict:
   return {**base, "layers": layers}
 
 
+def merge_weight(cfg: ModelConfig, name: str, w, ab: dict) -> jax.Array:
+  """``merge`` of one adapted weight: ``w`` (``params["layers"][name]``, or rows of it) plus
+  its adapter ``ab`` (the matching rows of ``{"a", "b"}``), as ``merge`` makes it."""
+  return merge(cfg, {"layers": {name: w, KEY: {name: ab}}})["layers"][name]
+
+
 def layer_merges(cfg: ModelConfig, params: dict) -> dict[str, tuple]:
   """What ``merge`` with a dequantised base (``quant.dequantize_base``) makes of each layer
   weight it changes, one layer at a time: ``{name: (shape [L, ...], dtype, layer)}`` for every
@@ -185,7 +192,7 @@ def layer_merges(cfg: ModelConfig, params: dict) -> dict[str, tuple]:
     def one(w_l, ab_l, t=t):  # [1, ...] slices of one layer
       if ab_l is None:
         return quant.dequantize(w_l, dtype)
-      return merge(cfg, {"layers": {t: w_l, KEY: {t: ab_l}}})["layers"][t]
+      return merge_weight(cfg, t, w_l, ab_l)
 
     def layer(i, w=w, ab=ab, one=one) -> np.ndarray:
       return np.asarray(jax.device_get(one(row(w, i), None if ab is None else row(ab, i))))[0]

@@ -543,13 +543,17 @@ def _read_frozen(lp: Params, stacks: list | None, i: jax.Array) -> Params:
   leaves, treedef = jax.tree.flatten(lp)
   out = []
   for a, stack in zip(leaves, stacks):
-    if stack is not None and _sub_byte(a.dtype):
-      a = jax.lax.dynamic_index_in_dim(next(frozen), i, keepdims=False)
-    elif stack is not None:
-      bits = jax.lax.bitcast_convert_type(next(frozen), jnp.uint16)
-      a = _from_bits(a, jax.lax.dynamic_index_in_dim(bits, i, keepdims=False))
-    out.append(a)
+    out.append(a if stack is None else _frozen_row(a, next(frozen), i))
   return jax.tree.unflatten(treedef, out)
+
+
+def _frozen_row(a: jax.Array, stack: jax.Array, i: jax.Array) -> jax.Array:
+  """Row ``i`` of a frozen ``stack`` (``_frozen_stacks``) with ``a``'s values, bit for bit:
+  an int4 stack sliced as it is, a 16-bit float one as its uint16 view, bitcast back."""
+  if _sub_byte(a.dtype):
+    return jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
+  bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
+  return _from_bits(a, jax.lax.dynamic_index_in_dim(bits, i, keepdims=False))
 
 
 _REMAT = {
@@ -753,12 +757,7 @@ def _reread_frozen(params: Params, stacks: list | None, lp: Params, i: int,
   leaves, treedef = jax.tree.flatten(own)
   read = []
   for a, stack in zip(leaves, stacks):
-    if stack is not None:
-      s = next(frozen)
-      a = jax.lax.dynamic_index_in_dim(s, i, keepdims=False) if _sub_byte(a.dtype) else \
-          _from_bits(a, jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(
-              s, jnp.uint16), i, keepdims=False))
-    read.append(a)
+    read.append(a if stack is None else _frozen_row(a, next(frozen), i))
   return {**lp, **jax.tree.unflatten(treedef, read)}
 
 

@@ -154,8 +154,7 @@ def merge_weight_by_weight(cfg, base_shardings: Any) -> Callable:
 
   def merged(t: str, w, ab):
     if t not in one:
-      one[t] = jax.jit(lambda w, ab: models.lora.merge(
-          cfg, {"layers": {t: w, models.lora.KEY: {t: ab}}})["layers"][t],
+      one[t] = jax.jit(functools.partial(models.lora.merge_weight, cfg, t),
                        out_shardings=layers_sh[t])
     return one[t](w, ab)
 

@@ -277,12 +277,10 @@ def export_hf(s: Setup, params, workdir: str) -> None:
   ``base_model_name_or_path`` names. A quantised base (``model.lora.quant``) is written
   dequantised: ``hf`` holds the dequantised base plus the merged adapters."""
   cfg = s.model_cfg
-  if not cfg.lora_rank:
-    params = models.quant.dequantize_base(cfg, params)
-    _write_hf(storage.join(workdir, "hf"), lambda d: models.save_hf(cfg, params, d))
-    return
-  # save_hf merges (and dequantises a quantised base) a layer at a time as it writes
+  # save_hf merges adapters (and dequantises a quantised base) a layer at a time as it writes
   _write_hf(storage.join(workdir, "hf"), lambda d: models.save_hf(cfg, params, d))
+  if not cfg.lora_rank:
+    return
   base_path = s.config.model.hf_path
   if s.config.sft.steps or not base_path:
     base_path = storage.join(workdir, "hf_base")
