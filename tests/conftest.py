@@ -57,5 +57,30 @@ def pytest_xdist_make_scheduler(config, log):
   if config.getvalue("dist") != "load":
     return None
   from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
+
+  class FileScheduling(LoadFileScheduling):
+    """``LoadFileScheduling`` whose crashed worker fails its test instead of hanging the run.
+
+    xdist's own ``remove_node`` puts every file the dead worker had back on the queue, the
+    finished ones too: a replacement worker handed a finished file gets no test to run, never
+    asks for more, and the session waits forever. Here only unfinished files go back, and the
+    test that was running when the worker died is reported as crashed, not run again.
+    """
+
+    def remove_node(self, node):
+      workload = self.assigned_work.pop(node)
+      unfinished = [(name, unit) for name, unit in workload.items() if not all(unit.values())]
+      if not unfinished:
+        return None
+      crashed_unit = unfinished[0][1]  # a worker runs its files and their tests in order
+      crashitem = next(nodeid for nodeid, done in crashed_unit.items() if not done)
+      crashed_unit[crashitem] = True
+      for name, unit in unfinished:
+        if not all(unit.values()):
+          self.workqueue[name] = unit
+      for other in self.assigned_work:
+        self._reschedule(other)
+      return crashitem
+
   config.option.loadscopereorder = False  # keep the longest-first order
-  return LoadFileScheduling(config, log)
+  return FileScheduling(config, log)
