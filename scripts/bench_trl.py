@@ -164,9 +164,14 @@ def main(argv=None) -> dict:
   ap.add_argument("--samples", type=int, default=shared.N, help="samples of the one prompt")
   ap.add_argument("--new-tokens", type=int, default=shared.NEW_TOKENS,
                   help="new tokens per sample (sampling: exactly; GRPO: at most)")
+  ap.add_argument("--prompt-tokens", type=int, default=len(shared.PROMPT) + 1,
+                  help="tokens of the one shared prompt, BOS included (default: the 9-byte "
+                       "question); TRL's byte tokenizer adds no BOS, so its prompt is one "
+                       "token shorter")
   ap.add_argument("--side", choices=("rljax", "trl"), default=None, help=argparse.SUPPRESS)
   ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  shared.set_prompt_tokens(args.prompt_tokens)
   if args.side == "rljax":  # a child process: one side, result as JSON on the last line
     print(json.dumps(shared.run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                       args.samples, args.new_tokens, args.prefix_attention)))
@@ -184,7 +189,7 @@ def main(argv=None) -> dict:
       cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
              "--steps", str(args.steps), "--repeats", str(args.repeats),
              "--torch-threads", str(args.torch_threads), "--samples", str(args.samples),
-             "--new-tokens", str(args.new_tokens)]
+             "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
@@ -194,7 +199,7 @@ def main(argv=None) -> dict:
       results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
       print(side, r, results[side][-1], flush=True)
   print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.torch_threads}; "
-        f"{args.samples} samples x {args.new_tokens} new tokens; rl_jax fused_mlp="
+        f"1 prompt of {args.prompt_tokens} tokens, {args.samples} samples x {args.new_tokens} new tokens; rl_jax fused_mlp="
         f"{args.fused_mlp}, prefix_attention={args.prefix_attention}")
   print(report(results))
   return results

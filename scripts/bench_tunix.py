@@ -45,11 +45,27 @@ N, NEW_TOKENS, PROMPT = 16, 64, "sort 302:"
 NEVER = 300  # sampler part: an EOS id outside the vocabulary (always NEW_TOKENS tokens)
 EOS = 255  # GRPO part: both trainers need an EOS in the vocabulary (~1/256 per token)
 MAX_PROMPT = 16  # prompt positions on every side (the prompt itself is 9 bytes)
+# ``--prompt-tokens``: a longer shared prompt, as a chat-templated task with its instructions
+# is (a few hundred tokens before the question), made of this text, then ``PROMPT``
+INSTRUCTIONS = ("You are a careful assistant. Sort the digits of the number that follows in "
+                "ascending order and answer with the sorted digits only. ")
+
+
+def set_prompt_tokens(tokens: int) -> None:
+  """Makes the prompt ``tokens`` tokens long with its BOS (``PROMPT``: instructions, then the
+  9-byte question) and ``MAX_PROMPT`` its positions, for every side of this process
+  (``--prompt-tokens``)."""
+  global PROMPT, MAX_PROMPT  # pylint: disable=global-statement
+  question = "sort 302:"
+  if tokens < len(question) + 1:
+    raise ValueError(f"--prompt-tokens must be at least {len(question) + 1}, got {tokens}")
+  filler = (INSTRUCTIONS * (tokens // len(INSTRUCTIONS) + 1))[:tokens - 1 - len(question)]
+  PROMPT, MAX_PROMPT = filler + question, max(16, tokens)
 
 
 def context(new_tokens: int = NEW_TOKENS) -> int:
   """Positions of the weights' config and of Tunix's KV cache: 128 (the 64-token workload's),
-  or the prompt's 16 + ``new_tokens`` when longer."""
+  or the prompt's positions (16, or ``--prompt-tokens``) + ``new_tokens`` when more."""
   return max(128, MAX_PROMPT + new_tokens)
 
 
@@ -115,7 +131,8 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
                            "verify": lambda self, c, a: _reward(c)})()
   # the peers' prompt every step (not the sorting task's prompts)
   examples = [Example(PROMPT, "")] * len(s.train_examples)
-  s = dataclasses.replace(s, task=task, tokenizer=_RljaxBytes(), train_examples=examples)
+  s = dataclasses.replace(s, task=task, tokenizer=_RljaxBytes(), train_examples=examples,
+                          prompt_len=max(s.prompt_len, len(PROMPT.encode()) + 1))
   t = train.make_trainer(s)
   state = train.begin_rl(s, train.init_state(s))
   times, sampled = [], []
@@ -253,9 +270,13 @@ def main(argv=None) -> dict:
   ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
   ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                   help="new tokens per sample (sampler: exactly; GRPO: at most)")
+  ap.add_argument("--prompt-tokens", type=int, default=len(PROMPT) + 1,
+                  help="tokens of the one shared prompt, BOS included (default: the 9-byte "
+                       "question)")
   ap.add_argument("--side", choices=("rljax", "tunix"), default=None, help=argparse.SUPPRESS)
   ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  set_prompt_tokens(args.prompt_tokens)
   if args.side:  # a child process: one side, result as JSON on the last line
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
@@ -272,7 +293,8 @@ def main(argv=None) -> dict:
       python = sys.executable if side == "rljax" else args.tunix_python
       cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
              "--steps", str(args.steps), "--repeats", str(args.repeats),
-             "--samples", str(args.samples), "--new-tokens", str(args.new_tokens)]
+             "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
+             "--prompt-tokens", str(args.prompt_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
@@ -281,7 +303,8 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
       results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
       print(side, r, results[side][-1], flush=True)
-  print(f"load average {os.getloadavg()[0]:.1f}; {args.samples} samples x "
+  print(f"load average {os.getloadavg()[0]:.1f}; 1 prompt of {args.prompt_tokens} tokens, "
+        f"{args.samples} samples x "
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
         f"prefix_attention={args.prefix_attention}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))

@@ -193,3 +193,18 @@ def test_bench_speculative_reuses_every_draft_of_an_unchanged_policy():
   drafts = bench.make_drafts(cfg, q, prompts, m=2, r=8, seed=1)
   info = bench.speculative_rollout(cfg, p, prompts, drafts, m=2, r=8, seed=2)
   assert info == {"reused": 1.0, "longest_decode": 0}
+
+
+def test_bench_tunix_prompt_tokens_sets_one_shared_prompt_and_the_rljax_side_runs_it(tmp_path):
+  """``--prompt-tokens``: the prompt is that many tokens with its BOS, on every side; the
+  rl_jax side's sampler and GRPO step take it whole (one step at toy length)."""
+  bench = _load("bench_tunix")
+  with np.testing.assert_raises(ValueError):
+    bench.set_prompt_tokens(5)
+  bench.set_prompt_tokens(40)
+  assert len(bench.PROMPT.encode()) == 39 and bench.PROMPT.endswith("sort 302:")
+  assert bench.MAX_PROMPT == 40 and bench.context(8) == 128
+  bench.write_weights(str(tmp_path), new_tokens=8)
+  res = bench.run_rljax(str(tmp_path), steps=2, repeats=1, n=2, new_tokens=8)
+  assert res["sampler_tokens"] == 2 * 8 and res["grpo_steps"] == 2
+  assert res["grpo_step_s"] > 0 and 0 < res["grpo_tokens"] <= 2 * 8
