@@ -3,7 +3,8 @@
 The weights, workload and rl_jax side are ``bench_tunix.py``'s: random Qwen3-style weights
 (hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP 896, 256-symbol byte vocabulary: 3.7M
 parameters) written once with ``models.save_hf``; 1 prompt x 16 samples (``--samples``), at
-most 64 new tokens (``--new-tokens``), temperature 1.0, float32.
+most 64 new tokens (``--new-tokens``), temperature 1.0, float32; the 9-byte prompt or, with
+``--prompt-tokens N``, ``bench_tunix.py``'s longer shared prompt.
 
 * GRPO step: rl_jax ``train.rl_step`` (``old_logp_pass=auto``, GRPO, β = 0; ``--fused-mlp``
   sets ``model.fused_mlp``, ``--prefix-attention`` ``model.prefix_attention``) vs TRL's

@@ -6,8 +6,11 @@ The same random Qwen3-style weights (hidden 256, 4 layers, 4 query / 2 KV heads 
 Qwen3 safetensors loader. Workload: 1 prompt x 16 samples (``--samples``), at most 64 new
 tokens (``--new-tokens``), temperature 1.0, float32. The sampler part has no EOS (every sample
 is that long); in the GRPO part both trainers stop a sample at EOS id 255 (same weights, so the
-same length distribution; tokens are counted, not assumed). Positions: the weights' context
-and Tunix's KV cache are 128, or 16 prompt positions + ``--new-tokens`` when that is more.
+same length distribution; tokens are counted, not assumed). The prompt is the 9-byte question
+(10 tokens with BOS), or ``--prompt-tokens N`` tokens: instruction text before the same
+question, the one shared prompt a real task's template makes longer (rl_jax samples and trains
+it once per group; the peers once per sample). Positions: the weights' context and Tunix's KV
+cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` when more.
 
 * sampler: rl_jax ``rollout.generate(n=16)`` vs Tunix ``Sampler`` on the prompt repeated 16
   times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
