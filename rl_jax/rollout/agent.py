@@ -233,8 +233,8 @@ class AgentEngine:
     for Bn in ladder(4, e.G):
       for Pb in ladder(8, e.P):
         a, _ = loop.admission([], Bn, Pb)
-        state = prefill.admit(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
-                              filtered=e.filtered)
+        state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
+                           filtered=e.filtered)
     shapes = {slots.resume_shape(r, t, G=e.G, M=e.M, R=e.R)
               for r in [1, e.G * e.M, *(4 ** i for i in range(1, 16) if 4 ** i < e.G * e.M)]
               for t in (1, e.R // 2, e.R)}

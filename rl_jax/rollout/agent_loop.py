@@ -190,8 +190,8 @@ class Loop:
     Bn = min(e.G, pow2(len(batch), 4))
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = self.admission(batch, Bn, Pb)
-    self.state = prefill.admit(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
-                               self.version, self.key, filtered=e.filtered)
+    self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
+                            self.version, self.key, filtered=e.filtered)
     if rebuild:  # re-prefill evicted samples from their full history
       Br, T = slots.resume_shape(len(rebuild), max(len(t) for *_, t in rebuild), G=e.G,
                                  M=e.M, R=e.R)

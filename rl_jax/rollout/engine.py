@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax import models, sharding
+from rl_jax import compile_options, models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, sampler, slots
 from rl_jax.rollout.kv_cache import REASON_NAMES
@@ -125,6 +125,11 @@ class RolloutEngine:
     self.R = pow2(self.max_new_tokens, 8)
     self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, eos_id, stop)
+    # prefill + first tokens: compiled with the training programs' CPU options (the decode
+    # loop keeps XLA's defaults: see ``compile_options``)
+    devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
+    self.admit_fn = sampler.admit_with(
+        tuple(sorted(compile_options.fast_compile_options(devices).items())))
     self.buffer: collections.deque[GroupRequest] = collections.deque()
     self._ready: collections.deque[GroupRequest] = collections.deque()
     self._uids = itertools.count()
@@ -242,7 +247,7 @@ class RolloutEngine:
     Bn = min(self.G, pow2(len(batch), 4))  # coarse buckets: few admission compiles
     Pb = min(self.P, pow2(max(len(u[0].prompt) for _, u in batch), 8))
     a, resume = self._admission(batch, Bn, Pb)
-    state = sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp, version,
+    state = self.admit_fn(self.cfg, params, state, sampler.Admission(**a), self.sp, version,
                           key, filtered=self.filtered, fresh=fresh and Bn == self.G,
                           ctx=self.ctx)
     if resume:
@@ -281,7 +286,7 @@ class RolloutEngine:
       for Pb in ladder(8, self.P):
         for fresh in ((False, True) if Bn == self.G else (False,)):
           a, _ = self._admission([], Bn, Pb)
-          state = sampler.admit(self.cfg, params, state, sampler.Admission(**a), self.sp,
+          state = self.admit_fn(self.cfg, params, state, sampler.Admission(**a), self.sp,
                                 version, key, filtered=self.filtered, fresh=fresh,
                                 ctx=self.ctx)
     rows = [4 ** i for i in range(1, (self.G * self.M).bit_length()) if 4 ** i < self.G * self.M]

@@ -35,7 +35,8 @@ from rl_jax.rollout import sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
-__all__ = ["Admission", "Resume", "admit", "grouped_attention", "resume", "run_trunk"]
+__all__ = ["Admission", "Resume", "admit", "admit_with", "grouped_attention", "resume",
+           "run_trunk"]
 
 
 def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
@@ -115,8 +116,10 @@ class Admission(NamedTuple):
   sample_id: Any
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "fresh", "ctx"),
-                   donate_argnames=("state",))
+_ADMIT_JIT = dict(static_argnames=("cfg", "filtered", "fresh", "ctx"), donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, **_ADMIT_JIT)
 def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, version, base_key,
           filtered: bool, fresh: bool = False, ctx=None) -> DecodeState:
   """Prefill prompts (once per group) into slots; sample first tokens of fresh samples.
@@ -182,6 +185,15 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
       new = new._replace(routing=put(state.routing, jnp.full(
           (Bn, *state.routing.shape[1:]), -1, jnp.int32)))
     return constrain_state(new)
+
+
+@functools.cache
+def admit_with(options: tuple = ()):
+  """``admit`` compiled with XLA ``compiler_options`` given as sorted (name, value) items
+  (``compile_options.fast_compile_options``); ``()``: ``admit`` itself."""
+  if not options:
+    return admit
+  return jax.jit(admit.__wrapped__, compiler_options=dict(options), **_ADMIT_JIT)
 
 
 class Resume(NamedTuple):

@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from rl_jax import compile_options
 from rl_jax import models
 from rl_jax import sharding
 from rl_jax.train.context import Setup
@@ -179,11 +180,14 @@ def merge_weight_by_weight(cfg, base_shardings: Any) -> Callable:
 
 
 def jit_on_mesh(fn: Callable, layout: Layout, **jit_kwargs) -> Callable:
-  """``jax.jit(fn, **jit_kwargs)`` traced inside ``layout.active()``."""
+  """``jax.jit(fn, **jit_kwargs)`` traced inside ``layout.active()``, compiled with the
+  training programs' options for the mesh's devices (``compile_options``)."""
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
     with layout.active():
       return fn(*args, **kwargs)
 
+  jit_kwargs.setdefault("compiler_options",
+                        compile_options.fast_compile_options(layout.mesh.devices.flat))
   return jax.jit(traced, **jit_kwargs)
