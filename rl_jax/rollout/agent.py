@@ -156,6 +156,7 @@ class AgentEngine:
     self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
     self.stop = set(stop)
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
+    self.admit_fn = prefill.admit_for(jax.devices()[:1])  # prefill, as the engine's
     self.pool = EnvPool(int(workers), step_timeout)
     self._uids = itertools.count()
     self.over_sampling = float(over_sampling)

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax import compile_options, models, sharding
+from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, sampler, slots
 from rl_jax.rollout.kv_cache import REASON_NAMES
@@ -127,9 +127,7 @@ class RolloutEngine:
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, eos_id, stop)
     # prefill + first tokens: compiled with the training programs' CPU options (the decode
     # loop keeps XLA's defaults: see ``compile_options``)
-    devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
-    self.admit_fn = sampler.admit_with(
-        tuple(sorted(compile_options.fast_compile_options(devices).items())))
+    self.admit_fn = sampler.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat)
     self.buffer: collections.deque[GroupRequest] = collections.deque()
     self._ready: collections.deque[GroupRequest] = collections.deque()
     self._uids = itertools.count()

@@ -29,14 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.lse_attention import two_region_attention
+from rl_jax import compile_options
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
-__all__ = ["Admission", "Resume", "admit", "admit_with", "grouped_attention", "resume",
-           "run_trunk"]
+__all__ = ["Admission", "Resume", "admit", "admit_for", "admit_with", "grouped_attention",
+           "resume", "run_trunk"]
 
 
 def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
@@ -194,6 +195,12 @@ def admit_with(options: tuple = ()):
   if not options:
     return admit
   return jax.jit(admit.__wrapped__, compiler_options=dict(options), **_ADMIT_JIT)
+
+
+def admit_for(devices) -> Any:
+  """``admit`` compiled for ``devices`` with ``compile_options.fast_compile_options`` (the
+  training programs' CPU options; XLA's defaults elsewhere)."""
+  return admit_with(tuple(sorted(compile_options.fast_compile_options(devices).items())))
 
 
 class Resume(NamedTuple):

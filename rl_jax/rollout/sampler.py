@@ -27,10 +27,10 @@ from rl_jax.rollout.decode import decode, decode_attention, decode_step
 from rl_jax.rollout.kv_cache import (CACHE_AXES, EOS, LENGTH, REASON_NAMES, RUNNING, STOP,
                                      TRACE_COUNTS, DecodeState, cast_params, init_state,
                                      kv_cache_bytes)
-from rl_jax.rollout.prefill import (Admission, Resume, admit, admit_with, grouped_attention,
-                                     resume)
+from rl_jax.rollout.prefill import (Admission, Resume, admit, admit_for, admit_with,
+                                     grouped_attention, resume)
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
-           "Admission", "DecodeState", "Resume", "admit", "admit_with", "cast_params", "decode",
-           "decode_attention", "decode_step", "grouped_attention", "init_state",
+           "Admission", "DecodeState", "Resume", "admit", "admit_for", "admit_with", "cast_params",
+           "decode", "decode_attention", "decode_step", "grouped_attention", "init_state",
            "kv_cache_bytes", "merge_partials", "resume"]
