@@ -16,7 +16,8 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
   times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
   update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``,
-  ``--prefix-attention`` ``model.prefix_attention``; the same
+  ``--prefix-attention`` ``model.prefix_attention``, ``--fast-compile``
+  ``train.cpu_fast_compile``; the same
   prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
@@ -91,7 +92,8 @@ def _reward(completion: str) -> float:
 
 # ----------------------------------------------------------------------------- rl_jax side
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
-              new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel") -> dict:
+              new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
+              fast_compile: bool = False) -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -111,11 +113,13 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n
     rates.append(n_tok / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
           "sampler_tokens": n_tok,
-          **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens, prefix_attention)}
+          **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens, prefix_attention,
+                        fast_compile)}
 
 
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
-                new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel") -> dict:
+                new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
+                fast_compile: bool = False) -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -128,7 +132,7 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
       "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
       "loss.preset=grpo", "loss.kl_beta=0.0", f"data.max_prompt_len={MAX_PROMPT}",
       f"model.fused_mlp={fused_mlp}", f"model.prefix_attention={prefix_attention}",
-      "optim.lr=1e-5"])  # the peers' learning rate
+      f"train.cpu_fast_compile={fast_compile}", "optim.lr=1e-5"])  # the peers' learning rate
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
                            "verify": lambda self, c, a: _reward(c)})()
@@ -270,6 +274,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
   ap.add_argument("--prefix-attention", choices=("kernel", "concat"), default="kernel",
                   help="rl_jax trainer: model.prefix_attention")
+  ap.add_argument("--fast-compile", action="store_true",
+                  help="rl_jax trainer: train.cpu_fast_compile")
   ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
   ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                   help="new tokens per sample (sampler: exactly; GRPO: at most)")
@@ -283,7 +289,8 @@ def main(argv=None) -> dict:
   if args.side:  # a child process: one side, result as JSON on the last line
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
-                                 args.samples, args.new_tokens, args.prefix_attention)))
+                                 args.samples, args.new_tokens, args.prefix_attention,
+                                 args.fast_compile)))
     else:
       print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
                                  args.new_tokens)))
@@ -299,6 +306,7 @@ def main(argv=None) -> dict:
              "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
              "--prompt-tokens", str(args.prompt_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+      cmd += ["--fast-compile"] if args.fast_compile and side == "rljax" else []
       cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -309,7 +317,7 @@ def main(argv=None) -> dict:
   print(f"load average {os.getloadavg()[0]:.1f}; 1 prompt of {args.prompt_tokens} tokens, "
         f"{args.samples} samples x "
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
-        f"prefix_attention={args.prefix_attention}")
+        f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
           "grpo_first_s")

@@ -17,6 +17,7 @@ import jax
 import ml_collections
 import optax
 
+from rl_jax import compile_options
 from rl_jax import config as config_lib
 from rl_jax import losses
 from rl_jax import models
@@ -319,6 +320,7 @@ def _optimizers(config, objective: losses.Objective) -> Optimizers:
 def build_setup(config: ml_collections.ConfigDict) -> Setup:
   """Validate ``config`` and build everything static; fails in one line before compiling."""
   config_lib.validate(config)  # every static rule
+  compile_options.use_fast_cpu_compile(config.train.cpu_fast_compile)  # for this run's programs
   objective = make_objective(config)
   config_lib.check_objective(config, objective.needs)
   device_rules(config)
