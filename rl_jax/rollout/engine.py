@@ -125,8 +125,8 @@ class RolloutEngine:
     self.R = pow2(self.max_new_tokens, 8)
     self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, eos_id, stop)
-    # prefill + first tokens: compiled with the training programs' CPU options (the decode
-    # loop keeps XLA's defaults: see ``compile_options``)
+    # prefill + first tokens: with the training programs' CPU options when
+    # ``train.cpu_fast_compile`` is on (the decode loop keeps XLA's defaults: compile_options)
     self.admit_fn = sampler.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat)
     self.buffer: collections.deque[GroupRequest] = collections.deque()
     self._ready: collections.deque[GroupRequest] = collections.deque()
