@@ -41,9 +41,11 @@ def use_fast_cpu_compile(enabled: bool) -> None:
 
 @functools.cache
 def _cpu_accepts(options: tuple) -> bool:
-  """Whether this jaxlib's CPU compiler takes ``options`` (compiles a 2-element add)."""
+  """Whether this jaxlib's CPU compiler takes ``options`` (compiles a 2-element add on a CPU
+  device, whatever the default backend is)."""
   try:
-    jax.jit(lambda x: x + 1).lower(jnp.zeros(2)).compile(dict(options))
+    x = jnp.zeros(2, device=jax.devices("cpu")[0])
+    jax.jit(lambda x: x + 1).lower(x).compile(dict(options))
   except jax.errors.JaxRuntimeError:
     return False
   return True
