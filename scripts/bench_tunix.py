@@ -67,6 +67,10 @@ def set_prompt_tokens(tokens: int) -> None:
   PROMPT, MAX_PROMPT = filler + question, max(16, tokens)
 
 
+# the rl_jax trainer's programs whose backend compile the first GRPO step reports
+FIRST_STEP = ("jit(update)", "jit(admit)", "jit(decode)")
+
+
 def context(new_tokens: int = NEW_TOKENS) -> int:
   """Positions of the weights' config and of Tunix's KV cache: 128 (the 64-token workload's),
   or the prompt's positions (16, or ``--prompt-tokens``) + ``new_tokens`` when more."""
@@ -142,7 +146,13 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
                           prompt_len=max(s.prompt_len, len(PROMPT.encode()) + 1))
   t = train.make_trainer(s)
   state = train.begin_rl(s, train.init_state(s))
-  times, sampled = [], []
+  times, sampled, compiles = [], [], {}
+
+  def compiled(event, duration, fun_name=None, **_):  # the first step's programs
+    if event.endswith("backend_compile_duration") and not times and fun_name in FIRST_STEP:
+      compiles[fun_name] = compiles.get(fun_name, 0.0) + duration
+
+  jax.monitoring.register_event_duration_secs_listener(compiled)
   for _ in range(steps):
     t0 = time.perf_counter()
     state, record, data = train.rl_step(t, state)
@@ -154,7 +164,8 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
   return {"grpo_first_s": times[0], "grpo_step_s": float(np.median(times[1:])),
           "grpo_worst_s": max(times[1:]), "grpo_steps": len(times),
           "grpo_sampling_s": float(np.median([x for x, _ in sampled[1:]])),
-          "grpo_tokens": float(np.median([x for _, x in sampled[1:]]))}
+          "grpo_tokens": float(np.median([x for _, x in sampled[1:]])),
+          "grpo_first_compile_s": compiles}
 
 
 class _RljaxBytes:
@@ -338,7 +349,8 @@ def main(argv=None) -> dict:
   for r, a in enumerate(results["rljax"]):
     if "grpo_sampling_s" in a:
       print(f"round {r + 1}: rl_jax sampling inside its GRPO step {a['grpo_sampling_s']:.2f} s, "
-            f"{a['grpo_tokens']:.0f} tokens per step")
+            f"{a['grpo_tokens']:.0f} tokens per step; first step's backend compiles: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in a.get("grpo_first_compile_s", {}).items()))
   print(f"per round: sampler {np.median(sampler):.2f}x median, {min(sampler):.2f}x worst; "
         f"GRPO step {np.median(step):.2f}x median, {min(step):.2f}x worst")
   return results
