@@ -212,8 +212,11 @@ def test_incremental_prefill_equals_reprefill():
   for m in range(M):
     n = int(state.length[0, m]) - 1  # cached positions (the last token is fed next)
     for l in range(CFG.num_layers):
-      for a_, b_ in ((state.suffix_k, fresh.suffix_k), (state.suffix_v, fresh.suffix_v)):
-        np.testing.assert_allclose(a_[l][0, m, :, :n], b_[l][0, m, :, :n], atol=1e-5)
+      # keys [K,H,R] (length last), values [K,R,H]
+      np.testing.assert_allclose(state.suffix_k[l][0, m, ..., :n],
+                                 fresh.suffix_k[l][0, m, ..., :n], atol=1e-5)
+      np.testing.assert_allclose(state.suffix_v[l][0, m, :, :n],
+                                 fresh.suffix_v[l][0, m, :, :n], atol=1e-5)
 
 
 def _same(a, b):

@@ -210,8 +210,10 @@ def test_mesh_8_devices_equals_1(hf):
   np.testing.assert_array_equal(moved.tokens, ref.tokens)
   # the cache really is laid out over the mesh: slots over data, length over sequence
   state = sampler.init_state(cfg, 4, 3, 8, 8, ctx=(mesh, sharding.get_rules("fsdp_tp")))
-  spec = state.prefix_k[0].sharding.spec
+  spec = state.prefix_v[0].sharding.spec  # values [G,K,P,H]
   assert spec[0] == "data" and spec[1] == "tensor" and spec[2] == "sequence"
+  spec = state.prefix_k[0].sharding.spec  # keys [G,K,H,P]: length last
+  assert spec[0] == "data" and spec[1] == "tensor" and spec[2] is None and spec[3] == "sequence"
 
 
 def test_bad_inputs_raise_one_clear_error(hf):
@@ -255,3 +257,35 @@ def test_prefill_attention_is_the_kernel_reference_computation():
                                                          lengths)
   chex.assert_trees_all_equal_shapes_and_dtypes(got, ref)
   np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_attention_with_length_last_keys_equals_plain_attention():
+  """The decode query over the cache layouts (keys length-last [G,K,H,P] / [G,M,K,H,R],
+  values [G,K,P,H] / [G,M,K,R,H]) equals float64 softmax attention over the prompt's valid
+  keys then the sample's valid suffix keys, for single-slot groups (M = 1, as with distinct
+  prompts) and shared prompts (M > 1)."""
+  rng = np.random.default_rng(1)
+  for G, M, P, R in [(3, 1, 5, 7), (2, 4, 6, 9)]:
+    N, K, H = 4, 2, 8
+    q = rng.standard_normal((G, M, N, H))
+    pk, pv = rng.standard_normal((G, K, P, H)), rng.standard_normal((G, K, P, H))
+    sk, sv = rng.standard_normal((G, M, K, R, H)), rng.standard_normal((G, M, K, R, H))
+    plen = rng.integers(1, P + 1, G)
+    slen = rng.integers(1, R + 1, (G, M))
+    pvalid = np.arange(P)[None, :] < plen[:, None]
+    svalid = np.arange(R)[None, None, :] < slen[..., None]
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    got = sampler.decode_attention(f32(q), f32(np.swapaxes(pk, -1, -2)), f32(pv),
+                                   jnp.asarray(pvalid), f32(np.swapaxes(sk, -1, -2)), f32(sv),
+                                   jnp.asarray(svalid))
+    want = np.zeros((G, M, N, H))
+    for g in range(G):
+      for m in range(M):
+        for n in range(N):
+          kv = n // (N // K)
+          keys = np.concatenate([pk[g, kv, :plen[g]], sk[g, m, kv, :slen[g, m]]])
+          vals = np.concatenate([pv[g, kv, :plen[g]], sv[g, m, kv, :slen[g, m]]])
+          w = scipy.special.softmax(keys @ q[g, m, n] / np.sqrt(H))
+          want[g, m, n] = w @ vals
+    assert got.shape == (G, M, N, H) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -47,23 +47,25 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
   [..,R] share one softmax; this equals the log-sum-exp merge of the two partial softmaxes
   (``pallas_kernels.merge_partials``) with fewer passes.
 
+  Keys are stored length-last (``kv_cache``), so both products are plain matmuls.
+
   Args:
-    q: [G,M,N,H]. prefix_k, prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or [G,M,P].
-    suffix_k, suffix_v: [G,M,K,R,H]; suffix_valid: bool [G,M,R].
+    q: [G,M,N,H]. prefix_k: [G,K,H,P]; prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or
+      [G,M,P]. suffix_k: [G,M,K,H,R]; suffix_v: [G,M,K,R,H]; suffix_valid: bool [G,M,R].
   Returns:
     [G,M,N,H] in q's dtype.
   """
   G, M, N, H = q.shape
-  K, P = prefix_k.shape[1], prefix_k.shape[2]
+  K, P = prefix_v.shape[1], prefix_v.shape[2]
   J = N // K
   qg = q.reshape(G, M, K, J, H).astype(jnp.float32) / np.float32(np.sqrt(H))
   f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
   # batch dims leading in both operands: plain batched matmuls over (g,k) and (g,m,k);
   # a = M·J rows of a kv head (a local letter)
   q_pre = jnp.swapaxes(qg, 1, 2).reshape(G, K, M * J, H)
-  s_pre = f32("gkah,gkph->gkap", q_pre, prefix_k).reshape(G, K, M, J, P)
+  s_pre = f32("gkah,gkhp->gkap", q_pre, prefix_k).reshape(G, K, M, J, P)
   s_pre = jnp.swapaxes(s_pre, 1, 2)  # [G,M,K,J,P]
-  s_suf = f32("gmkjh,gmkrh->gmkjr", qg, suffix_k)
+  s_suf = f32("gmkjh,gmkhr->gmkjr", qg, suffix_k)
   pre_valid = prefix_valid if prefix_valid.ndim == 3 else prefix_valid[:, None, :]
   valid = jnp.concatenate([jnp.broadcast_to(pre_valid, (G, M, P)),
                            suffix_valid], axis=-1)[:, :, None, None, :]
@@ -85,7 +87,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params, cfg)``. One step.
   """
   G, M, R = state.tokens.shape
-  P = state.prefix_k[0].shape[2]
+  P = state.prefix_v[0].shape[2]
   take = (state.reason == RUNNING) & state.active[:, None]
   cur = jnp.maximum(state.length - 1, 0)  # index of the token fed now
   feed = jnp.take_along_axis(state.tokens, cur[..., None], axis=-1)[..., 0]
@@ -100,8 +102,10 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
 
   def attend(q, k, v, layer, spec=None):
     l = layer
-    put = lambda c, x: c.at[gi, mi, :, cur].set(x.reshape(G, M, *x.shape[2:]).astype(c.dtype))
-    caches["sk"][l], caches["sv"][l] = put(caches["sk"][l], k), put(caches["sv"][l], v)
+    # the fed token's K/V [G·M,1,K,H] at index cur: the keys' length axis is last
+    put = lambda c, x, at: c.at[at].set(x.reshape(G, M, *x.shape[2:]).astype(c.dtype))
+    caches["sk"][l] = put(caches["sk"][l], k, (gi, mi, slice(None), slice(None), cur))
+    caches["sv"][l] = put(caches["sv"][l], v, (gi, mi, slice(None), cur))
     pv, sv = pvalid, svalid
     if spec is not None:
       pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))

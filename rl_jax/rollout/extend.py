@@ -60,14 +60,15 @@ class Extension(NamedTuple):
 
 def _context(state: DecodeState, slot, sample, start):
   """Per-row cached context, prompt then trajectory: (k, v) [L,Be,P+R,K,H], valid [Be,P+R]."""
-  P = state.prefix_k[0].shape[2]
-  R = state.suffix_k[0].shape[3]
-  join = lambda pre, suf: jnp.stack([
-      jnp.swapaxes(jnp.concatenate([p[slot], s[slot, sample]], axis=2), 1, 2)
+  P = state.prefix_v[0].shape[2]
+  R = state.suffix_v[0].shape[3]
+  # keys are stored length-last ([Be,K,H,len]), values [Be,K,len,H]
+  join = lambda pre, suf, axis: jnp.stack([
+      jnp.moveaxis(jnp.concatenate([p[slot], s[slot, sample]], axis=axis), axis, 1)
       for p, s in zip(pre, suf)])
   pvalid = jnp.arange(P)[None, :] < state.prefix_len[slot][:, None]
   svalid = jnp.arange(R)[None, :] < start[:, None]
-  return (join(state.prefix_k, state.suffix_k), join(state.prefix_v, state.suffix_v),
+  return (join(state.prefix_k, state.suffix_k, 3), join(state.prefix_v, state.suffix_v, 2),
           jnp.concatenate([pvalid, svalid], axis=1))
 
 
@@ -105,8 +106,10 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     # chunk K/V into the suffix caches at start + j (invalid tokens and padding rows dropped)
     at = jnp.where(cvalid, ext.start[:, None] + j, R)
     rows = (ext.slot[:, None], ext.sample[:, None])
-    place = lambda cache, u: tuple(
-        c.at[rows[0], rows[1], :, at].set(u[l, :, 0].astype(c.dtype), mode="drop")
+    # u [L,Be,1,C,K,H]; the indexed cache entries are [Be,C,K,H] for keys and values
+    # (advanced indices apart put their dims first)
+    place = lambda cache, u, lead: tuple(
+        c.at[(rows[0], rows[1]) + lead + (at,)].set(u[l, :, 0].astype(c.dtype), mode="drop")
         for l, c in enumerate(cache))
 
     # the rows' token records: chunk written, then the sampled token appended by ``record``
@@ -128,7 +131,8 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
 
     put = lambda a, u: a.at[ext.slot, ext.sample].set(u[:, 0].astype(a.dtype), mode="drop")
     new = state._replace(
-        suffix_k=place(state.suffix_k, ck), suffix_v=place(state.suffix_v, cv),
+        suffix_k=place(state.suffix_k, ck, (slice(None),) * 2),
+        suffix_v=place(state.suffix_v, cv, (slice(None),)),
         tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
         budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason))

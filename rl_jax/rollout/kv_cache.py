@@ -5,9 +5,13 @@ per slot, P prefix (prompt) cache length, R response (suffix) cache length, L la
 K kv heads, H head dim).
 
 Each slot g holds one prompt, prefilled once into the prefix cache ``prefix_k/v`` (L arrays
-[G,K,P,H], one per layer), and M samples that keep only their own response K/V in the suffix
-cache ``suffix_k/v`` (L arrays [G,M,K,R,H]). One array per layer and kv heads before length
-let the decode step read the caches in place: no per-step slice or transpose copies.
+per layer: keys [G,K,H,P], values [G,K,P,H]), and M samples that keep only their own response
+K/V in the suffix cache ``suffix_k/v`` (keys [G,M,K,H,R], values [G,M,K,R,H]). One array per
+layer and kv heads first let the decode step read the caches in place: no per-step slice or
+transpose copies. Keys keep the cache length last, so both of the decode query's products are
+plain [rows, contracted] x [contracted, columns] matmuls: q·K contracts the head dim H, p·V
+the cache length (``decode.decode_attention``); on CPU the transposed form ([.., R, H] keys)
+costs 1.5-2x more per layer.
 
 Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
 heads over ``act_kv_heads`` (tensor) and cache length over ``kv_length`` (sequence).
@@ -43,9 +47,11 @@ class DecodeState(NamedTuple):
   """Device state of all slots (a pytree; every field has a logical-axes entry).
 
   Attributes:
-    prefix_k, prefix_v: tuples of L arrays [G,K,P,H], prompt K/V, one copy per slot.
+    prefix_k, prefix_v: tuples of L arrays, prompt K/V, one copy per slot: keys [G,K,H,P],
+      values [G,K,P,H].
     prefix_len: int32 [G] prompt length of each slot.
-    suffix_k, suffix_v: tuples of L arrays [G,M,K,R,H], each sample's own response K/V.
+    suffix_k, suffix_v: tuples of L arrays, each sample's own response K/V: keys
+      [G,M,K,H,R], values [G,M,K,R,H].
     tokens: int32 [G,M,R] response tokens (index j = j-th generated token).
     logprobs: float32 [G,M,R] behaviour log-prob of each token.
     versions: int32 [G,M,R] policy version that sampled each token.
@@ -79,10 +85,10 @@ class DecodeState(NamedTuple):
 
 
 CACHE_AXES = DecodeState(
-    prefix_k=("batch", "act_kv_heads", "kv_length", None),  # each layer's array
+    prefix_k=("batch", "act_kv_heads", None, "kv_length"),  # each layer's array
     prefix_v=("batch", "act_kv_heads", "kv_length", None),
     prefix_len=("batch",),
-    suffix_k=("batch", None, "act_kv_heads", "kv_length", None),
+    suffix_k=("batch", None, "act_kv_heads", None, "kv_length"),
     suffix_v=("batch", None, "act_kv_heads", "kv_length", None),
     tokens=("batch", None, None),
     logprobs=("batch", None, None),
@@ -158,9 +164,9 @@ def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int) -> DecodeState
   dt = jnp.dtype(cfg.dtype)
   layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
   return DecodeState(
-      prefix_k=layers((G, K, P, H)), prefix_v=layers((G, K, P, H)),
+      prefix_k=layers((G, K, H, P)), prefix_v=layers((G, K, P, H)),
       prefix_len=jnp.ones((G,), jnp.int32),
-      suffix_k=layers((G, M, K, R, H)), suffix_v=layers((G, M, K, R, H)),
+      suffix_k=layers((G, M, K, H, R)), suffix_v=layers((G, M, K, R, H)),
       tokens=jnp.zeros((G, M, R), jnp.int32), logprobs=jnp.zeros((G, M, R), jnp.float32),
       versions=jnp.full((G, M, R), -1, jnp.int32), length=jnp.zeros((G, M), jnp.int32),
       budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),

@@ -168,12 +168,15 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     else:
       put = lambda a, u, lead=0: a.at[(slice(None),) * lead + (adm.slots,)].set(
           u.astype(a.dtype), mode="drop")
-    Pfull = state.prefix_k[0].shape[2]
-    # [L,Bn,Pb,K,H] -> cache layout [L,Bn,K,P,H]
-    pad_p = lambda a: jnp.pad(jnp.swapaxes(a, 2, 3), ((0, 0),) * 3 + ((0, Pfull - Pb), (0, 0)))
+    Pfull = state.prefix_v[0].shape[2]
+    # [L,Bn,Pb,K,H] -> cache layouts: keys [L,Bn,K,H,P], values [L,Bn,K,P,H]
+    pad = lambda a, axis: jnp.pad(a, [(0, Pfull - Pb) if d == axis else (0, 0)
+                                      for d in range(a.ndim)])
+    keys = pad(jnp.transpose(pk, (0, 1, 3, 4, 2)), 4)
+    values = pad(jnp.swapaxes(pv, 2, 3), 3)
     per_layer = lambda cache, u: tuple(put(c, u[l]) for l, c in enumerate(cache))
     new = state._replace(
-        prefix_k=per_layer(state.prefix_k, pad_p(pk)), prefix_v=per_layer(state.prefix_v, pad_p(pv)),
+        prefix_k=per_layer(state.prefix_k, keys), prefix_v=per_layer(state.prefix_v, values),
         prefix_len=put(state.prefix_len, adm.prompt_len),
         tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
@@ -238,20 +241,26 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
     slot = jnp.minimum(res.slot, G - 1)  # padding rows read slot G-1 and are dropped below
     j = jnp.arange(T, dtype=jnp.int32)
     plen = state.prefix_len[slot]
-    P = state.prefix_k[0].shape[2]
+    P = state.prefix_v[0].shape[2]
     pvalid = jnp.arange(P)[None, :] < plen[:, None]
     rpos = plen[:, None] + j
     rvalid = j[None, :] < (res.length - 1)[:, None]  # the last token is fed next
     bmask = (j[:, None] >= j[None, :])[None] & rvalid[:, None, :]
-    # prefix of each row's slot, [L,Br,K,P,H] -> [L,Br,P,K,H] for grouped_attention
-    gather = lambda cache: jnp.swapaxes(jnp.stack([c[slot] for c in cache]), 2, 3)
-    _, rk, rv = run_trunk(cfg, params, res.tokens, rpos, Br, 1, bmask[:, None],
-                          prefix=(gather(state.prefix_k), gather(state.prefix_v), pvalid),
+    # prefix of each row's slot as [L,Br,P,K,H] for grouped_attention (keys are stored
+    # [L,Br,K,H,P], values [L,Br,K,P,H])
+    gather = lambda cache, order: jnp.transpose(jnp.stack([c[slot] for c in cache]), order)
+    prefix = (gather(state.prefix_k, (0, 1, 4, 2, 3)), gather(state.prefix_v, (0, 1, 3, 2, 4)),
+              pvalid)
+    _, rk, rv = run_trunk(cfg, params, res.tokens, rpos, Br, 1, bmask[:, None], prefix=prefix,
                           block_delta=(j[:, None] - j[None, :])[None, None],
                           prefix_delta=(rpos[:, :, None] - jnp.arange(P)[None, None, :])[:, None])
-    place = lambda cache, u: tuple(
-        c.at[res.slot, res.sample, :, :T].set(jnp.swapaxes(u[l, :, 0], 1, 2).astype(c.dtype),
+    # [L,Br,1,T,K,H] -> the rows' first T cache entries: keys [Br,K,H,T], values [Br,K,T,H]
+    place = lambda cache, u, order, at: tuple(
+        c.at[(res.slot, res.sample) + at].set(jnp.transpose(u[l, :, 0], order).astype(c.dtype),
                                               mode="drop")
         for l, c in enumerate(cache))
-    new = state._replace(suffix_k=place(state.suffix_k, rk), suffix_v=place(state.suffix_v, rv))
+    all_ = slice(None)
+    new = state._replace(
+        suffix_k=place(state.suffix_k, rk, (0, 2, 3, 1), (all_, all_, slice(0, T))),
+        suffix_v=place(state.suffix_v, rv, (0, 2, 1, 3), (all_, slice(0, T))))
     return constrain_state(new)

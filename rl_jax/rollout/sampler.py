@@ -10,8 +10,9 @@ One namespace for the sampler's pieces, which live in three modules:
 * ``decode``: ``decode`` (the ``while_loop``) over ``decode_step`` and ``decode_attention``.
 
 Axis letters: the legend of ``rl_jax/__init__.py``. Each slot g holds one prompt,
-prefilled once into the prefix cache (L arrays [G,K,P,H]), and M samples that keep only
-their own response K/V in the suffix cache (L arrays [G,M,K,R,H]). The replicated layout is
+prefilled once into the prefix cache (L arrays: keys [G,K,H,P], values [G,K,P,H]), and M
+samples that keep only their own response K/V in the suffix cache (keys [G,M,K,H,R], values
+[G,M,K,R,H]). The replicated layout is
 the same code with M = 1 and the prompt repeated in one slot per sample. Shapes are bucketed
 by the engine, so each entry point compiles a few times at most (``TRACE_COUNTS``).
 
