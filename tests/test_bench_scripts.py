@@ -208,3 +208,22 @@ def test_bench_tunix_prompt_tokens_sets_one_shared_prompt_and_the_rljax_side_run
   res = bench.run_rljax(str(tmp_path), steps=2, repeats=1, n=2, new_tokens=8)
   assert res["sampler_tokens"] == 2 * 8 and res["grpo_steps"] == 2
   assert res["grpo_step_s"] > 0 and 0 < res["grpo_tokens"] <= 2 * 8
+
+
+def test_bench_decode_attention_baseline_is_the_same_attention_and_runs():
+  """The script's baseline (keys [.., len, H]) computes what ``decode_attention`` computes
+  on length-last keys; the quick run reports both at equal outputs."""
+  bench = _load("bench_decode_attention")
+  rng = np.random.default_rng(2)
+  G, M, N, K, H, P, R = 2, 3, 4, 2, 8, 5, 6
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, pk, pv = normal(G, M, N, H), normal(G, K, P, H), normal(G, K, P, H)
+  sk, sv = normal(G, M, K, R, H), normal(G, M, K, R, H)
+  pvalid = jnp.arange(P)[None, :] < jnp.array([[3], [5]])
+  svalid = jnp.arange(R)[None, None, :] < jnp.array(rng.integers(1, R + 1, (G, M)))[..., None]
+  base = bench.attention_keys_by_position(q, pk, pv, pvalid, sk, sv, svalid)
+  new = bench.decode_attention(q, jnp.swapaxes(pk, -1, -2), pv, pvalid,
+                               jnp.swapaxes(sk, -1, -2), sv, svalid)
+  np.testing.assert_allclose(base, new, rtol=1e-6, atol=1e-6)
+  (row,) = bench.main(["--quick", "--repeats", "1", "--steps", "2", "--layers", "1"])
+  assert row["diff"] < 1e-5 and row["baseline_us"] > 0 and row["length_last_us"] > 0

@@ -7,11 +7,12 @@ K kv heads, H head dim).
 Each slot g holds one prompt, prefilled once into the prefix cache ``prefix_k/v`` (L arrays
 per layer: keys [G,K,H,P], values [G,K,P,H]), and M samples that keep only their own response
 K/V in the suffix cache ``suffix_k/v`` (keys [G,M,K,H,R], values [G,M,K,R,H]). One array per
-layer and kv heads first let the decode step read the caches in place: no per-step slice or
-transpose copies. Keys keep the cache length last, so both of the decode query's products are
-plain [rows, contracted] x [contracted, columns] matmuls: q·K contracts the head dim H, p·V
-the cache length (``decode.decode_attention``); on CPU the transposed form ([.., R, H] keys)
-costs 1.5-2x more per layer.
+layer, kv heads ahead of the length and head axes, lets the decode step read the caches in
+place: no per-step slice or transpose copies. Keys keep the cache length last, so both of the
+decode query's products are plain [rows, contracted] x [contracted, columns] matmuls: q·K
+contracts the head dim H, p·V the cache length (``decode.decode_attention``); on XLA's CPU
+backend keys stored [.., R, H] made the decode attention 1.5-2x slower per layer
+(``scripts/bench_decode_attention.py``).
 
 Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
 heads over ``act_kv_heads`` (tensor) and cache length over ``kv_length`` (sequence).
