@@ -374,3 +374,18 @@ def test_bad_index_and_missing_shard(tmp_path):
   (tmp_path / "model.safetensors.index.json").write_text("[1, 2]")
   with pytest.raises(ModelError, match="not a valid safetensors index"):
     models.load_hf(str(tmp_path))
+
+
+def test_release_host_memory_looks_up_libc_once(monkeypatch):
+  """The learner trims the C heap every step; the libc lookup (a subprocess) runs once."""
+  import ctypes.util
+  calls = []
+  real = ctypes.util.find_library
+  monkeypatch.setattr(ctypes.util, "find_library", lambda name: calls.append(name) or real(name))
+  hf_mod._glibc_malloc_trim.cache_clear()
+  try:
+    results = [hf_mod.release_host_memory() for _ in range(3)]
+  finally:
+    hf_mod._glibc_malloc_trim.cache_clear()
+  assert calls == ["c"]
+  assert results == [results[0]] * 3 and results[0] == (hf_mod._glibc_malloc_trim() is not None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import re
@@ -443,15 +444,26 @@ def _fused_experts(idx, pre, shapes, dtype) -> tuple[list[np.ndarray], np.ndarra
       down[j, e:e + step] = np.swapaxes(chunk, 1, 2)
   return gate_up, down
 
+@functools.cache
+def _glibc_malloc_trim():
+  """glibc's ``malloc_trim``, or None where there is no glibc; looked up once
+  (``ctypes.util.find_library`` runs ``ldconfig`` in a subprocess, and the learner calls
+  ``release_host_memory`` every step)."""
+  try:
+    return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+  except (OSError, AttributeError, TypeError):
+    return None
+
+
 def release_host_memory() -> bool:
   """Hands the C heap's free pages back to the OS (glibc ``malloc_trim``); False where
   there is no glibc. The loader's host copies of the tensors (several MB each) are freed
   into the heap, which glibc otherwise keeps: a few hundred MB of a 0.6B model's load stay
   in the process's resident set for the whole run."""
-  try:
-    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-  except (OSError, AttributeError, TypeError):
+  trim = _glibc_malloc_trim()
+  if trim is None:
     return False
+  trim(0)
   return True
 
 
