@@ -2,8 +2,9 @@
 
 ``rollout.decode.decode_attention`` reads the prompt-once caches of ``rollout.kv_cache``:
 keys length-last (prefix [G,K,H,P], suffix [G,M,K,H,R]), values [.., len, H]. The baseline
-here is the same computation with keys stored [.., len, H] like the values, so the score
-products contract the minor dim of both operands (q·Kᵀ per (group, sample, kv head)).
+here is the same function reading keys stored [.., len, H] like the values
+(``keys_length_last=False``), so the score products contract the minor dim of both operands
+(q·Kᵀ per (group, sample, kv head)).
 
 Each variant runs ``--layers`` attention calls per step in a ``fori_loop`` of ``--steps``
 decode steps (the query updated from the output so nothing is hoisted), the valid suffix
@@ -21,7 +22,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -37,25 +37,10 @@ from rl_jax.rollout.decode import decode_attention  # noqa: E402
 SHAPES = [(16, 1, 32, 64), (1, 16, 10, 64), (16, 1, 32, 256), (1, 16, 10, 256)]  # G,M,P,R
 
 
-def attention_keys_by_position(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v,
-                               suffix_valid):
-  """The baseline: ``decode_attention`` with keys [G,K,P,H] / [G,M,K,R,H]."""
-  G, M, N, H = q.shape
-  K, P = prefix_k.shape[1], prefix_k.shape[2]
-  J = N // K
-  qg = q.reshape(G, M, K, J, H).astype(jnp.float32) / np.float32(np.sqrt(H))
-  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-  q_pre = jnp.swapaxes(qg, 1, 2).reshape(G, K, M * J, H)
-  s_pre = jnp.swapaxes(f32("gkah,gkph->gkap", q_pre, prefix_k).reshape(G, K, M, J, P), 1, 2)
-  s_suf = f32("gmkjh,gmkrh->gmkjr", qg, suffix_k)
-  pre_valid = prefix_valid if prefix_valid.ndim == 3 else prefix_valid[:, None, :]
-  valid = jnp.concatenate([jnp.broadcast_to(pre_valid, (G, M, P)),
-                           suffix_valid], axis=-1)[:, :, None, None, :]
-  probs = jax.nn.softmax(jnp.where(valid, jnp.concatenate([s_pre, s_suf], -1), -jnp.inf), -1)
-  p_pre = jnp.swapaxes(probs[..., :P], 1, 2).reshape(G, K, M * J, P)
-  o_pre = jnp.swapaxes(f32("gkap,gkph->gkah", p_pre, prefix_v).reshape(G, K, M, J, H), 1, 2)
-  out = o_pre + f32("gmkjr,gmkrh->gmkjh", probs[..., P:], suffix_v)
-  return out.reshape(G, M, N, H).astype(q.dtype)
+def attention_keys_by_position(*args):
+  """The baseline: ``decode_attention`` reading keys [G,K,P,H] / [G,M,K,R,H] (laid out like
+  the values, as the caches stored them before)."""
+  return decode_attention(*args, keys_length_last=False)
 
 
 def program(fn, layers: int, steps: int, R: int):

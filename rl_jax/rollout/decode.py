@@ -39,7 +39,8 @@ from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constra
 __all__ = ["decode", "decode_attention", "decode_step"]
 
 
-def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid):
+def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid,
+                     keys_length_last: bool = True):
   """One query per sample over its group's shared prefix and its own suffix cache.
 
   The current token's K/V must already be in the suffix cache (``suffix_valid`` includes it).
@@ -52,6 +53,9 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
   Args:
     q: [G,M,N,H]. prefix_k: [G,K,H,P]; prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or
       [G,M,P]. suffix_k: [G,M,K,H,R]; suffix_v: [G,M,K,R,H]; suffix_valid: bool [G,M,R].
+    keys_length_last: False reads keys laid out like the values ([G,K,P,H] /
+      [G,M,K,R,H]), the layout the caches had before; on CPU it is 1.5-2x slower per layer
+      (``scripts/bench_decode_attention.py``'s baseline).
   Returns:
     [G,M,N,H] in q's dtype.
   """
@@ -63,9 +67,11 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
   # batch dims leading in both operands: plain batched matmuls over (g,k) and (g,m,k);
   # a = M·J rows of a kv head (a local letter)
   q_pre = jnp.swapaxes(qg, 1, 2).reshape(G, K, M * J, H)
-  s_pre = f32("gkah,gkhp->gkap", q_pre, prefix_k).reshape(G, K, M, J, P)
+  pre_spec, suf_spec = (("gkah,gkhp->gkap", "gmkjh,gmkhr->gmkjr") if keys_length_last else
+                        ("gkah,gkph->gkap", "gmkjh,gmkrh->gmkjr"))
+  s_pre = f32(pre_spec, q_pre, prefix_k).reshape(G, K, M, J, P)
   s_pre = jnp.swapaxes(s_pre, 1, 2)  # [G,M,K,J,P]
-  s_suf = f32("gmkjh,gmkhr->gmkjr", qg, suffix_k)
+  s_suf = f32(suf_spec, qg, suffix_k)
   pre_valid = prefix_valid if prefix_valid.ndim == 3 else prefix_valid[:, None, :]
   valid = jnp.concatenate([jnp.broadcast_to(pre_valid, (G, M, P)),
                            suffix_valid], axis=-1)[:, :, None, None, :]
