@@ -43,7 +43,9 @@ VARIANTS = {"plain": dict(fused_mlp=False, scan_layers=True),
             "unrolled": dict(fused_mlp=False, scan_layers=False),
             "fused+unrolled": dict(fused_mlp=True, scan_layers=False),
             "concat": dict(fused_mlp=False, prefix_attention="concat"),
-            "fused+concat": dict(fused_mlp=True, prefix_attention="concat")}
+            "fused+concat": dict(fused_mlp=True, prefix_attention="concat"),
+            "fused+concat+unrolled": dict(fused_mlp=True, prefix_attention="concat",
+                                          scan_layers=False)}
 
 
 def main(argv=None) -> dict:

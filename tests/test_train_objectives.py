@@ -175,3 +175,21 @@ def test_estimator_registered_outside_rl_jax_trains_end_to_end(tmp_path):
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
   assert all(np.isfinite(r["loss"]) for r in rows)
   assert os.path.exists(tmp_path / "run" / "hf" / "model.safetensors")
+
+
+def test_update_trims_the_host_heap_only_for_policies_past_the_threshold(monkeypatch):
+  """``apply_update`` hands freed host memory back before the update for a large policy and
+  skips it for a small one (where re-touching the trimmed pages costs more than it saves)."""
+  from rl_jax.train import learner  # pylint: disable=import-outside-toplevel
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  assert learner.trims_host_memory({"w": f32(64 << 20)})  # 256 MiB: the threshold
+  assert not learner.trims_host_memory({"w": f32(64 << 20 - 1), "b": f32(0)})
+  assert learner.trims_host_memory({"a": f32(32 << 20), "b": [f32(16 << 20), f32(16 << 20)]})
+  calls = []
+  monkeypatch.setattr(learner, "release_host_memory", lambda: calls.append(1) or True)
+  setup = _parity_setup([])
+  _two_rl_steps(setup)
+  assert calls == []  # the tiny model is below the threshold
+  monkeypatch.setattr(learner, "TRIM_MIN_PARAM_BYTES", 1)
+  _two_rl_steps(setup)
+  assert calls == [1, 1]  # once per update

@@ -414,7 +414,10 @@ def _swiglu_bwd(res, dy):
   F = w_gate.shape[-1]
   sig = jax.nn.sigmoid(gate)
   silu = gate * sig
-  d_down = jnp.einsum("btf,btd->fd", silu * up, dy)
+  # [D,F] then transposed: contracting both [B,T,·] operands with the activation as the
+  # right-hand side keeps it in its own layout (XLA's CPU backend otherwise writes the whole
+  # [F,B·T] activation transposed, strided, for the product)
+  d_down = jnp.einsum("btd,btf->df", dy, silu * up).T
   dact = jnp.einsum("btd,fd->btf", dy, w_down)
   dgu = jnp.concatenate([dact * up * (sig * (1 + gate * (1 - sig))), dact * silu], axis=-1)
   dh = jnp.einsum("btf,df->btd", dgu, jnp.concatenate([w_gate, w_up], axis=-1))

@@ -13,6 +13,7 @@ M samples per group, P prompt bucket, R new tokens.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -29,7 +30,8 @@ from rl_jax.train.rollouts import Trainer, encode_prompts, pad_prompts
 from rl_jax.train.state import TrainState
 from rl_jax.train.steps import UpdateBatch
 
-__all__ = ["objective_inputs", "staleness_metrics", "learner_batch", "apply_update"]
+__all__ = ["objective_inputs", "staleness_metrics", "learner_batch", "apply_update",
+           "trims_host_memory", "TRIM_MIN_PARAM_BYTES"]
 
 
 def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
@@ -140,12 +142,28 @@ def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:
           for i in range(k)]
 
 
+# Policies of at least this many parameter bytes hand the host memory that sampling and
+# scoring freed back to the OS before each update (``release_host_memory``): a 0.6B model's
+# run peaks 0.36 GiB lower with it. A smaller policy's freed buffers are a few MB that its next
+# allocations reuse; trimming them costs more than it saves (the trim, then the kernel
+# refilling the pages: about 20 ms of a 0.2 s step of the 3.7M-parameter benchmark model).
+TRIM_MIN_PARAM_BYTES = 256 << 20
+
+
+def trims_host_memory(params) -> bool:
+  """Whether ``apply_update`` trims the host heap before updating ``params`` (a pytree of
+  arrays): their bytes, all shards counted, reach ``TRIM_MIN_PARAM_BYTES``."""
+  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(params)) >= TRIM_MIN_PARAM_BYTES
+
+
 def apply_update(t: Trainer, state: TrainState, batch: UpdateBatch) -> tuple[TrainState, dict]:
   """The learner's step: ``train.minibatches`` optimizer updates on ``batch``; (state, the
   metrics averaged over the minibatches)."""
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   mets_all = []
-  release_host_memory()  # host buffers freed by sampling and scoring, before the peak
+  if trims_host_memory(state.params):
+    release_host_memory()  # host buffers freed by sampling and scoring, before the peak
   for mb in _minibatches(t, batch, t.setup.config.train.minibatches):
     *carry, mets = t.steps.rl_update(*carry, mb)
     mets_all.append(jax.device_get(mets))
