@@ -5,7 +5,10 @@ A random Qwen3-style policy (hidden 256, 4 layers, 4 query / 2 KV heads of 64, M
 (one minibatch: on-policy). Two trainers on the same weights and the same step:
 
 * ``separate``: ``train.old_logp_pass=separate`` (a teacher-forced pass computes old_logp);
-* ``auto``: the update takes old_logp from its own policy pass (``rl_jax.train.on_policy``).
+* ``auto``: the update takes old_logp from its own policy pass (``rl_jax.train.on_policy``);
+* ``auto+trim``: ``auto``'s trainer, with the host heap handed back to the OS before every
+  update (``release_host_memory``), as the learner does for policies of
+  ``learner.TRIM_MIN_PARAM_BYTES`` or more (this 3.7M-parameter one is below it).
 
 Reported: the first step of each (compile included, and the compile time alone), then the
 median of ``--repeats`` interleaved steps (each variant re-runs step 0 from its own copy
@@ -33,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rl_jax import config_utils, profiling, train  # noqa: E402
-from rl_jax.train import rollouts, startup  # noqa: E402
+from rl_jax.train import learner, rollouts, startup  # noqa: E402
 
 QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "configs", "quickstart.py")
@@ -71,16 +74,21 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   clock = startup.compile_clock()
   variants = {m: make(m) for m in ("separate", "auto")}
+  variants["auto+trim"] = variants["auto"]  # same programs; differs in the trim only
+  trim_default = learner.TRIM_MIN_PARAM_BYTES
   n_params = sum(x.size for x in jax.tree.leaves(variants["auto"][2].params))
   out = {"params": n_params, "first_s": {}, "compile_s": {}, "step_s": {}}
   for m, (s, t, state) in variants.items():
+    learner.TRIM_MIN_PARAM_BYTES = 0 if m == "auto+trim" else trim_default
     clock.take()
     out["first_s"][m], _ = one_step(t, state)
     out["compile_s"][m] = clock.take()
   times = {m: [] for m in variants}
   for _ in range(args.repeats):
     for m, (s, t, state) in variants.items():
+      learner.TRIM_MIN_PARAM_BYTES = 0 if m == "auto+trim" else trim_default
       times[m].append(one_step(t, state)[0])
+  learner.TRIM_MIN_PARAM_BYTES = trim_default
   out["step_s"] = {m: float(np.median(v)) for m, v in times.items()}
 
   s, t, state = variants["auto"]
@@ -113,6 +121,7 @@ def main(argv=None) -> dict:
     out["profile"] = profiling.summarize(args.profile, top=12)
     print(out["profile"])
   print(f"auto vs separate: {out['step_s']['separate'] / out['step_s']['auto']:.2f}x; "
+        f"auto vs auto+trim: {out['step_s']['auto+trim'] / out['step_s']['auto']:.2f}x; "
         f"sampler: {out['sampler_tokens_per_s']:.0f} tokens/s (median, 1 x 16 x 64)")
   return out
 

@@ -17,7 +17,7 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
   update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``,
   ``--prefix-attention`` ``model.prefix_attention``, ``--fast-compile``
-  ``train.cpu_fast_compile``; the same
+  ``train.cpu_fast_compile``, ``--remat`` ``model.remat``; the same
   prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
@@ -97,7 +97,7 @@ def _reward(completion: str) -> float:
 # ----------------------------------------------------------------------------- rl_jax side
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
               new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
-              fast_compile: bool = False) -> dict:
+              fast_compile: bool = False, remat: str = "none") -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -118,12 +118,12 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
           "sampler_tokens": n_tok,
           **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens, prefix_attention,
-                        fast_compile)}
+                        fast_compile, remat)}
 
 
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
                 new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
-                fast_compile: bool = False) -> dict:
+                fast_compile: bool = False, remat: str = "none") -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -136,7 +136,8 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
       "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
       "loss.preset=grpo", "loss.kl_beta=0.0", f"data.max_prompt_len={MAX_PROMPT}",
       f"model.fused_mlp={fused_mlp}", f"model.prefix_attention={prefix_attention}",
-      f"train.cpu_fast_compile={fast_compile}", "optim.lr=1e-5"])  # the peers' learning rate
+      f"train.cpu_fast_compile={fast_compile}", "optim.lr=1e-5",  # the peers' learning rate
+      *([f"model.remat={remat}"] if remat != "none" else [])])
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
                            "verify": lambda self, c, a: _reward(c)})()
@@ -287,6 +288,8 @@ def main(argv=None) -> dict:
                   help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--fast-compile", action="store_true",
                   help="rl_jax trainer: train.cpu_fast_compile")
+  ap.add_argument("--remat", choices=("none", "full", "dots"), default="none",
+                  help="rl_jax trainer: model.remat")
   ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
   ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                   help="new tokens per sample (sampler: exactly; GRPO: at most)")
@@ -301,7 +304,7 @@ def main(argv=None) -> dict:
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                  args.samples, args.new_tokens, args.prefix_attention,
-                                 args.fast_compile)))
+                                 args.fast_compile, args.remat)))
     else:
       print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
                                  args.new_tokens)))
@@ -318,7 +321,8 @@ def main(argv=None) -> dict:
              "--prompt-tokens", str(args.prompt_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       cmd += ["--fast-compile"] if args.fast_compile and side == "rljax" else []
-      cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
+      cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
+              ] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
       if out.returncode != 0:
@@ -328,7 +332,8 @@ def main(argv=None) -> dict:
   print(f"load average {os.getloadavg()[0]:.1f}; 1 prompt of {args.prompt_tokens} tokens, "
         f"{args.samples} samples x "
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
-        f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}")
+        f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}, "
+        f"remat={args.remat}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
           "grpo_first_s")

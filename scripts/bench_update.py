@@ -45,7 +45,11 @@ VARIANTS = {"plain": dict(fused_mlp=False, scan_layers=True),
             "concat": dict(fused_mlp=False, prefix_attention="concat"),
             "fused+concat": dict(fused_mlp=True, prefix_attention="concat"),
             "fused+concat+unrolled": dict(fused_mlp=True, prefix_attention="concat",
-                                          scan_layers=False)}
+                                          scan_layers=False),
+            "fused+concat+remat_dots": dict(fused_mlp=True, prefix_attention="concat",
+                                            remat="dots"),
+            "fused+concat+remat_full": dict(fused_mlp=True, prefix_attention="concat",
+                                            remat="full")}
 
 
 def main(argv=None) -> dict:

@@ -146,7 +146,7 @@ def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:
 # scoring freed back to the OS before each update (``release_host_memory``): a 0.6B model's
 # run peaks 0.36 GiB lower with it. A smaller policy's freed buffers are a few MB that its next
 # allocations reuse; trimming them costs more than it saves (the trim, then the kernel
-# refilling the pages: about 20 ms of a 0.2 s step of the 3.7M-parameter benchmark model).
+# refilling the pages: 4-6% of a GRPO step of the 3.7M-parameter ``scripts/bench_step.py``).
 TRIM_MIN_PARAM_BYTES = 256 << 20
 
 
