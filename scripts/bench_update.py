@@ -11,10 +11,12 @@ x ``--length`` 64 tokens. Variants (``ModelConfig`` fields):
 * ``fused``: ``fused_mlp=True`` (``transformer.swiglu_mlp``; the config default is False);
 * ``unrolled``: ``scan_layers=False``; ``fused+unrolled``: both;
 * ``concat``: ``prefix_attention="concat"`` (``transformer.concat_prefix_attention``);
-  ``fused+concat``: with ``fused_mlp=True``.
+  ``fused+concat``: with ``fused_mlp=True``;
+* ``fused+concat+unrolled``, ``fused+concat+remat_dots``, ``fused+concat+remat_full``:
+  ``fused+concat`` with ``scan_layers=False``, ``remat="dots"`` or ``remat="full"``.
 
-Before timing, every variant's loss and gradients are compared with ``plain`` (max abs
-difference printed). Reported: the first call (compile included), then the median and the
+Before timing, every variant's loss and gradients are compared with the first variant
+named (``plain`` by default; max abs difference printed). Reported: the first call (compile included), then the median and the
 worst of ``--repeats`` interleaved calls (each on a fresh copy of the same initial state).
 
 Usage::
