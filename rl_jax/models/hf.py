@@ -444,11 +444,12 @@ def _fused_experts(idx, pre, shapes, dtype) -> tuple[list[np.ndarray], np.ndarra
       down[j, e:e + step] = np.swapaxes(chunk, 1, 2)
   return gate_up, down
 
+
 @functools.cache
 def _glibc_malloc_trim():
   """glibc's ``malloc_trim``, or None where there is no glibc; looked up once
   (``ctypes.util.find_library`` runs ``ldconfig`` in a subprocess, and the learner calls
-  ``release_host_memory`` every step)."""
+  ``release_host_memory`` before every update of a large policy)."""
   try:
     return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
   except (OSError, AttributeError, TypeError):
