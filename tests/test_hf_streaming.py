@@ -377,7 +377,8 @@ def test_bad_index_and_missing_shard(tmp_path):
 
 
 def test_release_host_memory_looks_up_libc_once(monkeypatch):
-  """The learner trims the C heap every step; the libc lookup (a subprocess) runs once."""
+  """The learner trims the C heap before updates; the libc lookup (a subprocess) runs
+  once."""
   import ctypes.util
   calls = []
   real = ctypes.util.find_library

@@ -183,7 +183,7 @@ def test_update_trims_the_host_heap_only_for_policies_past_the_threshold(monkeyp
   from rl_jax.train import learner  # pylint: disable=import-outside-toplevel
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   assert learner.trims_host_memory({"w": f32(64 << 20)})  # 256 MiB: the threshold
-  assert not learner.trims_host_memory({"w": f32(64 << 20 - 1), "b": f32(0)})
+  assert not learner.trims_host_memory({"w": f32((64 << 20) - 1), "b": f32(0)})
   assert learner.trims_host_memory({"a": f32(32 << 20), "b": [f32(16 << 20), f32(16 << 20)]})
   calls = []
   monkeypatch.setattr(learner, "release_host_memory", lambda: calls.append(1) or True)
