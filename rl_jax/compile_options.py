@@ -1,4 +1,5 @@
-"""XLA options rl_jax can compile its programs with, per backend (``train.cpu_fast_compile``).
+"""XLA options rl_jax can compile its programs with, per backend (``train.cpu_fast_compile``,
+``train.cpu_xla_reductions``).
 
 On CPU, XLA's MLIR fusion emitters (its default) take markedly longer to compile than its
 elemental IR emitter, and where a program's time goes to matmuls (library calls either way)
@@ -15,8 +16,18 @@ the option is off by default and the documented training numbers are without it.
 loop keeps XLA's default either way: its elementwise work is a larger share of each step, and
 with the elemental emitter it sampled about 5% fewer tokens per second.
 
-Other backends get no options, nor does a jaxlib whose XLA no longer knows the option:
-``fast_compile_options`` tries it once on a tiny program.
+With ``use_cpu_xla_reductions(True)`` (``--config.train.cpu_xla_reductions=True``) the same
+training programs hand only their matmuls to YNNPACK, XLA's CPU matmul library
+(``xla_cpu_experimental_ynn_fusion_type``), and compile their reductions as XLA's own
+loops. YNNPACK's reductions are slow on the row sums a backward pass is full of: the RMSNorm
+weight gradient of a 1034 x 256 activation (a multiply and a sum over the rows) took 1.4 ms
+in YNNPACK, where XLA's loops take a few hundred microseconds, and such sums were about 20
+ms of the 130 ms RL update of ``scripts/bench_tunix.py``'s model. Sums are added in another
+order, so values agree to float rounding (``tests/test_compile_options.py``) and a run's
+numbers drift: off by default, as the documented training numbers are without it.
+
+Other backends get no options, nor does a jaxlib whose XLA no longer knows an option:
+``_cpu_accepts`` tries each set once on a tiny program.
 """
 
 from __future__ import annotations
@@ -27,16 +38,26 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CPU_FAST_COMPILE", "fast_compile_options", "use_fast_cpu_compile"]
+__all__ = ["CPU_FAST_COMPILE", "CPU_XLA_REDUCTIONS", "fast_compile_options",
+           "training_options", "use_cpu_xla_reductions", "use_fast_cpu_compile"]
 
 CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}
+# YNNPACK fuses the matmuls only (its default list has reductions too)
+CPU_XLA_REDUCTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 _ENABLED = [False]  # the process's setting (use_fast_cpu_compile)
+_REDUCTIONS = [False]  # the process's setting (use_cpu_xla_reductions)
 
 
 def use_fast_cpu_compile(enabled: bool) -> None:
   """Whether programs made from now on in this process get ``CPU_FAST_COMPILE`` on CPU
   (``train.cpu_fast_compile``; every run's setup sets it)."""
   _ENABLED[0] = bool(enabled)
+
+
+def use_cpu_xla_reductions(enabled: bool) -> None:
+  """Whether training programs made from now on in this process get ``CPU_XLA_REDUCTIONS``
+  on CPU (``train.cpu_xla_reductions``; every run's setup sets it)."""
+  _REDUCTIONS[0] = bool(enabled)
 
 
 @functools.cache
@@ -52,10 +73,25 @@ def _cpu_accepts(options: tuple) -> bool:
 
 
 def fast_compile_options(devices: Iterable[jax.Device]) -> dict:
-  """The ``compiler_options`` for a training program on ``devices``: ``CPU_FAST_COMPILE``
-  when ``use_fast_cpu_compile`` is on, the devices are all CPU devices and the compiler
+  """The ``compiler_options`` of the sampler's prefill on ``devices``, part of every training
+  program's (``training_options``): ``CPU_FAST_COMPILE`` when ``use_fast_cpu_compile`` is on, the devices are all CPU devices and the compiler
   takes them; else none."""
-  if not _ENABLED[0] or any(d.platform != "cpu" for d in devices):
+  return _cpu_options(devices, CPU_FAST_COMPILE if _ENABLED[0] else {})
+
+
+def training_options(devices: Iterable[jax.Device]) -> dict:
+  """The ``compiler_options`` of a training program (the update, the log-prob and value
+  passes, the SFT step) on ``devices``: ``fast_compile_options``, and ``CPU_XLA_REDUCTIONS``
+  when ``use_cpu_xla_reductions`` is on, the devices are all CPU devices and the compiler
+  takes them."""
+  devices = list(devices)
+  reductions = _cpu_options(devices, CPU_XLA_REDUCTIONS if _REDUCTIONS[0] else {})
+  return {**fast_compile_options(devices), **reductions}
+
+
+def _cpu_options(devices: Iterable[jax.Device], options: dict) -> dict:
+  """``options`` where every device is a CPU device and the compiler takes them; else none."""
+  if not options or any(d.platform != "cpu" for d in devices):
     return {}
-  options = tuple(sorted(CPU_FAST_COMPILE.items()))
-  return dict(options) if _cpu_accepts(options) else {}
+  items = tuple(sorted(options.items()))
+  return dict(items) if _cpu_accepts(items) else {}

@@ -332,6 +332,10 @@ def _train() -> ml_collections.ConfigDict:
       # emitter (rl_jax.compile_options): about a quarter less compile time for them, values
       # equal to float rounding (the last bit may differ, so a run's numbers can drift).
       cpu_fast_compile=False,
+      # CPU only: the training programs' reductions as XLA's own loops, not YNNPACK's
+      # (rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in
+      # another order, so values agree to float rounding and a run's numbers drift.
+      cpu_xla_reductions=False,
       profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 
@@ -477,6 +481,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.old_logp_pass": cu.one_of(("auto", "separate")),
       "train.profile_step": cu.nonnegative_int,
       "train.cpu_fast_compile": cu.one_of((False, True)),
+      "train.cpu_xla_reductions": cu.one_of((False, True)),
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,

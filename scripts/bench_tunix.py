@@ -17,7 +17,8 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
   update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``,
   ``--prefix-attention`` ``model.prefix_attention``, ``--fast-compile``
-  ``train.cpu_fast_compile``, ``--remat`` ``model.remat``; the same
+  ``train.cpu_fast_compile``, ``--xla-reductions`` ``train.cpu_xla_reductions``, ``--remat``
+  ``model.remat``; the same
   prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
@@ -97,7 +98,8 @@ def _reward(completion: str) -> float:
 # ----------------------------------------------------------------------------- rl_jax side
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
               new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
-              fast_compile: bool = False, remat: str = "none") -> dict:
+              fast_compile: bool = False, remat: str = "none",
+              xla_reductions: bool = False) -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -118,12 +120,13 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
           "sampler_tokens": n_tok,
           **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens, prefix_attention,
-                        fast_compile, remat)}
+                        fast_compile, remat, xla_reductions)}
 
 
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
                 new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
-                fast_compile: bool = False, remat: str = "none") -> dict:
+                fast_compile: bool = False, remat: str = "none",
+                xla_reductions: bool = False) -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -136,7 +139,8 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
       "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
       "loss.preset=grpo", "loss.kl_beta=0.0", f"data.max_prompt_len={MAX_PROMPT}",
       f"model.fused_mlp={fused_mlp}", f"model.prefix_attention={prefix_attention}",
-      f"train.cpu_fast_compile={fast_compile}", "optim.lr=1e-5",  # the peers' learning rate
+      f"train.cpu_fast_compile={fast_compile}", f"train.cpu_xla_reductions={xla_reductions}",
+      "optim.lr=1e-5",  # the peers' learning rate
       *([f"model.remat={remat}"] if remat != "none" else [])])
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
@@ -288,6 +292,8 @@ def main(argv=None) -> dict:
                   help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--fast-compile", action="store_true",
                   help="rl_jax trainer: train.cpu_fast_compile")
+  ap.add_argument("--xla-reductions", action="store_true",
+                  help="rl_jax trainer: train.cpu_xla_reductions")
   ap.add_argument("--remat", choices=("none", "full", "dots"), default="none",
                   help="rl_jax trainer: model.remat")
   ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
@@ -304,7 +310,7 @@ def main(argv=None) -> dict:
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                  args.samples, args.new_tokens, args.prefix_attention,
-                                 args.fast_compile, args.remat)))
+                                 args.fast_compile, args.remat, args.xla_reductions)))
     else:
       print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
                                  args.new_tokens)))
@@ -321,6 +327,7 @@ def main(argv=None) -> dict:
              "--prompt-tokens", str(args.prompt_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       cmd += ["--fast-compile"] if args.fast_compile and side == "rljax" else []
+      cmd += ["--xla-reductions"] if args.xla_reductions and side == "rljax" else []
       cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
               ] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
@@ -333,7 +340,7 @@ def main(argv=None) -> dict:
         f"{args.samples} samples x "
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
         f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}, "
-        f"remat={args.remat}")
+        f"remat={args.remat}, cpu_xla_reductions={args.xla_reductions}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
           "grpo_first_s")

@@ -13,7 +13,10 @@ x ``--length`` 64 tokens. Variants (``ModelConfig`` fields):
 * ``concat``: ``prefix_attention="concat"`` (``transformer.concat_prefix_attention``);
   ``fused+concat``: with ``fused_mlp=True``;
 * ``fused+concat+unrolled``, ``fused+concat+remat_dots``, ``fused+concat+remat_full``:
-  ``fused+concat`` with ``scan_layers=False``, ``remat="dots"`` or ``remat="full"``.
+  ``fused+concat`` with ``scan_layers=False``, ``remat="dots"`` or ``remat="full"``;
+* ``fused+concat+xla_reductions``: ``fused+concat`` compiled with
+  ``compile_options.CPU_XLA_REDUCTIONS`` (``train.cpu_xla_reductions``: YNNPACK fuses the
+  matmuls only, XLA's loops do the reductions).
 
 Before timing, every variant's loss and gradients are compared with the first variant
 named (``plain`` by default; max abs difference printed). Reported: the first call (compile included), then the median and the
@@ -38,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from rl_jax import models  # noqa: E402
+from rl_jax import compile_options, models  # noqa: E402
 
 VARIANTS = {"plain": dict(fused_mlp=False, scan_layers=True),
             "fused": dict(fused_mlp=True, scan_layers=True),
@@ -51,7 +54,10 @@ VARIANTS = {"plain": dict(fused_mlp=False, scan_layers=True),
             "fused+concat+remat_dots": dict(fused_mlp=True, prefix_attention="concat",
                                             remat="dots"),
             "fused+concat+remat_full": dict(fused_mlp=True, prefix_attention="concat",
-                                            remat="full")}
+                                            remat="full"),
+            "fused+concat+xla_reductions": dict(
+                fused_mlp=True, prefix_attention="concat",
+                compiler_options=compile_options.CPU_XLA_REDUCTIONS)}
 
 
 def main(argv=None) -> dict:
@@ -79,7 +85,7 @@ def main(argv=None) -> dict:
   adv = jnp.asarray(rng.normal(size=(G, M, 1)), jnp.float32)
   opt = optax.adam(1e-3)
 
-  def make(cfg):
+  def make(cfg, compiler_options=None):
     def loss(p):
       lp = models.response_logprobs(cfg, p, pt, pl, rt, rm, shared_prefix=True)
       return -(adv * lp * rm).sum() / rm.sum()
@@ -89,7 +95,8 @@ def main(argv=None) -> dict:
       updates, o = opt.update(grads, o, p)
       return optax.apply_updates(p, updates), o, value
 
-    return jax.jit(step, donate_argnums=(0, 1)), jax.jit(jax.value_and_grad(loss))
+    return (jax.jit(step, donate_argnums=(0, 1), compiler_options=compiler_options),
+            jax.jit(jax.value_and_grad(loss), compiler_options=compiler_options))
 
   def fresh():
     p = jax.tree.map(jnp.copy, params)
@@ -98,7 +105,9 @@ def main(argv=None) -> dict:
 
   steps, grads, first = {}, {}, {}
   for name in names:
-    steps[name], grad_fn = make(base.replace(**VARIANTS[name]))
+    fields = dict(VARIANTS[name])
+    options = fields.pop("compiler_options", None)
+    steps[name], grad_fn = make(base.replace(**fields), options)
     p, o = fresh()
     t0 = time.perf_counter()
     jax.block_until_ready(steps[name](p, o))

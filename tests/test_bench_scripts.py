@@ -93,12 +93,14 @@ def test_bench_selection_counts_tokens_and_time_to_target():
 
 
 def test_bench_update_runs_at_toy_size():
-  """One variant (the fused MLP's exactness is tests/test_fused_layers.py's)."""
+  """Two variants, one of them compiled with options (the fused MLP's exactness is
+  tests/test_fused_layers.py's, the reductions' tests/test_compile_options.py's)."""
   bench = _load("bench_update")
-  res = bench.main(["--repeats", "1", "--variants", "fused", "--samples", "2",
-                    "--length", "4", "--hidden", "32", "--layers", "1"])
-  assert res["max_diff"] == {"fused": 0.0} and len(res["times_s"]["fused"]) == 1
-  assert res["times_s"]["fused"][0] > 0 and res["first_s"]["fused"] > 0
+  res = bench.main(["--repeats", "1", "--variants", "fused,fused+concat+xla_reductions",
+                    "--samples", "2", "--length", "4", "--hidden", "32", "--layers", "1"])
+  assert res["max_diff"]["fused"] == 0.0 and res["max_diff"]["fused+concat+xla_reductions"] < 1e-6
+  assert len(res["times_s"]["fused"]) == 1 and res["times_s"]["fused"][0] > 0
+  assert res["first_s"]["fused+concat+xla_reductions"] > 0
 
 
 def test_bench_trl_step_summary_excludes_the_warm_up_step():

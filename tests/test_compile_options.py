@@ -1,6 +1,8 @@
-"""``rl_jax.compile_options`` (``train.cpu_fast_compile``): the training programs' and the
-prefill's XLA options on CPU, against the default compiler's values."""
+"""``rl_jax.compile_options`` (``train.cpu_fast_compile``, ``train.cpu_xla_reductions``): the
+training programs' and the prefill's XLA options on CPU, against the default compiler's
+values."""
 
+import re
 import types
 
 import jax
@@ -37,11 +39,13 @@ def test_fast_compile_options_only_when_on_and_for_cpu_devices(fast_compile):
   assert compile_options.fast_compile_options(jax.devices()) == {}
 
 
-def _one_step(fast: bool):
+def _one_step(fast: bool, reductions: bool = False):
   """Params and record after one RL step of a fresh tiny run, ``train.cpu_fast_compile`` set
-  to ``fast``; and the compiler options of a program ``jit_on_mesh`` makes for it."""
+  to ``fast`` and ``train.cpu_xla_reductions`` to ``reductions``; and the compiler options of
+  a program ``jit_on_mesh`` makes for it."""
   s = train.build_setup(config_utils.load_config(
-      QUICKSTART, TINY + [f"train.cpu_fast_compile={fast}"]))
+      QUICKSTART, TINY + [f"train.cpu_fast_compile={fast}",
+                          f"train.cpu_xla_reductions={reductions}"]))
   t = train.make_trainer(s)
   state = train.begin_rl(s, train.init_state(s))
   probe = layout_lib.jit_on_mesh(lambda x: x + 1, t.layout).lower(jnp.zeros(2))
@@ -79,3 +83,51 @@ def test_sampler_prefill_compiles_with_the_cpu_options_to_the_same_samples(fast_
   slow = run()
   np.testing.assert_array_equal(fast.tokens, slow.tokens)
   np.testing.assert_allclose(fast.logprobs, slow.logprobs, rtol=1e-6, atol=1e-7)
+
+
+def test_xla_reductions_options_only_when_on_and_for_cpu_devices():
+  try:
+    compile_options.use_cpu_xla_reductions(True)
+    assert compile_options.training_options(jax.devices()) == compile_options.CPU_XLA_REDUCTIONS
+    assert compile_options.fast_compile_options(jax.devices()) == {}  # not the prefill's
+    compile_options.use_fast_cpu_compile(True)
+    assert compile_options.training_options(jax.devices()) == {
+        **compile_options.CPU_FAST_COMPILE, **compile_options.CPU_XLA_REDUCTIONS}
+    gpu = types.SimpleNamespace(platform="gpu")
+    assert compile_options.training_options([jax.devices()[0], gpu]) == {}
+  finally:
+    compile_options.use_cpu_xla_reductions(False)
+    compile_options.use_fast_cpu_compile(False)
+  assert compile_options.training_options(jax.devices()) == {}
+
+
+def _library_fusions(compiled_text: str) -> list[str]:
+  """The HLO bodies of the YNNPACK fusions in an optimized module's text."""
+  called = re.findall(r"calls=%([\w.\-]+),.*__ynn_fusion", compiled_text)
+  bodies = dict(re.findall(r"^%([\w.\-]+) .*?\{\n(.*?)\n\}", compiled_text, re.M | re.S))
+  return [bodies[c] for c in called]
+
+
+def test_xla_reductions_leave_matmuls_to_the_library_and_sum_in_xla():
+  """With the option, the library fuses the matmul and no reduction; without it (XLA's
+  default here) the row sum of a product is a library fusion too."""
+  x, w = jnp.ones((1034, 256)), jnp.ones((256, 512))  # a backward pass's sizes (smaller
+  # sums stay XLA's by default)
+  program = jax.jit(lambda x, w: ((x * x).sum(0), x @ w)).lower(x, w)
+  default = _library_fusions(program.compile().as_text())
+  only_dots = _library_fusions(program.compile(compile_options.CPU_XLA_REDUCTIONS).as_text())
+  assert any(" reduce(" in body for body in default)
+  assert only_dots and all(" dot(" in body and " reduce(" not in body for body in only_dots)
+
+
+def test_training_programs_sum_in_xla_to_the_same_values():
+  """One RL step with ``train.cpu_xla_reductions`` equals the default's to float rounding
+  (sums added in another order), and its programs carry the option."""
+  try:
+    xla, xla_record, xla_options = _one_step(False, reductions=True)
+  finally:
+    compile_options.use_cpu_xla_reductions(False)
+  lib, lib_record, lib_options = _one_step(False)
+  assert xla_options == compile_options.CPU_XLA_REDUCTIONS and lib_options == {}
+  np.testing.assert_allclose(xla_record["loss"], lib_record["loss"], rtol=1e-5, atol=1e-7)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), xla, lib)

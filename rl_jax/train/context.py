@@ -321,6 +321,7 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   """Validate ``config`` and build everything static; fails in one line before compiling."""
   config_lib.validate(config)  # every static rule
   compile_options.use_fast_cpu_compile(config.train.cpu_fast_compile)  # for this run's programs
+  compile_options.use_cpu_xla_reductions(config.train.cpu_xla_reductions)
   objective = make_objective(config)
   config_lib.check_objective(config, objective.needs)
   device_rules(config)

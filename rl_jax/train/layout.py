@@ -189,5 +189,5 @@ def jit_on_mesh(fn: Callable, layout: Layout, **jit_kwargs) -> Callable:
       return fn(*args, **kwargs)
 
   jit_kwargs.setdefault("compiler_options",
-                        compile_options.fast_compile_options(layout.mesh.devices.flat))
+                        compile_options.training_options(layout.mesh.devices.flat))
   return jax.jit(traced, **jit_kwargs)
