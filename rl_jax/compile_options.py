@@ -21,10 +21,11 @@ training programs hand only their matmuls to YNNPACK, XLA's CPU matmul library
 (``xla_cpu_experimental_ynn_fusion_type``), and compile their reductions as XLA's own
 loops. YNNPACK's reductions are slow on the row sums a backward pass is full of: the RMSNorm
 weight gradient of a 1034 x 256 activation (a multiply and a sum over the rows) took 1.4 ms
-in YNNPACK, where XLA's loops take a few hundred microseconds, and such sums were about 20
-ms of the 130 ms RL update of ``scripts/bench_tunix.py``'s model. Sums are added in another
-order, so values agree to float rounding (``tests/test_compile_options.py``) and a run's
-numbers drift: off by default, as the documented training numbers are without it.
+per call, and such sums were about 21 ms of op time in the 137 ms RL update of
+``scripts/bench_tunix.py``'s model, which is 1.11x faster with the option
+(``scripts/bench_update.py``). Sums are added in another order, so values agree to float
+rounding (``tests/test_compile_options.py``) and a run's numbers drift: off by default, as
+the documented training numbers are without it.
 
 Other backends get no options, nor does a jaxlib whose XLA no longer knows an option:
 ``_cpu_accepts`` tries each set once on a tiny program.
@@ -73,9 +74,10 @@ def _cpu_accepts(options: tuple) -> bool:
 
 
 def fast_compile_options(devices: Iterable[jax.Device]) -> dict:
-  """The ``compiler_options`` of the sampler's prefill on ``devices``, part of every training
-  program's (``training_options``): ``CPU_FAST_COMPILE`` when ``use_fast_cpu_compile`` is on, the devices are all CPU devices and the compiler
-  takes them; else none."""
+  """The ``compiler_options`` of the sampler's prefill on ``devices``, and part of every
+  training program's (``training_options``): ``CPU_FAST_COMPILE`` when
+  ``use_fast_cpu_compile`` is on, the devices are all CPU devices and the compiler takes
+  them; else none."""
   return _cpu_options(devices, CPU_FAST_COMPILE if _ENABLED[0] else {})
 
 
