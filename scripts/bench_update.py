@@ -19,8 +19,9 @@ x ``--length`` 64 tokens. Variants (``ModelConfig`` fields):
   matmuls only, XLA's loops do the reductions).
 
 Before timing, every variant's loss and gradients are compared with the first variant
-named (``plain`` by default; max abs difference printed). Reported: the first call (compile included), then the median and the
-worst of ``--repeats`` interleaved calls (each on a fresh copy of the same initial state).
+named (``plain`` by default; max abs difference printed). Reported: the first call (compile
+included), then the median and the worst of ``--repeats`` interleaved calls (each on a fresh
+copy of the same initial state).
 
 Usage::
 
