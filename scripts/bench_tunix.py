@@ -25,6 +25,10 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
 
 Each side runs in its own process and virtual environment (Tunix in ``--tunix-python``'s
 venv, so it cannot change this one's packages); the sides alternate over ``--rounds``.
+``--host-heap-reuse rljax`` starts the rl_jax side with ``rl_jax.host_heap.reuse_large_blocks``
+(``train.host_heap_reuse``: XLA's large per-call host blocks reused, not faulted in again);
+``both`` does the same first thing in Tunix's process too (the setting is the host's, not
+rl_jax's computation, so a fair comparison gives it to both sides).
 
 Usage::
 
@@ -294,6 +298,9 @@ def main(argv=None) -> dict:
                   help="rl_jax trainer: train.cpu_fast_compile")
   ap.add_argument("--xla-reductions", action="store_true",
                   help="rl_jax trainer: train.cpu_xla_reductions")
+  ap.add_argument("--host-heap-reuse", choices=("none", "rljax", "both"), default="none",
+                  help="rl_jax.host_heap.reuse_large_blocks() first in these sides' processes")
+  ap.add_argument("--reuse-heap", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--remat", choices=("none", "full", "dots"), default="none",
                   help="rl_jax trainer: model.remat")
   ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
@@ -307,6 +314,10 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   set_prompt_tokens(args.prompt_tokens)
   if args.side:  # a child process: one side, result as JSON on the last line
+    if args.reuse_heap:  # before the process's first JAX computation
+      sys.path.insert(0, ROOT)
+      from rl_jax import host_heap  # pylint: disable=import-outside-toplevel
+      assert host_heap.reuse_large_blocks(), "no glibc: --host-heap-reuse does nothing here"
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                  args.samples, args.new_tokens, args.prefix_attention,
@@ -328,6 +339,7 @@ def main(argv=None) -> dict:
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
       cmd += ["--fast-compile"] if args.fast_compile and side == "rljax" else []
       cmd += ["--xla-reductions"] if args.xla_reductions and side == "rljax" else []
+      cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
       cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
               ] if side == "rljax" else []
       env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
@@ -340,7 +352,8 @@ def main(argv=None) -> dict:
         f"{args.samples} samples x "
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
         f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}, "
-        f"remat={args.remat}, cpu_xla_reductions={args.xla_reductions}")
+        f"remat={args.remat}, cpu_xla_reductions={args.xla_reductions}, "
+        f"host_heap_reuse={args.host_heap_reuse}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
           "grpo_first_s")
