@@ -65,15 +65,21 @@ def reuse_large_blocks(keep_bytes: int = KEEP_BYTES) -> bool:
     return False
   if _STATE["on"]:
     return True
-  if xla_bridge.backends_are_initialized():
+  if _backends_initialized():
     raise RuntimeError("train.host_heap_reuse must be applied before the process's first JAX "
                        "computation: call rl_jax.host_heap.reuse_large_blocks() first, or "
                        "start the run with python -m rl_jax.train")
-  jax.config.update("jax_cpu_enable_async_dispatch", False)
   if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, int(keep_bytes))):
     return False
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
   _STATE["on"] = True
   return True
+
+
+def _backends_initialized() -> bool:
+  """Whether JAX has created its backends (it has computed, or listed devices)."""
+  known = getattr(xla_bridge, "backends_are_initialized", None)
+  return known() if known is not None else bool(getattr(xla_bridge, "_backends", {}))
 
 
 def reusing() -> bool:
