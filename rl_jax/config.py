@@ -336,12 +336,6 @@ def _train() -> ml_collections.ConfigDict:
       # (rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in
       # another order, so values agree to float rounding and a run's numbers drift.
       cpu_xla_reductions=False,
-      # CPU, glibc: run each program on the calling thread and keep XLA's large freed host
-      # blocks for the next call instead of faulting them in again (rl_jax.host_heap): the
-      # RL update 1.2-1.5x faster on a small model, same values; keeps up to 1 GiB of freed
-      # memory; applied when the CLI starts (a script calls
-      # rl_jax.host_heap.reuse_large_blocks() before its first JAX computation).
-      host_heap_reuse=False,
       profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 
@@ -488,7 +482,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.profile_step": cu.nonnegative_int,
       "train.cpu_fast_compile": cu.one_of((False, True)),
       "train.cpu_xla_reductions": cu.one_of((False, True)),
-      "train.host_heap_reuse": cu.one_of((False, True)),
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,

@@ -25,10 +25,10 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
 
 Each side runs in its own process and virtual environment (Tunix in ``--tunix-python``'s
 venv, so it cannot change this one's packages); the sides alternate over ``--rounds``.
-``--host-heap-reuse rljax`` starts the rl_jax side with ``rl_jax.host_heap.reuse_large_blocks``
-(``train.host_heap_reuse``: XLA's large per-call host blocks reused, not faulted in again);
-``both`` does the same first thing in Tunix's process too (the setting is the host's, not
-rl_jax's computation, so a fair comparison gives it to both sides).
+``--host-heap-reuse rljax`` starts the rl_jax side with ``reuse_large_blocks`` (a host
+setting measured here, not part of rl_jax: programs run on the calling thread and glibc keeps
+large freed blocks, so XLA's per-call temporaries are not faulted in again); ``both`` does the
+same first thing in Tunix's process too, as a fair comparison must.
 
 Usage::
 
@@ -97,6 +97,23 @@ def write_weights(path: str, new_tokens: int = NEW_TOKENS) -> None:
 
 def _reward(completion: str) -> float:
   return float(len(completion) % 2)  # any reward with variance inside a group
+
+
+def reuse_large_blocks(keep_bytes: int = 1 << 30) -> None:
+  """``--host-heap-reuse``: single-device CPU programs run on the calling thread
+  (``jax_cpu_enable_async_dispatch=False``), so XLA's per-call block of temporaries comes from
+  glibc's main arena, which serves large blocks from its heap (``M_MMAP_MAX=0``) and keeps up
+  to ``keep_bytes`` free (``M_TRIM_THRESHOLD``) instead of mapping and faulting them in on
+  every call. Only before the process's first JAX computation; glibc only."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  import ctypes.util  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  libc = ctypes.CDLL(ctypes.util.find_library("c"))
+  if not hasattr(libc, "gnu_get_libc_version"):
+    raise SystemExit("--host-heap-reuse needs glibc")
+  m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+  assert libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, keep_bytes)
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 # ----------------------------------------------------------------------------- rl_jax side
@@ -299,7 +316,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--xla-reductions", action="store_true",
                   help="rl_jax trainer: train.cpu_xla_reductions")
   ap.add_argument("--host-heap-reuse", choices=("none", "rljax", "both"), default="none",
-                  help="rl_jax.host_heap.reuse_large_blocks() first in these sides' processes")
+                  help="reuse_large_blocks() first in these sides' processes")
   ap.add_argument("--reuse-heap", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--remat", choices=("none", "full", "dots"), default="none",
                   help="rl_jax trainer: model.remat")
@@ -315,9 +332,7 @@ def main(argv=None) -> dict:
   set_prompt_tokens(args.prompt_tokens)
   if args.side:  # a child process: one side, result as JSON on the last line
     if args.reuse_heap:  # before the process's first JAX computation
-      sys.path.insert(0, ROOT)
-      from rl_jax import host_heap  # pylint: disable=import-outside-toplevel
-      assert host_heap.reuse_large_blocks(), "no glibc: --host-heap-reuse does nothing here"
+      reuse_large_blocks()
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                  args.samples, args.new_tokens, args.prefix_attention,

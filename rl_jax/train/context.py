@@ -19,7 +19,6 @@ import optax
 
 from rl_jax import compile_options
 from rl_jax import config as config_lib
-from rl_jax import host_heap
 from rl_jax import losses
 from rl_jax import models
 from rl_jax import optim
@@ -323,8 +322,6 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   config_lib.validate(config)  # every static rule
   compile_options.use_fast_cpu_compile(config.train.cpu_fast_compile)  # for this run's programs
   compile_options.use_cpu_xla_reductions(config.train.cpu_xla_reductions)
-  if config.train.host_heap_reuse:  # a clear error if JAX has computed already
-    host_heap.reuse_large_blocks()
   objective = make_objective(config)
   config_lib.check_objective(config, objective.needs)
   device_rules(config)

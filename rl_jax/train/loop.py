@@ -27,7 +27,6 @@ from etils import epath
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax import config_utils
 from rl_jax import distributed
-from rl_jax import host_heap
 from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax import storage
@@ -317,6 +316,4 @@ def main(argv=None) -> None:
   every process of a multi-process job runs the same command (``rl_jax.distributed``)."""
   config, workdir = config_utils.parse_cli(sys.argv if argv is None else argv)
   distributed.initialize(config.distributed)
-  if config.train.host_heap_reuse:  # before the process's first JAX computation
-    host_heap.reuse_large_blocks()
   train(config, workdir)
