@@ -112,7 +112,8 @@ def reuse_large_blocks(keep_bytes: int = 1 << 30) -> None:
   if not hasattr(libc, "gnu_get_libc_version"):
     raise SystemExit("--host-heap-reuse needs glibc")
   m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-  assert libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, keep_bytes)
+  if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, keep_bytes)):
+    raise SystemExit("--host-heap-reuse: glibc's mallopt refused the settings")
   jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
