@@ -4,7 +4,6 @@ changes, and bad settings."""
 
 import dataclasses
 import itertools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -109,9 +108,9 @@ ESTIMATORS = {"grpo": losses.grpo(), "dr_grpo": losses.dr_grpo(), "rloo": losses
               "opob": losses.opob(2.0)}
 
 
-def _objective(name):
-  """What the learner calls (``Objective.advantages_from``) for one estimator."""
-  return types.SimpleNamespace(advantages_from=ESTIMATORS[name].compute)
+def _estimate(name):
+  """What the learner passes (an ``Objective.advantages_from``) for one estimator."""
+  return ESTIMATORS[name].compute
 
 
 def _numpy_group(name, r):
@@ -127,7 +126,7 @@ def _numpy_group(name, r):
 @pytest.mark.parametrize("seed", range(3))
 def test_per_prompt_advantages_equal_numpy_per_group(name, seed):
   x, groups, G, K = _ragged(seed)
-  adv = np.asarray(gs.per_prompt_advantages(_objective(name), x, groups, G, K).advantages)
+  adv = np.asarray(gs.per_prompt_advantages(_estimate(name), x, groups, G, K).advantages)
   rewards = np.asarray(x.rewards)
   for g in range(G):
     rows = rewards[groups == g].reshape(-1)
@@ -140,7 +139,7 @@ def test_per_prompt_advantages_equal_numpy_per_group(name, seed):
 def test_per_prompt_median_baseline_equals_each_group_alone():
   """MC-GRPO per prompt = the estimator on that prompt's samples as one group."""
   x, groups, G, K = _ragged(7)
-  out = gs.per_prompt_advantages(_objective("mc_grpo"), x, groups, G, K)
+  out = gs.per_prompt_advantages(_estimate("mc_grpo"), x, groups, G, K)
   est = ESTIMATORS["mc_grpo"]
   rewards = np.asarray(x.rewards)
   for g in range(G):
@@ -160,8 +159,8 @@ def test_equal_chunks_give_the_plain_layout(name):
   G, m, k = 3, 2, 2
   x, _, _, _ = _ragged(1, G=G * k, m=m, K=1)  # C = G·k chunks
   groups = np.repeat(np.arange(G), k).astype(np.int32)
-  per = gs.per_prompt_advantages(_objective(name), x, groups, G, k + 2)  # K > k: padding
-  plain = _objective(name).advantages_from(jax.tree.map(
+  per = gs.per_prompt_advantages(_estimate(name), x, groups, G, k + 2)  # K > k: padding
+  plain = _estimate(name)(jax.tree.map(
       lambda a: a.reshape(G, k * m, *a.shape[2:]), x))
   for got, want in zip(per, plain):
     if want is None:

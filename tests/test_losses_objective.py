@@ -176,6 +176,22 @@ def test_mc_grpo_estimator_zeroes_and_drops_the_pivot():
   assert out.keep.tolist() == [[True, True, False]]
 
 
+@pytest.mark.parametrize("name", [  # GiGPO (turn fields): tests/test_losses_agentic.py
+    n for n in losses.advantage_names()
+    if not set(losses.TURN_FIELDS) & losses.get_objective("dapo", advantage=n).estimator_needs])
+def test_jitted_estimator_equals_eager_bit_for_bit(name):
+  """The trainer runs the estimator as one program (``train.make_advantage_fn``): every
+  registered estimator gives the eager call's values exactly, NaN rewards included."""
+  x = make_inputs(4, g=5, m=6)
+  x = x._replace(rewards=x.rewards.at[1, 2].set(jnp.nan))
+  obj = losses.get_objective("dapo", advantage=name)
+  eager, jitted = obj.advantages_from(x), jax.jit(obj.advantages_from)(x)
+  for a, b in zip(eager, jitted):
+    assert (a is None) == (b is None)
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_estimator_checks_inputs():
   x = make_inputs(6)
   with pytest.raises(ValueError, match=r"'gae' needs \['values'\]"):

@@ -31,7 +31,7 @@ Z most chunks of one prompt, R new tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -144,13 +144,14 @@ def ungroup(a, scatter, W: int, m: int):
   return jnp.take(flat, jnp.asarray(scatter), axis=0).reshape(W, m, *a.shape[2:])
 
 
-def per_prompt_advantages(objective: Any, x: losses.ObjectiveInputs, groups: np.ndarray,
+def per_prompt_advantages(estimate: Callable, x: losses.ObjectiveInputs, groups: np.ndarray,
                           G: int, Z: int) -> losses.Advantages:
-  """The objective's estimator over each prompt's chunks together: inputs [W, m, ...] and the
-  prompt ``groups`` int [W] of each chunk -> ``Advantages`` on the [W, m] rows."""
+  """An estimator over each prompt's chunks together: ``estimate`` (``ObjectiveInputs ->
+  Advantages``, e.g. ``Objective.advantages_from``), inputs [W, m, ...] and the prompt
+  ``groups`` int [W] of each chunk -> ``Advantages`` on the [W, m] rows."""
   W, m = x.rewards.shape
   gather, scatter = regroup_index(groups, G, m, Z)
-  out = objective.advantages_from(regroup_inputs(x, gather))
+  out = estimate(regroup_inputs(x, gather))
   sharding = getattr(x.rewards, "sharding", None)  # rows split like the inputs' rows
 
   def back(a):

@@ -106,9 +106,10 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
       t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
       generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
       behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns, routing=replay)
-  advantages = (s.objective.advantages_from(inputs) if scored.groups is None else
-                group_size.per_prompt_advantages(s.objective, inputs, scored.groups,
-                                                 geo.groups, geo.max_chunks))
+  estimate = t.steps.advantages or s.objective.advantages_from  # raises when there is none
+  advantages = (estimate(inputs) if scored.groups is None else
+                group_size.per_prompt_advantages(estimate, inputs, scored.groups, geo.groups,
+                                                 geo.max_chunks))
   local = g < G
   rewards = _everyone(scored.rewards, local)
   n_tok = int(_everyone(scored.mask.reshape(g, -1).sum(axis=1), local).sum())

@@ -61,6 +61,9 @@ class StepFns(NamedTuple):
   old_logp_in_update: bool = False  # rl_update takes old_logp from its own policy pass
   ref_logprobs: Callable | None = None  # the reference's pass when it lives in host memory
   ref_from_policy: bool = False  # LoRA: ref_logprobs takes the policy (runs its base)
+  # the objective's advantage estimator as one program (ObjectiveInputs -> Advantages);
+  # None when the objective has none
+  advantages: Callable | None = None
 
 
 def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
@@ -411,4 +414,14 @@ def make_step_fns(s: Setup, layout: Layout) -> StepFns:
                  grad_sq_norms=make_grad_norm_fn(s, layout),
                  old_logp_in_update=old_logp_in_update(s.config, s.objective),
                  ref_logprobs=make_ref_logprob_fn(s, layout),
-                 ref_from_policy=bool(s.model_cfg.lora_rank))
+                 ref_from_policy=bool(s.model_cfg.lora_rank),
+                 advantages=make_advantage_fn(s))
+
+
+def make_advantage_fn(s: Setup) -> Callable | None:
+  """``Objective.advantages_from`` jitted: one compiled program per batch shape instead of
+  a dispatch (and, on the first step, a compile) per array operation of the estimator.
+  Values are the eager call's, bit for bit (``tests/test_losses_objective.py``); the
+  inputs' shardings carry over to the result. None when the objective has no estimator."""
+  fn = s.objective.advantages_from
+  return None if fn is None else jax.jit(fn)
