@@ -7,14 +7,17 @@ the code they make runs no faster. With ``use_fast_cpu_compile(True)`` (what
 ``--config.train.cpu_fast_compile=True`` does when the run is set up), rl_jax's training
 programs (``train.layout.jit_on_mesh``: the RL update, the log-prob and value passes, the SFT
 step) and the sampler's prefill (``RolloutEngine.admit_fn``) made from then on are compiled
-with the elemental emitter (``xla_cpu_use_fusion_emitters=False``). On
-``scripts/bench_tunix.py``'s model (2-core AMD EPYC, JAX 0.10.2) the RL update compiles in
-2.6 s instead of 3.4-3.7 s and the prefill in 0.6 s instead of 0.8 s, with the same step time.
-Values agree to float rounding (``tests/test_compile_options.py``): the quickstart's are
-the same bit for bit, a LoRA run's differ in the last bit from its first steps and drift, so
-the option is off by default and the documented training numbers are without it. The decode
-loop keeps XLA's default either way: its elementwise work is a larger share of each step, and
-with the elemental emitter it sampled about 5% fewer tokens per second.
+with the elemental emitter (``xla_cpu_use_fusion_emitters=False``) and LLVM's -O1 pipeline
+(``xla_backend_optimization_level=1``; -O2 by default). On ``scripts/bench_tunix.py``'s model
+(2-core AMD EPYC, JAX 0.10.2) the elemental emitter alone took the RL update's compile from
+3.4-3.7 s to 2.6 s and the prefill's from 0.8 s to 0.6 s; -O1 takes the update to 1.6-2.5 s
+and the prefill to 0.45-0.5 s, with the same step time (docs/BENCHMARKS.md, "First GRPO
+step: one advantage program, and -O1"). Values agree to float rounding
+(``tests/test_compile_options.py``) and runs drift apart (the quickstart ends at another
+held-out accuracy), so the option is off by default and the documented training numbers are
+without it. The decode loop keeps XLA's default either way: its elementwise work is a larger
+share of each step, and with the elemental emitter it sampled about 5% fewer tokens per
+second.
 
 With ``use_cpu_xla_reductions(True)`` (``--config.train.cpu_xla_reductions=True``) the same
 training programs hand only their matmuls to YNNPACK, XLA's CPU matmul library
@@ -42,7 +45,8 @@ import jax.numpy as jnp
 __all__ = ["CPU_FAST_COMPILE", "CPU_XLA_REDUCTIONS", "fast_compile_options",
            "training_options", "use_cpu_xla_reductions", "use_fast_cpu_compile"]
 
-CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}
+# the elemental emitter, and LLVM's -O1 pipeline for the generated code (-O2 by default)
+CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
 # YNNPACK fuses the matmuls only (its default list has reductions too)
 CPU_XLA_REDUCTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 _ENABLED = [False]  # the process's setting (use_fast_cpu_compile)

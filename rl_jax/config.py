@@ -329,8 +329,8 @@ def _train() -> ml_collections.ConfigDict:
       # cache for every run on a machine, e.g. a test suite).
       compile_cache=os.environ.get("RL_JAX_COMPILE_CACHE", "compile_cache"),
       # CPU only: compile the training programs and the sampler's prefill with XLA's elemental
-      # emitter (rl_jax.compile_options): about a quarter less compile time for them, values
-      # equal to float rounding (the last bit may differ, so a run's numbers can drift).
+      # emitter and LLVM -O1 (rl_jax.compile_options): about half the compile time for them,
+      # values equal to float rounding (the last bits differ, so a run's numbers drift).
       cpu_fast_compile=False,
       # CPU only: the training programs' reductions as XLA's own loops, not YNNPACK's
       # (rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in

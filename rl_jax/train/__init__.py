@@ -38,9 +38,10 @@ from rl_jax.train.records import ProducerState, Scored
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.runner import FixedLag, FreeRunning, collect, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
-from rl_jax.train.steps import (StepFns, UpdateBatch, make_grad_norm_fn, make_logprob_fn,
-                                make_ref_logprob_fn, make_rl_update, make_sft_step,
-                                make_step_fns, make_value_fn, rl_apply, rl_grads)
+from rl_jax.train.steps import (StepFns, UpdateBatch, make_advantage_fn, make_grad_norm_fn,
+                                make_logprob_fn, make_ref_logprob_fn, make_rl_update,
+                                make_sft_step, make_step_fns, make_value_fn, rl_apply,
+                                rl_grads)
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = [
@@ -50,7 +51,8 @@ __all__ = [
     "objective_inputs", "ProducerState", "Scored", "FixedLag", "FreeRunning", "collect",
     "make_runner",
     "TrainState", "abstract_state", "begin_rl", "init_state",
-    "make_engine", "StepFns", "UpdateBatch", "make_grad_norm_fn", "make_logprob_fn",
+    "make_engine", "StepFns", "UpdateBatch", "make_advantage_fn", "make_grad_norm_fn",
+    "make_logprob_fn",
     "make_ref_logprob_fn",
     "make_rl_update", "make_sft_step", "make_step_fns", "make_value_fn", "rl_apply", "rl_grads",
     "Stream", "seed_for",

@@ -29,7 +29,8 @@ from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
            "make_logprob_fn", "make_ref_logprob_fn", "make_value_fn", "make_rl_update",
-           "rl_grads", "rl_apply", "make_grad_norm_fn", "rounding_key", "routing_mismatch"]
+           "rl_grads", "rl_apply", "make_grad_norm_fn", "make_advantage_fn", "rounding_key",
+           "routing_mismatch"]
 
 
 class UpdateBatch(NamedTuple):
