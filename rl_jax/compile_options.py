@@ -11,7 +11,7 @@ with the elemental emitter (``xla_cpu_use_fusion_emitters=False``) and LLVM's -O
 (``xla_backend_optimization_level=1``; -O2 by default). On ``scripts/bench_tunix.py``'s model
 (2-core AMD EPYC, JAX 0.10.2) the elemental emitter alone took the RL update's compile from
 3.4-3.7 s to 2.6 s and the prefill's from 0.8 s to 0.6 s; -O1 takes the update to 1.6-2.5 s
-and the prefill to 0.45-0.5 s, with the same step time (docs/BENCHMARKS.md, "First GRPO
+and the prefill to 0.4-0.55 s, with the same step time (docs/BENCHMARKS.md, "First GRPO
 step: one advantage program, and -O1"). Values agree to float rounding
 (``tests/test_compile_options.py``) and runs drift apart (the quickstart ends at another
 held-out accuracy), so the option is off by default and the documented training numbers are
