@@ -106,7 +106,10 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
       t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
       generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
       behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns, routing=replay)
-  estimate = t.steps.advantages or s.objective.advantages_from  # raises when there is none
+  estimate = t.steps.advantages  # the objective's estimator, jitted
+  if estimate is None:
+    raise RLJaxError("the objective has no advantage estimator: chain one (losses.chain) to "
+                     "train with it")
   advantages = (estimate(inputs) if scored.groups is None else
                 group_size.per_prompt_advantages(estimate, inputs, scored.groups, geo.groups,
                                                  geo.max_chunks))
