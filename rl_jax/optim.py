@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["SCHEDULES", "make_optimizer", "stochastic_round", "apply_updates", "update_count"]
+__all__ = ["SCHEDULES", "clip_by_global_norm", "make_optimizer", "stochastic_round", "apply_updates", "update_count"]
 
 SCHEDULES = ("constant", "cosine")
 
@@ -44,10 +44,30 @@ def make_optimizer(o: Any, lr: float, steps: int) -> optax.GradientTransformatio
         [o.warmup_steps])
   else:
     sched = lr
-  parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  parts = [clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
   parts.append(optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                            mu_dtype=o.get("mu_dtype")))
   return optax.chain(*parts)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+  """Scales the updates by ``max_norm / ‖g‖`` when their global norm ‖g‖ reaches ``max_norm``
+  (Pascanu et al., 2013, "On the difficulty of training recurrent neural networks").
+
+  The same values as ``optax.clip_by_global_norm``; the norm can come in as the keyword
+  ``grad_norm=`` (``optax.tree.norm`` of the same updates), so a trainer that has already
+  reduced the gradients for its skip check and its ``grad_norm`` metric
+  (``train.steps.finite_update``) does not reduce them again. Without it the norm is computed here.
+  """
+
+  def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+    del params, extra_args
+    norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+    keep = jnp.squeeze(norm < max_norm)
+    scale = lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm)
+    return jax.tree.map(scale, updates), state
+
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
 def stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:

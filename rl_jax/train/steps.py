@@ -78,9 +78,17 @@ def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
   return jax.random.fold_in(jax.random.fold_in(key, stage), optim.update_count(opt_state))
 
 
-def finite_update(tx, params, opt_state, grads, loss, *, key=None, **extra):
-  """One optax update, skipped (params and state unchanged) if loss or grads are not finite.
-  ``key``: round bfloat16 weights stochastically (``optim.apply_updates``).
+def finite_update(tx, params, opt_state, grads, loss, *, key=None, grad_norm=None, **extra):
+  """One optax update, skipped (params and state unchanged) if the loss or the gradients'
+  global norm is not finite. ``key``: round bfloat16 weights stochastically
+  (``optim.apply_updates``). ``grad_norm``: ``optax.tree.norm(grads)`` when the caller has
+  it (the ``grad_norm`` metric); computed here otherwise.
+
+  The one norm decides the skip and is handed to the optimizer (``grad_norm=``, read by
+  ``optim.clip_by_global_norm``), so the gradients are reduced once, not once for the check,
+  once for the clip and once for the metric. A NaN or infinite entry makes the norm
+  non-finite; so does a sum of squares past float32's range, whose clipped update would be
+  all zeros.
 
   Not ``optax.apply_if_finite``: that wrapper applies the update anyway after
   ``max_consecutive_errors`` skips (the loop stops the run instead, ``train.max_bad_steps``),
@@ -90,12 +98,13 @@ def finite_update(tx, params, opt_state, grads, loss, *, key=None, **extra):
   Returns:
     (params, opt_state, finite bool []).
   """
-  finite = jnp.isfinite(loss) & jnp.all(jnp.asarray(
-      [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  if grad_norm is None:
+    grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
   def apply(carry):
     p, o = carry
-    updates, new_o = tx.update(grads, o, p, **extra)
+    updates, new_o = tx.update(grads, o, p, grad_norm=grad_norm, **extra)
     return optim.apply_updates(p, updates, key), new_o
 
   # a branch, not a select of new and old values: the select kept both copies of the
@@ -141,10 +150,11 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
       return nll + aux_coef * aux, {"sft_loss": nll, "moe_aux_loss": aux}
 
     (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained)
+    norm = optax.tree.norm(grads)
     trained, opt_state, finite = finite_update(s.optimizers.sft, trained, opt_state, grads, loss,
-                                               key=rounding_key(s, opt_state, 0))
+                                               key=rounding_key(s, opt_state, 0), grad_norm=norm)
     params = models.lora.untrainable(cfg, frozen, trained)
-    return params, opt_state, {"sft_loss": loss, **mets, "grad_norm": optax.tree.norm(grads),
+    return params, opt_state, {"sft_loss": loss, **mets, "grad_norm": norm,
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
   st, rows = layout.state, layout.rows(s.config.sft.batch_size)
@@ -336,16 +346,17 @@ def rl_apply(s: Setup) -> Callable:
     frozen, trained = models.lora.trainable(cfg, params)  # LoRA: the adapters only
     ess = (losses.ess_ratio_from_sums(mets["vcpo/sum_w"], mets["vcpo/sum_w2"],
                                       mets["vcpo/num_seqs"]) if "vcpo/sum_w" in mets else 1.0)
+    norm = optax.tree.norm(grads)
     trained, opt_state, finite = finite_update(s.optimizers.rl, trained, opt_state, grads,
                                                loss, key=rounding_key(s, opt_state, 1),
-                                               ess_ratio=ess)
+                                               grad_norm=norm, ess_ratio=ess)
     params = models.lora.untrainable(cfg, frozen, trained)
     if with_critic:
       value_params, value_opt_state, vfinite = finite_update(
           s.optimizers.value, value_params, value_opt_state, vgrads, loss,
           key=rounding_key(s, value_opt_state, 2))
       finite &= vfinite
-    mets = dict(mets, loss=loss, grad_norm=optax.tree.norm(grads), ess_ratio=ess,
+    mets = dict(mets, loss=loss, grad_norm=norm, ess_ratio=ess,
                 update_skipped=1 - finite.astype(jnp.int32))
     return params, opt_state, value_params, value_opt_state, mets
 

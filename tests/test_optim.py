@@ -1,0 +1,109 @@
+"""The trainer's optimizer and its skip check: one reduction of the gradients.
+
+``optim.clip_by_global_norm`` must give optax's clipped updates bit for bit, whether it
+computes the norm or is handed it; ``steps.finite_update`` hands its norm to the optimizer
+and skips on a non-finite one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from rl_jax import optim
+from rl_jax.train import steps
+
+
+def _tree(scale: float, seed: int = 0):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  return {"w": scale * jax.random.normal(k1, (7, 5)), "b": scale * jax.random.normal(k2, (5,)),
+          "layers": {"q": scale * jax.random.normal(k3, (3, 4, 2))}}
+
+
+def _equal(a, b):
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a),
+               jax.tree.map(np.asarray, b))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 50.0])  # norm below, near and above the limit
+def test_clip_equals_optax_bit_for_bit(scale):
+  grads = _tree(scale)
+  want, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+  clip = optim.clip_by_global_norm(1.0)
+  got, _ = clip.update(grads, clip.init(grads))
+  _equal(want, got)
+  given, _ = jax.jit(lambda g: clip.update(g, optax.EmptyState(),
+                                          grad_norm=optax.tree.norm(g)))(grads)
+  want_jit, _ = jax.jit(lambda g: optax.clip_by_global_norm(1.0).update(
+      g, optax.EmptyState()))(grads)
+  _equal(want_jit, given)
+
+
+def _optim_config(grad_clip: float) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      schedule="constant", warmup_steps=0, grad_clip=grad_clip, b1=0.9, b2=0.99, eps=1e-8,
+      weight_decay=0.01, mu_dtype=None))
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1.0])
+def test_trainer_update_equals_optax_adamw_behind_its_clip(grad_clip):
+  """Three steps of ``finite_update`` with ``make_optimizer`` against optax's own
+  clip + AdamW chain (the computation the shared norm replaces)."""
+  params = _tree(1.0, seed=1)
+  tx = optim.make_optimizer(_optim_config(grad_clip), 1e-2, 10)
+  ref = optax.chain(*([optax.clip_by_global_norm(grad_clip)] if grad_clip else []),
+                    optax.adamw(1e-2, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01))
+  step = jax.jit(lambda p, o, g: steps.finite_update(tx, p, o, g, jnp.float32(0.0))[:2])
+
+  @jax.jit
+  def ref_step(p, o, g):
+    u, o = ref.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  p, o, rp, ro = params, tx.init(params), params, ref.init(params)
+  for i in range(3):
+    g = _tree(3.0, seed=10 + i)
+    p, o = step(p, o, g)
+    rp, ro = ref_step(rp, ro, g)
+  _equal(rp, p)
+
+
+def test_finite_update_hands_its_norm_to_the_optimizer():
+  seen = {}
+
+  def update_fn(updates, state, params=None, *, grad_norm=None, **extra):
+    seen["norm"] = grad_norm
+    return updates, state
+
+  tx = optax.chain(optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn),
+                   optax.sgd(0.1))
+  params, grads = _tree(1.0), _tree(2.0)
+  steps.finite_update(tx, params, tx.init(params), grads, jnp.float32(1.0))
+  assert float(seen["norm"]) == float(optax.tree.norm(grads))
+  steps.finite_update(tx, params, tx.init(params), grads, jnp.float32(1.0),
+                      grad_norm=jnp.float32(7.0))
+  assert float(seen["norm"]) == 7.0
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "overflow", "loss"])
+def test_non_finite_norm_or_loss_skips(bad):
+  """A NaN or infinite entry, or finite entries whose squares overflow float32 (the clip
+  would scale the step to zero), skip the update: params and optimizer state unchanged."""
+  params = _tree(1.0)
+  tx = optim.make_optimizer(_optim_config(1.0), 1e-2, 10)
+  opt_state = tx.init(params)
+  grads = _tree(1.0, seed=3)
+  value = {"nan": jnp.nan, "inf": jnp.inf, "overflow": 1e30, "loss": 1.0}[bad]
+  grads["w"] = grads["w"].at[0, 0].set(value)
+  loss = jnp.float32(jnp.nan if bad == "loss" else 0.0)
+  new_p, new_o, finite = jax.jit(lambda p, o, g, l: steps.finite_update(tx, p, o, g, l))(
+      params, opt_state, grads, loss)
+  assert not bool(finite)
+  _equal(params, new_p)
+  _equal(opt_state, new_o)
+  ok_p, _, ok = steps.finite_update(tx, params, opt_state, _tree(1.0, seed=3), jnp.float32(0.0))
+  assert bool(ok) and not np.array_equal(np.asarray(ok_p["w"]), np.asarray(params["w"]))
