@@ -295,7 +295,7 @@ def _train() -> ml_collections.ConfigDict:
       batch_groups=8,  # G, prompts (groups) per step; each has rollout.n samples
       minibatches=1,  # optimizer updates per step
       shared_prefix=True,  # packed prompt-once layout for grouped log-probs
-      max_bad_steps=3,  # consecutive non-finite losses before the run stops
+      max_bad_steps=3,  # consecutive skipped updates (non-finite loss or grad norm), then stop
       seed=0,
       eval_every=50,  # 0 disables evaluation
       checkpoint_every=50,  # 0 saves only at the end

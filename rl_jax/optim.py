@@ -6,6 +6,10 @@ of the config; only the learning rate and the number of steps differ between sta
 
 Schedules (``optim.schedule``): ``constant`` (linear warm-up over ``optim.warmup_steps``, then
 ``lr``) and ``cosine`` (warm-up, then cosine decay to 0 at ``steps``).
+
+The clip (``clip_by_global_norm``) reads the global norm from the ``grad_norm=`` keyword when
+the caller has it: the trainer reduces its gradients once per update, for the skip check, the
+clip and the ``grad_norm`` metric (``train.steps.finite_update``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["SCHEDULES", "clip_by_global_norm", "make_optimizer", "stochastic_round", "apply_updates", "update_count"]
+__all__ = ["SCHEDULES", "clip_by_global_norm", "make_optimizer", "stochastic_round",
+           "apply_updates", "update_count"]
 
 SCHEDULES = ("constant", "cosine")
 
@@ -51,8 +56,9 @@ def make_optimizer(o: Any, lr: float, steps: int) -> optax.GradientTransformatio
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
-  """Scales the updates by ``max_norm / ‖g‖`` when their global norm ‖g‖ reaches ``max_norm``
-  (Pascanu et al., 2013, "On the difficulty of training recurrent neural networks").
+  """Scales the updates by ``max_norm / ‖g‖`` when their global norm ‖g‖ reaches
+  ``max_norm`` (Pascanu et al., 2013, "On the difficulty of training recurrent neural
+  networks").
 
   The same values as ``optax.clip_by_global_norm``; the norm can come in as the keyword
   ``grad_norm=`` (``optax.tree.norm`` of the same updates), so a trainer that has already

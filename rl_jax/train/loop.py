@@ -207,7 +207,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
         record, data = {"phase": "rl", **record}, np.asarray(jax.device_get(state.data))
       bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
       if bad_steps >= c.train.max_bad_steps:
-        raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient "
+        raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm "
                          f"(last at step {step}); stopping. Lower optim.lr or check the data.")
       state = state._replace(step=state.step + 1, producer=state.producer._replace(
           data=place_replicated(s, data)))
