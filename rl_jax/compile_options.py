@@ -1,25 +1,25 @@
-"""XLA options rl_jax can compile its programs with, per backend (``train.cpu_fast_compile``,
-``train.cpu_xla_reductions``).
+"""XLA options rl_jax compiles its programs with, per backend (``train.cpu_fast_compile``,
+``train.cpu_xla_reductions``; both on by default, and only CPU programs get them).
 
 On CPU, XLA's MLIR fusion emitters (its default) take markedly longer to compile than its
 elemental IR emitter, and where a program's time goes to matmuls (library calls either way)
 the code they make runs no faster. With ``use_fast_cpu_compile(True)`` (what
-``--config.train.cpu_fast_compile=True`` does when the run is set up), rl_jax's training
+``train.cpu_fast_compile``, on by default, does when the run is set up), rl_jax's training
 programs (``train.layout.jit_on_mesh``: the RL update, the log-prob and value passes, the SFT
 step) and the sampler's prefill (``RolloutEngine.admit_fn``) made from then on are compiled
 with the elemental emitter (``xla_cpu_use_fusion_emitters=False``) and LLVM's -O1 pipeline
-(``xla_backend_optimization_level=1``; -O2 by default). On ``scripts/bench_tunix.py``'s model
-(2-core AMD EPYC, JAX 0.10.2) the elemental emitter alone took the RL update's compile from
-3.4-3.7 s to 2.6 s and the prefill's from 0.8 s to 0.6 s; -O1 takes the update to 1.6-2.5 s
-and the prefill to 0.4-0.55 s, with the same step time (docs/BENCHMARKS.md, "First GRPO
-step: one advantage program, and -O1"). Values agree to float rounding
-(``tests/test_compile_options.py``) and runs drift apart (the quickstart ends at another
-held-out accuracy), so the option is off by default and the documented training numbers are
-without it. The decode loop keeps XLA's default either way: its elementwise work is a larger
-share of each step, and with the elemental emitter it sampled about 5% fewer tokens per
-second.
+(``xla_backend_optimization_level=1``; XLA's default is -O2). On ``scripts/bench_tunix.py``'s
+model (2-core AMD EPYC, JAX 0.10.2) the elemental emitter alone took the RL update's compile
+from 3.4-3.7 s to 2.6 s and the prefill's from 0.8 s to 0.6 s; -O1 takes the update to
+1.6-2.5 s and the prefill to 0.4-0.55 s, with the same step time (docs/BENCHMARKS.md, "First
+GRPO step: one advantage program, and -O1"). Values agree with XLA's defaults to float
+rounding (``tests/test_compile_options.py``), but the last bits differ and a run's numbers
+drift: ``--config.train.cpu_fast_compile=False`` gives XLA's defaults, and the numbers
+documented before these options became the defaults. The decode loop keeps XLA's default
+either way: its elementwise work is a larger share of each step, and with the elemental
+emitter it sampled about 5% fewer tokens per second.
 
-With ``use_cpu_xla_reductions(True)`` (``--config.train.cpu_xla_reductions=True``) the same
+With ``use_cpu_xla_reductions(True)`` (``train.cpu_xla_reductions``, on by default) the same
 training programs hand only their matmuls to YNNPACK, XLA's CPU matmul library
 (``xla_cpu_experimental_ynn_fusion_type``), and compile their reductions as XLA's own
 loops. YNNPACK's reductions are slow on the row sums a backward pass is full of: the RMSNorm
@@ -27,16 +27,19 @@ weight gradient of a 1034 x 256 activation (a multiply and a sum over the rows) 
 per call, and such sums were about 21 ms of op time in the 137 ms RL update of
 ``scripts/bench_tunix.py``'s model, which is 1.11x faster with the option
 (``scripts/bench_update.py``). Sums are added in another order, so values agree to float
-rounding (``tests/test_compile_options.py``) and a run's numbers drift: off by default, as
-the documented training numbers are without it.
+rounding (``tests/test_compile_options.py``); ``--config.train.cpu_xla_reductions=False``
+gives XLA's default.
 
 Other backends get no options, nor does a jaxlib whose XLA no longer knows an option:
-``_cpu_accepts`` tries each set once on a tiny program.
+``_cpu_accepts`` tries each set once on a tiny program. An option that the process's
+``XLA_FLAGS`` name is left to them (the test suite's ``--xla_backend_optimization_level=0``
+stays -O0).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Iterable
 
 import jax
@@ -49,8 +52,8 @@ __all__ = ["CPU_FAST_COMPILE", "CPU_XLA_REDUCTIONS", "fast_compile_options",
 CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
 # YNNPACK fuses the matmuls only (its default list has reductions too)
 CPU_XLA_REDUCTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
-_ENABLED = [False]  # the process's setting (use_fast_cpu_compile)
-_REDUCTIONS = [False]  # the process's setting (use_cpu_xla_reductions)
+_ENABLED = [True]  # the process's setting (use_fast_cpu_compile); the config's default
+_REDUCTIONS = [True]  # the process's setting (use_cpu_xla_reductions); the config's default
 
 
 def use_fast_cpu_compile(enabled: bool) -> None:
@@ -96,7 +99,10 @@ def training_options(devices: Iterable[jax.Device]) -> dict:
 
 
 def _cpu_options(devices: Iterable[jax.Device], options: dict) -> dict:
-  """``options`` where every device is a CPU device and the compiler takes them; else none."""
+  """``options`` where every device is a CPU device and the compiler takes them, less those
+  the process's ``XLA_FLAGS`` name (the user's flag wins); else none."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  options = {k: v for k, v in options.items() if f"--{k}" not in flags}
   if not options or any(d.platform != "cpu" for d in devices):
     return {}
   items = tuple(sorted(options.items()))

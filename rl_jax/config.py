@@ -330,12 +330,12 @@ def _train() -> ml_collections.ConfigDict:
       compile_cache=os.environ.get("RL_JAX_COMPILE_CACHE", "compile_cache"),
       # CPU only: compile the training programs and the sampler's prefill with XLA's elemental
       # emitter and LLVM -O1 (rl_jax.compile_options): about half the compile time for them,
-      # values equal to float rounding (the last bits differ, so a run's numbers drift).
-      cpu_fast_compile=False,
+      # values equal to XLA's defaults to float rounding. False: XLA's defaults.
+      cpu_fast_compile=True,
       # CPU only: the training programs' reductions as XLA's own loops, not YNNPACK's
       # (rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in
-      # another order, so values agree to float rounding and a run's numbers drift.
-      cpu_xla_reductions=False,
+      # another order, values equal to float rounding. False: XLA's defaults.
+      cpu_xla_reductions=True,
       profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 

@@ -2,6 +2,7 @@
 training programs' and the prefill's XLA options on CPU, against the default compiler's
 values."""
 
+import os
 import re
 import types
 
@@ -22,12 +23,37 @@ TINY = TINY_MODEL + [
 FAST = tuple(sorted(compile_options.CPU_FAST_COMPILE.items()))
 
 
+@pytest.fixture(autouse=True)
+def _restore_process_settings(monkeypatch):
+  """Each test may switch the process's settings; they are the defaults again after it. The
+  suite's ``XLA_FLAGS`` name an optimisation level (conftest), which would keep it out of the
+  options: here they do not."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  monkeypatch.setenv("XLA_FLAGS", " ".join(
+      f for f in flags if not f.startswith("--xla_backend_optimization_level")))
+  yield
+  compile_options.use_fast_cpu_compile(True)
+  compile_options.use_cpu_xla_reductions(True)
+
+
 @pytest.fixture(name="fast_compile")
 def _fast_compile():
-  """Turns the process's setting on for one test, and off again after it."""
+  """The process's fast-compile setting on for one test (the default), reductions off."""
   compile_options.use_fast_cpu_compile(True)
-  yield
+  compile_options.use_cpu_xla_reductions(False)
+
+
+def test_both_options_are_the_defaults():
+  """A run set up from the default config compiles its training programs with both CPU
+  option sets, and its prefill with the fast-compile set."""
   compile_options.use_fast_cpu_compile(False)
+  compile_options.use_cpu_xla_reductions(False)
+  config = config_utils.load_config(QUICKSTART, TINY)
+  assert config.train.cpu_fast_compile and config.train.cpu_xla_reductions
+  train.build_setup(config)
+  assert compile_options.training_options(jax.devices()) == {
+      **compile_options.CPU_FAST_COMPILE, **compile_options.CPU_XLA_REDUCTIONS}
+  assert compile_options.fast_compile_options(jax.devices()) == compile_options.CPU_FAST_COMPILE
 
 
 def test_fast_compile_options_only_when_on_and_for_cpu_devices(fast_compile):
@@ -37,6 +63,18 @@ def test_fast_compile_options_only_when_on_and_for_cpu_devices(fast_compile):
   assert compile_options.fast_compile_options([jax.devices()[0], gpu]) == {}
   compile_options.use_fast_cpu_compile(False)
   assert compile_options.fast_compile_options(jax.devices()) == {}
+
+
+def test_options_named_in_xla_flags_are_left_to_them(monkeypatch):
+  """The user's ``XLA_FLAGS`` win: an option they name is not in the program's options."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=0")
+  compile_options.use_fast_cpu_compile(True)
+  compile_options.use_cpu_xla_reductions(True)
+  options = compile_options.training_options(jax.devices())
+  assert "xla_backend_optimization_level" not in options
+  assert options == {k: v for k, v in {**compile_options.CPU_FAST_COMPILE,
+                                       **compile_options.CPU_XLA_REDUCTIONS}.items()
+                     if k != "xla_backend_optimization_level"}
 
 
 def _one_step(fast: bool, reductions: bool = False):
@@ -54,10 +92,7 @@ def _one_step(fast: bool, reductions: bool = False):
 
 
 def test_training_programs_compile_with_the_cpu_options_to_the_same_values():
-  try:
-    fast, fast_record, fast_options = _one_step(True)
-  finally:
-    compile_options.use_fast_cpu_compile(False)
+  fast, fast_record, fast_options = _one_step(True)
   slow, slow_record, slow_options = _one_step(False)
   assert fast_options == compile_options.CPU_FAST_COMPILE and slow_options == {}
   np.testing.assert_allclose(fast_record["loss"], slow_record["loss"], rtol=1e-6)
@@ -86,18 +121,17 @@ def test_sampler_prefill_compiles_with_the_cpu_options_to_the_same_samples(fast_
 
 
 def test_xla_reductions_options_only_when_on_and_for_cpu_devices():
-  try:
-    compile_options.use_cpu_xla_reductions(True)
-    assert compile_options.training_options(jax.devices()) == compile_options.CPU_XLA_REDUCTIONS
-    assert compile_options.fast_compile_options(jax.devices()) == {}  # not the prefill's
-    compile_options.use_fast_cpu_compile(True)
-    assert compile_options.training_options(jax.devices()) == {
-        **compile_options.CPU_FAST_COMPILE, **compile_options.CPU_XLA_REDUCTIONS}
-    gpu = types.SimpleNamespace(platform="gpu")
-    assert compile_options.training_options([jax.devices()[0], gpu]) == {}
-  finally:
-    compile_options.use_cpu_xla_reductions(False)
-    compile_options.use_fast_cpu_compile(False)
+  compile_options.use_fast_cpu_compile(False)
+  compile_options.use_cpu_xla_reductions(True)
+  assert compile_options.training_options(jax.devices()) == compile_options.CPU_XLA_REDUCTIONS
+  assert compile_options.fast_compile_options(jax.devices()) == {}  # not the prefill's
+  compile_options.use_fast_cpu_compile(True)
+  assert compile_options.training_options(jax.devices()) == {
+      **compile_options.CPU_FAST_COMPILE, **compile_options.CPU_XLA_REDUCTIONS}
+  gpu = types.SimpleNamespace(platform="gpu")
+  assert compile_options.training_options([jax.devices()[0], gpu]) == {}
+  compile_options.use_cpu_xla_reductions(False)
+  compile_options.use_fast_cpu_compile(False)
   assert compile_options.training_options(jax.devices()) == {}
 
 
@@ -123,10 +157,7 @@ def test_xla_reductions_leave_matmuls_to_the_library_and_sum_in_xla():
 def test_training_programs_sum_in_xla_to_the_same_values():
   """One RL step with ``train.cpu_xla_reductions`` equals the default's to float rounding
   (sums added in another order), and its programs carry the option."""
-  try:
-    xla, xla_record, xla_options = _one_step(False, reductions=True)
-  finally:
-    compile_options.use_cpu_xla_reductions(False)
+  xla, xla_record, xla_options = _one_step(False, reductions=True)
   lib, lib_record, lib_options = _one_step(False)
   assert xla_options == compile_options.CPU_XLA_REDUCTIONS and lib_options == {}
   np.testing.assert_allclose(xla_record["loss"], lib_record["loss"], rtol=1e-5, atol=1e-7)
