@@ -9,12 +9,13 @@ Stage 2 (``train``, 250 steps): GRPO — group-normalised advantages, PPO clip �
 N = 8 samples per prompt (rollout.n) at temperature 0.5, 32 prompts per step, β = 0 (no KL),
 η = 2e-4 — lifts held-out greedy accuracy.
 
-Expected result (2-core CPU, JAX 0.10.2, measured): the whole command takes about 1 minute;
-held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.932 at the end
-(step 275), pass@4 0.068 -> 0.952; training reward 0.03 -> 0.89. Curves: DIR/curves.png.
+Expected result (2-core CPU, JAX 0.10.2, measured): the whole command takes under half a
+minute; held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.971 at the
+end (step 275), pass@4 0.068 -> 0.981; training reward 0.03 -> 0.82. Curves: DIR/curves.png.
 These digits are from an AVX-512 CPU: XLA's CPU kernels round by instruction set, so a run
-is bit-exact on one machine but not across machines (a CPU without AVX-512 ended at 0.966;
-docs/BENCHMARKS.md lists the spread).
+is bit-exact on one machine but not across machines (docs/BENCHMARKS.md lists the spread).
+With XLA's CPU defaults (``--config.train.cpu_fast_compile=False
+--config.train.cpu_xla_reductions=False``) the same machine ends at 0.932.
 
 LoRA (``:lora``; rank-8 adapters, frozen base, adapter-only optimizer state)::
 

@@ -8,7 +8,7 @@ the code they make runs no faster. With ``use_fast_cpu_compile(True)`` (what
 programs (``train.layout.jit_on_mesh``: the RL update, the log-prob and value passes, the SFT
 step) and the sampler's prefill (``RolloutEngine.admit_fn``) made from then on are compiled
 with the elemental emitter (``xla_cpu_use_fusion_emitters=False``) and LLVM's -O1 pipeline
-(``xla_backend_optimization_level=1``; XLA's default is -O2). On ``scripts/bench_tunix.py``'s
+(``xla_backend_optimization_level=1``; XLA's default level is 3). On ``scripts/bench_tunix.py``'s
 model (2-core AMD EPYC, JAX 0.10.2) the elemental emitter alone took the RL update's compile
 from 3.4-3.7 s to 2.6 s and the prefill's from 0.8 s to 0.6 s; -O1 takes the update to
 1.6-2.5 s and the prefill to 0.4-0.55 s, with the same step time (docs/BENCHMARKS.md, "First
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 __all__ = ["CPU_FAST_COMPILE", "CPU_XLA_REDUCTIONS", "fast_compile_options",
            "training_options", "use_cpu_xla_reductions", "use_fast_cpu_compile"]
 
-# the elemental emitter, and LLVM's -O1 pipeline for the generated code (-O2 by default)
+# the elemental emitter, and LLVM's -O1 pipeline for the generated code (level 3 by default)
 CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
 # YNNPACK fuses the matmuls only (its default list has reductions too)
 CPU_XLA_REDUCTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}

@@ -16,9 +16,9 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
   times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
   update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``,
-  ``--prefix-attention`` ``model.prefix_attention``, ``--fast-compile``
-  ``train.cpu_fast_compile``, ``--xla-reductions`` ``train.cpu_xla_reductions``, ``--remat``
-  ``model.remat``; the same
+  ``--prefix-attention`` ``model.prefix_attention``, ``--[no-]fast-compile``
+  ``train.cpu_fast_compile``, ``--[no-]xla-reductions`` ``train.cpu_xla_reductions`` (both on
+  by default, as in rl_jax), ``--remat`` ``model.remat``; the same
   prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
@@ -120,12 +120,13 @@ def reuse_large_blocks(keep_bytes: int = 1 << 30) -> None:
 # ----------------------------------------------------------------------------- rl_jax side
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
               new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
-              fast_compile: bool = False, remat: str = "none",
-              xla_reductions: bool = False) -> dict:
+              fast_compile: bool = True, remat: str = "none",
+              xla_reductions: bool = True) -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from rl_jax import models, rollout  # pylint: disable=import-outside-toplevel
+  from rl_jax import compile_options, models, rollout  # pylint: disable=import-outside-toplevel
+  compile_options.use_fast_cpu_compile(fast_compile)  # the sampler's prefill, as in the trainer
   cfg, params = models.load_hf(weights)
   prompt = [list(PROMPT.encode())]
   gen = lambda: rollout.generate(cfg, params, prompt, n=n, max_new_tokens=new_tokens,
@@ -147,8 +148,8 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n
 
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
                 new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
-                fast_compile: bool = False, remat: str = "none",
-                xla_reductions: bool = False) -> dict:
+                fast_compile: bool = True, remat: str = "none",
+                xla_reductions: bool = True) -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -312,10 +313,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
   ap.add_argument("--prefix-attention", choices=("kernel", "concat"), default="kernel",
                   help="rl_jax trainer: model.prefix_attention")
-  ap.add_argument("--fast-compile", action="store_true",
-                  help="rl_jax trainer: train.cpu_fast_compile")
-  ap.add_argument("--xla-reductions", action="store_true",
-                  help="rl_jax trainer: train.cpu_xla_reductions")
+  ap.add_argument("--fast-compile", action=argparse.BooleanOptionalAction, default=True,
+                  help="rl_jax trainer: train.cpu_fast_compile (rl_jax's default: on)")
+  ap.add_argument("--xla-reductions", action=argparse.BooleanOptionalAction, default=True,
+                  help="rl_jax trainer: train.cpu_xla_reductions (rl_jax's default: on)")
   ap.add_argument("--host-heap-reuse", choices=("none", "rljax", "both"), default="none",
                   help="reuse_large_blocks() first in these sides' processes")
   ap.add_argument("--reuse-heap", action="store_true", help=argparse.SUPPRESS)
@@ -353,8 +354,9 @@ def main(argv=None) -> dict:
              "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
              "--prompt-tokens", str(args.prompt_tokens)]
       cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
-      cmd += ["--fast-compile"] if args.fast_compile and side == "rljax" else []
-      cmd += ["--xla-reductions"] if args.xla_reductions and side == "rljax" else []
+      if side == "rljax":
+        cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
+                "--xla-reductions" if args.xla_reductions else "--no-xla-reductions"]
       cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
       cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
               ] if side == "rljax" else []

@@ -82,7 +82,11 @@ def test_own_pass_update_equals_separate_pass_update(preset):
               for a, b in zip(jax.tree.leaves(out_sep[0]), jax.tree.leaves(before)))
   assert moved > 1e-5, "the update did not move the policy; the comparison would be empty"
   chex.assert_trees_all_close(out_own[0], out_sep[0], rtol=1e-5, atol=1e-7)  # params
-  chex.assert_trees_all_close(out_own[1], out_sep[1], rtol=1e-4, atol=1e-10)  # Adam moments
+  # Adam moments: an element that is a sum with cancellation (an embedding row's gradient)
+  # keeps the absolute rounding of its terms, so the tolerance is 1e-4 of the element or of
+  # its leaf's largest element (the two programs may add in different orders)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b)))), out_own[1], out_sep[1])
   mets_sep, mets_own = jax.device_get(out_sep[4]), jax.device_get(out_own[4])
   assert mets_sep.keys() == mets_own.keys()
   for k in mets_sep:
