@@ -22,7 +22,7 @@ LoRA (``:lora``; rank-8 adapters, frozen base, adapter-only optimizer state)::
     python -m rl_jax.train --config=configs/quickstart.py:lora --workdir=/tmp/rl_jax_lora
 
 Expected result (2-core AMD EPYC CPU with AVX-512, measured): held-out greedy accuracy 0.082
-after the 10-step LoRA warm start -> 0.802 at the end (step 260), pass@4 0.116 -> 0.821.
+after the 10-step LoRA warm start -> 0.758 at the end (step 260), pass@4 0.116 -> 0.792.
 Writes DIR/hf
 (merged), DIR/hf_adapter (PEFT) and DIR/hf_base.
 
@@ -32,8 +32,8 @@ entries; ``--config.model.lora.quant=int8`` for int8)::
     python -m rl_jax.train --config=configs/quickstart.py:qlora --workdir=/tmp/rl_jax_qlora
 
 Expected result (2-core AMD EPYC CPU with AVX-512, measured): held-out greedy accuracy 0.087
-after the warm start -> 0.710 at the end (step 260), pass@4 0.111 -> 0.768 (int8: 0.072 ->
-0.754). The base's
+after the warm start -> 0.754 at the end (step 260), pass@4 0.111 -> 0.768 (int8: 0.072 ->
+0.700). The base's
 projections take 72 KiB (int4) / 120 KiB (int8) instead of 384 KiB (float32). DIR/hf holds
 the dequantised base with the adapters merged.
 """
