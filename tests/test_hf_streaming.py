@@ -224,6 +224,23 @@ def test_load_places_on_shardings(tmp_path):
   _assert_bitwise_equal(params, _reference_load(tmp_path, jnp.bfloat16)[1])
 
 
+def test_own_buffers_lets_a_donating_program_reuse_the_loaded_memory(tmp_path):
+  """On CPU the loader's arrays adopt their host buffers, which a donating program cannot
+  reuse (the first update would hold the weights twice); ``own_buffers`` copies them, leaf by
+  leaf, into buffers it can, with the same values."""
+  tiny_hf_model("qwen3", tmp_path, hidden=32, inter=64, heads=4, kv_heads=2, head_dim=8)
+  double = jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p), donate_argnums=0)
+  pointers = lambda tree: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+  _, adopted = models.load_hf(str(tmp_path), dtype=jnp.float32)
+  before = pointers(adopted)
+  assert not set(pointers(double(adopted))) & set(before)
+  _, params = models.load_hf(str(tmp_path), dtype=jnp.float32)
+  owned = hf_mod.own_buffers(params)
+  _assert_bitwise_equal(owned, _reference_load(tmp_path, jnp.float32)[1])
+  before = pointers(owned)
+  assert pointers(double(owned)) == before
+
+
 def assert_same_sharding(x, sh):
   assert x.sharding == sh, (x.sharding, sh)
 

@@ -6,6 +6,7 @@ whose tokenizer prepends a bos; the HF export loads in transformers."""
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import tokenizers
@@ -14,6 +15,7 @@ from tokenizers import models as tok_models, pre_tokenizers, trainers
 
 from rl_jax import config_utils, metrics, train
 from rl_jax.errors import ConfigError
+from rl_jax.train import state as train_state
 from rl_jax.train.rollouts import encode_prompts
 from tests.hf_utils import tiny_hf_model
 
@@ -69,6 +71,13 @@ def test_gsm8k_config_with_hf_checkpoint(tmp_path, arch):
       "log.tensorboard=False", "data.max_prompt_len=128", "model.remat=dots"]
   config = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"),
                                     overrides + _FAMILY_OVERRIDES[arch])
+  if arch == "qwen3":  # a fresh state's loaded params are in buffers a donating update reuses
+    params = train_state.init_params(train.build_setup(config))
+    pointers = lambda tree: [shard.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+                             for shard in x.addressable_shards]
+    before = pointers(params)
+    params = jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p), donate_argnums=0)(params)
+    assert pointers(params) == before
   if arch == "qwen3":  # the load-balancing loss on a dense checkpoint: one line at setup
     bad = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"),
                                    overrides + ["model.router_aux_loss_coef=0.01"])

@@ -282,6 +282,8 @@ def init_params(s: Setup) -> dict:
       params = jax.jit(lambda p: models.quant.quantize_base(
           s.model_cfg, models.lora.combine(p, adapters(s) if s.model_cfg.lora_rank else {})),
           out_shardings=shardings)(params)
+    else:  # trained whole: the update donates them, which needs buffers XLA owns
+      params = models.hf.own_buffers(params)
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std,
