@@ -101,8 +101,8 @@ def training_options(devices: Iterable[jax.Device]) -> dict:
 def _cpu_options(devices: Iterable[jax.Device], options: dict) -> dict:
   """``options`` where every device is a CPU device and the compiler takes them, less those
   the process's ``XLA_FLAGS`` name (the user's flag wins); else none."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  options = {k: v for k, v in options.items() if f"--{k}" not in flags}
+  named = {f.split("=", 1)[0].lstrip("-") for f in os.environ.get("XLA_FLAGS", "").split()}
+  options = {k: v for k, v in options.items() if k not in named}
   if not options or any(d.platform != "cpu" for d in devices):
     return {}
   items = tuple(sorted(options.items()))

@@ -38,9 +38,8 @@ def _restore_process_settings(monkeypatch):
 
 @pytest.fixture(name="fast_compile")
 def _fast_compile():
-  """The process's fast-compile setting on for one test (the default), reductions off."""
+  """The process's fast-compile setting on for one test (the default)."""
   compile_options.use_fast_cpu_compile(True)
-  compile_options.use_cpu_xla_reductions(False)
 
 
 def test_both_options_are_the_defaults():

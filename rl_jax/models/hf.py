@@ -340,7 +340,9 @@ def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=N
       each parameter is placed straight onto its shards.
     overrides: ModelConfig fields to override (e.g. ``dtype="bfloat16", remat="full"``).
   Returns:
-    (cfg, params).
+    (cfg, params). On CPU the arrays keep the loader's host buffers (no copy); a program that
+    donates them cannot reuse those, so pass them through ``own_buffers`` first (the trainer
+    does, for parameters it trains whole).
   """
   dtype = jnp.dtype(dtype)
   compute = jnp.dtype(compute_dtype or dtype).name
