@@ -36,6 +36,7 @@ from rl_jax import models
 from rl_jax import rollout
 from rl_jax.data.tokenizers import encode_prompt
 from rl_jax.errors import CheckpointNotFoundError, RLJaxError
+from rl_jax.train import accumulate
 from rl_jax.train import lora_checkpoint
 from rl_jax.train.context import build_setup
 from rl_jax.train.inputs import SINGLE_TURN_INPUTS, Source, make_inputs
@@ -50,11 +51,6 @@ from rl_jax.train.steps import UpdateBatch, rl_apply, rl_grads
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["Batch", "Trainer"]
-
-# metrics of a micro-batch that are sums over its rows (added, not averaged, when gradients
-# of several micro-batches are accumulated; VCPO's effective sample size reads them)
-_SUMMED = ("vcpo/sum_w", "vcpo/sum_w2", "vcpo/num_seqs")
-
 
 class Batch(NamedTuple):
   """G groups of M sampled completions, as ``forward_backward`` and ``logprobs`` take them
@@ -87,31 +83,6 @@ class Batch(NamedTuple):
   old_logp: Any = None
 
 
-class _Accumulated(NamedTuple):
-  """Gradients of the micro-batches since the last ``optim_step``: their mean weighted by
-  each micro-batch's loss denominator (``denom`` float32 [], the sum), the loss likewise,
-  and the metrics (``_SUMMED`` added, the rest weighted means)."""
-
-  denom: jax.Array
-  loss: jax.Array
-  grads: Any
-  value_grads: Any
-  metrics: dict
-
-
-def _combine(a: _Accumulated, b: _Accumulated) -> _Accumulated:
-  """``a`` and ``b`` as one accumulation: ``(x_a·d_a + x_b·d_b) / (d_a + d_b)`` for every
-  gradient, the loss and averaged metric, so the gradient of ``Σ loss_sum / Σ denom`` over
-  both micro-batches results (exact up to float rounding)."""
-  d = a.denom + b.denom
-  wa = jnp.where(d > 0, a.denom / jnp.where(d > 0, d, 1.0), 0.5)
-  mix = lambda x, y: (x * wa + y * (1.0 - wa)).astype(x.dtype)
-  mets = {k: a.metrics[k] + b.metrics[k] if k in _SUMMED else mix(a.metrics[k], b.metrics[k])
-          for k in a.metrics}
-  return _Accumulated(d, mix(a.loss, b.loss), jax.tree.map(mix, a.grads, b.grads),
-                      jax.tree.map(mix, a.value_grads, b.value_grads), mets)
-
-
 def _rows(x, G: int, name: str, shape_tail: tuple) -> np.ndarray:
   """``x`` ([G·M,...] or [G,M,...]) as a host array [G,M,...]; a wrong size is one error."""
   x = np.asarray(x)
@@ -138,7 +109,7 @@ class Trainer:
     self._abstract = abstract_state(s)
     self.trainer = make_trainer(s, self._abstract)
     self.state = begin_rl(s, init_state(s) if state is None else state)
-    self._pending: _Accumulated | None = None
+    self._pending: accumulate.Accumulated | None = None
     apply = rl_apply(s)
     st, lay = self.trainer.layout.state, self.trainer.layout
     weights = (st.params, st.opt_state, st.value_params, st.value_opt_state)
@@ -146,7 +117,7 @@ class Trainer:
         lambda p, o, v, vo, acc: apply(p, o, v, vo, acc.grads, acc.value_grads, acc.loss,
                                        acc.metrics),
         lay, donate_argnums=(0, 1, 2, 3), out_shardings=(*weights, lay.replicated))
-    self._combine = jax.jit(_combine, donate_argnums=(0,))
+    self._combine = jax.jit(accumulate.combine, donate_argnums=(0,))
     self._grads: dict[int, tuple] = {}  # id(objective) -> (objective, compiled rl_grads)
 
   # ------------------------------------------------------------------------ prompts, sampling
@@ -299,7 +270,7 @@ class Trainer:
     ub = self._update_batch(b, obj)
     st = self.state
     value, denom, mets, grads, vgrads = self._grads_fn(obj)(st.params, st.value_params, ub)
-    new = _Accumulated(jnp.asarray(denom, jnp.float32), value, grads, vgrads, mets)
+    new = accumulate.start(value, denom, mets, grads, vgrads)
     self._pending = new if self._pending is None else self._combine(self._pending, new)
     out = jax.device_get(dict(mets, loss=value))
     return {k: float(v) for k, v in out.items()}

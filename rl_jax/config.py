@@ -294,6 +294,9 @@ def _train() -> ml_collections.ConfigDict:
       steps=100,
       batch_groups=8,  # G, prompts (groups) per step; each has rollout.n samples
       minibatches=1,  # optimizer updates per step
+      # gradient accumulation: each minibatch's groups in this many micro-batches, one after
+      # another inside the update (the same update to float rounding, less activation memory)
+      micro_batches=1,
       shared_prefix=True,  # packed prompt-once layout for grouped log-probs
       max_bad_steps=3,  # consecutive skipped updates (non-finite loss or grad norm), then stop
       seed=0,
@@ -468,6 +471,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.steps": cu.positive_int,
       "train.batch_groups": cu.positive_int,
       "train.minibatches": cu.positive_int,
+      "train.micro_batches": cu.positive_int,
       "train.eval_every": cu.nonnegative_int,
       "train.checkpoint_every": cu.nonnegative_int,
       "train.keep": cu.positive_int,
@@ -554,6 +558,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
                       f"train.minibatches={config.train.minibatches}")
+  per_minibatch = config.train.batch_groups // config.train.minibatches
+  if config.data.group_size != "adaptive" and per_minibatch % config.train.micro_batches:
+    raise ConfigError(f"train.micro_batches={config.train.micro_batches} does not divide the "
+                      f"{per_minibatch} groups of a minibatch (train.batch_groups / "
+                      "train.minibatches); micro-batches hold whole groups")
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
@@ -704,6 +713,10 @@ def _check_group_size(config: ml_collections.ConfigDict) -> None:
   if ((G * M) // m) % config.train.minibatches:
     raise ConfigError(f"data.group_size=adaptive: the {(G * M) // m} chunks of a step are not "
                       f"divisible by train.minibatches={config.train.minibatches}")
+  if ((G * M) // m // config.train.minibatches) % config.train.micro_batches:
+    raise ConfigError(f"data.group_size=adaptive: train.micro_batches="
+                      f"{config.train.micro_batches} does not divide the "
+                      f"{(G * M) // m // config.train.minibatches} chunks of a minibatch")
   sel = d.selector or "none"
   if sel not in ("none", "beta") or (sel == "none" and config.loss.preset == "dapo"):
     raise ConfigError(f"data.group_size=adaptive works with data.selector none or beta, got "

@@ -1,7 +1,8 @@
 """Memory of a real-sized run, measured against the memory plan; and plans for larger models.
 
     python scripts/bench_memory.py measure [--workdir /tmp/bench_memory] [--extra KEY=V ...]
-    python scripts/bench_memory.py predict [--workdir /tmp/bench_memory_predict]
+    python scripts/bench_memory.py predict [--workdir /tmp/bench_memory_predict] [--models M ...]
+        [--devices 1 8] [--extra KEY=V ...]
     python scripts/bench_memory.py knobs [--workdir /tmp/bench_memory_knobs] [--only LABEL ...]
 
 ``measure`` writes a Qwen3-0.6B-shaped checkpoint (596M parameters, random bf16 weights,
@@ -14,7 +15,8 @@ peak). ``--extra`` adds config overrides (a memory knob, e.g. ``optim.mu_dtype=b
 ``predict`` writes config.json + tokenizer only (no weights: the dry run reads none) for
 Qwen3-1.7B / 4B / 8B and prints each one's plan (``train.dry_run``) for ``configs/gsm8k_hf.py``
 at its defaults on 8 fake CPU devices (the layout of a TPU v5e-8 / v4-8 slice, FSDP over 8
-chips) and on 1 device (one 80 GB GPU). The programs are compiled for the CPU backend: the
+chips) and on 1 device (one 80 GB GPU); ``--devices 1`` keeps one of them, ``--extra`` adds
+config overrides (``train.micro_batches=8``). The programs are compiled for the CPU backend: the
 numbers are XLA's memory analysis of those programs, predicted, not run on that hardware.
 
 ``knobs`` prints the plan (dry run, one CPU device) of the ``measure`` run under each memory
@@ -228,14 +230,15 @@ def measure(args) -> None:
 def predict(args) -> None:
   hardware = {"TPU v5e-8 (16 GiB/chip)": (8, 16 * GiB), "TPU v4-8 (32 GiB/chip)": (8, 32 * GiB),
               "1x 80 GB GPU": (1, 80 * 10**9)}
+  hardware = {hw: v for hw, v in hardware.items() if not args.devices or v[0] in args.devices}
   for name in args.models:
     model, data = prepare(args.workdir, name, weights=False)
     plans = {}
     for devices in sorted({d for d, _ in hardware.values()}):
       run = os.path.join(args.workdir, f"run-{name}-{devices}")
       env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-      out = subprocess.run(_cmd(model, data, run, ["train.dry_run=True"]), cwd=ROOT, env=env,
-                           capture_output=True, text=True)
+      out = subprocess.run(_cmd(model, data, run, ["train.dry_run=True"] + args.extra), cwd=ROOT,
+                           env=env, capture_output=True, text=True)
       if out.returncode:
         sys.exit(out.stderr[-3000:])
       plans[devices] = json.load(open(os.path.join(run, "memory_plan.json")))
@@ -243,7 +246,8 @@ def predict(args) -> None:
       p = plans[devices]
       rl = p["state"]["rl"]
       steps = {k: v.get("extra", 0) for k, v in p["steps"].items()}
-      print(f"| {name} | {hw} | {_gib(rl['policy'])} | {_gib(rl['rl_optimizer'])} | "
+      label = " ".join([name] + [f"`{e}`" for e in args.extra])
+      print(f"| {label} | {hw} | {_gib(rl['policy'])} | {_gib(rl['rl_optimizer'])} | "
             f"{_gib(rl['reference'])} | {_gib(max(steps.values()))} | "
             f"{_gib(p['peak']['rl'])} | {'yes' if p['peak']['rl'] <= capacity else 'no'} |",
             flush=True)
@@ -533,6 +537,9 @@ def main() -> None:
   p = sub.add_parser("predict")
   p.add_argument("--workdir", default="/tmp/bench_memory_predict")
   p.add_argument("--models", nargs="*", default=["qwen3-1.7b", "qwen3-4b", "qwen3-8b"])
+  p.add_argument("--devices", nargs="*", type=int, default=[],
+                 help="only the hardware rows with these device counts (1, 8)")
+  p.add_argument("--extra", nargs="*", default=[], help="config overrides, e.g. a memory knob")
   k = sub.add_parser("knobs")
   k.add_argument("--workdir", default="/tmp/bench_memory_knobs")
   k.add_argument("--only", nargs="*", default=[], help="rows whose label contains one of these")

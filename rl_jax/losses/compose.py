@@ -84,6 +84,8 @@ class Objective(NamedTuple):
       TIS, decoupled PPO, M2PO and ESS metrics; ``values`` for GAE and the value loss) and
       ``"entropy"``, the per-token entropy ``loss(..., entropy=)`` needs for an entropy
       bonus. A trainer rejects a config with ``objective.needs - PROVIDED``.
+    batch_global: a stage computes a statistic over the whole minibatch in ``prepare``
+      (M2PO's mask), so splitting the minibatch into micro-batches changes the loss.
   """
 
   advantages: Callable[..., Any]
@@ -101,6 +103,7 @@ class Objective(NamedTuple):
   advantages_from: Callable[[ObjectiveInputs], Advantages] | None = None
   needs: frozenset[str] = frozenset({"old_logp"})
   estimator_needs: frozenset[str] = frozenset()
+  batch_global: bool = False
 
 
 def finalize(loss_sum: Array, denom: Array) -> Array:
@@ -247,7 +250,8 @@ def chain(*parts: Any, name: str = "custom") -> Objective:
       needs_values="values" in needs, needs_entropy="entropy" in needs,
       needs_grad_norms="grad_sq_norms" in needs, name=name,
       estimator=estimator.name if estimator else None, advantages_from=advantages_from,
-      needs=needs, estimator_needs=frozenset(est_needs))
+      needs=needs, estimator_needs=frozenset(est_needs),
+      batch_global=any(s.prepare is not None for s in stages))
 
 
 _POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean", "num_tokens")

@@ -112,6 +112,10 @@ def make_objective(config) -> losses.Objective:
     raise ConfigError(f"loss: the objective ({config.loss.preset}) needs {missing}, which the "
                       "trainer does not compute; use it through rl_jax.losses directly"
                       + ("" if config.env.name else " (per-turn inputs need env.name)"))
+  if obj.batch_global and config.train.micro_batches > 1:
+    raise ConfigError(f"train.micro_batches={config.train.micro_batches}: the objective "
+                      f"({config.loss.preset}) takes a statistic over the whole minibatch (the "
+                      "M2PO mask), which micro-batches would change; use train.micro_batches=1")
   return obj
 
 

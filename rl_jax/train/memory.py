@@ -79,7 +79,8 @@ KNOBS = {
     "rollout_buffer": "rollout.over_sampling",
     "rollout_queue": "train.async_lag",
     "spec_drafts": "rollout.speculative=False",
-    "steps": "model.remat=full, train.minibatches, train.batch_groups, rollout.max_new_tokens",
+    "steps": "train.micro_batches, model.remat=full, train.minibatches, train.batch_groups, "
+             "rollout.max_new_tokens",
 }
 
 GiB = 1 << 30

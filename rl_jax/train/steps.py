@@ -21,6 +21,7 @@ import optax
 from rl_jax import losses
 from rl_jax import models
 from rl_jax import optim
+from rl_jax.train import accumulate
 from rl_jax.train import offload
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
@@ -377,8 +378,12 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
 
   When ``on_policy.old_logp_in_update`` holds, ``b.inputs.old_logp`` is None and the
   proximal log-probs are ``stop_gradient`` of this pass's own log-probs (same weights).
+
+  ``train.micro_batches`` = k > 1: the gradients are those of k micro-batches of the groups,
+  one after another, combined by their loss denominators (``train.accumulate``).
   """
-  grads_fn, apply = rl_grads(s), rl_apply(s)
+  grads_fn = accumulate.accumulated(rl_grads(s), s.config.train.micro_batches)
+  apply = rl_apply(s)
 
   def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
     loss, _, mets, grads, vgrads = grads_fn(params, value_params, b)
