@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
