@@ -229,3 +229,12 @@ def test_bench_decode_attention_baseline_is_the_same_attention_and_runs():
   np.testing.assert_allclose(base, new, rtol=1e-6, atol=1e-6)
   (row,) = bench.main(["--quick", "--repeats", "1", "--steps", "2", "--layers", "1"])
   assert row["diff"] < 1e-5 and row["baseline_us"] > 0 and row["length_last_us"] > 0
+
+
+def test_bench_micro_batches_reports_each_k_at_toy_size():
+  bench = _load("bench_micro_batches")
+  rows = bench.main(["--groups", "2", "--samples", "2", "--new-tokens", "8", "--ks", "1,2",
+                     "--repeats", "1"])
+  assert set(rows) == {1, 2}
+  assert all(r["temp_mb"] > 0 for r in rows.values())  # toy size: the sum outweighs activations
+  assert rows[2]["max_abs_diff"] < 1e-6 and all(r["median_s"] > 0 for r in rows.values())
