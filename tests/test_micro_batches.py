@@ -105,10 +105,12 @@ def test_micro_batched_update_equals_the_whole_minibatch(overrides):
 
 
 def test_micro_batches_on_one_device_equal_the_eight_device_whole_batch():
-  """The tests' default mesh shards the groups over 8 devices; micro-batches of a sharded
-  batch on 8 devices and on 1 device give the 8-device whole-batch update."""
-  before, grads8, eight, lr = _updates(["loss.preset=dapo"], ks=(1, 2))
-  _, grads1, one, _ = _updates(["loss.preset=dapo", "mesh.num_devices=1"], ks=(2,))
+  """The tests' default mesh shards the 16 groups over 8 devices (2 each; a micro-batch of 8
+  groups has one on each device); micro-batches of the sharded batch on 8 devices and of the
+  same batch on 1 device give the 8-device whole-batch update."""
+  sixteen = ["loss.preset=dapo", "train.batch_groups=16", "rollout.n=2"]
+  before, grads8, eight, lr = _updates(sixteen, ks=(1, 2))
+  _, grads1, one, _ = _updates(sixteen + ["mesh.num_devices=1"], ks=(2,))
   for grads, out in ((grads8[2], eight[2]), (grads1[2], one[2])):
     _assert_same_grads(grads8[1], grads)
     _assert_same_update(eight[1], out, before, lr)
