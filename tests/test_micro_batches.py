@@ -1,6 +1,7 @@
 """Gradient accumulation (``train.micro_batches``): the micro-batched update is the whole
-minibatch's update to float rounding, for every kind of objective the trainer feeds; what it
-rejects; and that it shrinks the update's activation memory."""
+minibatch's update to float rounding, for every kind of objective the trainer feeds, and the
+micro-batched forward passes give the same rows; what it rejects; and that it shrinks the
+update's activation memory."""
 
 import dataclasses
 
@@ -46,12 +47,20 @@ def _updates(overrides, ks=(1, 4)):
   state = train.begin_rl(s, train.init_state(s))
   batch, _, _ = train.collect(whole, state)
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
-  grads, outs = {}, {}
+  rows = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, batch.inputs.mask)
+  grads, outs, passes = {}, {}, {}
   for k in ks:
     sk, t = (s, whole) if k == 1 else _trainer(overrides + [f"train.micro_batches={k}"])
     fn = jit_on_mesh(accumulate.accumulated(steps.rl_grads(sk), k), t.layout)
     grads[k] = jax.device_get(fn(state.params, state.value_params, batch))
+    passes[k] = jax.device_get((t.steps.logprobs(state.params, *rows),
+                                t.steps.values(state.value_params, *rows) if
+                                "values" in s.objective.needs else None))
     outs[k] = jax.device_get(t.steps.rl_update(*_copy(carry), batch))
+  for k in ks[1:]:  # the forward passes run in the same micro-batches: the same rows
+    for a, b in zip(passes[k], passes[ks[0]]):
+      if b is not None:
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   return jax.device_get(carry), grads, outs, float(s.config.optim.lr)
 
 
@@ -134,11 +143,12 @@ def test_combine_weights_by_denominators_and_counts_when_they_are_zero():
     np.testing.assert_allclose(accumulate.combine(empty, acc(d, 7.0)).grads["w"], 7.0)
 
 
-def test_split_groups_is_strided_over_whole_groups():
+def test_split_groups_is_strided_over_whole_groups_and_join_undoes_it():
   x = jnp.arange(6 * 2).reshape(6, 2)
   parts = accumulate.split_groups({"x": x, "g": jnp.arange(6)}, 3)
   np.testing.assert_array_equal(parts["g"], [[0, 3], [1, 4], [2, 5]])
   np.testing.assert_array_equal(parts["x"][1], x[jnp.array([1, 4])])
+  np.testing.assert_array_equal(accumulate.join_groups(parts["x"]), x)
   with pytest.raises(ValueError, match="6 groups do not split into 4"):
     accumulate.split_groups(x, 4)
 

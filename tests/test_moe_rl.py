@@ -166,23 +166,45 @@ def test_routing_mismatch_counts_tokens_whose_expert_set_differs():
                                       jnp.asarray(mask))) == 0.5
 
 
+REPLAY = list(TINY_MODEL) + [
+    "model.num_experts=4", "model.moe_intermediate_size=16", "model.router_replay=True",
+    "sft.steps=0", "train.steps=1", "train.batch_groups=2", "rollout.n=2",
+    "rollout.max_new_tokens=2", "train.eval_every=0", "log.tensorboard=False",
+    "rollout.temperature=1.0"]
+
+
+def _replay_step(extra=()):
+  s = train.build_setup(config_utils.load_config(MOE_QUICKSTART, REPLAY + list(extra)))
+  t = train.make_trainer(s)
+  state = train.begin_rl(s, train.init_state(s))
+  new_state, record, _ = train.rl_step(t, state)
+  return s, record, new_state
+
+
 @pytest.fixture(scope="module")
 def replay_run():
   """One synchronous RL step of a one-layer MoE policy with router replay (float32)."""
-  config = config_utils.load_config(MOE_QUICKSTART, list(TINY_MODEL) + [
-      "model.num_experts=4", "model.moe_intermediate_size=16", "model.router_replay=True",
-      "sft.steps=0", "train.steps=1", "train.batch_groups=2", "rollout.n=2",
-      "rollout.max_new_tokens=2", "train.eval_every=0", "log.tensorboard=False",
-      "rollout.temperature=1.0"])
-  s = train.build_setup(config)
-  t = train.make_trainer(s)
-  state = train.begin_rl(s, train.init_state(s))
-  _, record, _ = train.rl_step(t, state)
-  return s, record
+  s, record, new_state = _replay_step()
+  return s, record, new_state
+
+
+def test_micro_batches_take_each_groups_expert_records_along(replay_run):
+  """``train.micro_batches=2`` (one group each) with router replay: the old-log-prob pass and
+  the update replay each group's records in its micro-batch: no mismatch, ratios 1, and the
+  whole batch's step (loss, updated weights) to float rounding."""
+  _, whole, whole_state = replay_run
+  s, record, state = _replay_step(["train.micro_batches=2"])
+  assert s.config.train.old_logp_pass == "separate"  # the pass with the records runs
+  assert record["routing_mismatch"] == 0.0
+  assert record["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+  assert record["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+  lr = float(s.config.optim.lr)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=lr / 4),
+               jax.device_get(state.params), jax.device_get(whole_state.params))
 
 
 def test_router_replay_step_has_no_routing_mismatch(replay_run):
-  s, record = replay_run
+  s, record, _ = replay_run
   assert s.model_cfg.is_moe and s.model_cfg.sparse_layers == (True,)
   assert record["routing_mismatch"] == 0.0
   # the proximal pass replays the same routing as the update: ratios are exactly 1
@@ -190,7 +212,7 @@ def test_router_replay_step_has_no_routing_mismatch(replay_run):
 
 
 def test_queue_keeps_the_expert_records_of_moe_models(replay_run):
-  s, _ = replay_run
+  s, _, _ = replay_run
   c = s.config.copy_and_resolve_references()
   c.train.mode, c.train.async_lag = "async", 1
   s = dataclasses.replace(s, config=c)

@@ -15,7 +15,9 @@ is 0 (nothing valid), the micro-batches count equally.
 
 ``train.micro_batches`` runs the micro-batches one after another inside the compiled update
 (``accumulated``): activations and their gradients are those of one micro-batch at a time,
-for one params-sized sum more. ``rl_jax.api.Trainer.forward_backward`` accumulates the same
+for one params-sized sum more. The step's forward passes (log-probs, the reference's, the
+critic's values) run in the same micro-batches (``train.steps``; ``join_groups`` puts their
+rows back). ``rl_jax.api.Trainer.forward_backward`` accumulates the same
 way across calls.
 """
 
@@ -26,7 +28,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Accumulated", "SUMMED", "accumulated", "combine", "split_groups", "start"]
+__all__ = ["Accumulated", "SUMMED", "accumulated", "combine", "join_groups", "split_groups",
+           "start"]
 
 # metrics of a micro-batch that are sums over its rows: added, not averaged
 SUMMED = ("vcpo/sum_w", "vcpo/sum_w2", "vcpo/num_seqs")
@@ -82,6 +85,11 @@ def split_groups(batch: Any, k: int) -> Any:
       raise ValueError(f"{g} groups do not split into {k} micro-batches")
     return jnp.moveaxis(a.reshape((g // k, k) + a.shape[1:]), 1, 0)
   return jax.tree.map(one, batch)
+
+
+def join_groups(x: jax.Array) -> jax.Array:
+  """The inverse of ``split_groups`` for one array: [k, G/k, ...] -> [G, ...]."""
+  return jnp.moveaxis(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
 def accumulated(grads_fn: Callable, k: int) -> Callable:

@@ -169,16 +169,44 @@ def _groups(s: Setup) -> int:
   return s.geometry.rows
 
 
+def _micro(s: Setup) -> int:
+  """``train.micro_batches``: the batch passes and the update run in this many pieces."""
+  return s.config.train.micro_batches
+
+
 def _temperature(s: Setup) -> float:
   return s.config.rollout.temperature or 1.0
 
 
-def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=()) -> Callable:
+def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=(),
+                micro_batches: int = 1) -> Callable:
   """A jitted pass ``fn(weights, prompt_tokens, prompt_lengths, tokens, mask, *extra)`` over
-  ``groups`` groups: batch inputs and the output split along ``batch``."""
+  ``groups`` groups: batch inputs and the output split along ``batch``. ``micro_batches`` =
+  k > 1 (``train.micro_batches``) runs ``fn`` on k micro-batches of the groups one after
+  another (``lax.map``; the extras laid out like the batch are split with it) and puts the
+  rows back in order: the same values for the activations of one micro-batch."""
   rows = layout.rows(groups)
+  if micro_batches > 1:
+    fn = _in_micro_batches(fn, micro_batches, [True] * 4 + [e == rows for e in extra])
   return jit_on_mesh(fn, layout, in_shardings=(weights, rows, rows, rows, rows, *extra),
                      out_shardings=rows)
+
+
+def _in_micro_batches(fn: Callable, k: int, is_batch: list[bool]) -> Callable:
+  """``fn(weights, *args)`` with the args marked in ``is_batch`` (leading axis G) split into
+  k micro-batches of whole groups (``accumulate.split_groups``), one ``fn`` call each, and the
+  outputs (leading axis G/k) joined back into [G, ...] rows in the original order."""
+
+  def run(weights, *args):
+    parts = [accumulate.split_groups(a, k) for a, b in zip(args, is_batch) if b]
+
+    def one(part):
+      it = iter(part)
+      return fn(weights, *[next(it) if b else a for a, b in zip(args, is_batch)])
+
+    return jax.tree.map(accumulate.join_groups, jax.lax.map(one, parts))
+
+  return run
 
 
 def _replay(s: Setup) -> bool:
@@ -210,7 +238,7 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
                      lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
                          s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared,
                          temperature=temp, routing=routing[0] if routing else None),
-                     extra=(rows,) if _replay(s) else ())
+                     extra=(rows,) if _replay(s) else (), micro_batches=_micro(s))
 
 
 def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
@@ -224,7 +252,8 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
     return _group_pass(layout, layout.state.params, _groups(s),
                        lambda p, pt, pl, rt, rm: models.response_logprobs(
                            s.model_cfg, models.lora.strip(p), pt, pl, rt, rm,
-                           shared_prefix=shared, temperature=temp))
+                           shared_prefix=shared, temperature=temp),
+                       micro_batches=_micro(s))
   if "ref_params" not in offload.offloaded_fields(s):
     return None
   weights = jax.tree.map(offload.host_sharding, layout.state.params)  # laid out like the policy
@@ -233,7 +262,8 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
                          s.model_cfg, offload.to_device(p, True), pt, pl, rt, rm,
                          shared_prefix=shared, temperature=temp,
                          routing=routing[0] if routing else None),
-                     extra=(layout.rows(_groups(s)),) if _replay(s) else ())
+                     extra=(layout.rows(_groups(s)),) if _replay(s) else (),
+                     micro_batches=_micro(s))
 
 
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
@@ -241,7 +271,8 @@ def make_value_fn(s: Setup, layout: Layout) -> Callable:
   shared = s.config.train.shared_prefix
   return _group_pass(layout, layout.state.value_params, _groups(s),
                      lambda v, pt, pl, rt, rm: models.response_values(
-                         s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared))
+                         s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared),
+                     micro_batches=_micro(s))
 
 
 def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
@@ -382,7 +413,7 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
   ``train.micro_batches`` = k > 1: the gradients are those of k micro-batches of the groups,
   one after another, combined by their loss denominators (``train.accumulate``).
   """
-  grads_fn = accumulate.accumulated(rl_grads(s), s.config.train.micro_batches)
+  grads_fn = accumulate.accumulated(rl_grads(s), _micro(s))
   apply = rl_apply(s)
 
   def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
