@@ -53,9 +53,12 @@ def _updates(overrides, ks=(1, 4)):
     sk, t = (s, whole) if k == 1 else _trainer(overrides + [f"train.micro_batches={k}"])
     fn = jit_on_mesh(accumulate.accumulated(steps.rl_grads(sk), k), t.layout)
     grads[k] = jax.device_get(fn(state.params, state.value_params, batch))
-    passes[k] = jax.device_get((t.steps.logprobs(state.params, *rows),
-                                t.steps.values(state.value_params, *rows) if
-                                "values" in s.objective.needs else None))
+    ref = t.steps.ref_logprobs  # the reference kept in host memory, or LoRA's base pass
+    passes[k] = jax.device_get((
+        t.steps.logprobs(state.params, *rows),
+        t.steps.values(state.value_params, *rows) if "values" in s.objective.needs else None,
+        ref(state.params if t.steps.ref_from_policy else state.ref_params, *rows) if ref
+        else None))
     outs[k] = jax.device_get(t.steps.rl_update(*_copy(carry), batch))
   for k in ks[1:]:  # the forward passes run in the same micro-batches: the same rows
     for a, b in zip(passes[k], passes[ks[0]]):
@@ -101,12 +104,13 @@ def _assert_same_grads(ref, out):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["loss.preset=grpo"],                                   # KL to the reference, seq-mean
+    ["loss.preset=grpo", "loss.kl_beta=0.04"],              # KL to the reference, seq-mean
     ["loss.preset=dapo", "loss.entropy_coef=0.01"],         # token-mean, entropy pass
     ["loss.preset=vcpo"],                                   # OPOB, ESS sums scale the update
     ["loss.preset=ppo"],                                    # critic and GAE
-    ["loss.preset=grpo", "model.lora.rank=4", "loss.kl_beta=0.0"],  # adapters only
-], ids=["grpo", "dapo-entropy", "vcpo", "ppo", "lora"])
+    ["loss.preset=grpo", "loss.kl_beta=0.04", "model.lora.rank=4"],  # adapters; base's pass
+    ["loss.preset=grpo", "loss.kl_beta=0.04", "train.offload=reference"],  # host reference
+], ids=["grpo", "dapo-entropy", "vcpo", "ppo", "lora", "offloaded-reference"])
 def test_micro_batched_update_equals_the_whole_minibatch(overrides):
   before, grads, outs, lr = _updates(overrides)
   _assert_same_grads(grads[1], grads[4])  # one group per micro-batch

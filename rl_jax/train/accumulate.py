@@ -17,8 +17,7 @@ is 0 (nothing valid), the micro-batches count equally.
 (``accumulated``): activations and their gradients are those of one micro-batch at a time,
 for one params-sized sum more. The step's forward passes (log-probs, the reference's, the
 critic's values) run in the same micro-batches (``train.steps``; ``join_groups`` puts their
-rows back). ``rl_jax.api.Trainer.forward_backward`` accumulates the same
-way across calls.
+rows back). ``rl_jax.api.Trainer.forward_backward`` accumulates the same way across calls.
 """
 
 from __future__ import annotations

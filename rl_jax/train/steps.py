@@ -179,17 +179,18 @@ def _temperature(s: Setup) -> float:
 
 
 def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=(),
-                micro_batches: int = 1) -> Callable:
-  """A jitted pass ``fn(weights, prompt_tokens, prompt_lengths, tokens, mask, *extra)`` over
-  ``groups`` groups: batch inputs and the output split along ``batch``. ``micro_batches`` =
-  k > 1 (``train.micro_batches``) runs ``fn`` on k micro-batches of the groups one after
-  another (``lax.map``; the extras laid out like the batch are split with it) and puts the
-  rows back in order: the same values for the activations of one micro-batch."""
+                micro_batches: int = 1, load: Callable = lambda w: w) -> Callable:
+  """A jitted pass ``fn(load(weights), prompt_tokens, prompt_lengths, tokens, mask, *extra)``
+  over ``groups`` groups: batch inputs and the output split along ``batch``; ``load`` brings
+  the weights where ``fn`` reads them (once per call). ``micro_batches`` = k > 1
+  (``train.micro_batches``) runs ``fn`` on k micro-batches of the groups one after another
+  (``lax.map``; the extras laid out like the batch are split with it) and puts the rows back
+  in order: the same values for the activations of one micro-batch."""
   rows = layout.rows(groups)
-  if micro_batches > 1:
-    fn = _in_micro_batches(fn, micro_batches, [True] * 4 + [e == rows for e in extra])
-  return jit_on_mesh(fn, layout, in_shardings=(weights, rows, rows, rows, rows, *extra),
-                     out_shardings=rows)
+  body = fn if micro_batches == 1 else _in_micro_batches(
+      fn, micro_batches, [True] * 4 + [e == rows for e in extra])
+  return jit_on_mesh(lambda w, *args: body(load(w), *args), layout,
+                     in_shardings=(weights, rows, rows, rows, rows, *extra), out_shardings=rows)
 
 
 def _in_micro_batches(fn: Callable, k: int, is_batch: list[bool]) -> Callable:
@@ -259,11 +260,10 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
   weights = jax.tree.map(offload.host_sharding, layout.state.params)  # laid out like the policy
   return _group_pass(layout, weights, _groups(s),
                      lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
-                         s.model_cfg, offload.to_device(p, True), pt, pl, rt, rm,
-                         shared_prefix=shared, temperature=temp,
-                         routing=routing[0] if routing else None),
+                         s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared,
+                         temperature=temp, routing=routing[0] if routing else None),
                      extra=(layout.rows(_groups(s)),) if _replay(s) else (),
-                     micro_batches=_micro(s))
+                     micro_batches=_micro(s), load=lambda p: offload.to_device(p, True))
 
 
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
