@@ -12,6 +12,7 @@ Shapes (the package legend): G groups (prompts) per step, M samples per prompt
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -189,8 +190,13 @@ def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=(),
   rows = layout.rows(groups)
   body = fn if micro_batches == 1 else _in_micro_batches(
       fn, micro_batches, [True] * 4 + [e == rows for e in extra])
-  return jit_on_mesh(lambda w, *args: body(load(w), *args), layout,
-                     in_shardings=(weights, rows, rows, rows, rows, *extra), out_shardings=rows)
+
+  @functools.wraps(fn)  # the program keeps the pass's name (compile logs, profiles)
+  def run(w, *args):
+    return body(load(w), *args)
+
+  return jit_on_mesh(run, layout, in_shardings=(weights, rows, rows, rows, rows, *extra),
+                     out_shardings=rows)
 
 
 def _in_micro_batches(fn: Callable, k: int, is_batch: list[bool]) -> Callable:
