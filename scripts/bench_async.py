@@ -102,24 +102,24 @@ def throughput(args) -> dict:
 def staleness(args) -> dict:
   lags = [int(x) for x in args.lags.split(",")]
   seeds = [int(x) for x in args.seeds.split(",")]
-  cache = tempfile.mkdtemp(prefix="rl_jax_bench_cache_")
   base = [f"train.steps={args.steps}", f"train.eval_every={args.eval_every}",
           "train.checkpoint_every=0", "log.tensorboard=False", "eval.pass_k=0",
           "train.mode=async", "train.allow_uncorrected=True",
           f"train.batch_groups={args.batch_groups}"]
   curves = {}
-  for seed in seeds:
-    for preset in PRESETS:
-      for lag in lags:
-        t0 = time.time()
-        with tempfile.TemporaryDirectory() as d:
-          rows = run(d, base + [f"loss.preset={preset}", f"train.async_lag={lag}",
-                                f"train.seed={seed}", "loss.kl_beta=0.0"], cache=cache)
-        curve = [(r["step"], r["eval_accuracy"]) for r in rows
-                 if "eval_accuracy" in r and r["phase"] == "rl"]
-        curves[(preset, lag, seed)] = curve
-        print(f"{preset:14s} k={lag} seed={seed}: final {curve[-1][1]:.3f} "
-              f"({time.time() - t0:.0f} s)", flush=True)
+  with tempfile.TemporaryDirectory(prefix="rl_jax_bench_cache_") as cache:
+    for seed in seeds:
+      for preset in PRESETS:
+        for lag in lags:
+          t0 = time.time()
+          with tempfile.TemporaryDirectory() as d:
+            rows = run(d, base + [f"loss.preset={preset}", f"train.async_lag={lag}",
+                                  f"train.seed={seed}", "loss.kl_beta=0.0"], cache=cache)
+          curve = [(r["step"], r["eval_accuracy"]) for r in rows
+                   if "eval_accuracy" in r and r["phase"] == "rl"]
+          curves[(preset, lag, seed)] = curve
+          print(f"{preset:14s} k={lag} seed={seed}: final {curve[-1][1]:.3f} "
+                f"({time.time() - t0:.0f} s)", flush=True)
   print(f"\nfinal held-out accuracy after {args.steps} RL steps, mean ± std over seeds "
         f"{seeds}\n")
   print("| objective | " + " | ".join(f"k = {k}" for k in lags) + " |")

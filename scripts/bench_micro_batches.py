@@ -67,7 +67,12 @@ def main(argv=None) -> dict:
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args(argv)
   ks = [int(k) for k in args.ks.split(",")]
-  weights = os.path.join(tempfile.mkdtemp(prefix="bench_micro_batches_"), "weights")
+  with tempfile.TemporaryDirectory(prefix="bench_micro_batches_") as tmp:
+    return _measure(args, ks, os.path.join(tmp, "weights"))
+
+
+def _measure(args, ks: list[int], weights: str) -> dict:
+  """``main``'s measurement, with the shared weights written to ``weights``."""
   bench_tunix.write_weights(weights, args.new_tokens)
   s, whole = trainer(weights, args.groups, args.samples, args.new_tokens, 1)
   state = train.begin_rl(s, train.init_state(s))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -344,28 +345,31 @@ def main(argv=None) -> dict:
                                  args.new_tokens)))
     return {}
   weights = tempfile.mkdtemp(prefix="bench_tunix_weights_")
-  write_weights(weights, args.new_tokens)
-  results = {"rljax": [], "tunix": []}
-  for r in range(args.rounds):
-    for side in (("rljax", "tunix") if r % 2 == 0 else ("tunix", "rljax")):
-      python = sys.executable if side == "rljax" else args.tunix_python
-      cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
-             "--steps", str(args.steps), "--repeats", str(args.repeats),
-             "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
-             "--prompt-tokens", str(args.prompt_tokens)]
-      cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
-      if side == "rljax":
-        cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
-                "--xla-reductions" if args.xla_reductions else "--no-xla-reductions"]
-      cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
-      cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
-              ] if side == "rljax" else []
-      env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
-      out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-      if out.returncode != 0:
-        raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
-      results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
-      print(side, r, results[side][-1], flush=True)
+  try:  # the weights are removed however the rounds end
+    write_weights(weights, args.new_tokens)
+    results = {"rljax": [], "tunix": []}
+    for r in range(args.rounds):
+      for side in (("rljax", "tunix") if r % 2 == 0 else ("tunix", "rljax")):
+        python = sys.executable if side == "rljax" else args.tunix_python
+        cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
+               "--steps", str(args.steps), "--repeats", str(args.repeats),
+               "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
+               "--prompt-tokens", str(args.prompt_tokens)]
+        cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+        if side == "rljax":
+          cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
+                  "--xla-reductions" if args.xla_reductions else "--no-xla-reductions"]
+        cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
+        cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
+                ] if side == "rljax" else []
+        env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+          raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
+        results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(side, r, results[side][-1], flush=True)
+  finally:
+    shutil.rmtree(weights, ignore_errors=True)
   print(f"load average {os.getloadavg()[0]:.1f}; 1 prompt of {args.prompt_tokens} tokens, "
         f"{args.samples} samples x "
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -231,10 +232,12 @@ def test_bench_decode_attention_baseline_is_the_same_attention_and_runs():
   assert row["diff"] < 1e-5 and row["baseline_us"] > 0 and row["length_last_us"] > 0
 
 
-def test_bench_micro_batches_reports_each_k_at_toy_size():
+def test_bench_micro_batches_reports_each_k_at_toy_size(tmp_path, monkeypatch):
   bench = _load("bench_micro_batches")
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the script writes its weights
   rows = bench.main(["--groups", "2", "--samples", "2", "--new-tokens", "8", "--ks", "1,2",
                      "--repeats", "1"])
+  assert not os.listdir(tmp_path)  # the weights are removed when it ends
   assert set(rows) == {1, 2}
   assert all(r["temp_mb"] > 0 for r in rows.values())  # toy size: the sum outweighs activations
   assert rows[2]["max_abs_diff"] < 1e-6 and all(r["median_s"] > 0 for r in rows.values())
