@@ -1,6 +1,7 @@
 """Test session setup: 8 fake CPU devices (for mesh tests) and float32 matmuls everywhere."""
 
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -20,8 +21,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # the subprocess runs and the notebook kernel inherit it): the many tiny runs share programs.
 # A loaded program is the compiled one, so results are unchanged; train.compile_cache set by a
 # test still wins.
+# The session that made the directory removes it when it ends (``pytest_sessionfinish``).
+_OWN_COMPILE_CACHE = None
 if "RL_JAX_COMPILE_CACHE" not in os.environ:
-  os.environ["RL_JAX_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="rl_jax_test_compile_cache_")
+  _OWN_COMPILE_CACHE = tempfile.mkdtemp(prefix="rl_jax_test_compile_cache_")
+  os.environ["RL_JAX_COMPILE_CACHE"] = _OWN_COMPILE_CACHE
 
 import jax  # noqa: E402
 
@@ -41,6 +45,14 @@ LONG_FILES_FIRST = [
     "test_bench_scripts.py", "test_workdir_gcs.py", "test_offload.py", "test_moe_capacity.py",
     "test_api.py", "test_models_moe_gemma.py",
 ]
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """Removes the session's compilation cache, in the process that made it (the xdist
+  controller, after its workers are done; the workers inherited the directory)."""
+  del session, exitstatus
+  if _OWN_COMPILE_CACHE is not None:
+    shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
