@@ -41,8 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,9 +48,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_tunix as shared  # noqa: E402  (weights, workload and the rl_jax side)
-
-ROOT = shared.ROOT
+import bench_tunix as shared  # noqa: E402  (weights, workload, rounds, the rl_jax side)
 
 
 def _byte_tokenizer():
@@ -182,27 +178,17 @@ def main(argv=None) -> dict:
     print(json.dumps(run_trl(args.weights, args.steps, args.repeats, args.torch_threads,
                              args.samples, args.new_tokens)))
     return {}
-  weights = tempfile.mkdtemp(prefix="bench_trl_weights_")
-  try:  # the weights are removed however the rounds end
-    shared.write_weights(weights, args.new_tokens)
-    results = {"rljax": [], "trl": []}
-    for r in range(args.rounds):
-      for side in (("rljax", "trl") if r % 2 == 0 else ("trl", "rljax")):
-        python = sys.executable if side == "rljax" else args.trl_python
-        cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
-               "--steps", str(args.steps), "--repeats", str(args.repeats),
-               "--torch-threads", str(args.torch_threads), "--samples", str(args.samples),
-               "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
-        cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
-        cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
-        env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if out.returncode != 0:
-          raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
-        results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(side, r, results[side][-1], flush=True)
-  finally:
-    shutil.rmtree(weights, ignore_errors=True)
+  def command(side: str, weights: str) -> list[str]:
+    python = sys.executable if side == "rljax" else args.trl_python
+    cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
+           "--steps", str(args.steps), "--repeats", str(args.repeats),
+           "--torch-threads", str(args.torch_threads), "--samples", str(args.samples),
+           "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+    cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
+    return cmd
+
+  results = shared.alternate_sides(args.rounds, ("rljax", "trl"), args.new_tokens, command)
   print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.torch_threads}; "
         f"1 prompt of {args.prompt_tokens} tokens, {args.samples} samples x {args.new_tokens} new tokens; rl_jax fused_mlp="
         f"{args.fused_mlp}, prefix_attention={args.prefix_attention}")

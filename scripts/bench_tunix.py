@@ -41,11 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -116,6 +116,30 @@ def reuse_large_blocks(keep_bytes: int = 1 << 30) -> None:
   if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, keep_bytes)):
     raise SystemExit("--host-heap-reuse: glibc's mallopt refused the settings")
   jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def alternate_sides(rounds: int, sides: tuple[str, str], new_tokens: int,
+                    command: Callable[[str, str], list[str]]) -> dict:
+  """The comparison's rounds (this script's and ``bench_trl.py``'s): the shared weights
+  written to a temporary directory (removed however the rounds end), then each side in its
+  own process, ``command(side, weights)`` its argv (the rl_jax side with this checkout on
+  ``PYTHONPATH``), the first side first in even rounds and last in odd ones.
+
+  Returns:
+    {side: [the JSON object the side printed last, one per round]}.
+  """
+  results = {side: [] for side in sides}
+  with tempfile.TemporaryDirectory(prefix="bench_weights_") as weights:
+    write_weights(weights, new_tokens)
+    for r in range(rounds):
+      for side in (sides if r % 2 == 0 else sides[::-1]):
+        env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
+        out = subprocess.run(command(side, weights), capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+          raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
+        results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(side, r, results[side][-1], flush=True)
+  return results
 
 
 # ----------------------------------------------------------------------------- rl_jax side
@@ -344,32 +368,22 @@ def main(argv=None) -> dict:
       print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
                                  args.new_tokens)))
     return {}
-  weights = tempfile.mkdtemp(prefix="bench_tunix_weights_")
-  try:  # the weights are removed however the rounds end
-    write_weights(weights, args.new_tokens)
-    results = {"rljax": [], "tunix": []}
-    for r in range(args.rounds):
-      for side in (("rljax", "tunix") if r % 2 == 0 else ("tunix", "rljax")):
-        python = sys.executable if side == "rljax" else args.tunix_python
-        cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
-               "--steps", str(args.steps), "--repeats", str(args.repeats),
-               "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
-               "--prompt-tokens", str(args.prompt_tokens)]
-        cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
-        if side == "rljax":
-          cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
-                  "--xla-reductions" if args.xla_reductions else "--no-xla-reductions"]
-        cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
-        cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
-                ] if side == "rljax" else []
-        env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if out.returncode != 0:
-          raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
-        results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(side, r, results[side][-1], flush=True)
-  finally:
-    shutil.rmtree(weights, ignore_errors=True)
+  def command(side: str, weights: str) -> list[str]:
+    python = sys.executable if side == "rljax" else args.tunix_python
+    cmd = [python, os.path.abspath(__file__), "--side", side, "--weights", weights,
+           "--steps", str(args.steps), "--repeats", str(args.repeats),
+           "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
+           "--prompt-tokens", str(args.prompt_tokens)]
+    cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+    if side == "rljax":
+      cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
+              "--xla-reductions" if args.xla_reductions else "--no-xla-reductions"]
+    cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
+    cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
+            ] if side == "rljax" else []
+    return cmd
+
+  results = alternate_sides(args.rounds, ("rljax", "tunix"), args.new_tokens, command)
   print(f"load average {os.getloadavg()[0]:.1f}; 1 prompt of {args.prompt_tokens} tokens, "
         f"{args.samples} samples x "
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "

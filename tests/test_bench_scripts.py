@@ -2,11 +2,13 @@
 
 import importlib.util
 import os
+import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from rl_jax import config as config_lib
 
@@ -241,3 +243,26 @@ def test_bench_micro_batches_reports_each_k_at_toy_size(tmp_path, monkeypatch):
   assert set(rows) == {1, 2}
   assert all(r["temp_mb"] > 0 for r in rows.values())  # toy size: the sum outweighs activations
   assert rows[2]["max_abs_diff"] < 1e-6 and all(r["median_s"] > 0 for r in rows.values())
+
+
+def test_bench_rounds_alternate_the_sides_and_remove_the_weights(tmp_path, monkeypatch):
+  """``bench_tunix.alternate_sides`` (its rounds and ``bench_trl.py``'s): each side in its own
+  process on the shared weights, the order swapped every round, results from the last line
+  printed; the weights are gone afterwards, and after a side that fails too."""
+  bench = _load("bench_tunix")
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the weights are written
+  seen = []
+
+  def command(side, weights, fail=None):
+    seen.append((side, sorted(os.listdir(weights))))
+    last = "raise SystemExit('no')" if side == fail else f"print(json.dumps({{'side': {side!r}}}))"
+    return [sys.executable, "-c", f"import json; print('a log line'); {last}"]
+
+  results = bench.alternate_sides(3, ("rljax", "peer"), 8, command)
+  assert [side for side, _ in seen] == ["rljax", "peer", "peer", "rljax", "rljax", "peer"]
+  assert all("config.json" in files for _, files in seen)
+  assert results == {"rljax": [{"side": "rljax"}] * 3, "peer": [{"side": "peer"}] * 3}
+  assert not os.listdir(tmp_path)
+  with pytest.raises(RuntimeError, match="peer failed"):
+    bench.alternate_sides(1, ("rljax", "peer"), 8, lambda s, w: command(s, w, fail="peer"))
+  assert not os.listdir(tmp_path)

@@ -184,8 +184,7 @@ def _replay_step(extra=()):
 @pytest.fixture(scope="module")
 def replay_run():
   """One synchronous RL step of a one-layer MoE policy with router replay (float32)."""
-  s, record, new_state = _replay_step()
-  return s, record, new_state
+  return _replay_step()
 
 
 def test_micro_batches_take_each_groups_expert_records_along(replay_run):
