@@ -339,6 +339,11 @@ def _train() -> ml_collections.ConfigDict:
       # (rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in
       # another order, values equal to float rounding. False: XLA's defaults.
       cpu_xla_reductions=True,
+      # CPU only, opt-in: the training programs' temporaries in blocks of at most this many
+      # MiB (16 suits glibc; rl_jax.compile_options), which malloc reuses between calls
+      # instead of mapping and faulting in one large block each time: the RL update about
+      # 1.1x faster on a small model, values bit-identical. 0: one block, XLA's default.
+      cpu_temp_block_mib=0,
       profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))
 
@@ -486,6 +491,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.profile_step": cu.nonnegative_int,
       "train.cpu_fast_compile": cu.one_of((False, True)),
       "train.cpu_xla_reductions": cu.one_of((False, True)),
+      "train.cpu_temp_block_mib": cu.nonnegative_int,
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,

@@ -18,7 +18,8 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
   update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``,
   ``--prefix-attention`` ``model.prefix_attention``, ``--[no-]fast-compile``
   ``train.cpu_fast_compile``, ``--[no-]xla-reductions`` ``train.cpu_xla_reductions`` (both on
-  by default, as in rl_jax), ``--remat`` ``model.remat``; the same
+  by default, as in rl_jax), ``--temp-block-mib`` ``train.cpu_temp_block_mib`` (0, off, by
+  default, as in rl_jax), ``--remat`` ``model.remat``; the same
   prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
@@ -146,7 +147,7 @@ def alternate_sides(rounds: int, sides: tuple[str, str], new_tokens: int,
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
               new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
               fast_compile: bool = True, remat: str = "none",
-              xla_reductions: bool = True) -> dict:
+              xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -168,13 +169,13 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
           "sampler_tokens": n_tok,
           **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens, prefix_attention,
-                        fast_compile, remat, xla_reductions)}
+                        fast_compile, remat, xla_reductions, temp_block_mib)}
 
 
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
                 new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
                 fast_compile: bool = True, remat: str = "none",
-                xla_reductions: bool = True) -> dict:
+                xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -188,7 +189,7 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
       "loss.preset=grpo", "loss.kl_beta=0.0", f"data.max_prompt_len={MAX_PROMPT}",
       f"model.fused_mlp={fused_mlp}", f"model.prefix_attention={prefix_attention}",
       f"train.cpu_fast_compile={fast_compile}", f"train.cpu_xla_reductions={xla_reductions}",
-      "optim.lr=1e-5",  # the peers' learning rate
+      f"train.cpu_temp_block_mib={temp_block_mib}", "optim.lr=1e-5",  # the peers' learning rate
       *([f"model.remat={remat}"] if remat != "none" else [])])
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
@@ -342,6 +343,8 @@ def main(argv=None) -> dict:
                   help="rl_jax trainer: train.cpu_fast_compile (rl_jax's default: on)")
   ap.add_argument("--xla-reductions", action=argparse.BooleanOptionalAction, default=True,
                   help="rl_jax trainer: train.cpu_xla_reductions (rl_jax's default: on)")
+  ap.add_argument("--temp-block-mib", type=int, default=0,
+                  help="rl_jax trainer: train.cpu_temp_block_mib (rl_jax's default: 0, off)")
   ap.add_argument("--host-heap-reuse", choices=("none", "rljax", "both"), default="none",
                   help="reuse_large_blocks() first in these sides' processes")
   ap.add_argument("--reuse-heap", action="store_true", help=argparse.SUPPRESS)
@@ -363,7 +366,8 @@ def main(argv=None) -> dict:
     if args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                  args.samples, args.new_tokens, args.prefix_attention,
-                                 args.fast_compile, args.remat, args.xla_reductions)))
+                                 args.fast_compile, args.remat, args.xla_reductions,
+                                 args.temp_block_mib)))
     else:
       print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
                                  args.new_tokens)))
@@ -377,7 +381,8 @@ def main(argv=None) -> dict:
     cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
     if side == "rljax":
       cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
-              "--xla-reductions" if args.xla_reductions else "--no-xla-reductions"]
+              "--xla-reductions" if args.xla_reductions else "--no-xla-reductions",
+              "--temp-block-mib", str(args.temp_block_mib)]
     cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
     cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
             ] if side == "rljax" else []
@@ -389,7 +394,7 @@ def main(argv=None) -> dict:
         f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
         f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}, "
         f"remat={args.remat}, cpu_xla_reductions={args.xla_reductions}, "
-        f"host_heap_reuse={args.host_heap_reuse}")
+        f"cpu_temp_block_mib={args.temp_block_mib}, host_heap_reuse={args.host_heap_reuse}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
           "grpo_first_s")

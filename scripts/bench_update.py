@@ -16,12 +16,15 @@ x ``--length`` 64 tokens. Variants (``ModelConfig`` fields):
   ``fused+concat`` with ``scan_layers=False``, ``remat="dots"`` or ``remat="full"``;
 * ``fused+concat+xla_reductions``: ``fused+concat`` compiled with
   ``compile_options.CPU_XLA_REDUCTIONS`` (``train.cpu_xla_reductions``: YNNPACK fuses the
-  matmuls only, XLA's loops do the reductions).
+  matmuls only, XLA's loops do the reductions);
+* ``fused+concat+xla_reductions+temp_blocks``: that, with the temporaries in blocks of at most
+  16 MiB (``train.cpu_temp_block_mib=16``), which glibc's malloc reuses between calls.
 
 Before timing, every variant's loss and gradients are compared with the first variant
 named (``plain`` by default; max abs difference printed). Reported: the first call (compile
 included), then the median and the worst of ``--repeats`` interleaved calls (each on a fresh
-copy of the same initial state).
+copy of the same initial state), and the median count of the process's minor page faults
+during a call (memory the kernel maps in and zeroes).
 
 Usage::
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -58,7 +62,11 @@ VARIANTS = {"plain": dict(fused_mlp=False, scan_layers=True),
                                             remat="full"),
             "fused+concat+xla_reductions": dict(
                 fused_mlp=True, prefix_attention="concat",
-                compiler_options=compile_options.CPU_XLA_REDUCTIONS)}
+                compiler_options=compile_options.CPU_XLA_REDUCTIONS),
+            "fused+concat+xla_reductions+temp_blocks": dict(
+                fused_mlp=True, prefix_attention="concat",
+                compiler_options={**compile_options.CPU_XLA_REDUCTIONS,
+                                  **compile_options.temp_block_options(16)})}
 
 
 def main(argv=None) -> dict:
@@ -117,24 +125,27 @@ def main(argv=None) -> dict:
   ref = grads[names[0]]
   diff = {n: max(float(jnp.max(jnp.abs(a - b))) for a, b in
                  zip(jax.tree.leaves(grads[n]), jax.tree.leaves(ref))) for n in names}
-  times = {n: [] for n in names}
+  times, faults = {n: [] for n in names}, {n: [] for n in names}
+  minor_faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   for _ in range(args.repeats):
     for n in names:
       p, o = fresh()
-      t0 = time.perf_counter()
+      f0, t0 = minor_faults(), time.perf_counter()
       jax.block_until_ready(steps[n](p, o))
       times[n].append(time.perf_counter() - t0)
+      faults[n].append(minor_faults() - f0)
   med = {n: float(np.median(t)) for n, t in times.items()}
   print(f"policy: {base.num_params() / 1e6:.2f}M parameters, {M} x ({P} + {R}) tokens; "
         f"JAX {jax.__version__} {jax.default_backend()}; {os.cpu_count()} CPUs; load average "
         f"{os.getloadavg()[0]:.1f}")
   print(f"| variant | first call (s) | update, median (ms) | worst (ms) | vs {names[0]} | "
-        f"max abs diff of loss and grads vs {names[0]} |")
-  print("|---|---|---|---|---|---|")
+        f"max abs diff of loss and grads vs {names[0]} | page faults per call, median |")
+  print("|---|---|---|---|---|---|---|")
   for n in names:
     print(f"| {n} | {first[n]:.1f} | {med[n] * 1e3:.0f} | {max(times[n]) * 1e3:.0f} | "
-          f"{med[names[0]] / med[n]:.2f}x | {diff[n]:.1e} |")
-  return {"first_s": first, "median_s": med, "times_s": times, "max_diff": diff}
+          f"{med[names[0]] / med[n]:.2f}x | {diff[n]:.1e} | {np.median(faults[n]):.0f} |")
+  return {"first_s": first, "median_s": med, "times_s": times, "max_diff": diff,
+          "faults": faults}
 
 
 if __name__ == "__main__":

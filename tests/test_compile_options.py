@@ -1,7 +1,8 @@
-"""``rl_jax.compile_options`` (``train.cpu_fast_compile``, ``train.cpu_xla_reductions``): the
-training programs' and the prefill's XLA options on CPU, against the default compiler's
-values."""
+"""``rl_jax.compile_options`` (``train.cpu_fast_compile``, ``train.cpu_xla_reductions``,
+``train.cpu_temp_block_mib``): the training programs' and the prefill's XLA options on CPU,
+against the default compiler's values."""
 
+import glob
 import os
 import re
 import types
@@ -34,6 +35,7 @@ def _restore_process_settings(monkeypatch):
   yield
   compile_options.use_fast_cpu_compile(True)
   compile_options.use_cpu_xla_reductions(True)
+  compile_options.use_cpu_temp_blocks(0)
 
 
 @pytest.fixture(name="fast_compile")
@@ -76,13 +78,14 @@ def test_options_named_in_xla_flags_are_left_to_them(monkeypatch):
                      if k != "xla_backend_optimization_level"}
 
 
-def _one_step(fast: bool, reductions: bool = False):
+def _one_step(fast: bool, reductions: bool = False, temp_block_mib: int = 0):
   """Params and record after one RL step of a fresh tiny run, ``train.cpu_fast_compile`` set
-  to ``fast`` and ``train.cpu_xla_reductions`` to ``reductions``; and the compiler options of
-  a program ``jit_on_mesh`` makes for it."""
+  to ``fast``, ``train.cpu_xla_reductions`` to ``reductions`` and ``train.cpu_temp_block_mib``
+  to ``temp_block_mib``; and the compiler options of a program ``jit_on_mesh`` makes for it."""
   s = train.build_setup(config_utils.load_config(
       QUICKSTART, TINY + [f"train.cpu_fast_compile={fast}",
-                          f"train.cpu_xla_reductions={reductions}"]))
+                          f"train.cpu_xla_reductions={reductions}",
+                          f"train.cpu_temp_block_mib={temp_block_mib}"]))
   t = train.make_trainer(s)
   state = train.begin_rl(s, train.init_state(s))
   probe = layout_lib.jit_on_mesh(lambda x: x + 1, t.layout).lower(jnp.zeros(2))
@@ -161,3 +164,68 @@ def test_training_programs_sum_in_xla_to_the_same_values():
   assert xla_options == compile_options.CPU_XLA_REDUCTIONS and lib_options == {}
   np.testing.assert_allclose(xla_record["loss"], lib_record["loss"], rtol=1e-5, atol=1e-7)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), xla, lib)
+
+
+def test_temp_block_option_only_when_set_and_for_cpu_devices():
+  compile_options.use_fast_cpu_compile(False)
+  compile_options.use_cpu_xla_reductions(False)
+  assert compile_options.training_options(jax.devices()) == {}  # off by default
+  compile_options.use_cpu_temp_blocks(16)
+  assert compile_options.training_options(jax.devices()) == {
+      compile_options.CPU_TEMP_BLOCK: 16 << 20}
+  assert compile_options.fast_compile_options(jax.devices()) == {}  # not the prefill's
+  gpu = types.SimpleNamespace(platform="gpu")
+  assert compile_options.training_options([jax.devices()[0], gpu]) == {}
+  for bad in (-1, 1.5, True, "16"):
+    with pytest.raises(ValueError, match="whole number of MiB"):
+      compile_options.use_cpu_temp_blocks(bad)
+  with pytest.raises(ValueError, match="cpu_temp_block_mib"):
+    train.build_setup(config_utils.load_config(QUICKSTART, TINY + ["train.cpu_temp_block_mib=-1"]))
+
+
+def _temp_blocks(dump_dir: str) -> list[int]:
+  """The sizes of the temporaries' blocks in the one buffer assignment XLA dumped there."""
+  [path] = glob.glob(os.path.join(dump_dir, "*jit_loss_and_grads*buffer-assignment.txt"))
+  return [int(size) for size in
+          re.findall(r"^allocation \d+: size (\d+), preallocated-temp", open(path).read(), re.M)]
+
+
+def test_temp_blocks_split_the_temporaries_to_bit_identical_values(tmp_path):
+  """A policy's loss and gradients (the update's computation, 16 x 64 packed tokens) compiled
+  with 2 MiB blocks of temporaries (its largest buffer's size): several blocks, none over
+  2 MiB, where the default has one larger block, and bit-identical values (only where
+  buffers live changes)."""
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=88, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=96,
+                           qk_norm=True, fused_mlp=True)
+  params = models.init_params(cfg, jax.random.key(0), std=0.1)
+  rng = np.random.default_rng(0)
+  prompt, prompt_len = jnp.asarray(rng.integers(0, 64, (1, 9)), jnp.int32), jnp.array([9])
+  tokens = jnp.asarray(rng.integers(0, 64, (1, 16, 64)), jnp.int32)
+  mask = jnp.asarray(rng.random((1, 16, 64)) < 0.9)
+  adv = jnp.asarray(rng.normal(size=(1, 16, 1)), jnp.float32)
+
+  def loss_and_grads(p):
+    loss = lambda p: -(adv * mask * models.response_logprobs(
+        cfg, p, prompt, prompt_len, tokens, mask, shared_prefix=True)).sum() / mask.sum()
+    return jax.value_and_grad(loss)(p)
+
+  values, blocks = {}, {}
+  for mib in (0, 2):
+    dump = str(tmp_path / f"mib{mib}")
+    options = {**compile_options.temp_block_options(mib), "xla_dump_to": dump}
+    values[mib] = jax.jit(loss_and_grads).lower(params).compile(options)(params)
+    blocks[mib] = _temp_blocks(dump)
+  assert len(blocks[0]) == 1 and blocks[0][0] > 2 << 20
+  assert len(blocks[2]) > 1 and max(blocks[2]) <= 2 << 20
+  jax.tree.map(np.testing.assert_array_equal, values[2], values[0])
+
+
+def test_training_programs_with_temp_blocks_take_bit_identical_steps():
+  """One RL step with ``train.cpu_temp_block_mib`` equals the default's bit for bit, and its
+  programs carry the option."""
+  split, split_record, split_options = _one_step(False, temp_block_mib=1)
+  whole, whole_record, whole_options = _one_step(False)
+  assert split_options == {compile_options.CPU_TEMP_BLOCK: 1 << 20} and whole_options == {}
+  assert split_record["loss"] == whole_record["loss"]
+  jax.tree.map(np.testing.assert_array_equal, split, whole)

@@ -326,6 +326,7 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   config_lib.validate(config)  # every static rule
   compile_options.use_fast_cpu_compile(config.train.cpu_fast_compile)  # for this run's programs
   compile_options.use_cpu_xla_reductions(config.train.cpu_xla_reductions)
+  compile_options.use_cpu_temp_blocks(config.train.cpu_temp_block_mib)
   objective = make_objective(config)
   config_lib.check_objective(config, objective.needs)
   device_rules(config)
