@@ -38,9 +38,12 @@ a program's temporaries with ``malloc`` on every call. glibc serves a block over
 threshold (at most 32 MiB) with a fresh ``mmap`` and unmaps it when it is freed, so the
 update's one 133 MB block (``scripts/bench_tunix.py``'s model) had its ~32,000 pages faulted
 in and zeroed by the kernel on every call. Blocks under the threshold come from malloc's heap
-and are often reused: about a third to none of those faults remain, and the update is about
-1.1x faster. Only where buffers live changes, not what is computed: values are bit-identical
-(``tests/test_compile_options.py``). A single buffer larger than the block keeps a block of
+and are often reused, though malloc still returns the heap's top to the kernel when enough of
+it is free: from none to about a third of those faults remain, the update was 1.00-1.08x as
+fast in ``scripts/bench_update.py``'s interleaved runs and rl_jax's GRPO step about 1.04x
+(docs/BENCHMARKS.md, "The training programs' temporaries in blocks"). Only where buffers
+live changes, not what is computed: values are bit-identical
+(``tests/test_compile_options.py``; the quickstart writes the same weights). A single buffer larger than the block keeps a block of
 its own, and XLA logs a warning for it when it compiles the program; that, and the memory
 plans measured on CPU (``rl_jax.train.memory``) whose temporaries it would change, is why the
 option is off by default (0: one block, XLA's default).
