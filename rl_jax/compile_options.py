@@ -46,7 +46,10 @@ live changes, not what is computed: values are bit-identical
 (``tests/test_compile_options.py``; the quickstart writes the same weights). A single buffer larger than the block keeps a block of
 its own, and XLA logs a warning for it when it compiles the program; that, and the memory
 plans measured on CPU (``rl_jax.train.memory``) whose temporaries it would change, is why the
-option is off by default (0: one block, XLA's default).
+option is off by default (0: one block, XLA's default). JAX's persistent compilation cache
+cannot store a CPU program with several blocks of temporaries (XLA does not serialize it):
+such programs compile again on a rerun or resume. The trainer says so in one line
+(``UNCACHED_NOTE``) instead of JAX's warning per program.
 
 Other backends get no options, nor does a jaxlib whose XLA no longer knows an option:
 ``_cpu_accepts`` tries each set once on a tiny program. An option that the process's
@@ -58,14 +61,15 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Iterable
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CPU_FAST_COMPILE", "CPU_TEMP_BLOCK", "CPU_XLA_REDUCTIONS", "fast_compile_options",
-           "temp_block_options", "training_options", "use_cpu_temp_blocks",
-           "use_cpu_xla_reductions", "use_fast_cpu_compile"]
+__all__ = ["CPU_FAST_COMPILE", "CPU_TEMP_BLOCK", "CPU_XLA_REDUCTIONS", "UNCACHED_NOTE",
+           "fast_compile_options", "temp_block_options", "training_options",
+           "use_cpu_temp_blocks", "use_cpu_xla_reductions", "use_fast_cpu_compile"]
 
 # the elemental emitter, and LLVM's -O1 pipeline for the generated code (level 3 by default)
 CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
@@ -76,6 +80,13 @@ CPU_TEMP_BLOCK = "xla_multiheap_size_constraint_per_heap"
 _ENABLED = [True]  # the process's setting (use_fast_cpu_compile); the config's default
 _REDUCTIONS = [True]  # the process's setting (use_cpu_xla_reductions); the config's default
 _TEMP_BLOCK_MIB = [0]  # the process's setting (use_cpu_temp_blocks); the config's default
+# what the trainer prints once where the option meets the compilation cache; JAX's own
+# warning for each such program (silenced while the option is on) starts like this
+UNCACHED_NOTE = ("train.cpu_temp_block_mib: training programs whose temporaries take several "
+                 "blocks are not stored in the compilation cache (XLA cannot serialize them); "
+                 "they compile again on a rerun or resume")
+_UNCACHEABLE = (r"Error writing persistent compilation cache entry .*"
+                r"Multiple temp buffer allocations found")
 
 
 def use_fast_cpu_compile(enabled: bool) -> None:
@@ -97,6 +108,8 @@ def use_cpu_temp_blocks(mib: int) -> None:
   if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
     raise ValueError(f"the temporaries' block must be a whole number of MiB >= 0, got {mib!r}")
   _TEMP_BLOCK_MIB[0] = mib
+  if mib:  # the trainer's UNCACHED_NOTE says it once
+    warnings.filterwarnings("ignore", message=_UNCACHEABLE, category=UserWarning)
 
 
 def temp_block_options(mib: int) -> dict:

@@ -342,7 +342,8 @@ def _train() -> ml_collections.ConfigDict:
       # CPU only, opt-in: the training programs' temporaries in blocks of at most this many
       # MiB (16 suits glibc; rl_jax.compile_options), which malloc reuses between calls
       # instead of mapping and faulting in one large block each time: the RL update up to
-      # 1.08x faster on a small model, values bit-identical. 0: one block, XLA's default.
+      # 1.08x faster on a small model, values bit-identical; programs in several blocks
+      # are not stored in the compilation cache. 0: one block, XLA's default.
       cpu_temp_block_mib=0,
       profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
   ))

@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import pytest
 from rl_jax import compile_options, config_utils, models, rollout, train
 from rl_jax.rollout import sampler
 from rl_jax.train import layout as layout_lib
+from rl_jax.train import startup
 from tests.tiny import QUICKSTART, TINY_MODEL
 
 TINY = TINY_MODEL + [
@@ -193,6 +195,8 @@ def _temp_blocks(dump_dir: str) -> list[int]:
           re.findall(r"^allocation \d+: size (\d+), preallocated-temp", open(path).read(), re.M)]
 
 
+# the suite's compilation cache (conftest) cannot store these programs; the next test covers it
+@pytest.mark.filterwarnings("ignore:Error writing persistent compilation cache entry")
 def test_temp_blocks_split_the_temporaries_to_bit_identical_values(tmp_path):
   """A policy's loss and gradients (the update's computation, 16 x 64 packed tokens) compiled
   with 2 MiB blocks of temporaries (its largest buffer's size): several blocks, none over
@@ -222,3 +226,28 @@ def test_temp_blocks_split_the_temporaries_to_bit_identical_values(tmp_path):
   assert len(blocks[0]) == 1 and blocks[0][0] > 2 << 20
   assert len(blocks[2]) > 1 and max(blocks[2]) <= 2 << 20
   jax.tree.map(np.testing.assert_array_equal, values[2], values[0])
+
+
+def test_programs_in_several_blocks_stay_out_of_the_cache_with_one_note(tmp_path):
+  """JAX's persistent cache cannot store a CPU program with several blocks of temporaries:
+  JAX warns for each such program, and with the option set that warning is silenced (the
+  trainer prints ``UNCACHED_NOTE`` once instead); the program runs either way."""
+  previous = jax.config.jax_compilation_cache_dir
+  startup.use_compile_cache(str(tmp_path / "cache"), str(tmp_path))
+  x = jnp.ones((512, 512))
+
+  def run(scale):  # a new program each time (no cache hit), in 1 MiB blocks
+    f = lambda x: ((jnp.sin(x * scale) @ x) @ (jnp.cos(x) @ x)).sum()
+    return jax.jit(f).lower(x).compile(compile_options.temp_block_options(1))(x)
+
+  try:
+    for option_on in (False, True):
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if option_on:
+          compile_options.use_cpu_temp_blocks(1)
+        assert np.isfinite(run(1.0 + option_on))
+      uncached = [w for w in caught if "Multiple temp buffer allocations" in str(w.message)]
+      assert len(uncached) == (0 if option_on else 1)
+  finally:
+    startup.use_compile_cache(previous or "", str(tmp_path))

@@ -25,6 +25,7 @@ import numpy as np
 from etils import epath
 
 from rl_jax import checkpoint as ckpt_lib
+from rl_jax import compile_options
 from rl_jax import config_utils
 from rl_jax import distributed
 from rl_jax import metrics as metrics_lib
@@ -153,7 +154,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   """``train`` once the workdir is this run's."""
   c = s.config
-  startup.use_compile_cache(c.train.compile_cache, workdir)
+  cache = startup.use_compile_cache(c.train.compile_cache, workdir)
+  if (cache is not None and distributed.is_lead() and compile_options.CPU_TEMP_BLOCK
+      in compile_options.training_options(jax.devices())):
+    print(compile_options.UNCACHED_NOTE, file=sys.stderr)
   clock = startup.compile_clock()
   clock.take()
   sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
