@@ -42,13 +42,13 @@ and are often reused, though malloc still returns the heap's top to the kernel w
 it is free: from none to about a third of those faults remain, the update was 1.00-1.08x as
 fast in ``scripts/bench_update.py``'s interleaved runs and rl_jax's GRPO step about 1.04x
 (docs/BENCHMARKS.md, "The training programs' temporaries in blocks"). Only where buffers
-live changes, not what is computed: values are bit-identical
-(``tests/test_compile_options.py``; the quickstart writes the same weights). A single buffer larger than the block keeps a block of
-its own, and XLA logs a warning for it when it compiles the program; that, and the memory
-plans measured on CPU (``rl_jax.train.memory``) whose temporaries it would change, is why the
-option is off by default (0: one block, XLA's default). JAX's persistent compilation cache
-cannot store a CPU program with several blocks of temporaries (XLA does not serialize it):
-such programs compile again on a rerun or resume. The trainer says so in one line
+live changes, not what is computed: values are bit-identical (``tests/test_compile_options.py``;
+the quickstart writes the same weights). The option is off by default (0: one block, XLA's
+default) for three reasons. A single buffer larger than the block keeps a block of its own,
+and XLA logs a warning for it when it compiles the program. The memory plans measured on CPU
+(``rl_jax.train.memory``) would change their temporaries. And JAX's persistent compilation
+cache cannot store a CPU program with several blocks of temporaries (XLA does not serialize
+it), so such programs compile again on a rerun or resume; the trainer says so in one line
 (``UNCACHED_NOTE``) instead of JAX's warning per program.
 
 Other backends get no options, nor does a jaxlib whose XLA no longer knows an option:
