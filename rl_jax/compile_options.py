@@ -40,7 +40,7 @@ update's one 133 MB block (``scripts/bench_tunix.py``'s model) had its ~32,000 p
 in and zeroed by the kernel on every call. Blocks under the threshold come from malloc's heap
 and are often reused, though malloc still returns the heap's top to the kernel when enough of
 it is free: from none to about a third of those faults remain, the update was 1.00-1.08x as
-fast in ``scripts/bench_update.py``'s interleaved runs and rl_jax's GRPO step about 1.04x
+fast in ``scripts/bench_update.py``'s interleaved runs and rl_jax's GRPO step about 1.03x
 (docs/BENCHMARKS.md, "The training programs' temporaries in blocks"). Only where buffers
 live changes, not what is computed: values are bit-identical (``tests/test_compile_options.py``;
 the quickstart writes the same weights). The option is off by default (0: one block, XLA's
