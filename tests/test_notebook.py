@@ -19,7 +19,8 @@ NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 
 def _kernel(tmp_path) -> KernelManager:
   """A kernel of this interpreter from a kernelspec in a temporary directory (no global
-  Jupyter state needed), importing this checkout's rl_jax."""
+  Jupyter state needed, and its connection file there too, not in /tmp), importing this
+  checkout's rl_jax."""
   spec_dir = tmp_path / "kernels" / "rl_jax_test"
   spec_dir.mkdir(parents=True)
   (spec_dir / "kernel.json").write_text(json.dumps({
@@ -28,7 +29,8 @@ def _kernel(tmp_path) -> KernelManager:
       "env": {"PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
               "MPLBACKEND": "module://matplotlib_inline.backend_inline"}}))
   specs = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
-  return KernelManager(kernel_name="rl_jax_test", kernel_spec_manager=specs)
+  return KernelManager(kernel_name="rl_jax_test", kernel_spec_manager=specs,
+                       connection_file=str(tmp_path / "kernel-connection.json"))
 
 
 def _text(cell) -> str:
