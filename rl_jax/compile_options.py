@@ -49,7 +49,7 @@ and XLA logs a warning for it when it compiles the program. The memory plans mea
 (``rl_jax.train.memory``) would change their temporaries. And JAX's persistent compilation
 cache cannot store a CPU program with several blocks of temporaries (XLA does not serialize
 it), so such programs compile again on a rerun or resume; the trainer says so in one line
-(``UNCACHED_NOTE``) instead of JAX's warning per program.
+(``uncached_note``) instead of JAX's warning per program.
 
 Other backends get no options, nor does a jaxlib whose XLA no longer knows an option:
 ``_cpu_accepts`` tries each set once on a tiny program. An option that the process's
@@ -69,7 +69,8 @@ import jax.numpy as jnp
 
 __all__ = ["CPU_FAST_COMPILE", "CPU_TEMP_BLOCK", "CPU_XLA_REDUCTIONS", "UNCACHED_NOTE",
            "fast_compile_options", "temp_block_options", "training_options",
-           "use_cpu_temp_blocks", "use_cpu_xla_reductions", "use_fast_cpu_compile"]
+           "uncached_note", "use_cpu_temp_blocks", "use_cpu_xla_reductions",
+           "use_fast_cpu_compile"]
 
 # the elemental emitter, and LLVM's -O1 pipeline for the generated code (level 3 by default)
 CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
@@ -108,8 +109,16 @@ def use_cpu_temp_blocks(mib: int) -> None:
   if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
     raise ValueError(f"the temporaries' block must be a whole number of MiB >= 0, got {mib!r}")
   _TEMP_BLOCK_MIB[0] = mib
-  if mib:  # the trainer's UNCACHED_NOTE says it once
+  if mib:  # the trainer's uncached_note says it once
     warnings.filterwarnings("ignore", message=_UNCACHEABLE, category=UserWarning)
+
+
+def uncached_note(cache_dir: str | None, devices: Iterable[jax.Device]) -> str | None:
+  """``UNCACHED_NOTE`` where a run with the compilation cache in ``cache_dir`` (None: off)
+  compiles its training programs on ``devices`` in blocks of temporaries; else None."""
+  if cache_dir is None or CPU_TEMP_BLOCK not in training_options(devices):
+    return None
+  return UNCACHED_NOTE
 
 
 def temp_block_options(mib: int) -> dict:

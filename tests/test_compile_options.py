@@ -231,7 +231,17 @@ def test_temp_blocks_split_the_temporaries_to_bit_identical_values(tmp_path):
 def test_programs_in_several_blocks_stay_out_of_the_cache_with_one_note(tmp_path):
   """JAX's persistent cache cannot store a CPU program with several blocks of temporaries:
   JAX warns for each such program, and with the option set that warning is silenced (the
-  trainer prints ``UNCACHED_NOTE`` once instead); the program runs either way."""
+  trainer prints ``uncached_note`` once instead, only where the option meets the cache on
+  CPU); the program runs either way."""
+  assert compile_options.uncached_note(str(tmp_path), jax.devices()) is None  # option off
+  with warnings.catch_warnings():  # the option's warning filter ends with this block
+    compile_options.use_cpu_temp_blocks(1)
+    assert compile_options.uncached_note(str(tmp_path), jax.devices()) == \
+        compile_options.UNCACHED_NOTE
+    assert compile_options.uncached_note(None, jax.devices()) is None  # no cache
+    assert compile_options.uncached_note(
+        str(tmp_path), [types.SimpleNamespace(platform="gpu")]) is None
+    compile_options.use_cpu_temp_blocks(0)
   previous = jax.config.jax_compilation_cache_dir
   startup.use_compile_cache(str(tmp_path / "cache"), str(tmp_path))
   x = jnp.ones((512, 512))

@@ -155,9 +155,9 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   """``train`` once the workdir is this run's."""
   c = s.config
   cache = startup.use_compile_cache(c.train.compile_cache, workdir)
-  if (cache is not None and distributed.is_lead() and compile_options.CPU_TEMP_BLOCK
-      in compile_options.training_options(jax.devices())):
-    print(compile_options.UNCACHED_NOTE, file=sys.stderr)
+  note = compile_options.uncached_note(cache, jax.devices())
+  if note and distributed.is_lead():
+    print(note, file=sys.stderr)
   clock = startup.compile_clock()
   clock.take()
   sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
