@@ -26,6 +26,13 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
 
 Each side runs in its own process and virtual environment (Tunix in ``--tunix-python``'s
 venv, so it cannot change this one's packages); the sides alternate over ``--rounds``.
+``--lockstep PAIRS`` instead keeps both processes up and has them take turns: one sampler call
+each (untimed), then ``PAIRS`` pairs of calls, two GRPO steps each (untimed), then ``PAIRS``
+pairs of steps, the side that goes first swapped every pair; each pair's ratio is reported,
+median and worst. A pair is timed seconds apart, so a slow minute of a shared host lands on
+both of its sides. Tunix's step is then the time from the parent's go to the next step's
+reward call (the rest of the step before, its update, and this step's rollout: one step's
+work); its learner waits inside the reward call for the next go.
 ``--host-heap-reuse rljax`` starts the rl_jax side with ``reuse_large_blocks`` (a host
 setting measured here, not part of rl_jax: programs run on the calling thread and glibc keeps
 large freed blocks, so XLA's per-call temporaries are not faulted in again); ``both`` does the
@@ -35,6 +42,7 @@ Usage::
 
     python3 -m venv /work/venvs/tunix && /work/venvs/tunix/bin/pip install google-tunix
     python scripts/bench_tunix.py --tunix-python /work/venvs/tunix/bin/python --rounds 2
+    python scripts/bench_tunix.py --tunix-python /work/venvs/tunix/bin/python --lockstep 20
 """
 
 from __future__ import annotations
@@ -143,28 +151,143 @@ def alternate_sides(rounds: int, sides: tuple[str, str], new_tokens: int,
   return results
 
 
+# ------------------------------------------------------------------------------- lockstep
+# ``--lockstep PAIRS``: both sides' processes stay up and take turns, one sampler call or one
+# GRPO step at a time, so that each pair is timed seconds apart: the host's slow and fast
+# minutes land on both sides of a pair instead of on whichever side ran through them.
+SAY = "@@ "  # a served child's answers on stdout start with this; any other line is a log
+LOCKSTEP_MAX_STEPS = 10_000  # the peers' learners are given this many batches to train on
+BLOCK = 5  # pairs per block in the report (as many timed calls as a round's --repeats 5)
+
+
+def say(obj: dict) -> None:
+  """A served child's answer: one line, ``SAY`` then JSON."""
+  print(SAY + json.dumps(obj), flush=True)
+
+
+def serve(commands: dict[str, Callable[[], dict]], until: tuple[str, ...] = ()) -> str:
+  """A served child (``--serve``): says it is ready, then for each command named on a line of
+  stdin runs it and says its result with ``"s"``, the call's wall time. Returns the first
+  line that is not one of ``commands`` (``"quit"`` at the end of stdin): a name in ``until``
+  hands the process over to its caller, anything else ends it."""
+  say({"ready": True})
+  for line in sys.stdin:
+    name = line.strip()
+    if name not in commands:
+      return name
+    t0 = time.perf_counter()
+    out = commands[name]()
+    say({"s": time.perf_counter() - t0, **out})
+  return "quit"
+
+
+def serve_rljax(weights: str, n: int, new_tokens: int, fast_compile: bool,
+                **trainer_kwargs) -> None:
+  """rl_jax's served child: ``sample`` (one sampler call) and ``step`` (one GRPO step)."""
+  gen = _rljax_sampler(weights, n, new_tokens, fast_compile)
+  step = _rljax_trainer(weights, n=n, new_tokens=new_tokens, fast_compile=fast_compile,
+                        **trainer_kwargs)
+  serve({"sample": lambda: {"tokens": gen()},
+         "step": lambda: {"tokens": step()["response_length"] * n}})
+
+
+def serve_tunix(weights: str, n: int, new_tokens: int) -> None:
+  """Tunix's served child: ``sample`` until the first ``step``; then its learner trains, and
+  every step's reward call answers the time since the last ``step`` was asked (the rest of
+  the step before, its update, and this step's rollout: one step's work) and waits for the
+  next. Another line ends the process from inside the learner."""
+  gen = _tunix_sampler(weights, n, new_tokens)
+  if serve({"sample": lambda: {"tokens": gen()}}, until=("step",)) != "step":
+    return
+  asked = [time.perf_counter()]
+
+  def on_reward():
+    say({"s": time.perf_counter() - asked[0]})
+    if sys.stdin.readline().strip() != "step":
+      os._exit(0)  # pylint: disable=protected-access
+    asked[0] = time.perf_counter()
+
+  learner, data = _tunix_learner(weights, LOCKSTEP_MAX_STEPS, n, new_tokens, on_reward)
+  learner.train(data)
+
+
+def lockstep(pairs: int, sides: tuple[str, str], new_tokens: int,
+             command: Callable[[str, str], list[str]], warmup: dict[str, int]) -> dict:
+  """Both sides served at once (``command(side, weights)``: a child that answers like
+  ``serve``), on shared weights written to a temporary directory (removed however it ends).
+  For each command in ``warmup`` (sampler calls, then GRPO steps), ``warmup[name]`` untimed
+  turns per side, then ``pairs`` timed pairs, the first side first in even pairs.
+
+  Returns:
+    {name: {side: [each timed turn's answer]}}.
+  """
+  with tempfile.TemporaryDirectory(prefix="bench_weights_") as weights:
+    write_weights(weights, new_tokens)
+    procs, logs = {}, {}
+    try:
+      for side in sides:
+        logs[side] = tempfile.TemporaryFile("w+")
+        env = dict(os.environ, PYTHONPATH=ROOT if side == "rljax" else "")
+        procs[side] = subprocess.Popen(command(side, weights), stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=logs[side], text=True,
+                                       env=env)
+
+      def answer(side: str) -> dict:
+        for line in procs[side].stdout:
+          if line.startswith(SAY):
+            return json.loads(line[len(SAY):])
+        logs[side].seek(0)
+        raise RuntimeError(f"{side} failed:\n{logs[side].read()[-3000:]}")
+
+      def ask(side: str, name: str) -> dict:
+        try:
+          procs[side].stdin.write(name + "\n")
+          procs[side].stdin.flush()
+        except OSError:
+          pass  # the child has ended: answer() reports its log
+        return answer(side)
+
+      for side in sides:
+        answer(side)  # ready
+      results = {name: {side: [] for side in sides} for name in warmup}
+      for name, turns in warmup.items():
+        for _ in range(turns):
+          for side in sides:
+            ask(side, name)
+        for i in range(pairs):
+          for side in (sides if i % 2 == 0 else sides[::-1]):
+            results[name][side].append(ask(side, name))
+        print(name, {side: [round(a["s"], 3) for a in results[name][side]] for side in sides},
+              flush=True)
+      return results
+    finally:
+      for side, proc in procs.items():
+        if proc.poll() is None:
+          try:
+            proc.stdin.write("quit\n")
+            proc.stdin.close()
+            proc.wait(timeout=60)
+          except (OSError, ValueError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        logs[side].close()
+
+
 # ----------------------------------------------------------------------------- rl_jax side
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
               new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
               fast_compile: bool = True, remat: str = "none",
               xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
-  sys.path.insert(0, ROOT)
-  import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from rl_jax import compile_options, models, rollout  # pylint: disable=import-outside-toplevel
-  compile_options.use_fast_cpu_compile(fast_compile)  # the sampler's prefill, as in the trainer
-  cfg, params = models.load_hf(weights)
-  prompt = [list(PROMPT.encode())]
-  gen = lambda: rollout.generate(cfg, params, prompt, n=n, max_new_tokens=new_tokens,
-                                 temperature=1.0, eos_id=None, seed=0)
+  gen = _rljax_sampler(weights, n, new_tokens, fast_compile)
   t0 = time.perf_counter()
-  jax.block_until_ready(gen().tokens)
+  gen()
   first = time.perf_counter() - t0
   rates = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    out = gen()
-    n_tok = int(np.asarray(out.mask).sum())
+    n_tok = gen()
     rates.append(n_tok / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
           "sampler_tokens": n_tok,
@@ -172,13 +295,36 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n
                         fast_compile, remat, xla_reductions, temp_block_mib)}
 
 
-def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
-                new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
-                fast_compile: bool = True, remat: str = "none",
-                xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
-  import dataclasses  # pylint: disable=import-outside-toplevel
+def _rljax_sampler(weights: str, n: int = N, new_tokens: int = NEW_TOKENS,
+                   fast_compile: bool = True) -> Callable[[], int]:
+  """rl_jax's sampler on the prompt: a function that runs one ``rollout.generate(n=n)``
+  call (no EOS: ``new_tokens`` tokens per sample) and returns the tokens it sampled."""
+  sys.path.insert(0, ROOT)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
+  from rl_jax import compile_options, models, rollout  # pylint: disable=import-outside-toplevel
+  compile_options.use_fast_cpu_compile(fast_compile)  # the sampler's prefill, as in the trainer
+  cfg, params = models.load_hf(weights)
+  prompt = [list(PROMPT.encode())]
+
+  def gen() -> int:
+    out = rollout.generate(cfg, params, prompt, n=n, max_new_tokens=new_tokens,
+                           temperature=1.0, eos_id=None, seed=0)
+    jax.block_until_ready(out.tokens)
+    return int(np.asarray(out.mask).sum())
+
+  return gen
+
+
+def _rljax_trainer(weights: str, fused_mlp: bool = False, n: int = N,
+                   new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
+                   fast_compile: bool = True, remat: str = "none",
+                   xla_reductions: bool = True, temp_block_mib: int = 0) -> Callable[[], dict]:
+  """rl_jax's GRPO trainer on the prompt: a function that runs one ``train.rl_step`` (to
+  the updated parameters) and returns the step's record."""
+  sys.path.insert(0, ROOT)
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   from rl_jax import config_utils, train  # pylint: disable=import-outside-toplevel
   from rl_jax.data.base import Example  # pylint: disable=import-outside-toplevel
   config = config_utils.load_config(os.path.join(ROOT, "configs", "quickstart.py"), [
@@ -199,7 +345,25 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
   s = dataclasses.replace(s, task=task, tokenizer=_RljaxBytes(), train_examples=examples,
                           prompt_len=max(s.prompt_len, len(PROMPT.encode()) + 1))
   t = train.make_trainer(s)
-  state = train.begin_rl(s, train.init_state(s))
+  box = [train.begin_rl(s, train.init_state(s))]
+
+  def step() -> dict:
+    state, record, data = train.rl_step(t, box[0])
+    jax.block_until_ready(state.params)
+    box[0] = state._replace(step=state.step + 1, data=jax.numpy.asarray(data))
+    return record
+
+  return step
+
+
+def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
+                new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
+                fast_compile: bool = True, remat: str = "none",
+                xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  step = _rljax_trainer(weights, fused_mlp, n, new_tokens, prefix_attention, fast_compile,
+                        remat, xla_reductions, temp_block_mib)
   times, sampled, compiles = [], [], {}
 
   def compiled(event, duration, fun_name=None, **_):  # the first step's programs
@@ -209,10 +373,8 @@ def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
   jax.monitoring.register_event_duration_secs_listener(compiled)
   for _ in range(steps):
     t0 = time.perf_counter()
-    state, record, data = train.rl_step(t, state)
-    jax.block_until_ready(state.params)
+    record = step()
     times.append(time.perf_counter() - t0)
-    state = state._replace(step=state.step + 1, data=jax.numpy.asarray(data))
     n_tok = record["response_length"] * n  # the step's sampled tokens and their rate
     sampled.append((n_tok / record["rollout_tokens_per_s"], n_tok))
   return {"grpo_first_s": times[0], "grpo_step_s": float(np.median(times[1:])),
@@ -268,27 +430,55 @@ def _tunix_model(weights: str):
 def run_tunix(weights: str, steps: int, repeats: int, n: int = N,
               new_tokens: int = NEW_TOKENS) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from tunix.generate import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
-  cfg, model = _tunix_model(weights)
-  sampler = sampler_lib.Sampler(model, _Bytes(), sampler_lib.CacheConfig(
-      cache_size=context(new_tokens), num_layers=LAYERS, num_kv_heads=KV_HEADS,
-      head_dim=HEAD_DIM))
-  gen = lambda: sampler([PROMPT] * n, max_generation_steps=new_tokens, temperature=1.0,
-                        eos_tokens=[NEVER], seed=0, max_prompt_length=MAX_PROMPT)
+  gen = _tunix_sampler(weights, n, new_tokens)
   t0 = time.perf_counter()
-  out = gen()
+  gen()
   first = time.perf_counter() - t0
   rates = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    out = gen()
-    n_tok = sum(len(t) for t in out.tokens)
+    n_tok = gen()
     rates.append(n_tok / (time.perf_counter() - t0))
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
           "sampler_tokens": n_tok, **_tunix_grpo(weights, steps, n, new_tokens)}
 
 
+def _tunix_sampler(weights: str, n: int = N, new_tokens: int = NEW_TOKENS) -> Callable[[], int]:
+  """Tunix's ``Sampler`` on the prompt repeated n times: a function that runs one call (no
+  EOS: ``new_tokens`` tokens per sample) and returns the tokens it sampled."""
+  from tunix.generate import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
+  _, model = _tunix_model(weights)
+  sampler = sampler_lib.Sampler(model, _Bytes(), sampler_lib.CacheConfig(
+      cache_size=context(new_tokens), num_layers=LAYERS, num_kv_heads=KV_HEADS,
+      head_dim=HEAD_DIM))
+
+  def gen() -> int:
+    out = sampler([PROMPT] * n, max_generation_steps=new_tokens, temperature=1.0,
+                  eos_tokens=[NEVER], seed=0, max_prompt_length=MAX_PROMPT)
+    return sum(len(t) for t in out.tokens)
+
+  return gen
+
+
 def _tunix_grpo(weights: str, steps: int, n: int = N, new_tokens: int = NEW_TOKENS) -> dict:
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  calls = []
+  learner, data = _tunix_learner(weights, steps, n, new_tokens,
+                                 lambda: calls.append(time.perf_counter()))
+  start = time.perf_counter()
+  learner.train(data)
+  end = time.perf_counter()
+  marks = [start] + calls[1:] + [end]  # step i ends when step i+1's rewards are computed
+  steps_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
+  return {"grpo_first_s": steps_s[0], "grpo_step_s": float(np.median(steps_s[1:])),
+          "grpo_worst_s": max(steps_s[1:]), "grpo_steps": len(calls)}
+
+
+def _tunix_learner(weights: str, steps: int, n: int, new_tokens: int,
+                   on_reward: Callable[[], None]):
+  """Tunix's ``GRPOLearner`` on the prompt (num_generations n, beta 0, one minibatch) and
+  ``steps`` batches of it for ``learner.train``; ``on_reward()`` is called first thing in
+  every step's reward call (the step's rollout is done, its update not begun)."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -311,22 +501,46 @@ def _tunix_grpo(weights: str, steps: int, n: int = N, new_tokens: int = NEW_TOKE
           temperature=1.0, top_p=1.0, top_k=None))
   cluster = rl_cluster_lib.RLCluster(actor=actor, reference=None, tokenizer=_Bytes(),
                                      cluster_config=cluster_config)
-  calls = []
 
   def reward(prompts, completions, **_):
-    calls.append(time.perf_counter())
+    on_reward()
     return [_reward(c) for c in completions]
 
   learner = grpo_learner.GRPOLearner(
       rl_cluster=cluster, reward_fns=[reward],
       algo_config=grpo_learner.GRPOConfig(num_generations=n, num_iterations=1, beta=0.0))
-  start = time.perf_counter()
-  learner.train([{"prompts": np.array([PROMPT])} for _ in range(steps)])
-  end = time.perf_counter()
-  marks = [start] + calls[1:] + [end]  # step i ends when step i+1's rewards are computed
-  steps_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
-  return {"grpo_first_s": steps_s[0], "grpo_step_s": float(np.median(steps_s[1:])),
-          "grpo_worst_s": max(steps_s[1:]), "grpo_steps": len(calls)}
+  return learner, [{"prompts": np.array([PROMPT])} for _ in range(steps)]
+
+
+def report_lockstep(results: dict, args) -> dict:
+  """Prints ``lockstep``'s pairs: each side's median, then the per-pair ratios (rl_jax's
+  sampler tokens/s over Tunix's, Tunix's GRPO step time over rl_jax's), median and worst,
+  and the same over blocks of ``BLOCK`` pairs (each block's median ratio)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  sample, step = results["sample"], results["step"]
+  rate = lambda a: a["tokens"] / a["s"]
+  ratios = {"sampler": [rate(a) / rate(b) for a, b in zip(sample["rljax"], sample["tunix"])],
+            "GRPO step": [b["s"] / a["s"] for a, b in zip(step["rljax"], step["tunix"])]}
+  print(f"load average {os.getloadavg()[0]:.1f}; lockstep, {args.lockstep} pairs; 1 prompt of "
+        f"{args.prompt_tokens} tokens, {args.samples} samples x {args.new_tokens} new tokens; "
+        f"rl_jax fused_mlp={args.fused_mlp}, prefix_attention={args.prefix_attention}, "
+        f"cpu_fast_compile={args.fast_compile}, remat={args.remat}, "
+        f"cpu_xla_reductions={args.xla_reductions}, cpu_temp_block_mib={args.temp_block_mib}")
+  print("| side | sampler tokens/s, median | GRPO step (s), median | GRPO step (s), worst |")
+  print("|---|---|---|---|")
+  for side in ("rljax", "tunix"):
+    times = [a["s"] for a in step[side]]
+    print(f"| {side} | {np.median([rate(a) for a in sample[side]]):.3g} | "
+          f"{np.median(times):.3g} | {max(times):.3g} |")
+  print("per pair: " + "; ".join(f"{k} {np.median(v):.2f}x median, {min(v):.2f}x worst"
+                                 for k, v in ratios.items()))
+  # the median pair ratio of each block of BLOCK pairs: as many timed calls as a round's
+  blocks = {k: [float(np.median(v[i:i + BLOCK])) for i in range(0, len(v) - BLOCK + 1, BLOCK)]
+            for k, v in ratios.items()}
+  if all(blocks.values()):
+    print(f"per block of {BLOCK} pairs: " + "; ".join(
+        f"{k} {np.median(v):.2f}x median, {min(v):.2f}x worst" for k, v in blocks.items()))
+  return {**results, "ratios": ratios, "blocks": blocks}
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -356,14 +570,26 @@ def main(argv=None) -> dict:
   ap.add_argument("--prompt-tokens", type=int, default=len(PROMPT) + 1,
                   help="tokens of the one shared prompt, BOS included (default: the 9-byte "
                        "question)")
+  ap.add_argument("--lockstep", type=int, default=0, metavar="PAIRS",
+                  help="instead of --rounds: both sides' processes up at once, taking turns "
+                       "over PAIRS sampler calls and PAIRS GRPO steps (after one and two "
+                       "untimed ones); --steps and --repeats are not used")
   ap.add_argument("--side", choices=("rljax", "tunix"), default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   set_prompt_tokens(args.prompt_tokens)
   if args.side:  # a child process: one side, result as JSON on the last line
     if args.reuse_heap:  # before the process's first JAX computation
       reuse_large_blocks()
-    if args.side == "rljax":
+    if args.serve and args.side == "rljax":
+      serve_rljax(args.weights, args.samples, args.new_tokens, args.fast_compile,
+                  fused_mlp=args.fused_mlp, prefix_attention=args.prefix_attention,
+                  remat=args.remat, xla_reductions=args.xla_reductions,
+                  temp_block_mib=args.temp_block_mib)
+    elif args.serve:
+      serve_tunix(args.weights, args.samples, args.new_tokens)
+    elif args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                  args.samples, args.new_tokens, args.prefix_attention,
                                  args.fast_compile, args.remat, args.xla_reductions,
@@ -386,8 +612,11 @@ def main(argv=None) -> dict:
     cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
     cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
             ] if side == "rljax" else []
-    return cmd
+    return cmd + (["--serve"] if args.lockstep else [])
 
+  if args.lockstep:
+    return report_lockstep(lockstep(args.lockstep, ("rljax", "tunix"), args.new_tokens,
+                                     command, {"sample": 1, "step": 2}), args)
   results = alternate_sides(args.rounds, ("rljax", "tunix"), args.new_tokens, command)
   print(f"load average {os.getloadavg()[0]:.1f}; 1 prompt of {args.prompt_tokens} tokens, "
         f"{args.samples} samples x "

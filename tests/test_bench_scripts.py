@@ -1,7 +1,9 @@
 """Smoke tests of the benchmark scripts at toy sizes (they are not timed here)."""
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -245,6 +247,72 @@ def test_bench_micro_batches_reports_each_k_at_toy_size(tmp_path, monkeypatch):
   assert set(rows) == {1, 2}
   assert all(r["temp_mb"] > 0 for r in rows.values())  # toy size: the sum outweighs activations
   assert rows[2]["max_abs_diff"] < 1e-6 and all(r["median_s"] > 0 for r in rows.values())
+
+
+_SERVED_CHILD = """
+import json, sys, time
+side, fail = sys.argv[1], sys.argv[2] == "fail"
+print("a log line", flush=True)
+print("@@ " + json.dumps({"ready": True}), flush=True)
+n = 0
+for line in sys.stdin:
+  name = line.strip()
+  if name not in ("sample", "step"):
+    break
+  n += 1
+  if fail and n == 2:
+    sys.exit("gone")
+  print("@@ " + json.dumps({"s": 0.001 * n, "tokens": 8, "side": side, "name": name, "n": n,
+                           "t": time.time()}), flush=True)
+"""
+
+
+def test_lockstep_takes_turns_after_the_warmup_and_removes_the_weights(tmp_path, monkeypatch):
+  """``bench_tunix.lockstep`` (``--lockstep``): both sides served at once on the shared
+  weights; per command, the untimed warm-up turns, then the timed pairs with the first side
+  first in even pairs; log lines skipped; a side that ends reports its stderr; the weights are
+  gone however it ends."""
+  bench = _load("bench_tunix")
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  order = []
+
+  def command(side, weights, fail=None):
+    assert "config.json" in os.listdir(weights)
+    return [sys.executable, "-c", _SERVED_CHILD, side, "fail" if side == fail else "ok"]
+
+  results = bench.lockstep(3, ("rljax", "peer"), 8, command, {"sample": 1, "step": 2})
+  for name in ("sample", "step"):
+    for side in ("rljax", "peer"):
+      got = results[name][side]
+      assert [a["name"] for a in got] == [name] * 3 and {a["side"] for a in got} == {side}
+      order += [(name, side, a["n"]) for a in got]
+  # the peer's answers count its own turns: 1 warm-up sample, 3 timed, 2 warm-up steps, 3 timed
+  assert [n for name, side, n in order if side == "peer"] == [2, 3, 4, 7, 8, 9]
+  for name in ("sample", "step"):  # rl_jax first in pairs 0 and 2, the peer first in pair 1
+    first = [a["t"] < b["t"] for a, b in zip(results[name]["rljax"], results[name]["peer"])]
+    assert first == [True, False, True]
+  assert not os.listdir(tmp_path)
+  with pytest.raises(RuntimeError, match="peer failed:(.|\n)*gone"):
+    bench.lockstep(1, ("rljax", "peer"), 8, lambda s, w: command(s, w, fail="peer"),
+                   {"sample": 1})
+  assert not os.listdir(tmp_path)
+
+
+def test_bench_tunix_served_rljax_side_answers_sampler_calls_and_grpo_steps(tmp_path):
+  """``--side rljax --serve`` (the rl_jax child of ``--lockstep``) at toy size: ready, then one
+  answer per command (the call's time and the tokens it sampled), until ``quit``."""
+  bench = _load("bench_tunix")
+  bench.write_weights(str(tmp_path), new_tokens=8)
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(_SCRIPTS))
+  out = subprocess.run(
+      [sys.executable, os.path.join(_SCRIPTS, "bench_tunix.py"), "--side", "rljax", "--serve",
+       "--weights", str(tmp_path), "--samples", "2", "--new-tokens", "8"],
+      input="sample\nstep\nstep\nquit\n", capture_output=True, text=True, env=env,
+      timeout=600, check=True)
+  answers = [json.loads(line[3:]) for line in out.stdout.splitlines() if line.startswith("@@ ")]
+  assert answers[0] == {"ready": True} and len(answers) == 4
+  assert answers[1]["tokens"] == 2 * 8 and all(a["s"] > 0 for a in answers[1:])
+  assert all(0 < a["tokens"] <= 2 * 8 for a in answers[2:])
 
 
 def test_bench_rounds_alternate_the_sides_and_remove_the_weights(tmp_path, monkeypatch):
