@@ -30,9 +30,9 @@ venv, so it cannot change this one's packages); the sides alternate over ``--rou
 each (untimed), then ``PAIRS`` pairs of calls, two GRPO steps each (untimed), then ``PAIRS``
 pairs of steps, the side that goes first swapped every pair; each pair's ratio is reported,
 median and worst. A pair is timed seconds apart, so a slow minute of a shared host lands on
-both of its sides. Tunix's step is then the time from the parent's go to the next step's
-reward call (the rest of the step before, its update, and this step's rollout: one step's
-work); its learner waits inside the reward call for the next go.
+both of its sides. Tunix's step is then the time from the start of its turn to the next
+step's reward call (the rest of the step before, its update, and this step's rollout: one
+step's work); its learner waits inside the reward call for its next turn.
 ``--host-heap-reuse rljax`` starts the rl_jax side with ``reuse_large_blocks`` (a host
 setting measured here, not part of rl_jax: programs run on the calling thread and glibc keeps
 large freed blocks, so XLA's per-call temporaries are not faulted in again); ``both`` does the
@@ -165,11 +165,11 @@ def say(obj: dict) -> None:
   print(SAY + json.dumps(obj), flush=True)
 
 
-def serve(commands: dict[str, Callable[[], dict]], until: tuple[str, ...] = ()) -> str:
+def serve(commands: dict[str, Callable[[], dict]]) -> str:
   """A served child (``--serve``): says it is ready, then for each command named on a line of
   stdin runs it and says its result with ``"s"``, the call's wall time. Returns the first
-  line that is not one of ``commands`` (``"quit"`` at the end of stdin): a name in ``until``
-  hands the process over to its caller, anything else ends it."""
+  line that is not one of ``commands`` (``"quit"`` at the end of stdin), for the caller to
+  act on."""
   say({"ready": True})
   for line in sys.stdin:
     name = line.strip()
@@ -197,7 +197,7 @@ def serve_tunix(weights: str, n: int, new_tokens: int) -> None:
   the step before, its update, and this step's rollout: one step's work) and waits for the
   next. Another line ends the process from inside the learner."""
   gen = _tunix_sampler(weights, n, new_tokens)
-  if serve({"sample": lambda: {"tokens": gen()}}, until=("step",)) != "step":
+  if serve({"sample": lambda: {"tokens": gen()}}) != "step":
     return
   asked = [time.perf_counter()]
 
