@@ -228,7 +228,7 @@ class AgentEngine:
     e, before = self, sum(kv_cache.TRACE_COUNTS.values())
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R)
+    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, identity=True)
     ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})
     loop = Loop(self, params, 0)
     for Bn in ladder(4, e.G):

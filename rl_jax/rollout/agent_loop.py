@@ -70,7 +70,7 @@ class Loop:
     self.e, self.params = eng, params
     self.version = jnp.int32(policy_version)
     self.key = jax.random.key(eng.seed, impl="threefry2x32")
-    self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R)
+    self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, identity=True)
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []

@@ -32,11 +32,11 @@ import numpy as np
 
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import sampling
+from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
-__all__ = ["decode", "decode_attention", "decode_step"]
+__all__ = ["can_step", "decode", "decode_attention", "decode_step"]
 
 
 def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid,
@@ -84,40 +84,48 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
 
 
 def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
-                filtered: bool) -> DecodeState:
+                filtered: bool, live: int | None = None) -> DecodeState:
   """Feed every running sample's last token, append one sampled token.
 
-  Per layer, the fed token's K/V is scattered into the sample's suffix cache at its fill
-  position (in place), then the query attends its prefix and suffix (``decode_attention``).
+  The fed token (response index ``cur``) takes a page if its table entry has none
+  (``pages.take_entry``); per layer its K/V is written onto that page in place, then the query
+  attends its prefix and the first ``live`` pages of its response (``decode_attention`` over
+  ``pages.gather_live``).
 
-  Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params, cfg)``. One step.
+  Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params, cfg)``; ``live``:
+  static live-page bucket nb (None = every entry, NP). One step. Every running sample's
+  ``cur`` must lie below ``live·S`` and the pool must hold a page for each sample that needs
+  one (``decode`` checks both before each step).
   """
   G, M, R = state.tokens.shape
   P = state.prefix_v[0].shape[2]
+  S = state.suffix_v[0].shape[2]
+  nb = state.pages.shape[-1] if live is None else live
   take = (state.reason == RUNNING) & state.active[:, None]
   cur = jnp.maximum(state.length - 1, 0)  # index of the token fed now
   feed = jnp.take_along_axis(state.tokens, cur[..., None], axis=-1)[..., 0]
   pos = (state.prefix_len[:, None] + cur).reshape(G * M, 1)
   pvalid = jnp.arange(P)[None, :] < state.prefix_len[:, None]
-  svalid = jnp.arange(R)[None, None, :] <= cur[..., None]
-  gi = jnp.broadcast_to(jnp.arange(G)[:, None], (G, M))
-  mi = jnp.broadcast_to(jnp.arange(M)[None, :], (G, M))
+  svalid = jnp.arange(nb * S)[None, None, :] <= cur[..., None]
+  table, free, page = pages.take_entry(state.pages, state.free, take, cur // S)
+  page = jnp.where(take, page, -1).reshape(-1)  # rows not fed write nothing
+  offset = (cur % S).reshape(-1)
+  live_table = table[:, :, :nb]
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
 
   qpos = state.prefix_len[:, None] + cur  # [G,M]
 
   def attend(q, k, v, layer, spec=None):
     l = layer
-    # the fed token's K/V [G·M,1,K,H] at index cur: the keys' length axis is last
-    put = lambda c, x, at: c.at[at].set(x.reshape(G, M, *x.shape[2:]).astype(c.dtype))
-    caches["sk"][l] = put(caches["sk"][l], k, (gi, mi, slice(None), slice(None), cur))
-    caches["sv"][l] = put(caches["sv"][l], v, (gi, mi, slice(None), cur))
+    caches["sk"][l], caches["sv"][l] = pages.write(caches["sk"][l], caches["sv"][l], page,
+                                                   offset, k[:, 0], v[:, 0])
+    sk, sv_ = pages.contiguous(caches["sk"][l], caches["sv"][l], live_table)
     pv, sv = pvalid, svalid
     if spec is not None:
       pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))
-      sv = tx.window_mask(spec, svalid, cur[..., None] - jnp.arange(R))
+      sv = tx.window_mask(spec, svalid, cur[..., None] - jnp.arange(nb * S))
     out = decode_attention(q.reshape(G, M, *q.shape[2:]), state.prefix_k[l], state.prefix_v[l],
-                           pv, caches["sk"][l], caches["sv"][l], sv)
+                           pv, sk, sv_, sv)
     return out.reshape(G * M, 1, *out.shape[2:]), layer
 
   x = tx.embed(cfg, params, feed.reshape(G * M, 1))
@@ -126,32 +134,49 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
                           return_routing=moe)
   h = out[0]
   if moe:  # the fed token's experts [Y,G·M,1,X] -> its record at index cur
-    ids = jnp.moveaxis(out[2][:, :, 0], 0, 1).reshape(G, M, 1, *state.routing.shape[3:])
-    hot = ((jnp.arange(R) == cur[..., None]) & take[..., None])[..., None, None]
-    state = state._replace(routing=jnp.where(hot, ids, state.routing))
+    ids = jnp.moveaxis(out[2][:, :, 0], 0, 1).reshape(G, M, *state.routing.shape[3:])
+    at = (jnp.arange(G)[:, None], jnp.arange(M)[None, :], jnp.where(take, cur, R))
+    state = state._replace(routing=state.routing.at[at].set(ids, mode="drop"))
   logits = tx.logits_from_hidden(cfg, params, h[:, 0])  # [G·M,V]
   uniforms = lambda: sampling.token_uniforms(state.stream.reshape(G * M, 2),
                                              state.length.reshape(-1))
   tok, lp = sampling.sample_logits(uniforms, logits, sp, filtered)
-  state = state._replace(suffix_k=tuple(caches["sk"]), suffix_v=tuple(caches["sv"]))
+  state = state._replace(suffix_k=tuple(caches["sk"]), suffix_v=tuple(caches["sv"]),
+                         pages=table, free=free)
   return constrain_state(record(state, tok.reshape(G, M), lp.reshape(G, M), take, version, sp))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
+def can_step(state: DecodeState, live: int) -> jax.Array:
+  """Whether ``decode_step(.., live)`` can run: every running sample's fed index lies in
+  the first ``live`` pages and the pool holds a page for every sample whose fed index
+  starts a page it has none for."""
+  S = state.suffix_v[0].shape[2]
+  take = (state.reason == RUNNING) & state.active[:, None]
+  cur = jnp.maximum(state.length - 1, 0)
+  inside = jnp.all(~take | (cur < live * S))
+  entry = jnp.minimum(cur // S, state.pages.shape[-1] - 1)
+  has = jnp.take_along_axis(state.pages, entry[..., None], axis=-1)[..., 0] >= 0
+  return inside & (jnp.sum(take & ~has) <= jnp.sum(state.free))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live"),
                    donate_argnames=("state",))
 def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
-           min_finished, filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
+           min_finished, filtered: bool, ctx=None, live: int | None = None
+           ) -> tuple[DecodeState, jax.Array]:
   """Decode inside one ``lax.while_loop`` until enough groups finish.
 
-  Stops when no sample is running, after ``max_steps`` steps, or once at least
+  Stops when no sample is running, after ``max_steps`` steps, once at least
   ``min_finished`` active slots have all their samples finished (so the caller can refill
-  them: continuous batching).
+  them: continuous batching), or when the next step cannot run (``can_step``: a sample
+  reached the end of the ``live`` pages the program reads, or the pool is out of pages;
+  the caller then picks a larger bucket, grows the pool or preempts).
 
   Args:
     params: model parameters (jit argument). state: DecodeState (donated).
     sp: SamplingParams. version: int32 policy version recorded for new tokens.
     max_steps, min_finished: int32 scalars (traced).
-    filtered: static; top-k/top-p active.
+    filtered: static; top-k/top-p active. live: static live-page bucket (None = all NP).
   Returns:
     (state, steps run).
   """
@@ -164,12 +189,14 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
     def cond(carry):
       s, step = carry
       running = jnp.any((s.reason == RUNNING) & s.active[:, None])
-      return running & (step < max_steps) & (finished(s) < min_finished)
+      return (running & (step < max_steps) & (finished(s) < min_finished)
+              & can_step(s, nb))
 
     layers = tx.unstack_layers(params, cfg)  # sliced once per call, not per step
+    nb = state.pages.shape[-1] if live is None else live
 
     def body(carry):
       s, step = carry
-      return decode_step(cfg, params, layers, s, sp, version, filtered), step + 1
+      return decode_step(cfg, params, layers, s, sp, version, filtered, nb), step + 1
 
     return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))

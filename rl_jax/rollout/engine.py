@@ -47,14 +47,18 @@ import numpy as np
 
 from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import kv_cache, sampler, slots
+from rl_jax.rollout import kv_cache, pages, sampler, slots
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble,
                                     check_int, check_prompt, in_flight_budget, pow2,
                                     sampling_params)
 
-__all__ = ["RolloutEngine", "kv_bytes"]
+__all__ = ["PAGE_STATS", "RolloutEngine", "kv_bytes"]
+
+# Counters of the paged KV cache in a rollout's ``stats`` (``RolloutEngine.page_stats``)
+PAGE_STATS = ("kv_pages_used_mean", "kv_pages_used_peak", "preemptions", "prefix_pages_shared",
+              "decode_buckets")
 
 
 # ------------------------------------------------------------------------------ engine
@@ -84,6 +88,13 @@ class RolloutEngine:
     dtype: sampler compute/storage dtype; trainer parameters of another dtype are cast by a
       jitted cast at every call (None = keep cfg's dtypes).
     context: maximum positions (default cfg.max_position_embeddings).
+    page_size: tokens per page of the response pool (a power of two; larger than the
+      response cache length R means one page per sample, the worst-case slot layout).
+    kv_pages: pool pages, fixed; when it runs out the most recently admitted group is
+      preempted (its partial samples are kept and resumed by recompute, drawing the same
+      tokens). None: the pool starts at enough pages for 256 tokens per sample and doubles
+      when it runs out, up to every sample's whole budget (memory follows the tokens
+      generated; never preempts).
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
@@ -91,7 +102,8 @@ class RolloutEngine:
                top_p: float = 1.0, top_k: int = 0, eos_id=None, stop=None,
                over_sampling: float = 2.0, max_staleness: int | None = None,
                prompt_once: bool = True, seed: int = 0,
-               mesh=None, rules=None, dtype: str | None = None, context: int | None = None):
+               mesh=None, rules=None, dtype: str | None = None, context: int | None = None,
+               page_size: int = 64, kv_pages: int | None = None):
     cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
     self.context = int(context or cfg.max_position_embeddings)
     check_int("n", n, 1)
@@ -113,6 +125,9 @@ class RolloutEngine:
                          f"exceeds the context of {self.context} positions")
     if (mesh is None) != (rules is None):
       raise RolloutError("pass both mesh and rules, or neither")
+    if (not isinstance(page_size, (int, np.integer)) or page_size < 1
+        or page_size & (page_size - 1)):
+      raise RolloutError(f"page_size must be a positive power of two, got {page_size!r}")
     if dtype is not None:
       cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     self.cfg, self.n, self.max_new_tokens = cfg, int(n), int(max_new_tokens)
@@ -123,6 +138,20 @@ class RolloutEngine:
     self.G = int(max_slots)
     self.P = pow2(self.max_prompt_len, 8)
     self.R = pow2(self.max_new_tokens, 8)
+    self.S = min(int(page_size), self.R)  # tokens per page
+    self.NP = self.R // self.S  # page-table entries per sample
+    whole = self.G * self.M * self.NP  # every sample's whole budget
+    if kv_pages is not None:
+      check_int("kv_pages", kv_pages, 1)
+      if kv_pages < self.M * self.NP:
+        raise RolloutError(
+            f"kv_pages={kv_pages} is smaller than one group needs: {self.M} samples x "
+            f"{self.NP} pages of {self.S} tokens (max_new_tokens={self.max_new_tokens})")
+    self.fixed_pool = kv_pages is not None
+    self.pool_pages = (int(kv_pages) if kv_pages is not None else
+                       min(whole, self.G * self.M * pages.pages_needed(min(self.R, 256), self.S)))
+    self.max_pool_pages = self.pool_pages if self.fixed_pool else whole
+    self.stats: collections.Counter = collections.Counter()  # page counters, per run() call
     self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, eos_id, stop)
     # prefill + first tokens: with the training programs' CPU options when
@@ -132,6 +161,7 @@ class RolloutEngine:
     self._ready: collections.deque[GroupRequest] = collections.deque()
     self._uids = itertools.count()
     self._target = self._sync = None  # sampler parameter layout, jitted cast + reshard
+    self._programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
 
   @property
   def ready(self) -> tuple[GroupRequest, ...]:
@@ -209,19 +239,29 @@ class RolloutEngine:
         units.extend((req, [i]) for i in todo)
     complete = [r for r in requests if r.done]
     slot_unit: list[Any] = [None] * G
-    state = sampler.init_state(cfg, G, M, self.P, self.R, ctx=self.ctx)
+    order = [0] * G  # admission order of each slot's unit (preemption takes the newest)
+    admissions = itertools.count(1)
+    state = sampler.init_state(cfg, G, M, self.P, self.R, ctx=self.ctx, S=self.S,
+                               pages=self.pool_pages)
     key = jax.random.key(self.seed, impl="threefry2x32")
     version = jnp.int32(policy_version)
     remaining = collections.Counter(id(u[0]) for u in units)
+    self.stats = stats = collections.Counter()
+    used: list[int] = []
+    closed = False  # admission closed since a preemption, until a group leaves its slot
     while len(complete) < want:
       free = [g for g in range(G) if slot_unit[g] is None]
-      batch = [(g, units.popleft()) for g in free[:len(units)]]
+      batch = self._admissible(free, units, state, slot_unit, closed)
       if batch:
         for g, unit in batch:
-          slot_unit[g] = unit
+          slot_unit[g], order[g] = unit, next(admissions)
+          stats["prefix_pages_shared"] += (len(unit[1]) - 1) * pages.pages_needed(
+              len(unit[0].prompt), self.S)
         fresh = len(free) == G  # first admission of this call: no scatter into old slots
         state = self._admit(params, state, batch, version, key, fresh)
       state, done_slots = slots.harvest(state, slot_unit, remaining, complete)
+      if done_slots:
+        state, closed = self._release(state, done_slots), False
       if len(complete) >= want:
         break
       if all(u is None for u in slot_unit):
@@ -230,15 +270,106 @@ class RolloutEngine:
         continue
       if done_slots:
         continue
+      state, live = self._make_room(state, slot_unit, order, units)
+      if live is None:  # a group was preempted: no admission until one leaves its slot
+        closed = True
+        continue
       need = 1 if units else max(1, want - len(complete))
       state, _ = sampler.decode(cfg, params, state, self.sp, version, jnp.int32(self.R),
-                                jnp.int32(need), filtered=self.filtered, ctx=self.ctx)
+                                jnp.int32(need), filtered=self.filtered, ctx=self.ctx,
+                                live=live)
+      self._programs.add((live, state.free.shape[0]))
+      used.append(int(state.free.shape[0] - np.asarray(state.free).sum()))
+    stats["kv_pages_used_peak"] = max(used, default=0)
+    stats["kv_pages_used_mean"] = float(np.mean(used)) if used else 0.0
+    stats["decode_buckets"] = len(self._programs)
+    stats["kv_pages"] = int(state.free.shape[0])
     # abort whatever is still in a slot: keep its partial samples
     if any(u is not None for u in slot_unit):
       slots.collect(state, [g for g in range(G) if slot_unit[g] is not None], slot_unit)
     done_ids = {id(r) for r in complete}
     unfinished = [r for r in requests if id(r) not in done_ids]
     return complete, unfinished
+
+  # ---------------------------------------------------------------- pages
+  def page_stats(self) -> dict[str, float]:
+    """The last ``run``'s page counters (``PAGE_STATS``): pages in use when decode calls
+    returned (mean, peak), preemptions, prompt pages shared by a group's samples instead of
+    held by each (at this page size), decode programs compiled (live bucket x pool size)."""
+    return {k: float(self.stats.get(k, 0)) for k in PAGE_STATS}
+
+  def _pages_now(self, unit) -> int:
+    """Pages a unit's samples take as soon as it is admitted and fed once: a fresh sample
+    one, a resumed one those of its tokens so far, a finished one none."""
+    req, sids = unit
+    total = 0
+    for i in sids:
+      smp = req.samples[i]
+      if smp.finish_reason is None:
+        total += pages.pages_needed(max(len(smp.tokens), 1), self.S)
+    return total
+
+  def _admissible(self, free, units, state, slot_unit, closed: bool = False):
+    """(slot, unit) pairs to admit now: units in order while free slots last and, with a
+    fixed pool, while its free pages cover what they take at once and no group was
+    preempted since a group last left its slot (``closed``: otherwise the preempted group
+    would come straight back and be preempted again). The first unit of an empty engine
+    always fits: the pool holds one group's whole budget."""
+    busy = any(u is not None for u in slot_unit)
+    if not free or not units or (closed and busy):
+      return []
+    left = int(np.asarray(state.free).sum()) if self.fixed_pool else None
+    batch = []
+    for g in free:
+      if not units:
+        break
+      if left is not None:
+        need = self._pages_now(units[0])
+        if need > left and (busy or batch):
+          break
+        left -= need
+      batch.append((g, units.popleft()))
+    return batch
+
+  def _make_room(self, state, slot_unit, order, units):
+    """The live-page bucket of the next decode call, with pages for its first step.
+
+    A short pool grows (doubling, up to every sample's budget) or, when fixed, gives up
+    the most recently admitted group: its samples (partial tokens kept) go back to the
+    front of ``units`` and resume by recompute. Returns (state, bucket), or (state, None)
+    after a preemption.
+    """
+    length, reason, active, table, free = jax.device_get(
+        (state.length, state.reason, state.active, state.pages, state.free))
+    run = (reason == kv_cache.RUNNING) & active[:, None]
+    cur = np.maximum(length - 1, 0)
+    live = pages.live_bucket(int(cur[run].max(initial=0)) + 1, self.S, self.NP)
+    entry = np.minimum(cur // self.S, self.NP - 1)
+    short = int((run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0)).sum()
+                - free.sum())
+    if short <= 0:
+      return state, live
+    if not self.fixed_pool:
+      Pg = free.shape[0]
+      new = Pg
+      while new - Pg < short:
+        new *= 2
+      state = kv_cache.resize_pool(state, min(new, self.max_pool_pages), ctx=self.ctx)
+      self.stats["pool_growths"] += 1
+      return state, live
+    g = max((g for g, u in enumerate(slot_unit) if u is not None and run[g].any()),
+            key=lambda g: order[g])
+    unit = slot_unit[g]
+    slots.collect(state, [g], slot_unit)
+    units.appendleft(unit)
+    self.stats["preemptions"] += 1
+    return self._release(state, [g]), None
+
+  def _release(self, state, freed):
+    """Return the pages of slots ``freed`` to the pool and mark the slots inactive."""
+    rows = np.zeros(self.G, bool)
+    rows[list(freed)] = True
+    return kv_cache.release_slots(state, rows, ctx=self.ctx)
 
   def _admit(self, params, state, batch, version, key, fresh=False):
     """Prefill the (slot, unit) pairs of ``batch`` into their slots."""
@@ -270,7 +401,9 @@ class RolloutEngine:
     """Compile every shape this engine can meet, so no later call compiles.
 
     Admission buckets (groups x prompt length, and the all-slots-free variant), resume
-    buckets (samples x response length) and the decode loop, run once on padding rows.
+    buckets (samples x response length) and the decode loop at the first live-page bucket
+    (longer responses compile one program per further power-of-two bucket when they reach
+    it), run once on padding rows.
 
     Returns:
       The number of jitted programs traced (0 if all were already compiled).
@@ -278,7 +411,8 @@ class RolloutEngine:
     before = sum(sampler.TRACE_COUNTS.values())
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    state = sampler.init_state(self.cfg, self.G, self.M, self.P, self.R, ctx=self.ctx)
+    state = sampler.init_state(self.cfg, self.G, self.M, self.P, self.R, ctx=self.ctx,
+                               S=self.S, pages=self.pool_pages)
     ladder = lambda lo, top: sorted({min(top, lo << i) for i in range(max(1, top).bit_length() + 1)})
     for Bn in ladder(4, self.G):
       for Pb in ladder(8, self.P):
@@ -293,8 +427,11 @@ class RolloutEngine:
     for Br, T in sorted(shapes):
       state = sampler.resume(self.cfg, params, state, slots.resume_rows(Br, T, self.G),
                              ctx=self.ctx)
+    state = self._release(state, range(self.G))
+    live = pages.live_bucket(1, self.S, self.NP)
     state, _ = sampler.decode(self.cfg, params, state, self.sp, version, jnp.int32(1),
-                              jnp.int32(1), filtered=self.filtered, ctx=self.ctx)
+                              jnp.int32(1), filtered=self.filtered, ctx=self.ctx, live=live)
+    self._programs.add((live, self.pool_pages))
     jax.block_until_ready(state)
     return sum(sampler.TRACE_COUNTS.values()) - before
 
@@ -358,7 +495,7 @@ class RolloutEngine:
                      restarted_samples=restarted, max_token_lag=int(lag.max(initial=0)),
                      resumed_groups=sum(1 for r in result if r.resumed),
                      off_policy_token_fraction=float(stale.sum() / max(toks, 1)),
-                     kv_bytes=kv_bytes(self, self.G))
+                     kv_bytes=kv_bytes(self, self.G), **self.page_stats())
     return out
 
   # ---------------------------------------------------------------- held groups
@@ -454,5 +591,8 @@ class RolloutEngine:
 
 
 def kv_bytes(engine: RolloutEngine, groups: int) -> int:
-  """KV-cache bytes the engine holds for ``groups`` slots (its own layout)."""
-  return sampler.kv_cache_bytes(engine.cfg, groups, engine.M, engine.P, engine.R, True)
+  """KV-cache bytes the engine holds for ``groups`` slots: their prompt caches and the
+  response pool at its size after the last ``run``."""
+  pool = engine.stats.get("kv_pages", engine.pool_pages)
+  return (sampler.kv_cache_bytes(engine.cfg, groups, engine.M, engine.P, 0, True)
+          + kv_cache.pool_bytes(engine.cfg, pool, engine.S))

@@ -14,6 +14,7 @@ at indices ``length − 1 ..``: its queries attend the slot's prompt, the sample
 trajectory and the chunk itself (causally), its K/V goes into the sample's suffix cache in
 place, and the next model token is drawn from the chunk's last logits with the uniform of its
 trajectory index, so sampling does not depend on when (or in which batch) the chunk arrived.
+The trajectory's K/V lives on the sample's pages of the response pool (``pages``).
 
 Nothing of the history is recomputed: the cost is that of the chunk's tokens attending a
 cached context (an incremental prefill).
@@ -29,8 +30,8 @@ import jax.numpy as jnp
 
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import sampling
-from rl_jax.rollout.decode import decode_step
+from rl_jax.rollout import pages, sampling
+from rl_jax.rollout.decode import can_step, decode_step
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 from rl_jax.rollout.prefill import run_trunk
@@ -61,14 +62,17 @@ class Extension(NamedTuple):
 def _context(state: DecodeState, slot, sample, start):
   """Per-row cached context, prompt then trajectory: (k, v) [L,Be,P+R,K,H], valid [Be,P+R]."""
   P = state.prefix_v[0].shape[2]
-  R = state.suffix_v[0].shape[3]
+  table = state.pages[slot, sample]  # [Be,NP]
+  R = table.shape[-1] * state.suffix_v[0].shape[2]
   # keys are stored length-last ([Be,K,H,len]), values [Be,K,len,H]
+  suffix = [pages.contiguous(k, v, table) for k, v in zip(state.suffix_k, state.suffix_v)]
   join = lambda pre, suf, axis: jnp.stack([
-      jnp.moveaxis(jnp.concatenate([p[slot], s[slot, sample]], axis=axis), axis, 1)
+      jnp.moveaxis(jnp.concatenate([p[slot], s], axis=axis), axis, 1)
       for p, s in zip(pre, suf)])
   pvalid = jnp.arange(P)[None, :] < state.prefix_len[slot][:, None]
   svalid = jnp.arange(R)[None, :] < start[:, None]
-  return (join(state.prefix_k, state.suffix_k, 3), join(state.prefix_v, state.suffix_v, 2),
+  return (join(state.prefix_k, [s[0] for s in suffix], 3),
+          join(state.prefix_v, [s[1] for s in suffix], 2),
           jnp.concatenate([pvalid, svalid], axis=1))
 
 
@@ -103,14 +107,17 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     last = jnp.take_along_axis(h, (ext.count - 1)[:, None, None], axis=1)[:, 0]
     logits = tx.logits_from_hidden(cfg, params, last)  # [Be,V]
 
-    # chunk K/V into the suffix caches at start + j (invalid tokens and padding rows dropped)
-    at = jnp.where(cvalid, ext.start[:, None] + j, R)
-    rows = (ext.slot[:, None], ext.sample[:, None])
-    # u [L,Be,1,C,K,H]; the indexed cache entries are [Be,C,K,H] for keys and values
-    # (advanced indices apart put their dims first)
-    place = lambda cache, u, lead: tuple(
-        c.at[(rows[0], rows[1]) + lead + (at,)].set(u[l, :, 0].astype(c.dtype), mode="drop")
-        for l, c in enumerate(cache))
+    # chunk K/V onto the rows' pages at start + j (invalid tokens and padding rows dropped)
+    M, NP = state.pages.shape[1:]
+    S = state.suffix_v[0].shape[2]
+    count = jnp.where(ext.slot < G, ext.count, 0)
+    table, free = pages.allocate(state.pages, state.free,
+                                 pages.rows_need(ext.slot, ext.sample, ext.start, count,
+                                                 G, M, NP, S))
+    index = ext.start[:, None] + j
+    written = [pages.write_rows(k, v, table, ext.slot, ext.sample, index, cvalid,
+                                ck[l, :, 0], cv[l, :, 0])
+               for l, (k, v) in enumerate(zip(state.suffix_k, state.suffix_v))]
 
     # the rows' token records: chunk written, then the sampled token appended by ``record``
     r = jnp.arange(R, dtype=jnp.int32)
@@ -131,8 +138,8 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
 
     put = lambda a, u: a.at[ext.slot, ext.sample].set(u[:, 0].astype(a.dtype), mode="drop")
     new = state._replace(
-        suffix_k=place(state.suffix_k, ck, (slice(None),) * 2),
-        suffix_v=place(state.suffix_v, cv, (slice(None),)),
+        suffix_k=tuple(w[0] for w in written), suffix_v=tuple(w[1] for w in written),
+        pages=table, free=free,
         tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
         budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason))
@@ -167,7 +174,9 @@ def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_
     def cond(carry):
       s, step = carry
       n = running(s)
-      return (n > 0) & (step < max_steps) & (at_entry - n < stop_count)
+      return (n > 0) & (step < max_steps) & (at_entry - n < stop_count) & can_step(s, NP)
+
+    NP = state.pages.shape[-1]
 
     def body(carry):
       s, step = carry

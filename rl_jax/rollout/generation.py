@@ -10,7 +10,7 @@ from typing import Sequence
 
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import sampler
-from rl_jax.rollout.engine import RolloutEngine
+from rl_jax.rollout.engine import RolloutEngine, kv_bytes
 from rl_jax.rollout.records import (GroupRequest, Rollout, RolloutError, Sample, assemble,
                                     check_int, check_prompt, pow2)
 
@@ -21,7 +21,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
              max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, eos_id=None, seed: int = 0, *, stop=None,
              prompt_once: bool = True, max_slots: int | None = None, mesh=None, rules=None,
-             policy_version: int = 0, first_index: int = 0) -> Rollout:
+             policy_version: int = 0, first_index: int = 0, page_size: int = 64,
+             kv_pages: int | None = None) -> Rollout:
   """Sample ``n`` responses for every prompt with the jitted KV-cache sampler.
 
   Args:
@@ -39,10 +40,14 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
     first_index: index of ``prompts[0]`` in a larger batch: prompt p samples from the key
       stream of prompt ``first_index + p``, so a batch split over processes (each calling
       with its own slice) samples exactly what one call over the whole batch samples.
+    page_size, kv_pages: the paged response cache (``RolloutEngine``): tokens per page, and
+      a fixed pool size in pages (None: grown as the responses need it).
   Returns:
     Rollout with G·M rows (M = n), prompt-major: tokens int32 [G·M,R] (R = max_new_tokens),
     mask, logprobs, versions, lengths, finish_reason ("eos" / "stop" / "length"),
-    stats["kv_bytes"] and stats["kv_bytes_replicated"].
+    stats["kv_bytes"] (prompt caches and response pool held), stats["kv_bytes_replicated"]
+    (every sample's prompt and whole budget, the replicated worst case) and the page
+    counters ``engine.PAGE_STATS``.
   """
   if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
     raise RolloutError("prompts must be a list of token-id lists")
@@ -58,7 +63,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
   engine = RolloutEngine(cfg, n=n, max_slots=slots, max_new_tokens=max_new_tokens,
                          max_prompt_len=longest, temperature=temperature, top_p=top_p,
                          top_k=top_k, eos_id=eos_id, stop=stop, prompt_once=prompt_once,
-                         seed=seed, mesh=mesh, rules=rules, context=context)
+                         seed=seed, mesh=mesh, rules=rules, context=context,
+                         page_size=page_size, kv_pages=kv_pages)
   check_int("first_index", first_index, 0)
   requests = [GroupRequest(first_index + i, p, [Sample() for _ in range(n)])
               for i, p in enumerate(checked)]
@@ -68,6 +74,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
   out = assemble(complete, max_new_tokens)
   P, R = engine.P, engine.R
   out.stats.update(
-      kv_bytes=sampler.kv_cache_bytes(engine.cfg, len(checked), n, P, R, prompt_once),
-      kv_bytes_replicated=sampler.kv_cache_bytes(engine.cfg, len(checked), n, P, R, False))
+      kv_bytes=kv_bytes(engine, min(slots, groups)),
+      kv_bytes_replicated=sampler.kv_cache_bytes(engine.cfg, len(checked), n, P, R, False),
+      **engine.page_stats())
   return out

@@ -5,17 +5,21 @@ per slot, P prefix (prompt) cache length, R response (suffix) cache length, L la
 K kv heads, H head dim).
 
 Each slot g holds one prompt, prefilled once into the prefix cache ``prefix_k/v`` (L arrays
-per layer: keys [G,K,H,P], values [G,K,P,H]), and M samples that keep only their own response
-K/V in the suffix cache ``suffix_k/v`` (keys [G,M,K,H,R], values [G,M,K,R,H]). One array per
-layer, kv heads ahead of the length and head axes, lets the decode step read the caches in
-place: no per-step slice or transpose copies. Keys keep the cache length last, so both of the
-decode query's products are plain [rows, contracted] x [contracted, columns] matmuls: q·K
-contracts the head dim H, p·V the cache length (``decode.decode_attention``); on XLA's CPU
-backend keys stored [.., R, H] made the decode attention 1.5-2x slower per layer
-(``scripts/bench_decode_attention.py``).
+per layer: keys [G,K,H,P], values [G,K,P,H]), and M samples whose own response K/V lives on
+pages of the response pool ``suffix_k/v`` (L arrays per layer: keys [Pg,K,H,S], values
+[Pg,K,S,H]) through the page table ``pages`` [G,M,NP] (``rl_jax.rollout.pages``: pages are
+taken as tokens are written and returned when the group leaves its slot). Kv heads stay ahead
+of the length and head axes, and keys keep the cache length last, so both of the decode
+query's products are plain [rows, contracted] x [contracted, columns] matmuls: q·K contracts
+the head dim H, p·V the cache length (``decode.decode_attention``); on XLA's CPU backend keys
+stored [.., R, H] made the decode attention 1.5-2x slower per layer
+(``scripts/bench_decode_attention.py``). Page size S = R with one page per sample (an
+``identity`` table) is the worst-case slot layout the multi-turn engine keeps.
 
 Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
-heads over ``act_kv_heads`` (tensor) and cache length over ``kv_length`` (sequence).
+heads over ``act_kv_heads`` (tensor), the prompt cache's length over ``kv_length``
+(sequence). The response pool is shared by all slots, so its pages are not split over the
+batch axes (each batch shard holds the pool; kv heads split it over ``tensor``).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import jax.numpy as jnp
 
 from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import sampling
+from rl_jax.rollout import pages, sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
-           "init_state", "kv_cache_bytes", "mesh_context", "needs_cast", "record"]
+           "init_state", "kv_cache_bytes", "mesh_context", "needs_cast", "pool_bytes", "record", "release_slots",
+           "resize_pool"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -51,8 +56,9 @@ class DecodeState(NamedTuple):
     prefix_k, prefix_v: tuples of L arrays, prompt K/V, one copy per slot: keys [G,K,H,P],
       values [G,K,P,H].
     prefix_len: int32 [G] prompt length of each slot.
-    suffix_k, suffix_v: tuples of L arrays, each sample's own response K/V: keys
-      [G,M,K,H,R], values [G,M,K,R,H].
+    suffix_k, suffix_v: tuples of L arrays, the response page pool: keys [Pg,K,H,S],
+      values [Pg,K,S,H] (response token j of sample (g, m) on page ``pages[g,m,j // S]`` at
+      offset ``j % S``).
     tokens: int32 [G,M,R] response tokens (index j = j-th generated token).
     logprobs: float32 [G,M,R] behaviour log-prob of each token.
     versions: int32 [G,M,R] policy version that sampled each token.
@@ -65,6 +71,8 @@ class DecodeState(NamedTuple):
     routing: mixture-of-experts models: int32 [G,M,R,Y,X] the experts each MoE layer chose
       for response token j when the decode step fed it (-1 until then, and for the last
       token, which is never fed); None for dense models.
+    pages: int32 [G,M,NP] page table (NP = R / S; -1 = no page yet).
+    free: bool [Pg] pool pages not in any table.
   """
 
   prefix_k: jax.Array
@@ -83,14 +91,16 @@ class DecodeState(NamedTuple):
   sample_id: jax.Array
   stream: jax.Array
   routing: jax.Array | None = None
+  pages: jax.Array | None = None
+  free: jax.Array | None = None
 
 
 CACHE_AXES = DecodeState(
     prefix_k=("batch", "act_kv_heads", None, "kv_length"),  # each layer's array
     prefix_v=("batch", "act_kv_heads", "kv_length", None),
     prefix_len=("batch",),
-    suffix_k=("batch", None, "act_kv_heads", None, "kv_length"),
-    suffix_v=("batch", None, "act_kv_heads", "kv_length", None),
+    suffix_k=(None, "act_kv_heads", None, None),
+    suffix_v=(None, "act_kv_heads", None, None),
     tokens=("batch", None, None),
     logprobs=("batch", None, None),
     versions=("batch", None, None),
@@ -102,6 +112,8 @@ CACHE_AXES = DecodeState(
     sample_id=("batch", None),
     stream=("batch", None, None),
     routing=("batch", None, None, None, None),
+    pages=("batch", None, None),
+    free=(None,),
 )
 
 
@@ -123,6 +135,12 @@ def constrain_state(state: DecodeState) -> DecodeState:
   return DecodeState(*[_constrain(x, a) for x, a in zip(state, CACHE_AXES)])
 
 
+def pool_bytes(cfg: ModelConfig, pages: int, page_size: int) -> int:
+  """Bytes of a response pool of ``pages`` pages of ``page_size`` tokens (K and V, all layers)."""
+  return int(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * page_size * pages
+             * jnp.dtype(cfg.dtype).itemsize)
+
+
 def kv_cache_bytes(cfg: ModelConfig, groups: int, samples: int, prompt_len: int,
                    response_len: int, prompt_once: bool = True) -> int:
   """Bytes of K and V held for ``groups`` prompts with ``samples`` responses each.
@@ -139,12 +157,12 @@ def kv_cache_bytes(cfg: ModelConfig, groups: int, samples: int, prompt_len: int,
 
 def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingParams):
   """Append token ``tok`` [G,M] (log-prob ``lp``) to rows where ``take``; update reasons."""
-  R = state.tokens.shape[-1]
-  idx = state.length
-  hot = (jnp.arange(R) == idx[..., None]) & take[..., None]
-  tokens = jnp.where(hot, tok[..., None], state.tokens)
-  logprobs = jnp.where(hot, lp[..., None], state.logprobs)
-  versions = jnp.where(hot, version, state.versions)
+  G, M, R = state.tokens.shape
+  at = (jnp.arange(G)[:, None], jnp.arange(M)[None, :], jnp.where(take, state.length, R))
+  # one entry per row written in place (rows not taken index R and are dropped)
+  tokens = state.tokens.at[at].set(tok.astype(jnp.int32), mode="drop")
+  logprobs = state.logprobs.at[at].set(lp.astype(jnp.float32), mode="drop")
+  versions = state.versions.at[at].set(jnp.asarray(version, jnp.int32), mode="drop")
   length = state.length + take.astype(jnp.int32)
   is_eos = jnp.any(tok[..., None] == sp.eos_ids, axis=-1)
   w = sp.stop_seqs.shape[-1]  # stop-sequence window (a local letter)
@@ -160,20 +178,27 @@ def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPara
                         reason=reason)
 
 
-def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int) -> DecodeState:
+def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: int,
+                identity: bool) -> DecodeState:
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
+  NP = R // S
   layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
+  if identity:  # every entry owns its page from the start: nothing is taken or returned
+    table = jnp.arange(G * M * NP, dtype=jnp.int32).reshape(G, M, NP)
+    free = jnp.arange(Pg) >= G * M * NP
+  else:
+    table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((Pg,), bool)
   return DecodeState(
       prefix_k=layers((G, K, H, P)), prefix_v=layers((G, K, P, H)),
       prefix_len=jnp.ones((G,), jnp.int32),
-      suffix_k=layers((G, M, K, H, R)), suffix_v=layers((G, M, K, R, H)),
+      suffix_k=layers((Pg, K, H, S)), suffix_v=layers((Pg, K, S, H)),
       tokens=jnp.zeros((G, M, R), jnp.int32), logprobs=jnp.zeros((G, M, R), jnp.float32),
       versions=jnp.full((G, M, R), -1, jnp.int32), length=jnp.zeros((G, M), jnp.int32),
       budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),
       active=jnp.zeros((G,), bool), request_id=jnp.zeros((G,), jnp.int32),
       sample_id=jnp.zeros((G, M), jnp.int32), stream=jnp.zeros((G, M, 2), jnp.uint32),
-      routing=empty_routing(cfg, (G, M, R)))
+      routing=empty_routing(cfg, (G, M, R)), pages=table, free=free)
 
 
 def empty_routing(cfg: ModelConfig, lead: tuple[int, ...]) -> jax.Array | None:
@@ -183,12 +208,43 @@ def empty_routing(cfg: ModelConfig, lead: tuple[int, ...]) -> jax.Array | None:
   return jnp.full((*lead, len(cfg.moe_layers), cfg.num_experts_per_tok), -1, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "ctx"))
-def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None) -> DecodeState:
-  """Empty state for G slots of M samples, prefix length P, response length R."""
+@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "S", "pages",
+                                             "identity", "ctx"))
+def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
+               S: int | None = None, pages: int | None = None,
+               identity: bool = False) -> DecodeState:
+  """Empty state for G slots of M samples, prefix length P, response length R.
+
+  S: page size (default R: one page per sample); a power of two dividing R. pages: pool
+  pages Pg (default G·M·R/S, every sample's whole budget). identity: every table entry
+  owns page ``(g·M + m)·NP + p`` from the start (the fixed worst-case layout; needs
+  Pg >= G·M·NP).
+  """
   TRACE_COUNTS["init_state"] += 1
+  S = R if S is None else S
+  Pg = G * M * (R // S) if pages is None else pages
   with mesh_context(ctx):
-    return constrain_state(_init_state(cfg, G, M, P, R))
+    return constrain_state(_init_state(cfg, G, M, P, R, S, Pg, identity))
+
+
+@functools.partial(jax.jit, static_argnames=("ctx",), donate_argnames=("state",))
+def release_slots(state: DecodeState, rows, ctx=None) -> DecodeState:
+  """Slots where ``rows`` (bool [G]) is True: pages back to the pool, slot inactive."""
+  TRACE_COUNTS["release_slots"] += 1
+  with mesh_context(ctx):
+    table, free = pages.release(state.pages, state.free, rows)
+    return constrain_state(state._replace(pages=table, free=free, active=state.active & ~rows))
+
+
+@functools.partial(jax.jit, static_argnames=("pages_", "ctx"), donate_argnames=("state",))
+def resize_pool(state: DecodeState, pages_: int, ctx=None) -> DecodeState:
+  """The response pool grown to ``pages_`` pages (new pages free; page ids kept)."""
+  TRACE_COUNTS["resize_pool"] += 1
+  with mesh_context(ctx):
+    extra = pages_ - state.free.shape[0]
+    return constrain_state(state._replace(
+        suffix_k=pages.grow(state.suffix_k, pages_), suffix_v=pages.grow(state.suffix_v, pages_),
+        free=jnp.concatenate([state.free, jnp.ones((extra,), bool)])))
 
 
 def cast_leaf(x, dtype):

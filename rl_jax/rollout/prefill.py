@@ -32,7 +32,7 @@ from pallas_kernels.lse_attention import two_region_attention
 from rl_jax import compile_options
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import sampling
+from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
@@ -226,8 +226,8 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
   """Re-prefill the response K/V of resumed samples (after ``admit`` placed their prompts).
 
   Each listed sample's tokens attend the prefix K/V of its slot and their own causal past;
-  the K/V is written into the sample's rows of the suffix cache. Only these samples are
-  computed (finished samples and fresh groups are not).
+  the K/V is written onto the sample's pages of the response pool (taken as needed). Only
+  these samples are computed (finished samples and fresh groups are not).
 
   Args:
     params: model parameters (jit argument). state: DecodeState (donated). res: Resume.
@@ -254,13 +254,17 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
     _, rk, rv = run_trunk(cfg, params, res.tokens, rpos, Br, 1, bmask[:, None], prefix=prefix,
                           block_delta=(j[:, None] - j[None, :])[None, None],
                           prefix_delta=(rpos[:, :, None] - jnp.arange(P)[None, None, :])[:, None])
-    # [L,Br,1,T,K,H] -> the rows' first T cache entries: keys [Br,K,H,T], values [Br,K,T,H]
-    place = lambda cache, u, order, at: tuple(
-        c.at[(res.slot, res.sample) + at].set(jnp.transpose(u[l, :, 0], order).astype(c.dtype),
-                                              mode="drop")
-        for l, c in enumerate(cache))
-    all_ = slice(None)
-    new = state._replace(
-        suffix_k=place(state.suffix_k, rk, (0, 2, 3, 1), (all_, all_, slice(0, T))),
-        suffix_v=place(state.suffix_v, rv, (0, 2, 1, 3), (all_, slice(0, T))))
+    # the rows' first length − 1 response tokens onto their pages (pages taken as needed)
+    M, NP = state.pages.shape[1:]
+    S = state.suffix_v[0].shape[2]
+    count = jnp.where(res.slot < G, res.length - 1, 0)
+    table, free = pages.allocate(state.pages, state.free,
+                                 pages.rows_need(res.slot, res.sample, jnp.zeros_like(count),
+                                                 count, G, M, NP, S))
+    index = jnp.broadcast_to(j, (Br, T))
+    written = [pages.write_rows(ck, cv, table, res.slot, res.sample, index, rvalid,
+                                rk[l, :, 0], rv[l, :, 0])
+               for l, (ck, cv) in enumerate(zip(state.suffix_k, state.suffix_v))]
+    new = state._replace(suffix_k=tuple(w[0] for w in written),
+                         suffix_v=tuple(w[1] for w in written), pages=table, free=free)
     return constrain_state(new)

@@ -1,0 +1,180 @@
+"""The paged response cache: a pool of fixed-size K/V pages per layer and a page table per
+sample, so a rollout holds and reads K/V for the tokens it has generated, not for its budget.
+
+Axis letters: the legend of ``rl_jax/__init__.py`` (G group slots, M samples per slot,
+K kv heads, H head dim, R response cache length); here also Pg pool pages, S page size
+(tokens per page), NP = R / S page-table entries per sample, nb the live pages a decode
+program reads (a power-of-two bucket).
+
+Layout. Each layer's pool holds keys [Pg,K,H,S] (length last, as the prompt cache keeps
+them: both attention products are plain matmuls) and values [Pg,K,S,H]. Response token j of
+sample (g, m) lives on page ``table[g,m,j // S]`` at offset ``j % S``; -1 marks an entry
+with no page yet. Pages are taken on device when a token is written onto an entry that has
+none (lowest free page ids first, samples in row-major order: a pure function of the token
+counts, never of time) and given back by ``release`` when a slot's group leaves it. The
+prompt stays once per slot in the prefix cache (``kv_cache``), so the group's samples share
+it; page size = R (one page per sample) is the former worst-case slot layout.
+
+Attention reads the first ``nb`` pages of every sample (``gather_live``), nb chosen by the
+engine as a power of two covering the longest live response, so a decode step's work follows
+the tokens generated and the number of compiled decode programs is logarithmic in R.
+
+Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
+with PagedAttention".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["allocate", "contiguous", "gather_live", "grow", "live_bucket", "page_bytes",
+           "pages_needed", "release", "rows_need", "take_entry", "write", "write_rows"]
+
+
+def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+               itemsize: int) -> int:
+  """Bytes of one page over all layers, keys and values."""
+  return 2 * num_layers * num_kv_heads * head_dim * page_size * itemsize
+
+
+def pages_needed(tokens: int, page_size: int) -> int:
+  """Pages that hold ``tokens`` response tokens (ceil division; 0 for none)."""
+  return -(-int(tokens) // int(page_size))
+
+
+def live_bucket(longest: int, page_size: int, entries: int, floor_tokens: int = 128) -> int:
+  """Live-page bucket nb: the smallest power of two of pages covering ``longest`` tokens
+  and at least ``floor_tokens`` (few, coarse programs for short rollouts), at most
+  ``entries`` (= R / S)."""
+  need = max(pages_needed(max(longest, floor_tokens), page_size), 1)
+  nb = 1 << (need - 1).bit_length()
+  return int(min(nb, entries))
+
+
+def _take(free: jax.Array, want: jax.Array):
+  """Free page ids for the True entries of ``want`` (any shape), lowest ids first in
+  row-major order; Pg where not wanted or where the pool ran out. Returns (ids, free)."""
+  flat = want.reshape(-1)
+  Pg = free.shape[0]
+  rank = jnp.cumsum(flat.astype(jnp.int32)) - 1
+  n = min(flat.shape[0], Pg)
+  cand = jnp.nonzero(free, size=n, fill_value=Pg)[0]
+  ids = jnp.where(flat & (rank < n), cand[jnp.clip(rank, 0, n - 1)], Pg)
+  return ids.reshape(want.shape), free.at[ids.reshape(-1)].set(False, mode="drop")
+
+
+def allocate(table: jax.Array, free: jax.Array, need: jax.Array):
+  """Give a free page to every entry of ``need`` that has none.
+
+  Args:
+    table: int32 [..., NP] page table (-1 = no page). free: bool [Pg] free pages.
+    need: bool [..., NP] entries that must hold a page after the call.
+  Returns:
+    (table, free). Entries the pool could not serve keep -1 (callers check capacity first:
+    ``entries_short``).
+  """
+  want = need & (table < 0)
+  ids, free = _take(free, want)
+  table = jnp.where(want & (ids < free.shape[0]), ids, table)
+  return table.astype(jnp.int32), free
+
+
+def take_entry(table: jax.Array, free: jax.Array, take: jax.Array, entry: jax.Array):
+  """One table entry per sample: a page for entry ``entry`` [G,M] of every sample where
+  ``take`` [G,M] and it has none.
+
+  Returns:
+    (table, free, page int32 [G,M]: the page of that entry, -1 where none).
+  """
+  G, M, NP = table.shape
+  entry = jnp.minimum(entry, NP - 1)
+  at = (jnp.arange(G)[:, None], jnp.arange(M)[None, :], entry)
+  page = table[at]
+  want = take & (page < 0)
+  ids, free = _take(free, want)
+  page = jnp.where(want & (ids < free.shape[0]), ids, page)
+  return table.at[at].set(page), free, page
+
+
+def release(table: jax.Array, free: jax.Array, rows: jax.Array):
+  """Return the pages of the slots where ``rows`` (bool [G]) is True to the pool.
+
+  Args:
+    table: int32 [G,M,NP]. free: bool [Pg]. rows: bool [G].
+  Returns:
+    (table with those slots' entries -1, free).
+  """
+  Pg = free.shape[0]
+  ids = jnp.where(rows[:, None, None] & (table >= 0), table, Pg)
+  free = free.at[ids.reshape(-1)].set(True, mode="drop")
+  return jnp.where(rows[:, None, None], -1, table), free
+
+
+def write(pool_k, pool_v, page, offset, k, v):
+  """Write token K/V onto pages: ``k``/``v`` [B,K,H] at (page [B], offset [B]).
+
+  Rows whose page is out of range (>= Pg, e.g. -1 mapped there by the caller) are dropped.
+  Keys are stored [Pg,K,H,S], values [Pg,K,S,H].
+  """
+  Pg = pool_k.shape[0]
+  page = jnp.where(page < 0, Pg, page)
+  pool_k = pool_k.at[page, :, :, offset].set(k.astype(pool_k.dtype), mode="drop")
+  pool_v = pool_v.at[page, :, offset].set(v.astype(pool_v.dtype), mode="drop")
+  return pool_k, pool_v
+
+
+def gather_live(pool_k, pool_v, table_live):
+  """The live pages of every sample: keys [G,M,nb,K,H,S], values [G,M,nb,K,S,H].
+
+  ``table_live`` int32 [G,M,nb]; entries without a page read page 0 (their positions are
+  masked by the caller's validity mask).
+  """
+  idx = jnp.maximum(table_live, 0)
+  return pool_k[idx], pool_v[idx]
+
+
+def contiguous(pool_k, pool_v, table_live):
+  """The live pages of every row as one response cache: keys [..,K,H,nb·S], values
+  [..,K,nb·S,H] (``table_live`` int32 [..,nb]); positions without a page hold page 0's
+  values and must be masked."""
+  k, v = gather_live(pool_k, pool_v, table_live)  # [..,nb,K,H,S], [..,nb,K,S,H]
+  lead = table_live.ndim - 1
+  nb = table_live.shape[-1]
+  k = jnp.moveaxis(k, lead, -2)  # [..,K,H,nb,S]
+  k = k.reshape(*k.shape[:-2], nb * k.shape[-1])
+  v = jnp.moveaxis(v, lead, -3)  # [..,K,nb,S,H]
+  v = v.reshape(*v.shape[:-3], nb * v.shape[-2], v.shape[-1])
+  return k, v
+
+
+def rows_need(slot, sample, start, count, G: int, M: int, NP: int, S: int):
+  """bool [G,M,NP]: the entries that hold response indices ``start .. start+count-1`` of
+  rows (slot [B], sample [B]); rows with slot >= G are ignored."""
+  e = jnp.arange(NP)
+  hit = ((e[None, :] >= (start // S)[:, None]) & (e[None, :] * S < (start + count)[:, None])
+         & (count > 0)[:, None])
+  return jnp.zeros((G, M, NP), jnp.int8).at[slot, sample].max(hit.astype(jnp.int8),
+                                                              mode="drop") > 0
+
+
+def write_rows(pool_k, pool_v, table, slot, sample, index, valid, k, v):
+  """Write K/V of tokens [B,T] at response indices ``index`` [B,T] of rows (slot, sample)
+  [B] onto their pages; ``valid`` bool [B,T]. k, v: [B,T,K,H]."""
+  G = table.shape[0]
+  S = pool_k.shape[-1]
+  entry = jnp.clip(index // S, 0, table.shape[-1] - 1)
+  page = table[jnp.minimum(slot, G - 1)[:, None], sample[:, None], entry]
+  page = jnp.where(valid & (slot < G)[:, None], page, -1)
+  Pg = pool_k.shape[0]
+  page = jnp.where(page < 0, Pg, page)
+  off = index % S
+  pool_k = pool_k.at[page, :, :, off].set(k.astype(pool_k.dtype), mode="drop")
+  pool_v = pool_v.at[page, :, off].set(v.astype(pool_v.dtype), mode="drop")
+  return pool_k, pool_v
+
+
+def grow(pool: tuple, pages: int) -> tuple:
+  """Each layer's pool padded with zero pages to ``pages`` pages (the page ids in use keep
+  their meaning)."""
+  return tuple(jnp.pad(p, [(0, pages - p.shape[0])] + [(0, 0)] * (p.ndim - 1)) for p in pool)

@@ -1,0 +1,144 @@
+"""The paged response cache: the same tokens and log-probs as one worst-case page per sample,
+across page sizes, pools small enough to preempt, pool growth and meshes; log-probs equal
+teacher forcing; page bookkeeping against a plain Python free list; bad inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.special
+
+from rl_jax import models, rollout, sharding
+from rl_jax.rollout import pages
+from tests.test_rollout import _teacher_forced_logits
+
+CFG = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=4400)
+PARAMS = models.init_params(CFG, jax.random.key(0), std=0.2)
+PROMPTS = [[(7 * i + j) % 60 + 1 for j in range(1 + i % 6)] for i in range(6)]
+M, MAX_NEW = 3, 32
+EOS = [3, 17, 40]  # lengths spread over 1..MAX_NEW, some samples run to the budget
+
+
+def _gen(prompts=PROMPTS, temperature=1.0, **kw):
+  kw = dict(dict(n=M, max_new_tokens=MAX_NEW, eos_id=EOS, seed=3), **kw)
+  return rollout.generate(CFG, PARAMS, prompts, temperature=temperature, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """One page per sample (page size >= the response budget): the worst-case slot layout."""
+  return {t: _gen(temperature=t, page_size=MAX_NEW) for t in (0.0, 1.0)}
+
+
+def _same(out, ref):
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.mask, ref.mask)
+  np.testing.assert_array_equal(out.finish_reason, ref.finish_reason)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pages_of_any_size_and_a_preempting_pool_give_the_slot_layouts_tokens(reference,
+                                                                              temperature):
+  ref = reference[temperature]
+  assert ref.lengths.min() < ref.lengths.max() == MAX_NEW  # spread, some at the budget
+  assert ref.stats["decode_buckets"] == 1 and ref.stats["preemptions"] == 0
+  grown = _gen(temperature=temperature, page_size=4)
+  _same(grown, ref)
+  # a fixed pool of one group's budget (3 samples x 8 pages): groups are preempted and
+  # resumed by recompute, drawing the same tokens
+  small = _gen(temperature=temperature, page_size=4, kv_pages=M * MAX_NEW // 4)
+  _same(small, ref)
+  assert small.stats["preemptions"] > 0
+  assert small.stats["kv_pages_used_peak"] <= M * MAX_NEW // 4
+  # pages are taken as tokens are written: never more than the tokens need
+  assert grown.stats["kv_pages_used_peak"] <= np.ceil(ref.lengths / 4).sum()
+  assert grown.stats["prefix_pages_shared"] == sum(
+      (M - 1) * -(-len(p) // 4) for p in PROMPTS)
+
+
+def test_paged_logprobs_equal_teacher_forcing():
+  T = 0.9
+  out = _gen(temperature=T, page_size=2, kv_pages=M * MAX_NEW // 2, max_slots=4)
+  assert out.stats["preemptions"] > 0
+  rows = [PROMPTS[r // M] for r in range(len(PROMPTS) * M)]
+  z = _teacher_forced_logits(CFG, PARAMS, rows, out.tokens) / T
+  ref = np.take_along_axis(z - scipy.special.logsumexp(z, axis=-1, keepdims=True),
+                           out.tokens[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(np.where(out.mask, out.logprobs, 0), np.where(out.mask, ref, 0),
+                             atol=1e-5, rtol=0)
+
+
+def test_paged_on_8_devices_equals_1(reference):
+  mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+  out = _gen(page_size=4, kv_pages=2 * M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp")
+  _same(out, reference[1.0])
+  assert out.stats["preemptions"] > 0
+
+
+def test_cost_follows_the_tokens_not_the_budget():
+  """A 4096-token budget holds and reads what a 256-token one does for the same tokens."""
+  short = _gen(max_new_tokens=256, page_size=16, eos_id=list(range(3, 61, 4)))
+  long = _gen(max_new_tokens=4096, page_size=16, eos_id=list(range(3, 61, 4)))
+  assert short.lengths.max() < 128
+  np.testing.assert_array_equal(long.tokens[:, :256], short.tokens)
+  np.testing.assert_allclose(long.logprobs[:, :256], short.logprobs, atol=1e-5, rtol=0)
+  assert long.stats["kv_bytes"] == short.stats["kv_bytes"]
+  assert long.stats["decode_buckets"] == short.stats["decode_buckets"] == 1  # 128-token floor
+  assert long.stats["kv_bytes_replicated"] > 10 * long.stats["kv_bytes"]
+
+
+def test_live_bucket_is_a_power_of_two_of_pages():
+  assert pages.live_bucket(1, 16, 512) == 8  # the 128-token floor
+  assert pages.live_bucket(129, 16, 512) == 16
+  assert pages.live_bucket(1000, 16, 512) == 64
+  assert pages.live_bucket(8000, 16, 16) == 16  # at most every entry
+  assert pages.live_bucket(3, 64, 2, floor_tokens=1) == 1
+
+
+def test_page_bookkeeping_matches_a_python_free_list():
+  """Random takes and releases on device against a list of free ids handed out lowest
+  first, entries in row-major order."""
+  G, Mm, NP, Pg = 3, 2, 4, 14
+  rng = np.random.default_rng(0)
+  table, free = jnp.full((G, Mm, NP), -1, jnp.int32), jnp.ones(Pg, bool)
+  ref_table, ref_free = -np.ones((G, Mm, NP), int), set(range(Pg))
+  allocate, release = jax.jit(pages.allocate), jax.jit(pages.release)
+  for _ in range(30):
+    if rng.random() < 0.7:
+      need = rng.random((G, Mm, NP)) < 0.3
+      want = need & (ref_table < 0)
+      if want.sum() > len(ref_free):
+        continue  # callers check capacity first
+      table, free = allocate(table, free, jnp.asarray(need))
+      ids = sorted(ref_free)
+      for n, at in enumerate(zip(*np.nonzero(want))):
+        ref_table[at] = ids[n]
+        ref_free.discard(ids[n])
+    else:
+      rows = rng.random(G) < 0.5
+      table, free = release(table, free, jnp.asarray(rows))
+      ref_free |= set(ref_table[rows][ref_table[rows] >= 0].tolist())
+      ref_table[rows] = -1
+    np.testing.assert_array_equal(np.asarray(table), ref_table)
+    assert set(np.flatnonzero(np.asarray(free)).tolist()) == ref_free
+  # one entry per sample, as the decode step takes them
+  take = jnp.asarray([[True, False], [True, True], [False, True]])
+  table = jnp.full((G, Mm, NP), -1, jnp.int32).at[1, 0, 2].set(5)
+  free = jnp.ones(Pg, bool).at[5].set(False)
+  t2, f2, page = pages.take_entry(table, free, take, jnp.full((G, Mm), 2))
+  np.testing.assert_array_equal(np.asarray(page), [[0, -1], [5, 1], [-1, 2]])
+  assert np.asarray(t2)[2, 1, 2] == 2 and not np.asarray(f2)[:3].any()
+
+
+def test_paged_bad_inputs_raise_one_clear_error():
+  for bad in (0, 3, 48, -4, 2.0):
+    with pytest.raises(rollout.RolloutError, match="page_size must be a positive power of two"):
+      _gen(page_size=bad)
+  with pytest.raises(rollout.RolloutError, match="smaller than one group needs"):
+    _gen(page_size=4, kv_pages=M * MAX_NEW // 4 - 1)
+  with pytest.raises(rollout.RolloutError, match="kv_pages must be an integer >= 1"):
+    _gen(page_size=4, kv_pages=0)
+  with pytest.raises(rollout.RolloutError, match="exceeds the context"):
+    _gen(max_new_tokens=CFG.max_position_embeddings)
