@@ -294,6 +294,9 @@ def _train() -> ml_collections.ConfigDict:
       steps=100,
       batch_groups=8,  # G, prompts (groups) per step; each has rollout.n samples
       minibatches=1,  # optimizer updates per step
+      # μ: passes over each step's batch (PPO epochs), minibatches reshuffled per pass; the
+      # proximal log-probs are computed once, before the first pass (rl_jax.train.learner)
+      epochs=1,
       # gradient accumulation: each minibatch's groups in this many micro-batches, one after
       # another inside the update (the same update to float rounding, less activation memory)
       micro_batches=1,
@@ -455,6 +458,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.agg": opt(cu.one_of(losses.AGG_MODES)),
       "loss.kl_kind": opt(cu.one_of(losses.KL_KINDS)),
       "loss.tis_level": opt(cu.one_of(losses.TIS_LEVELS)),
+      "loss.mis_level": opt(cu.one_of(losses.MIS_LEVELS)),
+      "loss.mis_mode": opt(cu.one_of(losses.MIS_MODES)),
       "loss.decoupled_mode": opt(cu.one_of(losses.DECOUPLED_MODES)),
       "loss.ess_rule": opt(cu.one_of(losses.ESS_RULES)),
       "loss.eps_low": opt(cu.nonnegative),
@@ -463,6 +468,15 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.m2po_tau": opt(cu.positive),
       "loss.decoupled_cap": opt(cu.positive),
       "loss.tis_cap": opt(cu.positive),
+      # a band around 1: a token or row without mismatch (ratio 1) is always kept
+      "loss.mis_low": opt(cu.in_range(0.0, 1.0, high_inclusive=False)),
+      "loss.mis_high": opt(cu.in_range(1.0, None)),
+      "loss.icepop_beta": opt(cu.in_range(1.0, None, low_inclusive=False)),
+      "loss.icepop_alpha": opt(cu.in_range(0.0, 1.0, low_inclusive=False,
+                                           high_inclusive=False)),
+      "loss.geo_mean_is": opt(cu.one_of((False, True))),
+      "loss.geo_mean_cap": opt(cu.positive),
+      "loss.minpro": opt(cu.one_of((False, True))),
       "loss.value_coef": opt(cu.nonnegative),
       "loss_extra.grad_norm_method": cu.one_of(losses.GRAD_NORM_METHODS),
       "loss_extra.grad_norm_chunk": cu.positive_int,
@@ -477,6 +491,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.steps": cu.positive_int,
       "train.batch_groups": cu.positive_int,
       "train.minibatches": cu.positive_int,
+      "train.epochs": cu.positive_int,
       "train.micro_batches": cu.positive_int,
       "train.eval_every": cu.nonnegative_int,
       "train.checkpoint_every": cu.nonnegative_int,

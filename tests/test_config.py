@@ -16,7 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 SAMPLE = {str: None, float: "0.5", bool: "true", tuple: "(1.0, 2.0)"}
 STR_SAMPLES = {"dual_clip": "3.0", "advantage": "rloo", "policy": "reinforce", "kl_kind": "k2", "tis_level": "token",
-               "decoupled_mode": "clamp", "agg": "seq-mean-token-sum", "ess_rule": "linear"}
+               "decoupled_mode": "clamp", "agg": "seq-mean-token-sum", "ess_rule": "linear",
+               "mis_level": "sequence", "mis_mode": "mask", "mis_high": "1.5",
+               "icepop_beta": "5.0"}
 
 
 def test_every_preset_knob_is_a_field():

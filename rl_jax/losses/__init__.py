@@ -26,16 +26,19 @@ from rl_jax.losses.estimators import (ADVANTAGES, TURN_FIELDS, AdvantageEstimato
 from rl_jax.losses.inputs import (INPUT_FIELDS, Advantages, Batch, ObjectiveInputs,
                                   check_inputs, loss_batch)
 from rl_jax.losses.kl import KL_KINDS, entropy_from_logits, kl_penalty, kl_reward
-from rl_jax.losses.policy import (DECOUPLED_MODES, RATIO_LEVELS, TIS_LEVELS, ace_scale,
-                                  decoupled_weights, gspo_log_ratio, m2po_clip_bound,
-                                  m2po_mask, ppo_clip_per_token, sequence_log_ratio,
+from rl_jax.losses.policy import (DECOUPLED_MODES, MIS_LEVELS, MIS_MODES, RATIO_LEVELS,
+                                  TIS_LEVELS, ace_scale, decoupled_weights,
+                                  geo_mean_is_weights, gspo_log_ratio, icepop_weights,
+                                  m2po_clip_bound, m2po_mask, masked_is_weights,
+                                  minpro_weights, ppo_clip_per_token, sequence_log_ratio,
                                   truncated_is_weights, value_loss_per_token)
 from rl_jax.losses.presets import (PRESET_KNOB_DEFAULTS, PRESET_KNOB_TYPES, PRESET_KNOBS,
                                    PRESETS, build, get_objective)
 from rl_jax.losses.stages import (POLICIES, LossInputs, LossStage, LossTerms, ace, decoupled,
-                                  entropy_bonus, ess_metrics, gspo_clip, kl_term, m2po,
-                                  m2po_clip_budget, policy_names, ppo_clip, register_policy,
-                                  reinforce, truncated_is, value_loss)
+                                  entropy_bonus, ess_metrics, geo_mean_is, gspo_clip, icepop,
+                                  kl_term, m2po, m2po_clip_budget, masked_is, minpro,
+                                  policy_names, ppo_clip, register_policy, reinforce,
+                                  truncated_is, value_loss)
 from rl_jax.losses.turns import (gigpo_advantages, step_group_advantages, tokens_from_turns,
                                  turn_returns)
 from rl_jax.losses.vcpo import (ESS_RULES, GRAD_NORM_METHODS, effective_sample_size,
@@ -57,13 +60,16 @@ __all__ = [
     "gdpo", "gigpo", "grpo", "mc_grpo", "opob", "register_advantage", "reinforce_pp",
     "reinforce_pp_baseline", "rloo",
     # policy-loss formulas
-    "DECOUPLED_MODES", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale", "decoupled_weights",
-    "gspo_log_ratio", "m2po_clip_bound", "m2po_mask", "policy_loss", "ppo_clip_per_token",
-    "sequence_log_ratio", "truncated_is_weights", "value_loss_per_token",
+    "DECOUPLED_MODES", "MIS_LEVELS", "MIS_MODES", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale",
+    "decoupled_weights", "geo_mean_is_weights", "gspo_log_ratio", "icepop_weights",
+    "m2po_clip_bound", "m2po_mask", "masked_is_weights", "minpro_weights", "policy_loss",
+    "ppo_clip_per_token", "sequence_log_ratio", "truncated_is_weights",
+    "value_loss_per_token",
     # loss stages and the policy registry
     "POLICIES", "LossInputs", "LossStage", "LossTerms", "ace", "decoupled", "entropy_bonus",
-    "ess_metrics", "gspo_clip", "kl_term", "m2po", "m2po_clip_budget", "policy_names",
-    "ppo_clip", "register_policy", "reinforce", "truncated_is", "value_loss",
+    "ess_metrics", "geo_mean_is", "gspo_clip", "icepop", "kl_term", "m2po", "m2po_clip_budget",
+    "masked_is", "minpro", "policy_names", "ppo_clip", "register_policy", "reinforce",
+    "truncated_is", "value_loss",
     # KL and entropy
     "KL_KINDS", "entropy_from_logits", "kl_penalty", "kl_reward",
     # aggregation

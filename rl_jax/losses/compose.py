@@ -81,11 +81,15 @@ class Objective(NamedTuple):
     needs: every input the objective reads besides ``rewards`` and ``mask``: the
       ObjectiveInputs fields of the estimator and of the loss stages (always ``old_logp``,
       the ratio's denominator; ``ref_logp`` for a KL term or ACE; ``behaviour_logp`` for
-      TIS, decoupled PPO, M2PO and ESS metrics; ``values`` for GAE and the value loss) and
+      TIS, MIS, IcePop, geometric-mean IS, MinPRO, decoupled PPO, M2PO and ESS metrics;
+      ``values`` for GAE and the value loss) and
       ``"entropy"``, the per-token entropy ``loss(..., entropy=)`` needs for an entropy
       bonus. A trainer rejects a config with ``objective.needs - PROVIDED``.
     batch_global: a stage computes a statistic over the whole minibatch in ``prepare``
       (M2PO's mask), so splitting the minibatch into micro-batches changes the loss.
+    single_pass: a stage's surrogate is the policy gradient only on the data's own policy
+      (``LossStage.single_pass``, plain REINFORCE), so the objective cannot take several
+      passes over one batch (a trainer refuses ``train.epochs > 1``).
   """
 
   advantages: Callable[..., Any]
@@ -104,6 +108,7 @@ class Objective(NamedTuple):
   needs: frozenset[str] = frozenset({"old_logp"})
   estimator_needs: frozenset[str] = frozenset()
   batch_global: bool = False
+  single_pass: bool = False
 
 
 def finalize(loss_sum: Array, denom: Array) -> Array:
@@ -251,7 +256,8 @@ def chain(*parts: Any, name: str = "custom") -> Objective:
       needs_grad_norms="grad_sq_norms" in needs, name=name,
       estimator=estimator.name if estimator else None, advantages_from=advantages_from,
       needs=needs, estimator_needs=frozenset(est_needs),
-      batch_global=any(s.prepare is not None for s in stages))
+      batch_global=any(s.prepare is not None for s in stages),
+      single_pass=any(s.single_pass for s in stages))
 
 
 _POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean", "num_tokens")

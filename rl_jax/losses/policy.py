@@ -16,15 +16,19 @@ import jax.numpy as jnp
 from rl_jax.losses._utils import (LOG_RATIO_CLAMP, Array, check_choice, check_same_shape,
                                   clamped_exp, masked_mean, safe_divide)
 
-__all__ = ["DECOUPLED_MODES", "DUAL_CLIP_DEFAULT", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale",
-           "broadcast_advantages", "check_eps", "decoupled_weights", "gspo_log_ratio",
-           "m2po_clip_bound", "m2po_mask", "ppo_clip_per_token", "resolve_dual_clip",
-           "sequence_log_ratio", "truncated_is_weights", "value_loss_per_token"]
+__all__ = ["DECOUPLED_MODES", "DUAL_CLIP_DEFAULT", "MIS_LEVELS", "MIS_MODES", "RATIO_LEVELS",
+           "TIS_LEVELS", "ace_scale", "broadcast_advantages", "check_eps", "check_icepop_band",
+           "check_mis_band", "decoupled_weights", "geo_mean_is_weights", "gspo_log_ratio",
+           "icepop_weights", "m2po_clip_bound", "m2po_mask", "masked_is_weights",
+           "minpro_weights", "ppo_clip_per_token", "resolve_dual_clip", "sequence_log_ratio",
+           "truncated_is_weights", "value_loss_per_token"]
 
 DUAL_CLIP_DEFAULT = 3.0
 RATIO_LEVELS = ("token", "sequence")  # ppo_clip: PPO token ratio or GSPO sequence ratio
 TIS_LEVELS = ("token", "sequence")    # truncated_is_weights levels
 DECOUPLED_MODES = ("mask", "clamp")   # decoupled_weights modes
+MIS_LEVELS = ("sequence", "token")    # masked_is_weights levels
+MIS_MODES = ("weight", "mask")        # masked_is_weights: weight kept rows by rho, or by 1
 
 
 def broadcast_advantages(advantages: Array, shape: tuple[int, int]) -> Array:
@@ -154,6 +158,139 @@ def decoupled_weights(prox_logp: Array, behaviour_logp: Array, mask: Array,
     return jnp.where(mask, jnp.minimum(w, cap), 0.0), mask
   keep = mask & (w <= cap)
   return jnp.where(mask, w, 0.0), keep
+
+
+def check_mis_band(low: float | None, high: float | None) -> None:
+  """MIS bounds: ``0 <= low < 1`` and ``high >= 1`` (None: unbounded on that side), so a row
+  without mismatch (rho = 1) is always kept."""
+  if low is not None and not 0.0 <= low < 1.0:
+    raise ValueError(f"mis_low must be in [0, 1) or None (a sequence without mismatch, "
+                     f"rho = 1, must be kept), got {low!r}")
+  if high is not None and not high >= 1.0:
+    raise ValueError(f"mis_high must be >= 1 or None (a sequence without mismatch, rho = 1, "
+                     f"must be kept), got {high!r}")
+
+
+def check_icepop_band(beta: float, alpha: float | None) -> None:
+  """IcePop band: ``beta > 1`` and ``0 < alpha < 1`` (None: ``1 / beta``)."""
+  if not (isinstance(beta, (int, float)) and beta > 1.0):
+    raise ValueError(f"icepop_beta must be > 1 (the band is [alpha, beta] around 1), "
+                     f"got {beta!r}")
+  if alpha is not None and not 0.0 < alpha < 1.0:
+    raise ValueError(f"icepop_alpha must be in (0, 1) or None (= 1/icepop_beta), got {alpha!r}")
+
+
+def masked_is_weights(old_logp: Array, behaviour_logp: Array, mask: Array,
+                      low: float | None = None, high: float | None = 2.0,
+                      level: str = "sequence", mode: str = "weight") -> tuple[Array, Array]:
+  """Masked importance sampling (MIS): keep a row (or token) only while its trainer/sampler
+  ratio lies in ``[low, high]``; weight what is kept by the ratio (detached).
+
+  sequence: ``rho_i = exp(sum_t m_t (old - mu))``, one value per row;
+  token: ``rho_t = exp(old_t - mu_t)``. ``keep = m & (low <= rho <= high)``; the weight is
+  ``rho`` (``mode="weight"``) or 1 (``mode="mask"``, rejection only). ``low``/``high`` None
+  leave that side unbounded. The log-ratio is clamped to [-20, 20] before exp (after the sum,
+  for a sequence).
+
+  Args:
+    old_logp: float [B,T], the trainer's log-probs of the sampled tokens.
+    behaviour_logp: float [B,T], the sampler's (mu).
+    mask: bool [B,T].
+    low, high: the band (``0 <= low < 1 <= high``).
+    level: one of ``MIS_LEVELS``.
+    mode: one of ``MIS_MODES``.
+
+  Returns:
+    ``(w [B,T], keep [B,T] bool)``; ``w`` is 0 off the mask, ``keep`` a subset of ``mask``.
+
+  References: Liu, Li et al. 2025, When Speed Kills Stability: Demystifying RL Collapse from
+  the Training-Inference Mismatch (sequence- and token-level MIS).
+  """
+  check_choice("MIS level", level, MIS_LEVELS)
+  check_choice("MIS mode", mode, MIS_MODES)
+  check_mis_band(low, high)
+  mask = mask.astype(bool)
+  d = jnp.where(mask, old_logp - behaviour_logp, 0.0)
+  if level == "sequence":
+    d = jnp.broadcast_to(jnp.sum(d, axis=1, keepdims=True), d.shape)
+  rho = jax.lax.stop_gradient(clamped_exp(d))
+  keep = mask
+  if low is not None:
+    keep = keep & (rho >= low)
+  if high is not None:
+    keep = keep & (rho <= high)
+  w = rho if mode == "weight" else jnp.ones_like(rho)
+  return jnp.where(mask, w, 0.0), keep
+
+
+def icepop_weights(old_logp: Array, behaviour_logp: Array, mask: Array, beta: float = 5.0,
+                   alpha: float | None = None) -> tuple[Array, Array]:
+  """IcePop two-sided token mask: ``k_t = exp(old_t - mu_t)``; tokens with ``k_t`` outside
+  ``[alpha, beta]`` get no gradient, the others are weighted by ``k_t`` (detached).
+
+  ``w_t = k_t * 1[alpha <= k_t <= beta]``; ``alpha = 1 / beta`` unless given. The token-level
+  case of ``masked_is_weights`` with a band on both sides.
+
+  Returns:
+    ``(w [B,T], keep [B,T] bool)``; ``w`` is ``k_t`` on valid tokens (0 off the mask), the
+    product ``where(keep, w, 0)`` is the IcePop factor.
+
+  References: Ling Team 2025, Every Step Evolves: Scaling Reinforcement Learning for
+  Trillion-Scale Thinking Model (Ring-1T; IcePop).
+  """
+  check_icepop_band(beta, alpha)
+  low = 1.0 / beta if alpha is None else alpha
+  return masked_is_weights(old_logp, behaviour_logp, mask, low, beta, "token", "weight")
+
+
+def geo_mean_is_weights(old_logp: Array, behaviour_logp: Array, mask: Array,
+                        cap: float | None = None) -> Array:
+  """Geometric-mean sequence importance weight (detached), the same for every token of a row.
+
+  ``rho_i = exp(sum_t m_t (old - mu) / sum_t m_t)`` (the geometric mean of the row's token
+  ratios, so it does not grow with length), then ``min(rho_i, cap)``; ``cap=None`` leaves it
+  untruncated. The mean log-ratio is clamped to [-20, 20] before exp.
+
+  Returns:
+    float [B,T] (0 on invalid tokens; a row without valid tokens has weight 0).
+
+  References: Zheng et al. 2025, Group Sequence Policy Optimization (the length-normalised
+  sequence ratio), here taken between trainer and sampler as a mismatch weight; Liu, Li et
+  al. 2025, When Speed Kills Stability (the sequence-level ratio it normalises).
+  """
+  if cap is not None and not cap > 0:
+    raise ValueError(f"geo_mean_cap must be > 0 or None, got {cap!r}")
+  mask = mask.astype(bool)
+  log_rho = masked_mean(old_logp - behaviour_logp, mask, axis=1)
+  w = clamped_exp(log_rho)
+  if cap is not None:
+    w = jnp.minimum(w, cap)
+  return jax.lax.stop_gradient(jnp.where(mask, w[:, None], 0.0))
+
+
+def minpro_weights(logp: Array, behaviour_logp: Array, mask: Array) -> Array:
+  """MinPRO prefix weight (detached): the smallest token ratio of the tokens before ``t``.
+
+  ``rho_s = exp(logp_s - mu_s)`` (current policy against the sampler),
+  ``w_t = min_{s < t, m_s} rho_s`` and ``w_t = 1`` when no valid token precedes ``t`` (the
+  empty prefix). It stands in for the cumulative prefix ratio ``prod_{s < t} rho_s`` that
+  corrects the state distribution of token ``t``; token ``t``'s own ratio is the policy
+  term's. Invalid tokens (padding, observation tokens) neither get a weight nor enter a
+  later token's minimum.
+
+  Returns:
+    float [B,T] (0 on invalid tokens).
+
+  References: Lei, Cheng & Tao 2026, A Step Back: Prefix Importance Ratio Stabilizes Policy
+  Optimization (MinPRO).
+  """
+  mask = mask.astype(bool)
+  d = jnp.where(mask, jax.lax.stop_gradient(logp - behaviour_logp), jnp.inf)
+  running = jax.lax.cummin(d, axis=1)  # min over s <= t
+  before = jnp.concatenate([jnp.full_like(running[:, :1], jnp.inf), running[:, :-1]], axis=1)
+  empty = before == jnp.inf
+  w = jnp.where(empty, 1.0, clamped_exp(jnp.where(empty, 0.0, before)))
+  return jnp.where(mask, w, 0.0)
 
 
 def m2po_mask(delta: Array, mask: Array, tau: float = 0.04) -> Array:

@@ -22,11 +22,16 @@ so an estimator registered with ``register_advantage`` is selected like a built-
 | reinforce_pp_baseline | REINFORCE++-baseline | PPO clip 0.2 | - | token-mean |
 | mc_grpo | MC-GRPO (median/MAD) | PPO clip 0.2 | - | token-mean |
 
+Training-inference mismatch corrections have no preset of their own; they are knobs on any
+preset: ``mis_level`` (masked IS), ``icepop_beta`` (IcePop), ``geo_mean_is`` (geometric-mean
+sequence IS), ``minpro`` (MinPRO), next to ``tis_level``.
+
 References: Shao et al. 2024 (DeepSeekMath, GRPO: eps 0.2, beta 0.04, k3); Yu et al. 2025
 (DAPO); Liu et al. 2025 (Dr.GRPO); Zheng et al. 2025 (GSPO); VCPO (mit-han-lab);
 Zheng et al. 2025 (M2PO); Fu et al. 2025 (AReaL); Schulman et al. 2017 (PPO); Ahmadian et
 al. 2024 (RLOO); Hu 2025 (REINFORCE++); Kim 2026 (MC-GRPO); Feng et al. 2025 (GiGPO, no
-preset: ``advantage="gigpo"`` on any preset). docs/ALGORITHMS.md describes each part.
+preset: ``advantage="gigpo"`` on any preset); Liu, Li et al. 2025 (MIS); Ling Team 2025
+(IcePop); Lei, Cheng & Tao 2026 (MinPRO). docs/ALGORITHMS.md describes each part.
 """
 
 from __future__ import annotations
@@ -60,6 +65,14 @@ _BASE = dict(
     entropy_coef=0.0,        # entropy bonus coefficient (0 = off)
     tis_level=None,          # None or one of TIS_LEVELS: truncated IS vs the sampler
     tis_cap=2.0,             # C of truncated IS (None = untruncated)
+    mis_level=None,          # None or one of MIS_LEVELS: masked IS (reject outside the band)
+    mis_low=None, mis_high=2.0,  # MIS band [low, high] of the ratio (None = that side open)
+    mis_mode="weight",       # one of MIS_MODES: kept rows weighted by rho, or by 1 ("mask")
+    icepop_beta=None,        # IcePop band upper bound beta > 1 (None = off)
+    icepop_alpha=None,       # IcePop lower bound alpha in (0, 1) (None = 1 / beta)
+    geo_mean_is=False,       # geometric-mean sequence IS weight
+    geo_mean_cap=None,       # its truncation C (None = untruncated)
+    minpro=False,            # MinPRO minimum-prefix-ratio weight
     decoupled_cap=None,      # AReaL behaviour-weight cap (None = off)
     decoupled_mode="mask",   # one of DECOUPLED_MODES
     m2po_tau=None,           # M2PO second-moment threshold tau (None = off)
@@ -96,7 +109,9 @@ PRESET_KNOB_TYPES: dict[str, type] = dict(
     gdpo_weights=tuple, opob_tis_cap=float, gigpo_omega=float, gigpo_gamma=float,
     gigpo_std=bool, policy=str, eps_low=float, eps_high=float,
     dual_clip=float, kl_beta=float, kl_kind=str, entropy_coef=float, tis_level=str,
-    tis_cap=float, decoupled_cap=float, decoupled_mode=str, m2po_tau=float, ace_alpha=float,
+    tis_cap=float, mis_level=str, mis_low=float, mis_high=float, mis_mode=str,
+    icepop_beta=float, icepop_alpha=float, geo_mean_is=bool, geo_mean_cap=float, minpro=bool,
+    decoupled_cap=float, decoupled_mode=str, m2po_tau=float, ace_alpha=float,
     value_coef=float, value_clip=float, agg=str, agg_norm=float, ess_scaling=bool,
     ess_rho_base=float, ess_rule=str,
 )
@@ -114,6 +129,14 @@ def _objective(name: str, knobs: Mapping[str, Any]) -> Objective:
     parts.append(policy)
   if k["tis_level"] is not None:
     parts.append(st.truncated_is(k["tis_cap"], k["tis_level"]))
+  if k["mis_level"] is not None:
+    parts.append(st.masked_is(k["mis_low"], k["mis_high"], k["mis_level"], k["mis_mode"]))
+  if k["icepop_beta"] is not None:
+    parts.append(st.icepop(k["icepop_beta"], k["icepop_alpha"]))
+  if k["geo_mean_is"]:
+    parts.append(st.geo_mean_is(k["geo_mean_cap"]))
+  if k["minpro"]:
+    parts.append(st.minpro())
   if k["decoupled_cap"] is not None:
     parts.append(st.decoupled(k["decoupled_cap"], k["decoupled_mode"]))
   if k["m2po_tau"] is not None and k["policy"] != "m2po_clip_budget":

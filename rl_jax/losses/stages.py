@@ -27,9 +27,9 @@ from rl_jax.losses.inputs import Batch
 from rl_jax.losses.kl import KL_KINDS, kl_penalty
 
 __all__ = ["POLICIES", "LossInputs", "LossStage", "LossTerms", "ace", "decoupled",
-           "entropy_bonus", "ess_metrics", "gspo_clip", "kl_term", "m2po", "m2po_clip_budget",
-           "make_policy", "policy_names", "ppo_clip", "register_policy", "reinforce",
-           "truncated_is", "value_loss"]
+           "entropy_bonus", "ess_metrics", "geo_mean_is", "gspo_clip", "icepop", "kl_term",
+           "m2po", "m2po_clip_budget", "make_policy", "masked_is", "minpro", "policy_names",
+           "ppo_clip", "register_policy", "reinforce", "truncated_is", "value_loss"]
 
 
 class LossInputs(NamedTuple):
@@ -69,12 +69,16 @@ class LossStage(NamedTuple):
       (``behaviour_logp``, ``ref_logp``, ``values``, ``returns``, ``old_values``,
       ``entropy``); ``chain`` turns them into ``Objective.needs``.
     prepare: ``(batch) -> aux dict`` of batch-global quantities, or None.
+    single_pass: a policy term that is the policy gradient only on the data's own policy
+      (no importance ratio against ``old``, e.g. ``-A logp``): an objective with it cannot
+      take several passes over a batch (``Objective.single_pass``).
   """
 
   apply: Callable[[LossTerms, LossInputs], LossTerms]
   kind: str  # "policy", "correction" or "term"
   needs: tuple[str, ...] = ()
   prepare: Callable[[Batch], dict] | None = None
+  single_pass: bool = False
 
 
 def _with_metrics(terms: LossTerms, metrics: dict, **changes: Any) -> LossTerms:
@@ -123,7 +127,8 @@ def reinforce(ratio: bool = False) -> LossStage:
   """Policy gradient without clipping: ``-A logp`` or, with ``ratio=True``, ``-A exp(logp - old)``.
 
   Both have the gradient ``-A grad logp`` when ``logp == old``; the ratio form stays an
-  importance-sampled estimator over several updates on the same data.
+  importance-sampled estimator over several updates on the same data (the plain form is
+  marked ``single_pass``).
 
   References: Williams 1992 (REINFORCE). docs/ALGORITHMS.md, "Policy losses".
   """
@@ -135,7 +140,7 @@ def reinforce(ratio: bool = False) -> LossStage:
                            policy=-x.advantages * r)
     return _with_metrics(terms, {}, policy=-x.advantages * x.logp)
 
-  return LossStage(apply, "policy")
+  return LossStage(apply, "policy", single_pass=not ratio)
 
 
 def _mismatch_delta(batch: Batch) -> tuple[Array, Array]:
@@ -193,6 +198,104 @@ def truncated_is(cap: float | None = 2.0, level: str = "token") -> LossStage:
     if cap is not None:
       metrics["tis_clip_frac"] = masked_mean((w >= cap).astype(jnp.float32), x.mask)
     return _with_metrics(terms, metrics, weight=terms.weight * w)
+
+  return LossStage(apply, "correction", ("behaviour_logp",))
+
+
+def _valid_rows(mask: Array) -> Array:
+  return jnp.any(mask, axis=1)
+
+
+def masked_is(low: float | None = None, high: float | None = 2.0, level: str = "sequence",
+              mode: str = "weight") -> LossStage:
+  """Masked importance sampling: drop rows (or tokens) whose ratio ``exp(old - mu)`` (summed
+  over the row for ``level="sequence"``) leaves ``[low, high]``; weight the rest by it (or by
+  1 with ``mode="mask"``). Dropped tokens leave the numerator, not the denominator.
+
+  Metrics: mis_masked_frac (fraction of valid rows, or tokens at token level, dropped),
+  mis_weight_mean (mean weight over kept tokens).
+
+  References: Liu, Li et al. 2025 (MIS). docs/ALGORITHMS.md, "Off-policy corrections".
+  """
+  check_choice("MIS level", level, pol.MIS_LEVELS)
+  check_choice("MIS mode", mode, pol.MIS_MODES)
+  pol.check_mis_band(low, high)
+
+  def apply(terms, x):
+    w, keep = pol.masked_is_weights(x.old_logp, x.behaviour_logp, x.mask, low, high, level,
+                                    mode)
+    if level == "sequence":
+      rows = _valid_rows(x.mask)
+      dropped = masked_mean((~_valid_rows(keep)).astype(jnp.float32), rows)
+    else:
+      dropped = 1.0 - safe_divide(jnp.sum(keep), jnp.sum(x.mask))
+    return _with_metrics(terms, dict(mis_masked_frac=dropped,
+                                     mis_weight_mean=masked_mean(w, keep)),
+                         weight=terms.weight * w, keep=terms.keep & keep)
+
+  return LossStage(apply, "correction", ("behaviour_logp",))
+
+
+def icepop(beta: float = 5.0, alpha: float | None = None) -> LossStage:
+  """IcePop: weight each token by ``k = exp(old - mu)`` and drop it when ``k`` leaves
+  ``[alpha, beta]`` (``alpha = 1/beta`` unless given). Dropped tokens stay in the denominator.
+
+  Metrics: icepop_masked_frac (fraction of valid tokens dropped), icepop_weight_mean (mean
+  ``k`` over kept tokens).
+
+  References: Ling Team 2025 (Ring-1T, IcePop). docs/ALGORITHMS.md, "Off-policy corrections".
+  """
+  pol.check_icepop_band(beta, alpha)
+
+  def apply(terms, x):
+    w, keep = pol.icepop_weights(x.old_logp, x.behaviour_logp, x.mask, beta, alpha)
+    return _with_metrics(terms, dict(
+        icepop_masked_frac=1.0 - safe_divide(jnp.sum(keep), jnp.sum(x.mask)),
+        icepop_weight_mean=masked_mean(w, keep)),
+        weight=terms.weight * w, keep=terms.keep & keep)
+
+  return LossStage(apply, "correction", ("behaviour_logp",))
+
+
+def geo_mean_is(cap: float | None = None) -> LossStage:
+  """Multiply every token of a row by ``min(exp(mean_t (old - mu)), cap)``, the geometric
+  mean of the row's trainer/sampler ratios (``cap=None``: untruncated).
+
+  Metrics: geo_mean_weight_mean (mean over valid rows), geo_mean_clip_frac (fraction of
+  valid rows at the cap; only with a cap).
+
+  References: Zheng et al. 2025 (GSPO's length-normalised ratio); Liu, Li et al. 2025.
+  docs/ALGORITHMS.md, "Off-policy corrections".
+  """
+  if cap is not None and not cap > 0:
+    raise ValueError(f"geo_mean_cap must be > 0 or None, got {cap!r}")
+
+  def apply(terms, x):
+    w = pol.geo_mean_is_weights(x.old_logp, x.behaviour_logp, x.mask, cap)
+    rows = _valid_rows(x.mask)
+    w_row = jnp.max(w, axis=1)  # the row's weight (every valid token carries it)
+    metrics = dict(geo_mean_weight_mean=masked_mean(w_row, rows))
+    if cap is not None:
+      metrics["geo_mean_clip_frac"] = masked_mean((w_row >= cap).astype(jnp.float32), rows)
+    return _with_metrics(terms, metrics, weight=terms.weight * w)
+
+  return LossStage(apply, "correction", ("behaviour_logp",))
+
+
+def minpro() -> LossStage:
+  """MinPRO: multiply token ``t`` by the smallest ratio ``exp(logp - mu)`` of the valid tokens
+  before it in its row (1 for the first), detached: a non-cumulative stand-in for the prefix
+  importance ratio between the current policy and the sampler.
+
+  Metric: minpro_weight_mean (over valid tokens).
+
+  References: Lei, Cheng & Tao 2026 (MinPRO). docs/ALGORITHMS.md, "Off-policy corrections".
+  """
+
+  def apply(terms, x):
+    w = pol.minpro_weights(x.logp, x.behaviour_logp, x.mask)
+    return _with_metrics(terms, {"minpro_weight_mean": masked_mean(w, x.mask)},
+                         weight=terms.weight * w)
 
   return LossStage(apply, "correction", ("behaviour_logp",))
 

@@ -116,6 +116,13 @@ def make_objective(config) -> losses.Objective:
     raise ConfigError(f"train.micro_batches={config.train.micro_batches}: the objective "
                       f"({config.loss.preset}) takes a statistic over the whole minibatch (the "
                       "M2PO mask), which micro-batches would change; use train.micro_batches=1")
+  if obj.single_pass and config.train.epochs > 1:
+    raise ConfigError(f"train.epochs={config.train.epochs}: the objective "
+                      f"({config.loss.preset}) has a policy term that is the policy gradient "
+                      "only on the data's own policy (plain REINFORCE, -A*logp) with no "
+                      "importance ratio to correct the passes after the first, which run on "
+                      "updated weights; use loss.policy=ppo_clip or reinforce_ratio, or "
+                      "train.epochs=1")
   return obj
 
 

@@ -4,7 +4,8 @@
 mesh: the loss mask (stale tokens masked), the objective's inputs (each made as the one
 table ``inputs.INPUTS`` says: proximal log-probs from the current weights, and whatever else
 the objective declares it needs) and the advantages. ``apply_update`` runs the
-``train.minibatches`` optimizer updates on it. Neither looks at which estimator, preset or
+``train.minibatches`` optimizer updates on it, ``train.epochs`` times over (each pass in a
+fresh order of the groups, ``pass_orders``). Neither looks at which estimator, preset or
 runner is configured.
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G row groups (g: this process's),
@@ -31,7 +32,11 @@ from rl_jax.train.state import TrainState
 from rl_jax.train.steps import UpdateBatch
 
 __all__ = ["objective_inputs", "staleness_metrics", "learner_batch", "apply_update",
-           "trims_host_memory", "TRIM_MIN_PARAM_BYTES"]
+           "pass_orders", "trims_host_memory", "PASS_METRICS", "TRIM_MIN_PARAM_BYTES"]
+
+# metrics also reported per pass (``<name>_pass<p>``, p = 1..μ) when ``train.epochs`` = μ > 1
+PASS_METRICS = ("loss", "clip_frac", "approx_kl", "ratio_mean", "grad_norm", "masked_frac",
+                "update_skipped")
 
 
 def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
@@ -136,9 +141,23 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
   return UpdateBatch(pt, pl, rt, inputs, advantages, routing), info
 
 
-def _minibatches(t: Trainer, b: UpdateBatch, k: int) -> list[UpdateBatch]:
-  """``k`` consecutive slices of the groups, each split along ``batch`` again."""
+def pass_orders(seed: int, step: int, groups: int, epochs: int) -> list[np.ndarray | None]:
+  """The order of a step's ``groups`` (row groups) in each of its ``epochs`` passes: one pass
+  keeps the collected order (None, the update of a single pass is unchanged); several draw
+  a permutation per pass from ``(seed, step, pass)``, the same on every process."""
+  if epochs == 1:
+    return [None]
+  return [np.random.default_rng([seed % 2**32, step, p]).permutation(groups)
+          for p in range(epochs)]
+
+
+def _minibatches(t: Trainer, b: UpdateBatch, k: int,
+                order: np.ndarray | None = None) -> list[UpdateBatch]:
+  """``k`` consecutive slices of the groups (taken in ``order``, a permutation of them, when
+  given), each split along ``batch`` again."""
   size = b.tokens.shape[0] // k
+  if order is not None:
+    b = jax.device_put(jax.tree.map(lambda a: a[order], b), t.layout.rows(b.tokens.shape[0]))
   if k == 1:
     return [b]
   rows = t.layout.rows(size)
@@ -162,15 +181,31 @@ def trims_host_memory(params) -> bool:
 
 
 def apply_update(t: Trainer, state: TrainState, batch: UpdateBatch) -> tuple[TrainState, dict]:
-  """The learner's step: ``train.minibatches`` optimizer updates on ``batch``; (state, the
-  metrics averaged over the minibatches)."""
+  """The learner's step: ``train.epochs`` = μ passes over ``batch``, each
+  ``train.minibatches`` optimizer updates (minibatches in the pass's order, ``pass_orders``);
+  (state, the metrics averaged over the minibatches).
+
+  Every pass reads the same objective inputs, so the proximal log-probs are those computed
+  before the first pass (``on_policy``: the update never takes them from its own pass when
+  μ > 1). With μ > 1 the metrics are the last pass's, and the ``PASS_METRICS`` of every pass
+  are added as ``<name>_pass<p>``.
+  """
+  c = t.setup.config.train
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
-  mets_all = []
   if trims_host_memory(state.params):
     release_host_memory()  # host buffers freed by sampling and scoring, before the peak
-  for mb in _minibatches(t, batch, t.setup.config.train.minibatches):
-    *carry, mets = t.steps.rl_update(*carry, mb)
-    mets_all.append(jax.device_get(mets))
+  step = int(state.step) if c.epochs > 1 else 0
+  passes = []
+  for order in pass_orders(c.seed, step, batch.tokens.shape[0], c.epochs):
+    mets_all = []
+    for mb in _minibatches(t, batch, c.minibatches, order):
+      *carry, mets = t.steps.rl_update(*carry, mb)
+      mets_all.append(jax.device_get(mets))
+    passes.append({k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]})
   state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],
                          value_opt_state=carry[3])
-  return state, {k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]}
+  out = dict(passes[-1])
+  if len(passes) > 1:
+    for p, mets in enumerate(passes, 1):
+      out.update({f"{k}_pass{p}": v for k, v in mets.items() if k in PASS_METRICS})
+  return state, out

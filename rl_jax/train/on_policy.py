@@ -9,6 +9,8 @@ gradients), to float rounding, and saves one forward pass per step.
 It is used only when it is provably the same:
 
 * ``train.minibatches == 1`` (later minibatches would see updated weights);
+* ``train.epochs == 1`` (a second pass over the batch runs on updated weights: the proximal
+  log-probs must stay those computed before the first pass);
 * the synchronous schedule (lag 0, ``config.schedule``; the asynchronous runners keep the
   separate pass);
 * no partial rollouts (``rollout.partial``: the engine path keeps its own bookkeeping);
@@ -41,5 +43,6 @@ def estimator_reads_old_logp(objective: losses.Objective) -> bool:
 def old_logp_in_update(config, objective: losses.Objective) -> bool:
   """Whether the RL update takes ``old_logp`` from its own policy pass (see module doc)."""
   return (config.train.old_logp_pass == "auto" and config.train.minibatches == 1
-          and not config_lib.schedule(config).overlapped and not config.rollout.partial
+          and config.train.epochs == 1 and not config_lib.schedule(config).overlapped
+          and not config.rollout.partial
           and not estimator_reads_old_logp(objective))
