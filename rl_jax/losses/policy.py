@@ -281,8 +281,8 @@ def minpro_weights(logp: Array, behaviour_logp: Array, mask: Array) -> Array:
   Returns:
     float [B,T] (0 on invalid tokens).
 
-  References: Lei, Cheng & Tao 2026, A Step Back: Prefix Importance Ratio Stabilizes Policy
-  Optimization (MinPRO).
+  References: "A Step Back: Prefix Importance Ratio Stabilizes Policy Optimization", 2026
+  (MinPRO).
   """
   mask = mask.astype(bool)
   d = jnp.where(mask, jax.lax.stop_gradient(logp - behaviour_logp), jnp.inf)

@@ -31,7 +31,8 @@ References: Shao et al. 2024 (DeepSeekMath, GRPO: eps 0.2, beta 0.04, k3); Yu et
 Zheng et al. 2025 (M2PO); Fu et al. 2025 (AReaL); Schulman et al. 2017 (PPO); Ahmadian et
 al. 2024 (RLOO); Hu 2025 (REINFORCE++); Kim 2026 (MC-GRPO); Feng et al. 2025 (GiGPO, no
 preset: ``advantage="gigpo"`` on any preset); Liu, Li et al. 2025 (MIS); Ling Team 2025
-(IcePop); Lei, Cheng & Tao 2026 (MinPRO). docs/ALGORITHMS.md describes each part.
+(IcePop); "A Step Back: Prefix Importance Ratio Stabilizes Policy Optimization", 2026
+(MinPRO). docs/ALGORITHMS.md describes each part.
 """
 
 from __future__ import annotations

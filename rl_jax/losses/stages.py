@@ -289,7 +289,7 @@ def minpro() -> LossStage:
 
   Metric: minpro_weight_mean (over valid tokens).
 
-  References: Lei, Cheng & Tao 2026 (MinPRO). docs/ALGORITHMS.md, "Off-policy corrections".
+  References: "A Step Back: Prefix Importance Ratio Stabilizes Policy Optimization", 2026 (MinPRO). docs/ALGORITHMS.md, "Off-policy corrections".
   """
 
   def apply(terms, x):
