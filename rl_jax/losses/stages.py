@@ -289,7 +289,8 @@ def minpro() -> LossStage:
 
   Metric: minpro_weight_mean (over valid tokens).
 
-  References: "A Step Back: Prefix Importance Ratio Stabilizes Policy Optimization", 2026 (MinPRO). docs/ALGORITHMS.md, "Off-policy corrections".
+  References: "A Step Back: Prefix Importance Ratio Stabilizes Policy Optimization", 2026
+  (MinPRO). docs/ALGORITHMS.md, "Off-policy corrections".
   """
 
   def apply(terms, x):
