@@ -246,6 +246,16 @@ def _rollout() -> ml_collections.ConfigDict:
       # False decodes the base and the adapters unmerged (no merged copy of the weights);
       # with model.lora.quant the sampler always decodes the quantised base unmerged
       lora_merge=True,
+      # The paged response cache (rl_jax/rollout/pages.py): tokens per page, a power of two
+      # (>= max_new_tokens: one worst-case page per sample, the unpaged layout).
+      page_size=64,
+      # Pool pages, fixed: when they run out the newest group is preempted and resumed by
+      # recompute (the same tokens). None: from rollout.kv_memory_fraction where the device
+      # reports its memory, else the pool grows as the responses need it (never preempts).
+      kv_pages=config_dict.placeholder(int),
+      # Fraction of the device memory free when the engine starts that the pool takes (GPU,
+      # TPU; ignored where the device reports no capacity, e.g. CPU). None: grow as needed.
+      kv_memory_fraction=config_dict.placeholder(float),
   ))
 
 
@@ -445,6 +455,9 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "rollout.spec_lenience": cu.nonnegative,
       "rollout.lora_merge": cu.one_of((False, True)),
       "rollout.n": cu.positive_int,
+      "rollout.page_size": cu.power_of_two,
+      "rollout.kv_pages": cu.optional(cu.positive_int),
+      "rollout.kv_memory_fraction": cu.optional(cu.in_range(0.0, 1.0, low_inclusive=False)),
       "rollout.max_new_tokens": cu.positive_int,
       "rollout.temperature": cu.nonnegative,
       "rollout.top_p": (cu.probability, cu.in_range(0.0, 1.0, low_inclusive=False)),
@@ -533,6 +546,19 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
   }
 
 
+def _check_pool(r) -> None:
+  """A fixed KV pool (``rollout.kv_pages``) must hold one group's whole budget: n samples x
+  the pages of max_new_tokens (the response cache rounds it up to a power of two >= 8)."""
+  if r.kv_pages is None:
+    return
+  R = max(8, 1 << (r.max_new_tokens - 1).bit_length())
+  need = r.n * (R // min(r.page_size, R))
+  if r.kv_pages < need:
+    raise ConfigError(f"rollout.kv_pages={r.kv_pages} is smaller than one group needs: "
+                      f"rollout.n={r.n} samples x {R // min(r.page_size, R)} pages of "
+                      f"{min(r.page_size, R)} tokens (max_new_tokens={r.max_new_tokens})")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Every value check of ``checks()`` plus the cross-field rules; first failure raises.
 
@@ -546,6 +572,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if axes != sorted(sharding.MESH_AXES):
     raise ConfigError(f"config.mesh.shape must name the axes {list(sharding.MESH_AXES)}, "
                       f"got {axes}")
+  _check_pool(config.rollout)
   if (config.data.overlong_buffer or 0) > config.rollout.max_new_tokens:
     raise ConfigError(f"data.overlong_buffer={config.data.overlong_buffer} exceeds "
                       f"rollout.max_new_tokens={config.rollout.max_new_tokens}")

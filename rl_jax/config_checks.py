@@ -23,7 +23,7 @@ from rl_jax.errors import ConfigError
 
 __all__ = [
     "get_value", "Check", "check", "check_choice", "validate",
-    "positive_int", "nonnegative_int", "positive", "nonnegative", "probability",
+    "positive_int", "power_of_two", "nonnegative_int", "positive", "nonnegative", "probability",
     "in_range", "one_of", "optional",
 ]
 
@@ -85,6 +85,11 @@ def is_number(x: Any) -> bool:
 def positive_int(x: Any) -> str | None:
   """Requires an int > 0."""
   return None if is_int(x) and x > 0 else "must be a positive int"
+
+
+def power_of_two(x: Any) -> str | None:
+  """Requires an int that is a positive power of two."""
+  return None if is_int(x) and x > 0 and not x & (x - 1) else "must be a positive power of two"
 
 
 def nonnegative_int(x: Any) -> str | None:

@@ -66,14 +66,15 @@ from ml_collections import config_dict
 
 from rl_jax.config_checks import (Check, check, check_choice, get_value, in_range, is_int, is_number,
                                   nonnegative, nonnegative_int, one_of, optional, positive,
-                                  positive_int, probability, resolve_parent, validate)
+                                  positive_int, power_of_two, probability, resolve_parent,
+                                  validate)
 from rl_jax.errors import ConfigError, RLJaxError
 
 __all__ = [
     "ConfigError", "USAGE", "load_config", "load_config_file", "split_config_spec", "apply_overrides",
     "set_value", "parse_value", "parse_cli", "main_guard", "get_value", "Check", "check",
     "check_choice", "validate",
-    "positive_int", "nonnegative_int", "positive", "nonnegative", "probability",
+    "positive_int", "power_of_two", "nonnegative_int", "positive", "nonnegative", "probability",
     "in_range", "one_of", "optional", "is_int",
 ]
 

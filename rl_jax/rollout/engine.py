@@ -54,11 +54,16 @@ from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout,
                                     check_int, check_prompt, in_flight_budget, pow2,
                                     sampling_params)
 
-__all__ = ["PAGE_STATS", "RolloutEngine", "kv_bytes"]
+__all__ = ["APRIL_STATS", "ENGINE_STATS", "PAGE_STATS", "RolloutEngine", "kv_bytes"]
 
-# Counters of the paged KV cache in a rollout's ``stats`` (``RolloutEngine.page_stats``)
+# The engine's counters in a rollout's ``stats``, one definition for every reader: the
+# APRIL counters of ``rollout_groups`` (the multi-turn engine reports the same names) and
+# the paged KV cache's (``RolloutEngine.page_stats``, also in ``generate``'s stats)
+APRIL_STATS = ("off_policy_token_fraction", "max_token_lag", "aborted_groups",
+               "restarted_samples", "buffer_size", "resumed_groups")
 PAGE_STATS = ("kv_pages_used_mean", "kv_pages_used_peak", "preemptions", "prefix_pages_shared",
               "decode_buckets")
+ENGINE_STATS = APRIL_STATS + PAGE_STATS
 
 
 # ------------------------------------------------------------------------------ engine
@@ -95,6 +100,9 @@ class RolloutEngine:
       tokens). None: the pool starts at enough pages for 256 tokens per sample and doubles
       when it runs out, up to every sample's whole budget (memory follows the tokens
       generated; never preempts).
+    kv_memory_fraction: with kv_pages None, a fixed pool of this fraction of the free
+      memory of the sampler's devices (``pages.pages_from_memory``; devices that report no
+      capacity, e.g. CPU, keep the growing pool).
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
@@ -103,7 +111,8 @@ class RolloutEngine:
                over_sampling: float = 2.0, max_staleness: int | None = None,
                prompt_once: bool = True, seed: int = 0,
                mesh=None, rules=None, dtype: str | None = None, context: int | None = None,
-               page_size: int = 64, kv_pages: int | None = None):
+               page_size: int = 64, kv_pages: int | None = None,
+               kv_memory_fraction: float | None = None):
     cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
     self.context = int(context or cfg.max_position_embeddings)
     check_int("n", n, 1)
@@ -141,6 +150,18 @@ class RolloutEngine:
     self.S = min(int(page_size), self.R)  # tokens per page
     self.NP = self.R // self.S  # page-table entries per sample
     whole = self.G * self.M * self.NP  # every sample's whole budget
+    if kv_pages is None and kv_memory_fraction is not None:
+      if not 0.0 < float(kv_memory_fraction) <= 1.0:
+        raise RolloutError(f"kv_memory_fraction must lie in (0, 1], got {kv_memory_fraction!r}")
+      devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+      fit = pages.pages_from_memory(devices, float(kv_memory_fraction),
+                                    kv_cache.pool_bytes(cfg, 1, self.S))
+      if fit is not None:
+        if fit < self.M * self.NP:
+          raise RolloutError(
+              f"kv_memory_fraction={kv_memory_fraction} leaves room for {fit} pages of "
+              f"{self.S} tokens; one group needs {self.M * self.NP}")
+        kv_pages = min(fit, whole)
     if kv_pages is not None:
       check_int("kv_pages", kv_pages, 1)
       if kv_pages < self.M * self.NP:

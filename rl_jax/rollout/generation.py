@@ -22,7 +22,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
              top_k: int = 0, eos_id=None, seed: int = 0, *, stop=None,
              prompt_once: bool = True, max_slots: int | None = None, mesh=None, rules=None,
              policy_version: int = 0, first_index: int = 0, page_size: int = 64,
-             kv_pages: int | None = None) -> Rollout:
+             kv_pages: int | None = None, kv_memory_fraction: float | None = None) -> Rollout:
   """Sample ``n`` responses for every prompt with the jitted KV-cache sampler.
 
   Args:
@@ -40,8 +40,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
     first_index: index of ``prompts[0]`` in a larger batch: prompt p samples from the key
       stream of prompt ``first_index + p``, so a batch split over processes (each calling
       with its own slice) samples exactly what one call over the whole batch samples.
-    page_size, kv_pages: the paged response cache (``RolloutEngine``): tokens per page, and
-      a fixed pool size in pages (None: grown as the responses need it).
+    page_size, kv_pages, kv_memory_fraction: the paged response cache (``RolloutEngine``):
+      tokens per page, a fixed pool size in pages, or the fraction of free device memory a
+      fixed pool takes (both None: grown as the responses need it).
   Returns:
     Rollout with G·M rows (M = n), prompt-major: tokens int32 [G·M,R] (R = max_new_tokens),
     mask, logprobs, versions, lengths, finish_reason ("eos" / "stop" / "length"),
@@ -64,7 +65,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
                          max_prompt_len=longest, temperature=temperature, top_p=top_p,
                          top_k=top_k, eos_id=eos_id, stop=stop, prompt_once=prompt_once,
                          seed=seed, mesh=mesh, rules=rules, context=context,
-                         page_size=page_size, kv_pages=kv_pages)
+                         page_size=page_size, kv_pages=kv_pages,
+                         kv_memory_fraction=kv_memory_fraction)
   check_int("first_index", first_index, 0)
   requests = [GroupRequest(first_index + i, p, [Sample() for _ in range(n)])
               for i, p in enumerate(checked)]

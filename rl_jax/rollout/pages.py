@@ -29,13 +29,26 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["allocate", "contiguous", "gather_live", "grow", "live_bucket", "page_bytes",
-           "pages_needed", "release", "rows_need", "take_entry", "write", "write_rows"]
+           "pages_from_memory", "pages_needed", "release", "rows_need", "take_entry", "write", "write_rows"]
 
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                itemsize: int) -> int:
   """Bytes of one page over all layers, keys and values."""
   return 2 * num_layers * num_kv_heads * head_dim * page_size * itemsize
+
+
+def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
+  """Pages that ``fraction`` of the smallest free device memory among ``devices`` holds
+  (``bytes_limit − bytes_in_use`` of ``Device.memory_stats()``, as vLLM's
+  ``gpu_memory_utilization``); None where a device reports no capacity (CPU)."""
+  free = []
+  for d in devices:
+    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+      return None
+    free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+  return int(fraction * min(free) // page_bytes_)
 
 
 def pages_needed(tokens: int, page_size: int) -> int:

@@ -87,8 +87,8 @@ def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo:
                  seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
   tokens = np.asarray(out.tokens)
   out = Sampled(examples, prompts, tokens, np.asarray(out.mask), np.asarray(out.logprobs),
-                np.full(tokens.shape, version, np.int32), {}, p._replace(data=data),
-                out.routing)
+                np.full(tokens.shape, version, np.int32), engine_stats(out.stats),
+                p._replace(data=data), out.routing)
   rollout_s = time.perf_counter() - t0
   return _scored(t, out, idx, rollout_s, version, geo.samples), _placed(t, out.producer)
 
@@ -107,13 +107,18 @@ def share_prompts(s, data: np.ndarray, j: int, S: int, drawn: list[int]):
     yield rollout.Prompt(encode_prompts(s, [s.train_examples[i]])[0], meta=i)
 
 
+def engine_stats(stats: dict) -> dict:
+  """The engine counters (``ENGINE_STATS``) among a rollout's ``stats``, as floats."""
+  return {k: float(stats[k]) for k in ENGINE_STATS if k in stats}
+
+
 def merge_stats(stats: list[dict], tokens: list[int]) -> dict:
-  """The engine counters of several shares' rollouts as one batch's: lags and KV bytes the
-  largest, the off-policy fraction weighted by each share's ``tokens``, counts summed."""
+  """The engine counters of several shares' rollouts as one batch's: lags, KV bytes and
+  decode programs the largest, the off-policy fraction weighted by each share's ``tokens``, counts summed."""
   out = {}
   for k in stats[0]:
     v = [float(x[k]) for x in stats]
-    if k in ("max_token_lag", "kv_bytes"):
+    if k in ("max_token_lag", "kv_bytes", "decode_buckets"):
       out[k] = max(v)
     elif k == "off_policy_token_fraction":
       out[k] = sum(a * n for a, n in zip(v, tokens)) / max(sum(tokens), 1)
@@ -217,7 +222,7 @@ def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, l
   R, G, M = geo.new_tokens, geo.groups, geo.samples
   turns = agent_stage.turn_fields(out, geo.turns, R)
   stats = {**agent_stage.rollout_metrics(out),
-           **{k: float(out.stats[k]) for k in ENGINE_STATS if k in out.stats},
+           **engine_stats(out.stats),
            "rollout_tokens": float(out.model_mask.sum())}
   scored = Scored(np.asarray(idx, np.int32), out.tokens[:, :R], out.model_mask[:, :R],
                   out.logprobs[:, :R], out.versions[:, :R],
@@ -245,7 +250,7 @@ def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *
                    top_p=c.rollout.top_p, top_k=c.rollout.top_k, first_index=first_index,
                    seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
     tokens, mask, logprobs, stats = (np.asarray(out.tokens), np.asarray(out.mask),
-                                     np.asarray(out.logprobs), {})
+                                     np.asarray(out.logprobs), engine_stats(out.stats))
     routing = out.routing
   rollout_s = time.perf_counter() - t0
   stats["rollout_tokens"] = float(mask.sum())

@@ -11,13 +11,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from rl_jax.rollout import engine
 from rl_jax.train import group_size, selection_stage
 
 __all__ = ["ENGINE_STATS", "STATS", "Scored", "ProducerState", "array_fields"]
 
-# The rollout engine's counters of a batch (``RolloutEngine.rollout_groups``' ``stats``)
-ENGINE_STATS = ("off_policy_token_fraction", "max_token_lag", "aborted_groups",
-                "restarted_samples", "buffer_size")
+# The rollout engine's counters of a batch (defined with the engine)
+ENGINE_STATS = engine.ENGINE_STATS
 # ``Scored.stats`` keys the learner copies into the step's metrics (and the queue keeps)
 STATS = ENGINE_STATS + selection_stage.METRICS + group_size.METRICS
 

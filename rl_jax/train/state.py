@@ -126,7 +126,8 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
       eos_id=s.eos_id, over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
       seed=seed_for(s.config.train.seed, 0, Stream.ENGINE), mesh=s.sampler_mesh, rules=s.rules,
-      context=s.model_cfg.max_position_embeddings)
+      context=s.model_cfg.max_position_embeddings, page_size=r.page_size, kv_pages=r.kv_pages,
+      kv_memory_fraction=r.kv_memory_fraction)
 
 
 def _empty_buffer(s: Setup) -> dict:
