@@ -43,7 +43,6 @@ def get_config(arg=None):
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                       max_position_embeddings=64)
   config.mesh.shape = dict(data=1, fsdp=-1, sequence=1, tensor=1)
-  config.mesh.num_devices = 1  # the multi-turn engine's programs are single-device
   config.env.update(name="calculator", max_turns=3, max_total_tokens=40, max_turn_tokens=16,
                     max_obs_tokens=12, workers=4, digits_min=2, digits_max=3)
   config.data.update(eval_size=128, max_prompt_len=24)

@@ -13,9 +13,25 @@ is the process's ``ru_maxrss``), the processes alternating round by round. Three
 Each child times ``generate`` after one untimed call (compile excluded) and prints the
 tokens' hash, so the three settings are checked to draw identical tokens.
 
+``--fixed-budget``: one memory budget for the K/V of responses, 8 x 8192 tokens, spent as
+8 worst-case slots of 8192 tokens (``page_size`` 8192, ``kv_pages`` 8: one group of 8
+samples at a time) or as 1024 pages of 64 tokens (as many samples in flight as their tokens
+fit; when the pool runs out the newest group is preempted and later resumed by recompute).
+Long-tailed lengths: a random model over 512 token ids with EOS one of them (geometric
+lengths, mean about 500), a budget of 8192 new tokens; 8 prompts x 8 samples. Generated
+tokens per second of the two, same tokens.
+
+``--bandwidth``: decode against the memory-bandwidth limit at a size where weights dominate
+(d = 1024, 4 layers, batch 16, greedy, no EOS): the time per decode step (slope between 64
+and 192 new tokens, which removes prefill) against the bytes a step must read (weights +
+the live K/V: the pages of the live bucket and the prompt caches), as a fraction of this
+host's copy bandwidth measured in the same run (a 256 MiB numpy copy, read + write).
+
 Usage::
 
-    python scripts/bench_paged.py --rounds 3       # about 3 minutes on 2 CPU cores
+    python scripts/bench_paged.py --rounds 3       # about 5 minutes on 2 CPU cores
+    python scripts/bench_paged.py --fixed-budget   # about 4 minutes
+    python scripts/bench_paged.py --bandwidth
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention".
@@ -69,12 +85,96 @@ def child(max_new: int, page_size: int, repeats: int) -> dict:
               decode_buckets=out.stats["decode_buckets"])
 
 
+def fixed_budget(repeats: int) -> None:
+  """Tokens/s of 64 long-tailed samples in one K/V budget: worst-case slots vs pages."""
+  import jax
+  import numpy as np
+
+  from rl_jax import models, rollout
+  from rl_jax.models.config import ModelConfig
+
+  cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8400,
+                    dtype="float32", param_dtype="float32")
+  params = models.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 512, size=int(rng.integers(8, 17))).tolist() for _ in range(8)]
+  settings = {"slots of 8192 (8 pages)": (8192, 8), "pages of 64 (1024 pages)": (64, 1024)}
+  runs = {}
+  for name, (page, pool) in settings.items():
+    run = lambda: rollout.generate(cfg, params, prompts, n=8, max_new_tokens=8192,
+                                   temperature=1.0, eos_id=0, seed=1, page_size=page,
+                                   kv_pages=pool)
+    out = run()  # compiles every bucket it meets
+    best = float("inf")
+    for _ in range(repeats):
+      t = time.perf_counter()
+      out = run()
+      best = min(best, time.perf_counter() - t)
+    runs[name] = (best, out)
+    print(f"{name}: {best:.2f} s, {int(out.mask.sum())} tokens, {out.mask.sum() / best:.0f} "
+          f"tokens/s, preemptions {out.stats['preemptions']:.0f}, peak pages "
+          f"{out.stats['kv_pages_used_peak']:.0f}", flush=True)
+  (ts, slot), (tp, paged) = runs.values()
+  print(f"lengths: mean {slot.lengths.mean():.0f}, median {np.median(slot.lengths):.0f}, "
+        f"max {slot.lengths.max()}; tokens identical: "
+        f"{np.array_equal(slot.tokens, paged.tokens)}; pages / slots tokens/s: {ts / tp:.2f}x")
+
+
+def bandwidth(repeats: int) -> None:
+  """Decode step time against the bytes it must read, vs the host's copy bandwidth."""
+  import jax
+  import numpy as np
+
+  from rl_jax import models, rollout
+  from rl_jax.models.config import ModelConfig
+  from rl_jax.rollout import kv_cache, pages
+
+  cfg = ModelConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                    num_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=1024,
+                    dtype="float32", param_dtype="float32")
+  params = models.init_params(cfg, jax.random.key(0))
+  B, P = 16, 32
+  prompts = np.random.default_rng(3).integers(1, 512, (B, P)).tolist()
+  times = {}
+  for T in (64, 192):
+    run = lambda: rollout.generate(cfg, params, prompts, max_new_tokens=T, temperature=0.0)
+    run()
+    times[T] = min(_timed(run) for _ in range(repeats))
+  step_s = (times[192] - times[64]) / 128
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  # live K/V per step: the live bucket's pages (128 then 256 tokens over the slope) of every
+  # sample, and the prompt caches (bucket 32)
+  live = np.mean([pages.live_bucket(t, 64, 4) * 64 for t in range(65, 193)])
+  kv = kv_cache.pool_bytes(cfg, 1, 1) * (B * live + B * P)
+  src = np.ones((256 << 20) // 4, np.float32)
+  dst = np.empty_like(src)
+  copy = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+  peak = 2 * src.nbytes / copy
+  achieved = (weights + kv) / step_s
+  print(f"d=1024, batch {B}: {step_s * 1e3:.2f} ms/step; reads weights {weights / 2**20:.1f} "
+        f"MiB + live K/V {kv / 2**20:.1f} MiB -> {achieved / 1e9:.2f} GB/s; numpy copy "
+        f"{peak / 1e9:.2f} GB/s: {achieved / peak:.1%} of the copy bandwidth")
+
+
+def _timed(fn) -> float:
+  t = time.perf_counter()
+  fn()
+  return time.perf_counter() - t
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=3, help="fresh processes per setting")
   ap.add_argument("--repeats", type=int, default=3, help="timed calls per process")
+  ap.add_argument("--fixed-budget", action="store_true", help="pages vs slots in one budget")
+  ap.add_argument("--bandwidth", action="store_true", help="decode vs copy bandwidth")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
+  if args.fixed_budget:
+    return fixed_budget(args.repeats)
+  if args.bandwidth:
+    return bandwidth(args.repeats)
   if args.child:
     max_new, page = map(int, args.child.split(","))
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax import models, rollout
+from rl_jax import models, rollout, sharding
 from rl_jax.data.tokenizers import CharTokenizer
 from rl_jax.envs import Message, StepResult
 from rl_jax.rollout import extend as ext_lib
@@ -236,6 +236,17 @@ def test_eviction_and_tool_timing_do_not_change_trajectories():
   assert evict.stats["reprefill_tokens"] > 0
   _same(base, evict)
   _check_exact(evict, 1.0)
+
+
+def test_multi_turn_on_8_devices_equals_1():
+  """The multi-turn engine sharded on a tensor 2 x fsdp 4 sampler mesh (weights as the rules
+  say, slots over fsdp, kv heads over tensor) gives the one-device trajectories."""
+  base = _engine().rollout(PARAMS, _specs(4))
+  mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+  eng = _engine(mesh=mesh, rules="fsdp_tp")
+  out = eng.rollout(PARAMS, _specs(4))
+  _same(base, out)
+  assert eng.prepare_params(PARAMS)["embed"].sharding.mesh.size == 8
 
 
 def test_turn_sync_baseline_gives_the_same_trajectories():

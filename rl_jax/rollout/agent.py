@@ -27,8 +27,9 @@ batching or evictions.
 
 ``rollout`` runs every requested episode to its end; ``rollout_groups`` returns K complete
 groups and holds the rest across calls (APRIL across turns, a staleness bound, checkpoint
-export/import by environment replay, below). Sharded meshes are not supported here
-(single-device programs).
+export/import by environment replay, below). With ``mesh`` and ``rules`` every program runs
+sharded on the sampler's mesh as the single-turn engine's do (weights as the mesh rules
+say, group slots over the batch axes, kv heads over ``tensor``).
 
 Held groups. ``rollout_groups`` returns exactly K complete groups and holds the unfinished rest:
 a sample may be held mid-turn (its partial turn is kept with per-token versions), waiting on its
@@ -61,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.envs.base import Message, StepResult
+from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, prefill, slots
 from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, apply_outcome,
@@ -121,7 +123,7 @@ class AgentEngine:
                schedule: str = "continuous", poll_steps: int = 8,
                over_sampling: float = 2.0, max_staleness: int | None = None,
                deterministic: bool = False, dtype: str | None = None,
-               context: int | None = None):
+               context: int | None = None, mesh=None, rules=None):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -156,7 +158,12 @@ class AgentEngine:
     self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
     self.stop = set(stop)
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
-    self.admit_fn = prefill.admit_for(jax.devices()[:1])  # prefill, as the engine's
+    if (mesh is None) != (rules is None):
+      raise RolloutError("pass both mesh and rules, or neither")
+    self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
+    self._target = None  # the sampler's parameter shardings (with a mesh)
+    # prefill, as the engine's
+    self.admit_fn = prefill.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat)
     self.pool = EnvPool(int(workers), step_timeout)
     self._uids = itertools.count()
     self.over_sampling = float(over_sampling)
@@ -167,10 +174,17 @@ class AgentEngine:
 
   # ---------------------------------------------------------------- requests
   def prepare_params(self, params):
-    """Trainer parameters cast to the sampler's dtype (jitted; a no-op when they match)."""
+    """Trainer parameters cast to the sampler's dtype (jitted; a no-op when they match) and,
+    with a mesh, placed in the sampler's layout."""
     want = jnp.dtype(self.cfg.param_dtype)
     if kv_cache.needs_cast(params, want):
       params = kv_cache.cast_params(params, str(want))
+    if self.ctx is not None:
+      if self._target is None:
+        self._target = models.param_shardings(self.cfg, *self.ctx)
+        if not models.lora.split(params)[1]:  # LoRA weights merged for the sampler
+          self._target = models.lora.strip(self._target)
+      params = jax.device_put(params, self._target)
     return params
 
   def new_group(self, spec: EpisodeSpec, uid: int | None = None) -> Group:
@@ -228,26 +242,27 @@ class AgentEngine:
     e, before = self, sum(kv_cache.TRACE_COUNTS.values())
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, identity=True)
+    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, identity=True)
     ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})
     loop = Loop(self, params, 0)
     for Bn in ladder(4, e.G):
       for Pb in ladder(8, e.P):
         a, _ = loop.admission([], Bn, Pb)
         state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
-                           filtered=e.filtered)
+                           filtered=e.filtered, ctx=e.ctx)
     shapes = {slots.resume_shape(r, t, G=e.G, M=e.M, R=e.R)
               for r in [1, e.G * e.M, *(4 ** i for i in range(1, 16) if 4 ** i < e.G * e.M)]
               for t in (1, e.R // 2, e.R)}
     for Br, T in sorted(shapes):
-      state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G))
+      state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G), ctx=e.ctx)
     for Be in ladder(4, e.G * e.M):
       for C in ladder(16, min(e.R, pow2(e.max_obs + 2, 16))):
         x = Extension(np.full(Be, e.G, np.int32), np.zeros(Be, np.int32), np.zeros(Be, np.int32),
                       np.zeros((Be, C), np.int32), np.ones(Be, np.int32), np.zeros(Be, np.int32))
-        state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered)
+        state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,
+                          ctx=e.ctx)
     state, _ = decode_turns(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
-                            filtered=e.filtered)
+                            filtered=e.filtered, ctx=e.ctx)
     jax.block_until_ready(state)
     return sum(kv_cache.TRACE_COUNTS.values()) - before
 

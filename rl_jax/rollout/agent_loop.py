@@ -70,7 +70,8 @@ class Loop:
     self.e, self.params = eng, params
     self.version = jnp.int32(policy_version)
     self.key = jax.random.key(eng.seed, impl="threefry2x32")
-    self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, identity=True)
+    self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, ctx=eng.ctx,
+                                     identity=True)
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []
@@ -191,7 +192,7 @@ class Loop:
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = self.admission(batch, Bn, Pb)
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
-                            self.version, self.key, filtered=e.filtered)
+                            self.version, self.key, filtered=e.filtered, ctx=e.ctx)
     if rebuild:  # re-prefill evicted samples from their full history
       Br, T = slots.resume_shape(len(rebuild), max(len(t) for *_, t in rebuild), G=e.G,
                                  M=e.M, R=e.R)
@@ -201,7 +202,7 @@ class Loop:
           res.slot[r], res.sample[r], res.length[r] = g, m, len(toks)
           res.tokens[r, :len(toks)] = toks
           self.stats["reprefill_tokens"] += len(toks) - 1
-        self.state = prefill.resume(e.cfg, self.params, self.state, res)
+        self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
     return True
 
   def admission(self, batch, Bn: int, Pb: int):
@@ -277,7 +278,7 @@ class Loop:
         self.stats["kv_hits"] += int(not grp.evicted[m])
         grp.evicted[m], grp.chunk[m], grp.status[m] = False, None, RUN
       self.state, _ = extend(e.cfg, self.params, self.state, x, e.sp, self.version,
-                             filtered=e.filtered)
+                             filtered=e.filtered, ctx=e.ctx)
     return True
 
   def decode(self):
@@ -287,7 +288,8 @@ class Loop:
     steps = e.poll_steps if poll else e.R
     stop = e.G * e.M if self.sync else 1
     self.state, _ = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
-                                 jnp.int32(steps), jnp.int32(stop), filtered=e.filtered)
+                                 jnp.int32(steps), jnp.int32(stop), filtered=e.filtered,
+                                 ctx=e.ctx)
     self.stats["decode_calls"] += 1
 
   def turn_ends(self) -> bool:
