@@ -249,6 +249,20 @@ def test_multi_turn_on_8_devices_equals_1():
   assert eng.prepare_params(PARAMS)["embed"].sharding.mesh.size == 8
 
 
+def test_small_pages_and_a_growing_pool_give_the_same_trajectories():
+  """Trajectories on pages of 16 tokens (taken as turns and observations are written,
+  returned when groups leave or are evicted), from a pool that starts at 32 tokens per
+  sample and grows, equal those on pages of 64 (the default; 2 pages per sample here)."""
+  base = _engine().rollout(PARAMS, _specs(3))
+  eng = _engine(page_size=16, ttl=0.0)
+  eng.pool_pages = eng.G * eng.M * 2  # the growing pool's first size: 32 tokens a sample
+  out = eng.rollout(PARAMS, _specs(3, sleep="random"))
+  _same(base, out)
+  assert out.stats["pool_growths"] > 0 and out.stats["evictions"] > 0
+  with pytest.raises(rollout.RolloutError, match="page_size must be a positive power of two"):
+    _engine(page_size=12)
+
+
 def test_turn_sync_baseline_gives_the_same_trajectories():
   cont = _engine().rollout(PARAMS, _specs(3, sleep="random"))
   sync = _engine(schedule="turn_sync").rollout(PARAMS, _specs(3, sleep="random"))

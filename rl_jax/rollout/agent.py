@@ -64,7 +64,7 @@ import numpy as np
 from rl_jax.envs.base import Message, StepResult
 from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import kv_cache, prefill, slots
+from rl_jax.rollout import kv_cache, pages, prefill, slots
 from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, apply_outcome,
                                       poll_outcomes)
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
@@ -112,6 +112,9 @@ class AgentEngine:
       seeds alone (a resumed trainer holding groups continues exactly). Steps still overlap
       the decode call of the iteration that submitted them.
     dtype: sampler dtype (None = cfg's). context: maximum positions.
+    mesh, rules: run every program sharded on this mesh with these rules.
+    page_size: tokens per page of the trajectory cache (``rollout.pages``; >= the
+      trajectory budget is one worst-case page per sample).
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,
@@ -123,7 +126,7 @@ class AgentEngine:
                schedule: str = "continuous", poll_steps: int = 8,
                over_sampling: float = 2.0, max_staleness: int | None = None,
                deterministic: bool = False, dtype: str | None = None,
-               context: int | None = None, mesh=None, rules=None):
+               context: int | None = None, mesh=None, rules=None, page_size: int = 64):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -156,6 +159,15 @@ class AgentEngine:
     self.ttl = None if ttl is None or self.deterministic else float(ttl)
     self.poll_steps = int(poll_steps)
     self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
+    if (not isinstance(page_size, (int, np.integer)) or page_size < 1
+        or page_size & (page_size - 1)):
+      raise RolloutError(f"page_size must be a positive power of two, got {page_size!r}")
+    # the paged trajectory cache: a pool that starts with room for 256 tokens per sample and
+    # doubles as trajectories need it (``agent_loop.Loop.room``), up to every whole budget
+    self.S = min(int(page_size), self.R)
+    self.max_pool_pages = self.G * self.M * (self.R // self.S)
+    self.pool_pages = min(self.max_pool_pages,
+                          self.G * self.M * -(-min(self.R, 256) // self.S))
     self.stop = set(stop)
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
     if (mesh is None) != (rules is None):
@@ -242,7 +254,7 @@ class AgentEngine:
     e, before = self, sum(kv_cache.TRACE_COUNTS.values())
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, identity=True)
+    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages)
     ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})
     loop = Loop(self, params, 0)
     for Bn in ladder(4, e.G):
@@ -262,7 +274,8 @@ class AgentEngine:
         state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,
                           ctx=e.ctx)
     state, _ = decode_turns(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
-                            filtered=e.filtered, ctx=e.ctx)
+                            filtered=e.filtered, ctx=e.ctx,
+                            live=pages.live_bucket(1, e.S, e.R // e.S))
     jax.block_until_ready(state)
     return sum(kv_cache.TRACE_COUNTS.values()) - before
 

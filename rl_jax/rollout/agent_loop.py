@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.envs.base import Message
-from rl_jax.rollout import kv_cache, prefill, slots
+from rl_jax.rollout import kv_cache, pages, prefill, slots
 from rl_jax.rollout.agent_records import (AgentRollout, Trajectory, assemble_trajectories,
                                           error_count, error_kinds)
 from rl_jax.rollout.env_pool import observation_ids
@@ -71,7 +71,8 @@ class Loop:
     self.version = jnp.int32(policy_version)
     self.key = jax.random.key(eng.seed, impl="threefry2x32")
     self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, ctx=eng.ctx,
-                                     identity=True)
+                                     S=eng.S, pages=eng.pool_pages)
+    self.released: list[int] = []  # slots freed since their pages were last returned
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []
@@ -112,7 +113,32 @@ class Loop:
         t.append(host[0][g, m, n0:n1], host[1][g, m, n0:n1], host[2][g, m, n0:n1], True,
                  len(t.actions))
     for g, grp in self.resident():
-      self.slot_group[g], grp.slot = None, None
+      self.free_slot(g, grp)
+
+  def free_slot(self, g: int, grp: Group) -> None:
+    """Take ``grp`` out of slot ``g``; its pages go back to the pool before the next
+    admission (``give_back``)."""
+    self.slot_group[g], grp.slot = None, None
+    self.released.append(g)
+
+  def give_back(self) -> None:
+    """Return the pages of the slots freed since the last call to the pool."""
+    if self.released:
+      rows = np.zeros(self.e.G, bool)
+      rows[self.released] = True
+      self.state = kv_cache.release_slots(self.state, rows, ctx=self.e.ctx)
+      self.released = []
+
+  def room(self, pages: int) -> None:
+    """Grow the pool (doubling, up to every sample's whole budget) until ``pages`` are free."""
+    e = self.e
+    free = int(np.asarray(self.state.free).sum())
+    size = new = self.state.free.shape[0]
+    while free + new - size < pages and new < e.max_pool_pages:
+      new = min(2 * new, e.max_pool_pages)
+    if new > size:
+      self.state = kv_cache.resize_pool(self.state, new, ctx=e.ctx)
+      self.stats["pool_growths"] += 1
 
   def result(self, groups: list[Group]) -> AgentRollout:
     """The AgentRollout of complete ``groups`` with this call's stats."""
@@ -164,7 +190,7 @@ class Loop:
         self.evicted.remove(grp)
     for g, grp in self.resident():
       if grp.done:  # harvest: the slot is free
-        self.slot_group[g], grp.slot = None, None
+        self.free_slot(g, grp)
     return bool(outcomes)
 
   def admit(self) -> bool:
@@ -191,6 +217,8 @@ class Loop:
     Bn = min(e.G, pow2(len(batch), 4))
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = self.admission(batch, Bn, Pb)
+    self.give_back()
+    self.room(sum(-(-(len(t) - 1) // e.S) for *_, t in rebuild))
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered, ctx=e.ctx)
     if rebuild:  # re-prefill evicted samples from their full history
@@ -247,7 +275,7 @@ class Loop:
         continue
       for m, s in enumerate(grp.status):
         grp.evicted[m] |= s == WAIT
-      self.slot_group[g], grp.slot = None, None
+      self.free_slot(g, grp)
       self.evicted.append(grp)
       self.stats["evictions"] += 1
       freed.append(g)
@@ -277,6 +305,7 @@ class Loop:
         self.stats["resumes"] += 1
         self.stats["kv_hits"] += int(not grp.evicted[m])
         grp.evicted[m], grp.chunk[m], grp.status[m] = False, None, RUN
+      self.room(int(sum(-(-c // e.S) + 1 for c in x.count[x.slot < e.G])))
       self.state, _ = extend(e.cfg, self.params, self.state, x, e.sp, self.version,
                              filtered=e.filtered, ctx=e.ctx)
     return True
@@ -287,9 +316,14 @@ class Loop:
     poll = not self.sync and len(e.pool) > 0
     steps = e.poll_steps if poll else e.R
     stop = e.G * e.M if self.sync else 1
+    length, reason, active = jax.device_get((self.state.length, self.state.reason,
+                                             self.state.active))
+    run = (reason == kv_cache.RUNNING) & active[:, None]
+    self.room(int(run.sum()))  # a page for every running sample's next token
+    live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.R // e.S)
     self.state, _ = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
                                  jnp.int32(steps), jnp.int32(stop), filtered=e.filtered,
-                                 ctx=e.ctx)
+                                 ctx=e.ctx, live=live)
     self.stats["decode_calls"] += 1
 
   def turn_ends(self) -> bool:

@@ -146,10 +146,11 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     return constrain_state(new), logits
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live"),
                    donate_argnames=("state",))
 def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
-                 stop_count, filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
+                 stop_count, filtered: bool, ctx=None, live: int | None = None
+                 ) -> tuple[DecodeState, jax.Array]:
   """Decode inside one ``lax.while_loop`` until ``stop_count`` samples end their turn.
 
   A sample's turn ends on an end-of-turn id (``sp.eos_ids``) or at its ``budget``; it then
@@ -160,8 +161,9 @@ def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_
     params: model parameters (jit argument). state: DecodeState (donated).
     sp: SamplingParams. version: int32 policy version recorded for new tokens.
     max_steps, stop_count: int32 scalars (traced): stop after ``max_steps`` steps, once
-      ``stop_count`` of the samples running at entry have stopped, or when none runs.
-    filtered: static; top-k/top-p active.
+      ``stop_count`` of the samples running at entry have stopped, or when none runs (or
+      when the next step cannot run: ``decode.can_step``).
+    filtered: static; top-k/top-p active. live: static live-page bucket (None = all pages).
   Returns:
     (state, steps run).
   """
@@ -174,12 +176,12 @@ def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_
     def cond(carry):
       s, step = carry
       n = running(s)
-      return (n > 0) & (step < max_steps) & (at_entry - n < stop_count) & can_step(s, NP)
+      return (n > 0) & (step < max_steps) & (at_entry - n < stop_count) & can_step(s, nb)
 
-    NP = state.pages.shape[-1]
+    nb = state.pages.shape[-1] if live is None else live
 
     def body(carry):
       s, step = carry
-      return decode_step(cfg, params, layers, s, sp, version, filtered), step + 1
+      return decode_step(cfg, params, layers, s, sp, version, filtered, nb), step + 1
 
     return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))

@@ -13,8 +13,8 @@ of the length and head axes, and keys keep the cache length last, so both of the
 query's products are plain [rows, contracted] x [contracted, columns] matmuls: q·K contracts
 the head dim H, p·V the cache length (``decode.decode_attention``); on XLA's CPU backend keys
 stored [.., R, H] made the decode attention 1.5-2x slower per layer
-(``scripts/bench_decode_attention.py``). Page size S = R with one page per sample (an
-``identity`` table) is the worst-case slot layout the multi-turn engine keeps.
+(``scripts/bench_decode_attention.py``). Page size S = R (one page per sample) is the
+worst-case slot layout.
 
 Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
 heads over ``act_kv_heads`` (tensor), the prompt cache's length over ``kv_length``
@@ -178,17 +178,13 @@ def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPara
                         reason=reason)
 
 
-def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: int,
-                identity: bool) -> DecodeState:
+def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int,
+                Pg: int) -> DecodeState:
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
   NP = R // S
   layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
-  if identity:  # every entry owns its page from the start: nothing is taken or returned
-    table = jnp.arange(G * M * NP, dtype=jnp.int32).reshape(G, M, NP)
-    free = jnp.arange(Pg) >= G * M * NP
-  else:
-    table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((Pg,), bool)
+  table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((Pg,), bool)
   return DecodeState(
       prefix_k=layers((G, K, H, P)), prefix_v=layers((G, K, P, H)),
       prefix_len=jnp.ones((G,), jnp.int32),
@@ -208,23 +204,20 @@ def empty_routing(cfg: ModelConfig, lead: tuple[int, ...]) -> jax.Array | None:
   return jnp.full((*lead, len(cfg.moe_layers), cfg.num_experts_per_tok), -1, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "S", "pages",
-                                             "identity", "ctx"))
+@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "S", "pages", "ctx"))
 def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
-               S: int | None = None, pages: int | None = None,
-               identity: bool = False) -> DecodeState:
+               S: int | None = None, pages: int | None = None) -> DecodeState:
   """Empty state for G slots of M samples, prefix length P, response length R.
 
   S: page size (default R: one page per sample); a power of two dividing R. pages: pool
-  pages Pg (default G·M·R/S, every sample's whole budget). identity: every table entry
-  owns page ``(g·M + m)·NP + p`` from the start (the fixed worst-case layout; needs
-  Pg >= G·M·NP).
+  pages Pg (default G·M·R/S, every sample's whole budget). Every table entry starts
+  without a page and every page free.
   """
   TRACE_COUNTS["init_state"] += 1
   S = R if S is None else S
   Pg = G * M * (R // S) if pages is None else pages
   with mesh_context(ctx):
-    return constrain_state(_init_state(cfg, G, M, P, R, S, Pg, identity))
+    return constrain_state(_init_state(cfg, G, M, P, R, S, Pg))
 
 
 @functools.partial(jax.jit, static_argnames=("ctx",), donate_argnames=("state",))
@@ -236,7 +229,7 @@ def release_slots(state: DecodeState, rows, ctx=None) -> DecodeState:
     return constrain_state(state._replace(pages=table, free=free, active=state.active & ~rows))
 
 
-@functools.partial(jax.jit, static_argnames=("pages_", "ctx"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("pages_", "ctx"))
 def resize_pool(state: DecodeState, pages_: int, ctx=None) -> DecodeState:
   """The response pool grown to ``pages_`` pages (new pages free; page ids kept)."""
   TRACE_COUNTS["resize_pool"] += 1
