@@ -138,6 +138,7 @@ class Loop:
       new = min(2 * new, e.max_pool_pages)
     if new > size:
       self.state = kv_cache.resize_pool(self.state, new, ctx=e.ctx)
+      e.pool_pages = new  # later calls start at this size
       self.stats["pool_growths"] += 1
 
   def result(self, groups: list[Group]) -> AgentRollout:

@@ -375,7 +375,8 @@ class RolloutEngine:
       new = Pg
       while new - Pg < short:
         new *= 2
-      state = kv_cache.resize_pool(state, min(new, self.max_pool_pages), ctx=self.ctx)
+      self.pool_pages = min(new, self.max_pool_pages)  # later calls start at this size
+      state = kv_cache.resize_pool(state, self.pool_pages, ctx=self.ctx)
       self.stats["pool_growths"] += 1
       return state, live
     g = max((g for g, u in enumerate(slot_unit) if u is not None and run[g].any()),
