@@ -215,7 +215,9 @@ def bench_bandwidth(cfg, params, batch, prompt_len, repeats):
                                                      temperature=0.0), repeats)
   step_s = (times[64] - times[16]) / 48
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  kv = out.stats["kv_bytes"]  # the whole static cache is read by every step
+  # the prompt caches and the response pool held: at most what a step reads (it reads the
+  # live pages; ``bench_paged.py --bandwidth`` counts those)
+  kv = out.stats["kv_bytes"]
   achieved = (weights + kv) / step_s
   peak = copy_bandwidth()
   print(f"  batch {batch}: {step_s * 1e3:.2f} ms/step, weights {weights / 2**20:.1f} MiB + "
