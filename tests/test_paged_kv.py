@@ -44,7 +44,10 @@ def test_pages_of_any_size_and_a_preempting_pool_give_the_slot_layouts_tokens(re
   ref = reference[temperature]
   assert ref.lengths.min() < ref.lengths.max() == MAX_NEW  # spread, some at the budget
   assert ref.stats["decode_buckets"] == 1 and ref.stats["preemptions"] == 0
-  grown = _gen(temperature=temperature, page_size=4)
+  # a fixed pool of every sample's budget (8 slots x 3 samples x 8 pages): pages are taken
+  # as tokens are written and returned as groups leave (a growing pool this small starts at
+  # every budget and reads it in place, as the reference does)
+  grown = _gen(temperature=temperature, page_size=4, kv_pages=8 * M * MAX_NEW // 4)
   _same(grown, ref)
   # a fixed pool of one group's budget (3 samples x 8 pages): groups are preempted and
   # resumed by recompute, drawing the same tokens

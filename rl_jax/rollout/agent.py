@@ -254,7 +254,9 @@ class AgentEngine:
     e, before = self, sum(kv_cache.TRACE_COUNTS.values())
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages)
+    identity = e.pool_pages == e.max_pool_pages  # as ``agent_loop.Loop`` decides it
+    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
+                                identity=identity)
     ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})
     loop = Loop(self, params, 0)
     for Bn in ladder(4, e.G):
@@ -275,7 +277,7 @@ class AgentEngine:
                           ctx=e.ctx)
     state, _ = decode_turns(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
                             filtered=e.filtered, ctx=e.ctx,
-                            live=pages.live_bucket(1, e.S, e.R // e.S))
+                            live=pages.live_bucket(1, e.S, e.R // e.S), identity=identity)
     jax.block_until_ready(state)
     return sum(kv_cache.TRACE_COUNTS.values()) - before
 

@@ -70,8 +70,10 @@ class Loop:
     self.e, self.params = eng, params
     self.version = jnp.int32(policy_version)
     self.key = jax.random.key(eng.seed, impl="threefry2x32")
+    # a pool of every whole budget: the identity table, read in place (``decode_step``)
+    self.identity = eng.pool_pages == eng.max_pool_pages
     self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, ctx=eng.ctx,
-                                     S=eng.S, pages=eng.pool_pages)
+                                     S=eng.S, pages=eng.pool_pages, identity=self.identity)
     self.released: list[int] = []  # slots freed since their pages were last returned
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
@@ -126,7 +128,8 @@ class Loop:
     if self.released:
       rows = np.zeros(self.e.G, bool)
       rows[self.released] = True
-      self.state = kv_cache.release_slots(self.state, rows, ctx=self.e.ctx)
+      self.state = kv_cache.release_slots(self.state, rows, identity=self.identity,
+                                          ctx=self.e.ctx)
       self.released = []
 
   def room(self, pages: int) -> None:
@@ -324,7 +327,7 @@ class Loop:
     live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.R // e.S)
     self.state, _ = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
                                  jnp.int32(steps), jnp.int32(stop), filtered=e.filtered,
-                                 ctx=e.ctx, live=live)
+                                 ctx=e.ctx, live=live, identity=self.identity)
     self.stats["decode_calls"] += 1
 
   def turn_ends(self) -> bool:

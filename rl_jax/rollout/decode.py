@@ -84,7 +84,7 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
 
 
 def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
-                filtered: bool, live: int | None = None) -> DecodeState:
+                filtered: bool, live: int | None = None, identity: bool = False) -> DecodeState:
   """Feed every running sample's last token, append one sampled token.
 
   The fed token (response index ``cur``) takes a page if its table entry has none
@@ -93,7 +93,9 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   ``pages.gather_live``).
 
   Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params, cfg)``; ``live``:
-  static live-page bucket nb (None = every entry, NP). One step. Every running sample's
+  static live-page bucket nb (None = every entry, NP); ``identity``: static, the table is
+  ``init_state(identity=True)``'s, so pages are read as slices of the pool in place (no
+  gather) and none is taken. One step. Every running sample's
   ``cur`` must lie below ``live·S`` and the pool must hold a page for each sample that needs
   one (``decode`` checks both before each step).
   """
@@ -107,10 +109,18 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   pos = (state.prefix_len[:, None] + cur).reshape(G * M, 1)
   pvalid = jnp.arange(P)[None, :] < state.prefix_len[:, None]
   svalid = jnp.arange(nb * S)[None, None, :] <= cur[..., None]
-  table, free, page = pages.take_entry(state.pages, state.free, take, cur // S)
+  NP = state.pages.shape[-1]
+  if identity:
+    table, free = state.pages, state.free
+    page = (jnp.arange(G * M, dtype=jnp.int32).reshape(G, M) * NP
+            + jnp.minimum(cur // S, NP - 1))
+  else:
+    table, free, page = pages.take_entry(state.pages, state.free, take, cur // S)
   page = jnp.where(take, page, -1).reshape(-1)  # rows not fed write nothing
   offset = (cur % S).reshape(-1)
   live_table = table[:, :, :nb]
+  read = ((lambda k, v: pages.in_place(k, v, G, M, NP, nb)) if identity else
+          (lambda k, v: pages.contiguous(k, v, live_table)))
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
 
   qpos = state.prefix_len[:, None] + cur  # [G,M]
@@ -119,7 +129,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
     l = layer
     caches["sk"][l], caches["sv"][l] = pages.write(caches["sk"][l], caches["sv"][l], page,
                                                    offset, k[:, 0], v[:, 0])
-    sk, sv_ = pages.contiguous(caches["sk"][l], caches["sv"][l], live_table)
+    sk, sv_ = read(caches["sk"][l], caches["sv"][l])
     pv, sv = pvalid, svalid
     if spec is not None:
       pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))
@@ -159,11 +169,11 @@ def can_step(state: DecodeState, live: int) -> jax.Array:
   return inside & (jnp.sum(take & ~has) <= jnp.sum(state.free))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live"),
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live", "identity"),
                    donate_argnames=("state",))
 def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
-           min_finished, filtered: bool, ctx=None, live: int | None = None
-           ) -> tuple[DecodeState, jax.Array]:
+           min_finished, filtered: bool, ctx=None, live: int | None = None,
+           identity: bool = False) -> tuple[DecodeState, jax.Array]:
   """Decode inside one ``lax.while_loop`` until enough groups finish.
 
   Stops when no sample is running, after ``max_steps`` steps, once at least
@@ -177,6 +187,7 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
     sp: SamplingParams. version: int32 policy version recorded for new tokens.
     max_steps, min_finished: int32 scalars (traced).
     filtered: static; top-k/top-p active. live: static live-page bucket (None = all NP).
+    identity: static; the state's table is ``init_state(identity=True)``'s (``decode_step``).
   Returns:
     (state, steps run).
   """
@@ -197,6 +208,6 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
 
     def body(carry):
       s, step = carry
-      return decode_step(cfg, params, layers, s, sp, version, filtered, nb), step + 1
+      return decode_step(cfg, params, layers, s, sp, version, filtered, nb, identity), step + 1
 
     return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))

@@ -183,6 +183,7 @@ class RolloutEngine:
     self._uids = itertools.count()
     self._target = self._sync = None  # sampler parameter layout, jitted cast + reshard
     self._programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
+    self._identity = False  # the current state's table is the identity (``_init_state``)
 
   @property
   def ready(self) -> tuple[GroupRequest, ...]:
@@ -262,8 +263,7 @@ class RolloutEngine:
     slot_unit: list[Any] = [None] * G
     order = [0] * G  # admission order of each slot's unit (preemption takes the newest)
     admissions = itertools.count(1)
-    state = sampler.init_state(cfg, G, M, self.P, self.R, ctx=self.ctx, S=self.S,
-                               pages=self.pool_pages)
+    state = self._init_state()
     key = jax.random.key(self.seed, impl="threefry2x32")
     version = jnp.int32(policy_version)
     remaining = collections.Counter(id(u[0]) for u in units)
@@ -298,7 +298,7 @@ class RolloutEngine:
       need = 1 if units else max(1, want - len(complete))
       state, _ = sampler.decode(cfg, params, state, self.sp, version, jnp.int32(self.R),
                                 jnp.int32(need), filtered=self.filtered, ctx=self.ctx,
-                                live=live)
+                                live=live, identity=self._identity)
       self._programs.add((live, state.free.shape[0]))
       used.append(int(state.free.shape[0] - np.asarray(state.free).sum()))
     stats["kv_pages_used_peak"] = max(used, default=0)
@@ -387,11 +387,19 @@ class RolloutEngine:
     self.stats["preemptions"] += 1
     return self._release(state, [g]), None
 
+  def _init_state(self):
+    """An empty state of this engine's shapes. A pool of every sample's whole budget (a
+    growing pool's largest, or its first when max_new_tokens <= 256) gets the identity
+    table, its pages read in place (``decode_step``'s fast path)."""
+    self._identity = not self.fixed_pool and self.pool_pages == self.max_pool_pages
+    return sampler.init_state(self.cfg, self.G, self.M, self.P, self.R, ctx=self.ctx,
+                              S=self.S, pages=self.pool_pages, identity=self._identity)
+
   def _release(self, state, freed):
     """Return the pages of slots ``freed`` to the pool and mark the slots inactive."""
     rows = np.zeros(self.G, bool)
     rows[list(freed)] = True
-    return kv_cache.release_slots(state, rows, ctx=self.ctx)
+    return kv_cache.release_slots(state, rows, identity=self._identity, ctx=self.ctx)
 
   def _admit(self, params, state, batch, version, key, fresh=False):
     """Prefill the (slot, unit) pairs of ``batch`` into their slots."""
@@ -433,8 +441,7 @@ class RolloutEngine:
     before = sum(sampler.TRACE_COUNTS.values())
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    state = sampler.init_state(self.cfg, self.G, self.M, self.P, self.R, ctx=self.ctx,
-                               S=self.S, pages=self.pool_pages)
+    state = self._init_state()
     ladder = lambda lo, top: sorted({min(top, lo << i) for i in range(max(1, top).bit_length() + 1)})
     for Bn in ladder(4, self.G):
       for Pb in ladder(8, self.P):
@@ -452,7 +459,8 @@ class RolloutEngine:
     state = self._release(state, range(self.G))
     live = pages.live_bucket(1, self.S, self.NP)
     state, _ = sampler.decode(self.cfg, params, state, self.sp, version, jnp.int32(1),
-                              jnp.int32(1), filtered=self.filtered, ctx=self.ctx, live=live)
+                              jnp.int32(1), filtered=self.filtered, ctx=self.ctx, live=live,
+                              identity=self._identity)
     self._programs.add((live, self.pool_pages))
     jax.block_until_ready(state)
     return sum(sampler.TRACE_COUNTS.values()) - before

@@ -146,11 +146,11 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     return constrain_state(new), logits
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live"),
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live", "identity"),
                    donate_argnames=("state",))
 def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
-                 stop_count, filtered: bool, ctx=None, live: int | None = None
-                 ) -> tuple[DecodeState, jax.Array]:
+                 stop_count, filtered: bool, ctx=None, live: int | None = None,
+                 identity: bool = False) -> tuple[DecodeState, jax.Array]:
   """Decode inside one ``lax.while_loop`` until ``stop_count`` samples end their turn.
 
   A sample's turn ends on an end-of-turn id (``sp.eos_ids``) or at its ``budget``; it then
@@ -164,6 +164,7 @@ def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_
       ``stop_count`` of the samples running at entry have stopped, or when none runs (or
       when the next step cannot run: ``decode.can_step``).
     filtered: static; top-k/top-p active. live: static live-page bucket (None = all pages).
+    identity: static; the table is ``init_state(identity=True)``'s (``decode_step``).
   Returns:
     (state, steps run).
   """
@@ -182,6 +183,7 @@ def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_
 
     def body(carry):
       s, step = carry
-      return decode_step(cfg, params, layers, s, sp, version, filtered, nb), step + 1
+      return (decode_step(cfg, params, layers, s, sp, version, filtered, nb, identity),
+              step + 1)
 
     return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))

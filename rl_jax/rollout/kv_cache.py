@@ -178,13 +178,17 @@ def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPara
                         reason=reason)
 
 
-def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int,
-                Pg: int) -> DecodeState:
+def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: int,
+                identity: bool) -> DecodeState:
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
   NP = R // S
   layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
-  table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((Pg,), bool)
+  if identity:  # entry (g, m, p) owns page (g·M + m)·NP + p for good
+    table = jnp.arange(G * M * NP, dtype=jnp.int32).reshape(G, M, NP)
+    free = jnp.arange(Pg) >= G * M * NP
+  else:
+    table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((Pg,), bool)
   return DecodeState(
       prefix_k=layers((G, K, H, P)), prefix_v=layers((G, K, P, H)),
       prefix_len=jnp.ones((G,), jnp.int32),
@@ -204,27 +208,34 @@ def empty_routing(cfg: ModelConfig, lead: tuple[int, ...]) -> jax.Array | None:
   return jnp.full((*lead, len(cfg.moe_layers), cfg.num_experts_per_tok), -1, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "S", "pages", "ctx"))
+@functools.partial(jax.jit, static_argnames=("cfg", "G", "M", "P", "R", "S", "pages",
+                                             "identity", "ctx"))
 def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
-               S: int | None = None, pages: int | None = None) -> DecodeState:
+               S: int | None = None, pages: int | None = None,
+               identity: bool = False) -> DecodeState:
   """Empty state for G slots of M samples, prefix length P, response length R.
 
   S: page size (default R: one page per sample); a power of two dividing R. pages: pool
   pages Pg (default G·M·R/S, every sample's whole budget). Every table entry starts
-  without a page and every page free.
+  without a page and every page free; ``identity``: entry (g, m, p) owns page
+  ``(g·M + m)·NP + p`` for good (a pool of every whole budget read in place: the programs'
+  ``identity`` fast path; needs Pg >= G·M·NP).
   """
   TRACE_COUNTS["init_state"] += 1
   S = R if S is None else S
   Pg = G * M * (R // S) if pages is None else pages
   with mesh_context(ctx):
-    return constrain_state(_init_state(cfg, G, M, P, R, S, Pg))
+    return constrain_state(_init_state(cfg, G, M, P, R, S, Pg, identity))
 
 
-@functools.partial(jax.jit, static_argnames=("ctx",), donate_argnames=("state",))
-def release_slots(state: DecodeState, rows, ctx=None) -> DecodeState:
-  """Slots where ``rows`` (bool [G]) is True: pages back to the pool, slot inactive."""
+@functools.partial(jax.jit, static_argnames=("identity", "ctx"), donate_argnames=("state",))
+def release_slots(state: DecodeState, rows, identity: bool = False, ctx=None) -> DecodeState:
+  """Slots where ``rows`` (bool [G]) is True: pages back to the pool (an ``identity`` table
+  keeps them), slot inactive."""
   TRACE_COUNTS["release_slots"] += 1
   with mesh_context(ctx):
+    if identity:
+      return constrain_state(state._replace(active=state.active & ~rows))
     table, free = pages.release(state.pages, state.free, rows)
     return constrain_state(state._replace(pages=table, free=free, active=state.active & ~rows))
 

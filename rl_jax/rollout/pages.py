@@ -28,8 +28,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["allocate", "contiguous", "gather_live", "grow", "live_bucket", "page_bytes",
-           "pages_from_memory", "pages_needed", "release", "rows_need", "take_entry", "write", "write_rows"]
+__all__ = ["allocate", "contiguous", "gather_live", "grow", "in_place", "live_bucket",
+           "page_bytes", "pages_from_memory", "pages_needed", "release", "rows_need",
+           "take_entry", "write", "write_rows"]
 
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -158,6 +159,18 @@ def contiguous(pool_k, pool_v, table_live):
   k = k.reshape(*k.shape[:-2], nb * k.shape[-1])
   v = jnp.moveaxis(v, lead, -3)  # [..,K,nb,S,H]
   v = v.reshape(*v.shape[:-3], nb * v.shape[-2], v.shape[-1])
+  return k, v
+
+
+def in_place(pool_k, pool_v, G: int, M: int, NP: int, nb: int):
+  """``contiguous`` for an identity table (entry (g, m, p) on page (g·M + m)·NP + p): the
+  first ``nb`` pages of every sample as slices of the pool, no gather (one page per sample
+  is a free reshape)."""
+  _, K, H, S = pool_k.shape
+  k = pool_k[:G * M * NP].reshape(G, M, NP, K, H, S)[:, :, :nb]
+  v = pool_v[:G * M * NP].reshape(G, M, NP, K, S, H)[:, :, :nb]
+  k = jnp.moveaxis(k, 2, -2).reshape(G, M, K, H, nb * S)
+  v = jnp.moveaxis(v, 2, -3).reshape(G, M, K, nb * S, H)
   return k, v
 
 
