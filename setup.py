@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+_TPU = ["libtpu==0.0.42.1; sys_platform == 'linux'"]  # the version jax[tpu]==0.10.2 pulls
+
 setup(
     name="rl_jax",
     version="0.1.0",
@@ -39,7 +41,12 @@ setup(
         "gcs": ["gcsfs"],
         # loading the exported LoRA adapters (DIR/hf_adapter) onto transformers models.
         "lora": ["peft>=0.13"],
+        # the TPU compiler, for the topology dry run on any host
+        # (--config.train.dry_run=True --config.dry_run.topology=v5e:2x2, rl_jax.train.topology)
+        # and for TPU VMs; pinned to the libtpu that jax[tpu]==0.10.2 installs.
+        "tpu": _TPU,
         "test": [
+            *_TPU,  # tests/test_tpu_compile.py compiles for TPU topologies on the CPU host
             "gymnasium>=1.0",
             "verifiers==0.4.0",
             "pytest",

@@ -11,19 +11,25 @@ from pallas_kernels.block_sizes import DEFAULT_BLOCK_SIZES, BlockSizes
 from pallas_kernels.lse_attention import merge_partials, partial_softmax, two_region_attention
 from pallas_kernels.shared_prefix_attention import (
     BACKENDS,
+    current_platform,
+    resolve_backend,
     shared_prefix_attention,
     shared_prefix_attention_lse,
     shared_prefix_attention_reference,
+    target_platform,
 )
 
 __all__ = [
     "BACKENDS",
     "BlockSizes",
     "DEFAULT_BLOCK_SIZES",
+    "current_platform",
     "merge_partials",
     "partial_softmax",
+    "resolve_backend",
     "shared_prefix_attention",
     "shared_prefix_attention_lse",
     "shared_prefix_attention_reference",
+    "target_platform",
     "two_region_attention",
 ]

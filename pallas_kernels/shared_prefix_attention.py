@@ -19,8 +19,11 @@ Backends (one function, chosen by ``backend``):
   "gpu"        Triton kernels; key tiles walked by an in-kernel loop (shared_prefix_gpu.py).
   "reference"  the pure-jnp two-region computation of ``lse_attention.py``, the fast path
                on CPU.
-  "auto"       by ``jax.default_backend()``; on CPU the reference, or the TPU kernel in the
-               Pallas interpreter when ``interpret=True``.
+  "auto"       by the platform the program is compiled for: ``target_platform``'s inside
+               that context (``rl_jax.sharding.use`` enters it with its mesh's platform,
+               so a program traced for a mesh of TPU devices takes the TPU kernel on any
+               host), else ``jax.default_backend()``; on CPU the reference, or the TPU
+               kernel in the Pallas interpreter when ``interpret=True``.
 The kernels are differentiable through ``jax.custom_vjp``: the backward recomputes
 probabilities from the saved log-sum-exp; context dK/dV are summed over the M responses in
 float32 in a fixed order.
@@ -31,6 +34,8 @@ FlashAttention-2 (Dao, 2023).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -43,12 +48,34 @@ from pallas_kernels import shared_prefix_gpu, shared_prefix_tpu
 from pallas_kernels.block_sizes import BlockSizes
 from pallas_kernels.lse_attention import two_region_attention
 
-__all__ = ["BACKENDS", "shared_prefix_attention", "shared_prefix_attention_lse",
-           "shared_prefix_attention_reference"]
+__all__ = ["BACKENDS", "current_platform", "resolve_backend", "shared_prefix_attention",
+           "shared_prefix_attention_lse", "shared_prefix_attention_reference",
+           "target_platform"]
 
 BACKENDS = ("auto", "tpu", "gpu", "reference")
 _KERNELS = {"tpu": shared_prefix_tpu, "gpu": shared_prefix_gpu}
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "pallas_kernels_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str | None):
+  """Within this context (at trace time) ``backend="auto"`` picks the kernel for
+  ``platform`` ("tpu", "gpu"/"cuda"/"rocm", "cpu"; None: ``jax.default_backend()``), the
+  platform of the devices the traced program is compiled for, which need not be this
+  host's (a program compiled for an abstract TPU topology on a CPU host)."""
+  token = _PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _PLATFORM.reset(token)
+
+
+def current_platform() -> str:
+  """The platform ``backend="auto"`` resolves against: ``target_platform``'s, else
+  ``jax.default_backend()``."""
+  return _PLATFORM.get() or jax.default_backend()
 
 
 # ---------------------------------------------------------------------------------------
@@ -102,6 +129,12 @@ def _lengths(q, k_ctx, ctx_lengths):
           else jnp.asarray(ctx_lengths).astype(jnp.int32))
 
 
+def resolve_backend(backend: str = "auto", interpret: bool = False) -> str:
+  """The backend ``shared_prefix_attention(..., backend=backend, interpret=interpret)``
+  runs when traced here: "tpu", "gpu" or "reference" (see the module docstring)."""
+  return _resolve_backend(backend, interpret)
+
+
 def _resolve_backend(backend: str, interpret: bool) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -109,7 +142,7 @@ def _resolve_backend(backend: str, interpret: bool) -> str:
     raise ValueError(f"interpret must be a bool, got {interpret!r}")
   if backend != "auto":
     return backend
-  platform = jax.default_backend()
+  platform = current_platform()
   if platform == "tpu":
     return "tpu"
   if platform in ("gpu", "cuda", "rocm"):

@@ -35,6 +35,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from rl_jax import config_utils as cu
+from rl_jax import imports
 from rl_jax import losses
 from rl_jax import optim
 from rl_jax import sharding
@@ -50,6 +51,9 @@ SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 OFFLOAD_PARTS = ("optimizer", "reference")  # train.offload (rl_jax.train.offload)
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
 ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks.TASKS)
+# env.name of the adapters' tasks (rl_jax.envs.adapters): a gymnasium id, a verifiers taskset
+ENV_ADAPTERS = {"gymnasium": "gym_id", "verifiers": "verifiers"}
+GYM_CODECS = ("auto", "frozen_lake", "blackjack", "default")  # env.gym_codec
 TOOL_FORMATS = ("auto", "hermes", "llama3")  # env.tool_format (rl_jax.envs.tool_calls)
 
 
@@ -190,9 +194,18 @@ def _env() -> ml_collections.ConfigDict:
   row's response length) is ``max_total_tokens`` (``rl_jax.train.agent_stage``). The chat
   format is the compact built-in one with the char tokenizer, else the checkpoint's own
   template (``model.hf_path`` or ``data.tokenizer``). ``math_tools`` reads its questions
-  from ``data.path`` (``data.format``, ``data.eval_path`` as for file tasks)."""
+  from ``data.path`` (``data.format``, ``data.eval_path`` as for file tasks).
+
+  Tasks from outside rl_jax: ``name="my_env:make"`` (an import path, ``rl_jax.imports``:
+  ``make(config.env)`` returns an ``rl_jax.envs.EnvSpec``; the user's own settings go in
+  ``kwargs``), ``gym_id="FrozenLake-v1"`` (a gymnasium environment played in text; examples
+  are episode seeds) or ``verifiers="my_tasks:load"`` (``load(config.env)`` returns a
+  verifiers taskset, or a (train, eval) pair); the last two set ``name`` to "gymnasium" /
+  "verifiers" when it is unset."""
   return ml_collections.ConfigDict(dict(
-      name="",  # "" | one of rl_jax.envs.tasks.TASKS ("calculator", "guess", "math_tools")
+      # "" | a built-in task (rl_jax.envs.tasks.TASKS: "calculator", "guess", "math_tools")
+      # | "module.path:factory" | "gymnasium" (gym_id) | "verifiers" (verifiers)
+      name="",
       max_turns=3,  # U: assistant turns per trajectory
       max_total_tokens=48,  # R: every token after the first prompt (model + observation)
       max_turn_tokens=16,  # model tokens per assistant turn
@@ -201,18 +214,30 @@ def _env() -> ml_collections.ConfigDict:
       kv_ttl_s=-1.0,  # seconds a group waiting on its environments keeps its KV (-1: always)
       workers=4,  # environment threads
       n_train=2000,  # examples of the task's train split
-      n_eval=200,  # calculator: held-out examples (guess: every target once)
+      n_eval=200,  # calculator, gymnasium: held-out examples (guess: every target once)
       digits_min=2,  # calculator: digits of each factor (min, max)
       digits_max=3,
       guess_n=20,  # guess: targets in [1, guess_n]
       step_penalty=0.0,  # guess: reward of each wrong guess is -step_penalty
       # math_tools: tool-call format, "auto" = the one the chat template writes
       tool_format="auto",
-      system_prompt=config_dict.placeholder(str),  # math_tools: None = the task's, "" = none
+      # math_tools: None = the task's, "" = none; gymnasium: the instructions before the
+      # first observation (None: the codec's, "" = none)
+      system_prompt=config_dict.placeholder(str),
       python_timeout_s=5.0,  # math_tools: wall-clock seconds per Python call
       max_tool_calls=2,  # math_tools: tool calls run per assistant turn
       # HF chat templates: Qwen3's enable_thinking (None: the template's default)
       enable_thinking=config_dict.placeholder(bool),
+      # the user's own settings, read by an env.name=module:factory task (config.env.kwargs)
+      # and passed to gymnasium.make(gym_id, **kwargs); new keys may be set from the
+      # command line (--config.env.kwargs.is_slippery=False)
+      kwargs=ml_collections.ConfigDict(),
+      gym_id="",  # gymnasium id (e.g. "FrozenLake-v1"); train/eval examples: episode seeds
+      # gymnasium text codec: "auto" (FrozenLake, Blackjack by id, else "default"),
+      # "frozen_lake", "blackjack", "default" (an action's index for Discrete, Text as is)
+      gym_codec="auto",
+      invalid_reward=0.0,  # gymnasium: reward of a turn that is no valid action
+      verifiers="",  # "module:fn", fn(config.env) -> a verifiers Taskset or (train, eval)
   ))
 
 
@@ -387,13 +412,25 @@ def _log() -> ml_collections.ConfigDict:
   ))
 
 
+def _dry_run() -> ml_collections.ConfigDict:
+  """``train.dry_run=True`` for a TPU topology this host does not have
+  (``rl_jax.train.topology``, needs ``pip install -e ".[tpu]"``): every program of the run
+  compiled for it with libtpu; HBM per chip, XLA's estimates; exit 0 if it fits."""
+  return ml_collections.ConfigDict(dict(
+      # "" plans on this job's devices (the memory plan); else a TPU slice named by its
+      # chips: "v5e:2x2" (4 chips), "v5p:2x2x2" (8 chips, sold as v5p-16), "v6e:2x4"
+      topology="",
+      num_slices=1,  # slices of that topology in the job (multislice)
+  ))
+
+
 def base_config() -> ml_collections.ConfigDict:
   """The full default config tree (unlocked): model, mesh, distributed, data, rollout, loss,
-  loss_extra, optim, train, sft, eval, log, env."""
+  loss_extra, optim, train, sft, eval, log, env, dry_run."""
   return ml_collections.ConfigDict(dict(
       model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),
       rollout=_rollout(), loss=_loss(), loss_extra=_loss_extra(), optim=_optim(),
-      train=_train(), sft=_sft(), eval=_eval(), log=_log(),
+      train=_train(), sft=_sft(), eval=_eval(), log=_log(), dry_run=_dry_run(),
   ))
 
 
@@ -521,11 +558,13 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.cpu_fast_compile": cu.one_of((False, True)),
       "train.cpu_xla_reductions": cu.one_of((False, True)),
       "train.cpu_temp_block_mib": cu.nonnegative_int,
+      "dry_run.topology": lambda x: None if isinstance(x, str) else "must be a string",
+      "dry_run.num_slices": cu.positive_int,
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,
       "eval.pass_k": cu.nonnegative_int,
-      "env.name": cu.one_of(("",) + ENV_TASKS),
+      "env.name": _env_name,
       "env.max_turns": cu.positive_int,
       "env.max_total_tokens": cu.positive_int,
       "env.max_turn_tokens": cu.positive_int,
@@ -543,6 +582,11 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "env.tool_format": cu.one_of(TOOL_FORMATS),
       "env.python_timeout_s": cu.positive,
       "env.max_tool_calls": cu.positive_int,
+      "env.gym_id": lambda x: None if isinstance(x, str) else "must be a gymnasium id (str)",
+      "env.gym_codec": cu.one_of(GYM_CODECS),
+      "env.invalid_reward": lambda x: None if cu.is_number(x) else "must be a number",
+      "env.verifiers": lambda x: (None if x == "" or imports.is_import_path(x) else
+                                  "must be an import path module:fn, or ''"),
   }
 
 
@@ -566,6 +610,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ConfigError: one line naming the key(s), e.g.
       ``config.rollout.n must be a positive int, got 0``.
   """
+  _env_source(config)
   cu.validate(config, checks())
   _check_model(config)
   axes = sorted(dict(config.mesh.shape))
@@ -660,6 +705,38 @@ def _check_lora_off(config: ml_collections.ConfigDict) -> None:
              else "")
       raise ConfigError(f"model.lora.{key}={value!r} needs model.lora.rank > 0: "
                         f"model.lora.rank=0, so LoRA is off{why}")
+
+
+def _env_name(x) -> str | None:
+  """``env.name``: "", a built-in task, an adapter's name or an import path."""
+  if x in ("",) + ENV_TASKS + tuple(ENV_ADAPTERS) or imports.is_import_path(x):
+    return None
+  return (f"must be '', a built-in task {ENV_TASKS}, one of {tuple(ENV_ADAPTERS)} or an "
+          "import path module:factory (e.g. my_env:make)")
+
+
+def _env_source(config: ml_collections.ConfigDict) -> None:
+  """``env.gym_id`` / ``env.verifiers`` name the task of their adapter: with ``env.name``
+  unset it becomes "gymnasium" / "verifiers" (the name every multi-turn path reads); any other
+  name, both set, or an adapter's name without its key is one ConfigError line."""
+  e = config.get("env")
+  if e is None or "gym_id" not in e:
+    return
+  given = [(name, key) for name, key in ENV_ADAPTERS.items() if e[key]]
+  if len(given) > 1:
+    raise ConfigError(f"env.gym_id={e.gym_id!r} and env.verifiers={e.verifiers!r} both name a "
+                      "task; set one")
+  if given:
+    name, key = given[0]
+    if e.name == "":
+      e.name = name
+    elif e.name != name:
+      raise ConfigError(f"env.{key}={e[key]!r} names the task, but env.name={e.name!r} names "
+                        f"another; set env.name={name!r} or leave it unset")
+  elif e.name in ENV_ADAPTERS:
+    raise ConfigError(f"env.name={e.name!r} needs env.{ENV_ADAPTERS[e.name]} (e.g. "
+                      + ("env.gym_id=FrozenLake-v1)" if e.name == "gymnasium" else
+                         "env.verifiers=my_tasks:load)"))
 
 
 def _check_env(config: ml_collections.ConfigDict) -> None:

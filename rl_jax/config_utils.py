@@ -42,7 +42,14 @@ Flags other than ``--config``/``--workdir`` are handed to absl, so absl's own fl
 (``--verbosity`` ...) keep working.
 
 Config files are plain Python files executed by path; they import what they need from the
-installed package (``from rl_jax import config``), and nothing is added to ``sys.path``.
+installed package (``from rl_jax import config``), and nothing is added to ``sys.path``. The
+directory of a loaded config file is remembered as a place to find the modules that the
+config's import paths name (``env.name=my_env:make`` with ``my_env.py`` beside the config
+file; ``rl_jax.imports``).
+
+Free-form sections (``FREE_FORM``: ``env.kwargs``, the user's own environment settings) take
+new keys from the command line too: ``--config.env.kwargs.size=8`` sets ``size`` whether or
+not the config file defined it (a new key's value is a Python literal, else the raw string).
 
 The declarative value checks (``check``, ``validate``, ``positive_int``, ``one_of`` ...) live
 in ``rl_jax.config_checks`` and are importable from here too.
@@ -68,6 +75,7 @@ from rl_jax.config_checks import (Check, check, check_choice, get_value, in_rang
                                   nonnegative, nonnegative_int, one_of, optional, positive,
                                   positive_int, power_of_two, probability, resolve_parent,
                                   validate)
+from rl_jax import imports
 from rl_jax.errors import ConfigError, RLJaxError
 
 __all__ = [
@@ -126,6 +134,7 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
   if not os.path.isfile(path):
     raise ConfigError(f"config file not found: {path}")
   module = _exec_module(path)
+  imports.remember_config_dir(path)
   get_config = getattr(module, "get_config", None)
   if not callable(get_config):
     raise ConfigError(f"config file {path} defines no get_config() function")
@@ -274,8 +283,17 @@ def _field_info(parent: ml_collections.ConfigDict, leaf: str) -> tuple[type | No
   return type(raw_field), False
 
 
+# sections whose keys are the user's own: an override may add a key (module docstring)
+FREE_FORM = ("env.kwargs",)
+
+
 def set_value(config: ml_collections.ConfigDict, key: str, raw: str) -> None:
-  """Parses ``raw`` against the existing field at dotted ``key`` and assigns it."""
+  """Parses ``raw`` against the existing field at dotted ``key`` and assigns it (a new key
+  of a ``FREE_FORM`` section: a Python literal, else the raw string)."""
+  head, _, leaf = key.rpartition(".")
+  if head in FREE_FORM and leaf not in get_value(config, head):
+    get_value(config, head)[leaf] = _literal(raw.strip())
+    return
   parent, leaf = resolve_parent(config, key)
   field_type, allow_none = _field_info(parent, leaf)
   value = parse_value(raw, field_type, key=key, allow_none=allow_none)

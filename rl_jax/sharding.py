@@ -30,8 +30,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import pallas_kernels
+
 __all__ = ["MESH_AXES", "RULES", "LogicalAxes", "Rules", "active", "constrain", "get_rules",
-           "logical_to_sharding", "logical_to_spec", "make_mesh", "use"]
+           "logical_to_sharding", "logical_to_spec", "make_mesh", "platform", "use"]
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
@@ -164,10 +166,14 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.Context
 
 @contextlib.contextmanager
 def use(mesh: Mesh, rules: str | Rules):
-  """Within this context (at trace time), ``constrain`` pins activations to the rules."""
+  """Within this context (at trace time), ``constrain`` pins activations to the rules, and
+  the kernels the traced program picks (``platform``, ``pallas_kernels.target_platform``)
+  are those of the mesh's devices, which need not be this host's (an abstract TPU
+  topology's devices, ``rl_jax.train.topology``)."""
   token = _ACTIVE.set((mesh, get_rules(rules)))
   try:
-    yield
+    with pallas_kernels.target_platform(mesh.devices.flat[0].platform):
+      yield
   finally:
     _ACTIVE.reset(token)
 
@@ -175,6 +181,13 @@ def use(mesh: Mesh, rules: str | Rules):
 def active() -> tuple[Mesh, Rules] | None:
   """The (mesh, rules) pinned by the innermost ``sharding.use``, or None outside one."""
   return _ACTIVE.get()
+
+
+def platform() -> str:
+  """The platform of the devices the program being traced is for: the active mesh's
+  (``use``), else ``jax.default_backend()``."""
+  active_ = _ACTIVE.get()
+  return active_[0].devices.flat[0].platform if active_ is not None else jax.default_backend()
 
 
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:

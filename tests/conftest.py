@@ -4,6 +4,13 @@ import os
 import shutil
 import tempfile
 
+# Before jax is imported: the CPU backend only (the test extra installs libtpu, with which JAX
+# would try a TPU first: seconds more start-up and error lines on a CPU host; the topology
+# compiles of tests/test_tpu_compile.py need no TPU backend), and libtpu loadable by every
+# process (each xdist worker and subprocess that compiles for a topology loads it; without
+# this the second fails on libtpu's lock file). Subprocesses inherit both.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -15,7 +22,6 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # keep theirs.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # One persistent compilation cache for every training run of the session (the xdist workers,
 # the subprocess runs and the notebook kernel inherit it): the many tiny runs share programs.
@@ -43,7 +49,7 @@ LONG_FILES_FIRST = [
     "test_agent_train.py", "test_lora.py", "test_fused_layers.py", "test_train_hf.py",
     "test_workdir_recovery.py", "test_notebook.py", "test_qlora.py", "test_moe_rl.py",
     "test_bench_scripts.py", "test_workdir_gcs.py", "test_offload.py", "test_moe_capacity.py",
-    "test_api.py", "test_models_moe_gemma.py",
+    "test_api.py", "test_models_moe_gemma.py", "test_tpu_compile.py",
 ]
 
 

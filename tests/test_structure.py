@@ -26,7 +26,7 @@ TRAIN_LAYERS = [
     ("state", ["records", "queue", "state", "lora_checkpoint", "resume", "layout", "steps",
                "rollouts"], False),
     ("step", ["producer", "learner", "evaluation", "memory"], True),
-    ("runner", ["runner"], False),
+    ("runner", ["runner", "topology"], False),
     ("loop", ["loop"], False),
 ]
 TRAIN_MODULES = [m for _, mods, _ in TRAIN_LAYERS for m in mods]

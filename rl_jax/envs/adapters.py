@@ -3,7 +3,8 @@
 * ``GymnasiumTextEnv``: a ``gymnasium.Env`` played in text. A ``TextCodec`` turns
   observations into user messages and assistant text into actions (codecs are included for
   the toy-text FrozenLake and Blackjack; spaces of type ``gymnasium.spaces.Text`` pass text
-  through). Rewards are gymnasium's per-step rewards.
+  through). Rewards are gymnasium's per-step rewards. The state key of a turn
+  (``state_key()``, GiGPO's step groups) is the observation's text.
 * ``VerifiersEnvironment``: a ``verifiers`` (v1) ``Task`` -- its prompt opens the episode, the
   model may call rl_jax tools (``ToolEnvironment`` semantics), and the final answer is scored
   by the task's own ``@vf.reward`` functions (``Task.score``) on a ``Trace`` built from the
@@ -81,24 +82,35 @@ class GymnasiumTextEnv:
     max_turns: assistant turns before the episode is cut off (None: gymnasium decides).
     invalid_reward: reward for text that is no valid action (the environment does not step;
       the model is told "invalid action" and the turn counts).
+    sample_seeds: reset with ``example["seed"] + seed`` (each sample its own episode); False:
+      with ``example["seed"]`` alone, so every sample of an example plays the same episode
+      (the same first observation and random stream: a group compares actions, and
+      environments whose first observation is random, e.g. Blackjack, share one prompt).
   """
 
   tools: tuple = ()
 
   def __init__(self, env: Any, codec: TextCodec | None = None, max_turns: int | None = None,
-               invalid_reward: float = 0.0):
+               invalid_reward: float = 0.0, sample_seeds: bool = True):
     self.env = env() if callable(env) and not hasattr(env, "step") else env
     self.codec = codec or _default_codec(self.env)
     if self.codec.text_to_action is None:
       self.codec = dataclasses.replace(self.codec,
                                        text_to_action=_default_codec(self.env).text_to_action)
     self.max_turns, self.invalid_reward = max_turns, invalid_reward
+    self.sample_seeds = bool(sample_seeds)
     self._turns = 0
+    self._obs_text: str | None = None
+
+  def state_key(self) -> str | None:
+    """The current observation's text (None before ``reset``)."""
+    return self._obs_text
 
   def reset(self, example: Mapping[str, Any], seed: int) -> list[Message]:
-    obs, _ = self.env.reset(seed=int(example.get("seed", 0)) + seed)
+    base = int(example.get("seed", 0))
+    obs, _ = self.env.reset(seed=base + seed if self.sample_seeds else base)
     self._turns = 0
-    text = self.codec.obs_to_text(obs)
+    text = self._obs_text = self.codec.obs_to_text(obs)
     intro = example.get("instructions", self.codec.instructions)
     return [Message("user", f"{intro}\n{text}" if intro else text)]
 
@@ -111,8 +123,9 @@ class GymnasiumTextEnv:
       msgs = () if out_of_turns else (Message("user", "invalid action"),)
       return StepResult(msgs, self.invalid_reward, out_of_turns, info)
     obs, reward, terminated, truncated, _ = self.env.step(act)
+    self._obs_text = self.codec.obs_to_text(obs)
     done = bool(terminated or truncated or out_of_turns)
-    msgs = () if done else (Message("user", self.codec.obs_to_text(obs)),)
+    msgs = () if done else (Message("user", self._obs_text),)
     info = {"terminated": bool(terminated), "truncated": bool(truncated or
                                                                (out_of_turns and not terminated))}
     return StepResult(msgs, float(reward), done, info)

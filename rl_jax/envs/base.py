@@ -11,12 +11,20 @@ sampled ids exactly as sampled and tokenizes only the environment's new messages
 
 Episodes must be deterministic given ``(example, seed)`` and the sequence of actions: a
 resumed run rebuilds a held episode by calling ``reset`` and replaying its recorded actions.
+
+State keys (GiGPO's anchor states, docs/ALGORITHMS.md): an environment may say which state
+a turn starts from, so that turns of different trajectories that reach one state by
+different paths share a step group. ``StepResult.state_key`` is the key of the state after
+the step; an environment may also define ``state_key()``, the key of its current state, read
+after ``reset`` (the first turn's state) and after every step whose result carries none. A
+key is built of str, bytes, int, float, bool, None and tuples of them (hashed the same in
+every process); a turn without one is keyed by its token history.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Hashable, Mapping, Protocol, Sequence, runtime_checkable
 
 __all__ = ["Environment", "Message", "StepResult", "Tool"]
 
@@ -48,13 +56,15 @@ class StepResult:
   messages: the messages the environment appends (empty when ``done``). reward: this turn's
   reward (summed into the trajectory's return; per-turn credit assignment reads it per
   turn). done: the episode is over. info: counters the trainer turns into metrics, e.g.
-  ``{"tool_calls": 1, "tool_errors": {"timeout": 1}}``.
+  ``{"tool_calls": 1, "tool_errors": {"timeout": 1}}``. state_key: the key of the
+  environment's state after this step (module docstring), or None.
   """
 
   messages: tuple[Message, ...] = ()
   reward: float = 0.0
   done: bool = False
   info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  state_key: Hashable | None = None
 
 
 @runtime_checkable
@@ -73,7 +83,8 @@ class Tool(Protocol):
 class Environment(Protocol):
   """A text environment for one episode (one instance per trajectory).
 
-  ``tools`` lists the tools the chat template advertises (empty for games).
+  ``tools`` lists the tools the chat template advertises (empty for games). It may also
+  define ``state_key() -> Hashable | None``, the key of its current state (module docstring).
   """
 
   tools: Sequence[Tool]

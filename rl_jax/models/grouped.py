@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from rl_jax import sharding
 from rl_jax.errors import ModelError
 from rl_jax.models import moe
 from rl_jax.models import sequence_parallel as sp
@@ -93,8 +95,8 @@ def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int,
   ``pallas_kernels.shared_prefix_attention``, "concat" through
   ``tx.concat_prefix_attention`` (layers without a window).
   """
-  responses = (pallas_kernels.shared_prefix_attention if prefix_attention == "kernel" else
-               tx.concat_prefix_attention)
+  responses = (_per_shard(pallas_kernels.shared_prefix_attention) if prefix_attention == "kernel"
+               else tx.concat_prefix_attention)
 
   def attend(q, k, v, state, spec=None):
     G = q.shape[0]
@@ -113,6 +115,35 @@ def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int,
     return jnp.concatenate([out_p, out_r.reshape(G, M * R, *out_r.shape[3:])], axis=1), state
 
   return attend
+
+
+def _per_shard(attention):
+  """``attention`` (``pallas_kernels.shared_prefix_attention``'s positional signature) run
+  per shard with ``shard_map`` when it runs a Pallas kernel inside ``sharding.use`` on a
+  mesh of several devices: XLA cannot partition a kernel's custom call ("Mosaic kernels
+  cannot be automatically partitioned"), so each device attends its own groups (the rules'
+  ``batch`` axes) and, when the rules split both query and kv heads alike, its own heads
+  (GQA groups stay whole). The jnp reference (CPU) is left to XLA's partitioner."""
+
+  def run(q, k_ctx, v_ctx, k_resp, v_resp, lengths):
+    active = sharding.active()
+    if (active is None or active[0].size == 1
+        or pallas_kernels.resolve_backend() == "reference"):
+      return attention(q, k_ctx, v_ctx, k_resp, v_resp, lengths)
+    mesh, rules = active
+    one = lambda axes, n: sharding.logical_to_spec((axes,), rules, mesh, (n,))[0]
+    batch = one("batch", q.shape[0])
+    q_heads, kv_heads = one("act_heads", q.shape[3]), one("act_kv_heads", k_ctx.shape[2])
+    heads = q_heads if q_heads == kv_heads else None
+    q_spec = PartitionSpec(batch, None, None, heads, None)
+    ctx_spec = PartitionSpec(batch, None, heads, None)
+    # check_vma=False: a pallas_call's outputs carry no varying-axes type
+    fn = jax.shard_map(attention, mesh=mesh, out_specs=q_spec, check_vma=False,
+                       in_specs=(q_spec, ctx_spec, ctx_spec, q_spec, q_spec,
+                                 PartitionSpec(batch)))
+    return fn(q, k_ctx, v_ctx, k_resp, v_resp, lengths.astype(jnp.int32))
+
+  return run
 
 
 def _windowed_responses(spec, q, k_ctx, v_ctx, k_resp, v_resp, prompt_lengths):

@@ -523,7 +523,7 @@ def _frozen_stacks(cfg: ModelConfig, stack: Params) -> list | None:
   values once more). Frozen leaves: the base of a LoRA model (everything but the adapters),
   which is never trained.
   """
-  if not cfg.lora_rank or jax.default_backend() != "cpu":
+  if not cfg.lora_rank or sharding.platform() != "cpu":  # the compiled program's platform
     return None
   flat = jax.tree_util.tree_flatten_with_path(stack)[0]
   adapter = lambda path: any(getattr(k, "key", None) == lora.KEY for k in path)

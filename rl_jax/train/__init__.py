@@ -22,7 +22,8 @@ Modules by layer; a module imports only from its own layer's earlier modules or 
                steps (jitted SFT step, RL update, log-prob / value / gradient-norm passes),
                rollouts (Trainer, host helpers)
     step       producer, learner, evaluation, memory (the memory plan)
-    runner     runner (FixedLag, FreeRunning, make_runner)
+    runner     runner (FixedLag, FreeRunning, make_runner), topology (the dry run compiled
+               for a TPU topology this host does not have: dry_run.topology)
     loop       loop (resume, step, evaluate, checkpoint, SIGTERM; train, main)
 
 Shapes: the package legend (``rl_jax/__init__.py``).

@@ -8,7 +8,9 @@ environment task, as small functions of the setup's config and host arrays:
   ``<|im_end|>``, ends the engine's turns); ``tool_format``: the tool-call format of
   ``math_tools`` (``env.tool_format``, or the one the template writes).
 * ``env_task`` / ``env_examples``: the task (``rl_jax.envs.tasks``; ``math_tools`` reads its
-  questions from ``data.path``, ``file_examples``) and its splits as
+  questions from ``data.path``, ``file_examples``; ``env.name=module:factory``, a gymnasium id
+  or a verifiers taskset: ``external_task``, ``gymnasium_task``, ``verifiers_task``, each
+  checked at setup, before anything compiles) and its splits as
   ``EnvExample``s whose ``prompt`` is the rendered first prompt (opening messages and the
   assistant's generation header), so the packed training layout's prompt part is exactly the
   engine's first prompt (prompt-once groups share it).
@@ -23,7 +25,9 @@ environment task, as small functions of the setup's config and host arrays:
   (lockstep environment steps), so which groups complete and everything held is a function of
   the seeds, and a resumed run continues exactly; held environments are rebuilt by replaying
   their actions.
-* ``turn_fields``: the per-turn objective inputs (``losses.TURN_FIELDS``) of a rollout.
+* ``turn_fields``: the per-turn objective inputs (``losses.TURN_FIELDS``) of a rollout; a
+  turn's state id is the state key its environment reported (``StateKeys``: the training
+  episodes' environments are wrapped to record them), else a hash of its token history.
 * ``rollout_metrics``: turns, tool calls and errors (by kind), latency, environment time
   (and the part hidden behind decoding), truncations, KV hit rate.
 * ``expert_batch``: supervised rows of the task's expert trajectories, the loss on the
@@ -39,25 +43,30 @@ B = G·M rows, R trajectory tokens after the first prompt, U turns, P prompt buc
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import zlib
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
-import jax
 import numpy as np
 
+from rl_jax import imports
 from rl_jax import rollout
 from rl_jax.data import files
 from rl_jax.data.tokenizers import CharTokenizer
+from rl_jax.envs import adapters
 from rl_jax.envs import chat as chat_lib
 from rl_jax.envs import tasks as env_tasks
 from rl_jax.envs import tool_calls
-from rl_jax.errors import ConfigError
-from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec
+from rl_jax.envs.spec import EnvSpec
+from rl_jax.errors import ConfigError, DataError, RLJaxError
+from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, env_seed
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["EnvExample", "METRICS", "env_task", "env_examples", "chat_format",
+__all__ = ["EnvExample", "KeyedRollout", "METRICS", "StateKeys", "env_task", "env_examples",
+           "external_task", "gymnasium_task", "verifiers_task", "chat_format",
            "task_chat_format", "tool_format", "file_examples", "make_engines", "make_engine",
-           "engine_params", "episodes", "roll", "roll_partial", "turn_fields",
+           "episodes", "roll", "roll_partial", "state_id", "turn_fields",
            "rollout_metrics", "expert_rows", "expert_batch",
            "evaluate"]
 
@@ -77,7 +86,7 @@ class EnvExample(NamedTuple):
 
 def env_task(config, fmt=None):
   """The configured task (``rl_jax.envs.spec.EnvSpec``); ``fmt`` is the run's chat format
-  (``task_chat_format``; math_tools calls tools in its format)."""
+  (``task_chat_format``; math_tools and verifiers tasks call tools in its format)."""
   e = config.env
   if e.name == "math_tools":
     return math_tools_task(config, fmt)
@@ -85,8 +94,147 @@ def env_task(config, fmt=None):
     return env_tasks.make_task("calculator", seed=config.data.seed, n_train=e.n_train,
                                n_eval=e.n_eval, digits=(e.digits_min, e.digits_max),
                                max_turns=e.max_turns)
-  return env_tasks.make_task("guess", seed=config.data.seed, n_train=e.n_train, n=e.guess_n,
-                             max_turns=e.max_turns, step_penalty=e.step_penalty)
+  if e.name == "guess":
+    return env_tasks.make_task("guess", seed=config.data.seed, n_train=e.n_train, n=e.guess_n,
+                               max_turns=e.max_turns, step_penalty=e.step_penalty)
+  if e.name == "gymnasium":
+    spec, key = gymnasium_task(config), f"env.gym_id={e.gym_id!r}"
+  elif e.name == "verifiers":
+    spec, key = verifiers_task(config, fmt), f"env.verifiers={e.verifiers!r}"
+  else:
+    spec, key = external_task(config), f"env.name={e.name!r}"
+  return _checked(config, spec, key, fmt)
+
+
+def external_task(config) -> EnvSpec:
+  """The task of ``env.name=module.path:factory``: ``factory(config.env)`` (the run's
+  environment settings; the user's own under ``config.env.kwargs``) returns an ``EnvSpec``.
+  The module is found as ``rl_jax.imports`` says (sys.path, the config file's directory, the
+  working directory); a bad path, a factory that raises or that returns anything else is one
+  ``ConfigError`` line."""
+  e = config.env
+  spec = imports.call(e.name, "env.name", e)
+  if not isinstance(spec, EnvSpec):
+    raise ConfigError(f"env.name={e.name!r} returned a {type(spec).__name__}, not an "
+                      "rl_jax.envs.EnvSpec")
+  return spec
+
+
+_GYM_CODECS = {"frozen_lake": adapters.FROZEN_LAKE_CODEC, "blackjack": adapters.BLACKJACK_CODEC,
+               "default": None}
+
+
+def gymnasium_task(config) -> EnvSpec:
+  """``env.gym_id``'s environment played in text (``adapters.GymnasiumTextEnv``):
+  ``gymnasium.make(gym_id, **env.kwargs)``, the codec ``env.gym_codec`` ("auto": FrozenLake
+  and Blackjack by id, else the action's index), its instructions ``env.system_prompt`` when
+  set, ``env.invalid_reward``. Examples are episode seeds (train ``0 .. n_train - 1``, eval
+  the next ``n_eval``); every sample of an example plays the episode of its seed (the same
+  first observation and random stream), so its group compares actions. The engine cuts
+  episodes at ``env.max_turns``; state keys are the observations' text."""
+  e = config.env
+  key = f"env.gym_id={e.gym_id!r}"
+  try:
+    import gymnasium  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ConfigError(f"{key} needs gymnasium (pip install 'rl_jax[agent]')") from None
+  kwargs = e.kwargs.to_dict()
+
+  def make():
+    return gymnasium.make(e.gym_id, **kwargs)
+
+  try:
+    probe = make()
+  except Exception as ex:  # an unknown id, bad kwargs: gymnasium's own message
+    raise ConfigError(f"{key}: gymnasium.make failed: {_one_line(ex)}") from None
+  name = e.gym_codec
+  if name == "auto":
+    base = e.gym_id.split("/")[-1].split("-")[0]
+    name = {"FrozenLake": "frozen_lake", "Blackjack": "blackjack"}.get(base, "default")
+  codec = _GYM_CODECS[name]
+  if e.system_prompt is not None:
+    codec = dataclasses.replace(codec or adapters.TextCodec(text_to_action=None),
+                                instructions=e.system_prompt)
+  try:
+    adapters.GymnasiumTextEnv(probe, codec)
+  except ValueError as ex:
+    raise ConfigError(f"{key}: {_one_line(ex)} (env.gym_codec={e.gym_codec!r})") from None
+  finally:
+    probe.close()
+
+  def make_env(example):
+    del example
+    return adapters.GymnasiumTextEnv(make, codec, invalid_reward=float(e.invalid_reward),
+                                     sample_seeds=False)
+
+  train = [{"seed": i} for i in range(e.n_train)]
+  evals = [{"seed": e.n_train + i} for i in range(e.n_eval)]
+  return EnvSpec(f"gymnasium:{e.gym_id}", make_env, train, evals)
+
+
+def verifiers_task(config, fmt) -> EnvSpec:
+  """The task of ``env.verifiers=module:fn``: ``fn(config.env)`` returns a verifiers (v1)
+  ``Taskset``, or a pair (train, eval) of them (eval may be None); the episodes are
+  ``adapters.VerifiersEnvironment``s scored by the taskset's own rewards, with no tools, tool
+  calls parsed in ``env.tool_format`` (with "auto" the template's, else hermes),
+  ``env.max_turns`` and ``env.max_tool_calls``. For tools, write an ``env.name`` factory
+  that returns ``adapters.verifiers_spec(taskset, tools=[...])``."""
+  e = config.env
+  key = f"env.verifiers={e.verifiers!r}"
+  try:
+    import verifiers.v1 as vf  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ConfigError(f"{key} needs verifiers (pip install 'rl_jax[agent]')") from None
+  out = imports.call(e.verifiers, "env.verifiers", e)
+  train, evals = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+  for what, ts in (("the train taskset", train), ("the eval taskset", evals)):
+    if not (isinstance(ts, vf.Taskset) or (ts is None and what == "the eval taskset")):
+      raise ConfigError(f"{key} returned a {type(ts).__name__} as {what}, not a "
+                        "verifiers.v1.Taskset")
+  parser = e.tool_format
+  if parser == "auto":
+    parser = (tool_calls.template_format(fmt.source) if fmt is not None else None) or "hermes"
+  try:
+    return adapters.verifiers_spec(train, evals, name=f"verifiers:{e.verifiers}",
+                                   parser=parser, max_turns=e.max_turns,
+                                   max_tool_calls_per_turn=e.max_tool_calls)
+  except RLJaxError:
+    raise
+  except Exception as ex:  # loading the tasks
+    raise ConfigError(f"{key}: loading its tasks failed: {_one_line(ex)}") from None
+
+
+def _checked(config, spec: EnvSpec, key: str, fmt) -> EnvSpec:
+  """A task from outside rl_jax, checked where the trainer would otherwise fail later: a
+  train split, an expert for ``sft.steps``, the chat format it is meant for, and its first
+  train example starting (``make_env``, ``reset``, a state key ``state_id`` can read)."""
+  if not spec.train:
+    raise ConfigError(f"{key}: the task {spec.name!r} has no train examples")
+  if config.sft.steps and spec.expert is None:
+    raise ConfigError(f"sft.steps={config.sft.steps}: the task of {key} has no expert "
+                      "trajectories to warm-start on; set sft.steps=0")
+  if spec.chat == "model" and getattr(fmt, "name", None) == "builtin":
+    raise ConfigError(f"{key}: the task {spec.name!r} renders prompts with a checkpoint's "
+                      "chat template (EnvSpec.chat='model'); set model.hf_path (or "
+                      "data.tokenizer) to a directory with tokenizer.json and a chat template")
+  try:
+    env, _ = spec.start(spec.train[0])
+    key_now = _current_key(env)
+  except RLJaxError:
+    raise
+  except Exception as ex:
+    raise ConfigError(f"{key}: starting its first train example raised {_one_line(ex)}"
+                      ) from None
+  try:
+    state_id(key_now)
+  except TypeError as ex:
+    raise ConfigError(f"{key}: {ex}") from None
+  return spec
+
+
+def _one_line(e: BaseException) -> str:
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def chat_format(tokenizer):
@@ -187,50 +335,186 @@ def make_engine(s, temperature: float):
       workers=e.workers, context=s.model_cfg.max_position_embeddings,
       over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
-      deterministic=bool(r.partial))
+      deterministic=bool(r.partial), mesh=s.sampler_mesh, rules=s.rules)
 
 
-def episodes(s, examples: Sequence[EnvExample], meta: Sequence[Any]) -> list[EpisodeSpec]:
-  """One EpisodeSpec per example (a fresh environment per sample)."""
+# -- state keys (GiGPO's anchor states; rl_jax.envs.base) --
+
+def _key_bytes(key: Any, out: list[bytes]) -> None:
+  """A typed, process-independent encoding of a state key (equal keys, equal bytes: bools
+  and integral floats as the ints they equal, NumPy scalars as Python ones)."""
+  if isinstance(key, np.generic):
+    key = key.item()
+  if isinstance(key, float) and key.is_integer():
+    key = int(key)
+  if key is None:
+    out.append(b"N")
+  elif isinstance(key, int):  # bool too (True == 1)
+    out.append(b"i%d;" % int(key))
+  elif isinstance(key, float):
+    out.append(b"f" + repr(key).encode() + b";")
+  elif isinstance(key, str):
+    raw = key.encode("utf-8", "surrogatepass")
+    out.append(b"s%d:" % len(raw) + raw)
+  elif isinstance(key, bytes):
+    out.append(b"b%d:" % len(key) + key)
+  elif isinstance(key, tuple):
+    out.append(b"(%d:" % len(key))
+    for k in key:
+      _key_bytes(k, out)
+  elif isinstance(key, frozenset):
+    parts = []
+    for k in key:
+      one: list[bytes] = []
+      _key_bytes(k, one)
+      parts.append(b"".join(one))
+    out.append(b"{%d:" % len(parts) + b"".join(sorted(parts)))
+  else:
+    raise TypeError(f"state key {key!r} is a {type(key).__name__}; build keys of str, bytes, "
+                    "int, float, bool, None, tuples and frozensets")
+
+
+def state_id(key: Hashable) -> int:
+  """The step-group id of a state key: a 31-bit hash of its typed encoding, the same in
+  every process and run (Python's ``hash`` of a str is not); TypeError for a key of another
+  type (``rl_jax.envs.base``)."""
+  out: list[bytes] = []
+  _key_bytes(key, out)
+  digest = hashlib.blake2b(b"".join(out), digest_size=8, person=b"rl_jax.state").digest()
+  return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def _current_key(env) -> Hashable | None:
+  """``env.state_key()`` if the environment defines it, else None."""
+  fn = getattr(env, "state_key", None)
+  return fn() if callable(fn) else None
+
+
+class _Keyed:
+  """An environment whose state keys go to a ``StateKeys`` record (everything else is the
+  wrapped environment's)."""
+
+  def __init__(self, env, record: dict):
+    self._env, self._record = env, record
+    self._keys: list = []
+    self._steps = 0
+
+  @property
+  def tools(self):
+    return self._env.tools
+
+  def __getattr__(self, name: str):
+    if name.startswith("_"):
+      raise AttributeError(name)
+    return getattr(self._env, name)
+
+  def reset(self, example, seed: int):
+    messages = self._env.reset(example, seed)
+    self._keys, self._steps = [_current_key(self._env)], 0  # a new list: a restart is new
+    self._record[int(seed)] = self._keys
+    return messages
+
+  def step(self, action: str):
+    n, keys = self._steps, self._keys
+    self._steps += 1
+    keys.extend([None] * (n + 2 - len(keys)))  # slot n + 1 stays None if the step raises
+    res = self._env.step(action)
+    key = getattr(res, "state_key", None)
+    keys[n + 1] = key if key is not None else _current_key(self._env)
+    return res
+
+
+class StateKeys:
+  """The state keys the training episodes' environments report, by episode seed.
+
+  ``wrap(env)`` records: index 0 the key after ``reset``, index n + 1 the key after step n
+  (``StepResult.state_key``, else the environment's ``state_key()``); a reset starts the
+  list over (a restarted sample, a held one replayed). The reset seed is
+  ``env_seed(engine seed, group uid, sample)``, which names a row of the rollout
+  (``ids``). One record per ``roll`` / ``roll_partial`` call: every environment a call steps
+  was built in it (``import_held`` rebuilds the held groups)."""
+
+  def __init__(self):
+    self._by_seed: dict[int, list] = {}
+
+  def wrap(self, env) -> _Keyed:
+    return _Keyed(env, self._by_seed)
+
+  def ids(self, out: AgentRollout, seed: int, U: int) -> np.ndarray:
+    """int32 [B,U]: ``state_id`` of the key each turn of ``out`` starts from, -1 where its
+    environment reported none (or past its last turn); ``seed`` is the engine's. A key of
+    another type is one DataError line."""
+    B = out.tokens.shape[0]
+    ids = np.full((B, U), -1, np.int32)
+    sample: dict[int, int] = {}
+    for b in range(B):
+      g = int(out.prompt_index[b])
+      m = sample[g] = sample.get(g, -1) + 1
+      keys = self._by_seed.get(env_seed(seed, int(out.group_ids[g]), m)) or []
+      for u in range(min(U, int(out.num_turns[b]), len(keys))):
+        if keys[u] is not None:
+          try:
+            ids[b, u] = state_id(keys[u])
+          except TypeError as e:
+            raise DataError(f"env task: {e}") from None
+    return ids
+
+  def attach(self, out: AgentRollout, seed: int, U: int) -> "KeyedRollout":
+    """``out`` with its ``state_ids`` (``ids``)."""
+    fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+    return KeyedRollout(**fields, state_ids=self.ids(out, seed, U))
+
+
+@dataclasses.dataclass
+class KeyedRollout(AgentRollout):
+  """An ``AgentRollout`` of training episodes with ``state_ids`` int32 [B,U], the reported
+  state of each turn (``StateKeys.ids``; -1: none, ``turn_fields`` hashes the history)."""
+
+  state_ids: np.ndarray | None = None
+
+
+def episodes(s, examples: Sequence[EnvExample], meta: Sequence[Any],
+             keys: StateKeys | None = None) -> list[EpisodeSpec]:
+  """One EpisodeSpec per example (a fresh environment per sample; with ``keys``, wrapped to
+  record its state keys)."""
   make = s.task.make_env
+  if keys is not None:
+    make = lambda ex, make=make: keys.wrap(make(ex))
   return [EpisodeSpec(lambda ex=ex.data: make(ex), ex.data, m) for ex, m in zip(examples, meta)]
 
 
-def engine_params(s, params):
-  """The weights on the sampler's first device (the engine's programs are single-device)."""
-  return jax.device_put(params, s.sampler_mesh.devices.flat[0])
-
-
-def roll(s, engine, params, idx: np.ndarray, *, step: int, version: int) -> AgentRollout:
+def roll(s, engine, params, idx: np.ndarray, *, step: int, version: int) -> KeyedRollout:
   """Groups of the train examples ``idx`` [G], run to their end from ``params``; group g
   has uid ``step · G + g``."""
   G = s.geometry.groups
-  params = engine_params(s, params)
-  specs = episodes(s, [s.train_examples[i] for i in idx], [int(i) for i in idx])
-  return engine.rollout(params, specs, policy_version=version, first_uid=step * G)
+  keys = StateKeys()
+  specs = episodes(s, [s.train_examples[i] for i in idx], [int(i) for i in idx], keys)
+  out = engine.rollout(params, specs, policy_version=version, first_uid=step * G)
+  return keys.attach(out, engine.seed, s.geometry.turns)
 
 
-def _spec_of(s, i: int) -> EpisodeSpec:
+def _spec_of(s, i: int, keys: StateKeys | None = None) -> EpisodeSpec:
   """The EpisodeSpec of train example ``i`` (its meta is ``i``)."""
-  return episodes(s, [s.train_examples[i]], [i])[0]
+  return episodes(s, [s.train_examples[i]], [i], keys)[0]
 
 
 def roll_partial(s, engine, params, held: dict, next_index: Callable[[], int], *,
-                 version: int, capacity: int) -> tuple[AgentRollout, dict]:
+                 version: int, capacity: int) -> tuple[KeyedRollout, dict]:
   """The first G groups to complete, from the groups ``held`` (an ``export_held`` dict)
   and new episodes of the train examples ``next_index()`` draws; (the rollout, the held
   groups after it as ``export_held(capacity)``). The held groups are imported every step,
   not only after a resume, so a resumed run takes exactly the path of an uninterrupted one
   (the replay costs one environment step per recorded action of each held sample)."""
-  engine.import_held(held, spec_of=lambda i: _spec_of(s, i))
+  keys = StateKeys()
+  engine.import_held(held, spec_of=lambda i: _spec_of(s, i, keys))
 
   def specs():
     while True:
-      yield _spec_of(s, next_index())
+      yield _spec_of(s, next_index(), keys)
 
-  out = engine.rollout_groups(engine_params(s, params), specs(), s.geometry.groups,
+  out = engine.rollout_groups(params, specs(), s.geometry.groups,
                               policy_version=version)
-  return out, engine.export_held(capacity)
+  return keys.attach(out, engine.seed, s.geometry.turns), engine.export_held(capacity)
 
 
 def _turn_starts(out: AgentRollout, U: int) -> np.ndarray:
@@ -247,8 +531,10 @@ def _turn_starts(out: AgentRollout, U: int) -> np.ndarray:
 def turn_fields(out: AgentRollout, U: int, R: int) -> dict[str, np.ndarray]:
   """The per-turn inputs of ``out``: turn_rewards float32 [B,U] (NaN past the last turn),
   turn_ids int32 [B,R] (the turn of each model token, -1 on observation tokens and padding)
-  and turn_states int32 [B,U] (a hash of the token history each turn starts from: equal
-  histories, equal states; -1 past the last turn)."""
+  and turn_states int32 [B,U] (the id of the state each turn starts from: the state key its
+  environment reported, ``state_id``, where ``out`` is a ``KeyedRollout`` that has one, else
+  a hash of the token history, equal histories giving equal states; -1 past the last
+  turn)."""
   B = out.tokens.shape[0]
   present = np.arange(U)[None, :] < out.num_turns[:, None]
   rewards = np.where(present, out.turn_rewards[:, :U], np.nan).astype(np.float32)
@@ -256,9 +542,12 @@ def turn_fields(out: AgentRollout, U: int, R: int) -> dict[str, np.ndarray]:
   starts = _turn_starts(out, U)
   prompts = [out.prompts[i] for i in out.prompt_index]
   states = np.full((B, U), -1, np.int32)
+  keyed = getattr(out, "state_ids", None)
   for b in range(B):
     for u in range(U):
-      if starts[b, u] >= 0:
+      if starts[b, u] >= 0 and keyed is not None and u < keyed.shape[1] and keyed[b, u] >= 0:
+        states[b, u] = keyed[b, u]
+      elif starts[b, u] >= 0:
         hist = np.asarray(list(prompts[b]) + list(out.tokens[b, :starts[b, u]]), np.int32)
         states[b, u] = zlib.crc32(hist.tobytes()) & 0x7FFFFFFF
   return {"turn_rewards": rewards, "turn_ids": ids, "turn_states": states}
@@ -337,7 +626,6 @@ def evaluate(s, engine, params) -> dict[str, float]:
   padded with copies of its last example), the first of each group's M identical samples
   read."""
   G, M = s.geometry.groups, s.geometry.samples
-  params = engine_params(s, params)
   examples = list(s.eval_examples)
   success, turns = [], []
   for lo in range(0, len(examples), G):

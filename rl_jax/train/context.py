@@ -29,7 +29,7 @@ from rl_jax.errors import ConfigError, DataError, ModelError, RLJaxError
 from rl_jax.train import agent_stage, speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
 
-__all__ = ["Optimizers", "Setup", "build_setup", "device_rules", "split_devices",
+__all__ = ["Job", "Optimizers", "Setup", "build_setup", "device_rules", "job", "split_devices",
            "PROVIDED_INPUTS"]
 
 
@@ -240,25 +240,53 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
   return cfg
 
 
-def device_rules(config) -> None:
+class Job(NamedTuple):
+  """The devices a run is built for: every device of the job, the process count P, this
+  process's index and its own devices. ``job()``: this job's (``jax.devices()``); ``job(d)``:
+  the devices ``d``, e.g. the abstract devices of a TPU topology (``rl_jax.train.topology``),
+  planned as their first process sees them."""
+
+  devices: list
+  processes: int
+  index: int
+  local: list
+
+
+def job(devices: Sequence[Any] | None = None) -> Job:
+  """The ``Job`` of ``devices`` (default: this job's)."""
+  if devices is None:
+    return Job(list(jax.devices()), jax.process_count(), jax.process_index(),
+               list(jax.local_devices()))
+  devices = list(devices)
+  index = devices[0].process_index
+  return Job(devices, len({d.process_index for d in devices}), index,
+             [d for d in devices if d.process_index == index])
+
+
+def device_rules(config, devices: Sequence[Any] | None = None) -> None:
   """The config rules that depend on the devices and processes of this job (every static
-  rule is in ``rl_jax.config``), one ``ConfigError`` line each."""
-  n, c, P = config.mesh.rollout_devices, config, jax.process_count()
-  if n >= jax.device_count():
+  rule is in ``rl_jax.config``), one ``ConfigError`` line each; ``devices``: those of
+  another job (``job``)."""
+  _device_rules(config, job(devices))
+
+
+def _device_rules(config, j: Job) -> None:
+  n, c, P = config.mesh.rollout_devices, config, j.processes
+  if n >= len(j.devices):
     raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the training mesh "
-                      f"({jax.device_count()} devices exist)")
+                      f"({len(j.devices)} devices exist)")
   if P > 1 and c.train.mode == "async" and c.train.async_lag < 0:
     raise ConfigError("train.async_lag=-1 (free-running) runs in one process; with "
                       f"{P} processes set a fixed lag train.async_lag=k >= 1")
-  if P > 1 and n and (n % P or n // P >= jax.local_device_count()):
+  if P > 1 and n and (n % P or n // P >= len(j.local)):
     raise ConfigError(f"mesh.rollout_devices={n} does not split evenly over {P} processes "
-                      f"(each gives rollout_devices/{P} of its {jax.local_device_count()} "
+                      f"(each gives rollout_devices/{P} of its {len(j.local)} "
                       f"devices to the sampler and keeps at least one for training)")
   shares = c.rollout.partial_shares
   if P > 1 and c.rollout.partial and shares % P:
     raise ConfigError(f"rollout.partial_shares={shares} does not split evenly over {P} "
                       f"processes (each runs and holds rollout.partial_shares/{P} engines)")
-  devices = jax.device_count() - n
+  devices = len(j.devices) - n
   n_dev = c.mesh.num_devices or devices
   if n_dev > devices:
     raise ConfigError(f"mesh.num_devices={n_dev} but only {devices} devices exist"
@@ -293,14 +321,14 @@ def split_devices(devices: Sequence[Any], rollout: int,
   return roll, trn
 
 
-def _mesh(config) -> jax.sharding.Mesh:
+def _mesh(config, j: Job) -> jax.sharding.Mesh:
   """The training mesh over the devices after the rollout devices (all of them in sync mode)."""
-  _, devices = split_devices(jax.devices(), config.mesh.rollout_devices,
+  _, devices = split_devices(j.devices, config.mesh.rollout_devices,
                              config.mesh.num_devices or None)
   return sharding.make_mesh(mesh_shape(config.mesh.shape, len(devices)), devices)
 
 
-def _sampler_mesh(config, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+def _sampler_mesh(config, mesh: jax.sharding.Mesh, j: Job) -> jax.sharding.Mesh:
   """The training mesh with one process (or the asynchronous trainer's own rollout devices,
   groups over ``fsdp``: with several processes this process's share of them); with several
   processes and no rollout devices, this process's devices with the training mesh's
@@ -308,12 +336,12 @@ def _sampler_mesh(config, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   fit, groups over ``fsdp``."""
   n = config.mesh.rollout_devices
   if n:
-    roll, _ = split_devices(jax.devices(), n)
-    local = [d for d in roll if d.process_index == jax.process_index()]
+    roll, _ = split_devices(j.devices, n)
+    local = [d for d in roll if d.process_index == j.index]
     return sharding.make_mesh({"fsdp": len(local)}, local)
-  if jax.process_count() == 1:
+  if j.processes == 1:
     return mesh
-  local = jax.local_devices()
+  local = j.local
   inner = {a: mesh.shape[a] for a in ("sequence", "tensor")}
   if len(local) % (inner["sequence"] * inner["tensor"]):
     inner = {"sequence": 1, "tensor": 1}
@@ -328,19 +356,23 @@ def _optimizers(config, objective: losses.Objective) -> Optimizers:
                     value=optim.make_optimizer(o, o.value_lr or o.lr, steps))
 
 
-def build_setup(config: ml_collections.ConfigDict) -> Setup:
-  """Validate ``config`` and build everything static; fails in one line before compiling."""
+def build_setup(config: ml_collections.ConfigDict,
+                devices: Sequence[Any] | None = None) -> Setup:
+  """Validate ``config`` and build everything static; fails in one line before compiling.
+  ``devices``: build the meshes over these (every device of a job, ``job``; e.g. an abstract
+  TPU topology's, which programs are compiled for but never run on) instead of this job's."""
   config_lib.validate(config)  # every static rule
   compile_options.use_fast_cpu_compile(config.train.cpu_fast_compile)  # for this run's programs
   compile_options.use_cpu_xla_reductions(config.train.cpu_xla_reductions)
   compile_options.use_cpu_temp_blocks(config.train.cpu_temp_block_mib)
   objective = make_objective(config)
   config_lib.check_objective(config, objective.needs)
-  device_rules(config)
+  j = job(devices)
+  _device_rules(config, j)
   tokenizer, task, train, evals, prompt_len, fmt = _task(config)
   model_cfg = _model_config(config, tokenizer)
   speculative_stage.check_draft_bytes(config, len(train), model_cfg.vocab_size)
-  mesh = _mesh(config)
+  mesh = _mesh(config, j)
   R, what = ((config.env.max_total_tokens, "env.max_total_tokens") if fmt is not None else
              (config.rollout.max_new_tokens, "rollout.max_new_tokens"))
   if prompt_len + R > model_cfg.max_position_embeddings:
@@ -349,7 +381,7 @@ def build_setup(config: ml_collections.ConfigDict) -> Setup:
   eos = config.rollout.eos_id
   return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
-               sampler_mesh=_sampler_mesh(config, mesh), rules=config.mesh.rules,
+               sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos,
                chat=fmt)

@@ -40,6 +40,7 @@ from rl_jax.train.evaluation import evaluate
 from rl_jax.train import lock as lock_lib
 from rl_jax.train import lora_checkpoint
 from rl_jax.train import memory
+from rl_jax.train import topology
 from rl_jax.train.layout import make_layout
 from rl_jax.train.resume import restore_newest
 from rl_jax.train.rollouts import Trainer, next_examples
@@ -136,16 +137,23 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 
   The memory plan (``rl_jax.train.memory``) is printed and written to
   ``workdir/memory_plan.json`` first; ``train.dry_run`` stops there (returns None, no weight
-  read), and a run that cannot fit fails there in one line (``train.memory_check``).
+  read), and a run that cannot fit fails there in one line (``train.memory_check``). With
+  ``dry_run.topology`` the dry run compiles every program for that TPU topology instead
+  (``rl_jax.train.topology``: ``workdir/topology_plan.json``; ``TopologyPlanError`` when it
+  does not fit).
 
   Raises:
     WorkdirBusyError: another live run holds ``workdir`` (``rl_jax.train.lock``).
   """
   wandb_log.check(config)
+  topology.check_requested(config)
   storage.check_path(workdir, "--workdir")
   storage.makedirs(workdir)
   lock = lock_lib.hold_workdir(workdir, config.distributed, config.train.lock_stale_s)
   try:
+    if topology.requested(config):  # compiled for the topology's chips; nothing runs
+      topology.plan_topology(config, workdir)
+      return None
     return _train(build_setup(config), workdir, progress)
   finally:
     lock.release()
@@ -319,5 +327,8 @@ def main(argv=None) -> None:
   """``python -m rl_jax.train --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]``;
   every process of a multi-process job runs the same command (``rl_jax.distributed``)."""
   config, workdir = config_utils.parse_cli(sys.argv if argv is None else argv)
-  distributed.initialize(config.distributed)
+  if topology.requested(config):  # one process compiling for a TPU topology on this host
+    topology.use_host_platform()
+  else:
+    distributed.initialize(config.distributed)
   train(config, workdir)

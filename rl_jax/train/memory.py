@@ -22,7 +22,9 @@ Per device (the busiest one; FSDP shards split evenly):
 * steps: XLA's ``argument``, ``output``, ``alias`` (outputs written into donated arguments),
   ``temp`` and ``code`` bytes of each compiled program; the bytes a step adds on top of the
   resident state are ``temp + output - alias``. The sampler's KV cache is sized from shapes
-  (``rollout.kv_cache_bytes``), split over the sampler's batch devices.
+  (``kv_pool``): the prompt caches split over the sampler's batch devices, and the response
+  page pool (``rollout.kv_pages``, or the growing pool's first size; its pages and the
+  most response tokens in flight are printed).
 * host state: the parts ``train.offload`` keeps in host memory (``pinned_host``), per part; a
   step that reads them adds their device copy (``staged``) to its ``extra``.
 * peak = the larger phase (supervised, RL) of resident state + the largest step addition
@@ -56,7 +58,8 @@ from rl_jax.train.steps import UpdateBatch
 
 __all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "state_parts",
            "host_parts", "live_bytes", "step_memory", "device_capacity", "abstract_update_batch",
-           "compile_steps", "state_plan", "add_steps", "make_plan", "format_plan", "write_plan",
+           "compile_steps", "is_out_of_memory", "compiler_message", "state_plan", "add_steps",
+           "make_plan", "format_plan", "write_plan",
            "check_state_fits", "check_plan_fits", "plan_run", "plan_workdir", "record_live",
            "PLAN_FILE"]
 
@@ -234,38 +237,67 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
                      tok(jnp.int32), inputs, adv, routing)
 
 
-def compile_steps(t: Trainer, sft_state: TrainState | None,
-                  rl_state: TrainState) -> dict[str, dict[str, int]]:
-  """``step_memory`` of each step the run will call, compiled on abstract inputs."""
+def compile_steps(t: Trainer, sft_state: TrainState | None, rl_state: TrainState,
+                  programs: dict[str, Any] | None = None) -> dict[str, dict[str, int]]:
+  """``step_memory`` of each step the run will call, compiled on abstract inputs;
+  ``programs``, when given, receives each compiled program under the same name (for its
+  cost analysis and HLO text: ``rl_jax.train.topology``)."""
   s, c, f = t.setup, t.setup.config, t.steps
   G = s.geometry.rows
   out = {}
+
+  def compiled(name: str, lowered):
+    try:
+      program = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program over the HBM
+      if not is_out_of_memory(e):
+        raise
+      raise MemoryPlanError(f"memory plan: step {name} does not fit: {compiler_message(e)}; "
+                            f"shrink with {KNOBS['steps']}") from None
+    if programs is not None:
+      programs[name] = program
+    return program
+
   if sft_state is not None:
     rows = t.layout.rows(c.sft.batch_size)
     T = s.prompt_len + c.rollout.max_new_tokens
     b = [_spec((c.sft.batch_size, T), dt, rows) for dt in (jnp.int32, bool, jnp.float32)]
-    out["sft"] = _staged(step_memory(f.sft.lower(sft_state.params, sft_state.sft_opt_state,
-                                                 *b).compile()), sft_state.sft_opt_state)
+    out["sft"] = _staged(step_memory(compiled("sft", f.sft.lower(
+        sft_state.params, sft_state.sft_opt_state, *b))), sft_state.sft_opt_state)
   batch = abstract_update_batch(t, G)
   args = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, batch.inputs.mask)
   if c.model.get("router_replay", False):  # the log-prob passes replay the records
     args += (batch.routing,)
   if not f.old_logp_in_update:  # else the update's own pass gives old_logp
-    out["logprobs"] = step_memory(f.logprobs.lower(rl_state.params, *args).compile())
+    out["logprobs"] = step_memory(compiled("logprobs", f.logprobs.lower(rl_state.params,
+                                                                         *args)))
   needs = s.objective.needs
   if "ref_logp" in needs and jax.tree.leaves(rl_state.ref_params):
     ref = f.ref_logprobs or f.logprobs
-    out["ref_logprobs"] = _staged(step_memory(ref.lower(rl_state.ref_params, *args).compile()),
-                                  rl_state.ref_params)
+    out["ref_logprobs"] = _staged(step_memory(compiled(
+        "ref_logprobs", ref.lower(rl_state.ref_params, *args))), rl_state.ref_params)
   if "ref_logp" in needs and f.ref_from_policy:  # LoRA: the base's pass, adapters off
-    out["ref_logprobs"] = step_memory(f.ref_logprobs.lower(rl_state.params, *args).compile())
+    out["ref_logprobs"] = step_memory(compiled("ref_logprobs", f.ref_logprobs.lower(
+        rl_state.params, *args)))
   if "values" in needs:
-    out["values"] = step_memory(f.values.lower(rl_state.value_params, *args[:4]).compile())
+    out["values"] = step_memory(compiled("values", f.values.lower(rl_state.value_params,
+                                                                   *args[:4])))
   mb = abstract_update_batch(t, G // c.train.minibatches)
-  out["rl_update"] = _staged(step_memory(f.rl_update.lower(
+  out["rl_update"] = _staged(step_memory(compiled("rl_update", f.rl_update.lower(
       rl_state.params, rl_state.opt_state, rl_state.value_params, rl_state.value_opt_state,
-      mb).compile()), (rl_state.opt_state, rl_state.value_opt_state))
+      mb))), (rl_state.opt_state, rl_state.value_opt_state))
   return out
+
+
+def is_out_of_memory(error: Exception) -> bool:
+  """Whether a compile error is the compiler refusing a program that cannot fit the device
+  (XLA:TPU checks at compile time: ``RESOURCE_EXHAUSTED: Ran out of memory on HBM``)."""
+  return "RESOURCE_EXHAUSTED" in str(error)
+
+
+def compiler_message(error: Exception) -> str:
+  """The first line of a compiler error, whitespace squeezed."""
+  return " ".join(str(error).strip().splitlines()[0].split()) if str(error).strip() else ""
 
 
 def _staged(m: dict[str, int], read) -> dict[str, int]:
@@ -279,17 +311,29 @@ def _staged(m: dict[str, int], read) -> dict[str, int]:
   return dict(m, staged=staged, extra=m["extra"] + staged)
 
 
-def _kv_cache(t: Trainer) -> int:
-  """The sampler's KV cache per device (prompt-once layout, groups over the batch axes)."""
+def kv_pool(t: Trainer) -> dict[str, int]:
+  """The sampler's paged KV cache per device: ``prompts`` bytes (one prompt cache per group
+  slot, slots over the batch axes), ``pool`` bytes (the response page pool, its pages not
+  split over the batch axes, kv heads over ``tensor``), ``pages`` and ``page_size`` (S),
+  ``tokens`` (the most response tokens in flight: pages x S) and ``max_pages`` (what a
+  growing pool reaches at most: every sample's whole budget)."""
   s, c = t.setup, t.setup.config
   G, M = s.geometry.rows, s.geometry.row_size
   if c.rollout.partial:  # one engine share's slots (all of them with one share)
     G = math.ceil(c.rollout.over_sampling * G / engine_shares(s))
-  cache = rollout.kv_cache_bytes(s.model_cfg, G, M, s.prompt_len,
-                                 c.rollout.max_new_tokens)
-  split = math.prod(s.sampler_mesh.shape[a] for a in ("data", "fsdp")
-                    if a in s.sampler_mesh.shape)
-  return math.ceil(cache / max(1, min(split, G)))
+  mesh = s.sampler_mesh.shape
+  split = math.prod(mesh[a] for a in ("data", "fsdp") if a in mesh)
+  prompts = rollout.kv_cache_bytes(s.model_cfg, G, M, s.prompt_len, 0)
+  R = max(8, 1 << (c.rollout.max_new_tokens - 1).bit_length())
+  S = min(c.rollout.page_size, R)
+  # the APRIL engine's slots, or generate's: the groups rounded up to a power of two
+  slots = G if c.rollout.partial else 1 << max(G - 1, 0).bit_length()
+  whole = slots * M * (R // S)
+  pages = c.rollout.kv_pages or min(whole, slots * M * -(-min(R, 256) // S))
+  heads = min(mesh.get("tensor", 1), s.model_cfg.num_kv_heads)
+  pool = math.ceil(rollout.kv_cache_bytes(s.model_cfg, pages, 1, 0, S) / heads)
+  return dict(prompts=math.ceil(prompts / max(1, min(split, G))), pool=pool, pages=pages,
+              page_size=S, tokens=pages * S, max_pages=c.rollout.kv_pages or whole)
 
 
 def state_plan(t: Trainer, sft_state: TrainState | None,
@@ -322,10 +366,14 @@ def state_plan(t: Trainer, sft_state: TrainState | None,
 
 
 def add_steps(t: Trainer, plan: dict[str, Any], sft_state: TrainState | None,
-              rl_state: TrainState) -> dict[str, Any]:
-  """``plan`` with its compiled steps and the peak of each phase."""
-  steps = compile_steps(t, sft_state, rl_state)
-  steps["sampler_kv_cache"] = {"extra": _kv_cache(t)}
+              rl_state: TrainState, programs: dict[str, Any] | None = None) -> dict[str, Any]:
+  """``plan`` with its compiled steps and the peak of each phase (``programs``: as in
+  ``compile_steps``)."""
+  steps = compile_steps(t, sft_state, rl_state, programs)
+  kv = kv_pool(t)
+  steps["sampler_kv_cache"] = {"extra": kv["prompts"] + kv["pool"], "prompts": kv["prompts"],
+                               "pool": kv["pool"]}
+  plan = dict(plan, kv_pool={k: kv[k] for k in ("pages", "page_size", "tokens", "max_pages")})
   peaks = {}
   for phase, parts in plan["state"].items():
     names = ("sft",) if phase == "sft" else tuple(k for k in steps if k != "sft")
@@ -378,6 +426,12 @@ def format_plan(plan: dict[str, Any]) -> str:
   for name, m in plan["steps"].items():
     detail = ", ".join(f"{k} {_gib(v)}" for k, v in m.items() if k != "extra")
     lines.append(f"  step {name}: +{_gib(m.get('extra', 0))}" + (f" ({detail})" if detail else ""))
+  if "kv_pool" in plan:
+    k = plan["kv_pool"]
+    grows = (f"; grows to {k['max_pages']} pages as the responses need them"
+             if k["max_pages"] > k["pages"] else "")
+    lines.append(f"  kv pool: {k['pages']} pages of {k['page_size']} tokens, at most "
+                 f"{k['tokens']} response tokens in flight{grows}")
   for phase, peak in plan["peak"].items():
     lines.append(f"  peak ({phase}): {_gib(peak)} of {_gib(plan['capacity'])} "
                  f"[{plan['capacity_source']}]")

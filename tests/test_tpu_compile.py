@@ -1,0 +1,237 @@
+"""The topology dry run (``rl_jax.train.topology``): the quickstart's programs compiled for a
+v5e:2x2 slice on this CPU host with libtpu (the Pallas TPU kernels by Mosaic, not only
+lowered), the FSDP update's FLOPs split over the chips with its gradient reduce-scattered,
+and one ``error:`` line for each thing that can be wrong.
+
+The test extra installs libtpu (``setup.py``: the ``tpu`` extra), so these run in CI; the
+skip below is only a guard for an install without it. ``tests/conftest.py`` sets
+``JAX_PLATFORMS=cpu`` and ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` before jax is imported.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import pallas_kernels
+from rl_jax import config_utils, sharding, train
+from rl_jax.errors import ConfigError
+from rl_jax.train import memory, topology
+from tests.tiny import QUICKSTART, ROOT
+
+pytest.importorskip("libtpu", reason="libtpu is part of the test extra (pip install -e .[test])")
+
+# the quickstart's RL stage (no supervised warm start: its program is the plain next-token
+# step) with the separate old-log-prob pass it keeps, on 8 groups of 8 samples a step (the
+# compile time grows with the batch; 2 groups per chip on 4 chips)
+QUICK = ["sft.steps=0", "train.batch_groups=8", "train.dry_run=True"]
+
+
+def _config(topology_name, overrides=()):
+  return config_utils.load_config(
+      QUICKSTART, QUICK + [f"dry_run.topology={topology_name}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def quick_plan(tmp_path_factory):
+  """``train`` of the quickstart with ``dry_run.topology=v5e:2x2`` (the CLI's path after the
+  command line): the plan it wrote."""
+  workdir = str(tmp_path_factory.mktemp("tpu_plan"))
+  assert train.train(_config("v5e:2x2"), workdir, progress=False) is None
+  with open(os.path.join(workdir, topology.PLAN_FILE)) as f:
+    return json.load(f)
+
+
+def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
+  """Every program of the RL step compiles for 4 v5e chips: the packed log-prob pass and the
+  update run the Pallas TPU shared-prefix kernel (forward; the update also its backward
+  kernels) compiled by Mosaic, per shard; the sampler's programs compile; it fits."""
+  p = quick_plan
+  assert p["chips"] == 4 and p["device_kind"] == "TPU v5 lite" and p["platform"] == "tpu"
+  assert p["mesh"] == {"data": 1, "fsdp": 4, "sequence": 1, "tensor": 1}
+  assert set(p["programs"]) == {"logprobs", "rl_update", "kv_init", "prefill", "decode"}
+  progs = p["programs"]
+  assert progs["logprobs"]["kernels"] == ["shared_prefix_attention_fwd"]
+  assert set(progs["rl_update"]["kernels"]) == {
+      "shared_prefix_attention_fwd", "shared_prefix_attention_dq",
+      "shared_prefix_attention_dkv_context", "shared_prefix_attention_dkv_response"}
+  for name, prog in progs.items():
+    assert prog["peak"] < p["capacity"] == topology.CHIPS["v5e"].hbm, name
+    if name != "kv_init":  # XLA's own time estimate for each of these small programs
+      assert prog["flops"] > 0 and prog["seconds"] > 0 and prog["time_source"] == "xla", name
+  assert progs["decode"]["calls"] == 5  # one step of the loop per new token
+  est = p["estimate"]
+  assert est["fits"] and est["rl_step"]["seconds"] > 0 and 0 < est["rl_step"]["mfu"] < 1
+
+
+def test_fsdp_update_flops_split_over_four_chips_with_a_reduce_scatter(quick_plan):
+  """The update's FLOPs per chip on 4 chips are a quarter of one chip's (± 2 %), and its
+  gradient leaves through a reduce-scatter (XLA:TPU's all-reduce-scatter fusion)."""
+  built = topology.build(_config("v5e:1x1"))
+  t, st = built.trainer, built.rl_state
+  assert t.setup.mesh.size == 1
+  batch = memory.abstract_update_batch(t, t.setup.geometry.rows)
+  one = t.steps.rl_update.lower(st.params, st.opt_state, st.value_params,
+                                st.value_opt_state, batch).compile()
+  one_flops = topology.program_cost(one)["flops"]
+  four = quick_plan["programs"]["rl_update"]
+  assert four["flops"] * 4 == pytest.approx(one_flops, rel=0.02)
+  assert four["collectives"]["reduce-scatter"]["count"] >= 1
+  assert "all-gather" in four["collectives"]  # FSDP: the weights gathered layer by layer
+  assert "reduce-scatter" not in topology.collectives(one.as_text())
+
+
+def test_kernel_follows_the_mesh_platform():
+  """``backend="auto"`` resolves by the platform of the mesh being traced for: the TPU
+  kernel inside ``sharding.use`` on topology devices, the reference on this CPU host."""
+  devices = topology.topology_devices("v5e:2x2")
+  mesh = sharding.make_mesh({"fsdp": 4}, devices)
+  assert pallas_kernels.resolve_backend() == "reference"
+  with sharding.use(mesh, "fsdp"):
+    assert pallas_kernels.resolve_backend() == "tpu" and sharding.platform() == "tpu"
+  assert pallas_kernels.resolve_backend() == "reference" and sharding.platform() == "cpu"
+
+
+@pytest.mark.parametrize("name", ["v9x:2x2", "v5e:2x2x2", "v5p:2x2", "v5e", "v6e:0x4"])
+def test_unknown_topology_is_one_line(name):
+  with pytest.raises(ConfigError, match="dry_run.topology") as e:
+    topology.parse_topology(name)
+  assert "\n" not in str(e.value) and "v5p:2x2x2" in str(e.value)
+
+
+def test_missing_libtpu_names_the_install_command(monkeypatch):
+  monkeypatch.setattr(topology, "_libtpu_path", lambda: None)
+  with pytest.raises(ConfigError) as e:
+    topology.topology_devices("v5e:2x2")
+  assert 'pip install -e ".[tpu]"' in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["mesh.shape.fsdp=8"], ["needs 8 devices", "4 chips of dry_run.topology=v5e:2x2"]),
+    (["mesh.shape.fsdp=-1", "mesh.shape.tensor=3"], ["does not divide", "v5e:2x2"]),
+    (["mesh.shape.fsdp=-1", "dry_run.num_slices=2", "mesh.shape.data=3"],
+     ["does not divide", "num_slices=2"]),
+])
+def test_mesh_that_does_not_fit_the_topology_is_one_line(overrides, words):
+  with pytest.raises(ConfigError) as e:
+    topology.build(_config("v5e:2x2", overrides))
+  assert all(w in str(e.value) for w in words), str(e.value)
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("layers,words", [
+    # 27 billion float32 parameters on 4 chips: the policy alone is over the HBM
+    (32, ["the policy alone needs 25.50 GiB per chip > 15.75 GiB"]),
+    # 6.8 billion: the policy fits (6.4 GiB per chip), its Adam moments do not; XLA:TPU
+    # refuses the program that builds the state
+    (8, ["the run's state does not fit 15.75 GiB per v5e chip", "RESOURCE_EXHAUSTED"]),
+])
+def test_state_that_cannot_fit_fails_before_compiling_steps(layers, words):
+  """Full fine-tuning of a large float32 model with Adam on 4 v5e chips: one line with the
+  bytes and the knobs, before any step is compiled."""
+  big = ["model.hidden_size=8192", "model.intermediate_size=28672",
+         f"model.num_layers={layers}", "model.num_heads=64", "model.num_kv_heads=8",
+         "model.head_dim=128"]
+  with pytest.raises(topology.TopologyPlanError) as e:
+    topology.plan_topology(_config("v5e:2x2", big), echo=False)
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith("dry_run.topology=v5e:2x2: "), msg
+  assert all(w in msg for w in words) and "optim.mu_dtype=bfloat16" in msg, msg
+
+
+def test_program_that_cannot_fit_names_it_and_its_bytes():
+  """``_check_fits`` on a plan whose update is over the HBM: the program, its bytes, the
+  chip's HBM and the knobs."""
+  plan = {"topology": "v5e:2x2", "capacity": 16 << 30, "capacity_source": "v5e HBM",
+          "state": {"rl": {"policy": 6 << 30, "rl_optimizer": 8 << 30}},
+          "programs": {"rl_update": {"phase": "rl", "peak": 20 << 30}},
+          "estimate": {"fits": False, "peak_program": "rl_update", "peak": 20 << 30}}
+  with pytest.raises(topology.TopologyPlanError) as e:
+    topology._check_fits(plan)  # pylint: disable=protected-access
+  msg = str(e.value)
+  assert "program rl_update needs 20.00 GiB per chip > 16.00 GiB" in msg
+  assert "train.micro_batches" in msg and "\n" not in msg
+
+
+def test_topology_needs_train_dry_run():
+  config = config_utils.load_config(QUICKSTART, ["dry_run.topology=v5e:2x2"])
+  with pytest.raises(ConfigError, match="train.dry_run=True"):
+    topology.check_requested(config)
+
+
+def test_cli_prints_one_error_line_for_an_unknown_topology(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={tmp_path}",
+       "--config.train.dry_run=True", "--config.dry_run.topology=v5x:2x2"],
+      cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 2
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: dry_run.topology='v5x:2x2'"), lines
+
+
+def test_host_platform_is_cpu_only_when_unset(monkeypatch):
+  """The CLI's topology dry run runs JAX on the CPU unless the user chose a platform."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  topology.use_host_platform()
+  assert os.environ["JAX_PLATFORMS"] == "cuda"
+  monkeypatch.delenv("JAX_PLATFORMS")
+  monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD", raising=False)
+  topology.use_host_platform()
+  assert os.environ["JAX_PLATFORMS"] == "cpu" == jax.config.jax_platforms
+  assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
+
+
+def test_collectives_of_hlo_text():
+  """Kinds, counts and result bytes; XLA:TPU's reduce-scatter fusion counts once as a
+  reduce-scatter and the all-reduce inside it not at all; an async start counts its result."""
+  hlo = "\n".join([
+      "%all-reduce-scatter.1 (input: f32[1024,64]) -> f32[256,64] {",
+      "  %all-reduce.2 = f32[1024,64]{1,0} all-reduce(%input), channel_id=1",
+      "}",
+      "ENTRY %main (p: bf16[256,64]) -> f32[256,64] {",
+      "  %all-gather.1 = bf16[1024,64]{1,0:T(8,128)(2,1)} all-gather(%p), dimensions={0}",
+      "  %ags = (bf16[256,64]{1,0}, bf16[1024,64]{1,0}) all-gather-start(%p), dimensions={0}",
+      "  %agd = bf16[1024,64]{1,0} all-gather-done(%ags)",
+      "  %cps = (bf16[8,64]{1,0}, bf16[8,64]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) "
+      "collective-permute-start(%p), source_target_pairs={{0,1},{1,0}}",
+      "  %cpd = bf16[8,64]{1,0} collective-permute-done(%cps)",
+      "  %s = f32[] all-reduce(%x), to_apply=%add",
+      "  ROOT %fusion.3 = f32[256,64]{1,0} fusion(%q), kind=kCustom, "
+      "calls=%all-reduce-scatter.1",
+      "}"])
+  assert topology.collectives(hlo) == {
+      "all-gather": {"count": 2, "bytes": 2 * 1024 * 64 * 2},
+      "all-reduce": {"count": 1, "bytes": 4},
+      "collective-permute": {"count": 1, "bytes": 8 * 64 * 2},
+      "reduce-scatter": {"count": 1, "bytes": 256 * 64 * 4}}
+
+
+def test_sweep_script_writes_models_that_parse(tmp_path):
+  """scripts/tpu_plan.py's hand-written configs read as the published shapes (parameter
+  counts), its stand-in tokenizer loads, and its data file's prompts have the set length."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  from rl_jax import models  # pylint: disable=import-outside-toplevel
+  from rl_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      "tpu_plan", os.path.join(ROOT, "scripts", "tpu_plan.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  billions = {"qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-8b": 8.2, "qwen3-32b": 32.8,
+              "qwen3-30b-a3b": 30.5, "gemma3-12b": 11.8}
+  for name, size in billions.items():
+    path = str(tmp_path / name)
+    script.write_model(path, name)
+    cfg = models.read_hf_config(path)
+    shapes = jax.tree.leaves(models.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    count = sum(math.prod(x) for x in shapes) / 1e9
+    assert count == pytest.approx(size, rel=0.05), name
+    assert tokenizers.load_tokenizer(path).vocab_size <= cfg.vocab_size
+  script.write_data(str(tmp_path / "data.jsonl"), 200)
+  tok = tokenizers.load_tokenizer(str(tmp_path / "qwen3-8b"))
+  with open(tmp_path / "data.jsonl") as f:
+    question = json.loads(f.readline())["question"]
+  assert len(tok.encode(question)) == 200
