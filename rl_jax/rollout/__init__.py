@@ -11,7 +11,8 @@ Public API::
 
 Modules: ``engine`` (the scheduling loop, APRIL), ``generation`` (``generate``), ``records``
 (prompts, groups, ``Rollout``), ``slots`` (engine bookkeeping), ``sampler``
-(the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``sampling`` (token draws);
+(the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``pages`` (the paged response
+cache: page pool, page tables, live-page buckets), ``sampling`` (token draws);
 multi-turn rollouts: ``agent`` (``AgentEngine``, its held groups and checkpoints),
 ``agent_loop`` (its scheduling loop), ``agent_records``, ``env_pool`` (environment steps off
 the decode loop) and ``extend`` (incremental prefill of observations).

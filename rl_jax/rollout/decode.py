@@ -5,8 +5,10 @@ Axis letters: the legend of ``rl_jax/__init__.py`` (G group slots, M samples per
 slot, P prefix cache length, R response cache length, N query heads, K kv heads, J query
 heads per kv head, H head dim, V vocab).
 
-A decode query attends its group's shared prefix (stored once) and its own suffix. Both
-score sets share one softmax (``decode_attention``): the same result as the log-sum-exp
+A decode query attends its group's shared prefix (stored once) and its own response, read
+from its first ``live`` pages of the response pool (``pages``: a power-of-two bucket
+covering the longest live response, so a step's work follows the tokens generated, not the
+budget; the fed token takes a page when it starts one). Both score sets share one softmax (``decode_attention``): the same result as the log-sum-exp
 merge of the two partial softmaxes that prefill uses, with fewer passes, which matters in
 the per-token loop.
 

@@ -3,7 +3,8 @@
 One namespace for the sampler's pieces, which live in three modules:
 
 * ``kv_cache``: the slot state (``DecodeState``) and its cache layout, ``init_state``, the
-  token bookkeeping shared by prefill and decode, ``cast_params``.
+  token bookkeeping shared by prefill and decode, ``cast_params``; the response pages
+  themselves live in ``pages``.
 * ``prefill``: ``admit`` (prefill prompts into free slots once per group, first tokens) and
   ``resume`` (rebuild the response K/V of resumed partial samples), both attending through
   ``grouped_attention`` (the two-region log-sum-exp attention of ``pallas_kernels``).
@@ -11,8 +12,9 @@ One namespace for the sampler's pieces, which live in three modules:
 
 Axis letters: the legend of ``rl_jax/__init__.py``. Each slot g holds one prompt,
 prefilled once into the prefix cache (L arrays: keys [G,K,H,P], values [G,K,P,H]), and M
-samples that keep only their own response K/V in the suffix cache (keys [G,M,K,H,R], values
-[G,M,K,R,H]). The replicated layout is
+samples whose own response K/V lives on pages of the response pool (L arrays: keys
+[Pg,K,H,S], values [Pg,K,S,H]) through a page table [G,M,NP] (``pages``). The replicated
+layout is
 the same code with M = 1 and the prompt repeated in one slot per sample. Shapes are bucketed
 by the engine, so each entry point compiles a few times at most (``TRACE_COUNTS``).
 
