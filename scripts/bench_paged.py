@@ -54,21 +54,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SETTINGS = {"paged 512": (512, 64), "paged 8192": (8192, 64), "slot 8192": (8192, 8192)}
 
 
-def child(max_new: int, page_size: int, repeats: int) -> dict:
-  """One setting in this process: best time of ``repeats`` generate calls after a warm-up."""
+def _workload(vocab: int, context: int, prompts: int):
+  """A random 4-layer d=128 model over ``vocab`` token ids (EOS is id 0, so lengths are
+  geometric with mean about ``vocab``) and ``prompts`` prompts of 8-16 random ids."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
-  from rl_jax import models, rollout
+  from rl_jax import models
   from rl_jax.models.config import ModelConfig
 
-  cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=352, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=16384,
+  cfg = ModelConfig(vocab_size=vocab, hidden_size=128, intermediate_size=352, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=context,
                     dtype="float32", param_dtype="float32")
   params = models.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, 64, size=int(rng.integers(8, 17))).tolist() for _ in range(8)]
+  return cfg, params, [rng.integers(1, vocab, size=int(rng.integers(8, 17))).tolist()
+                       for _ in range(prompts)]
+
+
+def child(max_new: int, page_size: int, repeats: int) -> dict:
+  """One setting in this process: best time of ``repeats`` generate calls after a warm-up."""
+  import numpy as np
+
+  from rl_jax import rollout
+
+  cfg, params, prompts = _workload(64, 16384, 8)
   run = lambda: rollout.generate(cfg, params, prompts, n=8, max_new_tokens=max_new,
                                  temperature=1.0, eos_id=0, seed=1, page_size=page_size)
   out = run()
@@ -86,19 +96,12 @@ def child(max_new: int, page_size: int, repeats: int) -> dict:
 
 
 def fixed_budget(repeats: int) -> None:
-  """Tokens/s of 64 long-tailed samples in one K/V budget: worst-case slots vs pages."""
-  import jax
+  """Tokens/s of 32 long-tailed samples in one K/V budget: worst-case slots vs pages."""
   import numpy as np
 
-  from rl_jax import models, rollout
-  from rl_jax.models.config import ModelConfig
+  from rl_jax import rollout
 
-  cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8400,
-                    dtype="float32", param_dtype="float32")
-  params = models.init_params(cfg, jax.random.key(0))
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, 512, size=int(rng.integers(8, 17))).tolist() for _ in range(4)]
+  cfg, params, prompts = _workload(512, 8400, 4)
   settings = {"slots of 8192 (8 pages)": (8192, 8), "pages of 64 (1024 pages)": (64, 1024)}
   runs = {}
   for name, (page, pool) in settings.items():

@@ -29,14 +29,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["allocate", "contiguous", "gather_live", "grow", "in_place", "live_bucket",
-           "page_bytes", "pages_from_memory", "pages_needed", "release", "rows_need",
+           "pages_from_memory", "pages_needed", "release", "rows_need",
            "take_entry", "write", "write_rows"]
-
-
-def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-               itemsize: int) -> int:
-  """Bytes of one page over all layers, keys and values."""
-  return 2 * num_layers * num_kv_heads * head_dim * page_size * itemsize
 
 
 def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
@@ -126,10 +120,9 @@ def release(table: jax.Array, free: jax.Array, rows: jax.Array):
 
 
 def write(pool_k, pool_v, page, offset, k, v):
-  """Write token K/V onto pages: ``k``/``v`` [B,K,H] at (page [B], offset [B]).
+  """Write token K/V onto pages: ``k``/``v`` [..,K,H] at (page [..], offset [..]).
 
-  Rows whose page is out of range (>= Pg, e.g. -1 mapped there by the caller) are dropped.
-  Keys are stored [Pg,K,H,S], values [Pg,K,S,H].
+  Tokens whose page is -1 (none) are dropped. Keys are stored [Pg,K,H,S], values [Pg,K,S,H].
   """
   Pg = pool_k.shape[0]
   page = jnp.where(page < 0, Pg, page)
@@ -152,14 +145,18 @@ def contiguous(pool_k, pool_v, table_live):
   """The live pages of every row as one response cache: keys [..,K,H,nb·S], values
   [..,K,nb·S,H] (``table_live`` int32 [..,nb]); positions without a page hold page 0's
   values and must be masked."""
-  k, v = gather_live(pool_k, pool_v, table_live)  # [..,nb,K,H,S], [..,nb,K,S,H]
-  lead = table_live.ndim - 1
-  nb = table_live.shape[-1]
-  k = jnp.moveaxis(k, lead, -2)  # [..,K,H,nb,S]
+  k, v = gather_live(pool_k, pool_v, table_live)
+  return _joined(k, v, table_live.ndim - 1)
+
+
+def _joined(k, v, axis: int):
+  """Pages k [..,nb,K,H,S] / v [..,nb,K,S,H] (page axis ``axis``) as one cache: keys
+  [..,K,H,nb·S], values [..,K,nb·S,H]."""
+  nb = k.shape[axis]
+  k = jnp.moveaxis(k, axis, -2)  # [..,K,H,nb,S]
   k = k.reshape(*k.shape[:-2], nb * k.shape[-1])
-  v = jnp.moveaxis(v, lead, -3)  # [..,K,nb,S,H]
-  v = v.reshape(*v.shape[:-3], nb * v.shape[-2], v.shape[-1])
-  return k, v
+  v = jnp.moveaxis(v, axis, -3)  # [..,K,nb,S,H]
+  return k, v.reshape(*v.shape[:-3], nb * v.shape[-2], v.shape[-1])
 
 
 def in_place(pool_k, pool_v, G: int, M: int, NP: int, nb: int):
@@ -169,9 +166,7 @@ def in_place(pool_k, pool_v, G: int, M: int, NP: int, nb: int):
   _, K, H, S = pool_k.shape
   k = pool_k[:G * M * NP].reshape(G, M, NP, K, H, S)[:, :, :nb]
   v = pool_v[:G * M * NP].reshape(G, M, NP, K, S, H)[:, :, :nb]
-  k = jnp.moveaxis(k, 2, -2).reshape(G, M, K, H, nb * S)
-  v = jnp.moveaxis(v, 2, -3).reshape(G, M, K, nb * S, H)
-  return k, v
+  return _joined(k, v, 2)
 
 
 def rows_need(slot, sample, start, count, G: int, M: int, NP: int, S: int):
@@ -192,12 +187,7 @@ def write_rows(pool_k, pool_v, table, slot, sample, index, valid, k, v):
   entry = jnp.clip(index // S, 0, table.shape[-1] - 1)
   page = table[jnp.minimum(slot, G - 1)[:, None], sample[:, None], entry]
   page = jnp.where(valid & (slot < G)[:, None], page, -1)
-  Pg = pool_k.shape[0]
-  page = jnp.where(page < 0, Pg, page)
-  off = index % S
-  pool_k = pool_k.at[page, :, :, off].set(k.astype(pool_k.dtype), mode="drop")
-  pool_v = pool_v.at[page, :, off].set(v.astype(pool_v.dtype), mode="drop")
-  return pool_k, pool_v
+  return write(pool_k, pool_v, page, index % S, k, v)
 
 
 def grow(pool: tuple, pages: int) -> tuple:

@@ -50,17 +50,18 @@ from etils import epath
 from rl_jax import models
 from rl_jax import rollout, storage
 from rl_jax.errors import RLJaxError
+from rl_jax.rollout import kv_cache, records
 from rl_jax.train import offload
 from rl_jax.train.inputs import abstract_inputs
 from rl_jax.train.rollouts import Trainer
-from rl_jax.train.state import TrainState, abstract_state, engine_shares
+from rl_jax.train.state import TrainState, abstract_state, held_capacity
 from rl_jax.train.steps import UpdateBatch
 
 __all__ = ["PARTS", "KNOBS", "MemoryPlanError", "leaf_bytes", "tree_bytes", "state_parts",
            "host_parts", "live_bytes", "step_memory", "device_capacity", "abstract_update_batch",
            "compile_steps", "is_out_of_memory", "compiler_message", "state_plan", "add_steps",
-           "make_plan", "format_plan", "write_plan",
-           "check_state_fits", "check_plan_fits", "plan_run", "plan_workdir", "record_live",
+           "make_plan", "format_plan", "write_plan", "kv_pool", "pool_page_bytes",
+           "sampler_engine", "check_state_fits", "check_plan_fits", "plan_run", "plan_workdir", "record_live",
            "PLAN_FILE"]
 
 # plan part -> TrainState fields (``producer.x``: a field of the producer's state)
@@ -311,29 +312,54 @@ def _staged(m: dict[str, int], read) -> dict[str, int]:
   return dict(m, staged=staged, extra=m["extra"] + staged)
 
 
+def sampler_engine(t: Trainer, kv_pages: int | None = None
+                   ) -> tuple[rollout.RolloutEngine, int]:
+  """The engine whose programs one RL step's rollout runs (the APRIL engine of
+  ``state.make_engine``, or the one ``rollout.generate`` builds for a fresh step's groups,
+  with the longest prompt: its largest prompt bucket), with a fixed pool of ``kv_pages``
+  when given, and the groups one sampler serves per step (with several hosts each host
+  samples the groups on its own devices). Building it compiles and allocates nothing."""
+  s, r = t.setup, t.setup.config.rollout
+  geo = s.geometry
+  hosts = len({d.process_index for d in s.mesh.devices.flat})
+  groups = geo.groups if s.sampler_mesh is s.mesh else math.ceil(geo.groups / hosts)
+  kw = dict(n=geo.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+            top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id, mesh=s.sampler_mesh,
+            rules=s.rules, context=s.model_cfg.max_position_embeddings,
+            page_size=r.page_size, kv_pages=kv_pages or r.kv_pages)
+  if r.partial:
+    engine = rollout.RolloutEngine(s.model_cfg, max_slots=held_capacity(s),
+                                   max_prompt_len=s.prompt_len, over_sampling=r.over_sampling,
+                                   **kw)
+  else:
+    engine = rollout.RolloutEngine(s.model_cfg, max_slots=records.pow2(groups),
+                                   max_prompt_len=max(1, s.prompt_len - 1), **kw)
+  return engine, groups
+
+
+def pool_page_bytes(s, page_size: int) -> int:
+  """Bytes of one response-pool page per device of the sampler's mesh: the pool is not split
+  over the batch axes, its kv heads over ``tensor`` (when they divide)."""
+  tensor = s.sampler_mesh.shape.get("tensor", 1)
+  heads = tensor if s.model_cfg.num_kv_heads % tensor == 0 else 1
+  return math.ceil(kv_cache.pool_bytes(s.model_cfg, 1, page_size) / heads)
+
+
 def kv_pool(t: Trainer) -> dict[str, int]:
-  """The sampler's paged KV cache per device: ``prompts`` bytes (one prompt cache per group
-  slot, slots over the batch axes), ``pool`` bytes (the response page pool, its pages not
-  split over the batch axes, kv heads over ``tensor``), ``pages`` and ``page_size`` (S),
-  ``tokens`` (the most response tokens in flight: pages x S) and ``max_pages`` (what a
-  growing pool reaches at most: every sample's whole budget)."""
-  s, c = t.setup, t.setup.config
-  G, M = s.geometry.rows, s.geometry.row_size
-  if c.rollout.partial:  # one engine share's slots (all of them with one share)
-    G = math.ceil(c.rollout.over_sampling * G / engine_shares(s))
+  """The sampler's paged KV cache per device, as ``sampler_engine`` holds it: ``prompts``
+  bytes (one prompt cache per group slot, slots over the batch axes), ``pool`` bytes (the
+  response pool it starts with), ``pages`` and ``page_size`` (S), ``tokens`` (the most
+  response tokens in flight: pages x S) and ``max_pages`` (what a growing pool reaches at
+  most: every sample's whole budget)."""
+  s = t.setup
+  engine, _ = sampler_engine(t)
   mesh = s.sampler_mesh.shape
   split = math.prod(mesh[a] for a in ("data", "fsdp") if a in mesh)
-  prompts = rollout.kv_cache_bytes(s.model_cfg, G, M, s.prompt_len, 0)
-  R = max(8, 1 << (c.rollout.max_new_tokens - 1).bit_length())
-  S = min(c.rollout.page_size, R)
-  # the APRIL engine's slots, or generate's: the groups rounded up to a power of two
-  slots = G if c.rollout.partial else 1 << max(G - 1, 0).bit_length()
-  whole = slots * M * (R // S)
-  pages = c.rollout.kv_pages or min(whole, slots * M * -(-min(R, 256) // S))
-  heads = min(mesh.get("tensor", 1), s.model_cfg.num_kv_heads)
-  pool = math.ceil(rollout.kv_cache_bytes(s.model_cfg, pages, 1, 0, S) / heads)
-  return dict(prompts=math.ceil(prompts / max(1, min(split, G))), pool=pool, pages=pages,
-              page_size=S, tokens=pages * S, max_pages=c.rollout.kv_pages or whole)
+  prompts = rollout.kv_cache_bytes(engine.cfg, engine.G, engine.M, engine.P, 0)
+  pages = engine.pool_pages
+  return dict(prompts=math.ceil(prompts / max(1, min(split, engine.G))),
+              pool=pages * pool_page_bytes(s, engine.S), pages=pages, page_size=engine.S,
+              tokens=pages * engine.S, max_pages=engine.max_pool_pages)
 
 
 def state_plan(t: Trainer, sft_state: TrainState | None,

@@ -365,40 +365,6 @@ def _spec(x, sharding) -> jax.ShapeDtypeStruct:
                               else x.dtype, sharding=sharding)
 
 
-def _sampler_engine(t: Trainer, kv_pages: int | None) -> tuple[rollout.RolloutEngine, int]:
-  """The engine whose programs one RL step's rollout runs (the APRIL engine of
-  ``state.make_engine``, or the one ``rollout.generate`` builds for a fresh step's groups,
-  with the longest prompt: its largest prompt bucket), with a fixed pool of ``kv_pages``
-  when given, and the groups one sampler serves per step (with several hosts each host
-  samples the groups on its own devices)."""
-  s, r = t.setup, t.setup.config.rollout
-  geo = s.geometry
-  hosts = len({d.process_index for d in s.mesh.devices.flat})
-  groups = geo.groups if s.sampler_mesh is s.mesh else math.ceil(geo.groups / hosts)
-  kw = dict(n=geo.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-            top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id, mesh=s.sampler_mesh,
-            rules=s.rules, context=s.model_cfg.max_position_embeddings,
-            page_size=r.page_size, kv_pages=kv_pages or r.kv_pages)
-  if r.partial:
-    engine = rollout.RolloutEngine(s.model_cfg, max_slots=state_lib.held_capacity(s),
-                                   max_prompt_len=s.prompt_len, over_sampling=r.over_sampling,
-                                   **kw)
-  else:
-    engine = rollout.RolloutEngine(s.model_cfg, max_slots=records.pow2(groups),
-                                   max_prompt_len=max(1, s.prompt_len - 1), **kw)
-  return engine, groups
-
-
-def _page_bytes(t: Trainer) -> tuple[int, int]:
-  """(bytes of one response-pool page per chip of the sampler's mesh, page size S): the
-  pool is not split over the batch axes, its kv heads over ``tensor``."""
-  s, r = t.setup, t.setup.config.rollout
-  S = min(r.page_size, records.pow2(r.max_new_tokens, 8))
-  tensor = s.sampler_mesh.shape.get("tensor", 1)
-  heads = tensor if s.model_cfg.num_kv_heads % tensor == 0 else 1
-  return math.ceil(kv_cache.pool_bytes(s.model_cfg, 1, S) / heads), S
-
-
 def _sampler_params(t: Trainer, rl_state, engine) -> Any:
   """ShapeDtypeStructs of the weights the sampler decodes with, as ``prepare_params``
   lays them out on the sampler's mesh (LoRA with ``rollout.lora_merge``: the merged base)."""
@@ -438,7 +404,7 @@ def sampler_programs(t: Trainer, rl_state, kv_fraction: float | None = None,
   ``program`` (compiled), ``params`` (bytes per device of the weights among its
   arguments), ``calls`` per step and ``note``; and the pool (``pages`` it starts with,
   ``max_pages`` a growing pool reaches, ``page_size``, ``page_bytes`` per chip)."""
-  engine, groups = _sampler_engine(t, None)
+  engine, groups = memory.sampler_engine(t, None)
   if kv_fraction is not None and not t.setup.config.rollout.kv_pages:
     fit = int(kv_fraction * max(free, 0) // kv_cache.pool_bytes(engine.cfg, 1, engine.S))
     if fit < engine.M * engine.NP:
@@ -446,7 +412,7 @@ def sampler_programs(t: Trainer, rl_state, kv_fraction: float | None = None,
           f"rollout.kv_memory_fraction={kv_fraction} of the {free / GiB:.2f} GiB per chip the "
           f"state leaves free holds {fit} pages of {engine.S} tokens; one group needs "
           f"{engine.M * engine.NP}")
-    engine, groups = _sampler_engine(t, min(fit, engine.max_pool_pages))
+    engine, groups = memory.sampler_engine(t, min(fit, engine.max_pool_pages))
   mesh, _ = engine.ctx
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params = _sampler_params(t, rl_state, engine)
@@ -471,7 +437,7 @@ def sampler_programs(t: Trainer, rl_state, kv_fraction: float | None = None,
       live=engine.NP))
   weights = memory.tree_bytes(params)
   kv = dict(pages=pool, max_pages=engine.max_pool_pages, page_size=engine.S,
-            page_bytes=_page_bytes(t)[0], fixed=engine.fixed_pool)
+            page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool)
   return {
       "kv_init": {"program": init, "params": 0, "calls": 1, "shape": {},
                   "note": f"{G} slots x {M} samples, pool {pool} pages of {engine.S}"},
