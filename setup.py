@@ -41,6 +41,8 @@ setup(
         "gcs": ["gcsfs"],
         # loading the exported LoRA adapters (DIR/hf_adapter) onto transformers models.
         "lora": ["peft>=0.13"],
+        # python -m rl_jax.serve: the OpenAI-compatible HTTP server (rl_jax.serve).
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2"],
         # the TPU compiler, for the topology dry run on any host
         # (--config.train.dry_run=True --config.dry_run.topology=v5e:2x2, rl_jax.train.topology)
         # and for TPU VMs; pinned to the libtpu that jax[tpu]==0.10.2 installs.
@@ -62,6 +64,11 @@ setup(
             "nbclient",
             "nbformat",
             "ipykernel",
+            # tests/test_serve.py: the server, and the openai client against it.
+            "fastapi>=0.110",
+            "uvicorn>=0.29",
+            "openai>=1.50",
+            "httpx",
             # tests/test_workdir_gcs.py: a gs:// workdir against a local emulator.
             "gcsfs",
             "gcp-storage-emulator",

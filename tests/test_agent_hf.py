@@ -105,6 +105,11 @@ def test_math_tools_trains_end_to_end(run):
   assert 0.0 <= rows[-1]["eval_accuracy"] <= 1.0 and "eval_turns_mean" in rows[-1]
   exported = transformers.AutoConfig.from_pretrained(os.path.join(run, "hf"))
   assert exported.model_type == "qwen3"
+  # the export carries the tokenizer and chat template: it serves as it was trained
+  from rl_jax.serve.checkpoint import load_served  # pylint: disable=import-outside-toplevel
+  served = load_served(os.path.join(run, "hf"))
+  assert served.chat is not None and served.parser == template_format(served.chat.source)
+  assert served.stop_ids == served.chat.end_of_turn_ids
 
 
 def _always_calls(text):

@@ -293,6 +293,22 @@ def test_lora_run_trains_adapters_only_and_exports_peft(lora_run):
   np.testing.assert_allclose(hf_logits(merged, tokens), ours, atol=1e-4)
 
 
+def test_every_export_serves_with_its_tokenizer(lora_run):
+  """hf/, hf_base/ and hf_adapter/ each carry the run's tokenizer; what ``rl_jax.serve``
+  loads from the adapter directory (its base with the adapters merged) has hf/'s logits."""
+  from rl_jax.serve.checkpoint import load_served  # pylint: disable=import-outside-toplevel
+  workdir, s, _ = lora_run
+  for d in ("hf", "hf_base", "hf_adapter"):
+    assert os.path.exists(os.path.join(workdir, d, "rl_jax_tokenizer.json")), d
+  merged = load_served(os.path.join(workdir, "hf"))
+  adapter = load_served(os.path.join(workdir, "hf_adapter"))
+  assert adapter.chat.name == "builtin" and adapter.parser == "compact"
+  tokens = np.random.default_rng(1).integers(0, s.model_cfg.vocab_size, (2, 12))
+  np.testing.assert_allclose(np.asarray(models.forward(adapter.cfg, adapter.params, tokens)),
+                             np.asarray(models.forward(merged.cfg, merged.params, tokens)),
+                             atol=1e-5)
+
+
 def test_rl_steps_leave_the_base_frozen(lora_run):
   """One more RL step from the finished state changes the adapters and nothing of the base
   (the supervised adapters were merged into it when RL began)."""

@@ -11,18 +11,25 @@ Usage::
 
     tok = load_tokenizer("char")                  # synthetic tasks, tiny models
     tok = load_tokenizer("/models/Qwen2.5-0.5B")  # a directory with tokenizer.json
+    save_tokenizer("char", "/runs/r1/hf")        # what load_tokenizer("/runs/r1/hf") reads
+
+An exported checkpoint carries its tokenizer (``save_tokenizer``): the HF files copied from
+the source directory, or for the character tokenizer the file ``rl_jax_tokenizer.json``
+(its character set and the built-in chat format), so a served or evaluated export needs no
+other path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import string
 from typing import Any, Iterable, Protocol
 
 __all__ = [
-    "BOS", "CHARS", "EOS", "PAD", "CharTokenizer", "HFTokenizer", "Tokenizer", "encode_prompt",
-    "load_tokenizer",
+    "BOS", "CHARS", "CHAR_TOKENIZER_FILE", "EOS", "PAD", "CharTokenizer", "HFTokenizer",
+    "TOKENIZER_FILES", "Tokenizer", "encode_prompt", "load_tokenizer", "save_tokenizer",
 ]
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -229,12 +236,40 @@ def _read_json(path: str) -> dict:
   return data if isinstance(data, dict) else {}
 
 
+CHAR_TOKENIZER_FILE = "rl_jax_tokenizer.json"
+# what a checkpoint directory's tokenizer and chat template are made of (copied when present)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def save_tokenizer(spec: str, dirpath: str) -> list[str]:
+  """Write the tokenizer ``spec`` names (as ``load_tokenizer`` takes it) into ``dirpath``.
+
+  "char" writes ``rl_jax_tokenizer.json`` (the character set; its chat format is the
+  built-in one); a directory has its ``TOKENIZER_FILES`` copied. Returns the files written.
+  """
+  os.makedirs(dirpath, exist_ok=True)
+  if spec == "char":
+    with open(os.path.join(dirpath, CHAR_TOKENIZER_FILE), "w", encoding="utf-8") as f:
+      json.dump({"tokenizer": "char", "chars": CHARS, "chat_format": "builtin"}, f, indent=2)
+    return [CHAR_TOKENIZER_FILE]
+  written = []
+  for name in TOKENIZER_FILES:
+    src = os.path.join(spec, name)
+    if os.path.isfile(src) and not os.path.exists(os.path.join(dirpath, name)):
+      shutil.copyfile(src, os.path.join(dirpath, name))
+      written.append(name)
+  return written
+
+
 def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
   """Build a tokenizer from a config string.
 
   Args:
     spec: ``"char"`` for the built-in character tokenizer, or a local model directory
-      holding ``tokenizer.json``.
+      holding ``tokenizer.json`` (or an export of the character tokenizer,
+      ``rl_jax_tokenizer.json``).
 
   Returns:
     A tokenizer with the interface described in the module docstring.
@@ -246,4 +281,9 @@ def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
     return CharTokenizer()
   if not os.path.isdir(spec):
     raise FileNotFoundError(f"tokenizer spec {spec!r} is neither 'char' nor a directory")
+  marker = os.path.join(spec, CHAR_TOKENIZER_FILE)
+  if not os.path.isfile(os.path.join(spec, "tokenizer.json")) and os.path.isfile(marker):
+    if _read_json(marker).get("chars") != CHARS:
+      raise ValueError(f"{marker} names a character set this version does not have")
+    return CharTokenizer()
   return HFTokenizer(spec)

@@ -43,6 +43,8 @@ class Group:
   def __init__(self, uid: int, prompt: list[int], trajs: list[Trajectory], spec):
     self.uid, self.prompt, self.trajs, self.spec = uid, prompt, trajs, spec
     self.meta = spec.meta
+    self.stream = uid  # the random stream's request id (``sampling.stream_words``)
+    self.max_turn: int | None = None  # model tokens per turn (None: the engine's)
     M = len(trajs)
     self.status = [RUN] * M
     self.budget = [0] * M  # length limit of the current turn (the device's ``budget``)
@@ -81,6 +83,9 @@ class Loop:
     self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
     self.sync = eng.schedule == "turn_sync"
     self.wait_s = 0.0
+    # decode steps per call when no environment step is pending (None: until a turn ends);
+    # a server bounds it so that new requests join and tokens stream every few steps
+    self.chunk_steps: int | None = None
 
   def run(self, groups: list[Group], min_complete: int | None = None):
     """Serve ``groups`` until ``min_complete`` are complete (None = all).
@@ -251,8 +256,9 @@ class Loop:
                                                                   (Bn, 1)))
     rebuild = []
     for b, (g, grp) in enumerate(batch):
-      a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.uid
+      a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
       a["prompt"][b, :len(grp.prompt)] = grp.prompt
+      a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
       for m, t in enumerate(grp.trajs):
         n = len(t.tokens)
         if n == 0:  # a fresh sample: its first token is drawn by ``admit``
@@ -303,7 +309,7 @@ class Loop:
         x.slot[r], x.sample[r], x.start[r] = g, m, len(t.tokens) - 1
         x.tokens[r, 0], x.tokens[r, 1:1 + len(chunk)] = t.tokens[-1], chunk
         x.count[r] = 1 + len(chunk)
-        x.budget[r] = min(len(t.tokens) + len(chunk) + e.max_turn, e.max_total)
+        x.budget[r] = min(len(t.tokens) + len(chunk) + turn_tokens(e, grp), e.max_total)
         grp.budget[m], grp.turn_start[m] = int(x.budget[r]), len(t.tokens) + len(chunk)
         t.append(chunk, [0.0] * len(chunk), [-1] * len(chunk), False, len(t.actions) - 1)
         self.stats["resumes"] += 1
@@ -317,8 +323,9 @@ class Loop:
   def decode(self):
     """Decode until a turn ends (continuous) or every turn of the batch ends (turn_sync)."""
     e = self.e
+    self.give_back()  # slots freed since the last admission stop decoding
     poll = not self.sync and len(e.pool) > 0
-    steps = e.poll_steps if poll else e.R
+    steps = e.poll_steps if poll else (self.chunk_steps or e.R)
     stop = e.G * e.M if self.sync else 1
     length, reason, active = jax.device_get((self.state.length, self.state.reason,
                                              self.state.active))
@@ -362,6 +369,11 @@ class Loop:
       e.pool.submit((grp.uid, m, grp.epoch[m]), t.env, action, render)
       grp.status[m], grp.since[m] = WAIT, now
     return True
+
+
+def turn_tokens(e, grp: Group) -> int:
+  """Model tokens per turn of ``grp``: its own limit, else the engine's ``max_turn``."""
+  return e.max_turn if grp.max_turn is None else min(grp.max_turn, e.max_turn)
 
 
 def apply_outcome(e, grp: Group, m: int, out) -> None:

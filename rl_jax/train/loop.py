@@ -32,6 +32,7 @@ from rl_jax import metrics as metrics_lib
 from rl_jax import models
 from rl_jax import storage
 from rl_jax import wandb_log
+from rl_jax.data import tokenizers as tok_lib
 from rl_jax.data.tokenizers import encode_prompt
 from rl_jax.errors import RLJaxError
 from rl_jax.train import agent_stage, startup
@@ -289,8 +290,14 @@ def export_hf(s: Setup, params, workdir: str) -> None:
   ``base_model_name_or_path`` names. A quantised base (``model.lora.quant``) is written
   dequantised: ``hf`` holds the dequantised base plus the merged adapters."""
   cfg = s.model_cfg
+  c = s.config
+  tokenizer = c.data.tokenizer or c.model.hf_path or "char"  # as the run loaded it
+
+  def with_tokenizer(save):  # every exported directory carries its tokenizer
+    return lambda d: (save(d), tok_lib.save_tokenizer(tokenizer, d))
+
   # save_hf merges adapters (and dequantises a quantised base) a layer at a time as it writes
-  _write_hf(storage.join(workdir, "hf"), lambda d: models.save_hf(cfg, params, d))
+  _write_hf(storage.join(workdir, "hf"), with_tokenizer(lambda d: models.save_hf(cfg, params, d)))
   if not cfg.lora_rank:
     return
   base_path = s.config.model.hf_path
@@ -298,9 +305,10 @@ def export_hf(s: Setup, params, workdir: str) -> None:
     base_path = storage.join(workdir, "hf_base")
     if not storage.is_remote(base_path):
       base_path = os.path.abspath(base_path)
-    _write_hf(base_path, lambda d: models.save_hf(cfg, models.lora.strip(params), d))
+    _write_hf(base_path, with_tokenizer(
+        lambda d: models.save_hf(cfg, models.lora.strip(params), d)))
   _write_hf(storage.join(workdir, "hf_adapter"),
-            lambda d: models.save_hf_adapter(cfg, params, d, base_path))
+            with_tokenizer(lambda d: models.save_hf_adapter(cfg, params, d, base_path)))
 
 
 def _progress(enabled: bool, total: int, initial: int):

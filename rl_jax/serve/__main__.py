@@ -1,0 +1,101 @@
+"""``python -m rl_jax.serve --model=DIR``: serve a checkpoint over OpenAI's HTTP API.
+
+Flags: ``--model`` (a run's ``hf/``, a Hugging Face checkpoint, or a PEFT adapter
+directory), ``--tokenizer`` (default: the checkpoint's), ``--served-model-name`` (default:
+the directory's name), ``--host`` (default 127.0.0.1), ``--port`` (8000), ``--api-key``
+(required when the host is not a loopback address; also read from ``RL_JAX_API_KEY``),
+``--max-slots``, ``--max-prompt-tokens``, ``--max-tokens``, ``--max-n``, ``--page-size``,
+``--seed``, ``--dtype``, ``--tool-parser``. A wrong flag or directory prints one
+``error:`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from rl_jax import config_utils
+from rl_jax.errors import RLJaxError
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m rl_jax.serve", description=__doc__.split("\n")[0])
+  p.add_argument("--model", required=True, help="checkpoint directory (a run's hf/)")
+  p.add_argument("--tokenizer", default=None, help="tokenizer directory, or 'char'")
+  p.add_argument("--served-model-name", default=None, help="the model id clients send")
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--api-key", default=os.environ.get("RL_JAX_API_KEY"))
+  p.add_argument("--max-slots", type=int, default=8, help="choices decoded together")
+  p.add_argument("--max-prompt-tokens", type=int, default=None,
+                 help="longest prompt (default: min(1024, half the context))")
+  p.add_argument("--max-tokens", type=int, default=None,
+                 help="most tokens per choice (default: min(512, the rest of the context))")
+  p.add_argument("--max-n", type=int, default=8, help="most choices per request")
+  p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+  p.add_argument("--seed", type=int, default=0, help="base seed of every random stream")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--tool-parser", default="auto", help="auto, hermes, llama3 or compact")
+  return p
+
+
+def _loopback(host: str) -> bool:
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
+
+
+def _positive(name: str, v: int) -> None:
+  if v < 1:
+    raise RLJaxError(f"--{name}={v} must be at least 1")
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = _parser().parse_args(argv)
+  if not _loopback(args.host) and not args.api_key:
+    raise RLJaxError(f"--host={args.host} is reachable from other machines: set --api-key "
+                     "(or RL_JAX_API_KEY)")
+  for name in ("max_slots", "max_n", "page_size", "port"):
+    _positive(name.replace("_", "-"), getattr(args, name))
+  try:
+    import uvicorn  # pylint: disable=import-outside-toplevel
+    from rl_jax.serve.app import create_app  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise RLJaxError(f"rl_jax.serve needs the serve extra ({e.name} is missing): "
+                     "pip install -e '.[serve]'") from None
+  from rl_jax.serve.checkpoint import load_served  # pylint: disable=import-outside-toplevel
+  from rl_jax.serve.scheduler import Scheduler  # pylint: disable=import-outside-toplevel
+
+  model = load_served(args.model, tokenizer=args.tokenizer, name=args.served_model_name,
+                      dtype=args.dtype, tool_parser=args.tool_parser)
+  context = int(model.cfg.max_position_embeddings)
+  prompt = args.max_prompt_tokens or min(1024, context // 2)
+  tokens = args.max_tokens or min(512, context - prompt)
+  _positive("max-prompt-tokens", prompt)
+  _positive("max-tokens", tokens)
+  if prompt + tokens > context:
+    raise RLJaxError(f"--max-prompt-tokens={prompt} + --max-tokens={tokens} exceeds the "
+                     f"model's context of {context} positions")
+  if args.page_size & (args.page_size - 1):
+    raise RLJaxError(f"--page-size={args.page_size} must be a power of two")
+  for note in model.notes:
+    print(f"note: {note}", file=sys.stderr, flush=True)
+  sched = Scheduler(model, max_slots=args.max_slots, max_prompt_tokens=prompt,
+                    max_tokens=tokens, page_size=args.page_size, seed=args.seed)
+  app = create_app(sched, api_key=args.api_key, max_n=args.max_n)
+  print(f"serving {model.name!r} on http://{args.host}:{args.port}/v1 "
+        f"(prompts <= {prompt} tokens, <= {tokens} new tokens, {args.max_slots} slots)",
+        file=sys.stderr, flush=True)
+  try:
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+  finally:
+    sched.close()
+
+
+if __name__ == "__main__":
+  config_utils.main_guard(main)()

@@ -1,0 +1,423 @@
+"""``python -m rl_jax.serve``: the real ``openai`` client against the server on localhost.
+
+Two tiny checkpoints: a random character-level model exported as a run exports it (weights
+and ``rl_jax_tokenizer.json``), served by the CLI in a subprocess; and a model built to be
+a Markov chain over a small word-level HF tokenizer with a hermes-style chat template, whose
+greedy answer is a tool call, served in-process. Numbers are checked against independent
+computations: the engine's log-probs against one ``models.forward`` pass, greedy answers
+against argmax decoding with ``models.forward``.
+"""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+
+from rl_jax import models
+from rl_jax.data.tokenizers import CharTokenizer, save_tokenizer
+from rl_jax.serve import scoring
+from rl_jax.serve.app import create_app
+from rl_jax.serve.checkpoint import ServeError, load_served
+from rl_jax.serve.scheduler import Request, Sampling, Scheduler
+
+uvicorn = pytest.importorskip("uvicorn")
+
+KEY = "test-key"
+TOK = CharTokenizer()
+CHAR_CFG = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                              max_position_embeddings=256, dtype="float32",
+                              param_dtype="float32")
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def char_dir(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("char_hf"))
+  params = models.init_params(CHAR_CFG, jax.random.key(0), std=0.2)
+  models.save_hf(CHAR_CFG, params, d)
+  save_tokenizer("char", d)
+  return d
+
+
+@pytest.fixture(scope="module")
+def server(char_dir):
+  """The CLI serving the character model; yields (base_url, process)."""
+  port = _port()
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "rl_jax.serve", f"--model={char_dir}", f"--port={port}",
+       f"--api-key={KEY}", "--max-tokens=48", "--max-prompt-tokens=64", "--max-n=4",
+       "--max-slots=4", "--served-model-name=tiny"],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  deadline = time.time() + 120
+  while True:
+    try:
+      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+        break
+    except httpx.HTTPError:
+      pass
+    if proc.poll() is not None or time.time() > deadline:
+      proc.kill()
+      pytest.fail(f"server did not start: {proc.stdout.read()}")
+    time.sleep(0.3)
+  yield url, proc
+  proc.terminate()
+  proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+
+
+def _chat(client, content="2+3?", **kw):
+  kw.setdefault("max_tokens", 24)
+  return client.chat.completions.create(
+      model="tiny", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_chat_is_seeded_batch_invariant_and_streams_the_same_text(client):
+  """A seeded request gives the same choices alone, with n=2, under concurrent load and
+  streamed; different seeds differ."""
+  one = _chat(client, seed=7)
+  assert one.model == "tiny" and one.choices[0].message.role == "assistant"
+  assert one.usage.prompt_tokens == len(TOK.encode("U:2+3?\nA:"))
+  text = one.choices[0].message.content
+  assert text and one.choices[0].finish_reason in ("stop", "length")
+  two = _chat(client, seed=7, n=2)
+  assert two.choices[0].message.content == text  # choice i's stream: (seed, i)
+  assert two.choices[1].message.content != text
+  assert _chat(client, seed=8).choices[0].message.content != text
+
+  results = [None] * 6
+
+  def worker(i):
+    results[i] = _chat(client, content=f"{i}*{i}?", seed=i, max_tokens=12 + 5 * i)
+  threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  for i in range(6):  # decoded together in one batch, alone they give the same text
+    alone = _chat(client, content=f"{i}*{i}?", seed=i, max_tokens=12 + 5 * i)
+    assert results[i].choices[0].message.content == alone.choices[0].message.content
+
+  parts, usage = [], None
+  for chunk in _chat(client, seed=7, stream=True, stream_options={"include_usage": True}):
+    if chunk.choices:
+      parts.append(chunk.choices[0].delta.content or "")
+    else:
+      usage = chunk.usage
+  assert len(parts) > 1 and "".join(parts) == text
+  assert usage.completion_tokens == one.usage.completion_tokens
+
+
+def test_completions_logprobs_and_stop_strings(client):
+  full = client.completions.create(model="tiny", prompt="hello", max_tokens=30, seed=3,
+                                   logprobs=2)
+  c = full.choices[0]
+  lp = c.logprobs
+  assert "".join(lp.tokens) == c.text and len(lp.token_logprobs) == len(lp.tokens)
+  assert all(np.isfinite(x) and x <= 0 for x in lp.token_logprobs)
+  assert all(1 <= len(alt) <= 2 for alt in lp.top_logprobs)
+  assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+  for tok, x, alt in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    if tok in alt:  # the engine's record and the scoring pass agree where both report
+      assert abs(alt[tok] - x) < 1e-4
+  # a stop string cuts the text before it and ends the choice
+  stop = c.text[len(c.text) // 2]
+  cut = client.completions.create(model="tiny", prompt="hello", max_tokens=30, seed=3,
+                                  stop=[stop])
+  assert cut.choices[0].text == c.text[:c.text.index(stop)]
+  assert cut.choices[0].finish_reason == "stop"
+  streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+      model="tiny", prompt="hello", max_tokens=30, seed=3, stop=[stop], stream=True))
+  assert streamed == cut.choices[0].text
+  ids = client.completions.create(model="tiny", prompt=TOK.encode("hello"), max_tokens=30,
+                                  seed=3)
+  assert ids.choices[0].text == c.text  # token ids in, the same text out
+
+
+def _post(url, body, key=KEY, raw=None):
+  headers = {"Authorization": f"Bearer {key}"} if key else {}
+  if raw is not None:
+    return httpx.post(url, content=raw, headers={**headers, "Content-Type": "application/json"},
+                      timeout=60)
+  return httpx.post(url, json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("body,key,raw,status,param", [
+    (None, KEY, b"{not json", 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": "many"}, KEY,
+     None, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, KEY, None, 400,
+     "messages.0.role"),
+    ({"model": "tiny", "messages": []}, KEY, None, 400, "messages"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, KEY, None, 404,
+     "model"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 5}, KEY, None,
+     400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 49}, KEY,
+     None, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 80}]}, KEY, None, 400,
+     "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 3},
+     KEY, None, 400, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+      "presence_penalty": 1.0}, KEY, None, 400, "presence_penalty"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "wrong", None, 401,
+     None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, None, None, 401, None),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, key,
+                                                                     raw, status, param):
+  r = _post(f"{server[0]}/v1/chat/completions", body, key, raw)
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert err["message"] and err["type"]
+  if param is not None:
+    assert err["param"] == param
+  if status == 400 and body and "x" * 80 in json.dumps(body):
+    assert err["code"] == "context_length_exceeded"
+  assert _chat(client, max_tokens=4).choices[0].message.content is not None
+
+
+def test_bad_completion_prompts_and_routes(server):
+  url = server[0]
+  r = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": [5, 10_000]})
+  assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+  r = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": ["a", "b"]})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+  r = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": "a", "echo": True})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+  r = _post(f"{url}/v1/nothing", {})
+  assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, client):
+  url = server[0]
+  with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                    json={"model": "tiny", "prompt": "abc", "max_tokens": 48, "stream": True,
+                          "temperature": 0.5}, timeout=60) as r:
+    next(r.iter_lines())  # the first chunk arrived: the choice is decoding; hang up
+  deadline = time.time() + 30
+  while httpx.get(f"{url}/health").json()["active_choices"] and time.time() < deadline:
+    time.sleep(0.2)
+  assert httpx.get(f"{url}/health").json()["active_choices"] == 0
+  assert server[1].poll() is None
+
+
+def test_cli_errors_are_one_line(tmp_path, char_dir):
+  def run(*args):
+    p = subprocess.run([sys.executable, "-m", "rl_jax.serve", *args], capture_output=True,
+                       text=True, timeout=120)
+    return p.returncode, p.stderr.strip().splitlines()
+
+  code, lines = run(f"--model={tmp_path}/missing")
+  assert code == 2 and lines[-1].startswith("error: --model=") and "not a directory" in lines[-1]
+  code, lines = run(f"--model={char_dir}", "--host=0.0.0.0")
+  assert code == 2 and "--api-key" in lines[-1]
+  models.save_hf(CHAR_CFG, models.init_params(CHAR_CFG, jax.random.key(1)), str(tmp_path / "b"))
+  code, lines = run(f"--model={tmp_path}/b")
+  assert code == 2 and "has no tokenizer" in lines[-1] and "--tokenizer" in lines[-1]
+
+
+# ---------------------------------------------------------------- in-process: exact numbers
+@pytest.fixture(scope="module")
+def char_scheduler(char_dir):
+  sched = Scheduler(load_served(char_dir), max_slots=4, max_prompt_tokens=64, max_tokens=40)
+  yield sched
+  sched.close()
+
+
+def _submit(sched, prompt, **kw):
+  req = Request(prompt, kw.pop("n", 1), kw.pop("max_tokens", 40), kw.pop("sampling", Sampling()),
+                **kw)
+  sched.submit(req)
+  assert req.done.wait(120)
+  return req.result()
+
+
+def test_engine_logprobs_equal_one_forward_pass(char_scheduler):
+  """Sampled at temperature 0.7 with top-p 0.9: every recorded log-prob equals the scoring
+  pass's (an independent full forward), and every token is inside the top-p set."""
+  m = char_scheduler.model
+  prompt = TOK.encode("U:what is 12+30?\nA:")
+  sampling = Sampling(temperature=0.7, top_p=0.9)
+  outs = [_submit(char_scheduler, prompt, sampling=sampling, seed=s)[0] for s in range(3)]
+  for out in outs:
+    assert out.ids
+    scored, _ = scoring.top_logprobs(m.cfg, m.params, prompt, out.ids, sampling, 1)
+    np.testing.assert_allclose(out.logprobs, scored, atol=2e-5)
+
+
+def test_greedy_equals_argmax_decoding_with_forward(char_scheduler):
+  m = char_scheduler.model
+  prompt = TOK.encode("U:hello there\nA:")
+  out = _submit(char_scheduler, prompt, sampling=Sampling(temperature=0.0), max_tokens=20)[0]
+  ids = np.zeros((1, 64), np.int32)  # causal: the padding after a position changes nothing
+  ids[0, :len(prompt)] = prompt
+  forward = jax.jit(lambda t: models.forward(m.cfg, m.params, t))
+  for n in range(len(prompt), len(prompt) + len(out.ids)):
+    ids[0, n] = int(jnp.argmax(forward(jnp.asarray(ids))[0, n - 1]))
+  assert out.ids == ids[0, len(prompt):len(prompt) + len(out.ids)].tolist()
+
+
+def test_cancel_stops_decoding_and_returns_the_pages(char_dir):
+  """Long choices on a pool smaller than their budgets (pages taken as tokens are written):
+  cancelled mid-generation, they leave the batch and every page returns to the pool."""
+  model = load_served(char_dir)
+  model.cfg = model.cfg.replace(max_position_embeddings=1024)
+  sched = Scheduler(model, max_slots=2, max_prompt_tokens=16, max_tokens=512, page_size=16)
+  try:
+    req = Request(TOK.encode("U:go\nA:"), 2, 512, Sampling(temperature=1.0), stream=True)
+    got = []
+    req.on_chunk = got.append
+    sched.submit(req)
+    deadline = time.time() + 60
+    while not any(getattr(c, "ids", None) for c in got) and time.time() < deadline:
+      time.sleep(0.02)
+    sched.cancel(req)
+    assert req.done.wait(30)
+    while sched.active_choices() and time.time() < deadline:
+      time.sleep(0.02)
+    lane = sched._lanes[Sampling(temperature=1.0)]  # pylint: disable=protected-access
+    loop = lane.loop
+    assert not loop.identity  # a real page table
+    assert all(len(c.ids) < 512 for c in req.choices)  # stopped before their budgets
+    loop.give_back()
+    assert bool(np.asarray(loop.state.free).all())  # every page is free again
+    assert not bool(np.asarray(loop.state.active).any())
+  finally:
+    sched.close()
+
+
+# ---------------------------------------------------------------- tools: a Markov-chain model
+CALL = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
+WORDS = ["[UNK]", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", CALL, "user",
+         "assistant", "system", "tool", "hello", "5"]
+CHAIN = {"assistant": "<tool_call>", "<tool_call>": CALL, CALL: "</tool_call>",
+         "</tool_call>": "<|im_end|>"}
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tool_dir(tmp_path_factory):
+  """A 1-layer model whose attention and MLP write nothing: the logits depend on the last
+  token only, and the lm-head makes CHAIN's successor the argmax by a margin of 32."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  d = str(tmp_path_factory.mktemp("tool_hf"))
+  _markov_model(d)  # first: save_hf replaces the directory
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.add_tokens([tokenizers.AddedToken(w, normalized=False) for w in WORDS[3:6]])
+  tok.add_special_tokens([tokenizers.AddedToken(w, normalized=False) for w in WORDS[1:3]])
+  tok.save(os.path.join(d, "tokenizer.json"))
+  with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}, f)
+  with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+    f.write(TEMPLATE)
+  return d
+
+
+def _markov_model(d: str) -> None:
+  """Save the 1-layer chain model of ``tool_dir`` to ``d``."""
+  cfg = models.ModelConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=32,
+                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                           max_position_embeddings=512, dtype="float32", param_dtype="float32")
+  p = jax.device_get(models.init_params(cfg, jax.random.key(0)))
+  q, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(32, 32)))
+  embed = (q[:len(WORDS)] * np.sqrt(32)).astype(np.float32)  # orthogonal rows, rms 1
+  head = np.zeros((32, len(WORDS)), np.float32)
+  for src, dst in CHAIN.items():
+    head[:, WORDS.index(dst)] = embed[WORDS.index(src)]
+  p = {**p, "embed": embed, "lm_head": head, "final_norm": np.ones(32, np.float32),
+       "layers": {**p["layers"], "o": np.zeros_like(p["layers"]["o"]),
+                  "down": np.zeros_like(p["layers"]["down"])}}
+  models.save_hf(cfg, p, d)
+
+
+@contextlib.contextmanager
+def _serving(app):
+  port = _port()
+  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  thread = threading.Thread(target=srv.run, daemon=True)
+  thread.start()
+  while not srv.started:
+    time.sleep(0.05)
+  try:
+    yield f"http://127.0.0.1:{port}/v1"
+  finally:
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_chat_with_tools_returns_parsed_tool_calls(tool_dir):
+  model = load_served(tool_dir)
+  assert model.parser == "hermes" and model.chat is not None
+  sched = Scheduler(model, max_slots=2, max_prompt_tokens=256, max_tokens=16)
+  tools = [{"type": "function", "function": {
+      "name": "add", "description": "a + b", "parameters": {
+          "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+  messages = [{"role": "user", "content": "hello"}]
+  try:
+    with _serving(create_app(sched)) as url:
+      client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+      r = client.chat.completions.create(model=model.name, messages=messages, tools=tools,
+                                         temperature=0)
+      choice = r.choices[0]
+      assert choice.finish_reason == "tool_calls"
+      (call,) = choice.message.tool_calls
+      assert call.function.name == "add" and json.loads(call.function.arguments) == {
+          "a": 2, "b": 3}
+      assert r.usage.completion_tokens == 3  # <tool_call>, the call, </tool_call>
+      # the conversation continues with the call and its result
+      messages += [choice.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+      again = client.chat.completions.create(model=model.name, messages=messages, tools=tools,
+                                             temperature=0)
+      assert again.choices[0].message.tool_calls[0].function.name == "add"
+      streamed = list(client.chat.completions.create(model=model.name, messages=messages[:1],
+                                                     tools=tools, temperature=0, stream=True))
+      deltas = [c.choices[0].delta for c in streamed]
+      assert deltas[0].tool_calls[0].function.name == "add"
+      assert streamed[-1].choices[0].finish_reason == "tool_calls"
+      plain = client.chat.completions.create(model=model.name, messages=messages[:1],
+                                             temperature=0, logprobs=True)
+      assert plain.choices[0].message.tool_calls is None  # no tools: the text as it is
+      assert "<tool_call>" in plain.choices[0].message.content
+      lps = [e.logprob for e in plain.choices[0].logprobs.content]
+      assert len(lps) == 3 and all(-1e-3 < x <= 0 for x in lps)  # the chain's margin
+  finally:
+    sched.close()
+
+
+def test_loading_errors_are_one_line(tmp_path, char_dir):
+  with pytest.raises(ServeError, match="has no config.json"):
+    load_served(str(tmp_path))
+  with pytest.raises(ServeError, match="--tool-parser='xml'"):
+    load_served(char_dir, tool_parser="xml")
