@@ -238,6 +238,10 @@ def _env() -> ml_collections.ConfigDict:
       gym_codec="auto",
       invalid_reward=0.0,  # gymnasium: reward of a turn that is no valid action
       verifiers="",  # "module:fn", fn(config.env) -> a verifiers Taskset or (train, eval)
+      # "module:fn": every episode of the task (env.name's examples) is a session of the
+      # agent function fn(base_url, api_key, example) -> reward, which calls the policy
+      # through an OpenAI-compatible server on 127.0.0.1 (rl_jax.serve.sessions)
+      agent="",
   ))
 
 
@@ -587,6 +591,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "env.invalid_reward": lambda x: None if cu.is_number(x) else "must be a number",
       "env.verifiers": lambda x: (None if x == "" or imports.is_import_path(x) else
                                   "must be an import path module:fn, or ''"),
+      "env.agent": lambda x: (None if x == "" or imports.is_import_path(x) else
+                              "must be an import path module:fn, or ''"),
   }
 
 
@@ -744,6 +750,9 @@ def _check_env(config: ml_collections.ConfigDict) -> None:
   asynchronous; every episode finished within its step, or held across steps with
   ``rollout.partial``; see rl_jax.train.agent_stage)."""
   e = config.get("env")
+  if e is not None and e.get("agent") and not e.name:
+    raise ConfigError(f"env.agent={e.agent!r} plays the episodes of a task: set env.name (its "
+                      "examples, e.g. calculator or my_env:make)")
   if e is None or not e.name:
     return
   if e.digits_min > e.digits_max:

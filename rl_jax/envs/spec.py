@@ -34,6 +34,8 @@ class EnvSpec:
     expert: ``(example, seed) -> list[Message]``, a full correct trajectory, or None.
     chat: the chat format the task is meant for: "builtin" (the char-level tasks; any
       format works) or "model" (a checkpoint's own chat template, which advertises the tools).
+    stats: ``() -> {name: number}``, counters of the task's episodes since the last call
+      (added to each training step's metrics), or None.
   """
 
   name: str
@@ -42,6 +44,7 @@ class EnvSpec:
   eval: Sequence[Mapping[str, Any]] = ()
   expert: Callable[[Mapping[str, Any], int], list[Message]] | None = None
   chat: str = "builtin"
+  stats: Callable[[], Mapping[str, float]] | None = None
 
   def start(self, example: Mapping[str, Any], seed: int = 0
             ) -> tuple[Environment, list[Message]]:

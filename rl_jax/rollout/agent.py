@@ -54,6 +54,7 @@ Time-to-Live" (2025); Yu et al. 2022, "Orca" (iteration-level scheduling).
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import itertools
 from typing import Any, Callable, Iterable, Sequence
 
@@ -205,11 +206,32 @@ class AgentEngine:
     The M samples share one first prompt (prompt-once); environments whose opening
     messages render differently raise RolloutError.
     """
-    uid = next(self._uids) if uid is None else int(uid)
+    return self.new_groups([spec], [uid])[0]
+
+  def new_groups(self, specs: Sequence[EpisodeSpec], uids: Sequence[int | None]) -> list[Group]:
+    """``new_group`` of each (spec, uid); uids None are drawn in order. Environments whose
+    class sets ``concurrent_reset`` (an agent session waits in ``reset`` for its first
+    request) are reset in threads, all at once."""
+    uids = [next(self._uids) if u is None else int(u) for u in uids]
+    jobs = [(spec, uid, m, spec.make_env()) for spec, uid in zip(specs, uids)
+            for m in range(self.M)]
+
+    def reset(job):
+      spec, uid, m, env = job
+      return env, list(env.reset(spec.example, env_seed(self.seed, uid, m)))
+
+    if len(jobs) > 1 and any(getattr(env, "concurrent_reset", False) for *_, env in jobs):
+      with cf.ThreadPoolExecutor(min(len(jobs), 64), thread_name_prefix="reset") as pool:
+        opened = list(pool.map(reset, jobs))
+    else:
+      opened = [reset(job) for job in jobs]
+    return [self._group(spec, uid, opened[i * self.M:(i + 1) * self.M])
+            for i, (spec, uid) in enumerate(zip(specs, uids))]
+
+  def _group(self, spec: EpisodeSpec, uid: int, opened) -> Group:
+    """A group from its M (environment, opening messages); the prompt checks."""
     trajs, prompt = [], None
-    for m in range(self.M):
-      env = spec.make_env()
-      messages = list(env.reset(spec.example, env_seed(self.seed, uid, m)))
+    for m, (env, messages) in enumerate(opened):
       ids = [int(t) for t in self.renderer.prompt_ids(messages, tools=tuple(env.tools))]
       if prompt is None:
         prompt = ids
@@ -239,8 +261,8 @@ class AgentEngine:
       ``decode_calls``, ``seconds`` and ``trajectories_per_s``.
     """
     params = self.prepare_params(params)
-    groups = [self.new_group(spec, None if first_uid is None else first_uid + i)
-              for i, spec in enumerate(episodes)]
+    groups = self.new_groups(episodes, [None if first_uid is None else first_uid + i
+                                        for i in range(len(episodes))])
     self.live.update((g.uid, g) for g in groups)
     loop = Loop(self, params, policy_version)
     loop.run(groups)

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl_jax.envs import tool_calls
 from rl_jax.serve import scoring
+from rl_jax.serve import sessions as sessions_lib
 from rl_jax.serve.protocol import ApiError, ChatMessage, ChatRequest, CompletionRequest, \
     error_body
 from rl_jax.serve.scheduler import Chunk, Request, Sampling, Scheduler
@@ -42,8 +43,8 @@ __all__ = ["create_app"]
 class _Service:
   """What the handlers share: the model, the scheduler and the limits."""
 
-  def __init__(self, sched: Scheduler, api_key: str | None, max_n: int):
-    self.sched, self.model, self.api_key, self.max_n = sched, sched.model, api_key, max_n
+  def __init__(self, sched: Scheduler | None, model, api_key: str | None, max_n: int):
+    self.sched, self.model, self.api_key, self.max_n = sched, model, api_key, max_n
     self.created = int(time.time())
 
   # ---------------------------------------------------------------- checks
@@ -184,11 +185,15 @@ async def _run(service: _Service, http: fastapi.Request, req: Request) -> AsyncI
       service.sched.cancel(req)
 
 
-def create_app(sched: Scheduler, *, api_key: str | None = None, max_n: int = 8) -> FastAPI:
-  """The FastAPI application serving ``sched``'s model (module docstring)."""
+def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
+               api_key: str | None = None, max_n: int = 8) -> FastAPI:
+  """The FastAPI application (module docstring): the OpenAI routes over ``sched`` and, with
+  ``sessions`` (a ``sessions.SessionHub``), the training sessions' routes
+  ``/s/{session}/v1/...`` over the trainer's engine (``model``: what it serves, for the
+  chat format and the tool-call format)."""
   app = FastAPI(title="rl_jax.serve", docs_url=None, redoc_url=None, openapi_url=None)
-  service = _Service(sched, api_key, max_n)
-  model = sched.model
+  model = sched.model if sched is not None else model
+  service = _Service(sched, model, api_key, max_n)
 
   @app.exception_handler(ApiError)
   async def _api_error(_, e: ApiError):
@@ -209,6 +214,11 @@ def create_app(sched: Scheduler, *, api_key: str | None = None, max_n: int = 8) 
   async def _http(_, e: StarletteHTTPException):
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
     return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+  if sessions is not None:
+    _session_routes(app, service, sessions)
+  if sched is None:
+    return app
 
   @app.get("/health")
   async def health():
@@ -400,6 +410,51 @@ async def _alternatives(model, prefix: list[int], ids: list[int], lps: list[floa
   scored, alts = await asyncio.to_thread(scoring.top_logprobs, model.cfg, model.params, prefix,
                                          ids, sampling, k)
   return (scored if sampling.temperature <= 0 else lps), alts
+
+
+_SESSION_REFUSED = ("temperature", "top_p", "top_k", "seed", "logit_bias", "frequency_penalty",
+                    "presence_penalty")
+
+
+def _session_routes(app: FastAPI, service: _Service, hub) -> None:
+  """``/s/{session}/v1/models`` and ``/s/{session}/v1/chat/completions`` of training
+  sessions (``sessions``): answers are the engine's turns."""
+  model = service.model
+
+  @app.get("/s/{session}/v1/models")
+  async def session_models(session: str, http: fastapi.Request):
+    service.check_key(http)
+    hub.get(session)
+    return {"object": "list", "data": [{"id": model.name, "object": "model",
+                                        "created": service.created, "owned_by": "rl_jax"}]}
+
+  @app.post("/s/{session}/v1/chat/completions")
+  async def session_chat(session: str, body: ChatRequest, http: fastapi.Request):
+    service.check_key(http)
+    env = hub.get(session)
+    service.check_model(body.model)
+    for name in _SESSION_REFUSED:
+      if getattr(body, name):
+        raise ApiError(400, f"{name}: a training session samples with the run's rollout "
+                       "settings; leave it unset", param=name)
+    for name, bad in (("n", body.n != 1), ("stream", body.stream),
+                      ("logprobs", body.logprobs)):
+      if bad:
+        raise ApiError(400, f"{name} is not supported in a training session", param=name)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    text = await asyncio.wrap_future(env.deliver(body.messages, tools))
+    content, calls = sessions_lib.assistant_reply(text, hub.parser)
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    finish = "stop"
+    if calls:
+      finish = "tool_calls"
+      msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": n, "arguments": json.dumps(a)}}
+                           for n, a in calls]
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model.name,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish,
+                         "logprobs": None}]}
 
 
 def _completion_prompt(tokenizer, prompt) -> list[int]:

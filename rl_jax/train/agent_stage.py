@@ -70,9 +70,11 @@ __all__ = ["EnvExample", "KeyedRollout", "METRICS", "StateKeys", "env_task", "en
            "rollout_metrics", "expert_rows", "expert_batch",
            "evaluate"]
 
-# the step metrics of a multi-turn batch (besides ``tool_errors_<kind>``)
+# the step metrics of a multi-turn batch (besides ``tool_errors_<kind>``); the last three of
+# runs whose episodes are an agent's sessions (``env.agent``)
 METRICS = ("turns_mean", "tool_calls", "tool_errors", "tool_latency_s", "env_time_s",
-           "env_time_hidden_s", "truncated_trajectories", "kv_hit_rate")
+           "env_time_hidden_s", "truncated_trajectories", "kv_hit_rate", "sessions",
+           "agent_errors", "session_rewrites")
 
 
 class EnvExample(NamedTuple):
@@ -232,6 +234,34 @@ def _checked(config, spec: EnvSpec, key: str, fmt) -> EnvSpec:
   return spec
 
 
+def agent_task(config, spec: EnvSpec, fmt, tokenizer) -> EnvSpec:
+  """``spec`` with every episode a session of the agent function ``env.agent``
+  (``rl_jax.serve.sessions``): its examples, expert and evaluation stay the task's. The
+  session server starts on first use; one ``ConfigError`` line when the function cannot be
+  imported or the serve extra is missing."""
+  e = config.env
+  agent = imports.resolve(e.agent, "env.agent")
+  try:
+    from rl_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
+    from rl_jax.serve import sessions  # pylint: disable=import-outside-toplevel
+    from rl_jax.serve.checkpoint import ServedModel  # pylint: disable=import-outside-toplevel
+  except ImportError as ex:
+    raise ConfigError(f"env.agent={e.agent!r} needs the serve extra ({ex.name} is missing): "
+                      "pip install -e '.[serve]'") from None
+  parser = "compact" if fmt.name == "builtin" else tool_calls.template_format(fmt.source)
+  served = ServedModel("policy", None, None, tokenizer, fmt, parser,
+                       tuple(fmt.end_of_turn_ids))
+
+  def start(hub):
+    app = app_lib.create_app(model=served, sessions=hub, api_key=hub.api_key)
+    return sessions.start_uvicorn(app, sessions.free_port())
+
+  hub = sessions.SessionHub(agent, start, parser=parser,
+                            first_request_timeout=max(e.step_timeout_s, 60.0))
+  return dataclasses.replace(spec, make_env=hub.make_env, name=f"{spec.name}+agent",
+                             stats=hub.take_stats)
+
+
 def _one_line(e: BaseException) -> str:
   text = " ".join(str(e).split())
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
@@ -332,7 +362,9 @@ def make_engine(s, temperature: float):
       max_obs_tokens=e.max_obs_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
       seed=seed_for(c.train.seed, 0, Stream.AGENT),
       ttl=None if e.kv_ttl_s < 0 else e.kv_ttl_s, step_timeout=e.step_timeout_s,
-      workers=e.workers, context=s.model_cfg.max_position_embeddings,
+      # an agent session's step waits for the agent's next request: a thread per session
+      workers=max(e.workers, 2 * geo.groups * geo.samples) if e.agent else e.workers,
+      context=s.model_cfg.max_position_embeddings,
       over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
       deterministic=bool(r.partial), mesh=s.sampler_mesh, rules=s.rules)

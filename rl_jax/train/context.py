@@ -132,6 +132,8 @@ def _env_task(config, tokenizer):
   spec = agent_stage.env_task(config, fmt)
   train = agent_stage.env_examples(spec, spec.train, fmt)
   evals = agent_stage.env_examples(spec, spec.eval[:config.data.eval_size], fmt)
+  if config.env.agent:  # the episodes are the agent's sessions; the prompts stay the task's
+    spec = agent_stage.agent_task(config, spec, fmt, tokenizer)
   return spec, train, evals, fmt
 
 

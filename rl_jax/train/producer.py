@@ -222,6 +222,7 @@ def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, l
   R, G, M = geo.new_tokens, geo.groups, geo.samples
   turns = agent_stage.turn_fields(out, geo.turns, R)
   stats = {**agent_stage.rollout_metrics(out),
+           **(s.task.stats() if s.task.stats is not None else {}),
            **engine_stats(out.stats),
            "rollout_tokens": float(out.model_mask.sum())}
   scored = Scored(np.asarray(idx, np.int32), out.tokens[:, :R], out.model_mask[:, :R],
