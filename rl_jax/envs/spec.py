@@ -34,6 +34,9 @@ class EnvSpec:
     expert: ``(example, seed) -> list[Message]``, a full correct trajectory, or None.
     chat: the chat format the task is meant for: "builtin" (the char-level tasks; any
       format works) or "model" (a checkpoint's own chat template, which advertises the tools).
+    play: ``example -> Environment`` for the episodes the engine plays (training and
+      evaluation) when they differ from ``make_env``, which still gives the prompts and the
+      expert's trajectories (an agent's sessions: ``env.agent``); None: ``make_env``.
     stats: ``() -> {name: number}``, counters of the task's episodes since the last call
       (added to each training step's metrics), or None.
   """
@@ -44,6 +47,7 @@ class EnvSpec:
   eval: Sequence[Mapping[str, Any]] = ()
   expert: Callable[[Mapping[str, Any], int], list[Message]] | None = None
   chat: str = "builtin"
+  play: Callable[[Mapping[str, Any]], Environment] | None = None
   stats: Callable[[], Mapping[str, float]] | None = None
 
   def start(self, example: Mapping[str, Any], seed: int = 0

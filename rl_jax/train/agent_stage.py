@@ -258,8 +258,7 @@ def agent_task(config, spec: EnvSpec, fmt, tokenizer) -> EnvSpec:
 
   hub = sessions.SessionHub(agent, start, parser=parser,
                             first_request_timeout=max(e.step_timeout_s, 60.0))
-  return dataclasses.replace(spec, make_env=hub.make_env, name=f"{spec.name}+agent",
-                             stats=hub.take_stats)
+  return dataclasses.replace(spec, play=hub.make_env, stats=hub.take_stats)
 
 
 def _one_line(e: BaseException) -> str:
@@ -509,7 +508,7 @@ def episodes(s, examples: Sequence[EnvExample], meta: Sequence[Any],
              keys: StateKeys | None = None) -> list[EpisodeSpec]:
   """One EpisodeSpec per example (a fresh environment per sample; with ``keys``, wrapped to
   record its state keys)."""
-  make = s.task.make_env
+  make = s.task.play or s.task.make_env
   if keys is not None:
     make = lambda ex, make=make: keys.wrap(make(ex))
   return [EpisodeSpec(lambda ex=ex.data: make(ex), ex.data, m) for ex, m in zip(examples, meta)]
