@@ -78,9 +78,10 @@ def _model() -> ml_collections.ConfigDict:
       remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
       fused_mlp=False,  # one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp)
       scan_layers=True,  # False unrolls the layer loop: no scan, longer compiles
-      # packed-layout response attention: "kernel" (Pallas / its jnp reference) or "concat"
-      # (one softmax over [prompt | own] keys; faster on CPU; ModelConfig.prefix_attention)
-      prefix_attention="kernel",
+      # packed-layout response attention: "auto" ("concat" on CPU, "kernel" on TPU and GPU,
+      # by the mesh's platform), "kernel" (Pallas / its jnp reference) or "concat" (one
+      # softmax over [prompt | own] keys; faster on CPU; ModelConfig.prefix_attention)
+      prefix_attention="auto",
       # mixture of experts (architecture="qwen3_moe"): E experts per MoE layer, top X per
       # token, every ``moe_every``-th layer MoE (the others a dense MLP of intermediate_size)
       num_experts=0,

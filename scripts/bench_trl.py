@@ -157,7 +157,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--repeats", type=int, default=3, help="timed sampler calls")
   ap.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads")
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
-  ap.add_argument("--prefix-attention", choices=("kernel", "concat"), default="kernel",
+  ap.add_argument("--prefix-attention", choices=("auto", "kernel", "concat"), default="auto",
                   help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--samples", type=int, default=shared.N, help="samples of the one prompt")
   ap.add_argument("--new-tokens", type=int, default=shared.NEW_TOKENS,

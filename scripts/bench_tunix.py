@@ -276,7 +276,7 @@ def lockstep(pairs: int, sides: tuple[str, str], new_tokens: int,
 
 # ----------------------------------------------------------------------------- rl_jax side
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
-              new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
+              new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
               fast_compile: bool = True, remat: str = "none",
               xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -317,7 +317,7 @@ def _rljax_sampler(weights: str, n: int = N, new_tokens: int = NEW_TOKENS,
 
 
 def _rljax_trainer(weights: str, fused_mlp: bool = False, n: int = N,
-                   new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
+                   new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
                    fast_compile: bool = True, remat: str = "none",
                    xla_reductions: bool = True, temp_block_mib: int = 0) -> Callable[[], dict]:
   """rl_jax's GRPO trainer on the prompt: a function that runs one ``train.rl_step`` (to
@@ -357,7 +357,7 @@ def _rljax_trainer(weights: str, fused_mlp: bool = False, n: int = N,
 
 
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
-                new_tokens: int = NEW_TOKENS, prefix_attention: str = "kernel",
+                new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
                 fast_compile: bool = True, remat: str = "none",
                 xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
@@ -551,7 +551,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--steps", type=int, default=6, help="GRPO steps per side and round")
   ap.add_argument("--repeats", type=int, default=5, help="timed sampler calls")
   ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
-  ap.add_argument("--prefix-attention", choices=("kernel", "concat"), default="kernel",
+  ap.add_argument("--prefix-attention", choices=("auto", "kernel", "concat"), default="auto",
                   help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--fast-compile", action=argparse.BooleanOptionalAction, default=True,
                   help="rl_jax trainer: train.cpu_fast_compile (rl_jax's default: on)")

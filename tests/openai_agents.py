@@ -64,3 +64,14 @@ def calculator_agent_once(base_url: str, api_key: str, example: dict):
   return client_for(base_url, api_key).chat.completions.create(
       model="policy", messages=[{"role": "user", "content": example["prompt"]}],
       tools=[CALC])
+
+
+def rewriting_agent(base_url: str, api_key: str, example: dict) -> float:
+  """Sends its conversation back with the question changed: the server refuses it (400)."""
+  client = client_for(base_url, api_key)
+  messages = [{"role": "user", "content": example["prompt"]}]
+  reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+  messages = [{"role": "user", "content": "something else"},
+              reply.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+  client.chat.completions.create(model="policy", messages=messages)
+  return 1.0

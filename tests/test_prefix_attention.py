@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax import config_utils, models, train
+from rl_jax import config_utils, models, sharding, train
 from rl_jax.errors import ModelError
 from rl_jax.models import transformer as tx
 from tests.test_fused_layers import QWEN3, _assert_close_trees, _logprob_grads
@@ -71,4 +71,21 @@ def test_prefix_attention_is_validated_and_reaches_the_trainer():
       "model.prefix_attention=concat", "sft.steps=0"])
   assert train.build_setup(config).model_cfg.prefix_attention == "concat"
   default = config_utils.load_config(QUICKSTART, TINY_MODEL + ["sft.steps=0"])
-  assert train.build_setup(default).model_cfg.prefix_attention == "kernel"
+  assert train.build_setup(default).model_cfg.prefix_attention == "auto"
+
+
+def test_auto_is_concat_on_cpu_and_the_kernel_on_tpu_and_gpu():
+  """"auto" follows the platform the program is compiled for (the mesh's, which
+  ``sharding.use`` enters), not the host's; explicit choices are kept everywhere. The TPU
+  choice is also checked through a compile: tests/test_tpu_compile.py finds the Mosaic kernel
+  in the quickstart's default programs compiled for v5e."""
+  path = models.grouped.prefix_attention_path
+  assert path("auto") == "concat"  # this host: CPU
+  for platform, want in (("cpu", "concat"), ("tpu", "kernel"), ("gpu", "kernel"),
+                         ("cuda", "kernel"), ("rocm", "kernel")):
+    with pallas_kernels.target_platform(platform):
+      assert path("auto") == want, platform
+      assert path("kernel") == "kernel" and path("concat") == "concat"
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  with sharding.use(mesh, sharding.get_rules("fsdp")):
+    assert path("auto") == "concat"

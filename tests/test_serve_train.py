@@ -101,6 +101,21 @@ def test_sessions_sample_what_an_in_process_environment_samples(run):
   np.testing.assert_array_equal(http.logprobs, local.logprobs)
 
 
+@pytest.mark.parametrize("agent,counter", [("crashing_agent", "agent_errors"),
+                                           ("rewriting_agent", "session_rewrites")])
+def test_a_failing_agent_fails_its_episodes_not_the_run(agent, counter):
+  """An agent that raises after its first request, and one that rewrites its conversation
+  (answered 400): their episodes end with reward 0 and are counted; the rollout completes."""
+  s = build_setup(_config(f"env.agent=tests.openai_agents:{agent}"))
+  engine = agent_stage.make_engine(s, 1.0)
+  params = models.init_params(s.model_cfg, jax.random.key(0))
+  out = engine.rollout(params, agent_stage.episodes(s, s.train_examples[:2], range(2)))
+  engine.close()
+  stats = s.task.stats()
+  assert stats[counter] == 2 * 8 and stats["sessions"] == 2 * 8
+  assert not out.reward.any() and out.num_turns.max() == 1
+
+
 def test_agent_config_errors_are_one_line():
   with pytest.raises(ConfigError, match="env.agent"):
     build_setup(config_utils.load_config(AGENT_QUICKSTART, ["env.agent=no_such_module:fn"]))

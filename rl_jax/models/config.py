@@ -21,7 +21,7 @@ ATTENTION_LAYOUTS = ("full", "sliding")  # model.attention: all global / Gemma 3
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots")
 # model.prefix_attention: how the packed training layout attends responses to their prompt
-PREFIX_ATTENTIONS = ("kernel", "concat")
+PREFIX_ATTENTIONS = ("auto", "kernel", "concat")
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # projections LoRA can adapt
 
@@ -57,8 +57,10 @@ class ModelConfig:
       "concat": ``transformer.concat_prefix_attention``, the group's context keys placed in
       front of each response's own keys and one masked softmax in a head-major layout (fewer
       passes and transposes over the [R, P+R] scores: faster on CPU; materialises them, so
-      not for long responses on accelerators). Equal to float rounding; models with
-      sliding-window layers and sequence parallelism keep their own paths.
+      not for long responses on accelerators). "auto" (the default): "concat" when the
+      program is compiled for CPUs, "kernel" for TPUs and GPUs (the platform of the mesh it
+      is compiled for: ``pallas_kernels.current_platform``). Equal to float rounding; models
+      with sliding-window layers and sequence parallelism keep their own paths.
 
   Mixture of experts (``qwen3_moe``; all zero/empty for dense families):
     num_experts [E]; num_experts_per_tok [X]; moe_intermediate_size: expert MLP width.
@@ -116,7 +118,7 @@ class ModelConfig:
   logits_chunk: int = 512
   fused_mlp: bool = False
   scan_layers: bool = True
-  prefix_attention: str = "kernel"
+  prefix_attention: str = "auto"
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   num_experts: int = 0

@@ -86,16 +86,26 @@ def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response
       raise ModelError(f"prompt_lengths must lie in [1, P={P}], got {lengths.tolist()}")
 
 
+def prefix_attention_path(prefix_attention: str) -> str:
+  """The path ``ModelConfig.prefix_attention`` names: "auto" is "concat" for a program
+  compiled for CPUs and "kernel" for TPUs and GPUs (``pallas_kernels.current_platform``:
+  the platform of the mesh ``sharding.use`` entered, else JAX's default backend)."""
+  if prefix_attention != "auto":
+    return prefix_attention
+  return "concat" if pallas_kernels.current_platform() == "cpu" else "kernel"
+
+
 def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int,
-                   prefix_attention: str = "kernel"):
+                   prefix_attention: str = "auto"):
   """AttendFn for the packed layout: causal prompt + shared-prefix responses.
 
   q [G,P+M·R,N,H], k and v [G,P+M·R,K,H] -> [G,P+M·R,N,H]. ``prefix_attention``
-  (``ModelConfig.prefix_attention``): "kernel" runs the responses through
-  ``pallas_kernels.shared_prefix_attention``, "concat" through
+  (``ModelConfig.prefix_attention``, resolved by ``prefix_attention_path``): "kernel" runs
+  the responses through ``pallas_kernels.shared_prefix_attention``, "concat" through
   ``tx.concat_prefix_attention`` (layers without a window).
   """
-  responses = (_per_shard(pallas_kernels.shared_prefix_attention) if prefix_attention == "kernel"
+  responses = (_per_shard(pallas_kernels.shared_prefix_attention)
+               if prefix_attention_path(prefix_attention) == "kernel"
                else tx.concat_prefix_attention)
 
   def attend(q, k, v, state, spec=None):

@@ -34,6 +34,7 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import json
+import logging
 import queue
 import secrets
 import socket
@@ -47,7 +48,7 @@ from rl_jax.serve.protocol import ApiError
 
 __all__ = ["AgentSession", "SessionHub", "assistant_reply", "normal_messages"]
 
-_CLOSED = object()
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,7 @@ class SessionHub:
     self._sessions: dict[str, AgentSession] = {}
     self._lock = threading.Lock()
     self.stats: collections.Counter = collections.Counter()
+    self._failures = 0
 
   def url(self) -> str:
     with self._lock:
@@ -144,6 +146,15 @@ class SessionHub:
   def close(self, sid: str | None) -> None:
     with self._lock:
       self._sessions.pop(sid, None)
+
+  def failed(self, why: str) -> None:
+    """Count an episode whose agent function failed; the first few are logged."""
+    with self._lock:
+      self.stats["agent_errors"] += 1
+      self._failures += 1
+      if self._failures <= 5:
+        log.warning("env.agent: an episode ended because the agent function %s%s", why,
+                    " (later failures are only counted)" if self._failures == 5 else "")
 
   def take_stats(self) -> dict[str, float]:
     """Counters since the last call: ``agent_errors``, ``session_rewrites``, ``sessions``."""
@@ -187,7 +198,7 @@ class AgentSession:
     kind, value = self._next(self.hub.first_request_timeout)
     if kind != "request":
       self._end()
-      what = "returned" if kind == "return" else f"raised {value}"
+      what = "returned" if kind == "return" else value
       raise RuntimeError(f"env.agent: the agent function {what} before its first request "
                          "(an episode's opening prompt is its first request)")
     messages, tools, fut = value
@@ -210,12 +221,12 @@ class AgentSession:
       try:
         reward = float(value)
       except (TypeError, ValueError):
-        self.hub.stats["agent_errors"] += 1
+        self.hub.failed(f"returned {value!r}, not a number")
         reward = 0.0
       return StepResult((), reward, True, info)
     if kind == "error":
       self._end()
-      self.hub.stats["agent_errors"] += 1
+      self.hub.failed(value)
       return StepResult((), 0.0, True, info)
     messages, _, fut = value
     got = normal_messages(messages)
@@ -236,13 +247,13 @@ class AgentSession:
     try:
       inbox.put(("return", self.hub.agent(base_url, self.hub.api_key, example)))
     except BaseException as e:  # pylint: disable=broad-except  # the episode fails, not the run
-      inbox.put(("error", f"{type(e).__name__}: {e}"))
+      inbox.put(("error", f"raised {type(e).__name__}: {' '.join(str(e).split())}"))
 
   def _next(self, timeout: float | None):
     try:
       return self._inbox.get(timeout=timeout)
     except queue.Empty:
-      return ("error", f"no request within {timeout:g} s")
+      return ("error", f"sent no request within {timeout:g} s")
 
   def _end(self) -> None:
     """Close the session: later requests get 404; a pending one gets an error."""
