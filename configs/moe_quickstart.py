@@ -18,8 +18,9 @@ steps, then 300 GRPO steps (ε = 0.2, N = 8 samples at temperature 0.5, 32 promp
 0.889 (faster early, noisier late).
 
 Expected result (2-core AMD EPYC CPU with AVX-512, quiet, JAX 0.10.2, measured): about 35
-seconds; held-out greedy accuracy 0.638 after the supervised stage (step 25) -> 0.966 at the
-end (step 325; +33 points), pass@4 0.087 -> 0.981, training reward 0.02 -> 0.93;
+seconds; held-out greedy accuracy 0.638 after the supervised stage (step 25) -> 0.947 at the
+end (step 325; +31 points; 0.957 at step 300), pass@4 0.087 -> 0.947, training reward 0.03 ->
+0.91 (0.966 before the CPU default ``model.prefix_attention=auto``);
 ``routing_mismatch`` 0 at every step. With ``model.router_replay=True`` the same numbers and
 bit-identical final weights (float32: sampler and trainer already choose the same experts).
 Table and the bfloat16 mismatch benchmark: docs/BENCHMARKS.md ("Mixture of experts").

@@ -10,8 +10,10 @@ N = 8 samples per prompt (rollout.n) at temperature 0.5, 32 prompts per step, β
 η = 2e-4 — lifts held-out greedy accuracy.
 
 Expected result (2-core CPU, JAX 0.10.2, measured): the whole command takes under half a
-minute; held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.971 at the
-end (step 275), pass@4 0.068 -> 0.981; training reward 0.03 -> 0.82. Curves: DIR/curves.png.
+minute; held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.957 at the
+end (step 275), pass@4 0.068 -> 0.981; training reward 0.02 -> 0.88 (0.971 before the
+CPU default ``model.prefix_attention=auto``; docs/BENCHMARKS.md, "The defaults of
+2026-11-28"). Curves: DIR/curves.png.
 These digits are from an AVX-512 CPU: XLA's CPU kernels round by instruction set, so a run
 is bit-exact on one machine but not across machines (docs/BENCHMARKS.md lists the spread).
 With XLA's CPU defaults (``--config.train.cpu_fast_compile=False
@@ -22,7 +24,8 @@ LoRA (``:lora``; rank-8 adapters, frozen base, adapter-only optimizer state)::
     python -m rl_jax.train --config=configs/quickstart.py:lora --workdir=/tmp/rl_jax_lora
 
 Expected result (2-core AMD EPYC CPU with AVX-512, measured): held-out greedy accuracy 0.082
-after the 10-step LoRA warm start -> 0.758 at the end (step 260), pass@4 0.116 -> 0.792.
+after the 10-step LoRA warm start -> 0.729 at the end (step 260; 0.758 at step 250),
+pass@4 0.116 -> 0.787.
 Writes DIR/hf
 (merged), DIR/hf_adapter (PEFT) and DIR/hf_base.
 
@@ -32,8 +35,8 @@ entries; ``--config.model.lora.quant=int8`` for int8)::
     python -m rl_jax.train --config=configs/quickstart.py:qlora --workdir=/tmp/rl_jax_qlora
 
 Expected result (2-core AMD EPYC CPU with AVX-512, measured): held-out greedy accuracy 0.087
-after the warm start -> 0.754 at the end (step 260), pass@4 0.111 -> 0.768 (int8: 0.072 ->
-0.700). The base's
+after the warm start -> 0.720 at the end (step 260), pass@4 0.111 -> 0.773 (int8, measured
+before ``prefix_attention=auto``: 0.072 -> 0.700). The base's
 projections take 72 KiB (int4) / 120 KiB (int8) instead of 384 KiB (float32). DIR/hf holds
 the dequantised base with the adapters merged.
 """
