@@ -33,8 +33,7 @@ def client_for(base_url: str, api_key: str) -> openai.OpenAI:
   TLS setup); ``with_options`` shares one connection pool between every episode's client."""
   with _lock:
     if not _shared:
-      _shared.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0,
-                                   timeout=300))
+      _shared.append(openai.OpenAI(base_url=base_url, api_key=api_key, timeout=300))
   return _shared[0].with_options(base_url=base_url, api_key=api_key)
 
 

@@ -11,3 +11,5 @@ concurrent requests on the paged-KV engine), ``protocol`` (request and error bod
 ``scoring`` (``top_logprobs``), ``app`` (the FastAPI routes). Nothing here is imported by
 ``import rl_jax``; the server's libraries come with the ``serve`` extra.
 """
+
+__all__: list[str] = []  # the modules are the API (``rl_jax.serve.app.create_app``, ...)

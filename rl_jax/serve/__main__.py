@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(prompts <= {prompt} tokens, <= {tokens} new tokens, {args.max_slots} slots)",
         file=sys.stderr, flush=True)
   try:
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=60)
   finally:
     sched.close()
 

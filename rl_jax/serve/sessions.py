@@ -273,7 +273,10 @@ def free_port() -> int:
 def start_uvicorn(app, port: int, timeout: float = 60.0) -> str:
   """Serve ``app`` on 127.0.0.1:``port`` in a daemon thread; returns its base URL."""
   import uvicorn  # pylint: disable=import-outside-toplevel
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  # keep idle connections open well past a training step: an agent's pooled connection that
+  # the server closed while the client reused it fails the request (no retry is safe)
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                         timeout_keep_alive=600))
   thread = threading.Thread(target=server.run, daemon=True, name="rl_jax-sessions")
   thread.start()
   deadline = time.monotonic() + timeout
