@@ -25,10 +25,13 @@ from rl_jax.train import context, runner
 from rl_jax.train.records import Scored
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, env_with_devices
 
-# Tiny, with an entropy bonus so every RL update moves the weights even at zero reward.
+# Tiny, with an entropy bonus so every RL update moves the weights even at zero reward; 16
+# held-out prompts, 2 batches of the 8 groups per pass (the quickstart's 256 take 32 batches,
+# which were most of the time of the runs on 2 processes).
 RUN = TINY_MODEL + [
     "sft.steps=2", "sft.batch_size=8", "train.batch_groups=8", "rollout.n=4",
-    "train.eval_every=2", "train.checkpoint_every=1", "loss.entropy_coef=0.01",
+    "train.eval_every=2", "data.eval_size=16", "train.checkpoint_every=1",
+    "loss.entropy_coef=0.01",
 ]
 
 
