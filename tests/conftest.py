@@ -42,14 +42,24 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # With ``-n 2`` the two workers take whole files, longest first, each asking for the next
 # file when it is free (longest-processing-time-first packing): a long file left to the end
 # would keep one worker busy while the other idles, and a file split between workers would
-# build its module-scoped training runs twice. The ranks are measured file times of the
-# suite on 2 cores (``--durations``); files not listed follow in their usual order.
+# build its module-scoped training runs twice. The ranks are measured file times (each file
+# run alone on 2 cores, ``--durations``: CPU seconds, 10 and more); files not listed follow
+# in their usual order.
 LONG_FILES_FIRST = [
-    "test_multiprocess.py", "test_memory.py", "test_train.py", "test_train_async.py",
-    "test_agent_train.py", "test_lora.py", "test_fused_layers.py", "test_train_hf.py",
-    "test_workdir_recovery.py", "test_notebook.py", "test_qlora.py", "test_moe_rl.py",
-    "test_bench_scripts.py", "test_workdir_gcs.py", "test_offload.py", "test_moe_capacity.py",
-    "test_api.py", "test_models_moe_gemma.py", "test_tpu_compile.py",
+    "test_multiprocess.py", "test_train.py", "test_train_objectives.py",
+    "test_bench_scripts.py", "test_lora.py", "test_qlora.py", "test_train_async.py",
+    "test_micro_batches.py", "test_memory.py", "test_agent_train.py", "test_moe_rl.py",
+    "test_frozen_slices.py", "test_compile_options.py", "test_train_hf.py",
+    "test_workdir_recovery.py", "test_fused_layers.py", "test_workdir_gcs.py",
+    "test_agent_rollout.py", "test_paged_kv.py", "test_rollout.py", "test_models.py",
+    "test_models_moe_gemma.py", "test_grouped.py", "test_notebook.py",
+    "test_shared_prefix_attention.py", "test_env_import.py", "test_tpu_compile.py",
+    "test_losses_compose.py", "test_sequence_parallel.py", "test_group_size.py",
+    "test_moe_capacity.py", "test_agent_hf.py", "test_losses_objective.py", "test_offload.py",
+    "test_api.py", "test_rollout_engine.py", "test_hf_streaming.py", "test_prefix_attention.py",
+    "test_losses_vcpo.py", "test_moe_sharding.py", "test_profiling.py",
+    "test_losses_formulas.py", "test_train_sharding.py", "test_optim.py", "test_epochs.py",
+    "test_mismatch_corrections.py", "test_bench_scaling.py",
 ]
 
 
