@@ -185,6 +185,40 @@ async def _run(service: _Service, http: fastapi.Request, req: Request) -> AsyncI
       service.sched.cancel(req)
 
 
+def _sse(event: dict[str, Any]) -> str:
+  return f"data: {json.dumps(event)}\n\n"
+
+
+async def _streamed(gen: AsyncIterator[Chunk], head: dict[str, Any], prompt_len: int,
+                    stream_options, render) -> StreamingResponse:
+  """The server-sent events of a streamed answer: one event per chunk with the choice
+  ``render(chunk)`` builds, an error event if generation fails, the usage event when
+  ``stream_options.include_usage``, then ``[DONE]``. The first chunk is awaited before the
+  response starts, so errors before it are still plain 4xx/5xx answers."""
+  try:
+    first = await gen.__anext__()
+  except StopAsyncIteration:
+    first = None
+
+  async def events():
+    chunk, used = first, 0
+    try:
+      while chunk is not None:
+        used += len(chunk.ids)
+        yield _sse({**head, "choices": [await render(chunk)]})
+        chunk = await gen.__anext__()
+    except StopAsyncIteration:
+      pass
+    except ApiError as e:
+      yield _sse(e.body())
+      return
+    if stream_options is not None and stream_options.include_usage:
+      yield _sse({**head, "choices": [], "usage": _usage(prompt_len, used)})
+    yield "data: [DONE]\n\n"
+
+  return StreamingResponse(events(), media_type="text/event-stream")
+
+
 def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
                api_key: str | None = None, max_n: int = 8) -> FastAPI:
   """The FastAPI application (module docstring): the OpenAI routes over ``sched`` and, with
@@ -279,48 +313,26 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
       return {**head, "object": "chat.completion", "choices": choices,
               "usage": _usage(len(prompt), used)}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _run(service, http, req)
-    try:  # errors before the first chunk are still plain 4xx/5xx answers
-      first = await gen.__anext__()
-    except StopAsyncIteration:
-      first = None
+    started, sent = set(), {}  # choices begun; ids reported per choice
 
-    async def events():
-      started, done_ids = set(), {}
-      chunk = first
-      try:
-        while chunk is not None:
-          delta = {}
-          if chunk.index not in started:
-            started.add(chunk.index)
-            delta["role"] = "assistant"
-          finish = chunk.finish
-          if parse is not None:  # the whole choice in one chunk, calls parsed
-            msg, finish = message(chunk.text, chunk.finish)
-            delta.update({k: v for k, v in msg.items() if k != "role" and v is not None})
-          elif chunk.text:
-            delta["content"] = chunk.text
-          prefix = prompt + done_ids.get(chunk.index, [])
-          done_ids[chunk.index] = done_ids.get(chunk.index, []) + chunk.ids
-          out = {**head, "object": "chat.completion.chunk",
-                 "choices": [{"index": chunk.index, "delta": delta, "finish_reason": finish,
-                              "logprobs": await logprobs(prefix, chunk.ids, chunk.logprobs)}]}
-          yield f"data: {json.dumps(out)}\n\n"
-          chunk = await gen.__anext__()
-      except StopAsyncIteration:
-        pass
-      except ApiError as e:
-        yield f"data: {json.dumps(e.body())}\n\n"
-        return
-      if include_usage:
-        used = sum(len(v) for v in done_ids.values())
-        out = {**head, "object": "chat.completion.chunk", "choices": [],
-               "usage": _usage(len(prompt), used)}
-        yield f"data: {json.dumps(out)}\n\n"
-      yield "data: [DONE]\n\n"
+    async def chat_choice(chunk: Chunk) -> dict[str, Any]:
+      delta = {}
+      if chunk.index not in started:
+        started.add(chunk.index)
+        delta["role"] = "assistant"
+      finish = chunk.finish
+      if parse is not None:  # the whole choice in one chunk, calls parsed
+        msg, finish = message(chunk.text, chunk.finish)
+        delta.update({k: v for k, v in msg.items() if k != "role" and v is not None})
+      elif chunk.text:
+        delta["content"] = chunk.text
+      prefix = prompt + sent.get(chunk.index, [])
+      sent[chunk.index] = sent.get(chunk.index, []) + chunk.ids
+      return {"index": chunk.index, "delta": delta, "finish_reason": finish,
+              "logprobs": await logprobs(prefix, chunk.ids, chunk.logprobs)}
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return await _streamed(_run(service, http, req), {**head, "object": "chat.completion.chunk"},
+                           len(prompt), body.stream_options, chat_choice)
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, http: fastapi.Request):
@@ -362,40 +374,18 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
       return {**head, "object": "text_completion", "choices": choices,
               "usage": _usage(len(prompt), used)}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _run(service, http, req)
-    try:
-      first = await gen.__anext__()
-    except StopAsyncIteration:
-      first = None
+    sent, chars = {}, {}  # ids and characters reported per choice
 
-    async def events():
-      done_ids, chars = {}, {}
-      chunk = first
-      try:
-        while chunk is not None:
-          prefix = prompt + done_ids.get(chunk.index, [])
-          done_ids[chunk.index] = done_ids.get(chunk.index, []) + chunk.ids
-          lp = await logprobs(prefix, chunk.ids, chunk.logprobs, chars.get(chunk.index, 0))
-          chars[chunk.index] = chars.get(chunk.index, 0) + len(chunk.text)
-          out = {**head, "object": "text_completion",
-                 "choices": [{"index": chunk.index, "text": chunk.text,
-                              "finish_reason": chunk.finish, "logprobs": lp}]}
-          yield f"data: {json.dumps(out)}\n\n"
-          chunk = await gen.__anext__()
-      except StopAsyncIteration:
-        pass
-      except ApiError as e:
-        yield f"data: {json.dumps(e.body())}\n\n"
-        return
-      if include_usage:
-        used = sum(len(v) for v in done_ids.values())
-        out = {**head, "object": "text_completion", "choices": [],
-               "usage": _usage(len(prompt), used)}
-        yield f"data: {json.dumps(out)}\n\n"
-      yield "data: [DONE]\n\n"
+    async def text_choice(chunk: Chunk) -> dict[str, Any]:
+      prefix = prompt + sent.get(chunk.index, [])
+      sent[chunk.index] = sent.get(chunk.index, []) + chunk.ids
+      lp = await logprobs(prefix, chunk.ids, chunk.logprobs, chars.get(chunk.index, 0))
+      chars[chunk.index] = chars.get(chunk.index, 0) + len(chunk.text)
+      return {"index": chunk.index, "text": chunk.text, "finish_reason": chunk.finish,
+              "logprobs": lp}
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return await _streamed(_run(service, http, req), {**head, "object": "text_completion"},
+                           len(prompt), body.stream_options, text_choice)
 
   return app
 
