@@ -48,7 +48,7 @@ __all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geom
            "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
-OFFLOAD_PARTS = ("optimizer", "reference")  # train.offload (rl_jax.train.offload)
+OFFLOAD_PARTS = ("optimizer", "reference", "teacher")  # train.offload (rl_jax.train.offload)
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
 ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks.TASKS)
 # env.name of the adapters' tasks (rl_jax.envs.adapters): a gymnasium id, a verifiers taskset
@@ -352,7 +352,8 @@ def _train() -> ml_collections.ConfigDict:
       # storage dtype of the frozen KL reference (None: model.dtype, the compute dtype)
       ref_dtype=config_dict.placeholder(str),
       # state parts kept in host memory between steps (JAX memory kind "pinned_host"):
-      # "", "reference", "optimizer" or "reference,optimizer" (rl_jax.train.offload)
+      # "" or comma-separated names of "reference", "optimizer", "teacher" (the on-policy
+      # distillation teacher) (rl_jax.train.offload)
       offload="",
       dry_run=False,  # print the memory plan (abstract shapes, no weights read) and exit
       memory_check=True,  # fail before compiling when the memory plan exceeds the devices
@@ -407,6 +408,16 @@ def _eval() -> ml_collections.ConfigDict:
   ))
 
 
+def _distill() -> ml_collections.ConfigDict:
+  """On-policy distillation (``rl_jax.train.teacher``): a frozen teacher scores the tokens
+  the policy samples, and ``coef`` x (teacher log-prob - sampler log-prob) is each token's
+  advantage, added to the task's (any preset) or alone (``loss.preset=on_policy_distill``)."""
+  return ml_collections.ConfigDict(dict(
+      teacher_path="",  # HF checkpoint directory of the teacher (same vocabulary); "" = off
+      coef=1.0,  # weight of the per-token reverse-KL advantage
+  ))
+
+
 def _log() -> ml_collections.ConfigDict:
   """Metrics output."""
   return ml_collections.ConfigDict(dict(
@@ -431,11 +442,12 @@ def _dry_run() -> ml_collections.ConfigDict:
 
 def base_config() -> ml_collections.ConfigDict:
   """The full default config tree (unlocked): model, mesh, distributed, data, rollout, loss,
-  loss_extra, optim, train, sft, eval, log, env, dry_run."""
+  loss_extra, optim, train, sft, eval, log, env, dry_run, distill."""
   return ml_collections.ConfigDict(dict(
       model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),
       rollout=_rollout(), loss=_loss(), loss_extra=_loss_extra(), optim=_optim(),
       train=_train(), sft=_sft(), eval=_eval(), log=_log(), dry_run=_dry_run(),
+      distill=_distill(),
   ))
 
 
@@ -533,6 +545,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.geo_mean_cap": opt(cu.positive),
       "loss.minpro": opt(cu.one_of((False, True))),
       "loss.value_coef": opt(cu.nonnegative),
+      "distill.coef": cu.positive,
       "loss_extra.grad_norm_method": cu.one_of(losses.GRAD_NORM_METHODS),
       "loss_extra.grad_norm_chunk": cu.positive_int,
       "optim.lr": cu.positive,
@@ -650,6 +663,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_group_size(config)
   _check_env(config)
   _check_offload(config)
+  _check_distill(config)
   _check_lora_off(config)
   if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
     raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
@@ -780,6 +794,18 @@ def _check_offload(config: ml_collections.ConfigDict) -> None:
   if unknown:
     raise ConfigError(f"config.train.offload names {unknown[0]!r}; choose from "
                       f"{sorted(OFFLOAD_PARTS)} (comma-separated), or '' for none")
+
+
+def _check_distill(config: ml_collections.ConfigDict) -> None:
+  """On-policy distillation needs its teacher; the teacher's own checks (its directory,
+  its vocabulary against the policy's) run when the setup is built (``train.teacher``)."""
+  path = config.get("distill", {}).get("teacher_path") or ""
+  if config.loss.preset == "on_policy_distill" and not path:
+    raise ConfigError("loss.preset=on_policy_distill needs distill.teacher_path=HF_DIR (the "
+                      "teacher whose log-probs of the sampled tokens are the advantages)")
+  if "teacher" in (config.train.get("offload") or "") and not path:
+    raise ConfigError("train.offload=teacher: there is no teacher to offload (set "
+                      "distill.teacher_path)")
 
 
 def _check_async(config: ml_collections.ConfigDict) -> None:

@@ -10,8 +10,9 @@ holds the part's device copy, so offload lowers the device memory of everything 
 sampler and its KV cache, the log-prob passes) and not the peak of the step that reads it.
 
 Parts (``OFFLOADABLE``): ``reference`` (the frozen KL reference, read only by the reference
-log-prob pass) and ``optimizer`` (the RL and supervised optimizer states and the critic's,
-read and written by the update that owns each). The values are unchanged by where they are
+log-prob pass), ``optimizer`` (the RL and supervised optimizer states and the critic's,
+read and written by the update that owns each) and ``teacher`` (on-policy distillation's
+frozen teacher, read only by its log-prob pass; ``rl_jax.train.teacher``). The values are unchanged by where they are
 stored: training with offload computes exactly what it computes without.
 """
 
@@ -30,7 +31,8 @@ __all__ = ["OFFLOADABLE", "HOST", "parse", "offloaded_fields", "has_host_memory"
 
 # config name -> TrainState fields it moves to host memory
 OFFLOADABLE = {"reference": ("ref_params",),
-               "optimizer": ("opt_state", "sft_opt_state", "value_opt_state")}
+               "optimizer": ("opt_state", "sft_opt_state", "value_opt_state"),
+               "teacher": ()}  # not in the TrainState: rl_jax.train.teacher places it
 assert set(OFFLOADABLE) == set(config_lib.OFFLOAD_PARTS)
 HOST = "pinned_host"
 
