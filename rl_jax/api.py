@@ -227,6 +227,9 @@ class Trainer:
     if "values" in obj.needs and not jax.tree.leaves(self.state.value_params):
       raise RLJaxError("api: the loss needs a critic but the config's objective has none; "
                        "configure a value-based objective (loss.preset=ppo)")
+    if "teacher_logp" in obj.needs and t.teacher is None:
+      raise RLJaxError("api: the loss reads a teacher's log-probs but the config has no "
+                       "teacher; set distill.teacher_path in the config")
     unknown = sorted(set(obj.needs) - SINGLE_TURN_INPUTS)
     if unknown:
       raise RLJaxError(f"api: the loss needs {unknown}, which single-turn batches do not "
@@ -235,7 +238,7 @@ class Trainer:
     behaviour = (self._put(b.behaviour_logp, np.float32) if b.behaviour_logp is not None
                  else t.steps.logprobs(self.state.params, *args))
     src = Source(steps, self.state, args, self._put(rewards, np.float32), args[3], behaviour,
-                 s.config.train.seed)
+                 s.config.train.seed, teacher=t.teacher)
     inputs = make_inputs(obj.needs, src)
     if b.old_logp is not None and not own_old:
       inputs = inputs._replace(old_logp=self._put(b.old_logp, np.float32))

@@ -48,13 +48,16 @@ __all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geom
            "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
-OFFLOAD_PARTS = ("optimizer", "reference", "teacher")  # train.offload (rl_jax.train.offload)
+OFFLOAD_PARTS = ("optimizer", "reference", "teacher")
+# preset knobs set from the distill section (distill.coef), not from config.loss
+DISTILL_KNOBS = ("distill_coef",)  # train.offload (rl_jax.train.offload)
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
 ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks.TASKS)
 # env.name of the adapters' tasks (rl_jax.envs.adapters): a gymnasium id, a verifiers taskset
 ENV_ADAPTERS = {"gymnasium": "gym_id", "verifiers": "verifiers"}
 GYM_CODECS = ("auto", "frozen_lake", "blackjack", "default")  # env.gym_codec
 TOOL_FORMATS = ("auto", "hermes", "llama3")  # env.tool_format (rl_jax.envs.tool_calls)
+GROUP_FNS = ("majority_vote",)  # reward.group_fn built-ins (rl_jax.data.group_rewards)
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -76,7 +79,9 @@ def _model() -> ml_collections.ConfigDict:
       dtype="float32",  # compute dtype
       param_dtype="float32",  # storage dtype of the weights
       remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
-      fused_mlp=False,  # one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp)
+      # one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp); None: "auto"
+      # (on for CPU programs, off for TPU and GPU)
+      fused_mlp=config_dict.placeholder(bool),
       scan_layers=True,  # False unrolls the layer loop: no scan, longer compiles
       # packed-layout response attention: "auto" ("concat" on CPU, "kernel" on TPU and GPU,
       # by the mesh's platform), "kernel" (Pallas / its jnp reference) or "concat" (one
@@ -297,7 +302,8 @@ def _loss() -> ml_collections.ConfigDict:
   """
   fields = {"preset": "grpo"}
   for knob, kind in losses.PRESET_KNOB_TYPES.items():
-    fields[knob] = config_dict.placeholder(kind)
+    if knob not in DISTILL_KNOBS:
+      fields[knob] = config_dict.placeholder(kind)
   return ml_collections.ConfigDict(fields)
 
 
@@ -418,6 +424,17 @@ def _distill() -> ml_collections.ConfigDict:
   ))
 
 
+def _reward() -> ml_collections.ConfigDict:
+  """Rewards that are not a per-row rule (``rl_jax.data.group_rewards``): a group function
+  scores the M completions of each prompt together, once per group, and its rewards replace
+  the task verifier's for training (evaluation keeps the verifier)."""
+  return ml_collections.ConfigDict(dict(
+      # "" = the task's verifier per row; a built-in ("majority_vote": test-time RL's
+      # label-free majority vote) or "module:fn", fn(completions, example) -> M rewards
+      group_fn="",
+  ))
+
+
 def _log() -> ml_collections.ConfigDict:
   """Metrics output."""
   return ml_collections.ConfigDict(dict(
@@ -442,12 +459,12 @@ def _dry_run() -> ml_collections.ConfigDict:
 
 def base_config() -> ml_collections.ConfigDict:
   """The full default config tree (unlocked): model, mesh, distributed, data, rollout, loss,
-  loss_extra, optim, train, sft, eval, log, env, dry_run, distill."""
+  loss_extra, optim, train, sft, eval, log, env, dry_run, distill, reward."""
   return ml_collections.ConfigDict(dict(
       model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),
       rollout=_rollout(), loss=_loss(), loss_extra=_loss_extra(), optim=_optim(),
       train=_train(), sft=_sft(), eval=_eval(), log=_log(), dry_run=_dry_run(),
-      distill=_distill(),
+      distill=_distill(), reward=_reward(),
   ))
 
 
@@ -478,7 +495,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.router_replay": cu.one_of((False, True)),
       "model.moe_capacity_factor": opt(cu.nonnegative),
       "model.router_aux_loss_coef": cu.nonnegative,
-      "model.fused_mlp": cu.one_of((False, True)),
+      "model.fused_mlp": opt(cu.one_of((False, True))),
       "model.scan_layers": cu.one_of((False, True)),
       "model.prefix_attention": cu.one_of(model_config_lib.PREFIX_ATTENTIONS),
       "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
@@ -607,6 +624,9 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
                                   "must be an import path module:fn, or ''"),
       "env.agent": lambda x: (None if x == "" or imports.is_import_path(x) else
                               "must be an import path module:fn, or ''"),
+      "reward.group_fn": lambda x: (None if x in ("",) + GROUP_FNS or imports.is_import_path(x)
+                                    else f"must be '', a built-in {GROUP_FNS} or an import "
+                                    "path module:fn (e.g. my_rewards:vote)"),
   }
 
 
@@ -664,6 +684,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_env(config)
   _check_offload(config)
   _check_distill(config)
+  _check_reward(config)
   _check_lora_off(config)
   if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
     raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
@@ -806,6 +827,17 @@ def _check_distill(config: ml_collections.ConfigDict) -> None:
   if "teacher" in (config.train.get("offload") or "") and not path:
     raise ConfigError("train.offload=teacher: there is no teacher to offload (set "
                       "distill.teacher_path)")
+
+
+def _check_reward(config: ml_collections.ConfigDict) -> None:
+  """A group function scores whole groups of one prompt: single-turn, fixed-size groups."""
+  fn = config.get("reward", {}).get("group_fn") or ""
+  if fn and config.env.name:
+    raise ConfigError(f"reward.group_fn={fn!r} is not supported with env.name="
+                      f"{config.env.name!r}: multi-turn rewards are the environments' returns")
+  if fn and config.data.group_size == "adaptive":
+    raise ConfigError(f"reward.group_fn={fn!r} needs data.group_size=fixed: adaptive group "
+                      "size scores a prompt's samples in separate chunks")
 
 
 def _check_async(config: ml_collections.ConfigDict) -> None:

@@ -8,14 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from rl_jax import config_utils, models, train
+from rl_jax.errors import ModelError
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import from_hf_dict
 from tests.tiny import QUICKSTART, TINY_MODEL
 
+# the two-matmul MLP the fused one is compared with (the default "auto" fuses it on CPU)
 QWEN3 = models.ModelConfig(architecture="qwen3", vocab_size=53, hidden_size=32,
                            intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                           head_dim=8, qk_norm=True, max_position_embeddings=64)
+                           head_dim=8, qk_norm=True, max_position_embeddings=64,
+                           fused_mlp=False)
 GEMMA = dict(model_type="gemma3_text", vocab_size=41, hidden_size=24, intermediate_size=40,
              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=12,
              sliding_window=3, layer_types=["sliding_attention", "full_attention"],
@@ -25,7 +29,8 @@ MOE = dict(model_type="qwen3_moe", vocab_size=37, hidden_size=24, intermediate_s
            moe_intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
            num_key_value_heads=1, head_dim=12, num_experts=4, num_experts_per_tok=2,
            mlp_only_layers=[1], max_position_embeddings=64)
-FAMILIES = {"qwen3": QWEN3, "gemma3": from_hf_dict(GEMMA), "qwen3_moe": from_hf_dict(MOE)}
+FAMILIES = {"qwen3": QWEN3, "gemma3": from_hf_dict(GEMMA, fused_mlp=False),
+            "qwen3_moe": from_hf_dict(MOE, fused_mlp=False)}
 
 
 def _plain_mlp(h, wg, wu, wd):
@@ -215,3 +220,26 @@ def test_config_knobs_reach_the_model():
       "model.fused_mlp=True", "model.scan_layers=False", "sft.steps=0"])
   cfg = train.build_setup(config).model_cfg
   assert cfg.fused_mlp and not cfg.scan_layers
+  default = train.build_setup(config_utils.load_config(QUICKSTART, TINY_MODEL + [
+      "sft.steps=0"])).model_cfg
+  assert default.fused_mlp == "auto"
+  off = config_utils.load_config(QUICKSTART, TINY_MODEL + ["model.fused_mlp=False"])
+  assert train.build_setup(off).model_cfg.fused_mlp is False
+  with pytest.raises(ModelError, match="fused_mlp"):
+    models.config.validate(QWEN3.replace(fused_mlp="yes"))
+
+
+def test_auto_fuses_on_cpu_only():
+  """"auto" follows the platform the program is compiled for (the mesh's, which
+  ``sharding.use`` enters): the fused MLP (its hand-written backward in the jaxpr) on CPU,
+  XLA's two matmuls for TPU and GPU; explicit choices are kept everywhere."""
+  params = models.init_params(QWEN3, jax.random.key(0))
+  auto = QWEN3.replace(fused_mlp="auto")
+  on = tx.fused_mlp_on
+  assert on(auto) and _has_custom_vjp(auto, params)  # this host: CPU
+  for platform, want in (("cpu", True), ("tpu", False), ("gpu", False), ("cuda", False)):
+    with pallas_kernels.target_platform(platform):
+      assert on(auto) == want, platform
+      assert on(QWEN3.replace(fused_mlp=True)) and not on(QWEN3)
+  with pallas_kernels.target_platform("tpu"):
+    assert not _has_custom_vjp(auto, params)

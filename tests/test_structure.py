@@ -21,8 +21,8 @@ GRAPH = import_graph.graph(ROOT, "rl_jax")
 TRAIN_LAYERS = [
     ("stages", ["streams", "group_size", "selection_stage", "speculative_stage",
                 "agent_stage"], False),
-    ("setup", ["inputs", "context", "on_policy", "startup", "offload", "lock", "accumulate"],
-     False),
+    ("setup", ["inputs", "context", "on_policy", "startup", "offload", "lock", "accumulate",
+               "teacher"], False),
     ("state", ["records", "queue", "state", "lora_checkpoint", "resume", "layout", "steps",
                "rollouts"], False),
     ("step", ["producer", "learner", "evaluation", "memory"], True),

@@ -38,7 +38,8 @@ class Task(Protocol):
     ...
 
   def verify(self, completion: str, answer: str) -> float:
-    """Reward in [0, 1] of a completion against a reference answer."""
+    """Reward in [0, 1] of a completion against a reference answer; or named components
+    ``{name: float}``, whose sum is the reward (``rl_jax.data.rewards``)."""
     ...
 
 

@@ -5,6 +5,13 @@ row. A verifier that raises, returns a non-finite or non-numeric value, or runs 
 ``timeout_s`` gives reward 0 and is counted in the returned stats; a run never crashes on a
 verifier.
 
+Named reward components: a verifier may return a mapping ``{name: float}`` instead of a float
+(e.g. ``{"format": 0.2, "correct": 1.0}``). The row's reward is then the sum of its
+components; ``verify_rows`` keeps each row's value as returned and ``stack_components`` turns
+the values of a batch into (totals [B], components [B,C]) in the order of the run's component
+names (every row must return the same names: one ``RLJaxError`` line otherwise). A failed call
+scores 0 on every component.
+
 Isolation modes (``isolation=``):
   signal  SIGALRM interval timer around each call (POSIX, main thread only). Interrupts
           pure-Python work such as sympy inside math-verify at the next bytecode, costs
@@ -25,13 +32,20 @@ import math
 import os
 import signal
 import threading
-from typing import Any, Callable, Sequence
+import numbers
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-__all__ = ["VerifierTimeout", "VerifyFn", "compute_rewards", "overlong_penalty"]
+from rl_jax.errors import RLJaxError
 
-VerifyFn = Callable[[str, Any], float]
+__all__ = ["RewardValue", "VerifierTimeout", "VerifyFn", "call_isolated", "component_names",
+           "compute_rewards", "overlong_penalty", "reward_value", "stack_components",
+           "verify_rows"]
+
+# one row's reward: a number, or named components {name: number} that sum to it
+RewardValue = Union[float, Mapping[str, float]]
+VerifyFn = Callable[[str, Any], RewardValue]
 
 
 class VerifierTimeout(BaseException):
@@ -84,13 +98,119 @@ def _resolve_isolation(isolation: str) -> str:
   return isolation
 
 
+def call_isolated(fn: Callable[[], Any], timeout_s: float, isolation: str = "auto") -> Any:
+  """``fn()`` under the time limit of ``isolation`` (see the module docstring); raises
+  ``VerifierTimeout`` past ``timeout_s`` seconds and whatever ``fn`` raises."""
+  if not timeout_s > 0:
+    raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+  call = _call_with_alarm if _resolve_isolation(isolation) == "signal" else _call_in_thread
+  return call(fn, timeout_s)
+
+
+def _number(x: Any) -> float | None:
+  """``x`` as a finite float when it is a real number (bool, int, float, NumPy scalar)."""
+  if isinstance(x, (numbers.Real, np.number)) and not isinstance(x, np.complexfloating):
+    v = float(x)
+    return v if math.isfinite(v) else None
+  return None
+
+
+def reward_value(value: Any, lenient: bool = True) -> float | dict[str, float] | None:
+  """A verifier's (or group function's) value for one row as a float or a ``{name: float}``
+  dict; None when it is neither (a non-finite number, a component that is not a finite
+  number, an empty mapping or a key that is not a string). ``lenient`` also accepts what
+  ``float()`` converts (a numeric string), as verifiers always could."""
+  if isinstance(value, Mapping):
+    out = {}
+    for k, v in value.items():
+      out[k] = _number(v)
+      if not isinstance(k, str) or out[k] is None:
+        return None
+    return out or None
+  if lenient and not isinstance(value, (numbers.Real, np.number)):
+    try:
+      value = float(value)
+    except (TypeError, ValueError):
+      return None
+  return _number(value)
+
+
+def component_names(value: Any) -> tuple[str, ...]:
+  """The component names of one row's value: its keys in order, () for a number."""
+  return tuple(value) if isinstance(value, Mapping) else ()
+
+
+def verify_rows(verify_fn: VerifyFn, completions: Sequence[str], references: Sequence[Any],
+                timeout_s: float = 5.0, isolation: str = "auto"
+                ) -> tuple[list[float | dict[str, float] | None], dict[str, int]]:
+  """Each row's verifier value (a float or ``{name: float}``; None where the call failed),
+  each call isolated and time-limited, and the counters ``{"exceptions", "timeouts"}``.
+
+  Raises:
+    ValueError: mismatched lengths, non-positive timeout, unknown isolation.
+  """
+  if len(completions) != len(references):
+    raise ValueError(f"{len(completions)} completions but {len(references)} references")
+  if not timeout_s > 0:
+    raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+  _resolve_isolation(isolation)
+  values: list[float | dict[str, float] | None] = []
+  stats = {"exceptions": 0, "timeouts": 0}
+  for c, r in zip(completions, references):
+    try:
+      value = reward_value(call_isolated(lambda c=c, r=r: verify_fn(c, r), timeout_s,
+                                         isolation))
+    except VerifierTimeout:
+      stats["timeouts"] += 1
+      value = None
+    except Exception:  # noqa: BLE001 -- any verifier failure is reward 0, counted
+      stats["exceptions"] += 1
+      value = None
+    else:
+      stats["exceptions"] += value is None  # non-numeric or non-finite
+    values.append(value)
+  return values, stats
+
+
+def stack_components(values: Sequence[float | Mapping[str, float] | None],
+                     names: Sequence[str] = (), who: str = "the verifier"
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
+  """Totals float32 [B] and components float32 [B,C] (None when ``names`` is empty) of the
+  rows' ``values`` (None: a failed row, 0 everywhere); C = len(names), in that order.
+
+  Raises:
+    RLJaxError: one line naming ``who``: a row's component names differ from ``names`` (a
+      number where components are expected counts as no names, and the reverse).
+  """
+  names = tuple(names)
+  totals = np.zeros(len(values), np.float32)
+  comps = np.zeros((len(values), len(names)), np.float32) if names else None
+  for i, v in enumerate(values):
+    if v is None:
+      continue
+    got = component_names(v)
+    if (set(got) != set(names)) or len(got) != len(names):
+      what = f"components {list(got)}" if got else "a number"
+      want = f"components {list(names)}" if names else "a number (no components)"
+      raise RLJaxError(f"{who} returned {what} for row {i}, but the run's rewards are {want} "
+                       "(set by its value on the first training example); every row needs "
+                       "the same component names")
+    if names:
+      comps[i] = [v[k] for k in names]
+      totals[i] = float(sum(v[k] for k in names))
+    else:
+      totals[i] = v
+  return totals, comps
+
+
 def compute_rewards(verify_fn: VerifyFn, completions: Sequence[str], references: Sequence[Any],
                     timeout_s: float = 5.0, isolation: str = "auto"
                     ) -> tuple[np.ndarray, dict[str, int]]:
   """Rewards of B completions, each verifier call isolated and time-limited.
 
   Args:
-    verify_fn: ``verify_fn(completion, reference) -> float``.
+    verify_fn: ``verify_fn(completion, reference) -> float`` (or ``{name: float}``: the
+      reward is the sum of the components).
     completions: B decoded completions.
     references: B references (one per completion).
     timeout_s: per-call time limit in seconds (> 0).
@@ -103,27 +223,9 @@ def compute_rewards(verify_fn: VerifyFn, completions: Sequence[str], references:
   Raises:
     ValueError: mismatched lengths, non-positive timeout, unknown isolation.
   """
-  if len(completions) != len(references):
-    raise ValueError(f"{len(completions)} completions but {len(references)} references")
-  if not timeout_s > 0:
-    raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-  call = _call_with_alarm if _resolve_isolation(isolation) == "signal" else _call_in_thread
-  rewards = np.zeros(len(completions), np.float32)
-  stats = {"exceptions": 0, "timeouts": 0}
-  for i, (c, r) in enumerate(zip(completions, references)):
-    try:
-      value = float(call(lambda c=c, r=r: verify_fn(c, r), timeout_s))
-    except VerifierTimeout:
-      stats["timeouts"] += 1
-      continue
-    except Exception:  # noqa: BLE001 -- any verifier failure is reward 0, counted
-      stats["exceptions"] += 1
-      continue
-    if not math.isfinite(value):
-      stats["exceptions"] += 1
-      continue
-    rewards[i] = value
-  return rewards, stats
+  values, stats = verify_rows(verify_fn, completions, references, timeout_s, isolation)
+  total = lambda v: 0.0 if v is None else float(sum(v.values()) if isinstance(v, dict) else v)
+  return np.asarray([total(v) for v in values], np.float32), stats
 
 
 def overlong_penalty(lengths: Any, max_length: int, cache_length: int) -> np.ndarray:

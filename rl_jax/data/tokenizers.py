@@ -70,6 +70,10 @@ class CharTokenizer:
     self._char_of = {i: c for c, i in self._id_of.items()}
     self.vocab_size = len(self._specials) + len(CHARS)
 
+  def vocab(self) -> dict[str, int]:
+    """Token string -> id, the special tokens included."""
+    return {**{t: i for i, t in enumerate(self._specials)}, **self._id_of}
+
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     """Map each character to its id.
 
@@ -180,6 +184,10 @@ class HFTokenizer:
       self.add_bos = cfg["add_bos_token"]
     else:
       self.add_bos = self._tok.encode("x", add_special_tokens=True).ids[:1] == [self.bos_id]
+
+  def vocab(self) -> dict[str, int]:
+    """Token string -> id, the added tokens included."""
+    return dict(self._tok.get_vocab(with_added_tokens=True))
 
   def _special_id(self, value: Any) -> int | None:
     content = _token_content(value)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["after_hashes", "final_answer", "last_boxed", "last_number", "math_equal",
-           "math_reward"]
+           "math_reward", "normalise_answer"]
 
 # A number: optional sign, digits with optional thousands commas, optional decimals, or a
 # simple fraction a/b.
@@ -87,6 +87,12 @@ def _normalise(s: str) -> str:
   if re.fullmatch(r"-?\d[\d,]*(\.\d+)?", s):
     s = s.replace(",", "")
   return s.rstrip(".")
+
+
+def normalise_answer(answer: str) -> str:
+  """``answer`` as the exact-string check compares it: spaces, ``$``, ``\\!``, ``\\,`` and a
+  trailing ``.`` dropped, thousands commas removed from plain numbers."""
+  return _normalise(answer)
 
 
 def math_equal(reference: str, candidate: str) -> bool:

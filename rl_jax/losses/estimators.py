@@ -37,7 +37,8 @@ from rl_jax.losses.kl import kl_penalty
 __all__ = ["ADVANTAGES", "AdvantageEstimator", "GRPO_SCALES", "MC_GRPO_SCALES",
            "TURN_FIELDS", "advantage_names", "dr_grpo", "gae", "gdpo", "gigpo", "grpo",
            "make_advantage", "mc_grpo", "opob", "register_advantage", "reinforce_pp",
-           "reinforce_pp_baseline", "rloo"]
+           "reinforce_pp_baseline", "rloo", "distill", "with_distillation",
+           "DISTILL_NEEDS", "sampled_reverse_kl"]
 
 GRPO_SCALES = ("std", "none")
 MC_GRPO_SCALES = ("mad", "none")
@@ -225,6 +226,66 @@ returns run over the loss ``mask`` (a reward on a token outside it is not seen).
   return _estimator("gae", fn, ("values",))
 
 
+# ------------------------------------------------------------ on-policy distillation
+DISTILL_NEEDS = ("teacher_logp", "behaviour_logp")  # what the reverse-KL advantage reads
+
+
+def _reverse_kl_advantages(x: ObjectiveInputs, coef: float):
+  """``coef · (teacher_logp - behaviour_logp)`` on the loss tokens, 0 elsewhere -> [G,M,R]."""
+  mask = x.mask.astype(bool)
+  gap = x.teacher_logp.astype(jnp.float32) - x.behaviour_logp.astype(jnp.float32)
+  return jnp.where(mask, coef * gap, 0.0)
+
+
+def sampled_reverse_kl(teacher_logp, behaviour_logp, mask):
+  """Mean over the ``mask`` tokens of ``behaviour_logp - teacher_logp`` (all [G,M,R]): the
+  single-sample estimate of the per-token reverse KL(μ || π_T) that ``distill`` minimises;
+  float32 scalar, 0 without tokens."""
+  mask = mask.astype(bool)
+  gap = jnp.where(mask, behaviour_logp.astype(jnp.float32) - teacher_logp.astype(jnp.float32),
+                  0.0)
+  return jnp.sum(gap) / jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+
+
+def distill(coef: float = 1.0) -> AdvantageEstimator:
+  """On-policy distillation: each sampled token's advantage is ``coef · (log π_T(y_t | ·) -
+  log μ(y_t | ·))`` -> [G,M,R], the negative of the single-sample estimate of the per-token
+  reverse KL from the sampler μ (the policy that sampled, ``behaviour_logp``) to a frozen
+  teacher π_T (``teacher_logp``). No reward is read: minimising the reverse KL on the
+  student's own samples is the whole objective. Each token's advantage is its own (no
+  return-to-go, no normalisation), so a token the teacher finds likelier than the student
+  is pushed up and one it finds unlikelier is pushed down.
+
+  References: Agarwal et al. 2024, On-Policy Distillation of Language Models (GKD); Gu et
+  al. 2024 (MiniLLM); Qwen3 technical report 2025 and Lu & Thinking Machines 2025, "On-Policy
+  Distillation" (the per-token reverse KL as the advantage). docs/ALGORITHMS.md,
+  "On-policy distillation".
+  """
+  if not coef > 0:
+    raise ValueError(f"distill_coef must be > 0, got {coef!r}")
+  return _estimator("distill", lambda x: Advantages(_reverse_kl_advantages(x, coef)),
+                    DISTILL_NEEDS)
+
+
+def with_distillation(est: AdvantageEstimator, coef: float) -> AdvantageEstimator:
+  """``est``'s advantages plus the reverse-KL advantage of ``distill(coef)``: a sequence-level
+  [G,M] advantage is put on every token first, so the sum is token-level [G,M,R]; returns and
+  ``keep`` pass through. The task reward and the teacher both steer the policy."""
+  if not coef > 0:
+    raise ValueError(f"distill_coef must be > 0, got {coef!r}")
+
+  def fn(x: ObjectiveInputs) -> Advantages:
+    out = est.compute(x)
+    adv = out.advantages
+    if adv.ndim == 2:
+      adv = jnp.broadcast_to(adv[..., None], x.mask.shape)
+    adv = jnp.where(x.mask.astype(bool), adv, 0.0) + _reverse_kl_advantages(x, coef)
+    return out._replace(advantages=adv)
+
+  needs = tuple(dict.fromkeys(est.needs + DISTILL_NEEDS))
+  return _estimator(f"{est.name}+distill", fn, needs, DISTILL_NEEDS)
+
+
 # ----------------------------------------------------------------------- turn-level
 def gigpo(omega: float = 1.0, gamma: float = 0.95, scale: str = "std",
           eps: float = 1e-6) -> AdvantageEstimator:
@@ -305,6 +366,7 @@ for _name, _factory in (
     ("opob", lambda k: opob(k["opob_tis_cap"])),
     ("gigpo", lambda k: gigpo(k["gigpo_omega"], k["gigpo_gamma"],
                               "std" if k["gigpo_std"] else "none", k["adv_eps"])),
+    ("distill", lambda k: distill(1.0 if k["distill_coef"] is None else k["distill_coef"])),
 ):
   register_advantage(_name, _factory)
 del _name, _factory

@@ -49,6 +49,8 @@ class ObjectiveInputs(NamedTuple):
     turn_states: int32 [G,M,U] id of the environment state each turn starts from (e.g. a
       hash of the observation), equal ids meaning the same state; -1 for absent turns
       (GiGPO's anchor states).
+    teacher_logp: float32 [G,M,R] a frozen teacher's log-probs of the sampled tokens
+      (on-policy distillation).
   """
 
   rewards: Array                          # [G,M]
@@ -64,12 +66,13 @@ class ObjectiveInputs(NamedTuple):
   turn_rewards: Array | None = None       # [G,M,U]
   turn_ids: Array | None = None           # [G,M,R]
   turn_states: Array | None = None        # [G,M,U]
+  teacher_logp: Array | None = None       # [G,M,R]
 
 
 INPUT_FIELDS = ObjectiveInputs._fields
 
 _TOKEN_FIELDS = ("generated_mask", "old_logp", "behaviour_logp", "ref_logp", "values",
-                 "turn_ids")
+                 "turn_ids", "teacher_logp")
 _ROW_FIELDS = ("lengths", "grad_sq_norms")
 _TURN_FIELDS = ("turn_rewards", "turn_states")  # [G,M,U], one U
 _INT_FIELDS = ("turn_ids", "turn_states")

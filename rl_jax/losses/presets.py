@@ -21,6 +21,10 @@ so an estimator registered with ``register_advantage`` is selected like a built-
 | reinforce_pp | REINFORCE++ (KL 0.01 in reward) | PPO clip 0.2 | - | token-mean |
 | reinforce_pp_baseline | REINFORCE++-baseline | PPO clip 0.2 | - | token-mean |
 | mc_grpo | MC-GRPO (median/MAD) | PPO clip 0.2 | - | token-mean |
+| on_policy_distill | coef (teacher - sampler log-prob), per token | PPO clip 0.2 | - | token-mean |
+
+On-policy distillation beside a task reward: ``distill_coef`` on any other preset adds the
+teacher's per-token term to that preset's advantages (``estimators.with_distillation``).
 
 Training-inference mismatch corrections have no preset of their own; they are knobs on any
 preset: ``mis_level`` (masked IS), ``icepop_beta`` (IcePop), ``geo_mean_is`` (geometric-mean
@@ -32,7 +36,8 @@ Zheng et al. 2025 (M2PO); Fu et al. 2025 (AReaL); Schulman et al. 2017 (PPO); Ah
 al. 2024 (RLOO); Hu 2025 (REINFORCE++); Kim 2026 (MC-GRPO); Feng et al. 2025 (GiGPO, no
 preset: ``advantage="gigpo"`` on any preset); Liu, Li et al. 2025 (MIS); Ling Team 2025
 (IcePop); "A Step Back: Prefix Importance Ratio Stabilizes Policy Optimization", 2026
-(MinPRO). docs/ALGORITHMS.md describes each part.
+(MinPRO); Agarwal et al. 2024 (on-policy distillation, GKD) and Lu & Thinking Machines 2025
+(the reverse KL per token as the advantage). docs/ALGORITHMS.md describes each part.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from rl_jax.losses import stages as st
 from rl_jax.losses import vcpo as vcpo_lib
 from rl_jax.losses.aggregation import aggregation
 from rl_jax.losses.compose import Objective, chain
-from rl_jax.losses.estimators import make_advantage
+from rl_jax.losses.estimators import make_advantage, with_distillation
 
 __all__ = ["PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES", "build",
            "get_objective"]
@@ -81,6 +86,7 @@ _BASE = dict(
     value_coef=0.0, value_clip=0.2,  # PPO value loss coefficient and clip
     agg="token-mean", agg_norm=None,  # aggregation mode (AGG_MODES), C of ...-token-sum-norm
     ess_scaling=False, ess_rho_base=1.0, ess_rule="sqrt",  # VCPO ESS lr multiplier (ESS_RULES)
+    distill_coef=None,       # on-policy distillation: weight of the reverse-KL advantage
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -97,6 +103,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reinforce_pp": dict(advantage="reinforce_pp"),
     "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline"),
     "mc_grpo": dict(advantage="mc_grpo"),
+    "on_policy_distill": dict(advantage="distill", distill_coef=1.0),
 }
 
 PRESET_KNOBS = tuple(_BASE)
@@ -114,7 +121,7 @@ PRESET_KNOB_TYPES: dict[str, type] = dict(
     icepop_beta=float, icepop_alpha=float, geo_mean_is=bool, geo_mean_cap=float, minpro=bool,
     decoupled_cap=float, decoupled_mode=str, m2po_tau=float, ace_alpha=float,
     value_coef=float, value_clip=float, agg=str, agg_norm=float, ess_scaling=bool,
-    ess_rho_base=float, ess_rule=str,
+    ess_rho_base=float, ess_rule=str, distill_coef=float,
 )
 
 
@@ -124,7 +131,10 @@ def _objective(name: str, knobs: Mapping[str, Any]) -> Objective:
   if unknown:
     raise ValueError(f"unknown objective option(s) {unknown}; valid: {sorted(_BASE)}")
   k = {**_BASE, **knobs}
-  parts: list[Any] = [make_advantage(k["advantage"], k)]
+  est = make_advantage(k["advantage"], k)
+  if k["distill_coef"] is not None and k["advantage"] != "distill":
+    est = with_distillation(est, k["distill_coef"])  # the teacher's term beside the task's
+  parts: list[Any] = [est]
   policy = st.make_policy(k["policy"], k)
   if policy is not None:
     parts.append(policy)

@@ -22,6 +22,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots")
 # model.prefix_attention: how the packed training layout attends responses to their prompt
 PREFIX_ATTENTIONS = ("auto", "kernel", "concat")
+FUSED_MLPS = ("auto", True, False)  # model.fused_mlp: "auto" is on for CPU programs only
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # projections LoRA can adapt
 
@@ -48,6 +49,8 @@ class ModelConfig:
       adapters on gate/up/down the SwiGLU MLP is ``transformer.swiglu_mlp`` with a
       hand-written backward. LoRA adapters on gate/up add their deltas to the fused outputs.
       False: two matmuls and autodiff. Equal to float rounding; expert MLPs are unaffected.
+      "auto" (default): on in programs compiled for CPUs (1.1-1.2x on the update there),
+      off for TPUs and GPUs (``transformer.fused_mlp_on``).
     scan_layers: run the stacked layers under ``lax.scan`` (one compiled layer: fast
       compiles); False unrolls the layer loop in the compiled program (no per-layer slicing
       of the stacked weights and their gradients; longer compiles). Equal to float rounding.
@@ -116,7 +119,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   logits_chunk: int = 512
-  fused_mlp: bool = False
+  fused_mlp: bool | str = "auto"
   scan_layers: bool = True
   prefix_attention: str = "auto"
   bos_token_id: int | None = None
@@ -221,6 +224,9 @@ def validate(cfg: ModelConfig) -> None:
   if cfg.prefix_attention not in PREFIX_ATTENTIONS:
     raise ModelError(f"model config: prefix_attention={cfg.prefix_attention!r}; choose one of "
                      f"{PREFIX_ATTENTIONS}")
+  if not any(cfg.fused_mlp is v or cfg.fused_mlp == v for v in FUSED_MLPS
+             if isinstance(v, str) == isinstance(cfg.fused_mlp, str)):
+    raise ModelError(f"model config: fused_mlp={cfg.fused_mlp!r}; choose one of {FUSED_MLPS}")
   if cfg.remat not in REMAT_POLICIES:
     raise ModelError(f"model config: remat={cfg.remat!r}; choose one of {REMAT_POLICIES}")
   rope_type = cfg.rope.get("rope_type", "default")

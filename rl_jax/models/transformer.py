@@ -39,6 +39,7 @@ import numpy as np
 from rl_jax import sharding
 from rl_jax.models import lora, moe, quant
 from rl_jax.models.config import ModelConfig, rope_frequencies
+import pallas_kernels
 
 __all__ = ["AttendFn", "AttnSpec", "Params", "apply_rope", "causal_mask", "dense_attention",
            "embed", "gemma_rms_norm", "softcap", "window_mask",
@@ -353,15 +354,25 @@ def _attention(cfg: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: 
   return o, state
 
 
+def fused_mlp_on(cfg: ModelConfig) -> bool:
+  """Whether ``cfg.fused_mlp`` fuses the MLP: True / False as set; "auto" for a program
+  compiled for CPUs (``pallas_kernels.current_platform``: the mesh's platform that
+  ``sharding.use`` entered, else JAX's default backend), where it measures 1.1-1.2x on the
+  update (docs/BENCHMARKS.md, "Fused MLP"); TPUs and GPUs keep XLA's two matmuls."""
+  if cfg.fused_mlp == "auto":
+    return pallas_kernels.current_platform() == "cpu"
+  return bool(cfg.fused_mlp)
+
+
 def _gate_up(cfg: ModelConfig, lp: Params, h: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The MLP's gate and up projections of h [B,T,D] (weights [D,F]): two [B,T,F].
 
-  ``cfg.fused_mlp``: one matmul against [D,2F] (the two weights concatenated here, so the
+  ``cfg.fused_mlp`` (``fused_mlp_on``): one matmul against [D,2F] (the two weights concatenated here, so the
   parameters keep their names and layout), split after; adapters on gate/up add their
   ``lora.delta`` to the split outputs, and autodiff gives the adapter gradients. Otherwise,
   or with a quantised base (``cfg.quant``), ``lora.project`` twice.
   """
-  if not cfg.fused_mlp or cfg.quant:
+  if not fused_mlp_on(cfg) or cfg.quant:
     return (lora.project(cfg, lp, "gate", "btd,df->btf", h),
             lora.project(cfg, lp, "up", "btd,df->btf", h))
   dt = jnp.dtype(cfg.dtype)
@@ -450,7 +461,7 @@ def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array, routing: jax.Array | None):
     else:
       y, dropped = moe.expert_mlp(h, weights, ids, *experts), jnp.zeros((), jnp.float32)
     return y, (ids, logits, dropped)
-  if (cfg.fused_mlp and not cfg.quant and cfg.architecture != "gemma3"
+  if (fused_mlp_on(cfg) and not cfg.quant and cfg.architecture != "gemma3"
       and not lora.adapted(lp, ("gate", "up", "down"))):
     return swiglu_mlp(h, w("gate"), w("up"), w("down")), None
   gate, up = _gate_up(cfg, lp, h)

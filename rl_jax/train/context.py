@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -23,13 +24,16 @@ from rl_jax import losses
 from rl_jax import models
 from rl_jax import optim
 from rl_jax import sharding
+from rl_jax.data import group_rewards
+from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, DataError, ModelError, RLJaxError
-from rl_jax.train import agent_stage, speculative_stage
+from rl_jax.train import agent_stage, selection_stage, speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
 
 __all__ = ["Job", "Optimizers", "Setup", "build_setup", "device_rules", "job", "split_devices",
+           "teacher_config",
            "PROVIDED_INPUTS"]
 
 
@@ -74,6 +78,11 @@ class Setup:
   prompt_len: int
   eos_id: int
   chat: Any = None  # multi-turn runs (env.name): the task's chat format (agent_stage)
+  teacher_cfg: Any = None  # distill.teacher_path: the teacher's ModelConfig (train.teacher)
+  group_fn: Any = None  # reward.group_fn: the group reward function (data.group_rewards)
+  # the names of the reward components (a verifier or group function returning {name: r}),
+  # in the order of the objective's reward_components [G,M,C]; () for plain rewards
+  reward_names: tuple = ()
   geometry: config_lib.Geometry = dataclasses.field(init=False)
   schedule: config_lib.Schedule = dataclasses.field(init=False)
 
@@ -102,6 +111,8 @@ def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:
 def make_objective(config) -> losses.Objective:
   """The configured preset with every knob that is set; rejects what the trainer cannot feed."""
   knobs = {k: v for k, v in config.loss.to_dict().items() if k != "preset" and v is not None}
+  if config.distill.teacher_path:  # the teacher's per-token term (alone or beside the task's)
+    knobs["distill_coef"] = float(config.distill.coef)
   try:
     obj = losses.get_objective(config.loss.preset, **knobs)
   except ValueError as e:
@@ -112,6 +123,9 @@ def make_objective(config) -> losses.Objective:
     raise ConfigError(f"loss: the objective ({config.loss.preset}) needs {missing}, which the "
                       "trainer does not compute; use it through rl_jax.losses directly"
                       + ("" if config.env.name else " (per-turn inputs need env.name)"))
+  if "teacher_logp" in obj.needs and not config.distill.teacher_path:
+    raise ConfigError(f"loss: the objective ({config.loss.preset}) reads a teacher's "
+                      "log-probs (on-policy distillation); set distill.teacher_path=HF_DIR")
   if obj.batch_global and config.train.micro_batches > 1:
     raise ConfigError(f"train.micro_batches={config.train.micro_batches}: the objective "
                       f"({config.loss.preset}) takes a statistic over the whole minibatch (the "
@@ -171,6 +185,45 @@ def _task(config):
   return tokenizer, task, train, evals, prompt_len, fmt
 
 
+def _rewards(config, task, train) -> tuple[Any, tuple[str, ...]]:
+  """(group function or None, reward component names) of a single-turn run.
+
+  The names are those of the reward on the first training example with its own reference
+  as the completion: the verifier's value, or with ``reward.group_fn`` the function's on a
+  group of M copies of it (which also checks its output once, before anything compiles).
+  A verifier that fails on it gives no names; a group function that fails is one line.
+  DAPO overlong shaping adds its penalty as the component ``overlong`` when there are names.
+  """
+  if config.env.name:
+    return None, ()
+  name, first = config.reward.get("group_fn", ""), train[0]
+  timeout = config.data.reward_timeout_s
+  if name:
+    fn, who = group_rewards.resolve(name), f"reward.group_fn={name!r}"
+    M = config.rollout.n
+    try:
+      values = rewards_lib.call_isolated(lambda: fn([first.answer] * M, first), timeout)
+    except RLJaxError:
+      raise
+    except (Exception, rewards_lib.VerifierTimeout) as e:  # noqa: BLE001
+      what = "timed out" if isinstance(e, rewards_lib.VerifierTimeout) else (
+          f"raised {type(e).__name__}: {' '.join(str(e).split())}")
+      raise ConfigError(f"{who}: called on {M} copies of the first training example's "
+                        f"reference answer, it {what}") from None
+    values = group_rewards.check_group_values(values, M, who)
+  else:
+    values, _ = rewards_lib.verify_rows(task.verify, [first.answer], [first.answer], timeout)
+    who = "the task's verifier"
+  names = rewards_lib.component_names(values[0])
+  rewards_lib.stack_components(values, names, who)  # every row the same names
+  if names and selection_stage.overlong_buffer(config):
+    if "overlong" in names:
+      raise ConfigError(f"{who} returns a component named 'overlong', the name of DAPO's "
+                        "overlong penalty (data.overlong_buffer); rename it")
+    names += ("overlong",)
+  return (fn if name else None), tuple(names)
+
+
 def _family_fields(m) -> dict:
   """ModelConfig fields of the Qwen3-MoE and Gemma 3 families from ``config.model``
   (random init; ``rl_jax.config`` has checked them against the architecture)."""
@@ -190,11 +243,16 @@ def _family_fields(m) -> dict:
   return {}
 
 
+def _fused_mlp(m) -> bool | str:
+  """``model.fused_mlp`` for the ModelConfig: None (the default) is "auto"."""
+  return "auto" if m.get("fused_mlp") is None else bool(m.fused_mlp)
+
+
 def _model_config(config, tokenizer) -> models.ModelConfig:
   m = config.model
   if m.hf_path:
     cfg = models.read_hf_config(m.hf_path, dtype=m.dtype, param_dtype=m.param_dtype,
-                                remat=m.remat, fused_mlp=m.fused_mlp,
+                                remat=m.remat, fused_mlp=_fused_mlp(m),
                                 scan_layers=m.scan_layers)
   else:
     cfg = models.ModelConfig(
@@ -203,7 +261,7 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, architecture=m.architecture,
         rope_theta=m.rope_theta, max_position_embeddings=m.max_position_embeddings,
         tie_word_embeddings=m.tie_word_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-        remat=m.remat, fused_mlp=m.fused_mlp, scan_layers=m.scan_layers,
+        remat=m.remat, fused_mlp=_fused_mlp(m), scan_layers=m.scan_layers,
         qkv_bias=m.architecture == "qwen2",
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
@@ -240,6 +298,65 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
     raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                       f"{cfg.vocab_size}")
   return cfg
+
+
+def _teacher_where(config) -> str:
+  return f"distill.teacher_path={config.distill.teacher_path}"
+
+
+def teacher_config(config, policy_cfg: models.ModelConfig, tokenizer) -> models.ModelConfig | None:
+  """On-policy distillation's teacher (``rl_jax.train.teacher``): its ModelConfig from
+  ``distill.teacher_path`` (None without one), compute and storage dtype ``model.dtype``, the
+  policy's remat, MLP and attention settings.
+
+  Raises:
+    ConfigError: one line: the directory or its ``config.json`` is missing or unreadable,
+      the vocabulary sizes differ, or both sides have tokenizers that differ.
+  """
+  path = config.distill.teacher_path
+  if not path:
+    return None
+  m = config.model
+  try:
+    cfg = models.read_hf_config(path, dtype=m.dtype, param_dtype=m.dtype, remat=m.remat,
+                                fused_mlp=_fused_mlp(m), scan_layers=m.scan_layers)
+  except (ModelError, ValueError, KeyError) as e:
+    raise ConfigError(f"{_teacher_where(config)}: {e}") from None
+  cfg = cfg.replace(prefix_attention=policy_cfg.prefix_attention)
+  if cfg.vocab_size != policy_cfg.vocab_size:
+    raise ConfigError(f"{_teacher_where(config)}: the teacher has a vocabulary of "
+                      f"{cfg.vocab_size} tokens, the policy {policy_cfg.vocab_size}; on-policy "
+                      "distillation needs the same vocabulary (the teacher scores the policy's "
+                      "token ids)")
+  _check_teacher_vocabulary(config, tokenizer)
+  return cfg
+
+
+def _has_tokenizer_files(path: str) -> bool:
+  return any(os.path.isfile(os.path.join(path, f))
+             for f in ("tokenizer.json", tok_lib.CHAR_TOKENIZER_FILE))
+
+
+def _check_teacher_vocabulary(config, tokenizer) -> None:
+  """Where the teacher's directory has tokenizer files, its token -> id map must be the
+  policy tokenizer's (one ConfigError line naming a differing token otherwise)."""
+  path = config.distill.teacher_path
+  if not _has_tokenizer_files(path):
+    return
+  try:
+    theirs = tok_lib.load_tokenizer(path).vocab()
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{_teacher_where(config)}: cannot read its tokenizer: {e}") from None
+  ours = tokenizer.vocab()
+  if theirs == ours:
+    return
+  differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])
+  token, _ = differ[0]
+  moved = len(set(ours.items()) - set(theirs.items()))
+  raise ConfigError(f"{_teacher_where(config)}: the teacher's tokenizer differs from the "
+                    f"policy's ({moved} of {len(ours)} tokens map to other ids, e.g. {token!r}: "
+                    f"{ours.get(token)} here, {theirs.get(token)} in the teacher); on-policy distillation needs the "
+                    "same vocabulary")
 
 
 class Job(NamedTuple):
@@ -380,10 +497,13 @@ def build_setup(config: ml_collections.ConfigDict,
   if prompt_len + R > model_cfg.max_position_embeddings:
     raise ConfigError(f"data: prompts of {prompt_len} tokens + {what}={R} exceed the model's "
                       f"{model_cfg.max_position_embeddings} positions")
+  teacher_cfg = teacher_config(config, model_cfg, tokenizer)
+  group_fn, reward_names = _rewards(config, task, train)
   eos = config.rollout.eos_id
   return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos,
-               chat=fmt)
+               chat=fmt, teacher_cfg=teacher_cfg, group_fn=group_fn,
+               reward_names=reward_names)

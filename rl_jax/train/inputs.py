@@ -9,7 +9,8 @@ batch on the training mesh and the passes that compute the rest). ``PROVIDED_INP
 ``entropy``, computed inside the update itself (``steps.make_rl_update``).
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G row groups, M samples per group, R new
-tokens, C reward components (C = 1: the verifier's reward), U turns (multi-turn runs).
+tokens, C reward components (``Setup.reward_names``; C = 1: the reward), U turns (multi-turn
+runs).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Source(NamedTuple):
   seed: int
   turns: Any = None  # multi-turn rollouts: a mapping with the losses.TURN_FIELDS arrays
   routing: Any = None  # model.router_replay: the sampler's experts [G,M,R,Y,X]
+  teacher: Any = None  # distill.teacher_path: the teacher's params (train.teacher)
+  components: Any = None  # named reward components [G,M,C] (Setup.reward_names), else None
 
 
 def _replayed(x: "Source") -> tuple:
@@ -82,13 +85,18 @@ INPUTS: dict[str, Input] = {
         x.steps.ref_logprobs or x.steps.logprobs)(
             x.state.params if x.steps.ref_from_policy else x.state.ref_params, *x.args,
             *_replayed(x))),
-    "reward_components": Input("components", jnp.float32, False, lambda x: x.rewards[..., None]),
+    # the named components (Setup.reward_names), else the reward as the one component
+    "reward_components": Input("components", jnp.float32, False, lambda x: (
+        x.rewards[..., None] if x.components is None else x.components)),
     "values": Input("tokens", jnp.float32, False,
                     lambda x: x.steps.values(x.state.value_params, *x.args)),
     # per-turn fields of multi-turn trajectories (only an agentic producer has them)
     "turn_rewards": Input("turns", jnp.float32, False, lambda x: x.turns["turn_rewards"]),
     "turn_ids": Input("tokens", jnp.int32, False, lambda x: x.turns["turn_ids"]),
     "turn_states": Input("turns", jnp.int32, False, lambda x: x.turns["turn_states"]),
+    # on-policy distillation: the frozen teacher's pass (train.teacher)
+    "teacher_logp": Input("tokens", jnp.float32, False,
+                          lambda x: x.steps.teacher_logprobs(x.teacher, *x.args)),
 }
 assert set(INPUTS) == set(losses.INPUT_FIELDS), "every ObjectiveInputs field has one entry"
 

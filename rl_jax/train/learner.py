@@ -41,15 +41,20 @@ PASS_METRICS = ("loss", "clip_frac", "approx_kl", "ratio_mean", "grad_norm", "ma
 
 def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
                      mask, generated_mask, rewards, behaviour_logp,
-                     turns=None, routing=None) -> losses.ObjectiveInputs:
+                     turns=None, routing=None, components=None) -> losses.ObjectiveInputs:
   """The objective's input record with every field ``Objective.needs`` names, each made as
   ``inputs.INPUTS`` declares (``old_logp`` is None when the update takes it from its own
   policy pass, ``StepFns.old_logp_in_update``); ``turns``: the per-turn arrays of a
   multi-turn batch; ``routing``: the sampler's experts [G,M,R,Y,X] that the log-prob passes
-  replay (``model.router_replay``)."""
+  replay (``model.router_replay``); ``components``: the named reward components [G,M,C]
+  (``Setup.reward_names``), the objective's ``reward_components``."""
   src = Source(t.steps, state, (prompt_tokens, prompt_lengths, tokens, mask), rewards,
-               generated_mask, behaviour_logp, t.setup.config.train.seed, turns, routing)
+               generated_mask, behaviour_logp, t.setup.config.train.seed, turns, routing,
+               t.teacher, components=components)
   return make_inputs(t.setup.objective.needs, src)
+
+
+_reverse_kl = jax.jit(losses.sampled_reverse_kl)  # one program, a replicated scalar
 
 
 def _everyone(x: np.ndarray, local: bool) -> np.ndarray:
@@ -107,10 +112,14 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
   elif c.model.get("router_replay", False):
     raise RLJaxError("model.router_replay=True: this batch has no expert records")
   replay = routing if c.model.get("router_replay", False) else None
+  components = None  # named reward components, for an objective that reads them
+  if scored.components is not None and "reward_components" in s.objective.needs:
+    components = put(scored.components)
   inputs = objective_inputs(
       t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
       generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
-      behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns, routing=replay)
+      behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns, routing=replay,
+      components=components)
   estimate = t.steps.advantages  # the objective's estimator, jitted
   if estimate is None:
     raise RLJaxError("the objective has no advantage estimator: chain one (losses.chain) to "
@@ -132,9 +141,15 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
       "zero_variance_groups": group_size.zero_variance_fraction(rewards, scored.groups),
       "local_groups": g,  # groups this process sampled and scored (G with one process)
   }
+  if scored.components is not None:  # each named component's mean, as reward/<name>
+    means = _everyone(scored.components, local).reshape(-1, len(s.reward_names)).mean(axis=0)
+    info.update({f"reward/{n}": float(v) for n, v in zip(s.reward_names, means)})
   info.update({k: float(scored.stats[k]) for k in STATS if k in scored.stats})
   info.update({k: float(v) for k, v in scored.stats.items()  # multi-turn batches
                if k in agent_stage.METRICS or k.startswith("tool_errors_")})
+  if inputs.teacher_logp is not None:  # on-policy distillation: what it minimises
+    info["distill_reverse_kl"] = float(_reverse_kl(inputs.teacher_logp, inputs.behaviour_logp,
+                                                   inputs.mask))
   if staleness:
     info.update(staleness_metrics(_everyone(scored.versions, local),  # the job's tokens
                                   _everyone(scored.mask, local), int(state.step)))

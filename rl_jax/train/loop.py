@@ -41,6 +41,7 @@ from rl_jax.train.evaluation import evaluate
 from rl_jax.train import lock as lock_lib
 from rl_jax.train import lora_checkpoint
 from rl_jax.train import memory
+from rl_jax.train import teacher as teacher_lib
 from rl_jax.train import topology
 from rl_jax.train.layout import make_layout
 from rl_jax.train.resume import restore_newest
@@ -58,8 +59,9 @@ def make_trainer(s: Setup, abstract: TrainState | None = None) -> Trainer:
   ``abstract_state``, if already computed)."""
   layout = make_layout(s, abstract)
   agent = agent_stage.make_engines(s) if s.config.env.name else None
+  teacher = teacher_lib.load_teacher(s) if s.teacher_cfg is not None else None
   return Trainer(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s),
-                 agent=agent)
+                 agent=agent, teacher=teacher)
 
 
 def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

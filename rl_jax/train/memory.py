@@ -52,6 +52,7 @@ from rl_jax import rollout, storage
 from rl_jax.errors import RLJaxError
 from rl_jax.rollout import kv_cache, records
 from rl_jax.train import offload
+from rl_jax.train import teacher as teacher_lib
 from rl_jax.train.inputs import abstract_inputs
 from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState, abstract_state, held_capacity
@@ -78,6 +79,7 @@ KNOBS = {
     "rl_optimizer": "optim.mu_dtype=bfloat16, train.offload=optimizer, a larger mesh.shape.fsdp",
     "sft_optimizer": "sft.steps=0, optim.mu_dtype=bfloat16",
     "reference": "train.ref_dtype=bfloat16, train.offload=reference, loss.kl_beta=0",
+    "teacher": "train.offload=teacher, model.dtype=bfloat16, a larger mesh.shape.fsdp",
     "critic": "a larger mesh.shape.fsdp",
     "sampler_copy": "fewer processes per host, rollout.lora_merge=False (LoRA)",
     "rollout_buffer": "rollout.over_sampling",
@@ -229,6 +231,9 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
   inputs = abstract_inputs(s.objective.needs, groups, M, R,
                            lambda shape, dtype: _spec(shape, dtype, rows),
                            t.steps.old_logp_in_update, geo.turns)
+  if inputs.reward_components is not None and s.reward_names:  # C named components
+    inputs = inputs._replace(reward_components=_spec((groups, M, len(s.reward_names)),
+                                                     jnp.float32, rows))
   adv = jax.eval_shape(s.objective.advantages_from, inputs)
   adv = jax.tree.map(lambda x: _spec(x.shape, x.dtype, rows), adv)
   cfg = s.model_cfg  # mixture of experts: the sampler's expert records
@@ -280,6 +285,10 @@ def compile_steps(t: Trainer, sft_state: TrainState | None, rl_state: TrainState
   if "ref_logp" in needs and f.ref_from_policy:  # LoRA: the base's pass, adapters off
     out["ref_logprobs"] = step_memory(compiled("ref_logprobs", f.ref_logprobs.lower(
         rl_state.params, *args)))
+  if "teacher_logp" in needs and f.teacher_logprobs is not None:  # on-policy distillation
+    teacher = teacher_lib.abstract_teacher(s)
+    out["teacher_logprobs"] = _staged(step_memory(compiled(
+        "teacher_logprobs", f.teacher_logprobs.lower(teacher, *args[:4]))), teacher)
   if "values" in needs:
     out["values"] = step_memory(compiled("values", f.values.lower(rl_state.value_params,
                                                                    *args[:4])))
@@ -378,6 +387,10 @@ def state_plan(t: Trainer, sft_state: TrainState | None,
     sampler = sum(leaf_bytes(base[k]) for k in s.model_cfg.lora_targets)
   phases["rl"]["sampler_copy"] = sampler
   host = {"rl": host_parts(rl_state)}
+  if s.teacher_cfg is not None:  # on-policy distillation: the frozen teacher (not checkpointed)
+    teacher = teacher_lib.abstract_teacher(s)
+    phases["rl"]["teacher"] = tree_bytes(teacher)
+    host["rl"]["teacher"] = tree_bytes(teacher, host=True)
   if sft_state is not None:
     host = {"sft": host_parts(sft_state), **host}
   capacity, source = device_capacity(s.mesh.devices.flat[0])

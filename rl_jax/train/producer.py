@@ -21,7 +21,8 @@ decided once per run (``source``), never inside a step:
   producer's ``roll`` stage, sampling speculatively from ``ProducerState.drafts`` with
   SPEC-RL (``speculative_stage``).
 
-Every single-turn source ends in the same scoring stage (the task's verifier, DAPO overlong
+Every single-turn source ends in the same scoring stage (the task's verifier per row, or the
+group function per group, ``reward.group_fn``; named reward components; DAPO overlong
 shaping); the agentic source's rewards are the environments' returns.
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G groups (row groups: W chunks with
@@ -41,7 +42,7 @@ from rl_jax.errors import RLJaxError
 from rl_jax.train import agent_stage, group_size, selection_stage, speculative_stage
 from rl_jax.train.records import ENGINE_STATS, ProducerState, Scored
 from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
-                                   next_indices, score)
+                                   next_indices, score_groups)
 from rl_jax.train import state as state_lib
 from rl_jax.train.state import held_capacity, place_replicated
 from rl_jax.train.streams import Stream, seed_for
@@ -61,15 +62,24 @@ def _placed(t: Trainer, p: ProducerState) -> ProducerState:
 
 def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version: int,
             M: int) -> Scored:
-  """The scoring stage: the verifier on each completion, DAPO overlong shaping."""
+  """The scoring stage: the verifier on each completion (or the group function on each
+  group, ``reward.group_fn``), DAPO overlong shaping (with named components, its penalty is
+  the component ``overlong``)."""
   s = t.setup
-  rewards, faults = score(s, decode(s, out.tokens, out.mask),
-                          [s.train_examples[i].answer for i in idx for _ in range(M)])
-  rewards = selection_stage.shape_rewards(s.config, rewards, out.mask.sum(axis=1))
+  rewards, comps, faults = score_groups(s, decode(s, out.tokens, out.mask),
+                                        [s.train_examples[i] for i in idx], M)
+  lengths = out.mask.sum(axis=1)
+  penalty = selection_stage.shape_rewards(s.config, np.zeros_like(rewards), lengths)
+  rewards = rewards + penalty
+  if comps is not None and s.reward_names[-1] == "overlong":
+    comps = np.concatenate([comps, penalty[:, None]], axis=1)
+  g = len(idx)
   return Scored(np.asarray(idx, np.int32), out.tokens, out.mask, out.logprobs,
-                out.versions.astype(np.int32), rewards.reshape(len(idx), M).astype(np.float32),
+                out.versions.astype(np.int32), rewards.reshape(g, M).astype(np.float32),
                 np.asarray([faults["exceptions"], faults["timeouts"]], np.int64), rollout_s,
-                version, out.stats, routing=out.routing)
+                version, out.stats, routing=out.routing,
+                components=None if comps is None else
+                comps.reshape(g, M, -1).astype(np.float32))
 
 
 def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,

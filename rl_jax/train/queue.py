@@ -7,7 +7,8 @@ The queue is a dict of fixed-shape host arrays with Q slots (``Schedule.queue``)
 array fields, ``rollout_s``, ``version``, and ``stats`` as one column per ``records.STATS``);
 multi-turn runs (``env.name``) add the per-turn inputs (``Scored.turns``) and their step
 metrics (``agent_stats``, one column per ``AGENT_STATS``), mixture-of-experts models the
-sampler's expert records (``routing``).
+sampler's expert records (``routing``), runs with named reward components their values
+(``components``); a run without them keeps exactly the arrays it had.
 
 Shapes (the package legend, ``rl_jax/__init__.py``): Q slots, G groups, M samples per
 prompt, R new tokens.
@@ -39,9 +40,11 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   rollout_s float32 [Q]; version int32 [Q]; stats float32 [Q, len(STATS)]; with
   ``env.name`` also turn_rewards float32 [Q,G·M,U], turn_ids int32 [Q,G·M,R], turn_states
   int32 [Q,G·M,U] and agent_stats float32 [Q, len(AGENT_STATS)]; given a Setup of a
-  mixture-of-experts model, also routing int32 [Q,G·M,R,Y,X] (-1: none recorded).
+  mixture-of-experts model, also routing int32 [Q,G·M,R,Y,X] (-1: none recorded); given a
+  Setup with C reward components (``Setup.reward_names``), also components float32 [Q,G,M,C].
   """
   model_cfg = getattr(config, "model_cfg", None)
+  names = tuple(getattr(config, "reward_names", ()))
   config = getattr(config, "config", config)  # a Setup or its config
   Q = config_lib.schedule(config).queue
   if not Q:
@@ -56,7 +59,8 @@ def empty_queue(config) -> dict[str, np.ndarray]:
       "agent_stats": np.full((Q, len(AGENT_STATS)), np.nan, np.float32)}
   moe = {} if model_cfg is None or not model_cfg.is_moe else {"routing": np.full(
       (*rows, len(model_cfg.moe_layers), model_cfg.num_experts_per_tok), -1, np.int32)}
-  return {**turns, **moe,
+  comps = {"components": np.zeros((Q, G, M, len(names)), np.float32)} if names else {}
+  return {**turns, **moe, **comps,
       "count": np.zeros((), np.int32),
       "indices": np.zeros((Q, G), np.int32),
       "tokens": np.zeros(rows, np.int32),
@@ -90,6 +94,8 @@ def to_arrays(config, items) -> dict[str, np.ndarray]:
       out["agent_stats"][i] = [x.stats.get(k, np.nan) for k in AGENT_STATS]
     if "routing" in out and getattr(x, "routing", None) is not None:
       out["routing"][i] = x.routing
+    if "components" in out:
+      out["components"][i] = x.components
   return out
 
 
@@ -110,5 +116,7 @@ def from_arrays(arrays: dict) -> list[dict[str, Any]]:
                          if not np.isnan(v)})
     if "routing" in a:
       x["routing"] = np.asarray(a["routing"][i])
+    if "components" in a:
+      x["components"] = np.asarray(a["components"][i])
     out.append(x)
   return out

@@ -37,6 +37,8 @@ class Scored(NamedTuple):
   ``tokens`` are the trajectories (model and observation ids) and ``mask`` the model tokens.
   routing: mixture-of-experts models: int32 [g·M,R,Y,X] the experts the sampler chose for
   each response token (``rollout.Rollout.routing``; -1 where none was recorded), else None.
+  components: float32 [g,M,C] the named reward components of each row (``Setup.reward_names``;
+  ``rewards`` is their sum), else None.
   g is G with one process, this process's groups with several.
   """
 
@@ -53,6 +55,7 @@ class Scored(NamedTuple):
   groups: np.ndarray | None = None
   turns: dict | None = None
   routing: np.ndarray | None = None
+  components: np.ndarray | None = None
 
 
 def array_fields() -> tuple[str, ...]:

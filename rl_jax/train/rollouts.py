@@ -8,11 +8,12 @@ P prompt bucket, R new tokens.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from rl_jax import rollout
+from rl_jax.data import group_rewards
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.data import tokenizers
@@ -22,7 +23,7 @@ from rl_jax.train.records import ProducerState, Scored
 from rl_jax.train.steps import StepFns
 
 __all__ = ["Trainer", "Sampled", "Scored", "next_indices", "next_examples", "encode_prompts",
-           "pad_prompts", "decode", "score", "generate"]
+           "pad_prompts", "decode", "score", "score_groups", "generate"]
 
 
 class Trainer(NamedTuple):
@@ -35,6 +36,7 @@ class Trainer(NamedTuple):
   steps: StepFns
   engine: rollout.RolloutEngine | None
   agent: tuple | None = None
+  teacher: Any = None  # distill.teacher_path: the teacher's params (train.teacher)
 
 
 class Sampled(NamedTuple):
@@ -80,9 +82,32 @@ def decode(s: Setup, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
 
 
 def score(s: Setup, completions: list[str], answers: list[str]) -> tuple[np.ndarray, dict]:
-  """The task's verifier on each completion (isolated, time-limited): rewards, counters."""
+  """The task's verifier on each completion (isolated, time-limited): rewards (a verifier's
+  named components summed), counters. Evaluation scores with it; training with
+  ``score_groups``."""
   return rewards_lib.compute_rewards(s.task.verify, completions, answers,
                                      timeout_s=s.config.data.reward_timeout_s)
+
+
+def score_groups(s: Setup, completions: list[str], examples: Sequence,
+                 M: int) -> tuple[np.ndarray, np.ndarray | None, dict]:
+  """Training rewards of ``len(examples)`` groups of M completions ([G·M], group-major): the
+  group function once per group (``reward.group_fn``), else the task's verifier per row
+  against each example's answer; (rewards float32 [G·M], components float32 [G·M,C] in the
+  order of ``Setup.reward_names`` or None, counters). C counts the verifier's components
+  only (the overlong one is added by the caller)."""
+  c, names = s.config, tuple(n for n in s.reward_names if n != "overlong")
+  if s.group_fn is not None:
+    who = f"reward.group_fn={c.reward.group_fn!r}"
+    values, faults = group_rewards.score_groups(s.group_fn, completions, examples, M, who,
+                                                timeout_s=c.data.reward_timeout_s)
+  else:
+    who = "the task's verifier"
+    values, faults = rewards_lib.verify_rows(s.task.verify, completions,
+                                             [e.answer for e in examples for _ in range(M)],
+                                             timeout_s=c.data.reward_timeout_s)
+  rewards, components = rewards_lib.stack_components(values, names, who)
+  return rewards, components, faults
 
 
 def next_indices(s: Setup, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

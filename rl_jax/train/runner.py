@@ -109,6 +109,8 @@ def job_wide(x: Scored) -> Scored:
   arrays = {k: gather(getattr(x, k)) for k in array_fields() if k != "faults"}
   if x.routing is not None:
     arrays["routing"] = gather(x.routing)
+  if x.components is not None:
+    arrays["components"] = gather(x.components)
   faults = np.asarray(multihost_utils.process_allgather(x.faults)).sum(axis=0)
   return x._replace(faults=faults, **arrays)
 
@@ -122,6 +124,8 @@ def own_share(x: Scored, lo: int, hi: int, lead: bool) -> Scored:
   arrays = {k: rows(getattr(x, k)) for k in ("tokens", "mask", "logprobs", "versions")}
   if x.routing is not None:
     arrays["routing"] = rows(x.routing)
+  if x.components is not None:
+    arrays["components"] = x.components[lo:hi]
   return x._replace(indices=x.indices[lo:hi], rewards=x.rewards[lo:hi],
                     faults=x.faults if lead else np.zeros_like(x.faults), **arrays)
 

@@ -101,7 +101,9 @@ def take_groups(parts: list, picks: list[tuple[int, int]]):
   for p in parts:
     for k, v in p.stats.items():
       stats[k] = stats.get(k, 0.0) + float(v)
-  return parts[0]._replace(
+  comps = None if parts[0].components is None else np.stack(
+      [parts[p].components[g] for p, g in picks]).astype(np.float32)
+  return parts[0]._replace(components=comps,
       indices=np.asarray([parts[p].indices[g] for p, g in picks], np.int32),
       tokens=rows("tokens"), mask=rows("mask"), logprobs=rows("logprobs"),
       versions=rows("versions"),

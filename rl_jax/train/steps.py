@@ -24,13 +24,15 @@ from rl_jax import models
 from rl_jax import optim
 from rl_jax.train import accumulate
 from rl_jax.train import offload
+from rl_jax.train import teacher as teacher_lib
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout, jit_on_mesh
 from rl_jax.train.on_policy import old_logp_in_update
 from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
-           "make_logprob_fn", "make_ref_logprob_fn", "make_value_fn", "make_rl_update",
+           "make_logprob_fn", "make_ref_logprob_fn", "make_teacher_logprob_fn", "make_value_fn",
+           "make_rl_update",
            "rl_grads", "rl_apply", "make_grad_norm_fn", "make_advantage_fn", "rounding_key",
            "routing_mismatch"]
 
@@ -67,6 +69,8 @@ class StepFns(NamedTuple):
   # the objective's advantage estimator as one program (ObjectiveInputs -> Advantages);
   # None when the objective has none
   advantages: Callable | None = None
+  # on-policy distillation: the teacher's pass (teacher params first); None without one
+  teacher_logprobs: Callable | None = None
 
 
 def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
@@ -272,6 +276,23 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
                      micro_batches=_micro(s), load=lambda p: offload.to_device(p, True))
 
 
+def make_teacher_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
+  """``teacher_logprobs(teacher_params, prompt_tokens [G,P], prompt_lengths [G],
+  tokens [G,M,R], mask [G,M,R]) -> [G,M,R]``: on-policy distillation's teacher
+  (``distill.teacher_path``, ``train.teacher``) scoring the sampled tokens, at the sampling
+  temperature like the policy's pass, its weights laid out by ``teacher.teacher_shardings``
+  (in host memory with ``train.offload=teacher``, brought to the device inside the pass).
+  None without a teacher."""
+  if s.teacher_cfg is None:
+    return None
+  cfg, temp, shared = s.teacher_cfg, _temperature(s), s.config.train.shared_prefix
+  host = teacher_lib.offloaded(s)
+  return _group_pass(layout, teacher_lib.teacher_shardings(s), _groups(s),
+                     lambda p, pt, pl, rt, rm: models.response_logprobs(
+                         cfg, p, pt, pl, rt, rm, shared_prefix=shared, temperature=temp),
+                     micro_batches=_micro(s), load=lambda p: offload.to_device(p, host))
+
+
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
   """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
   shared = s.config.train.shared_prefix
@@ -469,7 +490,8 @@ def make_step_fns(s: Setup, layout: Layout) -> StepFns:
                  old_logp_in_update=old_logp_in_update(s.config, s.objective),
                  ref_logprobs=make_ref_logprob_fn(s, layout),
                  ref_from_policy=bool(s.model_cfg.lora_rank),
-                 advantages=make_advantage_fn(s))
+                 advantages=make_advantage_fn(s),
+                 teacher_logprobs=make_teacher_logprob_fn(s, layout))
 
 
 def make_advantage_fn(s: Setup) -> Callable | None:

@@ -343,6 +343,9 @@ def model_flops(s: Setup, prog: str, sampler: dict | None = None) -> float:
   train = 3.0 + (1.0 if s.model_cfg.remat != "none" else 0.0)
   if prog in ("logprobs", "ref_logprobs", "values"):
     flops = 2 * (trunk * rows * per_row + head * rows * M * R)
+  elif prog == "teacher_logprobs" and s.teacher_cfg is not None:  # its own shape
+    t_trunk, t_head = matmul_params(s.teacher_cfg)
+    flops = 2 * (t_trunk * rows * per_row + t_head * rows * M * R)
   elif prog == "rl_update":
     g = rows // c.train.minibatches
     flops = 2 * train * (trunk * g * per_row + head * g * M * R)
@@ -744,7 +747,7 @@ def format_plan(plan: dict) -> str:
       + f"; compiled in {plan['compile_s']} s",
       "  state per chip: " + "; ".join(
           f"{phase} {_gib(sum(parts.values()))}" for phase, parts in plan["state"].items()),
-      f"  {'program':<13}{'args':>11}{'temp':>11}{'out-alias':>11}{'peak':>11}"
+      f"  {'program':<17}{'args':>11}{'temp':>11}{'out-alias':>11}{'peak':>11}"
       f"{'FLOP':>11}{'bytes':>11}{'est.':>12}{'loop':>5}  calls  collectives "
       "(count, result bytes)",
   ]
@@ -753,7 +756,7 @@ def format_plan(plan: dict) -> str:
     coll = ", ".join(f"{k} {v['count']}x {_gib(v['bytes'])}"
                      for k, v in sorted(p["collectives"].items())) or "none"
     lines.append(
-        f"  {name:<13}{_gib(m.get('argument', 0)):>11}{_gib(m.get('temp', 0)):>11}"
+        f"  {name:<17}{_gib(m.get('argument', 0)):>11}{_gib(m.get('temp', 0)):>11}"
         f"{_gib(m.get('output', 0) - m.get('alias', 0)):>11}{_gib(p['peak']):>11}"
         f"{_si(p['flops'], ''):>11}{_si(p['bytes'], 'B'):>11}"
         f"{_seconds(p['time_s']) + ('*' if p['time_source'] == 'roofline' else ' '):>12}"
