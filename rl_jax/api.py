@@ -157,7 +157,7 @@ class Trainer:
     pick = lambda x, default: default if x is None else x
     seed = pick(seed, seed_for(s.config.train.seed, self.step, Stream.ROLLOUT))
     return rollout.generate(
-        s.model_cfg, self.trainer.layout.sampler_params(self.state.params), prompts,
+        s.sampler_cfg, self.trainer.layout.sampler_params(self.state.params), prompts,
         n=pick(n, s.geometry.samples), max_new_tokens=pick(max_new_tokens, r.max_new_tokens),
         temperature=pick(temperature, r.temperature), top_p=pick(top_p, r.top_p),
         top_k=pick(top_k, r.top_k), eos_id=s.eos_id, seed=seed, first_index=first_index,

@@ -44,7 +44,7 @@ from rl_jax.models import config as model_config_lib
 from rl_jax.models import moe
 from rl_jax.models import lora as lora_lib
 
-__all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
+__all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "replay_groups", "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
            "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
@@ -281,6 +281,10 @@ def _rollout() -> ml_collections.ConfigDict:
       # False decodes the base and the adapters unmerged (no merged copy of the weights);
       # with model.lora.quant the sampler always decodes the quantised base unmerged
       lora_merge=True,
+      # Weights the sampler decodes with: "" the trainer's (model.dtype); "int8" or "fp8"
+      # (float8_e4m3fn) quantises every dense projection, a scale per head_dim entries, while
+      # the trainer keeps its dtype (rl_jax.train.layout; mismatch_* metrics show the gap)
+      weight_dtype="",
       # The paged response cache (rl_jax/rollout/pages.py): tokens per page, a power of two
       # (>= max_new_tokens: one worst-case page per sample, the unpaged layout).
       page_size=64,
@@ -370,9 +374,14 @@ def _train() -> ml_collections.ConfigDict:
       # reproducible, resumable pipeline; 0 equals sync). -1: free-running producer,
       # bounded by rollout.max_staleness.
       async_lag=1,
-      # async: allow a lag above 1 with an objective that ignores the behaviour log-probs
-      # (plain GRPO on stale data, for ablations)
+      # async: allow a lag above 1 (or train.replay) with an objective that ignores the
+      # behaviour log-probs (plain GRPO on stale data, for ablations)
       allow_uncorrected=False,
+      # experience replay (rl_jax.train.replay_stage; docs/ALGORITHMS.md, "Experience
+      # replay"): a ring of the last ``capacity`` scored groups with reward variance (0: off);
+      # once it holds round(fraction * batch_groups) groups, each step draws that many from
+      # it and samples only the rest of its batch_groups fresh
+      replay=ml_collections.ConfigDict(dict(capacity=0, fraction=0.25)),
       # "auto": with one minibatch (on-policy) the update takes old_logp from its own policy
       # pass instead of a separate one (rl_jax.train.on_policy); "separate": always a pass.
       old_logp_pass="auto",
@@ -505,7 +514,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.lora.alpha": cu.positive,
       "model.lora.targets": _lora_targets,
       "model.lora.init": cu.one_of(lora_lib.LORA_INITS),
-      "model.lora.quant": cu.one_of(model_config_lib.QUANTS),
+      "model.lora.quant": cu.one_of(("", "int8", "int4")),
       "model.lora.quant_block": cu.positive_int,
       "mesh.rules": cu.one_of(sharding.RULES),
       "mesh.num_devices": cu.nonnegative_int,
@@ -525,6 +534,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "data.overlong_buffer": opt(cu.nonnegative_int),
       "rollout.spec_lenience": cu.nonnegative,
       "rollout.lora_merge": cu.one_of((False, True)),
+      "rollout.weight_dtype": cu.one_of(model_config_lib.SAMPLER_QUANTS),
       "rollout.n": cu.positive_int,
       "rollout.page_size": cu.power_of_two,
       "rollout.kv_pages": cu.optional(cu.positive_int),
@@ -585,6 +595,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.max_bad_steps": cu.positive_int,
       "train.ref_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
       "train.mode": cu.one_of(("sync", "async")),
+      "train.replay.capacity": cu.nonnegative_int,
+      "train.replay.fraction": cu.in_range(0.0, 1.0, high_inclusive=False),
       "train.async_lag": lambda x: (None if cu.is_int(x) and x >= -1 else
                                     "must be an int >= 0, or -1 (free-running)"),
       "mesh.rollout_devices": cu.nonnegative_int,
@@ -684,12 +696,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_env(config)
   _check_offload(config)
   _check_distill(config)
+  _check_sampler_weights(config)
   _check_reward(config)
   _check_lora_off(config)
   if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
     raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
                       "frozen base the policy already holds; there is no copy to offload")
   _check_async(config)
+  _check_replay(config)
   check_wandb(config)
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
@@ -817,6 +831,23 @@ def _check_offload(config: ml_collections.ConfigDict) -> None:
                       f"{sorted(OFFLOAD_PARTS)} (comma-separated), or '' for none")
 
 
+def _check_sampler_weights(config: ml_collections.ConfigDict) -> None:
+  """``rollout.weight_dtype``: a run whose sampler can decode quantised weights."""
+  wd = config.rollout.get("weight_dtype") or ""
+  if not wd:
+    return
+  if config.model.lora.quant:
+    raise ConfigError(f"rollout.weight_dtype={wd}: the base is already stored "
+                      f"{config.model.lora.quant} (model.lora.quant) and the sampler decodes it "
+                      "as it is; set one of the two")
+  if config.env.name:
+    raise ConfigError(f"rollout.weight_dtype={wd} needs env.name unset (the multi-turn engine "
+                      "decodes in the trainer's dtype)")
+  if config.rollout.speculative:
+    raise ConfigError(f"rollout.weight_dtype={wd} and rollout.speculative=True cannot be "
+                      "combined (the drafts are verified against the trainer's weights)")
+
+
 def _check_distill(config: ml_collections.ConfigDict) -> None:
   """On-policy distillation needs its teacher; the teacher's own checks (its directory,
   its vocabulary against the policy's) run when the setup is built (``train.teacher``)."""
@@ -853,6 +884,53 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
                       "overlaps, -1 is unbounded)")
 
 
+def replay_groups(config: ml_collections.ConfigDict) -> int:
+  """k: the groups a step of experience replay takes from its buffer once it holds that
+  many, round(train.replay.fraction · G) (halves up); 0 with replay off."""
+  r = config.train.get("replay")
+  if not r or not r.capacity:
+    return 0
+  return int(r.fraction * config.train.batch_groups + 0.5)
+
+
+def _check_replay(config: ml_collections.ConfigDict) -> None:
+  """Experience replay (``train.replay``) runs in the synchronous single-turn producer
+  only, and its buffer must hold a step's k replayed groups (``replay_groups``)."""
+  c, r = config, config.train.replay
+  if not r.capacity:
+    return
+  what = f"train.replay.capacity={r.capacity}"
+  for key, bad in (("env.name", bool(c.env.name)), ("rollout.partial", c.rollout.partial),
+                   ("rollout.speculative", c.rollout.speculative),
+                   ("train.mode=async", c.train.mode == "async"),
+                   ("data.group_size=adaptive", c.data.group_size == "adaptive"),
+                   ("rollout.mask_stale", c.rollout.mask_stale)):
+    if bad:
+      raise ConfigError(f"{what} is not supported with {key} (replay runs in the "
+                        "synchronous single-turn producer only)")
+  sel = c.data.selector or "none"
+  if sel != "none" or c.loss.preset == "dapo":
+    raise ConfigError(f"{what} is not supported with data.selector="
+                      f"{'dapo (the dapo preset)' if sel == 'none' else repr(sel)}: replayed "
+                      "groups take the place of fresh prompts, not of selected ones")
+  k = replay_groups(c)
+  if k == 0:
+    raise ConfigError(f"{what}: train.replay.fraction={r.fraction} of "
+                      f"train.batch_groups={c.train.batch_groups} rounds to 0 replayed groups")
+  if r.capacity < k:
+    raise ConfigError(f"{what} holds fewer groups than a step replays (round(fraction x "
+                      f"batch_groups) = {k})")
+
+
+# how an objective corrects tokens of older weights (named in the one-line errors below)
+_CORRECTIONS = "use vcpo, m2po or decoupled_ppo, truncated IS (loss.tis_level)"
+
+
+def _uncorrected(config: ml_collections.ConfigDict, needs) -> bool:
+  """Whether the objective never reads the behaviour log-probs, without the opt-out."""
+  return "behaviour_logp" not in needs and not config.train.allow_uncorrected
+
+
 def check_objective(config: ml_collections.ConfigDict, needs) -> None:
   """Rules between the schedule and the objective's declared inputs ``needs``: a quantised
   base cannot seed a critic (``values``) and LoRA gives it no adapters; one step off
@@ -867,17 +945,22 @@ def check_objective(config: ml_collections.ConfigDict, needs) -> None:
     raise ConfigError(f"model.lora.rank={c.model.lora.rank}: loss.preset={c.loss.preset!r} "
                       f"needs a value model, which LoRA does not support (the critic has no "
                       f"adapters); use a critic-free objective or model.lora.rank=0")
+  if replay_groups(c) and _uncorrected(c, needs):
+    raise ConfigError(
+        f"train.replay.capacity={c.train.replay.capacity} trains on replayed groups of older "
+        f"weights, but loss.preset={c.loss.preset!r} never reads the behaviour log-probs to "
+        f"correct them; {_CORRECTIONS}, or set train.allow_uncorrected=True")
   if c.train.mode != "async":
     return
   lag = c.train.async_lag if c.train.async_lag >= 0 else c.rollout.max_staleness
-  if lag > 1 and "behaviour_logp" not in needs and not c.train.allow_uncorrected:
+  if lag > 1 and _uncorrected(c, needs):
     what = (f"train.async_lag={lag}" if c.train.async_lag >= 0 else
             f"free-running with rollout.max_staleness={lag}")
     raise ConfigError(
         f"{what} trains on tokens up to {lag} versions "
         f"old, but loss.preset={c.loss.preset!r} never reads the behaviour log-probs to "
-        "correct them; use vcpo, m2po or decoupled_ppo, truncated IS (loss.tis_level), "
-        "a lag of at most 1, or set train.allow_uncorrected=True")
+        f"correct them; {_CORRECTIONS}, a lag of at most 1, or set "
+        "train.allow_uncorrected=True")
 
 
 def check_wandb(config: ml_collections.ConfigDict) -> None:

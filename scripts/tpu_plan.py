@@ -22,8 +22,9 @@ process::
 4 minibatches, bf16 compute with float32 master weights and Adam, full rematerialisation,
 k3 KL (β = 0.001) against a bf16 reference copy; the mesh is FSDP over every chip.
 Variants: ``full`` (that), ``lora`` (rank 16 on every projection, the frozen base in bf16,
-the reference is the base), ``qlora`` (the same on an int4 base). Each row is read from the
-run's ``topology_plan.json``, or from its ``error:`` line when it does not fit. Times and MFU
+the reference is the base), ``qlora`` (the same on an int4 base), ``int8_rollouts`` /
+``fp8_rollouts`` (``full`` with the sampler decoding quantised projections). Each row is read
+from the run's ``topology_plan.json``, or from its ``error:`` line when it does not fit. Times and MFU
 are XLA's estimates for the chip (``cost_analysis``), not measurements.
 """
 
@@ -82,6 +83,9 @@ VARIANTS = {
     "lora": ["model.lora.rank=16", "model.lora.alpha=32.0", "model.param_dtype=bfloat16"],
     "qlora": ["model.lora.rank=16", "model.lora.alpha=32.0", "model.param_dtype=bfloat16",
               "model.lora.quant=int4", "model.lora.quant_block=128"],
+    # the sampler decodes int8 / fp8 projections, the trainer keeps full
+    "int8_rollouts": ["rollout.weight_dtype=int8"],
+    "fp8_rollouts": ["rollout.weight_dtype=fp8"],
 }
 WORDS = [f"w{i}" for i in range(300)]
 

@@ -12,7 +12,7 @@ import numpy as np
 from rl_jax.errors import ModelError
 
 __all__ = ["ARCHITECTURES", "ATTENTION_LAYOUTS", "DTYPES", "LAYER_TYPES", "LORA_TARGETS",
-           "PREFIX_ATTENTIONS", "QUANTS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
+           "PREFIX_ATTENTIONS", "QUANTS", "SAMPLER_QUANTS", "REMAT_POLICIES", "ROPE_TYPES", "ModelConfig",
            "from_hf_dict", "quant_block_problem", "rope_frequencies", "to_hf_dict", "validate"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
@@ -285,7 +285,9 @@ def _validate_lora(cfg: ModelConfig) -> None:
                      "experts models (lora_targets from q,k,v,o)")
 
 
-QUANTS = ("", "int8", "int4")  # quant: "" keeps the base in param_dtype
+QUANTS = ("", "int8", "int4", "fp8")  # quant: "" keeps the base in param_dtype
+# rollout.weight_dtype: "" decodes in the trainer's dtype, else the sampler's quantised weights
+SAMPLER_QUANTS = ("", "int8", "fp8")
 
 
 def quant_block_problem(cfg: ModelConfig, block) -> str | None:

@@ -1,13 +1,14 @@
 """A frozen base stored quantised (QLoRA): int8 or int4 weights with per-block scales.
 
-With ``cfg.quant`` set (``"int8"`` or ``"int4"``) each dense projection of
+With ``cfg.quant`` set (``"int8"``, ``"int4"`` or ``"fp8"``: float8_e4m3fn) each dense projection of
 ``params["layers"]`` (q, k, v, o and, in dense models, gate, up, down; ``targets``) is a
 ``qwix.QArray``: integer values ``qvalue`` of W's shape and float32 scales ``scale`` with one
 entry per block of ``cfg.quant_block`` consecutive entries along W's last contraction axis
 (D for q/k/v/gate/up, H for o, F for down) and per index of every other axis:
 
     W[l, .., i, ..] ≈ qvalue[l, .., i, ..] · scale[l, .., i // block, ..]      (symmetric absmax:
-    scale = max |W| over the block / (qmax + 1/2), qmax = 127 (int8) or 7 (int4))
+    scale = max |W| over the block / (qmax + 1/2), qmax = 127 (int8) or 7 (int4); fp8
+    scales the block's max |W| to float8_e4m3fn's largest value and rounds to it)
 
 ``project`` (``rl_jax.models.lora``) multiplies by the dequantised weight inside the matmul
 (``qwix.einsum``: the dequantisation fuses into the dot), so the trainer, the sampler and the
@@ -37,7 +38,7 @@ from rl_jax.models.config import QUANTS, ModelConfig
 __all__ = ["QUANTS", "dequantize", "dequantize_base", "is_quantized", "layer_axes",
            "layer_shapes", "matmul", "quantize", "quantize_base", "quantize_layers", "targets"]
 
-_QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
+_QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
 # projection -> axis of the stacked weight [L, ...] that is blocked (its last contraction axis)
 _BLOCK_AXIS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 

@@ -252,9 +252,10 @@ def resize_pool(state: DecodeState, pages_: int, ctx=None) -> DecodeState:
 
 
 def cast_leaf(x, dtype):
-  """One parameter in the sampler's storage dtype: floating arrays cast, integer ones (a
-  quantised base's values, ``rl_jax.models.quant``) kept."""
-  return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  """One parameter in the sampler's storage dtype: floating arrays cast, integer and 8-bit
+  float ones (a quantised base's values, ``rl_jax.models.quant``) kept."""
+  floating = jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 1
+  return x.astype(dtype) if floating else x
 
 
 def needs_cast(params, dtype) -> bool:

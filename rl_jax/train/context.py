@@ -86,6 +86,17 @@ class Setup:
   geometry: config_lib.Geometry = dataclasses.field(init=False)
   schedule: config_lib.Schedule = dataclasses.field(init=False)
 
+  @property
+  def sampler_cfg(self) -> models.ModelConfig:
+    """The ModelConfig the rollouts decode with: ``model_cfg``, or with
+    ``rollout.weight_dtype`` ("int8", "fp8") its dense projections quantised, a float32
+    scale per ``head_dim`` entries of each contraction axis (``models.quant``); the trainer
+    keeps ``model_cfg``."""
+    wd = self.config.rollout.get("weight_dtype") or ""
+    if not wd:
+      return self.model_cfg
+    return self.model_cfg.replace(quant=wd, quant_block=self.model_cfg.head_dim)
+
   def __post_init__(self):
     object.__setattr__(self, "geometry", config_lib.geometry(self.config))
     object.__setattr__(self, "schedule", config_lib.schedule(self.config))
@@ -498,6 +509,11 @@ def build_setup(config: ml_collections.ConfigDict,
     raise ConfigError(f"data: prompts of {prompt_len} tokens + {what}={R} exceed the model's "
                       f"{model_cfg.max_position_embeddings} positions")
   teacher_cfg = teacher_config(config, model_cfg, tokenizer)
+  wd = config.rollout.get("weight_dtype") or ""
+  problem = wd and models.config.quant_block_problem(model_cfg, model_cfg.head_dim)
+  if problem:
+    raise ConfigError(f"rollout.weight_dtype={wd}: the scale blocks of head_dim="
+                      f"{model_cfg.head_dim} entries {problem}")
   group_fn, reward_names = _rewards(config, task, train)
   eos = config.rollout.eos_id
   return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,

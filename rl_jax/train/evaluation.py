@@ -36,13 +36,14 @@ def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
   c = s.config
   G, M = s.geometry.rows, s.geometry.row_size  # (W, m) with adaptive group size
   if not (c.eval.share_programs and k <= M):
-    out = generate(s, params, prompts, n=k, temperature=temperature, seed=seed)
+    out = generate(s, params, prompts, s.model_cfg, n=k, temperature=temperature, seed=seed)
     return np.asarray(out.tokens), np.asarray(out.mask)
   tokens, mask = [], []
   for lo in range(0, len(prompts), G):
     chunk = list(prompts[lo:lo + G])
     real = len(chunk)
-    out = generate(s, params, chunk + [chunk[-1]] * (G - real), n=M, temperature=temperature,
+    out = generate(s, params, chunk + [chunk[-1]] * (G - real), s.model_cfg, n=M,
+                   temperature=temperature,
                    seed=seed, first_index=lo)
     t, m = first_samples(out.tokens, out.mask, M, k)
     tokens.append(t[:real * k])

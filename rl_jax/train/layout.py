@@ -13,7 +13,7 @@ Each process samples and scores only the groups whose rows live on its own devic
 (the batch is replicated), every process holds every row and the global array is filled
 from the host copy.
 ``Layout.sampler_params`` hands the sampler the policy (with LoRA and ``rollout.lora_merge``
-the merged weights) on ``Setup.sampler_mesh``: the
+the merged weights; with ``rollout.weight_dtype`` quantised) on ``Setup.sampler_mesh``: the
 weights themselves with one process (a device-to-device copy when the asynchronous trainer
 samples on devices of its own); with several, a jitted all-gather to a replica on every
 training device, whose shards on this process's devices then form the local copy, or with
@@ -48,6 +48,7 @@ class Layout(NamedTuple):
   rules: str
   state: TrainState  # a TrainState of NamedShardings
   merge: Callable | None = None  # LoRA with rollout.lora_merge: params -> merged weights
+  quantize: Callable | None = None  # rollout.weight_dtype: weights -> the sampler's quantised
 
   @property
   def replicated(self) -> jax.sharding.NamedSharding:
@@ -80,16 +81,20 @@ class Layout(NamedTuple):
       return jax.make_array_from_callback(shape, self.rows(n), lambda idx: x[idx])
     return jax.make_array_from_process_local_data(self.rows(n), x, shape)
 
-  def sampler_weights(self, params: Any) -> Any:
+  def sampler_weights(self, params: Any, quantized: bool = True) -> Any:
     """The weights the sampler decodes with: ``params`` (the base and its adapters as they
     are), or with ``rollout.lora_merge`` (and no quantised base: ``model.lora.quant``
     decodes it unmerged) the merged weights (``models.lora.merge``, a
-    jitted pass laid out like the base; no adapters in the tree, so the model runs plain)."""
-    return params if self.merge is None else self.merge(params)
+    jitted pass laid out like the base; no adapters in the tree, so the model runs plain);
+    with ``rollout.weight_dtype`` (and ``quantized``) their dense projections quantised
+    (``quantize``: ``Setup.sampler_cfg`` decodes them)."""
+    weights = params if self.merge is None else self.merge(params)
+    return weights if self.quantize is None or not quantized else self.quantize(weights)
 
-  def sampler_params(self, params: Any) -> Any:
-    """``sampler_weights(params)`` placed for the sampler (``local_params``)."""
-    return self.local_params(self.sampler_weights(params))
+  def sampler_params(self, params: Any, quantized: bool = True) -> Any:
+    """``sampler_weights(params, quantized)`` placed for the sampler (``local_params``);
+    ``quantized=False``: the policy as the trainer holds it (the held-out evaluation)."""
+    return self.local_params(self.sampler_weights(params, quantized))
 
   def local_params(self, params: Any) -> Any:
     """``params`` as they are, placed on ``Setup.sampler_mesh`` (the final export reads
@@ -139,8 +144,13 @@ def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
   merge = None
   if s.model_cfg.lora_rank and s.config.rollout.lora_merge and not s.model_cfg.quant:
     merge = merge_weight_by_weight(s.model_cfg, models.lora.split(shardings.params)[0])
+  quantize = None
+  if s.sampler_cfg is not s.model_cfg:  # rollout.weight_dtype
+    cfg = s.sampler_cfg if merge is None else s.sampler_cfg.replace(lora_rank=0, lora_targets=())
+    quantize = jax.jit(functools.partial(models.quant.quantize_base, cfg),
+                       out_shardings=models.param_shardings(cfg, s.mesh, s.rules))
   return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings,
-                merge=merge)
+                merge=merge, quantize=quantize)
 
 
 def merge_weight_by_weight(cfg, base_shardings: Any) -> Callable:

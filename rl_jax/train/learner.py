@@ -24,7 +24,7 @@ import numpy as np
 from rl_jax import losses
 from rl_jax.errors import RLJaxError
 from rl_jax.models.hf import release_host_memory
-from rl_jax.train import agent_stage, group_size
+from rl_jax.train import agent_stage, group_size, replay_stage
 from rl_jax.train.inputs import Source, make_inputs
 from rl_jax.train.records import STATS, Scored
 from rl_jax.train.rollouts import Trainer, encode_prompts, pad_prompts
@@ -146,7 +146,8 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
     info.update({f"reward/{n}": float(v) for n, v in zip(s.reward_names, means)})
   info.update({k: float(scored.stats[k]) for k in STATS if k in scored.stats})
   info.update({k: float(v) for k, v in scored.stats.items()  # multi-turn batches
-               if k in agent_stage.METRICS or k.startswith("tool_errors_")})
+               if k in agent_stage.METRICS or k in replay_stage.METRICS
+               or k.startswith("tool_errors_")})
   if inputs.teacher_logp is not None:  # on-policy distillation: what it minimises
     info["distill_reverse_kl"] = float(_reverse_kl(inputs.teacher_logp, inputs.behaviour_logp,
                                                    inputs.mask))

@@ -233,7 +233,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
         print(f"profile of step {step}: {remote or profile_dir} (summary.txt)", file=sys.stderr)
       record["step_time_s"] = time.perf_counter() - t0
       if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
-        record.update(evaluate(s, t.layout.sampler_params(state.params), step,
+        record.update(evaluate(s, t.layout.sampler_params(state.params, quantized=False), step,
                                agent=t.agent[1] if t.agent else None))
       record["compile_time_s"] = clock.take()  # tracing + compiling (or cache loads)
       if writer is not None:

@@ -81,7 +81,8 @@ KNOBS = {
     "reference": "train.ref_dtype=bfloat16, train.offload=reference, loss.kl_beta=0",
     "teacher": "train.offload=teacher, model.dtype=bfloat16, a larger mesh.shape.fsdp",
     "critic": "a larger mesh.shape.fsdp",
-    "sampler_copy": "fewer processes per host, rollout.lora_merge=False (LoRA)",
+    "sampler_copy": "fewer processes per host, rollout.lora_merge=False (LoRA), "
+                    "rollout.weight_dtype=''",
     "rollout_buffer": "rollout.over_sampling",
     "rollout_queue": "train.async_lag",
     "spec_drafts": "rollout.speculative=False",
@@ -337,11 +338,11 @@ def sampler_engine(t: Trainer, kv_pages: int | None = None
             rules=s.rules, context=s.model_cfg.max_position_embeddings,
             page_size=r.page_size, kv_pages=kv_pages or r.kv_pages)
   if r.partial:
-    engine = rollout.RolloutEngine(s.model_cfg, max_slots=held_capacity(s),
+    engine = rollout.RolloutEngine(s.sampler_cfg, max_slots=held_capacity(s),
                                    max_prompt_len=s.prompt_len, over_sampling=r.over_sampling,
                                    **kw)
   else:
-    engine = rollout.RolloutEngine(s.model_cfg, max_slots=records.pow2(groups),
+    engine = rollout.RolloutEngine(s.sampler_cfg, max_slots=records.pow2(groups),
                                    max_prompt_len=max(1, s.prompt_len - 1), **kw)
   return engine, groups
 
@@ -385,6 +386,10 @@ def state_plan(t: Trainer, sft_state: TrainState | None,
   elif t.layout.merge is not None:  # LoRA merged for the sampler: new adapted weights
     base = models.lora.split(rl_state.params)[0]["layers"]
     sampler = sum(leaf_bytes(base[k]) for k in s.model_cfg.lora_targets)
+  if t.layout.quantize is not None:  # rollout.weight_dtype: the quantised projections
+    base = models.lora.strip(rl_state.params) if t.layout.merge is not None else rl_state.params
+    layers = jax.eval_shape(t.layout.quantize, base)["layers"]
+    sampler += sum(tree_bytes(layers[k]) for k in models.quant.targets(s.sampler_cfg))
   phases["rl"]["sampler_copy"] = sampler
   host = {"rl": host_parts(rl_state)}
   if s.teacher_cfg is not None:  # on-policy distillation: the frozen teacher (not checkpointed)

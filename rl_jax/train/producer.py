@@ -21,6 +21,10 @@ decided once per run (``source``), never inside a step:
   producer's ``roll`` stage, sampling speculatively from ``ProducerState.drafts`` with
   SPEC-RL (``speculative_stage``).
 
+With experience replay (``train.replay``; the fresh source only) part of the G groups come
+from a buffer of earlier steps' scored groups (``replay_stage``) and only the rest are
+sampled; the buffer travels in ``ProducerState.replay``.
+
 Every single-turn source ends in the same scoring stage (the task's verifier per row, or the
 group function per group, ``reward.group_fn``; named reward components; DAPO overlong
 shaping); the agentic source's rewards are the environments' returns.
@@ -37,9 +41,11 @@ from typing import Callable
 import jax
 import numpy as np
 
+from rl_jax import config as config_lib
 from rl_jax import rollout
 from rl_jax.errors import RLJaxError
-from rl_jax.train import agent_stage, group_size, selection_stage, speculative_stage
+from rl_jax.train import (agent_stage, group_size, replay_stage, selection_stage,
+                          speculative_stage)
 from rl_jax.train.records import ENGINE_STATS, ProducerState, Scored
 from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
                                    next_indices, score_groups)
@@ -83,12 +89,13 @@ def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version
 
 
 def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
-           hi: int) -> tuple[Scored, ProducerState]:
-  """Groups ``[lo, hi)`` of step ``step``'s G new prompts (drawn at ``p.data``), M samples
-  each; each group samples from its own key stream, wherever it is sampled."""
+           hi: int, groups: int | None = None) -> tuple[Scored, ProducerState]:
+  """Groups ``[lo, hi)`` of step ``step``'s G new prompts (drawn at ``p.data``; ``groups``
+  of them when given), M samples each; each group samples from its own key stream,
+  wherever it is sampled."""
   s, c, geo = t.setup, t.setup.config, t.setup.geometry
   t0 = time.perf_counter()
-  idx, data = next_indices(s, np.asarray(p.data), geo.groups)
+  idx, data = next_indices(s, np.asarray(p.data), geo.groups if groups is None else groups)
   idx = idx[lo:hi]
   examples = [s.train_examples[i] for i in idx]
   prompts = encode_prompts(s, examples)
@@ -314,8 +321,27 @@ def source(t: Trainer) -> str:
   return "fresh"
 
 
+def _replayed(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+              hi: int) -> tuple[Scored, ProducerState]:
+  """Experience replay (``train.replay``, ``replay_stage``; the fresh source, one process):
+  once ``p.replay`` holds k groups, G - k fresh groups and k drawn from it (seeded by
+  (train.seed, step)); without, G fresh ones. The fresh informative groups are then added."""
+  del lo, hi
+  s, c = t.setup, t.setup.config
+  G, k = s.geometry.groups, config_lib.replay_groups(c)
+  buffer = jax.device_get(p.replay)
+  part = replay_stage.draw(buffer, k, seed_for(c.train.seed, step, Stream.REPLAY))
+  n = G if part is None else G - k
+  fresh, p = _fresh(t, params, p, step=step, version=version, lo=0, hi=n, groups=n)
+  buffer = replay_stage.add(buffer, fresh)
+  return (replay_stage.merge(fresh, part, buffer, version),
+          p._replace(replay=_placed(t, buffer)))
+
+
 def produce(t: Trainer, params, producer: ProducerState, *, step: int, version: int, lo: int,
             hi: int) -> tuple[Scored, ProducerState]:
   """One batch of step ``step``: groups ``[lo, hi)`` sampled from ``params`` (placed for the
   sampler; policy version ``version``) and scored; and the producer's next position."""
+  if replay_stage.enabled(t.setup.config):
+    return _replayed(t, params, producer, step=step, version=version, lo=lo, hi=hi)
   return SOURCES[source(t)](t, params, producer, step=step, version=version, lo=lo, hi=hi)

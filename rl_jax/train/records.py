@@ -75,10 +75,13 @@ class ProducerState(NamedTuple):
   selector: per-prompt state of the prompt selector (``selection_stage.selector_state``:
   GRESO streaks, Beta posteriors); ``{}`` for selectors without state. drafts: with
   ``rollout.speculative``, each prompt's last responses and their sampling distributions
-  (``speculative_stage.drafts_state``); ``{}`` otherwise.
+  (``speculative_stage.drafts_state``); ``{}`` otherwise. replay: with ``train.replay``,
+  the experience-replay ring of scored groups (``replay_stage.empty_buffer``); ``{}``
+  otherwise.
   """
 
   data: Any
   held: Any = {}
   selector: Any = {}
   drafts: Any = {}
+  replay: Any = {}

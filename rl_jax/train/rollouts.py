@@ -124,11 +124,12 @@ def next_examples(s: Setup, data: np.ndarray, n: int) -> tuple[list, np.ndarray]
   return [s.train_examples[i] for i in idx], data
 
 
-def generate(s: Setup, params, prompts, **kw):
+def generate(s: Setup, params, prompts, cfg=None, **kw):
   """``rollout.generate`` on the sampler's mesh with the task's EOS and length budget;
-  ``params`` as ``Layout.sampler_params`` places them; the paged cache as configured."""
+  ``params`` as ``Layout.sampler_params`` places them; the paged cache as configured;
+  ``cfg``: the model config they are decoded with (default ``Setup.sampler_cfg``)."""
   r = s.config.rollout
-  return rollout.generate(s.model_cfg, params, prompts, max_new_tokens=r.max_new_tokens,
+  return rollout.generate(cfg or s.sampler_cfg, params, prompts, max_new_tokens=r.max_new_tokens,
                           eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.rules,
                           page_size=r.page_size, kv_pages=r.kv_pages,
                           kv_memory_fraction=r.kv_memory_fraction, **kw)

@@ -52,6 +52,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from rl_jax.train import queue as queue_lib
+from rl_jax.train import replay_stage
 from rl_jax.train.learner import apply_update, learner_batch
 from rl_jax.train.producer import produce, source
 from rl_jax.train.records import ProducerState, Scored, array_fields
@@ -89,7 +90,8 @@ def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
   step = int(state.step)
   scored, producer = produce(t, t.layout.sampler_params(state.params), state.producer,
                              step=step, version=step, lo=lo, hi=hi)
-  batch, info = learner_batch(t, state, scored, staleness=t.setup.schedule.overlapped)
+  batch, info = learner_batch(t, state, scored, staleness=t.setup.schedule.overlapped
+                              or replay_stage.enabled(t.setup.config))
   return batch, info, producer
 
 
@@ -202,6 +204,8 @@ class FixedLag:
       self.held = take_shares(jax.device_get(state.producer.held), *self.shares)
     self.pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
                  if self.k else None)
+    # experience replay: the token-lag metrics show the replayed groups' age
+    self.replay = replay_stage.enabled(t.setup.config)
 
   def _produce(self, params, producer: ProducerState, step: int, version: int):
     t0 = time.perf_counter()
@@ -235,7 +239,7 @@ class FixedLag:
     depth = len(queue)
     t0 = time.perf_counter()
     batch, record = learner_batch(t, state, queue.pop(0),  # ... while the learner trains
-                                  staleness=self.overlapped)
+                                  staleness=self.overlapped or self.replay)
     state, mets = apply_update(t, state, batch)
     learner_busy = time.perf_counter() - t0
     t1 = time.perf_counter()

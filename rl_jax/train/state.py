@@ -19,7 +19,7 @@ from rl_jax import rollout
 from rl_jax import sharding
 from rl_jax.train import agent_stage, offload
 from rl_jax.train import queue as queue_lib
-from rl_jax.train import selection_stage, speculative_stage
+from rl_jax.train import replay_stage, selection_stage, speculative_stage
 from rl_jax.train.context import Setup
 from rl_jax.train.records import ProducerState
 from rl_jax.train.streams import Stream, seed_for
@@ -121,7 +121,7 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
   if not r.partial:
     return None
   return rollout.RolloutEngine(
-      s.model_cfg, n=s.geometry.samples, max_slots=held_capacity(s), max_new_tokens=r.max_new_tokens,
+      s.sampler_cfg, n=s.geometry.samples, max_slots=held_capacity(s), max_new_tokens=r.max_new_tokens,
       max_prompt_len=s.prompt_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       eos_id=s.eos_id, over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
@@ -158,7 +158,10 @@ def _host_parts(s: Setup) -> dict:
   E = len(s.train_examples)
   producer = {"held": _empty_buffer(s),
               "selector": selection_stage.selector_state(s.config, E),
-              "drafts": speculative_stage.drafts_state(s.config, E, s.model_cfg.vocab_size)}
+              "drafts": speculative_stage.drafts_state(s.config, E, s.model_cfg.vocab_size),
+              "replay": replay_stage.empty_buffer(s.config, len(s.reward_names),
+                                                  s.model_cfg.num_experts,
+                                                  jax.process_count())}
   return {"producer": producer, "rollout_queue": queue_lib.empty_queue(s)}
 
 

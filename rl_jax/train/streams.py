@@ -28,6 +28,7 @@ class Stream(enum.IntEnum):
   ROUNDING = 13     # optim.stochastic_rounding: folded with each optimizer's update count
   AGENT = 15        # multi-turn episodes: the AgentEngine's base seed (step 0 only; every
                     # group is seeded by its uid = step · G + group, each sample by its index)
+  REPLAY = 17       # experience replay: the groups drawn from the buffer (per step)
 
 
 def seed_for(seed: int, step: int, stream: Stream) -> int:

@@ -374,12 +374,14 @@ def _sampler_params(t: Trainer, rl_state, engine) -> Any:
   params = rl_state.params
   if t.layout.merge is not None:
     params = models.lora.strip(params)
+  if t.layout.quantize is not None:  # rollout.weight_dtype: the quantised projections
+    params = jax.eval_shape(t.layout.quantize, params)
   mesh, rules = engine.ctx
   target = models.param_shardings(engine.cfg, mesh, rules)
   if not models.lora.split(params)[1]:
     target = models.lora.strip(target)
   want = jnp.dtype(engine.cfg.param_dtype)
-  cast = lambda x: want if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+  cast = lambda x: want if x.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else x.dtype
   return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=sh),
                       params, target)
 
