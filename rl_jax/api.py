@@ -128,8 +128,9 @@ class Trainer:
   def next_examples(self, n: int) -> list:
     """The next ``n`` training examples of the trainer's seeded prompt sampler (its position
     lives in the state and advances)."""
-    examples, data = next_examples(self.setup, np.asarray(self.state.data), n)
-    self.state = self.state._replace(data=place_replicated(self.setup, data))
+    examples, data = next_examples(self.setup, np.asarray(self.state.producer.data), n)
+    self.state = self.state._replace(producer=self.state.producer._replace(
+        data=place_replicated(self.setup, data)))
     return examples
 
   def sample(self, prompts: Sequence[Sequence[int] | str], n: int | None = None, *,

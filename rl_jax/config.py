@@ -44,8 +44,9 @@ from rl_jax.models import config as model_config_lib
 from rl_jax.models import moe
 from rl_jax.models import lora as lora_lib
 
-__all__ = ["SELECTORS", "OFFLOAD_PARTS", "check_objective", "replay_groups", "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry", "schedule",
-           "validate"]
+__all__ = ["SELECTORS", "OFFLOAD_PARTS", "DISTILL_KNOBS", "check_objective", "replay_groups",
+           "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry",
+           "notices", "schedule", "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 OFFLOAD_PARTS = ("optimizer", "reference", "teacher")
@@ -829,6 +830,22 @@ def _check_offload(config: ml_collections.ConfigDict) -> None:
   if unknown:
     raise ConfigError(f"config.train.offload names {unknown[0]!r}; choose from "
                       f"{sorted(OFFLOAD_PARTS)} (comma-separated), or '' for none")
+
+
+def notices(config: ml_collections.ConfigDict) -> list[str]:
+  """Settings that run but are unlikely to do what was meant: one ``note:`` line each,
+  printed when a run starts (``train.loop``)."""
+  out = []
+  m = config.model
+  if (m.lora.rank and not m.hf_path and not m.lora.get("adapter_path")
+      and m.init_std <= 0.05):
+    out.append(
+        f"note: model.lora.rank={m.lora.rank} on a randomly initialised base with "
+        f"model.init_std={m.init_std}: the frozen random LM head caps the logits the adapters "
+        "can reach, so training is likely to stall; start from a checkpoint (model.hf_path), "
+        "or raise model.init_std to 0.1 and optim.lr to 5e-4 as configs/quickstart.py:lora "
+        "does")
+  return out
 
 
 def _check_sampler_weights(config: ml_collections.ConfigDict) -> None:

@@ -56,7 +56,7 @@ def test_custom_grpo_loop_matches_the_trainer_bit_for_bit(runs):
   assert run.step == int(trained.step) == STEPS
   _assert_trees_equal(run.state.params, trained.params)
   _assert_trees_equal(run.state.opt_state, trained.opt_state)
-  _assert_trees_equal(run.state.data, trained.data)  # the same prompts were drawn
+  _assert_trees_equal(run.state.producer.data, trained.producer.data)  # the same prompts were drawn
   assert all(r["update_skipped"] == 0 for r in records)
   assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
 
@@ -109,13 +109,13 @@ def test_save_load_round_trips_and_reads_the_trainers_checkpoint(runs, tmp_path)
   trained, run, _, workdir = runs
   path = str(tmp_path / "ckpt")
   run.save(path)
-  saved = jax.device_get((run.state.params, run.state.opt_state, run.state.data))
+  saved = jax.device_get((run.state.params, run.state.opt_state, run.state.producer.data))
   step = run.step
   _grpo_loop(run, 1)  # move away from the saved state
   assert run.step == step + 1
   run.load(path)
   assert run.step == step
-  _assert_trees_equal((run.state.params, run.state.opt_state, run.state.data), saved)
+  _assert_trees_equal((run.state.params, run.state.opt_state, run.state.producer.data), saved)
   # the trainer's own checkpoint (same format) gives the trainer's final state
   run.load(os.path.join(workdir, "checkpoints"))
   _assert_trees_equal(run.state.params, trained.params)

@@ -16,6 +16,7 @@ import transformers
 from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, metrics, models, rollout, train
+from rl_jax import config as config_lib
 from rl_jax.errors import CheckpointError, ConfigError, ModelError
 from rl_jax.train import resume
 from tests.hf_utils import hf_logits, tiny_hf_model
@@ -153,6 +154,16 @@ def test_bad_lora_config_fails_in_one_line(override, message):
   with pytest.raises(ConfigError, match=message) as err:
     train.build_setup(config)
   assert "\n" not in str(err.value)
+
+
+def test_lora_on_a_random_base_that_is_likely_to_stall_gets_one_note():
+  """The quickstart at rank 8 (a frozen random LM head of std 0.02) stalls; the note says what
+  to change. ``configs/quickstart.py:lora`` (std 0.1) and a checkpoint base get none."""
+  (note,) = config_lib.notices(config_utils.load_config(QUICKSTART, ["model.lora.rank=8"]))
+  assert note.startswith("note: model.lora.rank=8") and "\n" not in note
+  assert "model.init_std to 0.1" in note
+  assert not config_lib.notices(config_utils.load_config(QUICKSTART + ":lora"))
+  assert not config_lib.notices(config_utils.load_config(QUICKSTART))
 
 
 def test_moe_mlp_adapters_are_rejected():

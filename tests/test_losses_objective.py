@@ -38,7 +38,8 @@ def make_inputs(seed=0, g=G, m=M, r=R, components=2):
       lengths=jnp.asarray(mask.sum(-1), jnp.float32),
       old_logp=pad(old, -np.inf), behaviour_logp=pad(old + 0.3 * f(g, m, r), -np.inf),
       ref_logp=pad(old + 0.2 * f(g, m, r), -np.inf), values=pad(f(g, m, r), np.nan),
-      grad_sq_norms=jnp.asarray(np.abs(f(g, m)) + 0.1))
+      grad_sq_norms=jnp.asarray(np.abs(f(g, m)) + 0.1),
+      teacher_logp=pad(old + 0.5 * f(g, m, r), -np.inf))
 
 
 def np_inputs(x):
@@ -297,6 +298,7 @@ PRESET_NEEDS = {
     "reinforce_pp": {"old_logp", "ref_logp"},
     "reinforce_pp_baseline": {"old_logp", "lengths"},
     "mc_grpo": {"old_logp"},
+    "on_policy_distill": {"old_logp", "behaviour_logp", "teacher_logp"},
 }
 
 

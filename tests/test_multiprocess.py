@@ -149,7 +149,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   # (job-wide [2, capacity] arrays)
   setup = train.build_setup(config_utils.load_config(QUICKSTART, RUN + run_killed))
   saved, _ = checkpoint.restore(ckpts, train.abstract_state(setup, 2), step=2)
-  valid = np.asarray(saved.rollout_buffer["valid"])
+  valid = np.asarray(saved.producer.held["valid"])
   assert valid.shape == (2, 8) and valid.any(axis=1).all(), valid
   assert int(saved.rollout_queue["count"]) == 1
   # the rerun of the synchronous run with a longer schedule resumes from its collective

@@ -150,7 +150,7 @@ def test_partial_rollouts_train_and_resume_exactly(tmp_path):
   # resume from the first RL step's checkpoint, where the engine holds groups
   target = train.abstract_state(train.build_setup(_config(partial)), 4)  # the RL layout
   held, _ = checkpoint.restore(str(ref_dir / "checkpoints"), target, step=4)
-  assert np.asarray(held.rollout_buffer["valid"]).any()
+  assert np.asarray(held.producer.held["valid"]).any()
   resumed = tmp_path / "resumed"
   shutil.copytree(ref_dir / "checkpoints", resumed / "checkpoints")
   for step in checkpoint.all_steps(str(resumed / "checkpoints")):

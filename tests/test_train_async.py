@@ -97,7 +97,8 @@ def test_fixed_lag_resume_after_sigkill_is_bit_exact(tmp_path):
   def held(directory, step):  # the restore target of a step has that step's parts
     saved, _ = checkpoint.restore(str(directory / "checkpoints"),
                                   train.abstract_state(setup, step), step=step)
-    return int(saved.rollout_queue["count"]), bool(np.asarray(saved.rollout_buffer["valid"]).any())
+    return int(saved.rollout_queue["count"]), bool(np.asarray(
+        saved.producer.held["valid"]).any())
 
   # the first RL checkpoint (before the last step) with a full queue and held groups
   kill_at = next(s for s in range(3, 7) if held(ref, s) == (2, True))

@@ -51,7 +51,7 @@ from rl_jax.losses.aggregation import aggregation
 from rl_jax.losses.compose import Objective, chain
 from rl_jax.losses.estimators import make_advantage, with_distillation
 
-__all__ = ["PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES", "build",
+__all__ = ["PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES",
            "get_objective"]
 
 _BASE = dict(
@@ -194,10 +194,3 @@ def get_objective(name_or_config: str | Mapping[str, Any], **overrides: Any) -> 
   if name not in PRESETS:
     raise ValueError(f"unknown objective {name!r}; choose one of {sorted(PRESETS)}")
   return _objective(name, {**PRESETS[name], **cfg, **overrides})
-
-
-def build(name: str = "custom", **knobs: Any) -> Objective:
-  """Alias kept for existing callers: the objective of ``PRESET_KNOB_DEFAULTS`` with ``knobs``
-  applied (no preset), labelled ``name``. Prefer ``get_objective`` (a preset plus
-  overrides) or ``chain`` (explicit parts)."""
-  return _objective(name, knobs)

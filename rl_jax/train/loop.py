@@ -26,6 +26,7 @@ from etils import epath
 
 from rl_jax import checkpoint as ckpt_lib
 from rl_jax import compile_options
+from rl_jax import config as config_lib
 from rl_jax import config_utils
 from rl_jax import distributed
 from rl_jax import metrics as metrics_lib
@@ -89,7 +90,7 @@ def sft_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarra
   """One supervised step: (state, metrics record, new data position). Multi-turn runs
   train on the task expert's trajectories (``agent_stage.expert_batch``)."""
   s = t.setup
-  examples, data = next_examples(s, np.asarray(state.data), s.config.sft.batch_size)
+  examples, data = next_examples(s, np.asarray(state.producer.data), s.config.sft.batch_size)
   rows = agent_stage.expert_batch if s.config.env.name else sft_batch
   batch = (t.layout.put(a) for a in rows(s, examples))
   params, opt, mets = t.steps.sft(state.params, state.sft_opt_state, *batch)
@@ -169,6 +170,8 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   note = compile_options.uncached_note(cache, jax.devices())
   if note and distributed.is_lead():
     print(note, file=sys.stderr)
+  for line in config_lib.notices(c) if distributed.is_lead() else ():
+    print(line, file=sys.stderr)
   clock = startup.compile_clock()
   clock.take()
   sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
@@ -219,7 +222,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
           state = begin_rl(s, state)
         runner = runner or make_runner(t, state)
         state, record = runner.step(state)
-        record, data = {"phase": "rl", **record}, np.asarray(jax.device_get(state.data))
+        record, data = {"phase": "rl", **record}, np.asarray(jax.device_get(state.producer.data))
       bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
       if bad_steps >= c.train.max_bad_steps:
         raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm "
