@@ -10,10 +10,11 @@ N = 8 samples per prompt (rollout.n) at temperature 0.5, 32 prompts per step, β
 η = 2e-4 — lifts held-out greedy accuracy.
 
 Expected result (2-core CPU, JAX 0.10.2, measured): the whole command takes under half a
-minute; held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.957 at the
-end (step 275), pass@4 0.068 -> 0.981; training reward 0.02 -> 0.88 (0.971 before the
-CPU default ``model.prefix_attention=auto``; docs/BENCHMARKS.md, "The defaults of
-2026-11-28"). Curves: DIR/curves.png.
+minute; held-out greedy accuracy 0.454 after the supervised stage (step 25) -> 0.937 at the
+end (step 275; 0.942 at step 225), pass@4 0.068 -> 0.981; training reward 0.02 -> 0.87
+(0.957 before the CPU default ``model.fused_mlp=auto``, 0.971 before
+``model.prefix_attention=auto``; docs/BENCHMARKS.md, "The defaults of 2026-11-28").
+Curves: DIR/curves.png.
 These digits are from an AVX-512 CPU: XLA's CPU kernels round by instruction set, so a run
 is bit-exact on one machine but not across machines (docs/BENCHMARKS.md lists the spread).
 With XLA's CPU defaults (``--config.train.cpu_fast_compile=False
@@ -24,8 +25,8 @@ LoRA (``:lora``; rank-8 adapters, frozen base, adapter-only optimizer state)::
     python -m rl_jax.train --config=configs/quickstart.py:lora --workdir=/tmp/rl_jax_lora
 
 Expected result (2-core AMD EPYC CPU with AVX-512, measured): held-out greedy accuracy 0.082
-after the 10-step LoRA warm start -> 0.729 at the end (step 260; 0.758 at step 250),
-pass@4 0.116 -> 0.787.
+after the 10-step LoRA warm start -> 0.773 at the end (step 260; 0.749 at step 250),
+pass@4 0.116 -> 0.797 (0.729 before ``model.fused_mlp=auto``).
 Writes DIR/hf
 (merged), DIR/hf_adapter (PEFT) and DIR/hf_base.
 
