@@ -59,6 +59,7 @@ ENV_ADAPTERS = {"gymnasium": "gym_id", "verifiers": "verifiers"}
 GYM_CODECS = ("auto", "frozen_lake", "blackjack", "default")  # env.gym_codec
 TOOL_FORMATS = ("auto", "hermes", "llama3")  # env.tool_format (rl_jax.envs.tool_calls)
 GROUP_FNS = ("majority_vote",)  # reward.group_fn built-ins (rl_jax.data.group_rewards)
+JUDGE_VERDICTS = ("yes_no", "score")  # reward.judge_verdict (rl_jax.train.judge_stage)
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -435,13 +436,23 @@ def _distill() -> ml_collections.ConfigDict:
 
 
 def _reward() -> ml_collections.ConfigDict:
-  """Rewards that are not a per-row rule (``rl_jax.data.group_rewards``): a group function
-  scores the M completions of each prompt together, once per group, and its rewards replace
-  the task verifier's for training (evaluation keeps the verifier)."""
+  """Rewards that are not a per-row rule: a group function (``rl_jax.data.group_rewards``)
+  scores the M completions of each prompt together, once per group; a judge model
+  (``rl_jax.train.judge_stage``) scores each completion from a prompt rendered by a jinja2
+  template. Either one's rewards replace the task verifier's for training (evaluation keeps
+  the verifier)."""
   return ml_collections.ConfigDict(dict(
       # "" = the task's verifier per row; a built-in ("majority_vote": test-time RL's
       # label-free majority vote) or "module:fn", fn(completions, example) -> M rewards
       group_fn="",
+      # HF checkpoint directory (config.json, safetensors, tokenizer.json) of a judge; "" = off
+      judge_path="",
+      # jinja2 template file of the judge's prompt (variables: question, answer, reference)
+      judge_template="",
+      # "yes_no": P(yes)/(P(yes)+P(no)) of the judge's next token; "score": the first number
+      # of its greedy continuation of up to judge_max_tokens tokens
+      judge_verdict="yes_no",
+      judge_max_tokens=8,
   ))
 
 
@@ -640,6 +651,11 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "reward.group_fn": lambda x: (None if x in ("",) + GROUP_FNS or imports.is_import_path(x)
                                     else f"must be '', a built-in {GROUP_FNS} or an import "
                                     "path module:fn (e.g. my_rewards:vote)"),
+      "reward.judge_path": lambda x: None if isinstance(x, str) else "must be a directory (str)",
+      "reward.judge_template": lambda x: (None if isinstance(x, str) else
+                                          "must be a jinja2 template file (str)"),
+      "reward.judge_verdict": cu.one_of(JUDGE_VERDICTS),
+      "reward.judge_max_tokens": cu.positive_int,
   }
 
 
@@ -878,8 +894,24 @@ def _check_distill(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_reward(config: ml_collections.ConfigDict) -> None:
-  """A group function scores whole groups of one prompt: single-turn, fixed-size groups."""
+  """A group function scores whole groups of one prompt: single-turn, fixed-size groups. A
+  judge needs its template (and the reverse), single-turn rows, and no group function (the
+  judge's directory and template are read when the setup is built, ``judge_stage``)."""
   fn = config.get("reward", {}).get("group_fn") or ""
+  judge = config.get("reward", {}).get("judge_path") or ""
+  template = config.get("reward", {}).get("judge_template") or ""
+  if judge and not template:
+    raise ConfigError(f"reward.judge_path={judge} needs reward.judge_template=FILE.jinja (the "
+                      "judge's prompt, rendered from question, answer and reference)")
+  if template and not judge:
+    raise ConfigError(f"reward.judge_template={template} needs reward.judge_path=HF_DIR (the "
+                      "judge model that reads the rendered prompt)")
+  if judge and fn:
+    raise ConfigError(f"reward.judge_path={judge} and reward.group_fn={fn!r} cannot be "
+                      "combined: each replaces the verifier's reward; set one")
+  if judge and config.env.name:
+    raise ConfigError(f"reward.judge_path={judge} is not supported with env.name="
+                      f"{config.env.name!r}: multi-turn rewards are the environments' returns")
   if fn and config.env.name:
     raise ConfigError(f"reward.group_fn={fn!r} is not supported with env.name="
                       f"{config.env.name!r}: multi-turn rewards are the environments' returns")

@@ -20,7 +20,7 @@ GRAPH = import_graph.graph(ROOT, "rl_jax")
 # each other.
 TRAIN_LAYERS = [
     ("stages", ["streams", "group_size", "selection_stage", "speculative_stage",
-                "agent_stage", "replay_stage"], False),
+                "agent_stage", "replay_stage", "judge_stage"], False),
     ("setup", ["inputs", "context", "on_policy", "startup", "offload", "lock", "accumulate",
                "teacher"], False),
     ("state", ["records", "queue", "state", "lora_checkpoint", "resume", "layout", "steps",

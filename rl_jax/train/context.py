@@ -29,7 +29,7 @@ from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, DataError, ModelError, RLJaxError
-from rl_jax.train import agent_stage, selection_stage, speculative_stage
+from rl_jax.train import agent_stage, judge_stage, selection_stage, speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
 
 __all__ = ["Job", "Optimizers", "Setup", "build_setup", "device_rules", "job", "split_devices",
@@ -80,6 +80,7 @@ class Setup:
   chat: Any = None  # multi-turn runs (env.name): the task's chat format (agent_stage)
   teacher_cfg: Any = None  # distill.teacher_path: the teacher's ModelConfig (train.teacher)
   group_fn: Any = None  # reward.group_fn: the group reward function (data.group_rewards)
+  judge: Any = None  # reward.judge_path: the judge model, weights read on first use (judge_stage)
   # the names of the reward components (a verifier or group function returning {name: r}),
   # in the order of the objective's reward_components [G,M,C]; () for plain rewards
   reward_names: tuple = ()
@@ -204,8 +205,9 @@ def _rewards(config, task, train) -> tuple[Any, tuple[str, ...]]:
   group of M copies of it (which also checks its output once, before anything compiles).
   A verifier that fails on it gives no names; a group function that fails is one line.
   DAPO overlong shaping adds its penalty as the component ``overlong`` when there are names.
+  A judge (``reward.judge_path``) gives plain numbers: no names.
   """
-  if config.env.name:
+  if config.env.name or config.reward.get("judge_path"):
     return None, ()
   name, first = config.reward.get("group_fn", ""), train[0]
   timeout = config.data.reward_timeout_s
@@ -515,11 +517,12 @@ def build_setup(config: ml_collections.ConfigDict,
     raise ConfigError(f"rollout.weight_dtype={wd}: the scale blocks of head_dim="
                       f"{model_cfg.head_dim} entries {problem}")
   group_fn, reward_names = _rewards(config, task, train)
+  judge = judge_stage.make_judge(config)  # its files and template; weights on first use
   eos = config.rollout.eos_id
   return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos,
-               chat=fmt, teacher_cfg=teacher_cfg, group_fn=group_fn,
+               chat=fmt, teacher_cfg=teacher_cfg, group_fn=group_fn, judge=judge,
                reward_names=reward_names)

@@ -17,6 +17,7 @@ from rl_jax.data import group_rewards
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.data import tokenizers
+from rl_jax.train import judge_stage
 from rl_jax.train.context import Setup
 from rl_jax.train.layout import Layout
 from rl_jax.train.records import ProducerState, Scored
@@ -92,7 +93,9 @@ def score(s: Setup, completions: list[str], answers: list[str]) -> tuple[np.ndar
 def score_groups(s: Setup, completions: list[str], examples: Sequence,
                  M: int) -> tuple[np.ndarray, np.ndarray | None, dict]:
   """Training rewards of ``len(examples)`` groups of M completions ([G·M], group-major): the
-  group function once per group (``reward.group_fn``), else the task's verifier per row
+  group function once per group (``reward.group_fn``), else the judge model's verdict per row
+  on its example's prompt, completion and answer (``reward.judge_path``, ``judge_stage``; a
+  row without a verdict scores 0 and is counted), else the task's verifier per row
   against each example's answer; (rewards float32 [G·M], components float32 [G·M,C] in the
   order of ``Setup.reward_names`` or None, counters). C counts the verifier's components
   only (the overlong one is added by the caller)."""
@@ -101,6 +104,11 @@ def score_groups(s: Setup, completions: list[str], examples: Sequence,
     who = f"reward.group_fn={c.reward.group_fn!r}"
     values, faults = group_rewards.score_groups(s.group_fn, completions, examples, M, who,
                                                 timeout_s=c.data.reward_timeout_s)
+  elif s.judge is not None:
+    who = f"reward.judge_path={c.reward.judge_path}"
+    rows = [e for e in examples for _ in range(M)]
+    values, faults = judge_stage.as_values(s.judge.verdicts(
+        [e.prompt for e in rows], completions, [e.answer for e in rows]))
   else:
     who = "the task's verifier"
     values, faults = rewards_lib.verify_rows(s.task.verify, completions,
