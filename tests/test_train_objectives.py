@@ -54,12 +54,25 @@ def test_builtin_advantages_are_all_registered():
   assert set(BUILTIN_ADVANTAGES) <= set(losses.advantage_names())
 
 
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+  """A tiny random Qwen3 of the character vocabulary: on-policy distillation's teacher."""
+  from rl_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
+  from tests.hf_utils import tiny_hf_model  # pylint: disable=import-outside-toplevel
+  path = tmp_path_factory.mktemp("teacher")
+  tiny_hf_model("qwen3", path, vocab=tokenizers.CharTokenizer().vocab_size, hidden=32,
+                inter=64, layers=1, max_pos=64)
+  return str(path)
+
+
 @pytest.mark.parametrize("kind,name", [("preset", p) for p in sorted(losses.PRESETS)] +
                          [("advantage", a) for a in BUILTIN_ADVANTAGES] +
                          [("knob", "entropy_coef=0.01")])
-def test_every_preset_and_advantage_trains(kind, name):
+def test_every_preset_and_advantage_trains(kind, name, teacher_dir):
   overrides = [{"preset": f"loss.preset={name}", "advantage": f"loss.advantage={name}",
                 "knob": f"loss.{name}"}[kind]]
+  if name == "on_policy_distill":  # the preset's advantages are the teacher's
+    overrides.append(f"distill.teacher_path={teacher_dir}")
   before, state, records = _two_rl_steps(_parity_setup(overrides))
   for r in records:
     assert np.isfinite(r["loss"]) and r["update_skipped"] == 0, r

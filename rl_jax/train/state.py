@@ -30,7 +30,7 @@ __all__ = ["ProducerState", "TrainState", "init_state", "init_params", "abstract
            "reference_copy", "adapters"]
 
 
-class TrainState(NamedTuple):
+class _State(NamedTuple):
   """Everything a resumed run needs (a pytree; checkpointed whole, except that with
   ``model.lora.rank`` a checkpoint's params hold the adapters only: ``lora_checkpoint``).
 
@@ -47,6 +47,8 @@ class TrainState(NamedTuple):
   batches sampled ahead of the learner (``queue.empty_queue``); ``{}`` otherwise.
   With ``train.offload``, the reference and / or the optimizer states are placed in the
   devices' host memory (``offload``; same layout, memory kind ``pinned_host``).
+  ``data``, ``rollout_buffer``, ``selector`` and ``spec_drafts`` read (and ``_replace``
+  writes) the producer's fields by the names of the earlier flat layout.
   """
 
   step: jax.Array
@@ -58,6 +60,28 @@ class TrainState(NamedTuple):
   value_opt_state: Any
   producer: ProducerState
   rollout_queue: Any = {}
+
+
+# the earlier flat names of the producer's fields
+_FLAT = {"data": "data", "rollout_buffer": "held", "selector": "selector",
+         "spec_drafts": "drafts"}
+
+
+class TrainState(_State):
+  __doc__ = _State.__doc__
+  __slots__ = ()
+
+  def _replace(self, /, **kw) -> "TrainState":
+    flat = {_FLAT[k]: kw.pop(k) for k in list(kw) if k in _FLAT}
+    if flat:
+      kw["producer"] = kw.get("producer", self.producer)._replace(**flat)
+    return super()._replace(**kw)
+
+
+# TrainState.data, .rollout_buffer, .selector, .spec_drafts: read through to the producer
+for _flat, _field in _FLAT.items():
+  setattr(TrainState, _flat, property(lambda self, f=_field: getattr(self.producer, f),
+                                      doc=f"The producer's ``{_field}`` (earlier flat name)."))
 
 
 # engine share j's group uids (its requests' sampling streams) start at j·UID_STRIDE
