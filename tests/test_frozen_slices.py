@@ -44,7 +44,10 @@ def _dense(quant="", layers=2, hidden=64, inter=96, head_dim=16):
                             num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=head_dim,
                             architecture="qwen3", qk_norm=True, dtype="bfloat16",
                             param_dtype="bfloat16", remat="full", lora_rank=4,
-                            lora_targets=TARGETS, quant=quant, quant_block=16)
+                            lora_targets=TARGETS, quant=quant, quant_block=16,
+                            # the two-matmul MLP the byte bounds below were sized for (the
+                            # fused one adds one layer's concatenated [D,2F] gate/up weight)
+                            fused_mlp=False)
 
 
 def _moe():

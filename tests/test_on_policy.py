@@ -59,10 +59,12 @@ def test_own_pass_update_equals_separate_pass_update(preset):
   rounding, and the on-policy path runs no separate pass (old_logp stays None)."""
   setups = {}
   for mode in ("separate", "auto"):
-    # the two-region attention, whose two programs round alike to the tolerances below (with
-    # the concatenated one Adam's step amplifies their last-bit differences to 3e-5 relative)
+    # the two-region attention and the two-matmul MLP, whose two programs round alike to the
+    # tolerances below (with the concatenated attention or the fused MLP Adam's step
+    # amplifies their last-bit differences to 3e-5 relative)
     s = train.build_setup(_config([f"loss.preset={preset}", f"train.old_logp_pass={mode}",
-                                   "model.prefix_attention=kernel"]))
+                                   "model.prefix_attention=kernel",
+                                   "model.fused_mlp=False"]))
     setups[mode] = dataclasses.replace(s, task=ParityTask(s.task))
   sep, own = (train.make_trainer(setups[m]) for m in ("separate", "auto"))
   assert own.steps.old_logp_in_update and not sep.steps.old_logp_in_update
