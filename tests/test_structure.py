@@ -9,26 +9,14 @@ import pathlib
 import pytest
 
 import rl_jax
+from rl_jax.train import layers as train_layers
 from tests import import_graph
 
 ROOT = pathlib.Path(rl_jax.__file__).parent
 FILES = import_graph.modules(ROOT, "rl_jax")
 GRAPH = import_graph.graph(ROOT, "rl_jax")
-# The trainer by layer, top of the data flow last. A module may import the modules of lower
-# layers and, in a layer that is not ``apart``, those of its own layer (the cycle test keeps
-# those acyclic); the modules of an ``apart`` layer (producer and learner) never import
-# each other.
-TRAIN_LAYERS = [
-    ("stages", ["streams", "group_size", "selection_stage", "speculative_stage",
-                "agent_stage", "replay_stage", "judge_stage"], False),
-    ("setup", ["inputs", "context", "on_policy", "startup", "offload", "lock", "accumulate",
-               "teacher"], False),
-    ("state", ["records", "queue", "state", "lora_checkpoint", "resume", "layout", "steps",
-               "rollouts"], False),
-    ("step", ["producer", "learner", "evaluation", "memory"], True),
-    ("runner", ["runner", "topology"], False),
-    ("loop", ["loop"], False),
-]
+# The trainer by layer (``rl_jax.train.layers``, the one list): (name, modules, apart).
+TRAIN_LAYERS = [(layer.name, list(layer.modules), layer.apart) for layer in train_layers.LAYERS]
 TRAIN_MODULES = [m for _, mods, _ in TRAIN_LAYERS for m in mods]
 # modules built on the trainer (the only ones outside rl_jax.train that may import it)
 ABOVE_TRAINER = {"rl_jax.api"}
@@ -59,6 +47,17 @@ def test_trainer_modules_depend_downward_by_layer():
   # nothing below the trainer imports it
   outside = [m for m in FILES if not m.startswith("rl_jax.train") and m not in ABOVE_TRAINER]
   assert not [m for m in outside if any(d.startswith("rl_jax.train") for d in GRAPH[m])]
+
+
+def test_architecture_doc_lists_the_layers_as_the_code_does():
+  """docs/ARCHITECTURE.md's table of modules by layer is the list in ``rl_jax.train.layers``."""
+  doc = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text()
+  rows = {}
+  for line in doc.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 4 and cells[0] in {layer.name for layer in train_layers.LAYERS}:
+      rows[cells[0]] = re.findall(r"`(\w+)`", cells[1])
+  assert rows == {layer.name: list(layer.modules) for layer in train_layers.LAYERS}
 
 
 @pytest.mark.parametrize("module", sorted(FILES))

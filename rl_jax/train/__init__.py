@@ -9,22 +9,8 @@ diagram and what each module receives and hands on)::
     learner    Scored, TrainState -> objective inputs -> advantages -> optimizer updates
     runner     lag 0 (the synchronous trainer), lag k, or free-running
 
-Modules by layer; a module imports only from its own layer's earlier modules or lower layers:
-
-    stages     streams (random streams), group_size (adaptive group size),
-               selection_stage (DAPO / GRESO / Beta selection, overlong shaping),
-               speculative_stage (SPEC-RL drafts)
-    setup      inputs (the table of objective inputs), context (config -> Setup: geometry,
-               schedule, tokenizer, task, model config, meshes, objective, optimizers),
-               on_policy, startup, offload
-    state      records (Scored, ProducerState), queue (the runner's queue as arrays),
-               state (TrainState, init / abstract), resume (older layouts too), layout,
-               steps (jitted SFT step, RL update, log-prob / value / gradient-norm passes),
-               rollouts (Trainer, host helpers)
-    step       producer, learner, evaluation, memory (the memory plan)
-    runner     runner (FixedLag, FreeRunning, make_runner), topology (the dry run compiled
-               for a TPU topology this host does not have: dry_run.topology)
-    loop       loop (resume, step, evaluate, checkpoint, SIGTERM; train, main)
+Modules by layer: ``rl_jax/train/layers.py`` (``LAYERS``: each layer's modules, what they
+receive and hand on; the import rules ``tests/test_structure.py`` enforces).
 
 Shapes: the package legend (``rl_jax/__init__.py``).
 """
