@@ -95,3 +95,35 @@ def test_scale_blocks_must_divide_the_projections():
       "rollout.weight_dtype=int8", "model.intermediate_size=40"])
   with pytest.raises(ConfigError, match="head_dim=16 entries must be a positive integer"):
     train.build_setup(config)
+
+
+def test_fsdp_gathers_the_8bit_values_not_the_dequantised_weight():
+  """A quantised projection sharded over ``fsdp`` on 4 devices: its matmul all-gathers the
+  int8 values and their scales (``quant.gathered``), not a dequantised float copy, and gives
+  the einsum of the input with the weight dequantised here with NumPy."""
+  import re  # pylint: disable=import-outside-toplevel
+  from rl_jax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 4, 1, 1), sharding.MESH_AXES)
+  cfg = models.ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1,
+                           num_heads=4, num_kv_heads=2, head_dim=16, quant="int8",
+                           quant_block=16)
+  rng = np.random.default_rng(0)
+  w = models.quant.quantize(jax.numpy.asarray(rng.normal(size=(64, 4, 16)), jax.numpy.float32),
+                            "int8", 0, 16)
+  x = jax.numpy.asarray(rng.normal(size=(2, 3, 64)), jax.numpy.float32)
+  shard = lambda a: jax.device_put(a, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("fsdp")))
+  w = jax.tree.map(shard, w)
+
+  def f(x, w):
+    with sharding.use(mesh, sharding.get_rules("fsdp")):
+      return models.lora.project(cfg, {"q": w}, "q", "btd,dnh->btnh", x)
+
+  compiled = jax.jit(f).lower(x, w).compile()
+  gathered = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(", compiled.as_text())
+  assert ("s8", "64,4,16") in gathered and ("f32", "4,4,16") in gathered, gathered
+  assert all(dtype == "s8" for dtype, shape in gathered if shape == "64,4,16"), gathered
+  values = np.asarray(w.qvalue).astype(np.float32) * np.repeat(np.asarray(w.scale), 16, 0)
+  np.testing.assert_allclose(np.asarray(compiled(x, w)),
+                             np.einsum("btd,dnh->btnh", np.asarray(x), values),
+                             rtol=1e-5, atol=1e-5)

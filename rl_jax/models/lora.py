@@ -228,7 +228,8 @@ def project(cfg: ModelConfig, lp: dict[str, Any], name: str, spec: str,
     the projection, e.g. [B,T,N,H].
   """
   dt = jnp.dtype(cfg.dtype)
-  y = quant.matmul(spec, x, lp[name], dt)  # a quantised W: dequantised inside the matmul
+  w = quant.gathered(name, lp[name])  # a quantised W: gathered as 8-bit values and scales
+  y = quant.matmul(spec, x, w, dt)  # ... and dequantised inside the matmul
   d = delta(cfg, lp, name, spec, x)
   return y if d is None else y + d
 

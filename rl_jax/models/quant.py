@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax import sharding
 from rl_jax.models.config import QUANTS, ModelConfig
 
-__all__ = ["QUANTS", "dequantize", "dequantize_base", "is_quantized", "layer_axes",
+__all__ = ["QUANTS", "dequantize", "dequantize_base", "gathered", "is_quantized", "layer_axes",
            "layer_shapes", "matmul", "quantize", "quantize_base", "quantize_layers", "targets"]
 
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
@@ -178,6 +179,26 @@ def layer_axes(cfg: ModelConfig, layer: dict) -> dict:
     axes, a = layer[t], _BLOCK_AXIS[t]
     out[t] = _qwix().QArray(axes, (*axes[:a], None, *axes[a + 1:]), None, _QTYPES[cfg.quant])
   return out
+
+
+# projection -> logical axes of one layer's weight gathered for its matmul: the FSDP-sharded
+# ``embed`` axis whole, the tensor-parallel axes as they are (``transformer.param_axes``)
+_GATHERED_AXES = {"q": (None, "q_heads", "head_dim"), "k": (None, "kv_heads", "head_dim"),
+                  "v": (None, "kv_heads", "head_dim"), "o": ("q_heads", "head_dim", None),
+                  "gate": (None, "mlp"), "up": (None, "mlp"), "down": ("mlp", None)}
+
+
+def gathered(name: str, w):
+  """One layer's quantised weight ``w`` of projection ``name`` with its values and scales
+  constrained to the layout its matmul reads (``embed`` whole): under FSDP the 8-bit values
+  and their scales are all-gathered, and dequantised after, instead of XLA dequantising each
+  shard first and gathering the wider dequantised weight. Unchanged outside a mesh, for a
+  plain weight, or for a name without gathered axes."""
+  axes = _GATHERED_AXES.get(name)
+  if not is_quantized(w) or axes is None or w.qvalue.ndim != len(axes):
+    return w
+  return dataclasses.replace(w, qvalue=sharding.constrain(w.qvalue, axes),
+                             scale=sharding.constrain(w.scale, axes))
 
 
 def matmul(spec: str, x: jax.Array, w, dtype) -> jax.Array:
