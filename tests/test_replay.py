@@ -3,19 +3,18 @@ admission, eviction and draw distribution, replayed groups reaching the update w
 recorded behaviour log-probs, exact resume, config errors, and no trace when it is off."""
 
 import os
-import shutil
 
 import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from rl_jax import checkpoint, config as base, config_utils, metrics, train
+from rl_jax import config as base, config_utils, metrics, train
 from rl_jax.checkpoint.tree import leaf_paths
 from rl_jax.errors import ConfigError
 from rl_jax.train import replay_stage
 from rl_jax.train.learner import apply_update
-from tests.tiny import QUICKSTART, TINY_MODEL
+from tests.tiny import QUICKSTART, TINY_MODEL, stopped_at
 
 # rewards with variance from an untrained policy: the parity of each completion's first
 # character (tests/group_reward_fns.py)
@@ -113,11 +112,7 @@ def test_resume_is_bit_exact(tmp_path):
   rows = metrics.read_jsonl(str(ref / "metrics.jsonl"))
   assert any(r.get("replay_groups", 0) > 0 for r in rows[2:])  # replay after the resume
   resumed = tmp_path / "resumed"
-  shutil.copytree(ref / "checkpoints", resumed / "checkpoints")
-  for step in checkpoint.all_steps(str(resumed / "checkpoints")):
-    if step > 2:
-      shutil.rmtree(resumed / "checkpoints" / str(step))
-  shutil.copy(ref / "metrics.jsonl", resumed / "metrics.jsonl")
+  stopped_at(ref, resumed, 2)
   train.train(cfg(), str(resumed), progress=False)
   a, b = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (ref, resumed))
   assert a.keys() == b.keys()

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, losses, metrics, train
-from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, stopped_at
 
 
 # A very small run: 1-layer model, a few supervised and RL steps.
@@ -152,11 +152,7 @@ def test_partial_rollouts_train_and_resume_exactly(tmp_path):
   held, _ = checkpoint.restore(str(ref_dir / "checkpoints"), target, step=4)
   assert np.asarray(held.producer.held["valid"]).any()
   resumed = tmp_path / "resumed"
-  shutil.copytree(ref_dir / "checkpoints", resumed / "checkpoints")
-  for step in checkpoint.all_steps(str(resumed / "checkpoints")):
-    if step > 4:
-      shutil.rmtree(resumed / "checkpoints" / str(step))
-  shutil.copy(ref_dir / "metrics.jsonl", resumed / "metrics.jsonl")
+  stopped_at(ref_dir, resumed, 4)
   train.train(_config(partial), str(resumed), progress=False)
   _assert_same_weights(_final_weights(str(ref_dir)), _final_weights(str(resumed)))
   ref_rows = metrics.read_jsonl(str(ref_dir / "metrics.jsonl"))

@@ -61,3 +61,16 @@ def compiled_rl_update(config_path, overrides, G, M, R):
       inputs, losses.Advantages(put(rng.normal(size=(G, M)).astype(np.float32))))
   args = (state.params, state.opt_state, state.value_params, state.value_opt_state, batch)
   return train.make_rl_update(setup, layout).lower(*args).compile(), args, setup
+
+
+def stopped_at(ref_dir, resumed_dir, step: int) -> None:
+  """``resumed_dir`` as the run in ``ref_dir`` left it had it stopped after ``step``: its
+  checkpoints up to ``step`` (the later ones left out) and its metrics file, for a rerun of
+  the same command to resume from."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  from rl_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  shutil.copytree(ref_dir / "checkpoints", resumed_dir / "checkpoints")
+  for k in checkpoint.all_steps(str(resumed_dir / "checkpoints")):
+    if k > step:
+      shutil.rmtree(resumed_dir / "checkpoints" / str(k))
+  shutil.copy(ref_dir / "metrics.jsonl", resumed_dir / "metrics.jsonl")

@@ -75,7 +75,7 @@ def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version
   rewards, comps, faults = score_groups(s, decode(s, out.tokens, out.mask),
                                         [s.train_examples[i] for i in idx], M)
   lengths = out.mask.sum(axis=1)
-  penalty = selection_stage.shape_rewards(s.config, np.zeros_like(rewards), lengths)
+  penalty = selection_stage.overlong_penalties(s.config, lengths)
   rewards = rewards + penalty
   if comps is not None and s.reward_names[-1] == "overlong":
     comps = np.concatenate([comps, penalty[:, None]], axis=1)

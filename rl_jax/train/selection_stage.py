@@ -40,7 +40,8 @@ from rl_jax.data import selection
 from rl_jax.train import group_size
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["METRICS", "effective_selector", "overlong_buffer", "selector_state", "shape_rewards",
+__all__ = ["METRICS", "effective_selector", "overlong_buffer", "overlong_penalties",
+           "selector_state", "shape_rewards",
            "take_groups", "select"]
 
 # Scored.stats keys the learner copies into the step's metrics (docs/SELECTION.md)
@@ -68,13 +69,20 @@ def overlong_buffer(c) -> int:
   return max(1, c.rollout.max_new_tokens // 4) if c.loss.preset == "dapo" else 0
 
 
-def shape_rewards(c, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-  """Task rewards [B] plus the overlong penalty of response lengths [B] (when on)."""
+def overlong_penalties(c, lengths: np.ndarray) -> np.ndarray:
+  """DAPO's overlong penalty of response lengths [B]: float32 [B], zeros when it is off."""
   L = overlong_buffer(c)
   if not L:
+    return np.zeros(np.shape(lengths), np.float32)
+  return np.asarray(rewards_lib.overlong_penalty(lengths, c.rollout.max_new_tokens, L),
+                    np.float32)
+
+
+def shape_rewards(c, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Task rewards [B] plus the overlong penalty of response lengths [B] (when on)."""
+  if not overlong_buffer(c):
     return rewards
-  return (rewards + rewards_lib.overlong_penalty(lengths, c.rollout.max_new_tokens, L)
-          ).astype(np.float32)
+  return (rewards + overlong_penalties(c, lengths)).astype(np.float32)
 
 
 def selector_state(c, num_prompts: int) -> dict:
