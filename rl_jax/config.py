@@ -79,7 +79,9 @@ def _model() -> ml_collections.ConfigDict:
       tie_word_embeddings=False,
       init_std=0.02,  # random init (when hf_path is None)
       dtype="float32",  # compute dtype
-      param_dtype="float32",  # storage dtype of the weights
+      # storage dtype of the trained weights (with model.lora.rank: the adapters; the frozen
+      # base is in model.lora.base_dtype)
+      param_dtype="float32",
       remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
       # one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp); None: "auto"
       # (on for CPU programs, off for TPU and GPU)
@@ -122,7 +124,10 @@ def _model() -> ml_collections.ConfigDict:
       # projections (q,k,v,o,gate,up,down) as integers with float32 scales, one per
       # `quant_block` entries along each weight's contraction axis (must divide hidden_size,
       # head_dim and intermediate_size); dequantised inside the matmul by the trainer, the
-      # sampler and the reference alike; "" keeps the base in param_dtype.
+      # sampler and the reference alike; "" keeps it in `base_dtype`.
+      # `base_dtype`: storage dtype of the frozen base ("" = model.dtype, the compute dtype:
+      # a base that is never updated needs no float32 master copy); the adapters are stored in
+      # model.param_dtype.
       # `adapter_path`: a PEFT LoRA adapter directory (adapter_config.json +
       # adapter_model.safetensors, as hf_adapter/ exports) whose A and B replace the fresh
       # adapters at the start of the run (instead of `init`); its r, lora_alpha,
@@ -131,6 +136,7 @@ def _model() -> ml_collections.ConfigDict:
       # with the adapters off. With rank 0 (off) every other lora field keeps its default.
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down",
                                           init="gaussian", quant="", quant_block=64,
+                                          base_dtype="",
                                           adapter_path=config_dict.placeholder(str))),
   ))
 
@@ -528,6 +534,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.lora.init": cu.one_of(lora_lib.LORA_INITS),
       "model.lora.quant": cu.one_of(("", "int8", "int4")),
       "model.lora.quant_block": cu.positive_int,
+      "model.lora.base_dtype": cu.one_of(("", *model_config_lib.DTYPES)),
       "mesh.rules": cu.one_of(sharding.RULES),
       "mesh.num_devices": cu.nonnegative_int,
       "distributed.initialization_timeout_s": cu.positive_int,
@@ -769,7 +776,7 @@ def _check_lora_off(config: ml_collections.ConfigDict) -> None:
   if lo.rank:
     return
   defaults = _model().lora
-  for key in ("quant", "adapter_path", "targets", "alpha", "init", "quant_block"):
+  for key in ("quant", "adapter_path", "targets", "alpha", "init", "quant_block", "base_dtype"):
     value, default = lo.get(key), defaults[key]
     same = (lora_lib.parse_targets(value) == lora_lib.parse_targets(default)
             if key == "targets" else value == default or (not value and not default))

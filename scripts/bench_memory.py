@@ -31,7 +31,7 @@ measurement), then: with ``--full-plan`` the full fine-tuning dry run of the sam
 (``configs/gsm8k_hf.py``: float32 master weights) and its one-line verdict against the
 host's capacity (``memory.check_plan_fits``, the check a real run makes before its first
 step); the dry run of the LoRA run; and the LoRA run itself (``model.lora.rank``, the frozen
-base and the adapters in ``model.param_dtype=bfloat16``, optionally ``model.lora.quant``; k3
+base in the bf16 compute dtype and the adapters in float32, optionally ``model.lora.quant``; k3
 KL with β = 0.001, ``sft.steps=0``, 2 groups x 4 samples x 32 new tokens, ``--steps`` GRPO
 steps). The run's peak RSS is the kernel's: ``VmHWM`` read when each step's metrics row
 appears (the training peak) and ``ru_maxrss`` at exit (the whole run, the final checkpoint
@@ -297,10 +297,10 @@ LORA_RUN = ["train.batch_groups=2", "rollout.n=4", "rollout.max_new_tokens=32",
 
 
 def lora_overrides(rank: int, quant: str = "", steps: int = 2) -> list[str]:
-  """The LoRA run: rank-``rank`` adapters on every projection, the frozen base (and the
-  adapters) in bfloat16, ``quant`` ("" | "int8" | "int4") for QLoRA."""
-  out = LORA_RUN + [f"train.steps={steps}", f"model.lora.rank={rank}",
-                    "model.param_dtype=bfloat16"]
+  """The LoRA run at the config's dtypes: rank-``rank`` adapters on every projection (float32,
+  ``model.param_dtype``), the frozen base in the bf16 compute dtype (``model.lora.base_dtype``
+  unset), ``quant`` ("" | "int8" | "int4") for QLoRA."""
+  out = LORA_RUN + [f"train.steps={steps}", f"model.lora.rank={rank}"]
   return out + ([f"model.lora.quant={quant}"] if quant else [])
 
 

@@ -473,3 +473,28 @@ def test_sampler_merge_weight_by_weight_equals_one_merge_program():
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.sharding == b.sharding
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("extra,base,adapters", [
+    ([], jnp.bfloat16, jnp.float32),  # the frozen base in the compute dtype
+    (["model.lora.base_dtype=float32"], jnp.float32, jnp.float32),  # asked otherwise
+    (["model.param_dtype=bfloat16"], jnp.bfloat16, jnp.bfloat16),
+])
+def test_a_lora_base_is_stored_in_the_compute_dtype_unless_asked(extra, base, adapters):
+  """With bf16 compute a LoRA run keeps its frozen base in bf16 (it is never updated: no
+  float32 master copy) and its adapters in ``model.param_dtype`` (float32 by default), in the
+  fresh state, its restore target and the KL reference alike; a model trained whole keeps
+  ``model.param_dtype``."""
+  config = config_utils.load_config(QUICKSTART + ":lora", TINY_MODEL + [
+      "model.dtype=bfloat16", "loss.kl_beta=0.01"] + extra)
+  s = train.build_setup(config)
+  for params in (train.state.init_params(s), train.abstract_state(s).params):
+    frozen, trained = models.lora.split(params)
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(base)}
+    assert {x.dtype for x in jax.tree.leaves(trained)} == {jnp.dtype(adapters)}
+  whole = train.build_setup(config_utils.load_config(QUICKSTART, TINY_MODEL + [
+      "model.dtype=bfloat16"]))
+  assert {x.dtype for x in jax.tree.leaves(train.abstract_state(whole).params)} == {
+      jnp.dtype(jnp.float32)}
+  with pytest.raises(ConfigError, match="model.lora.base_dtype='float32' needs model.lora.rank"):
+    train.build_setup(config_utils.load_config(QUICKSTART, ["model.lora.base_dtype=float32"]))

@@ -91,6 +91,9 @@ class ModelConfig:
   Low-rank adapters (``rl_jax.models.lora``; off with ``lora_rank=0``):
     lora_rank: r, the adapters' rank. lora_alpha: α; the adapters add (α/r)·x·A·B.
     lora_targets: the adapted projections, names from ``LORA_TARGETS``.
+    lora_dtype: storage dtype of the adapters (``""``: ``param_dtype``). With adapters,
+      ``param_dtype`` is the frozen base's dtype, which needs no float32 master copy: the
+      trainer keeps the base in the compute dtype and the adapters in float32 by default.
 
   Quantised base (QLoRA; ``rl_jax.models.quant``):
     quant: ``""`` (weights in ``param_dtype``), ``"int8"`` or ``"int4"``: the dense
@@ -139,6 +142,7 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
+  lora_dtype: str = ""
   quant: str = ""
   quant_block: int = 64
 
@@ -221,6 +225,9 @@ def validate(cfg: ModelConfig) -> None:
   if cfg.dtype not in DTYPES or cfg.param_dtype not in DTYPES:
     raise ModelError(f"model config: dtype/param_dtype must be in {DTYPES}, got "
                      f"{cfg.dtype!r}/{cfg.param_dtype!r}")
+  if cfg.lora_dtype not in ("", *DTYPES):
+    raise ModelError(f"model config: lora_dtype must be '' or in {DTYPES}, got "
+                     f"{cfg.lora_dtype!r}")
   if cfg.prefix_attention not in PREFIX_ATTENTIONS:
     raise ModelError(f"model config: prefix_attention={cfg.prefix_attention!r}; choose one of "
                      f"{PREFIX_ATTENTIONS}")

@@ -722,7 +722,7 @@ def check_hf_adapter(cfg: ModelConfig, path: str, hf_path: str | None = None) ->
 def load_hf_adapter(cfg: ModelConfig, path: str, hf_path: str | None = None,
                     dtype=None) -> dict[str, dict[str, np.ndarray]]:
   """The PEFT adapter at ``path`` (``check_hf_adapter`` first) as rl_jax adapters: host
-  arrays in ``dtype`` (default ``cfg.param_dtype``), target -> {"a": [L,<in>,r],
+  arrays in ``dtype`` (default ``lora.adapter_dtype(cfg)``), target -> {"a": [L,<in>,r],
   "b": [L,r,<out>]}, the inverse of ``hf_adapter_state_dict``: A = A_hf.T.reshape(<in>, r),
   B = B_hf.T.reshape(r, <out>)."""
   check_hf_adapter(cfg, path, hf_path)
@@ -732,7 +732,7 @@ def load_hf_adapter(cfg: ModelConfig, path: str, hf_path: str | None = None,
   for name in handle.keys():
     m = _PEFT_KEY.match(name)
     by_key[(_PEFT_TARGETS[m.group(2)], int(m.group(1)), m.group(3))] = name
-  dtype = jnp.dtype(dtype or cfg.param_dtype)
+  dtype = jnp.dtype(dtype or lora.adapter_dtype(cfg))
   get = lambda name: np.asarray(jax.device_get(handle.get_tensor(name).astype(jnp.float32)))
   out = {}
   for t, shape in lora.adapter_shapes(cfg).items():

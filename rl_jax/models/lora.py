@@ -89,14 +89,20 @@ def adapter_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
   return out
 
 
+def adapter_dtype(cfg: ModelConfig) -> jnp.dtype:
+  """Storage dtype of the adapters: ``cfg.lora_dtype``, or ``cfg.param_dtype`` (the base's)
+  when that is empty."""
+  return jnp.dtype(cfg.lora_dtype or cfg.param_dtype)
+
+
 def init_adapters(cfg: ModelConfig, rng: jax.Array, init: str = "gaussian") -> dict:
   """Fresh adapters: B = 0 (the adapted model equals the base) and A random:
   ``"gaussian"`` N(0, 1/r²) (PEFT's ``init_lora_weights="gaussian"``), ``"kaiming"``
   U(±1/sqrt(fan_in)) (PEFT's default, Kaiming-uniform with a = sqrt(5)). In
-  ``cfg.param_dtype``."""
+  ``adapter_dtype(cfg)``."""
   if init not in LORA_INITS:
     raise ValueError(f"LoRA init must be one of {LORA_INITS}, got {init!r}")
-  dtype = jnp.dtype(cfg.param_dtype)
+  dtype = adapter_dtype(cfg)
   shapes = adapter_shapes(cfg)
   out = {}
   for i, t in enumerate(cfg.lora_targets):

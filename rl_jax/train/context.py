@@ -261,10 +261,19 @@ def _fused_mlp(m) -> bool | str:
   return "auto" if m.get("fused_mlp") is None else bool(m.fused_mlp)
 
 
+def _weights_dtype(m) -> str:
+  """Storage dtype of the model's weights apart from adapters (``ModelConfig.param_dtype``):
+  ``model.param_dtype`` for a model trained whole; with ``model.lora.rank`` the frozen base's,
+  ``model.lora.base_dtype`` or else the compute dtype ``model.dtype``."""
+  if m.lora.rank:
+    return m.lora.get("base_dtype") or m.dtype
+  return m.param_dtype
+
+
 def _model_config(config, tokenizer) -> models.ModelConfig:
   m = config.model
   if m.hf_path:
-    cfg = models.read_hf_config(m.hf_path, dtype=m.dtype, param_dtype=m.param_dtype,
+    cfg = models.read_hf_config(m.hf_path, dtype=m.dtype, param_dtype=_weights_dtype(m),
                                 remat=m.remat, fused_mlp=_fused_mlp(m),
                                 scan_layers=m.scan_layers)
   else:
@@ -273,7 +282,7 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, architecture=m.architecture,
         rope_theta=m.rope_theta, max_position_embeddings=m.max_position_embeddings,
-        tie_word_embeddings=m.tie_word_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
+        tie_word_embeddings=m.tie_word_embeddings, dtype=m.dtype, param_dtype=_weights_dtype(m),
         remat=m.remat, fused_mlp=_fused_mlp(m), scan_layers=m.scan_layers,
         qkv_bias=m.architecture == "qwen2",
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
@@ -293,7 +302,8 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
   if m.lora.rank:
     try:
       cfg = cfg.replace(lora_rank=m.lora.rank, lora_alpha=float(m.lora.alpha),
-                        lora_targets=models.lora.parse_targets(m.lora.targets))
+                        lora_targets=models.lora.parse_targets(m.lora.targets),
+                        lora_dtype=m.param_dtype)
     except ModelError as e:
       raise ConfigError(f"model.lora: {e}") from None
     if m.lora.get("adapter_path"):  # its header against the run's LoRA fields and base
