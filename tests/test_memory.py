@@ -1,6 +1,6 @@
-"""Memory: no dead state (supervised optimizer state, reference), older checkpoints restore,
-the memory plan predicts the state's bytes exactly, the dry run reads no weights, and a run
-that cannot fit fails in one line."""
+"""Memory: no dead state (supervised optimizer state, reference), checkpoints of an earlier
+state layout fail in one line, the memory plan predicts the state's bytes exactly, the dry
+run reads no weights, and a run that cannot fit fails in one line."""
 
 import functools
 import json
@@ -76,31 +76,47 @@ def test_supervised_state_is_dropped_when_rl_starts():
   assert jax.tree.structure(state) == jax.tree.structure(target)
 
 
+EARLIER = "was written in an earlier state layout that this version of rl_jax no longer reads"
+ADVICE = "resume it with the rl_jax version that wrote it, or start a new workdir"
+
+
+def _one_line(err, step) -> str:
+  """The error's message, checked to be one line about the checkpoint of ``step``."""
+  msg = str(err.value)
+  assert "\n" not in msg and f"the checkpoint of step {step} " in msg, msg
+  return msg
+
+
 @pytest.mark.parametrize("sft_steps,step", [(0, 2), (3, 1)])
-def test_checkpoint_of_the_older_layout_restores(tmp_path, sft_steps, step):
-  """The older layout kept the supervised optimizer state all run and an f32 reference from
-  step 0; it restores into the current layout (extra parts dropped, reference cast)."""
-  s = train.build_setup(_config([f"sft.steps={sft_steps}", "loss.kl_beta=0.01",
-                                 "model.dtype=bfloat16"]))
+def test_checkpoint_keeping_both_optional_parts_fails_in_one_line(tmp_path, sft_steps, step):
+  """The layout before ``rl_layout`` kept the supervised optimizer state all run next to an
+  f32 reference: restoring it fails before any array is read, in one line that names the part
+  the run no longer keeps at that step."""
+  s = train.build_setup(_config([f"sft.steps={sft_steps}", "loss.kl_beta=0.01"]))
   new = train.init_state(s)
-  params = new.params
-  old = new._replace(sft_opt_state=jax.jit(s.optimizers.sft.init)(params),
-                     ref_params=jax.tree.map(jnp.copy, params))  # f32, like the policy
+  old = new._replace(sft_opt_state=jax.jit(s.optimizers.sft.init)(new.params),
+                     ref_params=jax.tree.map(jnp.copy, new.params))
   with checkpoint.Checkpointer(str(tmp_path), save_every=1) as ckpt:
     ckpt.save(step, old._replace(step=jnp.asarray(step, jnp.int32)))
-    target = train.abstract_state(s, step)
-    with pytest.raises(CheckpointError):
-      ckpt.restore(target, step=step)  # a plain restore names the extra leaves
-    state = resume.restore_state(s, ckpt, step, target)
-  assert int(state.step) == step
-  jax.tree.map(np.testing.assert_array_equal, state.params, params)
-  if sft_steps:  # supervised stage: its optimizer state, no reference
-    assert state.ref_params == {} and jax.tree.leaves(state.sft_opt_state)
-  else:
-    assert state.sft_opt_state == {}
-    for r, p in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(params)):
-      assert r.dtype == jnp.bfloat16
-      np.testing.assert_array_equal(np.asarray(r), np.asarray(p.astype(jnp.bfloat16)))
+    with pytest.raises(CheckpointError) as err:
+      resume.restore_state(s, ckpt, step, train.abstract_state(s, step))
+  msg = _one_line(err, step)
+  dropped = "sft_opt_state" if sft_steps == 0 else "ref_params"
+  assert EARLIER in msg and ADVICE in msg and f"no longer keeps {dropped} at" in msg, msg
+
+
+def test_checkpoint_with_a_part_the_config_drops_names_the_config(tmp_path):
+  """A current checkpoint holding a part the config does not keep at that step (here the
+  reference, after the KL term was switched off) is no earlier layout: the line says so."""
+  s = train.build_setup(_config(["sft.steps=0", "loss.kl_beta=0.01"]))
+  other = train.build_setup(_config(["sft.steps=0", "loss.kl_beta=0.0"]))
+  assert train.abstract_state(other, 1).ref_params == {}
+  with checkpoint.Checkpointer(str(tmp_path), save_every=1) as ckpt:
+    ckpt.save(1, train.init_state(s)._replace(step=jnp.asarray(1, jnp.int32)))
+    with pytest.raises(CheckpointError) as err:
+      resume.restore_state(other, ckpt, 1, train.abstract_state(other, 1))
+  msg = _one_line(err, 1)
+  assert "holds ref_params, which this config does not keep" in msg and EARLIER not in msg
 
 
 @pytest.mark.parametrize("overrides", [["sft.steps=2"], ["loss.preset=ppo", "sft.steps=0"]])
@@ -245,25 +261,43 @@ def test_memory_knob_still_learns(knob_baseline, knob, tmp_path):
   assert plan["live_state"]["step"] == sft  # resumed from the baseline's checkpoint
 
 
-def test_flat_producer_layout_restores(tmp_path):
-  """Checkpoints written before ``ProducerState`` keep the producer's fields flat at the top
-  (data, rollout_buffer, selector, spec_drafts) and an asynchronous queue whose stats have
-  fewer columns; they restore into the grouped layout with the same values."""
+def test_checkpoints_before_producer_state_fail_in_one_line(tmp_path, capsys):
+  """Checkpoints written before ``ProducerState`` (the producer's fields flat at the top:
+  data, rollout_buffer, selector, spec_drafts) and an asynchronous queue whose stats have
+  fewer columns (an earlier counter list) are not read: one ``CheckpointError`` line each;
+  ``restore_newest`` stops there (nothing set aside) and the CLI prints it as ``error:``."""
   s = train.build_setup(_config(["sft.steps=0", "data.selector=greso", "train.mode=async",
                                  "train.async_lag=1"]))
   new = train.init_state(s)
-  data = jnp.asarray([1, 7], jnp.int32)
-  new = new._replace(producer=new.producer._replace(data=data))
-  flat = resume.flat_layout(new)
-  queue = dict(jax.device_get(flat["rollout_queue"]))
-  queue["stats"] = queue["stats"][:, :-3]  # the earlier, shorter counter list
-  flat["rollout_queue"] = queue
+  p = new.producer
+  flat = {f: getattr(new, f) for f in new._fields if f != "producer"}
+  flat.update(data=p.data, rollout_buffer=p.held, selector=p.selector, spec_drafts=p.drafts)
+  columns = new.rollout_queue["stats"].shape[1]
+  queue = dict(jax.device_get(new.rollout_queue))
+  queue["stats"] = queue["stats"][:, :-3]
   with checkpoint.Checkpointer(str(tmp_path), save_every=1) as ckpt:
     ckpt.save(1, dict(flat, step=jnp.asarray(1, jnp.int32)))
+    ckpt.save(2, new._replace(step=jnp.asarray(2, jnp.int32), rollout_queue=queue))
     ckpt.wait()
-    assert "data" in checkpoint.saved_leaves(str(tmp_path), 1)
-    state = resume.restore_state(s, ckpt, 1, train.abstract_state(s, 1))
-  assert int(state.step) == 1 and list(np.asarray(state.producer.data)) == [1, 7]
-  jax.tree.map(np.testing.assert_array_equal, state.producer.selector, new.producer.selector)
-  jax.tree.map(np.testing.assert_array_equal, state.params, new.params)
-  assert state.rollout_queue["stats"].shape == new.rollout_queue["stats"].shape
+    with pytest.raises(CheckpointError) as err:
+      resume.restore_state(s, ckpt, 1, train.abstract_state(s, 1))
+    msg = _one_line(err, 1)
+    assert EARLIER in msg and ADVICE in msg and "the producer's fields (data, " in msg, msg
+    with pytest.raises(SystemExit):
+      config_utils.main_guard(resume.restore_newest)(s, ckpt, train.abstract_state(s))
+  assert checkpoint.all_steps(str(tmp_path)) == [1, 2]
+  err = capsys.readouterr().err
+  assert err.startswith("error: the checkpoint of step 2 ") and err.count("\n") == 1, err
+  assert EARLIER in err and f"stats have {columns - 3} columns" in err, err
+
+
+def test_lora_checkpoint_with_full_params_fails_in_one_line(tmp_path):
+  """LoRA checkpoints written before adapter-only checkpoints (``lora_checkpoint``) hold the
+  frozen base in ``params`` as well: one ``CheckpointError`` line."""
+  s = train.build_setup(_config(["sft.steps=0", "model.lora.rank=4", "model.lora.targets=q,v"]))
+  with checkpoint.Checkpointer(str(tmp_path), save_every=1) as ckpt:
+    ckpt.save(1, train.init_state(s)._replace(step=jnp.asarray(1, jnp.int32)))
+    with pytest.raises(CheckpointError) as err:
+      resume.restore_state(s, ckpt, 1, train.abstract_state(s, 1))
+  msg = _one_line(err, 1)
+  assert EARLIER in msg and ADVICE in msg and "frozen LoRA base besides the adapters" in msg

@@ -20,8 +20,9 @@ Either way the metadata records a fingerprint of the base's bits (``fingerprint`
 restore checks the base it rebuilt or read against it: a changed ``model.hf_path`` or a base
 of another run fails in one line instead of resuming on other weights. A stored base that is
 missing or damaged makes its checkpoints unreadable (``CheckpointCorruptError``: the resume
-sets them aside and falls back to an older one). Checkpoints written before (full ``params``,
-no ``lora_base``) restore as they are.
+sets them aside and falls back to an older one). LoRA checkpoints written before adapter-only
+checkpoints (full ``params``, no ``lora_base``) are not read: ``resume.restore_state`` refuses
+them in one line, as every earlier state layout.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def for_checkpoint(s: Setup, ckpt: ckpt_lib.Checkpointer, state: Any, *,
 
 
 def base_info(s: Setup, directory, step: int) -> dict | None:
-  """The ``lora_base`` entry of the checkpoint of ``step`` (None: it holds full params)."""
+  """The ``lora_base`` entry of the checkpoint of ``step`` (None: it holds full params, as a
+  run without LoRA writes them)."""
   info = ckpt_lib.read_metadata(directory, step).get(KEY)
   if info and not s.model_cfg.lora_rank:
     raise CheckpointError(f"the checkpoint of step {step} in {directory} holds LoRA adapters "

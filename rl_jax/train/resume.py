@@ -1,22 +1,22 @@
-"""Restoring the train state of a step, including checkpoints of the older state layout.
+"""Restoring the train state of a step.
 
 The state holds only what the run still uses (``state.rl_layout``): the supervised
-optimizer state while the supervised stage runs, the reference once RL starts. Checkpoints
-written before this rule kept both for the whole run (the supervised Adam moments even with
-``sft.steps=0``, the reference in the parameter dtype during the supervised stage).
-``restore_state`` reads such a checkpoint too: the parts the current layout lacks are read
-into a target of their saved layout and then dropped, and a reference saved in another dtype
-is cast to ``train.ref_dtype`` on restore.
+optimizer state while the supervised stage runs, the reference once RL starts, the
+producer's fields grouped in ``ProducerState``, the asynchronous queue's ``stats`` with one
+column per ``records.STATS``. A LoRA run's checkpoint holds the adapters without the frozen
+base (``lora_checkpoint``): ``restore_state`` reads the adapters, rebuilds or reads the base
+the checkpoint names, and joins them.
 
-Checkpoints written before the producer's fields were grouped (``ProducerState``) keep them
-flat at the top of the state (``FLAT_PRODUCER``: ``data``, ``rollout_buffer``, ``selector``,
-``spec_drafts``), and their queue's ``stats`` may have fewer columns (counters added later
-come last): ``restore_state`` reads such a checkpoint onto a target of its own layout and
-regroups it. Nothing needs converting by hand.
-
-A LoRA run's checkpoint holds the adapters without the frozen base (``lora_checkpoint``):
-``restore_state`` reads the adapters, rebuilds or reads the base the checkpoint names, and
-joins them; a LoRA checkpoint with full params (written before) restores as it is.
+Checkpoints of an earlier state layout are not read: before ``ProducerState`` the producer's
+fields sat at the top of the state (``data``, ``rollout_buffer``, ``selector``,
+``spec_drafts``), the queue's ``stats`` had fewer columns, the supervised optimizer state
+was kept all run next to the reference, and a LoRA checkpoint held the full params.
+``restore_state`` recognises these from the checkpoint's manifest, before reading any array,
+and raises one ``CheckpointError`` line that names the difference and says to resume with
+the rl_jax version that wrote the checkpoint or to start a new workdir. Converting them on
+restore would keep a second reader of every old layout alive in the library for good.
+A checkpoint that differs from the target in any other way fails in the checkpoint layer's
+one line, which names the first differing leaf (``rl_jax.checkpoint.restore``).
 
 A newest checkpoint that does not read back whole (a file missing or changed since the save,
 ``rl_jax.checkpoint.integrity``) is no dead end: ``restore_newest`` renames it to
@@ -29,60 +29,21 @@ from __future__ import annotations
 import sys
 
 import jax
-import numpy as np
 
 from rl_jax import checkpoint as ckpt_lib
+from rl_jax import models
 from rl_jax.errors import CheckpointCorruptError, CheckpointError
 from rl_jax.train import lora_checkpoint, offload
 from rl_jax.train.context import Setup
-from rl_jax.train.state import TrainState, abstract_state, place_replicated, rl_layout
+from rl_jax.train.state import TrainState, abstract_state, rl_layout
 
-__all__ = ["restore_newest", "OPTIONAL_PARTS", "FLAT_PRODUCER", "restore_state", "legacy_target", "flat_layout",
-           "from_flat_layout"]
+__all__ = ["restore_newest", "OPTIONAL_PARTS", "restore_state"]
 
 # TrainState fields that exist only in some phases of a run (see ``state.rl_layout``).
 OPTIONAL_PARTS = ("sft_opt_state", "ref_params")
-# the earlier flat layout: top-level name -> ProducerState field
-FLAT_PRODUCER = {"data": "data", "rollout_buffer": "held", "selector": "selector",
-                 "spec_drafts": "drafts"}
-
-
-def flat_layout(state: TrainState) -> dict:
-  """``state`` in the earlier flat layout (a dict of its top-level parts), as checkpoints
-  written before ``ProducerState`` hold it."""
-  out = {f: getattr(state, f) for f in state._fields if f != "producer"}
-  out.update({old: getattr(state.producer, new) for old, new in FLAT_PRODUCER.items()})
-  return out
-
-
-def from_flat_layout(flat: dict, like: TrainState) -> TrainState:
-  """The inverse of ``flat_layout`` (``like`` gives the tree types)."""
-  producer = like.producer._replace(**{new: flat[old] for old, new in FLAT_PRODUCER.items()})
-  return like._replace(producer=producer, **{f: flat[f] for f in like._fields
-                                              if f != "producer"})
-
-
-def _queue_stats(target, saved: dict):
-  """The target's queue ``stats`` with the saved number of columns (an earlier, shorter
-  counter list), or the target unchanged."""
-  q = target["rollout_queue"] if isinstance(target, dict) else target.rollout_queue
-  shape = saved.get("rollout_queue/stats", {}).get("shape")
-  if not q or shape is None or tuple(shape) == q["stats"].shape:
-    return target, None
-  spec = q["stats"]
-  q = dict(q, stats=jax.ShapeDtypeStruct(tuple(shape), spec.dtype, sharding=spec.sharding))
-  if isinstance(target, dict):
-    return dict(target, rollout_queue=q), spec
-  return target._replace(rollout_queue=q), spec
-
-
-def _pad_stats(s: Setup, state: TrainState, spec) -> TrainState:
-  """The queue's shorter ``stats`` padded with NaN (not reported) to ``spec``'s columns."""
-  old = np.asarray(jax.device_get(state.rollout_queue["stats"]))
-  new = np.full(spec.shape, np.nan, old.dtype)
-  new[:, :old.shape[1]] = old
-  return state._replace(rollout_queue=dict(state.rollout_queue,
-                                           stats=place_replicated(s, new)))
+# top-level names of the producer's fields in checkpoints written before ProducerState; only
+# recognised, to name them in the error
+_FLAT_PRODUCER = ("data", "rollout_buffer", "selector", "spec_drafts")
 
 
 def _saved_parts(saved: dict) -> set[str]:
@@ -90,66 +51,90 @@ def _saved_parts(saved: dict) -> set[str]:
   return {path.split("/", 1)[0] for path in saved}
 
 
-def legacy_target(s: Setup, target: TrainState, saved: dict) -> tuple[TrainState, tuple]:
-  """``target`` extended with the optional parts the checkpoint has and ``target`` lacks
-  (read, then dropped); returns (extended target, names of the parts to drop)."""
-  have = _saved_parts(saved)
-  extra = [name for name in OPTIONAL_PARTS
-           if name in have and not jax.tree.leaves(getattr(target, name))]
-  if not extra:
-    return target, ()
-  parts = {}
-  if "sft_opt_state" in extra:
-    parts["sft_opt_state"] = abstract_state(s, rl=False).sft_opt_state
-  if "ref_params" in extra:  # the older layout's reference: parameter-shaped, any dtype
-    parts["ref_params"] = target.params
-  return target._replace(**parts), tuple(extra)
+def _earlier_layout(s: Setup, target: TrainState, saved: dict) -> str | None:
+  """What in the manifest ``saved`` only a checkpoint of an earlier state layout holds (a
+  phrase for the error), or None. Each sign is one that no current checkpoint shows, so a
+  changed config is never mistaken for an old layout."""
+  parts = _saved_parts(saved)
+  flat = [name for name in _FLAT_PRODUCER if name in parts]
+  if flat:
+    return (f"the producer's fields ({', '.join(flat)}) are at the top of the state, where "
+            "this version keeps them under producer")
+  shape = (saved.get("rollout_queue/stats") or {}).get("shape")
+  queue = target.rollout_queue
+  if queue and shape and len(shape) == 2 and shape[1] < queue["stats"].shape[1]:
+    return (f"its async queue's stats have {shape[1]} columns, where this version keeps "
+            f"{queue['stats'].shape[1]}")
+  if set(OPTIONAL_PARTS) <= parts:  # never both at once since rl_layout
+    dropped = [name for name in OPTIONAL_PARTS if not jax.tree.leaves(getattr(target, name))]
+    return (f"it holds both {' and '.join(OPTIONAL_PARTS)}, and this run no longer keeps "
+            f"{' or '.join(dropped)} at that step")
+  if s.model_cfg.lora_rank:
+    lora = f"params/layers/{models.lora.KEY}/"
+    params = [p for p in saved if p.startswith("params/")]
+    if any(p.startswith(lora) for p in params) and not all(p.startswith(lora) for p in params):
+      return ("its params hold the frozen LoRA base besides the adapters, where this version "
+              "checkpoints the adapters only")
+  return None
 
 
 def restore_state(s: Setup, ckpt: ckpt_lib.Checkpointer, step: int,
                   target: TrainState) -> TrainState:
-  """The checkpoint of ``step`` restored onto ``target`` (``abstract_state(s, step)``);
-  parts of an older layout that the run no longer keeps are dropped after reading."""
+  """The checkpoint of ``step`` restored onto ``target`` (``abstract_state(s, step)``).
+
+  Raises:
+    CheckpointError: the checkpoint is of an earlier state layout, lacks or holds an optional
+      part (``OPTIONAL_PARTS``) that the config does not have at ``step``, or otherwise does
+      not match ``target``; one line each, found from the manifest before any array is read.
+    CheckpointCorruptError: a file of the step (or of its stored LoRA base) is missing or
+      changed since the save.
+  """
   ckpt.wait()
   saved = ckpt_lib.saved_leaves(ckpt.directory, step)
+  earlier = _earlier_layout(s, target, saved)
+  if earlier:
+    raise CheckpointError(
+        f"the checkpoint of step {step} was written in an earlier state layout that this "
+        f"version of rl_jax no longer reads: {earlier}; resume it with the rl_jax version "
+        "that wrote it, or start a new workdir")
+  have = _saved_parts(saved)
   missing = [name for name in OPTIONAL_PARTS if jax.tree.leaves(getattr(target, name))
-             and name not in _saved_parts(saved)]
+             and name not in have]
   if missing:
     raise CheckpointError(
         f"the checkpoint of step {step} has no {missing[0]}, which this config needs at that "
         "step (sft.steps or the KL term changed since it was written?); resume with the "
         "config it was written with")
-  full, drop = legacy_target(s, target, saved)
+  extra = [name for name in OPTIONAL_PARTS if name in have
+           and not jax.tree.leaves(getattr(target, name))]
+  if extra:  # one part alone: a current layout written with another config
+    raise CheckpointError(
+        f"the checkpoint of step {step} holds {extra[0]}, which this config does not keep at "
+        "that step (sft.steps or the KL term changed since it was written?); resume with the "
+        "config it was written with")
+  read = target
   lora_base = lora_checkpoint.base_info(s, ckpt.directory, step)
   if lora_base:  # the adapters only; the base is joined below
-    full = full._replace(params=lora_checkpoint.adapters_only(target.params))
-  flat = "data" in saved  # written before the producer's fields were grouped
-  read = flat_layout(full) if flat else full
-  read, stats_spec = _queue_stats(read, saved)
+    read = target._replace(params=lora_checkpoint.adapters_only(target.params))
   state, _ = ckpt.restore(read, step=step)
-  if flat:
-    state = from_flat_layout(state, full)
   if lora_base:
     base = lora_checkpoint.restore_base(s, ckpt.directory, step, lora_base, target.params)
     state = state._replace(params=lora_checkpoint.rejoin(base, state.params))
-  if stats_spec is not None:
-    state = _pad_stats(s, state, stats_spec)
-  state = state._replace(**{name: {} for name in drop})
-  # train.offload: the target already places these in host memory; an older layout's
-  # reference (read onto the policy's layout) is moved there too
+  # train.offload: the target already asks for host memory; leaves read elsewhere move there
   return offload.place(state, offload.offloaded_fields(s))
 
 
 def restore_newest(s: Setup, ckpt: ckpt_lib.Checkpointer,
                    abstract: TrainState) -> TrainState | None:
   """The newest checkpoint that reads back whole, restored (None: no checkpoint). Damaged
-  newer steps are set aside (``Checkpointer.set_aside``) with one line on stderr each.
+  newer steps are set aside (``Checkpointer.set_aside``) with one line on stderr each; a
+  checkpoint that does not fit the run (``restore_state``'s ``CheckpointError``) stops it.
 
   Args:
     abstract: ``abstract_state(s)``, the target of a checkpoint of the current layout.
   """
   while (step := ckpt.latest_step()) is not None:
-    # the parts saved at that step (state.rl_layout); older layouts are read too
+    # the parts the run holds at that step (state.rl_layout)
     target = abstract if rl_layout(s, step) == rl_layout(s, 0) else abstract_state(s, step)
     try:
       return restore_state(s, ckpt, step, target)
