@@ -8,7 +8,7 @@ of 64, MLP 896, 256-symbol vocabulary: 3.7M parameters), 1 prompt of 9 tokens x 
 x ``--length`` 64 tokens. Variants (``ModelConfig`` fields):
 
 * ``plain``: ``fused_mlp=False, scan_layers=True`` (two gate/up matmuls, autodiff, layer scan);
-* ``fused``: ``fused_mlp=True`` (``transformer.swiglu_mlp``; the config default is False);
+* ``fused``: ``fused_mlp=True`` (``transformer.swiglu_mlp``; the CPU default since 2026-11-28);
 * ``unrolled``: ``scan_layers=False``; ``fused+unrolled``: both;
 * ``concat``: ``prefix_attention="concat"`` (``transformer.concat_prefix_attention``);
   ``fused+concat``: with ``fused_mlp=True``;
