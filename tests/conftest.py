@@ -71,10 +71,79 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
 
 
+# ------------------------------------------------------------------- the two test commands
+# ``python -m pytest -q -n 2 tests`` (README) runs every test not marked ``slow``;
+# ``python -m pytest -q -n 2 -m slow tests`` (CONTRIBUTING.md; CI runs both) the slow ones:
+# end-to-end runs that repeat what a faster test checks on another path (a second process,
+# a killed run, a bucket, the notebook). Any ``-m`` expression on the command line replaces
+# this default (``-m "slow or not slow"``: everything).
+SLOW_MARK = "slow"
+# Tests marked slow here (a node id, or its start: every case of a parametrized test), with
+# the faster test that covers the same code; ``@pytest.mark.slow`` on a test does the same.
+SLOW_TESTS = (
+    # runs killed or stopped and resumed; the resume path also runs in test_replay, test_lora
+    "test_train.py::test_resume_after_sigkill_is_bit_exact",
+    "test_train_async.py::test_fixed_lag_resume_after_sigkill_is_bit_exact",
+    "test_agent_train.py::test_resume_with_held_trajectories_after_sigkill_is_bit_exact",
+    "test_workdir_recovery.py::test_second_run_on_a_live_workdir_fails_in_one_line",
+    "test_workdir_recovery.py::test_rerun_takes_over_the_lock_of_the_killed_run",
+    "test_workdir_recovery.py::test_damaged_newest_checkpoint_is_skipped_and_kept",
+    "test_workdir_recovery.py::test_resume_on_two_devices_matches_the_eight_device_run",
+    "test_offload.py::test_offload_trains_identically_and_resumes_either_way",
+    # other processes and places: two JAX processes, a bucket, the notebook's kernel, an
+    # agent over HTTP (test_api, test_workdir_gcs's other tests, test_serve cover the parts)
+    "test_multiprocess.py::test_two_processes_equal_one_and_resume",
+    "test_multiprocess.py::test_killed_process_stops_the_other",
+    "test_workdir_gcs.py::test_training_run_in_a_bucket_resumes_from_it",
+    "test_notebook.py::test_quickstart_notebook_runs_and_shows_its_results",
+    "test_serve_train.py::test_an_openai_agent_trains_through_sessions",
+    "test_serve_train.py::test_sessions_sample_what_an_in_process_environment_samples",
+    "test_xdist_crash.py::test_a_crashed_worker_fails_its_test_and_the_run_finishes",
+    # learning runs and whole-run equalities beside a faster case of the same code
+    "test_train_async.py::test_quickstart_trains_asynchronously",
+    "test_distill.py::test_distillation_trains_toward_the_teacher",
+    "test_moe_rl.py::test_load_balancing_loss_term_of_the_updates",
+    "test_replay.py::test_off_by_default_leaves_the_producer_state_as_it_was",
+    "test_group_rewards.py::test_components_round_trip_through_the_checkpointed_queue",
+    "test_memory.py::test_memory_knob_still_learns[model.param_dtype=bfloat16 + optim",
+    "test_compile_options.py::test_training_programs_compile_with_the_cpu_options_to_the_same",
+    "test_micro_batches.py::test_micro_batches_on_one_device_equal_the_eight_device_whole_batch",
+    "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[ppo]",
+    "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[lora]",
+    "test_epochs.py::test_two_epochs_equal_a_hand_written_loop",
+    "test_profiling.py::test_profile_step_writes_a_trace_and_its_summary",
+    "test_bench_scaling.py::test_bench_scaling_small_reports_every_device_count",
+    # model variants beside the dense case of the same test
+    "test_frozen_slices.py::test_same_values_bit_for_bit[bf16]",
+    "test_frozen_slices.py::test_same_values_bit_for_bit[int4]",
+    "test_train_hf.py::test_gsm8k_config_with_hf_checkpoint[qwen3_moe]",
+    "test_train_hf.py::test_gsm8k_config_with_hf_checkpoint[gemma3_text]",
+)
+
+
+def _is_slow(item) -> bool:
+  nodeid = item.nodeid.split("/")[-1]  # "test_x.py::test_y[case]"
+  return bool(item.get_closest_marker(SLOW_MARK)) or nodeid.startswith(SLOW_TESTS)
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", f"{SLOW_MARK}: a long end-to-end test, run by `pytest -m {SLOW_MARK}` (CI runs "
+      "both commands)")
+
+
 def pytest_collection_modifyitems(config, items):
-  """Puts the files of ``LONG_FILES_FIRST`` first, in that order (a stable sort: the tests of
-  a file keep their order)."""
-  del config
+  """Without ``-m``, deselects the tests marked ``slow``; then puts the files of
+  ``LONG_FILES_FIRST`` first, in that order (a stable sort: the tests of a file keep their
+  order)."""
+  for item in items:
+    if _is_slow(item) and not item.get_closest_marker(SLOW_MARK):
+      item.add_marker(SLOW_MARK)
+  if not config.getoption("markexpr"):
+    slow = [item for item in items if item.get_closest_marker(SLOW_MARK)]
+    if slow:
+      config.hook.pytest_deselected(items=slow)
+      items[:] = [item for item in items if not item.get_closest_marker(SLOW_MARK)]
   rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 

@@ -100,6 +100,16 @@ def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
   np.testing.assert_allclose(old[mask], scored.logprobs.reshape(G, M, R)[mask], atol=1e-5)
   assert np.array_equal(np.asarray(batch.inputs.mask), mask)
   assert np.array_equal(np.asarray(batch.tokens), scored.tokens.reshape(G, M, R))
+  # the groups carry the first prompts they were rolled out from, padded as the learner
+  # packs them (it never tokenizes them again)
+  want = rollouts.pad_prompts(
+      rollouts.encode_prompts(s, [s.train_examples[i] for i in scored.indices]),
+      s.prompt_len, s.tokenizer.pad_id)
+  for got, ref in zip((scored.prompts, scored.prompt_lens), want):
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref)
+  np.testing.assert_array_equal(np.asarray(batch.prompt_tokens), scored.prompts)
+  np.testing.assert_array_equal(np.asarray(batch.prompt_lengths), scored.prompt_lens)
   # observation tokens: inside the trajectory, not sampled, never in the loss
   turn_ids = scored.turns["turn_ids"]
   length = np.asarray([r.max(initial=-1) for r in

@@ -174,7 +174,7 @@ def test_components_round_trip_through_the_checkpointed_queue(tmp_path):
   assert "components" not in queue_lib.empty_queue(train.build_setup(_config(over[3:])))
   item = dict(indices=np.arange(G, dtype=np.int32), rewards=np.ones((G, M), np.float32),
               components=np.random.default_rng(0).random((G, M, 2)).astype(np.float32))
-  for k in ("tokens", "mask", "logprobs", "versions"):
+  for k in ("prompts", "prompt_lens", "tokens", "mask", "logprobs", "versions"):
     item[k] = q[k][0]
   scored = train.Scored(**item, faults=np.zeros(2, np.int64), rollout_s=1.0, version=0,
                         stats={})

@@ -207,7 +207,8 @@ def test_selection_stage_rolls_chunks_and_updates_posteriors_per_prompt():
       seen[i] = seen.get(i, 0) + m
     g = len(idx)
     z = np.zeros((g * m, R))
-    return Scored(np.asarray(idx, np.int32), z.astype(np.int32), z == 0, z, z.astype(np.int32),
+    return Scored(np.asarray(idx, np.int32), np.asarray(idx, np.int32)[:, None],
+                  np.ones(g, np.int32), z.astype(np.int32), z == 0, z, z.astype(np.int32),
                   np.asarray(rewards, np.float32), np.zeros(2, np.int64), 0.1, 0, {})
 
   out, data, new, stats = ss.select(c, np.zeros(2, np.int32), sel, nxt, roll, step=0)

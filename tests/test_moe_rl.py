@@ -221,7 +221,8 @@ def test_queue_keeps_the_expert_records_of_moe_models(replay_run):
   assert empty["routing"].shape == (1, 4, R, Y, X)
   rng = np.random.default_rng(0)
   item = train.Scored(
-      indices=np.arange(2, dtype=np.int32), tokens=np.ones((4, R), np.int32),
+      indices=np.arange(2, dtype=np.int32), prompts=np.ones((2, s.prompt_len), np.int32),
+      prompt_lens=np.ones(2, np.int32), tokens=np.ones((4, R), np.int32),
       mask=np.ones((4, R), bool), logprobs=np.zeros((4, R), np.float32),
       versions=np.zeros((4, R), np.int32), rewards=np.zeros((2, 2), np.float32),
       faults=np.zeros(2, np.int64), rollout_s=1.0, version=0, stats={},

@@ -237,10 +237,14 @@ def test_async_pod_rules(monkeypatch, overrides, message):
 def test_own_share_is_a_process_groups_of_a_job_wide_batch():
   G, M, R = 4, 2, 3
   rows = np.arange(G * M * R).reshape(G * M, R)
-  x = Scored(np.arange(10, 10 + G), rows, rows % 2 == 0, rows / 10.0, rows + 1,
+  prompts = np.arange(G * 3, dtype=np.int32).reshape(G, 3)
+  x = Scored(np.arange(10, 10 + G), prompts, np.arange(1, G + 1, dtype=np.int32), rows,
+             rows % 2 == 0, rows / 10.0, rows + 1,
              np.arange(G * M, dtype=np.float32).reshape(G, M), np.asarray([3, 1]), 1.0, 0, {})
   second = runner.own_share(x, 2, 4, lead=False)  # process 1 of 2: groups 2 and 3
   assert second.indices.tolist() == [12, 13]
+  np.testing.assert_array_equal(second.prompts, prompts[2:])
+  assert second.prompt_lens.tolist() == [3, 4]
   for k in ("tokens", "mask", "logprobs", "versions"):
     np.testing.assert_array_equal(getattr(second, k), getattr(x, k)[2 * M:], err_msg=k)
   np.testing.assert_array_equal(second.rewards, x.rewards[2:])

@@ -19,6 +19,9 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
   assert len(commands) == 2
   quickstart, tests = commands
   with open(os.path.join(ROOT, ".ci", "run")) as f:
-    assert tests in f.read().splitlines()
+    lines = f.read().splitlines()
+  assert tests in lines
+  # and the slow tests the README's command leaves out (tests/conftest.py, SLOW_TESTS)
+  assert lines[-1] == "python -m pytest -q -n 2 -m slow tests", lines[-1]
   assert "python -m rl_jax.train --config=configs/quickstart.py --workdir=" in quickstart
   assert os.path.exists(os.path.join(ROOT, "configs", "quickstart.py"))

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from rl_jax import config as base, config_utils, metrics, train
 from rl_jax.checkpoint.tree import leaf_paths
 from rl_jax.errors import ConfigError
-from rl_jax.train import replay_stage
+from rl_jax.train import replay_stage, rollouts, runner
 from rl_jax.train.learner import apply_update
 from tests.tiny import QUICKSTART, TINY_MODEL, stopped_at
 
@@ -23,6 +23,7 @@ TINY = TINY_MODEL + [
     "rollout.temperature=1.0", "train.eval_every=0", "log.tensorboard=False",
     "reward.group_fn=tests.group_reward_fns:first_char_parity",
 ]
+P = 5  # the buffer tests' prompt bucket
 REPLAY = ["train.replay.capacity=4", "train.replay.fraction=0.5", "loss.tis_level=token"]
 
 
@@ -30,12 +31,15 @@ def _config(overrides=()):
   return config_utils.load_config(QUICKSTART, TINY + list(overrides))
 
 
-def _scored(rewards, M=3, R=2, first=0):
-  """A ``Scored`` of groups with rewards [g,M]; group i's tokens are all first + i."""
+def _scored(rewards, M=3, R=2, first=0, P=P):
+  """A ``Scored`` of groups with rewards [g,M]; group i's tokens and prompt ids are all
+  first + i (its prompt (i % P) + 1 of them)."""
   g = len(rewards)
-  ids = np.repeat(np.arange(first, first + g, dtype=np.int32), M)
+  idx = np.arange(first, first + g, dtype=np.int32)
+  ids = np.repeat(idx, M)
   rows = np.broadcast_to(ids[:, None], (g * M, R))
-  return train.Scored(np.arange(first, first + g, dtype=np.int32), rows.copy(),
+  return train.Scored(idx, np.repeat(idx[:, None], P, axis=1),
+                      (idx % P + 1).astype(np.int32), rows.copy(),
                       np.ones((g * M, R), bool), -rows.astype(np.float32),
                       np.zeros((g * M, R), np.int32), np.asarray(rewards, np.float32),
                       np.zeros(2, np.int64), 0.0, 0, {})
@@ -44,7 +48,7 @@ def _scored(rewards, M=3, R=2, first=0):
 def _buffer(capacity, M=3, R=2):
   c = _config(["train.replay.capacity=%d" % capacity, "loss.tis_level=token",
                f"rollout.n={M}", f"rollout.max_new_tokens={R}"])
-  return replay_stage.empty_buffer(c)
+  return replay_stage.empty_buffer(c, P)
 
 
 # ------------------------------------------------------------------------ the buffer alone
@@ -57,8 +61,16 @@ def test_only_groups_with_reward_variance_enter_and_the_oldest_leave_first():
   assert int(buf["size"]) == 4  # groups 0 and 3, then 10, 11, 12 over the oldest (0)
   assert sorted(buf["indices"]) == [3, 10, 11, 12]
   assert all(float(buf["rewards"][i].std()) > 0 for i in range(4))
-  # the rows of each held group are its own
+  # the rows and the prompt of each held group are its own
   np.testing.assert_array_equal(buf["tokens"][:, 0, 0], buf["indices"])
+  np.testing.assert_array_equal(buf["prompts"], np.repeat(buf["indices"][:, None], P, 1))
+  np.testing.assert_array_equal(buf["prompt_lens"], buf["indices"] % P + 1)
+  part = replay_stage.draw(buf, 2, 0)
+  np.testing.assert_array_equal(part["prompts"][:, 0], part["indices"])
+  np.testing.assert_array_equal(part["prompt_lens"], part["indices"] % P + 1)
+  merged = replay_stage.merge(_scored([[0, 1, 0]], first=20), part, buf, 1)
+  np.testing.assert_array_equal(merged.prompts[:, 0], merged.indices)
+  np.testing.assert_array_equal(merged.prompt_lens, merged.indices % P + 1)
   assert replay_stage.draw(replay_stage.add(_buffer(4), _scored(flat)), 1, 0) is None
 
 
@@ -78,14 +90,31 @@ def test_draw_is_uniform_without_replacement():
 
 
 # --------------------------------------------------------------------------- the trainer
-def test_replayed_groups_reach_the_update_with_their_recorded_logprobs():
+def test_replayed_groups_reach_the_update_with_their_recorded_logprobs(monkeypatch):
   s = train.build_setup(_config(REPLAY + ["train.steps=3"]))
   t = train.make_trainer(s)
   state = train.begin_rl(s, train.init_state(s))
   G, k = 4, 2
   recorded, replayed = {}, 0
+  handed = []  # the scored batches the producer hands the learner
+  learner_batch = runner.learner_batch
+
+  def spy(t, state, scored, **kw):
+    handed.append(scored)
+    return learner_batch(t, state, scored, **kw)
+
+  monkeypatch.setattr(runner, "learner_batch", spy)
   for step in range(3):
     batch, info, producer = train.collect(t, state)
+    # fresh and replayed groups carry their prompts' ids, as sampled (the learner's input)
+    scored = handed[-1]
+    want = rollouts.pad_prompts(
+        rollouts.encode_prompts(s, [s.train_examples[i] for i in scored.indices]),
+        s.prompt_len, s.tokenizer.pad_id)
+    for got, ref in zip((scored.prompts, scored.prompt_lens), want):
+      assert got.dtype == np.int32
+      np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(np.asarray(batch.prompt_tokens), scored.prompts)
     tokens, logp = (np.asarray(a) for a in (batch.tokens, batch.inputs.behaviour_logp))
     prompts = np.asarray(batch.prompt_tokens)
     key = lambda g: (prompts[g].tobytes(), tokens[g].tobytes())

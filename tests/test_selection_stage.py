@@ -38,7 +38,9 @@ def _roller(table, calls):
     calls.append((list(idx), first))
     g = len(idx)
     tok = np.tile(np.asarray(idx, np.int32)[:, None, None], (1, M, R)).reshape(g * M, R)
-    return Scored(np.asarray(idx, np.int32), tok, np.ones((g * M, R), bool),
+    prompts = np.tile(np.asarray(idx, np.int32)[:, None], (1, 3))  # a prompt's ids: its index
+    return Scored(np.asarray(idx, np.int32), prompts, np.full(g, 3, np.int32), tok,
+                  np.ones((g * M, R), bool),
                   np.zeros((g * M, R), np.float32), np.zeros((g * M, R), np.int32),
                   table[np.asarray(idx)].astype(np.float32), np.zeros(2, np.int64), 0.5, 0,
                   {"rollout_tokens": float(g * M * R)})
@@ -65,6 +67,9 @@ def test_dapo_fills_the_batch_with_informative_groups_in_draw_order():
   assert list(out.indices) == informative[:G]  # first G informative, in draw order
   assert np.all(np.ptp(out.rewards, axis=1) > 0)
   assert out.tokens.shape == (G * M, R) and np.all(out.tokens[::M, 0] == out.indices)
+  # each picked group keeps its own prompt ids
+  assert out.prompts.shape == (G, 3) and np.all(out.prompts.T == out.indices)
+  assert out.prompts.dtype == out.prompt_lens.dtype == np.int32
   assert stats["dynamic_sampling_short"] == 0 and stats["dynamic_sampling_tries"] == 3
   assert stats["dynamic_sampling_dropped"] == 2 * G and new is None
   assert out.stats["rollout_tokens"] == 3 * G * M * R and out.rollout_s == 1.5

@@ -20,6 +20,7 @@ from rl_jax import config_utils
 from rl_jax import metrics
 from rl_jax import train
 from rl_jax.errors import ConfigError
+from rl_jax.train import learner, producer, rollouts
 from rl_jax.train import queue as queue_lib
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
 
@@ -142,8 +143,10 @@ def test_split_rollout_and_training_meshes_match_one_device(tmp_path):
 def test_queue_round_trips_through_arrays():
   config = _config(["train.mode=async", "train.async_lag=2"])
   rng = np.random.default_rng(0)
-  G, M, R = 4, 4, 5
+  G, M, R, P = 4, 4, 5, config.data.max_prompt_len  # a bare config: P is the bound
   item = dict(indices=rng.integers(0, 9, G).astype(np.int32),
+              prompts=rng.integers(0, 9, (G, P)).astype(np.int32),
+              prompt_lens=rng.integers(1, P + 1, G).astype(np.int32),
               tokens=rng.integers(0, 9, (G * M, R)).astype(np.int32),
               mask=rng.random((G * M, R)) < 0.5, logprobs=rng.random((G * M, R), np.float32),
               versions=rng.integers(0, 3, (G * M, R)).astype(np.int32),
@@ -157,6 +160,32 @@ def test_queue_round_trips_through_arrays():
                                   v if k != "stats" else 3.0, err_msg=k)
   with pytest.raises(ValueError):
     queue_lib.to_arrays(config, [SimpleNamespace(**item)] * 3)
+
+
+def test_produced_batches_carry_the_prompts_they_were_sampled_from():
+  """A produced ``Scored`` holds its groups' prompt ids as sampled, right-padded to P:
+  exactly the padded encoding of its examples, which the checkpointed queue keeps and the
+  learner packs as they are (it never tokenizes a prompt again)."""
+  s = train.build_setup(_config(["train.mode=async", "train.async_lag=1"]))
+  t = train.make_trainer(s)
+  st = train.init_state(s)
+  lo, hi = t.layout.share(s.geometry.rows)
+  scored, _ = producer.produce(t, t.layout.sampler_params(st.params), st.producer, step=0,
+                               version=0, lo=lo, hi=hi)
+  assert scored.prompts.shape == (hi - lo, s.prompt_len)
+  want = rollouts.pad_prompts(
+      rollouts.encode_prompts(s, [s.train_examples[i] for i in scored.indices]),
+      s.prompt_len, s.tokenizer.pad_id)
+  for got, ref in zip((scored.prompts, scored.prompt_lens), want):
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref)
+  assert (scored.prompt_lens < s.prompt_len).all()  # each right-padded
+  (back,) = queue_lib.from_arrays(queue_lib.to_arrays(s, [scored]))
+  for k in ("prompts", "prompt_lens"):
+    np.testing.assert_array_equal(back[k], getattr(scored, k), err_msg=k)
+  batch, _ = learner.learner_batch(t, st, train.Scored(**back))
+  np.testing.assert_array_equal(np.asarray(batch.prompt_tokens), scored.prompts)
+  np.testing.assert_array_equal(np.asarray(batch.prompt_lengths), scored.prompt_lens)
 
 
 @pytest.mark.parametrize("overrides,message", [

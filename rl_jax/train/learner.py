@@ -27,7 +27,7 @@ from rl_jax.models.hf import release_host_memory
 from rl_jax.train import agent_stage, group_size, replay_stage
 from rl_jax.train.inputs import Source, make_inputs
 from rl_jax.train.records import STATS, Scored
-from rl_jax.train.rollouts import Trainer, encode_prompts, pad_prompts
+from rl_jax.train.rollouts import Trainer
 from rl_jax.train.state import TrainState
 from rl_jax.train.steps import UpdateBatch
 
@@ -100,8 +100,7 @@ def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = 
     loss_mask = loss_mask & (scored.versions >= int(state.step) - max_lag)
   mine = slice(0, g) if g == hi - lo else slice(lo, hi)  # this process's groups of ``scored``
   put = lambda a: t.layout.put(a[mine], G)  # host rows -> global arrays split along batch
-  prompts = encode_prompts(s, [s.train_examples[i] for i in scored.indices])
-  pt, pl = (put(a) for a in pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id))
+  pt, pl = put(scored.prompts), put(scored.prompt_lens)  # as the producer encoded them
   rt = put(scored.tokens.reshape(g, M, R))
   turns = None
   if scored.turns is not None and s.objective.needs & set(losses.TURN_FIELDS):

@@ -48,7 +48,7 @@ from rl_jax.train import (agent_stage, group_size, replay_stage, selection_stage
                           speculative_stage)
 from rl_jax.train.records import ENGINE_STATS, ProducerState, Scored
 from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
-                                   next_indices, score_groups)
+                                   next_indices, pad_prompts, score_groups)
 from rl_jax.train import state as state_lib
 from rl_jax.train.state import held_capacity, place_replicated
 from rl_jax.train.streams import Stream, seed_for
@@ -70,7 +70,8 @@ def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version
             M: int) -> Scored:
   """The scoring stage: the verifier on each completion (or the group function on each
   group, ``reward.group_fn``), DAPO overlong shaping (with named components, its penalty is
-  the component ``overlong``)."""
+  the component ``overlong``); the groups keep the prompts they were sampled from
+  (``out.prompts``, padded to P)."""
   s = t.setup
   rewards, comps, faults = score_groups(s, decode(s, out.tokens, out.mask),
                                         [s.train_examples[i] for i in idx], M)
@@ -80,8 +81,10 @@ def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version
   if comps is not None and s.reward_names[-1] == "overlong":
     comps = np.concatenate([comps, penalty[:, None]], axis=1)
   g = len(idx)
-  return Scored(np.asarray(idx, np.int32), out.tokens, out.mask, out.logprobs,
-                out.versions.astype(np.int32), rewards.reshape(g, M).astype(np.float32),
+  prompts, prompt_lens = pad_prompts(out.prompts, s.prompt_len, s.tokenizer.pad_id)
+  return Scored(np.asarray(idx, np.int32), prompts, prompt_lens, out.tokens, out.mask,
+                out.logprobs, out.versions.astype(np.int32),
+                rewards.reshape(g, M).astype(np.float32),
                 np.asarray([faults["exceptions"], faults["timeouts"]], np.int64), rollout_s,
                 version, out.stats, routing=out.routing,
                 components=None if comps is None else
@@ -242,8 +245,9 @@ def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, l
            **(s.task.stats() if s.task.stats is not None else {}),
            **engine_stats(out.stats),
            "rollout_tokens": float(out.model_mask.sum())}
-  scored = Scored(np.asarray(idx, np.int32), out.tokens[:, :R], out.model_mask[:, :R],
-                  out.logprobs[:, :R], out.versions[:, :R],
+  prompts, prompt_lens = pad_prompts(out.prompts, s.prompt_len, s.tokenizer.pad_id)
+  scored = Scored(np.asarray(idx, np.int32), prompts, prompt_lens, out.tokens[:, :R],
+                  out.model_mask[:, :R], out.logprobs[:, :R], out.versions[:, :R],
                   out.reward.reshape(G, M).astype(np.float32),
                   np.asarray([out.env_errors.sum(), out.timeouts.sum()], np.int64), rollout_s,
                   version, stats, turns=turns)

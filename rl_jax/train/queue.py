@@ -11,7 +11,7 @@ sampler's expert records (``routing``), runs with named reward components their 
 (``components``); a run without them keeps exactly the arrays it had.
 
 Shapes (the package legend, ``rl_jax/__init__.py``): Q slots, G groups, M samples per
-prompt, R new tokens.
+prompt, P prompt bucket, R new tokens.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ AGENT_STATS = METRICS + tuple(f"tool_errors_{k}" for k in ERROR_KINDS)
 def empty_queue(config) -> dict[str, np.ndarray]:
   """The queue with nothing in it (``{}`` when the schedule keeps none: lag 0):
 
-  count int32 []; indices int32 [Q,G]; tokens / versions int32 [Q,G·M,R]; mask bool
-  [Q,G·M,R]; logprobs float32 [Q,G·M,R]; rewards float32 [Q,G,M]; faults int32 [Q,2];
-  rollout_s float32 [Q]; version int32 [Q]; stats float32 [Q, len(STATS)]; with
+  count int32 []; indices int32 [Q,G]; prompts int32 [Q,G,P] (P: ``Setup.prompt_len``
+  given a Setup, else the bound ``data.max_prompt_len``); prompt_lens int32 [Q,G];
+  tokens / versions int32 [Q,G·M,R]; mask bool [Q,G·M,R]; logprobs float32 [Q,G·M,R];
+  rewards float32 [Q,G,M]; faults int32 [Q,2]; rollout_s float32 [Q]; version int32 [Q];
+  stats float32 [Q, len(STATS)]; with
   ``env.name`` also turn_rewards float32 [Q,G·M,U], turn_ids int32 [Q,G·M,R], turn_states
   int32 [Q,G·M,U] and agent_stats float32 [Q, len(AGENT_STATS)]; given a Setup of a
   mixture-of-experts model, also routing int32 [Q,G·M,R,Y,X] (-1: none recorded); given a
@@ -45,12 +47,14 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   """
   model_cfg = getattr(config, "model_cfg", None)
   names = tuple(getattr(config, "reward_names", ()))
+  P = getattr(config, "prompt_len", None)
   config = getattr(config, "config", config)  # a Setup or its config
   Q = config_lib.schedule(config).queue
   if not Q:
     return {}
   geo = config_lib.geometry(config)
   G, M, R = geo.groups, geo.samples, geo.new_tokens
+  P = config.data.max_prompt_len if P is None else P
   rows = (Q, G * M, R)
   turns = {} if not config.env.name else {
       "turn_rewards": np.zeros((Q, G * M, geo.turns), np.float32),
@@ -63,6 +67,8 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   return {**turns, **moe, **comps,
       "count": np.zeros((), np.int32),
       "indices": np.zeros((Q, G), np.int32),
+      "prompts": np.zeros((Q, G, P), np.int32),
+      "prompt_lens": np.zeros((Q, G), np.int32),
       "tokens": np.zeros(rows, np.int32),
       "mask": np.zeros(rows, bool),
       "logprobs": np.zeros(rows, np.float32),

@@ -2,7 +2,7 @@
 and ``ProducerState`` (what the producer carries from one batch to the next).
 
 Shapes (the package legend, ``rl_jax/__init__.py``): G row groups (g: this process's),
-M samples per group, R new tokens.
+M samples per group, P prompt bucket (``Setup.prompt_len``), R new tokens.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ class Scored(NamedTuple):
   """One step's groups, sampled and scored, on the host: what the rollout producer hands the
   learner (and what an asynchronous run keeps in its checkpointed queue).
 
-  indices int32 [g]: dataset index of each group's prompt; tokens / mask / logprobs
-  [g·M,R]: sampled tokens, validity and behaviour log-probs; versions int32 [g·M,R]: the
-  policy version (completed steps) that sampled each token; rewards float32 [g,M];
-  faults int64 [2]: verifier exceptions and timeouts; rollout_s: sampling wall time;
-  version: the policy version the producer held; stats: counters (``STATS``); groups
-  int32 [g]: with adaptive group size, the step's prompt of each row group (chunk), else None.
+  indices int32 [g]: dataset index of each group's prompt; prompts int32 [g,P]: those
+  prompts' ids as sampled (``rollouts.encode_prompts``), right-padded with the tokenizer's
+  pad id (``rollouts.pad_prompts``), and prompt_lens int32 [g] their lengths (the learner
+  reads them and never tokenizes a prompt again); tokens / mask / logprobs [g·M,R]: sampled
+  tokens, validity and behaviour log-probs; versions int32 [g·M,R]: the policy version
+  (completed steps) that sampled each token; rewards float32 [g,M]; faults int64 [2]:
+  verifier exceptions and timeouts; rollout_s: sampling wall time; version: the policy
+  version the producer held; stats: counters (``STATS``); groups int32 [g]: with adaptive
+  group size, the step's prompt of each row group (chunk), else None.
   turns: multi-turn batches (``env.name``): the per-turn inputs of ``agent_stage.turn_fields``
   (turn_rewards [g·M,U], turn_ids [g·M,R], turn_states [g·M,U]), else None; their
   ``tokens`` are the trajectories (model and observation ids) and ``mask`` the model tokens.
@@ -43,6 +46,8 @@ class Scored(NamedTuple):
   """
 
   indices: np.ndarray
+  prompts: np.ndarray
+  prompt_lens: np.ndarray
   tokens: np.ndarray
   mask: np.ndarray
   logprobs: np.ndarray

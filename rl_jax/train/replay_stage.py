@@ -20,9 +20,12 @@ and the staleness metrics see their age; the learner recomputes the proximal log
 for any batch. The buffer is part of the checkpoint (``ProducerState.replay``), so a resumed
 run replays exactly what the uninterrupted run replays.
 
-Shapes (package legend): G groups, M samples per prompt, R new tokens, C named reward
-components; ``capacity`` the groups the buffer holds at most, k the replayed groups of a
-step.
+The buffer keeps each group's prompt ids (``Scored.prompts`` / ``prompt_lens``) with its
+rows, so a replayed group reaches the learner as it was sampled, never tokenized again.
+
+Shapes (package legend): G groups, M samples per prompt, P prompt bucket
+(``Setup.prompt_len``), R new tokens, C named reward components; ``capacity`` the groups
+the buffer holds at most, k the replayed groups of a step.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ __all__ = ["METRICS", "enabled", "empty_buffer", "informative", "add", "draw", "
 # Scored.stats keys the learner copies into the step's metrics
 METRICS = ("replay_groups", "replay_size", "replay_token_age")
 
-# the buffer's per-group arrays (leading axis [capacity]) and their dtypes
+# the buffer's arrays of a group's prompt (leading axis [capacity]; int32)
+_GROUPS = ("indices", "prompts", "prompt_lens")
+# the buffer's per-group arrays of its rows (leading axis [capacity]) and their dtypes
 _ROWS = {"tokens": np.int32, "mask": np.bool_, "logprobs": np.float32, "versions": np.int32}
 
 
@@ -46,12 +51,14 @@ def enabled(c) -> bool:
   return config_lib.replay_groups(c) > 0
 
 
-def empty_buffer(c, components: int = 0, experts: int = 0, processes: int = 1) -> dict:
+def empty_buffer(c, prompt_len: int, components: int = 0, experts: int = 0,
+                 processes: int = 1) -> dict:
   """``ProducerState.replay`` of a fresh run: ``{}`` with replay off, else host arrays
-  holding nothing: indices int32 [capacity], tokens / mask / logprobs / versions
-  [capacity,M,R], rewards float32 [capacity,M], components float32 [capacity,M,C] (with
-  C = ``components`` > 0 named reward components), size int32 [] (groups held) and next
-  int32 [] (the slot written next)."""
+  holding nothing: indices int32 [capacity], prompts int32 [capacity,P] (P =
+  ``prompt_len``, ``Setup.prompt_len``) and prompt_lens int32 [capacity], tokens / mask /
+  logprobs / versions [capacity,M,R], rewards float32 [capacity,M], components float32
+  [capacity,M,C] (with C = ``components`` > 0 named reward components), size int32 []
+  (groups held) and next int32 [] (the slot written next)."""
   if not enabled(c):
     return {}
   what = f"train.replay.capacity={c.train.replay.capacity}"
@@ -64,6 +71,8 @@ def empty_buffer(c, components: int = 0, experts: int = 0, processes: int = 1) -
   geo = config_lib.geometry(c)
   n, M, R = c.train.replay.capacity, geo.samples, geo.new_tokens
   out = {"indices": np.zeros((n,), np.int32),
+         "prompts": np.zeros((n, prompt_len), np.int32),
+         "prompt_lens": np.zeros((n,), np.int32),
          **{k: np.zeros((n, M, R), d) for k, d in _ROWS.items()},
          "rewards": np.zeros((n, M), np.float32),
          "size": np.zeros((), np.int32), "next": np.zeros((), np.int32)}
@@ -78,15 +87,17 @@ def informative(rewards: np.ndarray) -> np.ndarray:
 
 
 def add(buffer: dict, scored) -> dict:
-  """``buffer`` with the informative groups of ``scored`` (a ``Scored``: indices [g], rows
-  [g·M,R], rewards [g,M]) written in order at its ring position, each overwriting the
-  oldest group once it is full (a new dict; ``buffer`` is not changed)."""
+  """``buffer`` with the informative groups of ``scored`` (a ``Scored``: indices, prompts,
+  prompt_lens [g,...], rows [g·M,R], rewards [g,M]) written in order at its ring position,
+  each overwriting the oldest group once it is full (a new dict; ``buffer`` is not
+  changed)."""
   keep = np.flatnonzero(informative(scored.rewards))
   out = {k: np.array(v) for k, v in buffer.items()}
   n, M = out["rewards"].shape
   pos, size = int(out["next"]), int(out["size"])
   for g in keep:
-    out["indices"][pos] = scored.indices[g]
+    for k in _GROUPS:
+      out[k][pos] = getattr(scored, k)[g]
     for k in _ROWS:
       out[k][pos] = getattr(scored, k)[g * M:(g + 1) * M]
     out["rewards"][pos] = scored.rewards[g]
@@ -99,14 +110,15 @@ def add(buffer: dict, scored) -> dict:
 
 def draw(buffer: dict, k: int, seed: int) -> dict | None:
   """k groups of ``buffer`` drawn uniformly without replacement by the generator seeded
-  ``seed``, as ``Scored`` fields (indices [k], tokens / mask / logprobs / versions [k·M,R],
-  rewards [k,M], components [k,M,C] or None); None when it holds fewer than k (or k = 0)."""
+  ``seed``, as ``Scored`` fields (indices [k], prompts [k,P], prompt_lens [k], tokens /
+  mask / logprobs / versions [k·M,R], rewards [k,M], components [k,M,C] or None); None
+  when it holds fewer than k (or k = 0)."""
   size = int(buffer["size"]) if buffer else 0
   if k == 0 or size < k:
     return None
   slots = np.random.default_rng(seed).choice(size, size=k, replace=False)
   rows = lambda a: np.asarray(a)[slots].reshape(k * a.shape[1], *a.shape[2:])
-  return {"indices": np.asarray(buffer["indices"])[slots],
+  return {**{name: np.asarray(buffer[name])[slots] for name in _GROUPS},
           **{name: rows(buffer[name]) for name in _ROWS},
           "rewards": np.asarray(buffer["rewards"])[slots],
           "components": (np.asarray(buffer["components"])[slots] if "components" in buffer
@@ -129,7 +141,7 @@ def merge(fresh, part: dict | None, buffer: dict, version: int):
   stats["replay_groups"] = float(len(part["indices"]))
   stats["replay_token_age"] = float(np.mean(version - part["versions"][mask])
                                     if mask.any() else 0.0)
-  arrays = {name: cat(name) for name in ("indices", "rewards", *_ROWS)}
+  arrays = {name: cat(name) for name in (*_GROUPS, "rewards", *_ROWS)}
   if fresh.components is not None:
     arrays["components"] = cat("components")
   return fresh._replace(stats=stats, **arrays)

@@ -118,9 +118,9 @@ def job_wide(x: Scored) -> Scored:
 
 
 def own_share(x: Scored, lo: int, hi: int, lead: bool) -> Scored:
-  """Groups ``[lo, hi)`` of a job-wide batch (``job_wide``'s inverse): indices [g],
-  rows [g·M,...], rewards [g,M]; the job's faults stay with the ``lead`` process only (the
-  learner sums them over processes)."""
+  """Groups ``[lo, hi)`` of a job-wide batch (``job_wide``'s inverse): indices, prompts,
+  prompt_lens [g,...], rows [g·M,...], rewards [g,M]; the job's faults stay with the
+  ``lead`` process only (the learner sums them over processes)."""
   G = len(x.indices)
   rows = lambda a: a.reshape(G, -1, *a.shape[1:])[lo:hi].reshape(-1, *a.shape[1:])
   arrays = {k: rows(getattr(x, k)) for k in ("tokens", "mask", "logprobs", "versions")}
@@ -128,7 +128,8 @@ def own_share(x: Scored, lo: int, hi: int, lead: bool) -> Scored:
     arrays["routing"] = rows(x.routing)
   if x.components is not None:
     arrays["components"] = x.components[lo:hi]
-  return x._replace(indices=x.indices[lo:hi], rewards=x.rewards[lo:hi],
+  return x._replace(indices=x.indices[lo:hi], prompts=x.prompts[lo:hi],
+                    prompt_lens=x.prompt_lens[lo:hi], rewards=x.rewards[lo:hi],
                     faults=x.faults if lead else np.zeros_like(x.faults), **arrays)
 
 

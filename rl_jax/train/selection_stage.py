@@ -113,6 +113,8 @@ def take_groups(parts: list, picks: list[tuple[int, int]]):
       [parts[p].components[g] for p, g in picks]).astype(np.float32)
   return parts[0]._replace(components=comps,
       indices=np.asarray([parts[p].indices[g] for p, g in picks], np.int32),
+      prompts=np.stack([parts[p].prompts[g] for p, g in picks]).astype(np.int32),
+      prompt_lens=np.asarray([parts[p].prompt_lens[g] for p, g in picks], np.int32),
       tokens=rows("tokens"), mask=rows("mask"), logprobs=rows("logprobs"),
       versions=rows("versions"),
       rewards=np.stack([parts[p].rewards[g] for p, g in picks]).astype(np.float32),

@@ -159,7 +159,8 @@ def _host_parts(s: Setup) -> dict:
   producer = {"held": _empty_buffer(s),
               "selector": selection_stage.selector_state(s.config, E),
               "drafts": speculative_stage.drafts_state(s.config, E, s.model_cfg.vocab_size),
-              "replay": replay_stage.empty_buffer(s.config, len(s.reward_names),
+              "replay": replay_stage.empty_buffer(s.config, s.prompt_len,
+                                                  len(s.reward_names),
                                                   s.model_cfg.num_experts,
                                                   jax.process_count())}
   return {"producer": producer, "rollout_queue": queue_lib.empty_queue(s)}
