@@ -96,7 +96,7 @@ class Trainer:
 
   Attributes:
     setup: the run's ``rl_jax.train.Setup`` (tokenizer, task, examples, geometry).
-    trainer: the ``rl_jax.train.Trainer`` (layout, compiled steps).
+    trainer: the run's ``rl_jax.train.TrainParts`` (layout, compiled steps).
     state: the ``TrainState`` (in the RL layout: the reference, if any, is the policy the
       primitives started from).
   """

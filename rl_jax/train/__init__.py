@@ -22,7 +22,7 @@ from rl_jax.train.layout import Layout, jit_on_mesh, make_layout
 from rl_jax.train.loop import main, make_trainer, rl_step, sft_batch, sft_step, train
 from rl_jax.train.learner import objective_inputs
 from rl_jax.train.records import ProducerState, Scored
-from rl_jax.train.rollouts import Trainer
+from rl_jax.train.rollouts import TrainParts
 from rl_jax.train.runner import FixedLag, FreeRunning, collect, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine)
 from rl_jax.train.steps import (StepFns, UpdateBatch, make_advantage_fn, make_grad_norm_fn,
@@ -34,7 +34,7 @@ from rl_jax.train.streams import Stream, seed_for
 __all__ = [
     "PROVIDED_INPUTS", "Optimizers", "Setup", "build_setup", "evaluate", "Layout",
     "jit_on_mesh", "make_layout", "main",
-    "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "Trainer",
+    "make_trainer", "rl_step", "sft_batch", "sft_step", "train", "TrainParts",
     "objective_inputs", "ProducerState", "Scored", "FixedLag", "FreeRunning", "collect",
     "make_runner",
     "TrainState", "abstract_state", "begin_rl", "init_state",

@@ -35,11 +35,11 @@ LAYERS = (
           "config", "`Setup`; the micro-batch rule; the teacher's weights"),
     Layer("state", ("records", "queue", "state", "lora_checkpoint", "resume", "layout", "steps",
                     "rollouts"), False,
-          "`Setup`", "`TrainState`, `Layout`, `StepFns`, `Trainer`"),
+          "`Setup`", "`TrainState`, `Layout`, `StepFns`, `TrainParts`"),
     Layer("step", ("producer", "learner", "evaluation", "memory"), True,
-          "`Trainer`, state", "`Scored` + `ProducerState`; `UpdateBatch` + `TrainState`"),
+          "`TrainParts`, state", "`Scored` + `ProducerState`; `UpdateBatch` + `TrainState`"),
     Layer("runner", ("runner", "topology"), False,
-          "`Trainer`, `TrainState`", "`TrainState`, record; the TPU compile plan"),
+          "`TrainParts`, `TrainState`", "`TrainState`, record; the TPU compile plan"),
     Layer("loop", ("loop",), False, "config, workdir", "checkpoints, metrics, HF export"),
 )
 MODULES = tuple(m for layer in LAYERS for m in layer.modules)

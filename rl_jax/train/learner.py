@@ -27,7 +27,7 @@ from rl_jax.models.hf import release_host_memory
 from rl_jax.train import agent_stage, group_size, replay_stage
 from rl_jax.train.inputs import Source, make_inputs
 from rl_jax.train.records import STATS, Scored
-from rl_jax.train.rollouts import Trainer
+from rl_jax.train.rollouts import TrainParts
 from rl_jax.train.state import TrainState
 from rl_jax.train.steps import UpdateBatch
 
@@ -39,7 +39,7 @@ PASS_METRICS = ("loss", "clip_frac", "approx_kl", "ratio_mean", "grad_norm", "ma
                 "update_skipped")
 
 
-def objective_inputs(t: Trainer, state: TrainState, prompt_tokens, prompt_lengths, tokens,
+def objective_inputs(t: TrainParts, state: TrainState, prompt_tokens, prompt_lengths, tokens,
                      mask, generated_mask, rewards, behaviour_logp,
                      turns=None, routing=None, components=None) -> losses.ObjectiveInputs:
   """The objective's input record with every field ``Objective.needs`` names, each made as
@@ -78,7 +78,7 @@ def staleness_metrics(versions: np.ndarray, mask: np.ndarray, step: int) -> dict
   return out
 
 
-def learner_batch(t: Trainer, state: TrainState, scored: Scored, max_lag: int = -1,
+def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int = -1,
                   staleness: bool = False) -> tuple[UpdateBatch, dict[str, Any]]:
   """Scored groups -> objective inputs -> advantages, on the training mesh.
 
@@ -166,7 +166,7 @@ def pass_orders(seed: int, step: int, groups: int, epochs: int) -> list[np.ndarr
           for p in range(epochs)]
 
 
-def _minibatches(t: Trainer, b: UpdateBatch, k: int,
+def _minibatches(t: TrainParts, b: UpdateBatch, k: int,
                 order: np.ndarray | None = None) -> list[UpdateBatch]:
   """``k`` consecutive slices of the groups (taken in ``order``, a permutation of them, when
   given), each split along ``batch`` again."""
@@ -195,7 +195,7 @@ def trims_host_memory(params) -> bool:
              for x in jax.tree.leaves(params)) >= TRIM_MIN_PARAM_BYTES
 
 
-def apply_update(t: Trainer, state: TrainState, batch: UpdateBatch) -> tuple[TrainState, dict]:
+def apply_update(t: TrainParts, state: TrainState, batch: UpdateBatch) -> tuple[TrainState, dict]:
   """The learner's step: ``train.epochs`` = μ passes over ``batch``, each
   ``train.minibatches`` optimizer updates (minibatches in the pass's order, ``pass_orders``);
   (state, the metrics averaged over the minibatches).

@@ -46,7 +46,7 @@ from rl_jax.train import teacher as teacher_lib
 from rl_jax.train import topology
 from rl_jax.train.layout import make_layout
 from rl_jax.train.resume import restore_newest
-from rl_jax.train.rollouts import Trainer, next_examples
+from rl_jax.train.rollouts import TrainParts, next_examples
 from rl_jax.train.runner import FixedLag, make_runner
 from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state, make_engine,
                                  place_replicated)
@@ -55,13 +55,13 @@ from rl_jax.train.steps import make_step_fns
 __all__ = ["make_trainer", "sft_batch", "rl_step", "sft_step", "train", "main"]
 
 
-def make_trainer(s: Setup, abstract: TrainState | None = None) -> Trainer:
+def make_trainer(s: Setup, abstract: TrainState | None = None) -> TrainParts:
   """The setup with its layout, jitted steps and rollout engine (``abstract``: the state's
   ``abstract_state``, if already computed)."""
   layout = make_layout(s, abstract)
   agent = agent_stage.make_engines(s) if s.config.env.name else None
   teacher = teacher_lib.load_teacher(s) if s.teacher_cfg is not None else None
-  return Trainer(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s),
+  return TrainParts(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s),
                  agent=agent, teacher=teacher)
 
 
@@ -86,7 +86,7 @@ def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return tokens, attn, loss_mask
 
 
-def sft_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
+def sft_step(t: TrainParts, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
   """One supervised step: (state, metrics record, new data position). Multi-turn runs
   train on the task expert's trajectories (``agent_stage.expert_batch``)."""
   s = t.setup
@@ -98,7 +98,7 @@ def sft_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarra
                                                             **jax.device_get(mets)}, data
 
 
-def rl_step(t: Trainer, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
+def rl_step(t: TrainParts, state: TrainState) -> tuple[TrainState, dict, np.ndarray]:
   """One synchronous RL step, the runner with lag 0 (``runner.FixedLag``): the producer
   samples this step's batch from the current weights, then the learner trains on it;
   (state, record, data position)."""

@@ -54,7 +54,7 @@ from rl_jax.rollout import kv_cache, records
 from rl_jax.train import offload
 from rl_jax.train import teacher as teacher_lib
 from rl_jax.train.inputs import abstract_inputs
-from rl_jax.train.rollouts import Trainer
+from rl_jax.train.rollouts import TrainParts
 from rl_jax.train.state import TrainState, abstract_state, held_capacity
 from rl_jax.train.steps import UpdateBatch
 
@@ -222,7 +222,7 @@ def _spec(shape, dtype, sharding):
   return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
-def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
+def abstract_update_batch(t: TrainParts, groups: int) -> UpdateBatch:
   """ShapeDtypeStructs of one ``groups``-group ``UpdateBatch`` as the rollout stage fills
   it (the objective's declared inputs), split along ``batch``."""
   s, geo = t.setup, t.setup.geometry
@@ -244,7 +244,7 @@ def abstract_update_batch(t: Trainer, groups: int) -> UpdateBatch:
                      tok(jnp.int32), inputs, adv, routing)
 
 
-def compile_steps(t: Trainer, sft_state: TrainState | None, rl_state: TrainState,
+def compile_steps(t: TrainParts, sft_state: TrainState | None, rl_state: TrainState,
                   programs: dict[str, Any] | None = None) -> dict[str, dict[str, int]]:
   """``step_memory`` of each step the run will call, compiled on abstract inputs;
   ``programs``, when given, receives each compiled program under the same name (for its
@@ -322,7 +322,7 @@ def _staged(m: dict[str, int], read) -> dict[str, int]:
   return dict(m, staged=staged, extra=m["extra"] + staged)
 
 
-def sampler_engine(t: Trainer, kv_pages: int | None = None
+def sampler_engine(t: TrainParts, kv_pages: int | None = None
                    ) -> tuple[rollout.RolloutEngine, int]:
   """The engine whose programs one RL step's rollout runs (the APRIL engine of
   ``state.make_engine``, or the one ``rollout.generate`` builds for a fresh step's groups,
@@ -355,7 +355,7 @@ def pool_page_bytes(s, page_size: int) -> int:
   return math.ceil(kv_cache.pool_bytes(s.model_cfg, 1, page_size) / heads)
 
 
-def kv_pool(t: Trainer) -> dict[str, int]:
+def kv_pool(t: TrainParts) -> dict[str, int]:
   """The sampler's paged KV cache per device, as ``sampler_engine`` holds it: ``prompts``
   bytes (one prompt cache per group slot, slots over the batch axes), ``pool`` bytes (the
   response pool it starts with), ``pages`` and ``page_size`` (S), ``tokens`` (the most
@@ -372,7 +372,7 @@ def kv_pool(t: Trainer) -> dict[str, int]:
               tokens=pages * engine.S, max_pages=engine.max_pool_pages)
 
 
-def state_plan(t: Trainer, sft_state: TrainState | None,
+def state_plan(t: TrainParts, sft_state: TrainState | None,
                rl_state: TrainState) -> dict[str, Any]:
   """The plan without compiled steps: state parts per phase, capacity, dtypes."""
   s = t.setup
@@ -409,7 +409,7 @@ def state_plan(t: Trainer, sft_state: TrainState | None,
                      "mu": s.config.optim.get("mu_dtype") or "float32"}}
 
 
-def add_steps(t: Trainer, plan: dict[str, Any], sft_state: TrainState | None,
+def add_steps(t: TrainParts, plan: dict[str, Any], sft_state: TrainState | None,
               rl_state: TrainState, programs: dict[str, Any] | None = None) -> dict[str, Any]:
   """``plan`` with its compiled steps and the peak of each phase (``programs``: as in
   ``compile_steps``)."""
@@ -428,12 +428,12 @@ def add_steps(t: Trainer, plan: dict[str, Any], sft_state: TrainState | None,
   return dict(plan, steps=steps, peak=peaks)
 
 
-def make_plan(t: Trainer, sft_state: TrainState | None, rl_state: TrainState) -> dict[str, Any]:
+def make_plan(t: TrainParts, sft_state: TrainState | None, rl_state: TrainState) -> dict[str, Any]:
   """The run's memory plan (a JSON-able dict; bytes per device)."""
   return add_steps(t, state_plan(t, sft_state, rl_state), sft_state, rl_state)
 
 
-def plan_run(t: Trainer, sft_state: TrainState | None, rl_state: TrainState, *,
+def plan_run(t: TrainParts, sft_state: TrainState | None, rl_state: TrainState, *,
              check: bool = True, path: str | None = None, echo: bool = True) -> dict[str, Any]:
   """Plan, print and (``path``) write; with ``check``, a state that cannot fit fails before
   any step is compiled and a peak that cannot fit before the first step runs."""
@@ -513,7 +513,7 @@ def check_plan_fits(plan: dict[str, Any]) -> None:
                                   f"the {phase} phase"))
 
 
-def plan_workdir(t: Trainer, abstract: TrainState, workdir: str, *, check: bool = True,
+def plan_workdir(t: TrainParts, abstract: TrainState, workdir: str, *, check: bool = True,
                  lead: bool = True) -> dict[str, Any]:
   """``plan_run`` for a run whose step-0 restore target is ``abstract``: the supervised
   phase's state is ``abstract`` itself (if ``sft.steps``), the RL phase's the state after the

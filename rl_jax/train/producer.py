@@ -47,7 +47,7 @@ from rl_jax.errors import RLJaxError
 from rl_jax.train import (agent_stage, group_size, replay_stage, selection_stage,
                           speculative_stage)
 from rl_jax.train.records import ENGINE_STATS, ProducerState, Scored
-from rl_jax.train.rollouts import (Sampled, Trainer, decode, encode_prompts, generate,
+from rl_jax.train.rollouts import (Sampled, TrainParts, decode, encode_prompts, generate,
                                    next_indices, pad_prompts, score_groups)
 from rl_jax.train import state as state_lib
 from rl_jax.train.state import held_capacity, place_replicated
@@ -61,12 +61,12 @@ def host_producer(p: ProducerState) -> ProducerState:
   return jax.tree.map(np.array, jax.device_get(p))
 
 
-def _placed(t: Trainer, p: ProducerState) -> ProducerState:
+def _placed(t: TrainParts, p: ProducerState) -> ProducerState:
   """``p`` replicated on the mesh, like the rest of the train state."""
   return jax.tree.map(lambda x: place_replicated(t.setup, x), p)
 
 
-def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version: int,
+def _scored(t: TrainParts, out: Sampled, idx: np.ndarray, rollout_s: float, version: int,
             M: int) -> Scored:
   """The scoring stage: the verifier on each completion (or the group function on each
   group, ``reward.group_fn``), DAPO overlong shaping (with named components, its penalty is
@@ -91,7 +91,7 @@ def _scored(t: Trainer, out: Sampled, idx: np.ndarray, rollout_s: float, version
                 comps.reshape(g, M, -1).astype(np.float32))
 
 
-def _fresh(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+def _fresh(t: TrainParts, params, p: ProducerState, *, step: int, version: int, lo: int,
            hi: int, groups: int | None = None) -> tuple[Scored, ProducerState]:
   """Groups ``[lo, hi)`` of step ``step``'s G new prompts (drawn at ``p.data``; ``groups``
   of them when given), M samples each; each group samples from its own key stream,
@@ -147,7 +147,7 @@ def merge_stats(stats: list[dict], tokens: list[int]) -> dict:
   return out
 
 
-def _engine_shares(t: Trainer, params, p: ProducerState, *, version: int, lo: int,
+def _engine_shares(t: TrainParts, params, p: ProducerState, *, version: int, lo: int,
                    hi: int) -> tuple[Scored, ProducerState]:
   """The groups ``[lo, hi)`` of G from this process's engine shares (S > 1,
   ``state.engine_shares``): share j returns groups ``[j·G/S, (j+1)·G/S)`` of the step, from
@@ -180,7 +180,7 @@ def _engine_shares(t: Trainer, params, p: ProducerState, *, version: int, lo: in
           _placed(t, sampled.producer))
 
 
-def _engine(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+def _engine(t: TrainParts, params, p: ProducerState, *, step: int, version: int, lo: int,
             hi: int) -> tuple[Scored, ProducerState]:
   """G complete groups from the APRIL engine, reloaded from ``p.held`` and saved back after
   the call; prompts are drawn lazily from the data sampler, so a resumed run continues
@@ -211,7 +211,7 @@ def _engine(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo
           _placed(t, sampled.producer))
 
 
-def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+def _agentic(t: TrainParts, params, p: ProducerState, *, step: int, version: int, lo: int,
              hi: int) -> tuple[Scored, ProducerState]:
   """Step ``step``'s G groups of multi-turn episodes (every process runs every group): each
   run to its end (the position is the prompt sampler's), or with ``rollout.partial`` the
@@ -254,7 +254,7 @@ def _agentic(t: Trainer, params, p: ProducerState, *, step: int, version: int, l
   return scored, _placed(t, p._replace(data=data))
 
 
-def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *, step: int,
+def _roll(t: TrainParts, params, drafts: dict, idx: np.ndarray, first_index: int, *, step: int,
           version: int) -> Scored:
   """The selection stage's rollout: sample (speculatively when ``drafts``) and score the
   groups of prompts ``idx`` ([g] dataset indices; one chunk each with adaptive group size)
@@ -281,7 +281,7 @@ def _roll(t: Trainer, params, drafts: dict, idx: np.ndarray, first_index: int, *
   return _scored(t, sampled, idx, rollout_s, version, M)
 
 
-def _selected(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+def _selected(t: TrainParts, params, p: ProducerState, *, step: int, version: int, lo: int,
               hi: int) -> tuple[Scored, ProducerState]:
   """All G groups through the selection stage (every process samples all of them: the
   selector state is replicated); the selector's and SPEC-RL's per-prompt state travel in
@@ -312,7 +312,7 @@ SOURCES: dict[str, Callable[..., tuple[Scored, ProducerState]]] = {
     "fresh": _fresh, "engine": _engine, "selected": _selected, "agentic": _agentic}
 
 
-def source(t: Trainer) -> str:
+def source(t: TrainParts) -> str:
   """The run's prompt source (see the module docstring)."""
   c = t.setup.config
   if t.agent is not None:
@@ -325,7 +325,7 @@ def source(t: Trainer) -> str:
   return "fresh"
 
 
-def _replayed(t: Trainer, params, p: ProducerState, *, step: int, version: int, lo: int,
+def _replayed(t: TrainParts, params, p: ProducerState, *, step: int, version: int, lo: int,
               hi: int) -> tuple[Scored, ProducerState]:
   """Experience replay (``train.replay``, ``replay_stage``; the fresh source, one process):
   once ``p.replay`` holds k groups, G - k fresh groups and k drawn from it (seeded by
@@ -342,7 +342,7 @@ def _replayed(t: Trainer, params, p: ProducerState, *, step: int, version: int, 
           p._replace(replay=_placed(t, buffer)))
 
 
-def produce(t: Trainer, params, producer: ProducerState, *, step: int, version: int, lo: int,
+def produce(t: TrainParts, params, producer: ProducerState, *, step: int, version: int, lo: int,
             hi: int) -> tuple[Scored, ProducerState]:
   """One batch of step ``step``: groups ``[lo, hi)`` sampled from ``params`` (placed for the
   sampler; policy version ``version``) and scored; and the producer's next position."""

@@ -1,4 +1,4 @@
-"""What producer and learner share: the ``Trainer`` record and the host-side helpers of a
+"""What producer and learner share: the ``TrainParts`` record and the host-side helpers of a
 step (prompt encoding and padding, the seeded prompt sampler, decoding, scoring, sampling on
 the sampler's mesh). ``Scored`` is re-exported from ``records``.
 
@@ -23,14 +23,16 @@ from rl_jax.train.layout import Layout
 from rl_jax.train.records import ProducerState, Scored
 from rl_jax.train.steps import StepFns
 
-__all__ = ["Trainer", "Sampled", "Scored", "next_indices", "next_examples", "encode_prompts",
+__all__ = ["TrainParts", "Sampled", "Scored", "next_indices", "next_examples", "encode_prompts",
            "pad_prompts", "decode", "score", "score_groups", "generate"]
 
 
-class Trainer(NamedTuple):
-  """A run's static setup, its layout on the mesh, its compiled steps, (for
-  ``rollout.partial``) its engine and (for ``env.name``) its multi-turn engines
-  (``agent_stage.make_engines``: training, greedy evaluation)."""
+class TrainParts(NamedTuple):
+  """The parts of a training run that stay fixed while its state changes (``make_trainer``
+  builds them; ``rl_jax.api.Trainer`` wraps them with a state for hand-written loops): its
+  static setup, its layout on the mesh, its compiled steps, (for ``rollout.partial``) its
+  engine and (for ``env.name``) its multi-turn engines (``agent_stage.make_engines``:
+  training, greedy evaluation)."""
 
   setup: Setup
   layout: Layout

@@ -56,7 +56,7 @@ from rl_jax.train import replay_stage
 from rl_jax.train.learner import apply_update, learner_batch
 from rl_jax.train.producer import produce, source
 from rl_jax.train.records import ProducerState, Scored, array_fields
-from rl_jax.train.rollouts import Trainer
+from rl_jax.train.rollouts import TrainParts
 from rl_jax.train.state import TrainState, engine_shares, place_replicated, take_shares
 
 __all__ = ["queue_from_arrays", "publish", "collect", "splits_groups", "job_wide", "own_share",
@@ -69,7 +69,7 @@ def queue_from_arrays(arrays: dict) -> list[Scored]:
   return [Scored(**x) for x in queue_lib.from_arrays(arrays)]
 
 
-def publish(t: Trainer, params) -> Any:
+def publish(t: TrainParts, params) -> Any:
   """The policy for a producer that runs beside the learner: a device-to-device copy on the
   rollout mesh that never aliases the learner's buffers (the update donates them)."""
   layout = t.layout
@@ -82,7 +82,7 @@ def publish(t: Trainer, params) -> Any:
   return layout.local_params(params)
 
 
-def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
+def collect(t: TrainParts, state: TrainState) -> tuple[Any, dict, ProducerState]:
   """The lag-0 runner's step without the update: this step's batch from the current weights
   through the producer and the learner's ``learner_batch``; (the update batch, the rollout
   metrics, the producer's next position)."""
@@ -95,7 +95,7 @@ def collect(t: Trainer, state: TrainState) -> tuple[Any, dict, ProducerState]:
   return batch, info, producer
 
 
-def splits_groups(t: Trainer) -> bool:
+def splits_groups(t: TrainParts) -> bool:
   """Whether each process samples only its own groups (``Layout.share``): the fresh source
   or the APRIL engine's shares (``held_shares``) with several processes and a batch split
   along ``batch``."""
@@ -133,7 +133,7 @@ def own_share(x: Scored, lo: int, hi: int, lead: bool) -> Scored:
                     faults=x.faults if lead else np.zeros_like(x.faults), **arrays)
 
 
-def held_shares(t: Trainer) -> tuple[int, int] | None:
+def held_shares(t: TrainParts) -> tuple[int, int] | None:
   """This process's engine shares ``[first, last)`` of S (``state.engine_shares``) when the
   APRIL engine is split into S > 1 shares, else None."""
   S = engine_shares(t.setup)
@@ -153,7 +153,7 @@ def job_wide_held(held: dict, split: bool) -> dict:
           for k, v in held.items()}
 
 
-def _with_queue(t: Trainer, state: TrainState, items: list[Scored]) -> TrainState:
+def _with_queue(t: TrainParts, state: TrainState, items: list[Scored]) -> TrainState:
   s = t.setup
   arrays = queue_lib.to_arrays(s, items)
   return state._replace(rollout_queue=jax.tree.map(lambda x: place_replicated(s, x), arrays))
@@ -184,7 +184,7 @@ class FixedLag:
   and producer / learner timing metrics.
   """
 
-  def __init__(self, t: Trainer, state: TrainState, lag: int | None = None,
+  def __init__(self, t: TrainParts, state: TrainState, lag: int | None = None,
                overlapped: bool | None = None):
     sched = t.setup.schedule
     self.t = t
@@ -279,7 +279,7 @@ class FreeRunning:
   """The free-running producer (see the module docstring): a thread that samples from the
   newest published weights into a bounded queue under the staleness bound η."""
 
-  def __init__(self, t: Trainer, state: TrainState):
+  def __init__(self, t: TrainParts, state: TrainState):
     c = t.setup.config
     self.t, self.eta = t, c.rollout.max_staleness
     self.capacity = t.setup.schedule.queue
@@ -372,7 +372,7 @@ class FreeRunning:
     self.thread.join()
 
 
-def make_runner(t: Trainer, state: TrainState):
+def make_runner(t: TrainParts, state: TrainState):
   """The runner of the run's schedule (``Setup.schedule``, from ``train.mode`` and
   ``train.async_lag``): ``FixedLag`` (lag 0 for the synchronous trainer) or ``FreeRunning``."""
   if t.setup.schedule.lag >= 0:

@@ -73,7 +73,7 @@ from rl_jax.train import memory
 from rl_jax.train import state as state_lib
 from rl_jax.train.context import Setup, build_setup, mesh_shape
 from rl_jax.train.layout import make_layout
-from rl_jax.train.rollouts import Trainer
+from rl_jax.train.rollouts import TrainParts
 from rl_jax.train.steps import make_step_fns
 
 __all__ = ["CHIPS", "Built", "Chip", "TopologyPlanError", "PLAN_FILE", "TPU_INSTALL",
@@ -368,7 +368,7 @@ def _spec(x, sharding) -> jax.ShapeDtypeStruct:
                               else x.dtype, sharding=sharding)
 
 
-def _sampler_params(t: Trainer, rl_state, engine) -> Any:
+def _sampler_params(t: TrainParts, rl_state, engine) -> Any:
   """ShapeDtypeStructs of the weights the sampler decodes with, as ``prepare_params``
   lays them out on the sampler's mesh (LoRA with ``rollout.lora_merge``: the merged base)."""
   params = rl_state.params
@@ -398,7 +398,7 @@ def _compile(name: str, lowered):
                                  f"shrink with {SAMPLER_KNOBS}") from None
 
 
-def sampler_programs(t: Trainer, rl_state, kv_fraction: float | None = None,
+def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                      free: int = 0) -> tuple[dict[str, dict[str, Any]], dict]:
   """The sampler's programs of one RL step compiled for the sampler's mesh: ``kv_init``
   (the slots' KV cache and records), ``prefill`` (``admit`` of the step's groups at the
@@ -508,7 +508,7 @@ class Built(NamedTuple):
   """A run built for a topology: its trainer (no engine: nothing runs), the abstract
   states of its supervised (None without one) and RL phases, the chip and the devices."""
 
-  trainer: Trainer
+  trainer: TrainParts
   sft_state: Any
   rl_state: Any
   chip: Chip
@@ -550,7 +550,7 @@ def build(config: ml_collections.ConfigDict) -> Built:
         f"{chip.name} chip (the policy is {_gib(policy)} of it): XLA:TPU refuses the "
         f"program that builds the state ({memory.compiler_message(e)}); {knobs}") from None
   layout = make_layout(s, abstract)
-  t = Trainer(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=None)
+  t = TrainParts(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=None)
   return Built(t, abstract if sft_steps else None, rl_state, chip, devices, notes,
                kv_fraction)
 
