@@ -71,7 +71,7 @@ class Objective(NamedTuple):
     update_transform: optax transform to chain after the optimiser; accepts ``ess_ratio=``.
     default_agg: the aggregation mode.
     uses_kl: a KL term in the loss, or an estimator that reads ``ref_logp`` (KL in the reward).
-    needs_ref / needs_values / needs_entropy / needs_grad_norms: ``"ref_logp"``,
+    needs_ref / needs_values / needs_entropy / needs_grad_norms (properties): ``"ref_logp"``,
       ``"values"``, ``"entropy"``, ``"grad_sq_norms"`` in ``needs``.
     name: preset name or "custom".
     estimator: name of the advantage estimator (None if there is none).
@@ -98,10 +98,6 @@ class Objective(NamedTuple):
   update_transform: optax.GradientTransformationExtraArgs
   default_agg: str
   uses_kl: bool
-  needs_ref: bool
-  needs_values: bool
-  needs_entropy: bool
-  needs_grad_norms: bool
   name: str = "custom"
   estimator: str | None = None
   advantages_from: Callable[[ObjectiveInputs], Advantages] | None = None
@@ -109,6 +105,22 @@ class Objective(NamedTuple):
   estimator_needs: frozenset[str] = frozenset()
   batch_global: bool = False
   single_pass: bool = False
+
+  @property
+  def needs_ref(self) -> bool:
+    return "ref_logp" in self.needs
+
+  @property
+  def needs_values(self) -> bool:
+    return "values" in self.needs
+
+  @property
+  def needs_entropy(self) -> bool:
+    return "entropy" in self.needs
+
+  @property
+  def needs_grad_norms(self) -> bool:
+    return "grad_sq_norms" in self.needs
 
 
 def finalize(loss_sum: Array, denom: Array) -> Array:
@@ -251,9 +263,7 @@ def chain(*parts: Any, name: str = "custom") -> Objective:
 
   return Objective(
       advantages=advantages, loss=loss, prepare=prepare, update_transform=tx,
-      default_agg=agg.mode, uses_kl=uses_kl, needs_ref="ref_logp" in needs,
-      needs_values="values" in needs, needs_entropy="entropy" in needs,
-      needs_grad_norms="grad_sq_norms" in needs, name=name,
+      default_agg=agg.mode, uses_kl=uses_kl, name=name,
       estimator=estimator.name if estimator else None, advantages_from=advantages_from,
       needs=needs, estimator_needs=frozenset(est_needs),
       batch_global=any(s.prepare is not None for s in stages),
