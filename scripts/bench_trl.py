@@ -6,8 +6,9 @@ parameters) written once with ``models.save_hf``; 1 prompt x 16 samples (``--sam
 most 64 new tokens (``--new-tokens``), temperature 1.0, float32; the 9-byte prompt or, with
 ``--prompt-tokens N``, ``bench_tunix.py``'s longer shared prompt.
 
-* GRPO step: rl_jax ``train.rl_step`` (``old_logp_pass=auto``, GRPO, β = 0; ``--fused-mlp``
-  sets ``model.fused_mlp``, ``--prefix-attention`` ``model.prefix_attention``) vs TRL's
+* GRPO step: rl_jax ``train.rl_step`` at rl_jax's defaults (``old_logp_pass=auto``, GRPO,
+  β = 0; ``--[no-]fused-mlp`` sets ``model.fused_mlp``, ``--prefix-attention``
+  ``model.prefix_attention``) vs TRL's
   ``GRPOTrainer`` (``Qwen3ForCausalLM`` loaded from the same directory; num_generations 16,
   batch 16, β = 0, ``loss_type="grpo"``, one iteration, no gradient checkpointing, CPU);
   the same prompt every step, both stop a sample at EOS id 255. TRL's step is the wall
@@ -156,7 +157,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--steps", type=int, default=5, help="GRPO steps per side and round")
   ap.add_argument("--repeats", type=int, default=3, help="timed sampler calls")
   ap.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads")
-  ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
+  ap.add_argument("--fused-mlp", action=argparse.BooleanOptionalAction, default=None,
+                  help="rl_jax trainer: model.fused_mlp (default: rl_jax's, fused on CPU)")
   ap.add_argument("--prefix-attention", choices=("auto", "kernel", "concat"), default="auto",
                   help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--samples", type=int, default=shared.N, help="samples of the one prompt")
@@ -184,14 +186,15 @@ def main(argv=None) -> dict:
            "--steps", str(args.steps), "--repeats", str(args.repeats),
            "--torch-threads", str(args.torch_threads), "--samples", str(args.samples),
            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
-    cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+    if args.fused_mlp is not None and side == "rljax":
+      cmd += ["--fused-mlp" if args.fused_mlp else "--no-fused-mlp"]
     cmd += ["--prefix-attention", args.prefix_attention] if side == "rljax" else []
     return cmd
 
   results = shared.alternate_sides(args.rounds, ("rljax", "trl"), args.new_tokens, command)
   print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.torch_threads}; "
         f"1 prompt of {args.prompt_tokens} tokens, {args.samples} samples x {args.new_tokens} new tokens; rl_jax fused_mlp="
-        f"{args.fused_mlp}, prefix_attention={args.prefix_attention}")
+        f"{'default' if args.fused_mlp is None else args.fused_mlp}, prefix_attention={args.prefix_attention}")
   print(report(results))
   return results
 

@@ -15,7 +15,8 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
 * sampler: rl_jax ``rollout.generate(n=16)`` vs Tunix ``Sampler`` on the prompt repeated 16
   times; tokens/s, median of the repeats (after a warm-up call, whose time is the compile).
 * GRPO step: rl_jax's trainer step (``train.rl_step``: rollouts, rewards, advantages,
-  update; ``train.old_logp_pass=auto``; ``--fused-mlp`` sets ``model.fused_mlp``,
+  update; ``train.old_logp_pass=auto``; rl_jax's defaults unless a flag says otherwise:
+  ``--[no-]fused-mlp`` sets ``model.fused_mlp``,
   ``--prefix-attention`` ``model.prefix_attention``, ``--[no-]fast-compile``
   ``train.cpu_fast_compile``, ``--[no-]xla-reductions`` ``train.cpu_xla_reductions`` (both on
   by default, as in rl_jax), ``--temp-block-mib`` ``train.cpu_temp_block_mib`` (0, off, by
@@ -275,7 +276,7 @@ def lockstep(pairs: int, sides: tuple[str, str], new_tokens: int,
 
 
 # ----------------------------------------------------------------------------- rl_jax side
-def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool = False, n: int = N,
+def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool | None = None, n: int = N,
               new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
               fast_compile: bool = True, remat: str = "none",
               xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
@@ -316,7 +317,7 @@ def _rljax_sampler(weights: str, n: int = N, new_tokens: int = NEW_TOKENS,
   return gen
 
 
-def _rljax_trainer(weights: str, fused_mlp: bool = False, n: int = N,
+def _rljax_trainer(weights: str, fused_mlp: bool | None = None, n: int = N,
                    new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
                    fast_compile: bool = True, remat: str = "none",
                    xla_reductions: bool = True, temp_block_mib: int = 0) -> Callable[[], dict]:
@@ -333,7 +334,9 @@ def _rljax_trainer(weights: str, fused_mlp: bool = False, n: int = N,
       f"rollout.eos_id={EOS}", "rollout.temperature=1.0", "train.eval_every=0",
       "train.compile_cache=", "train.old_logp_pass=auto", "log.tensorboard=False",
       "loss.preset=grpo", "loss.kl_beta=0.0", f"data.max_prompt_len={MAX_PROMPT}",
-      f"model.fused_mlp={fused_mlp}", f"model.prefix_attention={prefix_attention}",
+      f"model.prefix_attention={prefix_attention}",
+      # None: rl_jax's default (fused on CPU); True / False only when a flag asks
+      *([] if fused_mlp is None else [f"model.fused_mlp={fused_mlp}"]),
       f"train.cpu_fast_compile={fast_compile}", f"train.cpu_xla_reductions={xla_reductions}",
       f"train.cpu_temp_block_mib={temp_block_mib}", "optim.lr=1e-5",  # the peers' learning rate
       *([f"model.remat={remat}"] if remat != "none" else [])])
@@ -356,7 +359,7 @@ def _rljax_trainer(weights: str, fused_mlp: bool = False, n: int = N,
   return step
 
 
-def _rljax_grpo(weights: str, steps: int, fused_mlp: bool = False, n: int = N,
+def _rljax_grpo(weights: str, steps: int, fused_mlp: bool | None = None, n: int = N,
                 new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
                 fast_compile: bool = True, remat: str = "none",
                 xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
@@ -523,8 +526,8 @@ def report_lockstep(results: dict, args) -> dict:
             "GRPO step": [b["s"] / a["s"] for a, b in zip(step["rljax"], step["tunix"])]}
   print(f"load average {os.getloadavg()[0]:.1f}; lockstep, {args.lockstep} pairs; 1 prompt of "
         f"{args.prompt_tokens} tokens, {args.samples} samples x {args.new_tokens} new tokens; "
-        f"rl_jax fused_mlp={args.fused_mlp}, prefix_attention={args.prefix_attention}, "
-        f"cpu_fast_compile={args.fast_compile}, remat={args.remat}, "
+        f"rl_jax fused_mlp={'default' if args.fused_mlp is None else args.fused_mlp}, "
+        f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}, remat={args.remat}, "
         f"cpu_xla_reductions={args.xla_reductions}, cpu_temp_block_mib={args.temp_block_mib}")
   print("| side | sampler tokens/s, median | GRPO step (s), median | GRPO step (s), worst |")
   print("|---|---|---|---|")
@@ -550,7 +553,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--steps", type=int, default=6, help="GRPO steps per side and round")
   ap.add_argument("--repeats", type=int, default=5, help="timed sampler calls")
-  ap.add_argument("--fused-mlp", action="store_true", help="rl_jax trainer: model.fused_mlp")
+  ap.add_argument("--fused-mlp", action=argparse.BooleanOptionalAction, default=None,
+                  help="rl_jax trainer: model.fused_mlp (default: rl_jax's, fused on CPU)")
   ap.add_argument("--prefix-attention", choices=("auto", "kernel", "concat"), default="auto",
                   help="rl_jax trainer: model.prefix_attention")
   ap.add_argument("--fast-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -604,7 +608,8 @@ def main(argv=None) -> dict:
            "--steps", str(args.steps), "--repeats", str(args.repeats),
            "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
            "--prompt-tokens", str(args.prompt_tokens)]
-    cmd += ["--fused-mlp"] if args.fused_mlp and side == "rljax" else []
+    if args.fused_mlp is not None and side == "rljax":
+      cmd += ["--fused-mlp" if args.fused_mlp else "--no-fused-mlp"]
     if side == "rljax":
       cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
               "--xla-reductions" if args.xla_reductions else "--no-xla-reductions",
@@ -620,7 +625,8 @@ def main(argv=None) -> dict:
   results = alternate_sides(args.rounds, ("rljax", "tunix"), args.new_tokens, command)
   print(f"load average {os.getloadavg()[0]:.1f}; 1 prompt of {args.prompt_tokens} tokens, "
         f"{args.samples} samples x "
-        f"{args.new_tokens} new tokens; rl_jax fused_mlp={args.fused_mlp}, "
+        f"{args.new_tokens} new tokens; rl_jax fused_mlp="
+        f"{'default' if args.fused_mlp is None else args.fused_mlp}, "
         f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}, "
         f"remat={args.remat}, cpu_xla_reductions={args.xla_reductions}, "
         f"cpu_temp_block_mib={args.temp_block_mib}, host_heap_reuse={args.host_heap_reuse}")
