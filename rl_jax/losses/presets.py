@@ -2,8 +2,10 @@
 
 ``get_objective("dapo")``, ``get_objective("grpo", kl_beta=0.0)`` or
 ``get_objective({"name": "gspo", "eps_high": 5e-4})`` (any mapping, e.g. an ml-collections
-ConfigDict). Every preset accepts the same keyword knobs (``PRESET_KNOBS``, defaults
-``PRESET_KNOB_DEFAULTS``, types ``PRESET_KNOB_TYPES``); a preset only sets different defaults.
+ConfigDict). Every preset accepts the same keyword knobs, each declared once in ``KNOBS`` (its
+type, default and meaning; ``PRESET_KNOBS``, ``PRESET_KNOB_DEFAULTS`` and
+``PRESET_KNOB_TYPES`` are views of it, and ``config.loss`` is built from it); a preset only
+sets different defaults.
 The ``advantage`` and ``policy`` knobs name registry entries (``ADVANTAGES``, ``POLICIES``),
 so an estimator registered with ``register_advantage`` is selected like a built-in one.
 
@@ -43,7 +45,7 @@ preset: ``advantage="gigpo"`` on any preset); Liu, Li et al. 2025 (MIS); Ling Te
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from rl_jax.losses import stages as st
 from rl_jax.losses import vcpo as vcpo_lib
@@ -51,43 +53,65 @@ from rl_jax.losses.aggregation import aggregation
 from rl_jax.losses.compose import Objective, chain
 from rl_jax.losses.estimators import make_advantage, with_distillation
 
-__all__ = ["PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES",
+__all__ = ["Knob", "KNOBS", "PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES",
            "get_objective"]
 
-_BASE = dict(
-    advantage="grpo",        # one of ADVANTAGES (estimators.py), or a registered name
-    adv_eps=1e-6,            # GRPO std epsilon
-    adv_kl_beta=0.01,        # REINFORCE++: KL coefficient folded into the reward
-    gamma=1.0, lam=1.0,      # GAE / REINFORCE++ discount and lambda
-    gdpo_weights=None,       # GDPO component weights, one per reward component
-    opob_tis_cap=None,       # VCPO compatibility switch: W also times min(w, 8)^2
-    gigpo_omega=1.0,         # GiGPO: weight omega of the step-level advantage
-    gigpo_gamma=0.95,        # GiGPO: discount of the per-turn return-to-go
-    gigpo_std=True,          # GiGPO: divide both levels by the group std (False: centre only)
-    policy="ppo_clip",       # one of POLICIES (stages.py), or a registered name
-    eps_low=0.2, eps_high=0.2,  # epsilon_low / epsilon_high clip range
-    dual_clip=None,          # dual-clip bound c (True -> 3)
-    kl_beta=0.0, kl_kind="k3",  # beta and estimator (KL_KINDS) of the KL loss term (0 = off)
-    entropy_coef=0.0,        # entropy bonus coefficient (0 = off)
-    tis_level=None,          # None or one of TIS_LEVELS: truncated IS vs the sampler
-    tis_cap=2.0,             # C of truncated IS (None = untruncated)
-    mis_level=None,          # None or one of MIS_LEVELS: masked IS (reject outside the band)
-    mis_low=None, mis_high=2.0,  # MIS band [low, high] of the ratio (None = that side open)
-    mis_mode="weight",       # one of MIS_MODES: kept rows weighted by rho, or by 1 ("mask")
-    icepop_beta=None,        # IcePop band upper bound beta > 1 (None = off)
-    icepop_alpha=None,       # IcePop lower bound alpha in (0, 1) (None = 1 / beta)
-    geo_mean_is=False,       # geometric-mean sequence IS weight
-    geo_mean_cap=None,       # its truncation C (None = untruncated)
-    minpro=False,            # MinPRO minimum-prefix-ratio weight
-    decoupled_cap=None,      # AReaL behaviour-weight cap (None = off)
-    decoupled_mode="mask",   # one of DECOUPLED_MODES
-    m2po_tau=None,           # M2PO second-moment threshold tau (None = off)
-    ace_alpha=None,          # ACE strength (None = off)
-    value_coef=0.0, value_clip=0.2,  # PPO value loss coefficient and clip
-    agg="token-mean", agg_norm=None,  # aggregation mode (AGG_MODES), C of ...-token-sum-norm
-    ess_scaling=False, ess_rho_base=1.0, ess_rule="sqrt",  # VCPO ESS lr multiplier (ESS_RULES)
-    distill_coef=None,       # on-policy distillation: weight of the reverse-KL advantage
-)
+
+class Knob(NamedTuple):
+  """One knob of the objectives: the python ``kind`` of a command-line override (a knob whose
+  default is None takes that kind or None; ``dual_clip`` also accepts True, meaning c = 3),
+  its ``default`` and what it ``means``."""
+
+  kind: type
+  default: Any
+  means: str
+
+
+# every knob, declared once: the defaults every preset starts from and their types
+KNOBS: Mapping[str, Knob] = MappingProxyType(dict(
+    advantage=Knob(str, "grpo", "one of ADVANTAGES (estimators.py), or a registered name"),
+    adv_eps=Knob(float, 1e-6, "GRPO std epsilon"),
+    adv_kl_beta=Knob(float, 0.01, "REINFORCE++: KL coefficient folded into the reward"),
+    gamma=Knob(float, 1.0, "GAE / REINFORCE++ discount"),
+    lam=Knob(float, 1.0, "GAE / REINFORCE++ lambda"),
+    gdpo_weights=Knob(tuple, None, "GDPO component weights, one per reward component"),
+    opob_tis_cap=Knob(float, None, "VCPO compatibility switch: W also times min(w, 8)^2"),
+    gigpo_omega=Knob(float, 1.0, "GiGPO: weight omega of the step-level advantage"),
+    gigpo_gamma=Knob(float, 0.95, "GiGPO: discount of the per-turn return-to-go"),
+    gigpo_std=Knob(bool, True, "GiGPO: divide both levels by the group std (False: centre only)"),
+    policy=Knob(str, "ppo_clip", "one of POLICIES (stages.py), or a registered name"),
+    eps_low=Knob(float, 0.2, "epsilon_low of the clip range"),
+    eps_high=Knob(float, 0.2, "epsilon_high of the clip range"),
+    dual_clip=Knob(float, None, "dual-clip bound c (True -> 3)"),
+    kl_beta=Knob(float, 0.0, "beta of the KL loss term (0 = off)"),
+    kl_kind=Knob(str, "k3", "estimator of the KL loss term (KL_KINDS)"),
+    entropy_coef=Knob(float, 0.0, "entropy bonus coefficient (0 = off)"),
+    tis_level=Knob(str, None, "None or one of TIS_LEVELS: truncated IS vs the sampler"),
+    tis_cap=Knob(float, 2.0, "C of truncated IS (None = untruncated)"),
+    mis_level=Knob(str, None, "None or one of MIS_LEVELS: masked IS (reject outside the band)"),
+    mis_low=Knob(float, None, "MIS band's lower end of the ratio (None = open)"),
+    mis_high=Knob(float, 2.0, "MIS band's upper end of the ratio (None = open)"),
+    mis_mode=Knob(str, "weight", 'one of MIS_MODES: kept rows weighted by rho, or by 1 ("mask")'),
+    icepop_beta=Knob(float, None, "IcePop band upper bound beta > 1 (None = off)"),
+    icepop_alpha=Knob(float, None, "IcePop lower bound alpha in (0, 1) (None = 1 / beta)"),
+    geo_mean_is=Knob(bool, False, "geometric-mean sequence IS weight"),
+    geo_mean_cap=Knob(float, None, "its truncation C (None = untruncated)"),
+    minpro=Knob(bool, False, "MinPRO minimum-prefix-ratio weight"),
+    decoupled_cap=Knob(float, None, "AReaL behaviour-weight cap (None = off)"),
+    decoupled_mode=Knob(str, "mask", "one of DECOUPLED_MODES"),
+    m2po_tau=Knob(float, None, "M2PO second-moment threshold tau (None = off)"),
+    ace_alpha=Knob(float, None, "ACE strength (None = off)"),
+    value_coef=Knob(float, 0.0, "PPO value loss coefficient"),
+    value_clip=Knob(float, 0.2, "PPO value loss clip"),
+    agg=Knob(str, "token-mean", "aggregation mode (AGG_MODES)"),
+    agg_norm=Knob(float, None, "C of ...-token-sum-norm"),
+    ess_scaling=Knob(bool, False, "VCPO ESS learning-rate multiplier"),
+    ess_rho_base=Knob(float, 1.0, "its base rho"),
+    ess_rule=Knob(str, "sqrt", "its rule (ESS_RULES)"),
+    distill_coef=Knob(float, None, "on-policy distillation: weight of the reverse-KL advantage"),
+))
+_BASE = {name: knob.default for name, knob in KNOBS.items()}
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(kl_beta=0.04, kl_kind="k3", agg="seq-mean-token-mean"),
@@ -110,19 +134,7 @@ PRESET_KNOBS = tuple(_BASE)
 
 PRESET_KNOB_DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(_BASE))
 
-# knob -> python type of a command-line override; knobs whose default is None take that
-# type or None (``dual_clip`` also accepts True, meaning c = 3).
-PRESET_KNOB_TYPES: dict[str, type] = dict(
-    advantage=str, adv_eps=float, adv_kl_beta=float, gamma=float, lam=float,
-    gdpo_weights=tuple, opob_tis_cap=float, gigpo_omega=float, gigpo_gamma=float,
-    gigpo_std=bool, policy=str, eps_low=float, eps_high=float,
-    dual_clip=float, kl_beta=float, kl_kind=str, entropy_coef=float, tis_level=str,
-    tis_cap=float, mis_level=str, mis_low=float, mis_high=float, mis_mode=str,
-    icepop_beta=float, icepop_alpha=float, geo_mean_is=bool, geo_mean_cap=float, minpro=bool,
-    decoupled_cap=float, decoupled_mode=str, m2po_tau=float, ace_alpha=float,
-    value_coef=float, value_clip=float, agg=str, agg_norm=float, ess_scaling=bool,
-    ess_rho_base=float, ess_rule=str, distill_coef=float,
-)
+PRESET_KNOB_TYPES: dict[str, type] = {name: knob.kind for name, knob in KNOBS.items()}
 
 
 def _objective(name: str, knobs: Mapping[str, Any]) -> Objective:
