@@ -46,7 +46,7 @@ from rl_jax.models import lora as lora_lib
 
 __all__ = ["SELECTORS", "OFFLOAD_PARTS", "DISTILL_KNOBS", "check_objective", "replay_groups",
            "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry",
-           "notices", "schedule", "validate"]
+           "check_moe_fields", "notices", "schedule", "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 OFFLOAD_PARTS = ("optimizer", "reference", "teacher")
@@ -755,18 +755,24 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
     if m.attention == "sliding" and arch != "gemma3":
       raise ConfigError(f"model.attention='sliding' needs model.architecture='gemma3' "
                         f"(got {arch!r})")
-    if m.get("moe_capacity_factor") and arch != "qwen3_moe":
-      raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} needs a "
-                        f"mixture-of-experts model (architecture 'qwen3_moe'), got {arch!r}")
-    if m.router_replay and arch != "qwen3_moe":
-      raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model "
-                        f"(architecture 'qwen3_moe'), got {arch!r}")
-    if m.get("router_aux_loss_coef") and arch != "qwen3_moe":
-      raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} needs a "
-                        f"mixture-of-experts model (architecture 'qwen3_moe'), got {arch!r}")
+    check_moe_fields(m, arch)
   if m.router_replay and (config.rollout.speculative or config.env.name):
     raise ConfigError("model.router_replay=True needs the sampler's expert records, which "
                       "rollout.speculative and env.name rollouts do not keep")
+
+
+def check_moe_fields(m: ml_collections.ConfigDict, arch: str) -> None:
+  """The mixture-of-experts fields of ``config.model`` (``m``) against the model's
+  architecture ``arch``: ``model.architecture`` for a random init, the checkpoint's
+  ``model_type`` once ``build_setup`` has read it."""
+  if arch == "qwen3_moe":
+    return
+  for field, value in (("moe_capacity_factor", m.get("moe_capacity_factor")),
+                       ("router_replay", m.get("router_replay")),
+                       ("router_aux_loss_coef", m.get("router_aux_loss_coef"))):
+    if value:
+      raise ConfigError(f"model.{field}={value} needs a mixture-of-experts model "
+                        f"(architecture 'qwen3_moe'), got {arch!r}")
 
 
 def _check_lora_off(config: ml_collections.ConfigDict) -> None:

@@ -288,17 +288,9 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
   cfg = cfg.replace(prefix_attention=m.get("prefix_attention", cfg.prefix_attention))
-  if m.get("moe_capacity_factor") and not cfg.is_moe:
-    raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} needs a "
-                      f"mixture-of-experts model, got {cfg.architecture!r}")
+  config_lib.check_moe_fields(m, cfg.architecture)  # the checkpoint's architecture
   if m.get("moe_capacity_factor"):
     cfg = cfg.replace(moe_capacity_factor=float(m.moe_capacity_factor))
-  if m.get("router_aux_loss_coef") and not cfg.is_moe:
-    raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} needs a "
-                      f"mixture-of-experts model, got {cfg.architecture!r}")
-  if m.router_replay and not cfg.is_moe:
-    raise ConfigError(f"model.router_replay=True needs a mixture-of-experts model, got "
-                      f"{cfg.architecture!r}")
   if m.lora.rank:
     try:
       cfg = cfg.replace(lora_rank=m.lora.rank, lora_alpha=float(m.lora.alpha),
