@@ -217,18 +217,19 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
       t0 = time.perf_counter()
       if step < sft_steps:
         state, record, data = sft_step(t, state)
+        state = state._replace(producer=state.producer._replace(
+            data=place_replicated(s, data)))
       else:
         if step == sft_steps:
           state = begin_rl(s, state)
         runner = runner or make_runner(t, state)
-        state, record = runner.step(state)
-        record, data = {"phase": "rl", **record}, np.asarray(jax.device_get(state.producer.data))
+        state, record = runner.step(state)  # its producer's data position already placed
+        record = {"phase": "rl", **record}
       bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
       if bad_steps >= c.train.max_bad_steps:
         raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm "
                          f"(last at step {step}); stopping. Lower optim.lr or check the data.")
-      state = state._replace(step=state.step + 1, producer=state.producer._replace(
-          data=place_replicated(s, data)))
+      state = state._replace(step=state.step + 1)
       step += 1
       if profiling:
         remote = storage.join(workdir, "profile") if storage.is_remote(workdir) else None
