@@ -106,7 +106,8 @@ SLOW_TESTS = (
     "test_replay.py::test_off_by_default_leaves_the_producer_state_as_it_was",
     "test_group_rewards.py::test_components_round_trip_through_the_checkpointed_queue",
     "test_memory.py::test_memory_knob_still_learns[model.param_dtype=bfloat16 + optim",
-    "test_compile_options.py::test_training_programs_compile_with_the_cpu_options_to_the_same",
+    "test_compile_options.py::"
+    "test_training_programs_compile_with_the_cpu_options_to_the_same_values",
     "test_micro_batches.py::test_micro_batches_on_one_device_equal_the_eight_device_whole_batch",
     "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[ppo]",
     "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[lora]",
