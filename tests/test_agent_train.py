@@ -25,7 +25,7 @@ from rl_jax import checkpoint, config_utils, metrics, models, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import learner, loop, producer, resume, rollouts, state as state_lib
 from rl_jax.train.context import build_setup
-from tests.tiny import ROOT, TINY_MODEL
+from tests.tiny import ROOT, TINY_MODEL, assert_prompts_as_sampled
 
 AGENT_QUICKSTART = os.path.join(ROOT, "configs", "agent_quickstart.py")
 TINY = TINY_MODEL + [
@@ -102,12 +102,7 @@ def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
   assert np.array_equal(np.asarray(batch.tokens), scored.tokens.reshape(G, M, R))
   # the groups carry the first prompts they were rolled out from, padded as the learner
   # packs them (it never tokenizes them again)
-  want = rollouts.pad_prompts(
-      rollouts.encode_prompts(s, [s.train_examples[i] for i in scored.indices]),
-      s.prompt_len, s.tokenizer.pad_id)
-  for got, ref in zip((scored.prompts, scored.prompt_lens), want):
-    assert got.dtype == np.int32
-    np.testing.assert_array_equal(got, ref)
+  assert_prompts_as_sampled(s, scored)
   np.testing.assert_array_equal(np.asarray(batch.prompt_tokens), scored.prompts)
   np.testing.assert_array_equal(np.asarray(batch.prompt_lengths), scored.prompt_lens)
   # observation tokens: inside the trajectory, not sampled, never in the loss

@@ -259,6 +259,23 @@ def test_sliding_attention_and_replay_need_their_families():
   assert "\n" not in str(e.value)
 
 
+
+@pytest.mark.parametrize("field", ["router_replay=True", "router_aux_loss_coef=0.01",
+                                   "moe_capacity_factor=1.5"])
+def test_moe_fields_on_a_dense_checkpoint_fail_at_setup(tmp_path, field):
+  """With ``model.hf_path`` the checkpoint's ``config.json`` names the architecture, so the
+  mixture-of-experts fields are checked against it when the setup reads it: one line."""
+  from tests.hf_utils import tiny_hf_model  # pylint: disable=import-outside-toplevel
+  tiny_hf_model("qwen3", tmp_path, vocab=256)
+  config = config_utils.load_config(QUICKSTART, [f"model.hf_path={tmp_path}",
+                                                 "data.tokenizer=char", f"model.{field}"])
+  config_lib.validate(config)  # the config alone cannot tell
+  with pytest.raises(ConfigError, match=rf"model\.{field.split('=')[0]}=.* needs a "
+                     r"mixture-of-experts model .*got 'qwen3'") as e:
+    train.build_setup(config)
+  assert "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------ load-balancing loss
 def _aux_setup(coef):
   """Two MoE layers (4 experts, top 2), router replay, one device; ``coef``: the

@@ -12,9 +12,9 @@ from safetensors.numpy import load_file
 from rl_jax import config as base, config_utils, metrics, train
 from rl_jax.checkpoint.tree import leaf_paths
 from rl_jax.errors import ConfigError
-from rl_jax.train import replay_stage, rollouts, runner
+from rl_jax.train import replay_stage, runner
 from rl_jax.train.learner import apply_update
-from tests.tiny import QUICKSTART, TINY_MODEL, stopped_at
+from tests.tiny import QUICKSTART, TINY_MODEL, assert_prompts_as_sampled, stopped_at
 
 # rewards with variance from an untrained policy: the parity of each completion's first
 # character (tests/group_reward_fns.py)
@@ -108,12 +108,7 @@ def test_replayed_groups_reach_the_update_with_their_recorded_logprobs(monkeypat
     batch, info, producer = train.collect(t, state)
     # fresh and replayed groups carry their prompts' ids, as sampled (the learner's input)
     scored = handed[-1]
-    want = rollouts.pad_prompts(
-        rollouts.encode_prompts(s, [s.train_examples[i] for i in scored.indices]),
-        s.prompt_len, s.tokenizer.pad_id)
-    for got, ref in zip((scored.prompts, scored.prompt_lens), want):
-      assert got.dtype == np.int32
-      np.testing.assert_array_equal(got, ref)
+    assert_prompts_as_sampled(s, scored)
     np.testing.assert_array_equal(np.asarray(batch.prompt_tokens), scored.prompts)
     tokens, logp = (np.asarray(a) for a in (batch.tokens, batch.inputs.behaviour_logp))
     prompts = np.asarray(batch.prompt_tokens)

@@ -15,6 +15,19 @@ TINY_MODEL = [
 ]
 
 
+def assert_prompts_as_sampled(s, scored) -> None:
+  """``scored.prompts`` / ``prompt_lens`` (int32) are the prompts of its examples, encoded
+  and right-padded to ``s.prompt_len`` independently here (what the learner packs; it never
+  tokenizes them again)."""
+  from rl_jax.train import rollouts  # pylint: disable=import-outside-toplevel
+  want = rollouts.pad_prompts(
+      rollouts.encode_prompts(s, [s.train_examples[i] for i in scored.indices]),
+      s.prompt_len, s.tokenizer.pad_id)
+  for got, ref in zip((scored.prompts, scored.prompt_lens), want):
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref)
+
+
 def env_with_devices(devices: int) -> dict:
   """This process's environment for a subprocess with ``devices`` host CPU devices: the
   session's other ``XLA_FLAGS`` (see ``conftest``) are kept."""
