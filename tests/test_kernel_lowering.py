@@ -110,3 +110,29 @@ def test_illegal_tpu_block_is_rejected_before_lowering():
 
   with pytest.raises(ValueError, match="multiples of 128"):
     _export(attn, "tpu", args)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_sampler_decode_program_lowers_with_the_paged_kernel(platform, verified_modules):
+  """The sampler's whole decode loop (``rollout.decode.decode``, bf16, pages of 64 tokens,
+  8 live pages per sample), traced for the platform (``prefix_attention="auto"`` picks the
+  kernel path there), lowers with the paged-attention kernel in every layer: the prompt's
+  part in jnp, each sample's pages read in place by ``pallas_kernels.paged_decode_attention``."""
+  from rl_jax import models  # pylint: disable=import-outside-toplevel
+  from rl_jax.rollout import decode, records, sampler  # pylint: disable=import-outside-toplevel
+  cfg = models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                           num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
+                           max_position_embeddings=4096, dtype="bfloat16")
+  G, M, P, R, page = 4, 4, 256, 512, 64
+  params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  state = jax.eval_shape(lambda: sampler.init_state(cfg, G, M, P, R, S=page, pages=64))
+  sp, filtered = records.sampling_params(cfg, 1.0, 0, 1.0, [1], None)
+  i32 = S((), jnp.int32)
+  jax.clear_caches()  # the platform is read at trace time: no trace for another one
+  with pallas_kernels.target_platform("gpu" if platform == "cuda" else platform):
+    exported = _export(lambda p, s, sp_, v, n, f: decode.decode(
+        cfg, p, s, sp_, v, n, f, filtered=filtered, live=R // page),
+        platform, (params, state, sp, i32, i32, i32))
+  text = exported.mlir_module()
+  assert _TARGETS[platform][1] in text and "paged_decode_attention" in text
+  assert platform in verified_modules  # (the layers' identical calls lower once)

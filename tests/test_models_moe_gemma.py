@@ -1,6 +1,7 @@
 """Qwen3-MoE and Gemma 3 (text): parity with `transformers`, HF round trips, the packed
 layout, the sampler, router replay, expert dispatch and config errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -173,6 +174,20 @@ def test_greedy_generate_matches_transformers(hf, kind):
   out = rollout.generate(cfg, params, prompts, n=1, max_new_tokens=7, temperature=0.0)
   for i, prompt in enumerate(prompts):
     assert out.tokens[i].tolist() == _hf_greedy(model, prompt, 7), i
+
+
+def test_split_decode_attention_keeps_the_sliding_window_on_pages(hf):
+  """``prefix_attention="kernel"``: the decode attends the prompt and the response pages as
+  two partial softmaxes merged by log-sum-exp (``decode.split_decode_attention``, the paged
+  kernel's path); with pages of 2 tokens and a window of 3 it samples the tokens and
+  log-probs of the one-softmax path, which greedy decoding checks against transformers."""
+  _, cfg, params, _ = hf["gemma3"]
+  prompts = [[5, 9, 2, 8, 8, 1], [7, 1], [3, 4, 10, 2]]
+  run = lambda path: rollout.generate(dataclasses.replace(cfg, prefix_attention=path), params,
+                                      prompts, n=2, max_new_tokens=24, seed=5, page_size=2)
+  split, joint = run("kernel"), run("auto")
+  np.testing.assert_array_equal(split.tokens, joint.tokens)
+  np.testing.assert_allclose(split.logprobs, joint.logprobs, atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------------------ experts

@@ -92,6 +92,46 @@ def test_cost_follows_the_tokens_not_the_budget():
   assert long.stats["kv_bytes_replicated"] > 10 * long.stats["kv_bytes"]
 
 
+def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_attention():
+  """The decode query over page-major live pages (``pages.live_pages`` of a shuffled table,
+  and ``pages.in_place`` of the identity table) equals float64 softmax attention over the
+  prompt's valid keys then the sample's valid response keys, rebuilt position by position
+  from the pool in numpy; unused table entries (-1) and a page read twice are harmless."""
+  rng = np.random.default_rng(2)
+  G, M, P, N, K, H, S, NP = 2, 3, 5, 4, 2, 8, 4, 4
+  for identity, nb in [(False, 3), (True, 2), (True, 4)]:
+    Pg = G * M * NP + 3
+    pool_k, pool_v = rng.standard_normal((Pg, K, H, S)), rng.standard_normal((Pg, K, S, H))
+    table = (np.asarray(pages.identity_table(G, M, NP)) if identity else
+             rng.permutation(Pg)[:G * M * NP].reshape(G, M, NP).astype(np.int32))
+    slen = rng.integers(1, nb * S + 1, (G, M))
+    if not identity:  # entries past a sample's length hold no page
+      table = np.where(np.arange(NP) * S < slen[..., None], table, -1)
+    q = rng.standard_normal((G, M, N, H))
+    pk, pv = rng.standard_normal((G, K, H, P)), rng.standard_normal((G, K, P, H))
+    plen = rng.integers(1, P + 1, G)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    live = (pages.in_place(f32(pool_k), f32(pool_v), G, M, nb) if identity else
+            pages.live_pages(f32(pool_k), f32(pool_v), jnp.asarray(table[:, :, :nb])))
+    svalid = np.arange(nb * S)[None, None, :] < slen[..., None]
+    got = rollout.sampler.paged_decode_attention(
+        f32(q), f32(pk), f32(pv), jnp.asarray(np.arange(P)[None, :] < plen[:, None]),
+        *live, jnp.asarray(svalid))
+    want = np.zeros((G, M, N, H))
+    for g in range(G):
+      for m in range(M):
+        pos = range(slen[g, m])
+        for n in range(N):
+          kv = n // (N // K)
+          keys = np.concatenate([pk[g, kv, :, :plen[g]].T,
+                                 [pool_k[table[g, m, j // S], kv, :, j % S] for j in pos]])
+          vals = np.concatenate([pv[g, kv, :plen[g]],
+                                 [pool_v[table[g, m, j // S], kv, j % S] for j in pos]])
+          w = scipy.special.softmax(keys @ q[g, m, n] / np.sqrt(H))
+          want[g, m, n] = w @ vals
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_live_bucket_is_a_power_of_two_of_pages():
   assert pages.live_bucket(1, 16, 512) == 8  # the 128-token floor
   assert pages.live_bucket(129, 16, 512) == 16

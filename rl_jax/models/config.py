@@ -63,7 +63,12 @@ class ModelConfig:
       not for long responses on accelerators). "auto" (the default): "concat" when the
       program is compiled for CPUs, "kernel" for TPUs and GPUs (the platform of the mesh it
       is compiled for: ``pallas_kernels.current_platform``). Equal to float rounding; models
-      with sliding-window layers and sequence parallelism keep their own paths.
+      with sliding-window layers and sequence parallelism keep their own paths. The same
+      choice for the sampler's decode: "kernel" attends the prompt and the response pages
+      as two partial softmaxes merged by log-sum-exp, the pages read in place by
+      ``pallas_kernels.paged_decode_attention`` (Pallas on TPU/GPU, its jnp reference on
+      CPU); "concat" one softmax over the prompt and the gathered live pages
+      (``rollout.decode``).
 
   Mixture of experts (``qwen3_moe``; all zero/empty for dense families):
     num_experts [E]; num_experts_per_tok [X]; moe_intermediate_size: expert MLP width.

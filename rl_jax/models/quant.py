@@ -37,7 +37,7 @@ from rl_jax import sharding
 from rl_jax.models.config import QUANTS, ModelConfig
 
 __all__ = ["QUANTS", "dequantize", "dequantize_base", "gathered", "is_quantized", "layer_axes",
-           "layer_shapes", "matmul", "quantize", "quantize_base", "quantize_layers", "targets"]
+           "layer_shapes", "matmul", "projection", "quantize", "quantize_base", "quantize_layers", "targets"]
 
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
 # projection -> axis of the stacked weight [L, ...] that is blocked (its last contraction axis)
@@ -206,5 +206,24 @@ def matmul(spec: str, x: jax.Array, w, dtype) -> jax.Array:
   (``qwix.einsum``), e.g. x [B,T,D], W [D,N,H] -> [B,T,N,H]."""
   if is_quantized(w):
     return _qwix().einsum(spec, x, w.astype(dtype))
-  return jnp.einsum(spec, x, w.astype(dtype))
+  return projection(spec, x, w.astype(dtype))
+
+
+def projection(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """``einsum(spec, x, w)`` for a projection spec whose output is x's free axes then w's
+  (``"btnh,nhd->btd"``), as one ``dot_general`` contracting the shared axes in x's order.
+
+  ``jnp.einsum`` orders several contracted axes its own way ((h, n) for the example), and
+  XLA then transposes both operands, the weight included, to make them adjacent, on every
+  call; contracting in storage order (n, h) is a plain [rows, N·H] x [N·H, D] matmul. Other
+  specs go to ``jnp.einsum``.
+  """
+  ins, out = spec.split("->")
+  xs, ws = ins.split(",")
+  shared = [c for c in xs if c in ws]
+  if (len(shared) < 2 or any(c in out for c in shared)
+      or out != "".join(c for c in xs if c not in ws) + "".join(c for c in ws if c not in xs)):
+    return jnp.einsum(spec, x, w)
+  dims = ((tuple(xs.index(c) for c in shared), tuple(ws.index(c) for c in shared)), ((), ()))
+  return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.result_type(x, w))
 

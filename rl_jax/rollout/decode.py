@@ -8,9 +8,10 @@ heads per kv head, H head dim, V vocab).
 A decode query attends its group's shared prefix (stored once) and its own response, read
 from its first ``live`` pages of the response pool (``pages``: a power-of-two bucket
 covering the longest live response, so a step's work follows the tokens generated, not the
-budget; the fed token takes a page when it starts one). Both score sets share one softmax (``decode_attention``): the same result as the log-sum-exp
-merge of the two partial softmaxes that prefill uses, with fewer passes, which matters in
-the per-token loop.
+budget; the fed token takes a page when it starts one). Both score sets share one softmax
+(``paged_decode_attention``, each page a batch entry of the matmuls): the same result as the
+log-sum-exp merge of the two partial softmaxes that prefill uses, with fewer passes, which
+matters in the per-token loop.
 
 Sliding-window layers (Gemma 3): the query at position pos sees prefix key p only if
 pos − p < window and suffix key r only if cur − r < window (``AttnSpec`` from the trunk;
@@ -31,26 +32,25 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
+import pallas_kernels
+from rl_jax import sharding
+from rl_jax.models import grouped
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
-__all__ = ["can_step", "decode", "decode_attention", "decode_step"]
+__all__ = ["can_step", "decode", "decode_attention", "decode_step", "paged_decode_attention",
+           "split_decode_attention"]
 
 
 def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid,
                      keys_length_last: bool = True):
-  """One query per sample over its group's shared prefix and its own suffix cache.
-
-  The current token's K/V must already be in the suffix cache (``suffix_valid`` includes it).
-  The prefix scores [..,P] (prefix K/V read once per group) and the sample's suffix scores
-  [..,R] share one softmax; this equals the log-sum-exp merge of the two partial softmaxes
-  (``pallas_kernels.merge_partials``) with fewer passes.
-
-  Keys are stored length-last (``kv_cache``), so both products are plain matmuls.
+  """One query per sample over its group's shared prefix and its own contiguous suffix cache:
+  ``paged_decode_attention`` with the suffix as one page.
 
   Args:
     q: [G,M,N,H]. prefix_k: [G,K,H,P]; prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or
@@ -61,28 +61,117 @@ def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, su
   Returns:
     [G,M,N,H] in q's dtype.
   """
+  return paged_decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k[None],
+                                suffix_v[None], suffix_valid, keys_length_last)
+
+
+def paged_decode_attention(q, prefix_k, prefix_v, prefix_valid, page_k, page_v, page_valid,
+                           keys_length_last: bool = True):
+  """One query per sample over its group's shared prefix and its own response pages.
+
+  The current token's K/V must already be on its page (``page_valid`` includes it). The
+  prefix scores [..,P] (prefix K/V read once per group) and the sample's page scores share
+  one softmax; this equals the log-sum-exp merge of the two partial softmaxes
+  (``pallas_kernels.merge_partials``) with fewer passes. Pages come page-major
+  (``pages.live_pages`` / ``pages.in_place``): page p of every sample is one batch entry of
+  plain batched matmuls (batch axes (p, g, m, k) leading in both operands), so no page is
+  copied into a joined cache; keys are stored length-last, so q·K contracts H and p·V the
+  page's S positions, both without transposes.
+
+  Args:
+    q: [G,M,N,H]. prefix_k: [G,K,H,P]; prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or
+      [G,M,P]. page_k: [nb,G,M,K,H,S] (keys_length_last=False: [nb,G,M,K,S,H]); page_v:
+      [nb,G,M,K,S,H]; page_valid: bool [G,M,nb·S] (response position j on page j // S).
+  Returns:
+    [G,M,N,H] in q's dtype.
+  """
   G, M, N, H = q.shape
   K, P = prefix_v.shape[1], prefix_v.shape[2]
+  nb, S = page_v.shape[0], page_v.shape[-2]
   J = N // K
   qg = q.reshape(G, M, K, J, H).astype(jnp.float32) / np.float32(np.sqrt(H))
   f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-  # batch dims leading in both operands: plain batched matmuls over (g,k) and (g,m,k);
-  # a = M·J rows of a kv head (a local letter)
+  # a = M·J rows of a kv head (a local letter); p = page, s = position on the page
   q_pre = jnp.swapaxes(qg, 1, 2).reshape(G, K, M * J, H)
-  pre_spec, suf_spec = (("gkah,gkhp->gkap", "gmkjh,gmkhr->gmkjr") if keys_length_last else
-                        ("gkah,gkph->gkap", "gmkjh,gmkrh->gmkjr"))
+  pre_spec, page_spec = (("gkah,gkhp->gkap", "pgmkjh,pgmkhs->pgmkjs") if keys_length_last else
+                         ("gkah,gkph->gkap", "pgmkjh,pgmksh->pgmkjs"))
   s_pre = f32(pre_spec, q_pre, prefix_k).reshape(G, K, M, J, P)
   s_pre = jnp.swapaxes(s_pre, 1, 2)  # [G,M,K,J,P]
-  s_suf = f32(suf_spec, qg, suffix_k)
+  s_page = f32(page_spec, jnp.broadcast_to(qg, (nb, G, M, K, J, H)), page_k)  # [nb,G,M,K,J,S]
   pre_valid = prefix_valid if prefix_valid.ndim == 3 else prefix_valid[:, None, :]
-  valid = jnp.concatenate([jnp.broadcast_to(pre_valid, (G, M, P)),
-                           suffix_valid], axis=-1)[:, :, None, None, :]
-  scores = jnp.where(valid, jnp.concatenate([s_pre, s_suf], axis=-1), -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)  # at least the current token is valid
-  p_pre = jnp.swapaxes(probs[..., :P], 1, 2).reshape(G, K, M * J, P)
+  pre_valid = jnp.broadcast_to(pre_valid, (G, M, P))[:, :, None, None, :]
+  valid = jnp.moveaxis(page_valid.reshape(G, M, nb, S), 2, 0)[:, :, :, None, None, :]
+  s_pre = jnp.where(pre_valid, s_pre, -jnp.inf)
+  s_page = jnp.where(valid, s_page, -jnp.inf)
+  top = jnp.maximum(jnp.max(s_pre, axis=-1), jnp.max(s_page, axis=(0, -1)))  # [G,M,K,J]
+  e_pre = jnp.exp(s_pre - top[..., None])
+  e_page = jnp.exp(s_page - top[..., None])
+  total = jnp.sum(e_pre, axis=-1) + jnp.sum(e_page, axis=(0, -1))  # >= 1: the current token
+  p_pre = jnp.swapaxes(e_pre / total[..., None], 1, 2).reshape(G, K, M * J, P)
   o_pre = jnp.swapaxes(f32("gkap,gkph->gkah", p_pre, prefix_v).reshape(G, K, M, J, H), 1, 2)
-  out = o_pre + f32("gmkjr,gmkrh->gmkjh", probs[..., P:], suffix_v)
+  o_page = f32("pgmkjs,pgmksh->pgmkjh", e_page / total[..., None], page_v)
+  out = o_pre + jnp.sum(o_page, axis=0)
   return out.reshape(G, M, N, H).astype(q.dtype)
+
+
+def split_decode_attention(q, prefix_k, prefix_v, prefix_valid, pool_k, pool_v, table,
+                           start, length):
+  """``paged_decode_attention`` as two partial softmaxes merged by log-sum-exp: the prefix in
+  jnp (read once per group), the response pages by ``pallas_kernels.paged_decode_attention``
+  (the Pallas kernel of the platform the program is compiled for, TPU or GPU; the jnp
+  reference on CPU), which reads each row's pages in place through its table (no gather).
+
+  Args:
+    q: [G,M,N,H]. prefix_k: [G,K,H,P]; prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or
+      [G,M,P]. pool_k: [Pg,K,H,S]; pool_v: [Pg,K,S,H]; table: int32 [G,M,nb] (-1: no
+      page). start, length: int32 [G,M]: response positions start <= j < length are valid.
+  Returns:
+    [G,M,N,H] in q's dtype.
+  """
+  G, M, N, H = q.shape
+  K, P = prefix_v.shape[1], prefix_v.shape[2]
+  J = N // K
+  scale = 1.0 / float(np.sqrt(H))
+  qg = q.reshape(G, M, K, J, H)
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  q_pre = jnp.swapaxes(qg.astype(jnp.float32) * np.float32(scale), 1, 2).reshape(G, K, M * J, H)
+  s_pre = jnp.swapaxes(f32("gkah,gkhp->gkap", q_pre, prefix_k).reshape(G, K, M, J, P), 1, 2)
+  pre_valid = prefix_valid if prefix_valid.ndim == 3 else prefix_valid[:, None, :]
+  p_pre, lse_pre = pallas_kernels.partial_softmax(s_pre, pre_valid[:, :, None, None, :])
+  p_pre = jnp.swapaxes(p_pre, 1, 2).reshape(G, K, M * J, P)
+  o_pre = jnp.swapaxes(f32("gkap,gkph->gkah", p_pre, prefix_v).reshape(G, K, M, J, H), 1, 2)
+  rows = lambda x: x.reshape(G * M, *x.shape[2:])
+  o_pg, lse_pg = _pages_per_shard(scale)(rows(qg), pool_k, pool_v, rows(table), rows(start),
+                                         rows(length))
+  out = pallas_kernels.merge_partials([o_pre, o_pg.reshape(G, M, K, J, H)],
+                                      [lse_pre, lse_pg.reshape(G, M, K, J)])
+  return out.reshape(G, M, N, H).astype(q.dtype)
+
+
+def _pages_per_shard(scale: float):
+  """``pallas_kernels.paged_decode_attention`` (rows [B,..]) run per shard with
+  ``shard_map`` on a mesh of several devices when it runs a Pallas kernel (XLA cannot
+  partition a kernel's custom call): rows over the rules' ``batch`` axes, kv heads over
+  ``act_kv_heads``; each shard holds the pool's pages of its kv heads (the pool is not split
+  over the batch axes: ``kv_cache.CACHE_AXES``)."""
+  attend = functools.partial(pallas_kernels.paged_decode_attention, scale=scale)
+
+  def run(q, pool_k, pool_v, table, start, length):
+    active = sharding.active()
+    if active is None or active[0].size == 1 or pallas_kernels.current_platform() == "cpu":
+      return attend(q, pool_k, pool_v, table, start, length)
+    mesh, rules = active
+    one = lambda axes, n: sharding.logical_to_spec((axes,), rules, mesh, (n,))[0]
+    rows, heads = one("batch", q.shape[0]), one("act_kv_heads", q.shape[1])
+    q_spec, pool_spec = PartitionSpec(rows, heads), PartitionSpec(None, heads)
+    # check_vma=False: a pallas_call's outputs carry no varying-axes type
+    fn = jax.shard_map(attend, mesh=mesh, check_vma=False,
+                       in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(rows),
+                                 PartitionSpec(rows), PartitionSpec(rows)),
+                       out_specs=(q_spec, q_spec))
+    return fn(q, pool_k, pool_v, table, start, length)
+
+  return run
 
 
 def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
@@ -91,13 +180,13 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
 
   The fed token (response index ``cur``) takes a page if its table entry has none
   (``pages.take_entry``); per layer its K/V is written onto that page in place, then the query
-  attends its prefix and the first ``live`` pages of its response (``decode_attention`` over
-  ``pages.gather_live``).
+  attends its prefix and the first ``live`` pages of its response (``paged_decode_attention``
+  over ``pages.live_pages``).
 
   Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params, cfg)``; ``live``:
   static live-page bucket nb (None = every entry, NP); ``identity``: static, the table is
-  ``init_state(identity=True)``'s, so pages are read as slices of the pool in place (no
-  gather) and none is taken. One step. Every running sample's
+  ``init_state(identity=True)``'s, so pages are read as a leading slice of the pool in
+  place (no gather) and none is taken. One step. Every running sample's
   ``cur`` must lie below ``live·S`` and the pool must hold a page for each sample that needs
   one (``decode`` checks both before each step).
   """
@@ -114,16 +203,17 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   NP = state.pages.shape[-1]
   if identity:
     table, free = state.pages, state.free
-    page = (jnp.arange(G * M, dtype=jnp.int32).reshape(G, M) * NP
-            + jnp.minimum(cur // S, NP - 1))
+    entry = jnp.minimum(cur // S, NP - 1)
+    page = jnp.take_along_axis(table, entry[..., None], axis=-1)[..., 0]
   else:
     table, free, page = pages.take_entry(state.pages, state.free, take, cur // S)
   page = jnp.where(take, page, -1).reshape(-1)  # rows not fed write nothing
   offset = (cur % S).reshape(-1)
   live_table = table[:, :, :nb]
-  read = ((lambda k, v: pages.in_place(k, v, G, M, NP, nb)) if identity else
-          (lambda k, v: pages.contiguous(k, v, live_table)))
+  read = ((lambda k, v: pages.in_place(k, v, G, M, nb)) if identity else
+          (lambda k, v: pages.live_pages(k, v, live_table)))
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
+  split = grouped.prefix_attention_path(cfg.prefix_attention) == "kernel"
 
   qpos = state.prefix_len[:, None] + cur  # [G,M]
 
@@ -131,13 +221,20 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
     l = layer
     caches["sk"][l], caches["sv"][l] = pages.write(caches["sk"][l], caches["sv"][l], page,
                                                    offset, k[:, 0], v[:, 0])
-    sk, sv_ = read(caches["sk"][l], caches["sv"][l])
     pv, sv = pvalid, svalid
     if spec is not None:
       pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))
       sv = tx.window_mask(spec, svalid, cur[..., None] - jnp.arange(nb * S))
-    out = decode_attention(q.reshape(G, M, *q.shape[2:]), state.prefix_k[l], state.prefix_v[l],
-                           pv, sk, sv_, sv)
+    q = q.reshape(G, M, *q.shape[2:])
+    if split:  # the response pages through the paged kernel (``split_decode_attention``)
+      start = jnp.zeros_like(cur)  # sliding layers see response keys cur - j < window
+      if spec is not None and spec.window is not None and spec.sliding is not False:
+        start = jnp.where(spec.sliding, jnp.maximum(cur - spec.window + 1, 0), start)
+      out = split_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
+                                   caches["sk"][l], caches["sv"][l], live_table, start, cur + 1)
+    else:
+      out = paged_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
+                                   *read(caches["sk"][l], caches["sv"][l]), sv)
     return out.reshape(G * M, 1, *out.shape[2:]), layer
 
   x = tx.embed(cfg, params, feed.reshape(G * M, 1))

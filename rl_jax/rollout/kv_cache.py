@@ -184,8 +184,8 @@ def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: in
   dt = jnp.dtype(cfg.dtype)
   NP = R // S
   layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
-  if identity:  # entry (g, m, p) owns page (g·M + m)·NP + p for good
-    table = jnp.arange(G * M * NP, dtype=jnp.int32).reshape(G, M, NP)
+  if identity:  # entry (g, m, p) owns page p·G·M + g·M + m for good
+    table = pages.identity_table(G, M, NP)
     free = jnp.arange(Pg) >= G * M * NP
   else:
     table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((Pg,), bool)
@@ -217,9 +217,10 @@ def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
 
   S: page size (default R: one page per sample); a power of two dividing R. pages: pool
   pages Pg (default G·M·R/S, every sample's whole budget). Every table entry starts
-  without a page and every page free; ``identity``: entry (g, m, p) owns page
-  ``(g·M + m)·NP + p`` for good (a pool of every whole budget read in place: the programs'
-  ``identity`` fast path; needs Pg >= G·M·NP).
+  without a page and every page free; ``identity``: the table is
+  ``pages.identity_table`` (entry (g, m, p) owns page ``p·G·M + g·M + m`` for good): a
+  pool of every whole budget read in place, the programs' ``identity`` fast path; needs
+  Pg >= G·M·NP.
   """
   TRACE_COUNTS["init_state"] += 1
   S = R if S is None else S

@@ -15,9 +15,12 @@ counts, never of time) and given back by ``release`` when a slot's group leaves 
 prompt stays once per slot in the prefix cache (``kv_cache``), so the group's samples share
 it; page size = R (one page per sample) is the former worst-case slot layout.
 
-Attention reads the first ``nb`` pages of every sample (``gather_live``), nb chosen by the
+Attention reads the first ``nb`` pages of every sample (``live_pages``), nb chosen by the
 engine as a power of two covering the longest live response, so a decode step's work follows
-the tokens generated and the number of compiled decode programs is logarithmic in R.
+the tokens generated and the number of compiled decode programs is logarithmic in R. The
+pages are read page-major ([nb,G,M,..]): each page is one batch entry of the attention's
+matmuls, so no page is copied into a joined cache. A pool of every sample's whole budget uses
+``identity_table`` (page-major too) and is read in place, without a gather.
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention".
@@ -28,8 +31,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["allocate", "contiguous", "gather_live", "grow", "in_place", "live_bucket",
-           "pages_from_memory", "pages_needed", "release", "rows_need",
+__all__ = ["allocate", "contiguous", "grow", "identity_table", "in_place", "live_bucket",
+           "live_pages", "pages_from_memory", "pages_needed", "release", "rows_need",
            "take_entry", "write", "write_rows"]
 
 
@@ -131,42 +134,40 @@ def write(pool_k, pool_v, page, offset, k, v):
   return pool_k, pool_v
 
 
-def gather_live(pool_k, pool_v, table_live):
-  """The live pages of every sample: keys [G,M,nb,K,H,S], values [G,M,nb,K,S,H].
+def identity_table(G: int, M: int, NP: int) -> jax.Array:
+  """int32 [G,M,NP]: entry (g, m, p) on page ``p·G·M + g·M + m`` for good (page-major), so
+  the first nb pages of every sample are the pool's first nb·G·M pages (``in_place``)."""
+  return (jnp.arange(NP, dtype=jnp.int32)[None, None, :] * (G * M)
+          + jnp.arange(G * M, dtype=jnp.int32).reshape(G, M, 1))
 
-  ``table_live`` int32 [G,M,nb]; entries without a page read page 0 (their positions are
-  masked by the caller's validity mask).
-  """
-  idx = jnp.maximum(table_live, 0)
+
+def live_pages(pool_k, pool_v, table_live):
+  """The live pages of every sample, page-major: keys [nb,G,M,K,H,S], values [nb,G,M,K,S,H]
+  (``table_live`` int32 [G,M,nb]); entries without a page read page 0 (their positions are
+  masked by the caller's validity mask)."""
+  idx = jnp.maximum(jnp.moveaxis(table_live, -1, 0), 0)
   return pool_k[idx], pool_v[idx]
+
+
+def in_place(pool_k, pool_v, G: int, M: int, nb: int):
+  """``live_pages`` for ``identity_table``: the pool's first nb·G·M pages reshaped, no
+  gather and no copy (a leading slice of a row-major array is contiguous)."""
+  _, K, H, S = pool_k.shape
+  return (pool_k[:nb * G * M].reshape(nb, G, M, K, H, S),
+          pool_v[:nb * G * M].reshape(nb, G, M, K, S, H))
 
 
 def contiguous(pool_k, pool_v, table_live):
   """The live pages of every row as one response cache: keys [..,K,H,nb·S], values
   [..,K,nb·S,H] (``table_live`` int32 [..,nb]); positions without a page hold page 0's
   values and must be masked."""
-  k, v = gather_live(pool_k, pool_v, table_live)
-  return _joined(k, v, table_live.ndim - 1)
-
-
-def _joined(k, v, axis: int):
-  """Pages k [..,nb,K,H,S] / v [..,nb,K,S,H] (page axis ``axis``) as one cache: keys
-  [..,K,H,nb·S], values [..,K,nb·S,H]."""
-  nb = k.shape[axis]
+  idx = jnp.maximum(table_live, 0)
+  k, v = pool_k[idx], pool_v[idx]  # [..,nb,K,H,S] / [..,nb,K,S,H]
+  axis, nb = table_live.ndim - 1, table_live.shape[-1]
   k = jnp.moveaxis(k, axis, -2)  # [..,K,H,nb,S]
   k = k.reshape(*k.shape[:-2], nb * k.shape[-1])
   v = jnp.moveaxis(v, axis, -3)  # [..,K,nb,S,H]
   return k, v.reshape(*v.shape[:-3], nb * v.shape[-2], v.shape[-1])
-
-
-def in_place(pool_k, pool_v, G: int, M: int, NP: int, nb: int):
-  """``contiguous`` for an identity table (entry (g, m, p) on page (g·M + m)·NP + p): the
-  first ``nb`` pages of every sample as slices of the pool, no gather (one page per sample
-  is a free reshape)."""
-  _, K, H, S = pool_k.shape
-  k = pool_k[:G * M * NP].reshape(G, M, NP, K, H, S)[:, :, :nb]
-  v = pool_v[:G * M * NP].reshape(G, M, NP, K, S, H)[:, :, :nb]
-  return _joined(k, v, 2)
 
 
 def rows_need(slot, sample, start, count, G: int, M: int, NP: int, S: int):

@@ -8,7 +8,8 @@ One namespace for the sampler's pieces, which live in three modules:
 * ``prefill``: ``admit`` (prefill prompts into free slots once per group, first tokens) and
   ``resume`` (rebuild the response K/V of resumed partial samples), both attending through
   ``grouped_attention`` (the two-region log-sum-exp attention of ``pallas_kernels``).
-* ``decode``: ``decode`` (the ``while_loop``) over ``decode_step`` and ``decode_attention``.
+* ``decode``: ``decode`` (the ``while_loop``) over ``decode_step`` and
+  ``paged_decode_attention`` (``decode_attention``: one contiguous suffix).
 
 Axis letters: the legend of ``rl_jax/__init__.py``. Each slot g holds one prompt,
 prefilled once into the prefix cache (L arrays: keys [G,K,H,P], values [G,K,P,H]), and M
@@ -26,7 +27,7 @@ for softmax" (log-sum-exp merge); DualKV (shared-prompt attention for RL, 2025).
 from __future__ import annotations
 
 from pallas_kernels.lse_attention import merge_partials
-from rl_jax.rollout.decode import decode, decode_attention, decode_step
+from rl_jax.rollout.decode import decode, decode_attention, decode_step, paged_decode_attention
 from rl_jax.rollout.kv_cache import (CACHE_AXES, EOS, LENGTH, REASON_NAMES, RUNNING, STOP,
                                      TRACE_COUNTS, DecodeState, cast_params, init_state,
                                      kv_cache_bytes)
@@ -36,4 +37,4 @@ from rl_jax.rollout.prefill import (Admission, Resume, admit, admit_for, admit_w
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "Admission", "DecodeState", "Resume", "admit", "admit_for", "admit_with", "cast_params",
            "decode", "decode_attention", "decode_step", "grouped_attention", "init_state",
-           "kv_cache_bytes", "merge_partials", "resume"]
+           "kv_cache_bytes", "merge_partials", "paged_decode_attention", "resume"]

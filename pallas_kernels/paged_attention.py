@@ -1,0 +1,404 @@
+"""Paged decode attention: one query token per row over its response K/V pages, with lse.
+
+Each row (one sample being decoded) has its response K/V spread over fixed-size pages of a
+shared pool; a page table lists the row's pages in order. For each query head the kernel
+computes softmax(scale · q·k) · v over the row's valid positions ``start <= pos < length``
+and the log-sum-exp of those scores, so the caller can merge the result with attention over
+other keys it computes separately (``lse_attention.merge_partials``).
+
+The prompt a group of samples shares is not read here: the caller attends it once per group
+(its K/V are stored once, not per sample) and merges that partial result with this one by
+log-sum-exp; this kernel only walks each sample's own pages.
+
+Layouts (the pool layout of ``rl_jax/rollout/pages.py``):
+  q        [B,K,J,H]      any float dtype
+  k_pages  [Pg,K,H,S]     keys length-last: a page holds one kv head's keys as [H,S]
+  v_pages  [Pg,K,S,H]
+  table    int32 [B,nb]   page ids of each row's first nb pages; entry p holds positions
+                          p·S .. p·S+S-1 of the row; -1 = no page (its positions
+                          are never valid)
+  start, length  int32 [B] valid positions of row b: start[b] <= pos < length[b]
+  out      float32 [B,K,J,H]   normalised over the valid positions (0 where none)
+  lse      float32 [B,K,J]     log sum exp(scale · q·k) over them (-inf where none)
+The empty-row convention is ``merge_partials``'s: a part with lse -inf and out 0 has weight
+exp(-inf - lse) = 0 in the merge.
+
+Axis letters (the legend of ``rl_jax/__init__.py``): B rows, K kv heads, J query heads per
+kv head, H head dim; here also Pg pool pages, S page size (tokens per page, a power of two),
+nb page-table entries of a row.
+
+Implementations (``platform``; None follows ``shared_prefix_attention.current_platform``):
+  "tpu"  Mosaic: grid (B, K, nb) with the page table, start and length scalar-prefetched
+         into SMEM; the K/V block index maps read the page id from the table, so the
+         pipeline copies only the row's own pages into VMEM. The page axis is sequential
+         ("arbitrary") and carries the online softmax in VMEM scratch; pages wholly outside
+         [start, length) (or without a page) are skipped with ``pl.when``, and the index maps
+         of the pages outside the live range repeat a live page's block, so no copy is issued
+         for them.
+  "gpu"  Triton: grid (B, K); each program loops (``lax.fori_loop``) over the row's live
+         pages, loading page ``table[b,p]`` from the pool by dynamic indexing and keeping the
+         online softmax in registers.
+  "cpu"  the jnp reference (``paged_decode_reference``), or with ``interpret=True`` the TPU
+         kernel in the Pallas interpreter.
+
+Limits. TPU: blocks are whole [J,H], [H,S] and [S,H] tiles (the arrays' own last two dims),
+so any J, H and S are legal block shapes; the table (B·nb int32, flattened) with start and
+length is held in SMEM, which bounds B·nb; an entry of -1 inside a row's live range is
+skipped but still copies page 0. GPU: H and S must be powers of two; with H, S >= 16 the
+products are dots with J padded to a power of two >= 16 (Triton's smallest dot), below that
+broadcast products summed over [J,H,S] (small tiles only). Scores and softmax are float32;
+16-bit pages are multiplied natively (probabilities rounded to the values' dtype for p·V),
+float32 ones at full precision.
+
+Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
+with PagedAttention"; Milakov & Gimelshein 2018, "Online normalizer calculation for
+softmax".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _tiles
+from pallas_kernels.lse_attention import partial_softmax
+from pallas_kernels.shared_prefix_attention import current_platform
+
+__all__ = ["paged_decode_attention", "paged_decode_reference"]
+
+PLATFORMS = ("tpu", "gpu", "cuda", "rocm", "cpu")
+_LANES = 128
+_GPU_DOT_MIN = 16  # Triton's dot: every side at least 16
+
+
+# ---------------------------------------------------------------------------------------
+# Validation and dispatch.
+
+
+def _check_inputs(q, k_pages, v_pages, table, start, length):
+  """Raises ValueError naming the first problem with the (static) shapes and dtypes."""
+  names = ("q", "k_pages", "v_pages", "table", "start", "length")
+  for name, x, ndim in zip(names, (q, k_pages, v_pages, table, start, length),
+                           (4, 4, 4, 2, 1, 1)):
+    if not hasattr(x, "shape") or len(x.shape) != ndim:
+      raise ValueError(f"{name} must have {ndim} dims, got shape {getattr(x, 'shape', None)}")
+  b, k, _, h = q.shape
+  pg, s = k_pages.shape[0], k_pages.shape[-1]
+  if k_pages.shape != (pg, k, h, s):
+    raise ValueError(f"k_pages shape {k_pages.shape} must be [Pg,K,H,S] with K={k}, H={h}")
+  if v_pages.shape != (pg, k, s, h):
+    raise ValueError(f"v_pages shape {v_pages.shape} must be [Pg,K,S,H] = {(pg, k, s, h)}")
+  if s < 1 or s & (s - 1):
+    raise ValueError(f"the page size S must be a power of two, got {s}")
+  if table.shape[0] != b or start.shape != (b,) or length.shape != (b,):
+    raise ValueError(f"table {table.shape}, start {start.shape}, length {length.shape} must "
+                     f"have B={b} rows")
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be floating point, got {x.dtype}")
+  for name, x in (("table", table), ("start", start), ("length", length)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be integers, got {x.dtype}")
+
+
+def _resolve(platform: str | None, interpret: bool) -> str:
+  """The implementation to run: "tpu", "gpu" or "reference"."""
+  if platform is not None and platform not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
+  if not isinstance(interpret, bool):
+    raise ValueError(f"interpret must be a bool, got {interpret!r}")
+  p = current_platform() if platform is None else platform
+  if p == "tpu":
+    return "tpu"
+  if p in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  return "tpu" if interpret else "reference"
+
+
+def _ints(*xs):
+  return tuple(jnp.asarray(x).astype(jnp.int32) for x in xs)
+
+
+# ---------------------------------------------------------------------------------------
+# Public API.
+
+
+def paged_decode_reference(q, k_pages, v_pages, table, start, length, *, scale):
+  """Pure-jnp paged decode attention (float32): gathers the row's pages, masked softmax.
+
+  Args:
+    q: [B,K,J,H] queries (any float dtype).
+    k_pages: [Pg,K,H,S] key pages; v_pages: [Pg,K,S,H] value pages.
+    table: int [B,nb] page ids (-1 = no page).
+    start, length: int [B] valid positions start <= pos < length.
+    scale: a Python float multiplied into the scores q·k (static: part of the program).
+
+  Returns:
+    out float32 [B,K,J,H] (0 for a row with no valid key) and lse float32 [B,K,J] (-inf for
+    such a row).
+  """
+  _check_inputs(q, k_pages, v_pages, table, start, length)
+  return _reference(q, k_pages, v_pages, *_ints(table, start, length), scale=float(scale))
+
+
+def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
+                           platform: str | None = None, interpret: bool = False):
+  """Paged decode attention and its log-sum-exp, by a Pallas kernel or the reference.
+
+  Args:
+    q, k_pages, v_pages, table, start, length, scale: as in ``paged_decode_reference``.
+      Positions on entries with table -1 are never valid; positions past nb·S do not exist.
+    platform: "tpu", "gpu" (or "cuda"/"rocm"), "cpu", or None for the platform the program
+      is traced for (``pallas_kernels.current_platform``: ``target_platform``'s, else
+      ``jax.default_backend()``). "cpu" runs the reference unless ``interpret``.
+    interpret: run the kernel in the Pallas interpreter (any host); on "cpu" (or None on a
+      CPU host) it selects the TPU kernel.
+
+  Returns:
+    out float32 [B,K,J,H] normalised over the row's valid positions (0 where a row has
+    none) and lse float32 [B,K,J] (-inf where none): ``merge_partials``' conventions.
+
+  Raises:
+    ValueError: on inconsistent shapes or dtypes, a page size that is not a power of two,
+      an unknown platform, or (GPU) a head dim that is not a power of two.
+  """
+  _check_inputs(q, k_pages, v_pages, table, start, length)
+  impl = _resolve(platform, interpret)
+  h = q.shape[-1]
+  if impl == "gpu" and h & (h - 1):
+    raise ValueError(f"the GPU kernel needs a power-of-two head dim, got H={h}")
+  args = (q, k_pages, v_pages, *_ints(table, start, length))
+  if impl == "reference":
+    return _reference(*args, scale=float(scale))
+  kernel = _tpu_attention if impl == "tpu" else _gpu_attention
+  return kernel(*args, scale=float(scale), interpret=interpret)
+
+
+# ---------------------------------------------------------------------------------------
+# Reference.
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _reference(q, k_pages, v_pages, table, start, length, *, scale):
+  b_, k_, j_, h_ = q.shape
+  nb, s_ = table.shape[1], k_pages.shape[-1]
+  idx = jnp.maximum(table, 0)
+  k = jnp.moveaxis(k_pages[idx], 1, -2).reshape(b_, k_, h_, nb * s_)  # [B,K,H,nb·S]
+  v = jnp.moveaxis(v_pages[idx], 1, 2).reshape(b_, k_, nb * s_, h_)  # [B,K,nb·S,H]
+  f32 = lambda x: x.astype(jnp.float32)
+  einsum = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  scores = einsum("bkjh,bkhn->bkjn", f32(q), f32(k)) * scale
+  pos = jnp.arange(nb * s_)
+  valid = ((pos >= start[:, None]) & (pos < length[:, None])
+           & jnp.repeat(table >= 0, s_, axis=1))  # [B,nb·S]
+  p, lse = partial_softmax(scores, valid[:, None, None, :])
+  return einsum("bkjn,bknh->bkjh", p, f32(v)), lse
+
+
+def _compute_dtype(q, k_pages, v_pages):
+  return jnp.promote_types(q.dtype, jnp.promote_types(k_pages.dtype, v_pages.dtype))
+
+
+def _dot(a, b):
+  """float32 a @ b ([J,X] @ [X,Y]) with the precision its operands call for: full float32
+  for float32 operands, the native product for 16-bit ones (Mosaic rejects a float32
+  contract precision on bf16 operands, whatever ``jax_default_matmul_precision`` says)."""
+  precision = (lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT)
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+
+
+def _fold(carry, s, mask, v, pv):
+  """Folds one page into the online softmax.
+
+  Args:
+    carry: (m [J,1] running max, l [J,1] running sum of exp(s - m), acc [J,H] running sum of
+      exp(s - m) v), all float32.
+    s: float32 [J,S] scaled scores of the page; mask: bool [J,S] valid positions.
+    v: [S,H] the page's values; pv: ``pv(e, v)`` -> float32 [J,H], e float32 [J,S].
+
+  Returns:
+    The updated carry.
+  """
+  m, l, acc = carry
+  s = jnp.where(mask, s, _tiles.MASK_VALUE)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+  alpha = jnp.exp(m - m_new)
+  e = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+  return m_new, alpha * l + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv(e, v)
+
+
+def _dot_pv(e, v):
+  """float32 [J,H] = e [J,S] @ v [S,H], e rounded to v's dtype (the usual flash-attention
+  rounding for 16-bit values)."""
+  return _dot(e.astype(v.dtype), v)
+
+
+def _finish(m, l, acc):
+  """Online-softmax state (m, l [J,1], acc [J,H]) -> out float32 [J,H] and lse float32
+  [J,1]; out 0 and lse -inf where nothing was seen (l = 0)."""
+  seen = l > 0
+  out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
+  return out, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+# ---------------------------------------------------------------------------------------
+# TPU (Mosaic): pages walked by the grid.
+
+
+def _page_entry(p, start, length, nb: int, s_: int):
+  """Table entry whose page the K/V blocks of grid step p hold, in [0, nb): p itself inside
+  the row's live range (the entries with a position in [start, length)), the first live
+  entry before it and the last one after it, so steps outside the range repeat a block the
+  pipeline already holds (no copy). A row with no valid position stays on one entry."""
+  last = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), s_), nb - 1)
+  first = jnp.minimum(lax.div(jnp.maximum(start, 0), s_), last)
+  return jnp.minimum(jnp.maximum(p, first), last)
+
+
+def _tpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                m_sc, l_sc, acc_sc, *, scale, nb, dtype):
+  b, p = pl.program_id(0), pl.program_id(2)
+  j_, s_ = q_ref.shape[0], k_ref.shape[1]
+  start, length = start_ref[b], length_ref[b]
+  page = table_ref[b * nb + p]
+  # m and l live lane-broadcast in [J,128] scratch (lane-dense VMEM); [J,1] values.
+  lanes = lambda x: jnp.broadcast_to(x, (j_, _LANES))
+  column = lambda ref: ref[...][:, :1]
+
+  @pl.when(p == 0)
+  def _init():
+    m, l, acc = _tiles.init_carry(j_, q_ref.shape[1])
+    m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
+
+  @pl.when((p * s_ < length) & ((p + 1) * s_ > start) & (page >= 0))
+  def _page():
+    s = _dot(q_ref[...].astype(dtype), k_ref[...].astype(dtype)) * scale  # [J,S]
+    pos = p * s_ + lax.broadcasted_iota(jnp.int32, (j_, s_), 1)
+    mask = (pos >= start) & (pos < length)
+    m, l, acc = _fold((column(m_sc), column(l_sc), acc_sc[...]), s, mask,
+                      v_ref[...].astype(dtype), _dot_pv)
+    m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
+
+  @pl.when(p == nb - 1)
+  def _finalize():
+    out, lse = _finish(column(m_sc), column(l_sc), acc_sc[...])
+    o_ref[...] = out
+    lse_ref[...] = lanes(lse)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _tpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret):
+  b_, k_, j_, h_ = q.shape
+  nb, s_ = table.shape[1], k_pages.shape[-1]
+  dtype = _compute_dtype(q, k_pages, v_pages)
+
+  def q_map(b, h, p, table_ref, start_ref, length_ref):
+    return b, h, 0, 0
+
+  def page_map(b, h, p, table_ref, start_ref, length_ref):
+    entry = _page_entry(p, start_ref[b], length_ref[b], nb, s_)
+    return jnp.maximum(table_ref[b * nb + entry], 0), h, 0, 0
+
+  out, lse = pl.pallas_call(
+      functools.partial(_tpu_kernel, scale=scale, nb=nb, dtype=dtype),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3,
+          grid=(b_, k_, nb),
+          in_specs=[pl.BlockSpec((None, None, j_, h_), q_map),
+                    pl.BlockSpec((None, None, h_, s_), page_map),
+                    pl.BlockSpec((None, None, s_, h_), page_map)],
+          out_specs=[pl.BlockSpec((None, None, j_, h_), q_map),
+                     pl.BlockSpec((None, None, j_, _LANES), q_map)],
+          scratch_shapes=[pltpu.VMEM((j_, _LANES), jnp.float32),
+                          pltpu.VMEM((j_, _LANES), jnp.float32),
+                          pltpu.VMEM((j_, h_), jnp.float32)],
+      ),
+      out_shape=[jax.ShapeDtypeStruct((b_, k_, j_, h_), jnp.float32),
+                 jax.ShapeDtypeStruct((b_, k_, j_, _LANES), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+      name="paged_decode_attention",
+  )(table.reshape(-1), start, length, q, k_pages, v_pages)
+  # the table goes flat into SMEM (a 2-D SMEM array pads its rows); lse comes back
+  # lane-broadcast [B,K,J,128] (a lane-dense block, no in-kernel transpose): lane 0 is it
+  return out, lse[..., 0]
+
+
+# ---------------------------------------------------------------------------------------
+# GPU (Triton): pages walked by a loop.
+
+
+def _gpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                scale, dtype, use_dot):
+  j_, h_ = q_ref.shape
+  nb, s_ = table_ref.shape[0], k_ref.shape[-1]
+  start, length = start_ref[...], length_ref[...]
+  q = q_ref[...].astype(dtype)
+
+  if use_dot:
+    qk = lambda k: _dot(q, k)  # [J,H] @ [H,S]
+    pv = _dot_pv
+  else:  # too small for a dot: broadcast products summed
+    qf = q.astype(jnp.float32)
+    qk = lambda k: jnp.sum(qf[:, :, None] * k.astype(jnp.float32)[None, :, :], axis=1)
+    pv = lambda e, v: jnp.sum(e[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+
+  def step(p, carry):
+    page = table_ref[p]
+    k = k_ref[jnp.maximum(page, 0)].astype(dtype)  # [H,S]
+    v = v_ref[jnp.maximum(page, 0)].astype(dtype)  # [S,H]
+    s = qk(k) * scale
+    pos = p * s_ + lax.broadcasted_iota(jnp.int32, (j_, s_), 1)
+    mask = (pos >= start) & (pos < length) & (page >= 0)
+    return _fold(carry, s, mask, v, pv)
+
+  first = lax.div(jnp.maximum(start, 0), s_)
+  end = jnp.minimum(lax.div(jnp.maximum(length, 0) + s_ - 1, s_), nb)
+  m, l, acc = lax.fori_loop(first, jnp.maximum(end, first), step, _tiles.init_carry(j_, h_))
+  out, lse = _finish(m, l, acc)
+  o_ref[...] = out
+  lse_ref[...] = lse[:, 0]
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _gpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret):
+  b_, k_, j_, h_ = q.shape
+  pg, nb, s_ = k_pages.shape[0], table.shape[1], k_pages.shape[-1]
+  use_dot = min(h_, s_) >= _GPU_DOT_MIN
+  # Triton tiles have power-of-two sides and a dot at least 16 rows: pad the query heads
+  # (H and S are powers of two already).
+  jp = max(_pow2(j_), _GPU_DOT_MIN) if use_dot else _pow2(j_)
+  q = jnp.pad(q, [(0, 0), (0, 0), (0, jp - j_), (0, 0)])
+  nbp = _pow2(nb)
+  table = jnp.pad(table, [(0, 0), (0, nbp - nb)], constant_values=-1)
+  row = lambda b, h: (b,)
+  qo_spec = pl.BlockSpec((None, None, jp, h_), lambda b, h: (b, h, 0, 0))
+  out, lse = pl.pallas_call(
+      functools.partial(_gpu_kernel, scale=scale, dtype=_compute_dtype(q, k_pages, v_pages),
+                        use_dot=use_dot),
+      grid=(b_, k_),
+      in_specs=[pl.BlockSpec((None, nbp), lambda b, h: (b, 0)),
+                pl.BlockSpec((None,), row), pl.BlockSpec((None,), row), qo_spec,
+                pl.BlockSpec((pg, None, h_, s_), lambda b, h: (0, h, 0, 0)),
+                pl.BlockSpec((pg, None, s_, h_), lambda b, h: (0, h, 0, 0))],
+      out_specs=[qo_spec, pl.BlockSpec((None, None, jp), lambda b, h: (b, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b_, k_, jp, h_), jnp.float32),
+                 jax.ShapeDtypeStruct((b_, k_, jp), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=4 if h_ <= 64 else 8, num_stages=2),
+      interpret=interpret,
+      name="paged_decode_attention",
+  )(table, start, length, q, k_pages, v_pages)
+  return out[:, :, :j_], lse[:, :, :j_]
