@@ -25,6 +25,16 @@ _NT = (((1,), (1,)), ((), ()))  # contract the last dim of both: a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # contract the first dim of both: a.T @ b
 
 
+def _dot(a, b, dims):
+  """float32 ``lax.dot_general(a, b, dims)``. 16-bit operands get the native product
+  (``Precision.DEFAULT``): Mosaic rejects a float32 contract precision on bf16 operands,
+  which ``jax_default_matmul_precision="highest"`` would ask for; float32 operands follow
+  that setting as before."""
+  narrow = jnp.dtype(a.dtype).itemsize < 4 and jnp.dtype(b.dtype).itemsize < 4
+  return lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT if narrow else None,
+                         preferred_element_type=jnp.float32)
+
+
 def scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
   """Scaled scores of one tile.
 
@@ -36,7 +46,7 @@ def scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
   Returns:
     float32 [T,S] scores q k^T * scale.
   """
-  return lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+  return _dot(q, k, _NT) * scale
 
 
 def context_mask(bq: int, bk: int, k_start, ctx_len) -> jax.Array:
@@ -77,8 +87,7 @@ def online_softmax_step(m, l, acc, s, mask, v):
   alpha = jnp.exp(m - m_new)
   p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
   l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-  pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                       preferred_element_type=jnp.float32)
+  pv = _dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
   return m_new, l_new, alpha * acc + pv
 
 
@@ -102,15 +111,15 @@ def probs_and_dscores(q, k, v, do, lse, di, mask, scale):
   """
   s = scores(q, k, scale)
   p = jnp.where(mask, jnp.exp(s - lse), 0.0)
-  dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+  dp = _dot(do, v, _NT)
   return p, p * (dp - di)
 
 
 def matmul(a, b):
   """float32 a @ b."""
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  return _dot(a, b, (((1,), (0,)), ((), ())))
 
 
 def matmul_tn(a, b):
   """float32 a.T @ b."""
-  return lax.dot_general(a, b, _TN, preferred_element_type=jnp.float32)
+  return _dot(a, b, _TN)

@@ -87,9 +87,10 @@ def _model() -> ml_collections.ConfigDict:
       # (on for CPU programs, off for TPU and GPU)
       fused_mlp=config_dict.placeholder(bool),
       scan_layers=True,  # False unrolls the layer loop: no scan, longer compiles
-      # packed-layout response attention: "auto" ("concat" on CPU, "kernel" on TPU and GPU,
-      # by the mesh's platform), "kernel" (Pallas / its jnp reference) or "concat" (one
-      # softmax over [prompt | own] keys; faster on CPU; ModelConfig.prefix_attention)
+      # packed-layout and decode response attention: "auto" ("concat" on CPU, "kernel" on
+      # TPU and GPU, by the mesh's platform), "kernel" (Pallas / its jnp reference; decode:
+      # the paged kernel) or "concat" (one softmax over [prompt | own] keys; faster on CPU;
+      # ModelConfig.prefix_attention)
       prefix_attention="auto",
       # mixture of experts (architecture="qwen3_moe"): E experts per MoE layer, top X per
       # token, every ``moe_every``-th layer MoE (the others a dense MLP of intermediate_size)
@@ -225,7 +226,6 @@ def _env() -> ml_collections.ConfigDict:
       max_turn_tokens=16,  # model tokens per assistant turn
       max_obs_tokens=16,  # ids per observation (longer ones are cut and counted)
       step_timeout_s=10.0,  # seconds an environment step may run (then an error observation)
-      kv_ttl_s=-1.0,  # seconds a group waiting on its environments keeps its KV (-1: always)
       workers=4,  # environment threads
       n_train=2000,  # examples of the task's train split
       n_eval=200,  # calculator, gymnasium: held-out examples (guess: every target once)
@@ -303,6 +303,10 @@ def _rollout() -> ml_collections.ConfigDict:
       # Fraction of the device memory free when the engine starts that the pool takes (GPU,
       # TPU; ignored where the device reports no capacity, e.g. CPU). None: grow as needed.
       kv_memory_fraction=config_dict.placeholder(float),
+      # Prompts longer than this many tokens (a power of two) are prefilled in chunks of it:
+      # attention scores [chunk, prompt] per head at a time instead of [prompt, prompt]
+      # (rl_jax/rollout/prefill.py); equal to float rounding.
+      prefill_chunk=2048,
   ))
 
 
@@ -481,6 +485,10 @@ def _dry_run() -> ml_collections.ConfigDict:
       # chips: "v5e:2x2" (4 chips), "v5p:2x2x2" (8 chips, sold as v5p-16), "v6e:2x4"
       topology="",
       num_slices=1,  # slices of that topology in the job (multislice)
+      # also search the largest train.batch_groups whose RL phase fits the chip's HBM
+      # (rl_jax.train.topology.max_batch: one to four more compiles of the RL programs,
+      # each about as long as the plan's own)
+      max_batch=False,
   ))
 
 
@@ -556,6 +564,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "rollout.weight_dtype": cu.one_of(model_config_lib.SAMPLER_QUANTS),
       "rollout.n": cu.positive_int,
       "rollout.page_size": cu.power_of_two,
+      "rollout.prefill_chunk": cu.power_of_two,
       "rollout.kv_pages": cu.optional(cu.positive_int),
       "rollout.kv_memory_fraction": cu.optional(cu.in_range(0.0, 1.0, low_inclusive=False)),
       "rollout.max_new_tokens": cu.positive_int,
@@ -626,6 +635,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "train.cpu_temp_block_mib": cu.nonnegative_int,
       "dry_run.topology": lambda x: None if isinstance(x, str) else "must be a string",
       "dry_run.num_slices": cu.positive_int,
+      "dry_run.max_batch": cu.one_of((False, True)),
       "sft.steps": cu.nonnegative_int,
       "sft.lr": cu.positive,
       "sft.batch_size": cu.positive_int,
@@ -636,8 +646,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "env.max_turn_tokens": cu.positive_int,
       "env.max_obs_tokens": cu.positive_int,
       "env.step_timeout_s": cu.positive,
-      "env.kv_ttl_s": lambda x: (None if cu.is_number(x) and (x >= 0 or x == -1) else
-                                 "must be seconds >= 0, or -1 (never evict)"),
       "env.workers": cu.positive_int,
       "env.n_train": cu.positive_int,
       "env.n_eval": cu.positive_int,

@@ -1,13 +1,15 @@
 """Multi-turn rollouts: continuous batching across turns vs a turn-synchronous baseline.
 
 Every environment step calls a tool that sleeps ``--sleep`` seconds (50 ms by default).
-Both schedules run on the same ``AgentEngine`` (same slots, model, episodes and device
+The schedules run on the same ``AgentEngine`` (same slots, model, episodes and device
 programs); ``schedule="turn_sync"`` makes every sample wait for the slowest tool call of its
 turn before all continue together, while ``continuous`` keeps decoding the other samples
 while tools run, and with a KV time-to-live (``--ttl``) lends the slot of a group whose
-samples all wait on tools to waiting work (Continuum). The two are timed in interleaved
-repeats after a warm-up call each (compiles excluded) and must return identical
-trajectories (the environments are deterministic).
+samples all wait on tools to waiting work (Continuum); ``lockstep`` is continuous batching
+with the deterministic schedule (``AgentEngine(deterministic=True)``: the steps submitted in
+one iteration are applied at the start of the next, no evictions; the trainer's schedule).
+They are timed in interleaved repeats after a warm-up call each (compiles excluded) and
+must return identical trajectories (the environments are deterministic).
 
 Usage::
 
@@ -97,13 +99,14 @@ def run(args) -> dict:
   specs = [rollout.EpisodeSpec(lambda: ToolEnv(args.sleep, args.turns), {"q": f"task {i}"})
            for i in range(args.groups)]
   engines = {}
-  for schedule in ("continuous", "turn_sync"):
-    engines[schedule] = rollout.AgentEngine(
+  for name in ("continuous", "lockstep", "turn_sync"):
+    engines[name] = rollout.AgentEngine(
         cfg, ChatRenderer(), TOK.decode, n=args.n, max_slots=args.slots, max_prompt_len=32,
         max_total_tokens=args.turns * (args.turn_tokens + 24), max_turn_tokens=args.turn_tokens,
         max_turns=args.turns, max_obs_tokens=24, stop_ids=stop, seed=1,
-        ttl=args.ttl if schedule == "continuous" else None, workers=args.groups * args.n,
-        schedule=schedule)
+        ttl=args.ttl if name == "continuous" else None, workers=args.groups * args.n,
+        schedule="turn_sync" if name == "turn_sync" else "continuous",
+        deterministic=name == "lockstep")
   for e in engines.values():
     e.warmup(params)  # every shape compiled up front: no compile inside the timed calls
   outs = {s: e.rollout(params, specs) for s, e in engines.items()}  # warm-up call
@@ -112,12 +115,14 @@ def run(args) -> dict:
     for s, e in engines.items():
       outs[s] = e.rollout(params, specs)
       times[s].append(outs[s].stats["seconds"])
-  a, b = outs["continuous"], outs["turn_sync"]
-  np.testing.assert_array_equal(a.tokens, b.tokens)
-  assert a.actions == b.actions
+  a = outs["continuous"]
+  for b in (outs["lockstep"], outs["turn_sync"]):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.actions == b.actions
   trajs = args.groups * args.n
   rate = {s: trajs / min(t) for s, t in times.items()}
   return dict(rate=rate, speedup=rate["continuous"] / rate["turn_sync"],
+              lockstep=rate["lockstep"] / rate["turn_sync"],
               hit=a.stats["kv_hit_rate"], evictions=a.stats["evictions"],
               turns=float(a.num_turns.mean()), model_tokens=int(a.model_mask.sum()))
 
@@ -135,12 +140,13 @@ def main(argv=None) -> dict:
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args(argv)
   r = run(args)
-  print("| groups x n | slots | turns | tool sleep | continuous traj/s | turn-sync traj/s "
-        "| speed-up | KV hit rate | evictions |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("| groups x n | slots | turns | tool sleep | continuous traj/s | lockstep traj/s "
+        "| turn-sync traj/s | speed-up (continuous / lockstep) | KV hit rate | evictions |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   print(f"| {args.groups} x {args.n} | {args.slots} | {r['turns']:.1f} | "
         f"{args.sleep * 1e3:.0f} ms | {r['rate']['continuous']:.1f} | "
-        f"{r['rate']['turn_sync']:.1f} | **{r['speedup']:.2f}x** | {r['hit']:.2f} | "
+        f"{r['rate']['lockstep']:.1f} | {r['rate']['turn_sync']:.1f} | "
+        f"**{r['speedup']:.2f}x** / {r['lockstep']:.2f}x | {r['hit']:.2f} | "
         f"{r['evictions']} |")
   return r
 

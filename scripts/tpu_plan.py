@@ -24,7 +24,9 @@ k3 KL (β = 0.001) against a bf16 reference copy; the mesh is FSDP over every ch
 Variants: ``full`` (that), ``lora`` (rank 16 on every projection, the frozen base in bf16,
 the reference is the base), ``qlora`` (the same on an int4 base), ``int8_rollouts`` /
 ``fp8_rollouts`` (``full`` with the sampler decoding quantised projections). Each row is read
-from the run's ``topology_plan.json``, or from its ``error:`` line when it does not fit. Times and MFU
+from the run's ``topology_plan.json``, or from its ``error:`` line when it does not fit; with
+``--extra dry_run.max_batch=True`` also the largest ``train.batch_groups`` that fits
+(``max_batch_groups``; one to four more compiles of each row's RL programs). Times and MFU
 are XLA's estimates for the chip (``cost_analysis``), not measurements.
 """
 
@@ -150,7 +152,9 @@ def run_one(workdir: str, model: str, topology: str, variant: str, extra: list[s
                rollout_s=rl.get("rollout_s"), learner_s=rl.get("learner_s"),
                mfu=rl.get("mfu"), kernels=sorted({k for p in plan["programs"].values()
                                                   for k in p["kernels"]}),
-               grown_peak=plan.get("kv_pool_plan", {}).get("grown_peak"))
+               grown_peak=plan.get("kv_pool_plan", {}).get("grown_peak"),
+               max_batch_groups=plan.get("max_batch_groups"),
+               max_batch_verified=plan.get("max_batch", {}).get("verified"))
   if out.returncode != 0:
     row["error"] = errors[-1] if errors else (out.stderr.strip().splitlines() or ["?"])[-1]
   return row
@@ -163,19 +167,23 @@ def _gib(n) -> str:
 def table(rows: list[dict]) -> str:
   """Markdown rows of the sweep."""
   out = ["| model | topology | variant | fits | peak GiB/chip (program) | state GiB/chip | "
-         "est. RL step s (rollout + learner) | est. MFU |",
-         "|---|---|---|---|---|---|---|---|"]
+         "est. RL step s (rollout + learner) | est. MFU | largest batch_groups |",
+         "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     if "peak" not in r:
       out.append(f"| {r['model']} | {r['topology']} | {r['variant']} | no | "
-                 f"{r.get('error', '')} | | | |")
+                 f"{r.get('error', '')} | | | | |")
       continue
+    largest = r.get("max_batch_groups")
+    verified = r.get("max_batch_verified")  # None: not searched
+    largest = ("" if verified is None else "none" if largest is None else
+               f"{largest}" if verified else f">= {largest}")
     step = ("" if r["step_s"] is None else
             f"{r['step_s']:.1f} ({r['rollout_s']:.1f} + {r['learner_s']:.1f})")
     mfu = "" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     out.append(f"| {r['model']} | {r['topology']} | {r['variant']} | "
                f"{'yes' if r['fits'] else 'no'} | {_gib(r['peak'])} of {_gib(r['capacity'])} "
-               f"({r['peak_program']}) | {_gib(r['state'])} | {step} | {mfu} |")
+               f"({r['peak_program']}) | {_gib(r['state'])} | {step} | {mfu} | {largest} |")
   return "\n".join(out)
 
 

@@ -185,3 +185,20 @@ def test_paged_bad_inputs_raise_one_clear_error():
     _gen(page_size=4, kv_pages=0)
   with pytest.raises(rollout.RolloutError, match="exceeds the context"):
     _gen(max_new_tokens=CFG.max_position_embeddings)
+  for bad in (0, 6, 2.0):
+    with pytest.raises(rollout.RolloutError,
+                       match="prefill_chunk must be a positive power of two"):
+      _gen(prefill_chunk=bad)
+
+
+def test_prompts_prefilled_in_chunks_give_the_whole_prompts_tokens(reference):
+  """Prompts of 1..6 tokens (bucket 8) prefilled 2 or 4 tokens at a time (each chunk
+  attending the K/V of the chunks before it, ``prefill.prefill_prompts``) sample the tokens
+  of the whole-prompt prefill, log-probs to float rounding; a 40-token prompt in 8 chunks
+  of 8 too."""
+  for chunk in (2, 4):
+    for t in (0.0, 1.0):
+      _same(_gen(temperature=t, page_size=MAX_NEW, prefill_chunk=chunk), reference[t])
+  long = [PROMPTS[0] + [(5 * j) % 60 + 1 for j in range(39)]]
+  whole, chunked = (_gen(long, prefill_chunk=c) for c in (None, 8))
+  _same(chunked, whole)

@@ -262,3 +262,29 @@ def test_merge_partials_of_one_region_is_that_region():
   merged, total = pallas_kernels.merge_partials([out], [lse], return_lse=True)
   np.testing.assert_array_equal(merged, out)
   np.testing.assert_array_equal(total, lse)
+
+
+def test_tpu_kernels_compile_in_bf16_under_the_highest_matmul_precision():
+  """The Mosaic kernels (forward and the three backward kernels) compile for a v5e chip in
+  bf16 while ``jax_default_matmul_precision`` is "highest" (as this test suite sets it):
+  their 16-bit products ask for the native precision, which Mosaic accepts, where a float32
+  contract precision on bf16 operands is rejected."""
+  pytest.importorskip("libtpu", reason="libtpu is part of the test extra")
+  from rl_jax.train import topology  # pylint: disable=import-outside-toplevel
+  assert jax.config.jax_default_matmul_precision == "highest"
+  device = topology.topology_devices("v5e:1x1")[0]
+  spec = lambda *shape: jax.ShapeDtypeStruct(
+      shape, jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device))
+  G, M, R, N, K, H, P = 1, 4, 256, 8, 2, 128, 512
+  args = (spec(G, M, R, N, H), spec(G, P, K, H), spec(G, P, K, H), spec(G, M, R, K, H),
+          spec(G, M, R, K, H))
+  lengths = jax.ShapeDtypeStruct((G,), jnp.int32,
+                                 sharding=jax.sharding.SingleDeviceSharding(device))
+
+  def loss(*a):
+    out = pallas_kernels.shared_prefix_attention(*a, backend="tpu")
+    return jnp.sum(out.astype(jnp.float32))
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  compiled = grads.lower(*args, lengths).compile()
+  assert len(topology.mosaic_kernels(compiled.as_text())) == 4

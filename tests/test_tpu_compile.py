@@ -8,6 +8,7 @@ skip below is only a guard for an install without it. ``tests/conftest.py`` sets
 ``JAX_PLATFORMS=cpu`` and ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` before jax is imported.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -49,13 +50,16 @@ def quick_plan(tmp_path_factory):
 def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
   """Every program of the RL step compiles for 4 v5e chips: the packed log-prob pass and the
   update run the Pallas TPU shared-prefix kernel (forward; the update also its backward
-  kernels) compiled by Mosaic, per shard; the sampler's programs compile; it fits."""
+  kernels) compiled by Mosaic, per shard; the sampler's decode runs the paged-attention
+  kernel, per shard; the sampler's programs compile; it fits."""
   p = quick_plan
   assert p["chips"] == 4 and p["device_kind"] == "TPU v5 lite" and p["platform"] == "tpu"
   assert p["mesh"] == {"data": 1, "fsdp": 4, "sequence": 1, "tensor": 1}
   assert set(p["programs"]) == {"logprobs", "rl_update", "kv_init", "prefill", "decode"}
   progs = p["programs"]
   assert progs["logprobs"]["kernels"] == ["shared_prefix_attention_fwd"]
+  # the sampler's decode reads each sample's response pages with the paged kernel
+  assert progs["decode"]["kernels"] == ["paged_decode_attention"]
   assert set(progs["rl_update"]["kernels"]) == {
       "shared_prefix_attention_fwd", "shared_prefix_attention_dq",
       "shared_prefix_attention_dkv_context", "shared_prefix_attention_dkv_response"}
@@ -83,6 +87,25 @@ def test_fsdp_update_flops_split_over_four_chips_with_a_reduce_scatter(quick_pla
   assert four["collectives"]["reduce-scatter"]["count"] >= 1
   assert "all-gather" in four["collectives"]  # FSDP: the weights gathered layer by layer
   assert "reduce-scatter" not in topology.collectives(one.as_text())
+
+
+def test_largest_batch_that_fits_is_compiled_and_the_next_is_not(quick_plan, monkeypatch):
+  """With the v5e chip's HBM set to the quickstart's peak at 8 groups, the search reports 8
+  (compiled: it fits) after compiling 16 for the slope; 12, the next multiple of 4 groups
+  (one group per chip of the fsdp axis), compiled here, does not fit; the line names both."""
+  peak = quick_plan["estimate"]["peak"]
+  monkeypatch.setitem(topology.CHIPS, "v5e",
+                      dataclasses.replace(topology.CHIPS["v5e"], hbm=peak))
+  config = _config("v5e:2x2")
+  mb = topology.max_batch(config, dict(quick_plan, capacity=peak))
+  assert mb["step"] == 4 and mb["groups"] == 8 and mb["verified"], mb
+  assert mb["points"]["8"]["fits"] and not mb["points"]["16"]["fits"]
+  up = mb["next"]["groups"]
+  assert up == 12 and not mb["next"]["compiled"] and mb["next"]["peak"] > peak
+  over = topology.batch_peaks(config, up)
+  assert not over["fits"] and over["peak"] > peak, over
+  line = topology._max_batch_line(mb, peak)  # pylint: disable=protected-access
+  assert line.startswith("largest train.batch_groups that fits: 8 (") and "12 predicted" in line
 
 
 def test_kernel_follows_the_mesh_platform():
@@ -235,3 +258,26 @@ def test_sweep_script_writes_models_that_parse(tmp_path):
   with open(tmp_path / "data.jsonl") as f:
     question = json.loads(f.readline())["question"]
   assert len(tok.encode(question)) == 200
+
+
+def test_sampler_copy_is_one_per_host_split_over_its_chips():
+  """On a slice of two hosts (``v5p:2x2x2``: 4 chips each) every host samples from its own
+  copy of the policy laid out over its 4 chips by the sampler's rules
+  (``layout.per_process_shardings``: sharded within the host, replicated across hosts), so
+  the memory plan's ``sampler_copy`` is a chip's share of the weights, not all of them."""
+  from rl_jax.train import layout  # pylint: disable=import-outside-toplevel
+  from rl_jax.train.context import build_setup  # pylint: disable=import-outside-toplevel
+  from rl_jax.train import state as state_lib  # pylint: disable=import-outside-toplevel
+  devices = topology.topology_devices("v5p:2x2x2")
+  s = build_setup(_config("v5p:2x2x2"), devices)
+  assert s.sampler_mesh is not s.mesh and s.sampler_mesh.devices.size == 4
+  params = state_lib.abstract_state(s).params
+  targets = layout.sampler_shardings(s.sampler_cfg, s.sampler_mesh, s.rules, params)
+  spread = layout.per_process_shardings(s.mesh, s.sampler_mesh, targets, devices)
+  grid = jax.tree.leaves(spread)[0].mesh
+  assert dict(grid.shape) == {"processes": 2, **dict(s.sampler_mesh.shape)}
+  assert (grid.devices[0] == s.sampler_mesh.devices).all()  # this host's row: its own chips
+  assert {d.process_index for d in grid.devices[1].flat} == {1}
+  whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+  copy = memory._sampler_copy_bytes(s, params)  # pylint: disable=protected-access
+  assert whole / 4 <= copy < whole / 2, (copy, whole)  # most weights split over 4 chips

@@ -71,8 +71,8 @@ from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, appl
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
-from rl_jax.rollout.records import (RolloutError, check_int, in_flight_budget, pow2,
-                                    sampling_params)
+from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two, in_flight_budget,
+                                    pow2, sampling_params)
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 
@@ -116,6 +116,8 @@ class AgentEngine:
     mesh, rules: run every program sharded on this mesh with these rules.
     page_size: tokens per page of the trajectory cache (``rollout.pages``; >= the
       trajectory budget is one worst-case page per sample).
+    prefill_chunk: prompts longer than this many tokens are prefilled in chunks
+      (``prefill.prefill_prompts``); None: whole.
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,
@@ -127,7 +129,8 @@ class AgentEngine:
                schedule: str = "continuous", poll_steps: int = 8,
                over_sampling: float = 2.0, max_staleness: int | None = None,
                deterministic: bool = False, dtype: str | None = None,
-               context: int | None = None, mesh=None, rules=None, page_size: int = 64):
+               context: int | None = None, mesh=None, rules=None, page_size: int = 64,
+               prefill_chunk: int | None = 2048):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -160,9 +163,9 @@ class AgentEngine:
     self.ttl = None if ttl is None or self.deterministic else float(ttl)
     self.poll_steps = int(poll_steps)
     self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
-    if (not isinstance(page_size, (int, np.integer)) or page_size < 1
-        or page_size & (page_size - 1)):
-      raise RolloutError(f"page_size must be a positive power of two, got {page_size!r}")
+    check_power_of_two("page_size", page_size)
+    if prefill_chunk is not None:
+      check_power_of_two("prefill_chunk", prefill_chunk)
     # the paged trajectory cache: a pool that starts with room for 256 tokens per sample and
     # doubles as trajectories need it (``agent_loop.Loop.room``), up to every whole budget
     self.S = min(int(page_size), self.R)
@@ -176,7 +179,8 @@ class AgentEngine:
     self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
     self._target = None  # the sampler's parameter shardings (with a mesh)
     # prefill, as the engine's
-    self.admit_fn = prefill.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat)
+    self.admit_fn = prefill.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
+                                      prefill_chunk)
     self.pool = EnvPool(int(workers), step_timeout)
     self._uids = itertools.count()
     self.over_sampling = float(over_sampling)

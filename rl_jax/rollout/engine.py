@@ -50,9 +50,8 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, sampler, slots
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
-                                    Sample, assemble,
-                                    check_int, check_prompt, in_flight_budget, pow2,
-                                    sampling_params)
+                                    Sample, assemble, check_int, check_power_of_two,
+                                    check_prompt, in_flight_budget, pow2, sampling_params)
 
 __all__ = ["APRIL_STATS", "ENGINE_STATS", "PAGE_STATS", "RolloutEngine", "kv_bytes"]
 
@@ -103,6 +102,9 @@ class RolloutEngine:
     kv_memory_fraction: with kv_pages None, a fixed pool of this fraction of the free
       memory of the sampler's devices (``pages.pages_from_memory``; devices that report no
       capacity, e.g. CPU, keep the growing pool).
+    prefill_chunk: prompts longer than this many tokens (a power of two) are prefilled in
+      chunks of it (``prefill.prefill_prompts``: scores [chunk, P] per head at a time
+      instead of [P, P]); None: whole prompts.
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
@@ -112,7 +114,7 @@ class RolloutEngine:
                prompt_once: bool = True, seed: int = 0,
                mesh=None, rules=None, dtype: str | None = None, context: int | None = None,
                page_size: int = 64, kv_pages: int | None = None,
-               kv_memory_fraction: float | None = None):
+               kv_memory_fraction: float | None = None, prefill_chunk: int | None = 2048):
     cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
     self.context = int(context or cfg.max_position_embeddings)
     check_int("n", n, 1)
@@ -134,9 +136,9 @@ class RolloutEngine:
                          f"exceeds the context of {self.context} positions")
     if (mesh is None) != (rules is None):
       raise RolloutError("pass both mesh and rules, or neither")
-    if (not isinstance(page_size, (int, np.integer)) or page_size < 1
-        or page_size & (page_size - 1)):
-      raise RolloutError(f"page_size must be a positive power of two, got {page_size!r}")
+    check_power_of_two("page_size", page_size)
+    if prefill_chunk is not None:
+      check_power_of_two("prefill_chunk", prefill_chunk)
     if dtype is not None:
       cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     self.cfg, self.n, self.max_new_tokens = cfg, int(n), int(max_new_tokens)
@@ -177,7 +179,8 @@ class RolloutEngine:
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, eos_id, stop)
     # prefill + first tokens: with the training programs' CPU options when
     # ``train.cpu_fast_compile`` is on (the decode loop keeps XLA's defaults: compile_options)
-    self.admit_fn = sampler.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat)
+    self.admit_fn = sampler.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
+                                      prefill_chunk)
     self.buffer: collections.deque[GroupRequest] = collections.deque()
     self._ready: collections.deque[GroupRequest] = collections.deque()
     self._uids = itertools.count()

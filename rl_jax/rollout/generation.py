@@ -22,7 +22,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
              top_k: int = 0, eos_id=None, seed: int = 0, *, stop=None,
              prompt_once: bool = True, max_slots: int | None = None, mesh=None, rules=None,
              policy_version: int = 0, first_index: int = 0, page_size: int = 64,
-             kv_pages: int | None = None, kv_memory_fraction: float | None = None) -> Rollout:
+             kv_pages: int | None = None, kv_memory_fraction: float | None = None,
+             prefill_chunk: int | None = 2048) -> Rollout:
   """Sample ``n`` responses for every prompt with the jitted KV-cache sampler.
 
   Args:
@@ -43,6 +44,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
     page_size, kv_pages, kv_memory_fraction: the paged response cache (``RolloutEngine``):
       tokens per page, a fixed pool size in pages, or the fraction of free device memory a
       fixed pool takes (both None: grown as the responses need it).
+    prefill_chunk: prompts longer than this many tokens are prefilled in chunks of it
+      (bounded memory for long prompts); None: whole prompts.
   Returns:
     Rollout with G·M rows (M = n), prompt-major: tokens int32 [G·M,R] (R = max_new_tokens),
     mask, logprobs, versions, lengths, finish_reason ("eos" / "stop" / "length"),
@@ -66,7 +69,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
                          top_k=top_k, eos_id=eos_id, stop=stop, prompt_once=prompt_once,
                          seed=seed, mesh=mesh, rules=rules, context=context,
                          page_size=page_size, kv_pages=kv_pages,
-                         kv_memory_fraction=kv_memory_fraction)
+                         kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk)
   check_int("first_index", first_index, 0)
   requests = [GroupRequest(first_index + i, p, [Sample() for _ in range(n)])
               for i, p in enumerate(checked)]

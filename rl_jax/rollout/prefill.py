@@ -37,7 +37,7 @@ from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constra
                                      mesh_context, record)
 
 __all__ = ["Admission", "Resume", "admit", "admit_for", "admit_with", "grouped_attention",
-           "resume", "run_trunk"]
+           "prefill_prompts", "resume", "run_trunk"]
 
 
 def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
@@ -117,12 +117,64 @@ class Admission(NamedTuple):
   sample_id: Any
 
 
-_ADMIT_JIT = dict(static_argnames=("cfg", "filtered", "fresh", "ctx"), donate_argnames=("state",))
+_ADMIT_JIT = dict(static_argnames=("cfg", "filtered", "fresh", "ctx", "chunk"),
+                  donate_argnames=("state",))
+
+
+def prefill_prompts(cfg: ModelConfig, params, prompt, prompt_len, chunk: int | None = None):
+  """Prompts through the trunk: each row's last prompt token's hidden state and the K/V.
+
+  With ``chunk`` (a power of two below the bucket Pb, which it divides), the prompts go
+  through in chunks of ``chunk`` tokens under ``lax.scan``: each chunk's queries attend the
+  K/V of the chunks before it (written into a [Pb] buffer, read masked) and their own block
+  causally, two partial softmaxes merged by log-sum-exp (``run_trunk`` with a prefix), so the
+  scores held at once are [chunk, Pb] per head instead of [Pb, Pb]: long prompts prefill in
+  bounded memory, one compiled chunk for any number of chunks. Equal to the whole-prompt
+  pass to float rounding.
+
+  Args:
+    prompt: int32 [Bn,Pb] right-padded; prompt_len: int32 [Bn].
+  Returns:
+    (hidden [Bn,D] of token ``prompt_len − 1``, keys [L,Bn,Pb,K,H], values [L,Bn,Pb,K,H]).
+  """
+  Bn, Pb = prompt.shape
+  last_of = lambda h, first: jnp.take_along_axis(
+      h, jnp.clip(prompt_len - 1 - first, 0, h.shape[1] - 1)[:, None, None], axis=1)[:, 0]
+  if chunk is None or chunk >= Pb:
+    pos = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (Bn, Pb))
+    causal = tx.causal_mask(pos, pos, pos < prompt_len[:, None])
+    delta = (pos[:, :, None] - pos[:, None, :])[:, None]  # [Bn,1,Pb,Pb]
+    h, pk, pv = run_trunk(cfg, params, prompt, pos, Bn, 1, causal[:, None], block_delta=delta)
+    return last_of(h, 0), pk[:, :, 0], pv[:, :, 0]
+  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  buf = jnp.zeros((L, Bn, Pb, K, H), jnp.dtype(cfg.dtype))
+  keys_at = jnp.arange(Pb, dtype=jnp.int32)
+
+  def one_chunk(carry, first):
+    kbuf, vbuf, last = carry
+    pos = jnp.broadcast_to(first + jnp.arange(chunk, dtype=jnp.int32), (Bn, chunk))
+    causal = tx.causal_mask(pos, pos, pos < prompt_len[:, None])
+    earlier = keys_at[None, :] < jnp.minimum(first, prompt_len)[:, None]  # [Bn,Pb]
+    h, k, v = run_trunk(
+        cfg, params, jax.lax.dynamic_slice_in_dim(prompt, first, chunk, axis=1), pos, Bn, 1,
+        causal[:, None], prefix=(kbuf, vbuf, earlier),
+        block_delta=(pos[:, :, None] - pos[:, None, :])[:, None],
+        prefix_delta=(pos[:, :, None] - keys_at[None, None, :])[:, None])
+    kbuf = jax.lax.dynamic_update_slice_in_dim(kbuf, k[:, :, 0].astype(kbuf.dtype), first, 2)
+    vbuf = jax.lax.dynamic_update_slice_in_dim(vbuf, v[:, :, 0].astype(vbuf.dtype), first, 2)
+    here = (prompt_len - 1 >= first) & (prompt_len - 1 < first + chunk)
+    return (kbuf, vbuf, jnp.where(here[:, None], last_of(h, first), last)), None
+
+  last = jnp.zeros((Bn, cfg.hidden_size), jnp.dtype(cfg.dtype))
+  firsts = jnp.arange(0, Pb, chunk, dtype=jnp.int32)
+  (pk, pv, last), _ = jax.lax.scan(one_chunk, (buf, buf, last), firsts)
+  return last, pk, pv
 
 
 @functools.partial(jax.jit, **_ADMIT_JIT)
 def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, version, base_key,
-          filtered: bool, fresh: bool = False, ctx=None) -> DecodeState:
+          filtered: bool, fresh: bool = False, ctx=None,
+          chunk: int | None = None) -> DecodeState:
   """Prefill prompts (once per group) into slots; sample first tokens of fresh samples.
 
   Resumed samples keep their tokens; their response K/V is rebuilt by ``resume``.
@@ -134,6 +186,8 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     filtered: static; top-k/top-p active.
     fresh: static; every slot is free and ``adm.slots`` is ``0, 1, ..`` then padding (>= G)
       with Bn == G, so the state's arrays are replaced instead of scattered into.
+    chunk: static; prompts longer than this many tokens are prefilled in chunks
+      (``prefill_prompts``); None: whole.
   Returns:
     Updated DecodeState. Samples with no token yet get their first token from the prompt's
     last logits; resumed samples keep their tokens (the last one becomes the next input).
@@ -142,14 +196,7 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
   with mesh_context(ctx):
     Bn, Pb = adm.prompt.shape
     M = adm.length.shape[1]
-    pos = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (Bn, Pb))
-    pvalid = pos < adm.prompt_len[:, None]
-    causal = tx.causal_mask(pos, pos, pvalid)
-    delta = (pos[:, :, None] - pos[:, None, :])[:, None]  # [Bn,1,Pb,Pb]
-    h, pk, pv = run_trunk(cfg, params, adm.prompt, pos, Bn, 1, causal[:, None],
-                          block_delta=delta)
-    pk, pv = pk[:, :, 0], pv[:, :, 0]  # [L,Bn,Pb,K,H]
-    last = jnp.take_along_axis(h, (adm.prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    last, pk, pv = prefill_prompts(cfg, params, adm.prompt, adm.prompt_len, chunk)
     logits = tx.logits_from_hidden(cfg, params, last)  # [Bn,V]
 
     sub = DecodeState(pk, pv, adm.prompt_len, None, None, jnp.asarray(adm.tokens),
@@ -192,18 +239,24 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
 
 
 @functools.cache
-def admit_with(options: tuple = ()):
+def admit_with(options: tuple = (), chunk: int | None = None):
   """``admit`` compiled with XLA ``compiler_options`` given as sorted (name, value) items
-  (``compile_options.fast_compile_options``); ``()``: ``admit`` itself."""
-  if not options:
+  (``compile_options.fast_compile_options``) and prompts prefilled in chunks of ``chunk``
+  tokens (``prefill_prompts``); ``()`` and None: ``admit`` itself."""
+  if not options and chunk is None:
     return admit
-  return jax.jit(admit.__wrapped__, compiler_options=dict(options), **_ADMIT_JIT)
+  jit = dict(_ADMIT_JIT, static_argnames=tuple(a for a in _ADMIT_JIT["static_argnames"]
+                                               if a != "chunk"))
+  return jax.jit(functools.partial(admit.__wrapped__, chunk=chunk),
+                 compiler_options=dict(options) or None, **jit)
 
 
-def admit_for(devices) -> Any:
+def admit_for(devices, chunk: int | None = None) -> Any:
   """``admit`` compiled for ``devices`` with ``compile_options.fast_compile_options`` (the
-  training programs' CPU options; XLA's defaults elsewhere)."""
-  return admit_with(tuple(sorted(compile_options.fast_compile_options(devices).items())))
+  training programs' CPU options; XLA's defaults elsewhere), prompts longer than ``chunk``
+  tokens prefilled in chunks."""
+  return admit_with(tuple(sorted(compile_options.fast_compile_options(devices).items())),
+                    chunk)
 
 
 class Resume(NamedTuple):

@@ -20,7 +20,8 @@ from rl_jax.rollout import sampling
 from rl_jax.rollout.kv_cache import REASON_NAMES
 
 __all__ = ["REASON_CODES", "GroupRequest", "Prompt", "Rollout", "RolloutError", "Sample",
-           "as_ids", "assemble", "check_int", "check_prompt", "pow2", "sampling_params"]
+           "as_ids", "assemble", "check_int", "check_power_of_two", "check_prompt", "pow2",
+           "sampling_params"]
 
 REASON_CODES = {name: code for code, name in REASON_NAMES.items()}
 
@@ -152,6 +153,13 @@ def check_int(name: str, value, lo: int):
   """Raises RolloutError unless ``value`` is an integer >= ``lo``."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
     raise RolloutError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def check_power_of_two(name: str, value):
+  """Raises RolloutError unless ``value`` is a positive power of two."""
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+      or value & (value - 1)):
+    raise RolloutError(f"{name} must be a positive power of two, got {value!r}")
 
 
 def sampling_params(cfg: ModelConfig, temperature, top_k, top_p, eos_id, stop):

@@ -15,10 +15,12 @@ from the host copy.
 ``Layout.sampler_params`` hands the sampler the policy (with LoRA and ``rollout.lora_merge``
 the merged weights; with ``rollout.weight_dtype`` quantised) on ``Setup.sampler_mesh``: the
 weights themselves with one process (a device-to-device copy when the asynchronous trainer
-samples on devices of its own); with several, a jitted all-gather to a replica on every
-training device, whose shards on this process's devices then form the local copy, or with
-the asynchronous trainer are copied device to device onto this process's rollout devices
-(no host copy either way).
+samples on devices of its own); with several processes sampling on the training devices,
+one jitted reshard to a copy per process laid out over that process's devices by the
+sampler's rules (``per_process_shardings``: sharded within the process, replicated across
+processes), whose shards on this process's devices form the local copy; with the
+asynchronous trainer's rollout devices, a jitted all-gather to a replica, copied device to
+device onto this process's rollout devices (no host copy either way).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Layout(NamedTuple):
   state: TrainState  # a TrainState of NamedShardings
   merge: Callable | None = None  # LoRA with rollout.lora_merge: params -> merged weights
   quantize: Callable | None = None  # rollout.weight_dtype: weights -> the sampler's quantised
+  sampler_cfg: Any = None  # the ModelConfig the sampler decodes with (its weights' layout)
 
   @property
   def replicated(self) -> jax.sharding.NamedSharding:
@@ -99,14 +102,26 @@ class Layout(NamedTuple):
   def local_params(self, params: Any) -> Any:
     """``params`` as they are, placed on ``Setup.sampler_mesh`` (the final export reads
     them there): with one process the weights themselves, or a device-to-device copy on the
-    asynchronous trainer's rollout devices; with several, a jitted all-gather to a replica
-    on every training device (every process runs it, in the same order), then this
-    process's shards of it (``_local_replica``)."""
+    asynchronous trainer's rollout devices; with several processes sampling on the
+    training devices, one jitted reshard to a copy per process laid out by the sampler's
+    rules over that process's devices (``per_process_shardings``; every process runs it,
+    in the same order), whose shards here are the local copy: a device holds its share of
+    the weights, not all of them; otherwise a jitted all-gather to a replica on every
+    training device, then this process's shards of it (``_local_replica``)."""
     if self.sampler_mesh is self.mesh:
       return params
     local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
     if jax.process_count() == 1:  # the asynchronous trainer's own rollout devices
       return jax.device_put(params, local, may_alias=False)
+    targets = spread = None
+    if self.sampler_cfg is not None and set(self.sampler_mesh.devices.flat) <= set(
+        self.mesh.devices.flat):  # sampling on the training devices: shard per process
+      targets = sampler_shardings(self.sampler_cfg, self.sampler_mesh, self.rules, params)
+      spread = per_process_shardings(self.mesh, self.sampler_mesh, targets)
+    if spread is not None:
+      moved = _reshard(jax.tree.structure(params), tuple(jax.tree.leaves(spread)))(params)
+      return jax.tree.map(lambda x, t: jax.make_array_from_single_device_arrays(
+          x.shape, t, [shard.data for shard in x.addressable_shards]), moved, targets)
     replicated = _gather(self.mesh)(params)
     return jax.tree.map(lambda x: _local_replica(x, local), replicated)
 
@@ -130,6 +145,44 @@ def _local_replica(x: jax.Array, local: jax.sharding.NamedSharding) -> jax.Array
   return jax.device_put(shards[0].data, local, may_alias=False)
 
 
+def sampler_shardings(cfg, mesh: jax.sharding.Mesh, rules, params: Any) -> Any:
+  """The layout the rollout engine keeps its weights in (``RolloutEngine.prepare_params``):
+  ``models.param_shardings`` of the sampler's config on its mesh, without adapters when
+  ``params`` has none (LoRA merged for the sampler)."""
+  targets = models.param_shardings(cfg, mesh, rules)
+  return targets if models.lora.split(params)[1] else models.lora.strip(targets)
+
+
+def per_process_shardings(mesh: jax.sharding.Mesh, sampler_mesh: jax.sharding.Mesh,
+                          targets: Any, devices: Any = None) -> Any:
+  """``targets`` (shardings on this process's ``sampler_mesh``) as shardings over every
+  device of ``mesh``: one copy per process, laid out over its own devices as ``targets``
+  and replicated across processes, on a mesh of axes ("processes", *the sampler mesh's
+  axes*) whose row p is process p's devices in the order of ``devices`` (the job's, default
+  ``jax.devices()``), as ``context._sampler_mesh`` lays out each process's own. None when
+  this process's sampler mesh is not laid out that way (``local_params`` then gathers a
+  replica)."""
+  procs = sorted({d.process_index for d in mesh.devices.flat})
+  shape = sampler_mesh.devices.shape
+  devices = jax.devices() if devices is None else devices
+  rows = [[d for d in devices if d.process_index == p] for p in procs]
+  if any(len(r) != sampler_mesh.devices.size for r in rows):
+    return None
+  grid = np.stack([np.asarray(r, dtype=object).reshape(shape) for r in rows])
+  own = procs.index(next(iter(sampler_mesh.devices.flat)).process_index)
+  if not (grid[own] == sampler_mesh.devices).all():
+    return None
+  grid = jax.sharding.Mesh(grid, ("processes", *sampler_mesh.axis_names))
+  return jax.tree.map(lambda t: jax.sharding.NamedSharding(grid, t.spec), targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _reshard(treedef, shardings: tuple) -> Callable:
+  """A jitted identity onto ``shardings`` (one per leaf of ``treedef``)."""
+  return jax.jit(lambda tree: tree,
+                 out_shardings=jax.tree.unflatten(treedef, list(shardings)))
+
+
 @functools.lru_cache(maxsize=None)
 def _gather(mesh: jax.sharding.Mesh) -> Callable:
   """A jitted all-gather of a pytree to a full replica on every device of ``mesh``."""
@@ -150,7 +203,7 @@ def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
     quantize = jax.jit(functools.partial(models.quant.quantize_base, cfg),
                        out_shardings=models.param_shardings(cfg, s.mesh, s.rules))
   return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings,
-                merge=merge, quantize=quantize)
+                merge=merge, quantize=quantize, sampler_cfg=s.sampler_cfg)
 
 
 def merge_weight_by_weight(cfg, base_shardings: Any) -> Callable:

@@ -51,6 +51,7 @@ from rl_jax import models
 from rl_jax import rollout, storage
 from rl_jax.errors import RLJaxError
 from rl_jax.rollout import kv_cache, records
+from rl_jax.train import layout as layout_lib
 from rl_jax.train import offload
 from rl_jax.train import teacher as teacher_lib
 from rl_jax.train.inputs import abstract_inputs
@@ -336,7 +337,8 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
   kw = dict(n=geo.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id, mesh=s.sampler_mesh,
             rules=s.rules, context=s.model_cfg.max_position_embeddings,
-            page_size=r.page_size, kv_pages=kv_pages or r.kv_pages)
+            page_size=r.page_size, kv_pages=kv_pages or r.kv_pages,
+            prefill_chunk=r.prefill_chunk)
   if r.partial:
     engine = rollout.RolloutEngine(s.sampler_cfg, max_slots=held_capacity(s),
                                    max_prompt_len=s.prompt_len, over_sampling=r.over_sampling,
@@ -345,6 +347,20 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
     engine = rollout.RolloutEngine(s.sampler_cfg, max_slots=records.pow2(groups),
                                    max_prompt_len=max(1, s.prompt_len - 1), **kw)
   return engine, groups
+
+
+def _sampler_copy_bytes(s, params) -> int:
+  """Bytes per device of the sampler's own copy of ``params`` (``Layout.local_params``):
+  its share of a copy laid out over this process's devices by the sampler's rules when the
+  sampler runs on the training devices (``layout.per_process_shardings``), else a whole
+  replica (the asynchronous trainer's rollout devices)."""
+  whole = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+              for x in jax.tree.leaves(params))
+  if not set(s.sampler_mesh.devices.flat) <= set(s.mesh.devices.flat):
+    return whole
+  targets = layout_lib.sampler_shardings(s.sampler_cfg, s.sampler_mesh, s.rules, params)
+  return sum(math.prod(t.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets)))
 
 
 def pool_page_bytes(s, page_size: int) -> int:
@@ -380,9 +396,8 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
   if sft_state is not None:
     phases = {"sft": state_parts(sft_state), **phases}
   sampler = 0
-  if s.sampler_mesh is not s.mesh:  # the policy gathered whole onto every local device
-    sampler = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                  for x in jax.tree.leaves(rl_state.params))
+  if s.sampler_mesh is not s.mesh:  # a copy of the policy for this process's sampler
+    sampler = _sampler_copy_bytes(s, rl_state.params)
   elif t.layout.merge is not None:  # LoRA merged for the sampler: new adapted weights
     base = models.lora.split(rl_state.params)[0]["layers"]
     sampler = sum(leaf_bytes(base[k]) for k in s.model_cfg.lora_targets)

@@ -142,4 +142,5 @@ def generate(s: Setup, params, prompts, cfg=None, **kw):
   return rollout.generate(cfg or s.sampler_cfg, params, prompts, max_new_tokens=r.max_new_tokens,
                           eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.rules,
                           page_size=r.page_size, kv_pages=r.kv_pages,
-                          kv_memory_fraction=r.kv_memory_fraction, **kw)
+                          kv_memory_fraction=r.kv_memory_fraction,
+                          prefill_chunk=r.prefill_chunk, **kw)

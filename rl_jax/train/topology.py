@@ -37,6 +37,22 @@ time (prefill + R decode steps + the log-prob passes + the updates), the estimat
 (model FLOPs over that time, against the chip's peak bf16 FLOP/s), and whether the peak
 fits. The times are estimates from XLA's analysis for that chip, not measurements.
 
+The largest batch (``--config.dry_run.max_batch=True``): the largest ``train.batch_groups``
+whose RL phase fits the chip's HBM (``max_batch``; ``max_batch_groups`` in the plan file, a
+``largest train.batch_groups that fits`` line), among the multiples of ``batch_step``
+(micro-batches of whole groups in every minibatch, each minibatch split evenly over the
+mesh's batch axes). Each program's peak per chip is taken as affine in the batch (the
+sampler's in its slots, a power of two of the groups): the RL programs compiled once more
+at twice the batch (half when it does not fit) give each program's line, the largest
+multiple every line fits is compiled to confirm it (one that does not fit is one more point,
+and the search steps down), and the next multiple is predicted, or compiled, not to fit.
+That is one to four more compiles of the RL programs (memory only), each about as long as
+the plan's own (Qwen3-8B on v5p:2x2x2: 4-5 minutes on 2 CPU cores), up to
+``MAX_BATCH_FACTOR`` x the configured batch. The lines are a guess, the compiles are the
+check: the decode's peak grows faster than its slots where XLA:TPU lays out a larger batch
+differently. Like the plan's verdict it counts the pool the decode is compiled with, not
+a growing pool's largest (that note is separate).
+
 Exit: the plan is printed and written to ``WORKDIR/topology_plan.json``; a run whose state or
 any program's peak exceeds the chip's HBM raises ``TopologyPlanError`` (one ``error:`` line
 naming the part or program and the bytes). An unknown topology name, a missing ``libtpu``
@@ -63,6 +79,7 @@ from etils import epath
 
 from rl_jax import models
 from rl_jax import rollout
+from rl_jax import sharding
 from rl_jax import storage
 from rl_jax.errors import ConfigError, RLJaxError
 from rl_jax.rollout import kv_cache
@@ -78,7 +95,7 @@ from rl_jax.train.steps import make_step_fns
 
 __all__ = ["CHIPS", "Built", "Chip", "TopologyPlanError", "PLAN_FILE", "TPU_INSTALL",
            "parse_topology", "topology_devices", "collectives", "mosaic_kernels",
-           "program_cost", "build",
+           "program_cost", "build", "batch_peaks", "batch_step", "max_batch",
            "sampler_programs", "requested", "check_requested", "use_host_platform",
            "plan_topology", "format_plan"]
 
@@ -408,7 +425,8 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   sizes it from the free HBM at run time; or the growing pool's first size). Each entry:
   ``program`` (compiled), ``params`` (bytes per device of the weights among its
   arguments), ``calls`` per step and ``note``; and the pool (``pages`` it starts with,
-  ``max_pages`` a growing pool reaches, ``page_size``, ``page_bytes`` per chip)."""
+  ``max_pages`` a growing pool reaches, ``page_size``, ``page_bytes`` per chip, ``slots``:
+  the engine's group slots)."""
   engine, groups = memory.sampler_engine(t, None)
   if kv_fraction is not None and not t.setup.config.rollout.kv_pages:
     fit = int(kv_fraction * max(free, 0) // kv_cache.pool_bytes(engine.cfg, 1, engine.S))
@@ -442,7 +460,8 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
       live=engine.NP))
   weights = memory.tree_bytes(params)
   kv = dict(pages=pool, max_pages=engine.max_pool_pages, page_size=engine.S,
-            page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool)
+            page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool,
+            slots=G)
   return {
       "kv_init": {"program": init, "params": 0, "calls": 1, "shape": {},
                   "note": f"{G} slots x {M} samples, pool {pool} pages of {engine.S}"},
@@ -585,29 +604,10 @@ def plan_topology(config: ml_collections.ConfigDict, workdir: str | None = None,
     memory.check_state_fits(plan["state"], chip.hbm, where)
   except memory.MemoryPlanError as e:
     raise TopologyPlanError(f"dry_run.topology={name}: {e}") from None
-  compiled: dict[str, Any] = {}
   try:
-    plan = memory.add_steps(t, plan, sft_state, rl_state, compiled)
-    sampler, kv = sampler_programs(t, rl_state, kv_fraction,
-                                   chip.hbm - _resident(plan, "rl"))
+    plan, programs, kv = _programs(t, plan, sft_state, rl_state, kv_fraction, chip)
   except memory.MemoryPlanError as e:
     raise TopologyPlanError(f"dry_run.topology={name}: {e}") from None
-  programs = {}
-  for prog, program in compiled.items():
-    phase = "sft" if prog == "sft" else "rl"
-    m = plan["steps"][prog]
-    programs[prog] = dict(memory=m, phase=phase, peak=_resident(plan, phase) + m.get("extra", 0),
-                          calls=_calls(s, prog), model_flops=model_flops(s, prog),
-                          **program_cost(program))
-  for prog, entry in sampler.items():
-    m = memory.step_memory(entry["program"])
-    own = m.get("argument", 0) - entry["params"]  # the KV cache and inputs: not in the state
-    programs[prog] = dict(memory=m, phase="rl", peak=_resident(plan, "rl") + own + m["extra"],
-                          calls=entry["calls"], note=entry["note"],
-                          model_flops=model_flops(s, prog, entry["shape"]),
-                          **program_cost(entry["program"]))
-  for prog in programs.values():
-    _time(prog, chip)
   out_kv = _grown_pool(kv, programs["decode"]["peak"], chip)
   if out_kv.get("note"):
     notes.append(out_kv["note"])
@@ -619,13 +619,213 @@ def plan_topology(config: ml_collections.ConfigDict, workdir: str | None = None,
              rules=s.rules, programs=programs, notes=notes,
              compile_s=round(time.perf_counter() - t0, 1))
   out["estimate"] = _estimate(s, out)
-  if echo:
+  if echo:  # the table first: the search below compiles the RL programs again
     print(format_plan(out), flush=True)
+  if config.dry_run.get("max_batch", False):
+    out["max_batch"] = max_batch(config, out, s)
+    out["max_batch_groups"] = out["max_batch"]["groups"]
+    if echo:
+      print("  " + _max_batch_line(out["max_batch"], out["capacity"]), flush=True)
   if workdir is not None:
     epath.Path(storage.join(workdir, PLAN_FILE)).write_text(
         json.dumps(out, indent=1, sort_keys=True, default=str))
   _check_fits(out)
   return out
+
+
+def _programs(t: TrainParts, plan: dict, sft_state, rl_state, kv_fraction: float | None,
+              chip: Chip, costs: bool = True) -> tuple[dict, dict[str, dict], dict]:
+  """(``plan`` with its compiled steps, each program's entry, the sampler's pool): every
+  program of the run compiled on abstract inputs, its memory, its peak per chip (the
+  resident state of its phase + what it adds) and, with ``costs``, XLA's cost analysis and
+  time (``_time``).
+
+  Raises:
+    memory.MemoryPlanError: XLA:TPU refuses a program for the HBM.
+  """
+  s = t.setup
+  compiled: dict[str, Any] = {}
+  plan = memory.add_steps(t, plan, sft_state, rl_state, compiled)
+  sampler, kv = sampler_programs(t, rl_state, kv_fraction, chip.hbm - _resident(plan, "rl"))
+  programs = {}
+  for prog, program in compiled.items():
+    phase = "sft" if prog == "sft" else "rl"
+    m = plan["steps"][prog]
+    programs[prog] = dict(memory=m, phase=phase, peak=_resident(plan, phase) + m.get("extra", 0),
+                          calls=_calls(s, prog), model_flops=model_flops(s, prog),
+                          **(program_cost(program) if costs else {}))
+  for prog, entry in sampler.items():
+    m = memory.step_memory(entry["program"])
+    own = m.get("argument", 0) - entry["params"]  # the KV cache and inputs: not in the state
+    programs[prog] = dict(memory=m, phase="rl", peak=_resident(plan, "rl") + own + m["extra"],
+                          calls=entry["calls"], note=entry["note"],
+                          model_flops=model_flops(s, prog, entry["shape"]),
+                          **(program_cost(entry["program"]) if costs else {}))
+  if costs:
+    for prog in programs.values():
+      _time(prog, chip)
+  return plan, programs, kv
+
+# ----------------------------------------------------------------- the largest batch that fits
+# what fits is searched up to this many times the configured train.batch_groups
+MAX_BATCH_FACTOR = 64
+_MAX_BATCH_COMPILES = 4  # plans compiled by the search beyond the configured one
+
+
+def batch_step(s: Setup) -> int:
+  """The multiple of groups ``train.batch_groups`` is searched in: whole micro-batches in
+  every minibatch (``train.minibatches`` x ``train.micro_batches``), every minibatch's rows
+  split evenly over the mesh's batch axes (rows they do not divide are replicated on every
+  chip: another program), and whole engine shares with ``rollout.partial``."""
+  c = s.config
+  axes = sharding.logical_to_spec(("batch",), s.rules, s.mesh, (s.mesh.size << 12,))[0] or ()
+  split = math.prod(s.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+  step = c.train.minibatches * math.lcm(c.train.micro_batches, split)
+  if c.rollout.partial:
+    step = math.lcm(step, state_lib.engine_shares(s))
+  return step
+
+
+def _slots(s: Setup, groups: int) -> int:
+  """The sampler engine's group slots at ``groups`` groups a step (``memory.sampler_engine``):
+  a power of two of the groups one sampler serves (per host when each host samples its
+  own), or the partial engine's held groups."""
+  c = s.config
+  if c.rollout.partial:
+    return math.ceil(c.rollout.over_sampling * groups / state_lib.engine_shares(s))
+  hosts = len({d.process_index for d in s.mesh.devices.flat})
+  return records.pow2(groups if s.sampler_mesh is s.mesh else math.ceil(groups / hosts))
+
+
+def batch_peaks(config: ml_collections.ConfigDict, groups: int,
+                hbm: int | None = None) -> dict[str, Any]:
+  """The RL phase of ``config`` at ``train.batch_groups=groups`` compiled for its topology
+  (memory only, no cost analysis): ``peak`` per chip (the largest of its programs' and of
+  the resident state with the largest step), its ``program``, ``programs`` (each one's peak),
+  ``fits`` (``hbm``, by default the chip's), ``slots`` (the sampler's). A program XLA:TPU
+  refuses for the HBM, or state that does not fit, is ``fits`` False with ``peak`` None and
+  the ``refused`` line; a batch the config's rules refuse, the ``invalid`` line."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  c.train.batch_groups = int(groups)
+  c.sft.steps = 0  # the supervised step does not depend on the RL batch
+  out: dict[str, Any] = {"groups": int(groups), "peak": None, "fits": False}
+  try:
+    t, _, rl_state, chip, _, _, kv_fraction = build(c)
+    plan = memory.state_plan(t, None, rl_state)
+    memory.check_state_fits(plan["state"], chip.hbm, f"{chip.name} HBM")
+    plan, programs, kv = _programs(t, plan, None, rl_state, kv_fraction, chip, costs=False)
+  except (TopologyPlanError, memory.MemoryPlanError) as e:
+    return dict(out, refused=" ".join(str(e).split())[:300])
+  except ConfigError as e:
+    return dict(out, invalid=str(e))
+  return dict(out, **_point(plan, programs, hbm or chip.hbm), slots=int(kv["slots"]))
+
+
+def _point(plan: dict, programs: dict, hbm: int) -> dict[str, Any]:
+  """One measured batch: the RL phase's peaks (programs and the state with its largest
+  step, ``state``), the largest and whether it fits ``hbm``."""
+  peaks = {n: int(p["peak"]) for n, p in programs.items() if p["phase"] == "rl"}
+  peaks["state"] = int(plan["peak"]["rl"])
+  worst = max(peaks, key=peaks.get)
+  return {"peak": peaks[worst], "program": worst, "programs": peaks,
+          "fits": peaks[worst] <= hbm}
+
+
+def _predict(points: dict[int, dict], s: Setup, groups: int) -> dict[str, float] | None:
+  """Each program's peak at ``groups`` groups on the line through the two compiled batches
+  nearest to it (the sampler's programs affine in the engine's slots, ``_slots``; the rest
+  in the groups); None without two compiled batches."""
+  measured = sorted((g for g, p in points.items() if p.get("programs")),
+                    key=lambda g: (abs(g - groups), g))
+  if len(measured) < 2:
+    return None
+  out = {}
+  for name in points[measured[0]]["programs"]:
+    size = (lambda g: _slots(s, g)) if name in SAMPLER else (lambda g: g)
+    near = [measured[0]] + [g for g in measured[1:] if size(g) != size(measured[0])][:1]
+    y0 = points[near[0]]["programs"][name]
+    if len(near) < 2:  # the same size at every compiled batch
+      out[name] = float(y0)
+      continue
+    x0, x1, y1 = size(near[0]), size(near[1]), points[near[1]]["programs"][name]
+    out[name] = y0 + (y1 - y0) * (size(groups) - x0) / (x1 - x0)
+  return out
+
+
+def max_batch(config: ml_collections.ConfigDict, plan: dict,
+              s: Setup | None = None) -> dict[str, Any]:
+  """The largest ``train.batch_groups`` whose RL phase fits the chip's HBM: a multiple of
+  ``batch_step`` (or the configured one), searched up to ``MAX_BATCH_FACTOR`` x it.
+
+  Every program's peak per chip is taken as affine in the batch (the sampler's in its slots,
+  ``_slots``: a power of two of the groups). From ``plan`` (the configured batch) and the RL
+  phase compiled at twice it (half when it does not fit; ``batch_peaks``), each program's
+  line predicts the largest multiple that fits; that batch is compiled, and the search
+  goes on with it as one more point (down when it does not fit, up when the lines now say
+  the next multiple fits) until a compiled batch fits and the next multiple above it is
+  predicted, or compiled, not to; at most ``_MAX_BATCH_COMPILES`` batches are compiled.
+
+  Returns: ``groups`` (None: no compiled batch fits), ``step``, ``limit``, ``verified``
+  (``groups`` was compiled and fits; its next multiple compiled or predicted not to), ``next``
+  (that multiple: ``peak``, ``program``, ``compiled``), ``points`` (each compiled batch:
+  ``peak``, ``program``, ``fits``, ``refused`` where XLA:TPU refused a program) and
+  ``seconds``. ``plan``: ``plan_topology``'s at the configured batch (its ``capacity`` is
+  the HBM searched against); ``s``: the run's ``Setup`` (built over the topology when None)."""
+  t0 = time.perf_counter()
+  if s is None:
+    s = build_setup(_planned(config)[0],
+                    topology_devices(config.dry_run.topology, int(config.dry_run.num_slices)))
+  hbm, G0 = plan["capacity"], int(config.train.batch_groups)
+  step = batch_step(s)
+  limit = MAX_BATCH_FACTOR * max(G0, step)
+  points = {G0: dict(_point(plan, plan["programs"], hbm), groups=G0,
+                     slots=plan["kv_pool_plan"]["slots"])}
+  out: dict[str, Any] = {"groups": None, "step": step, "limit": limit, "verified": False}
+  if "sft" in plan["programs"] and plan["programs"]["sft"]["peak"] > hbm:
+    return dict(out, points=_json_points(points), seconds=round(time.perf_counter() - t0, 1),
+                note="the supervised step does not fit at any train.batch_groups")
+  snap = lambda g: max(step, g // step * step)
+  fits = lambda g: points[g]["fits"]
+
+  def candidate() -> int | None:
+    lo = max((g for g in points if fits(g)), default=0)
+    hi = min((g for g in points if not fits(g) and g > lo), default=limit + step)
+    first = (lo // step + 1) * step
+    if _predict(points, s, first) is None:  # one measured batch: halve the interval
+      mid = snap((lo + min(hi, 2 * max(lo, step))) // 2)
+      return mid if lo < mid < hi else None
+    best = None
+    for g in range(first, min(hi, limit + 1), step):
+      if max(_predict(points, s, g).values()) > hbm:
+        break
+      best = g
+    return best
+
+  nxt = snap(2 * G0) if fits(G0) else snap(G0 // 2)
+  for _ in range(_MAX_BATCH_COMPILES):
+    if nxt is None or nxt in points or not 0 < nxt <= limit:
+      break
+    points[nxt] = batch_peaks(config, nxt, hbm)
+    nxt = candidate()
+  lo = max((g for g in points if fits(g)), default=None)
+  out.update(groups=lo)
+  if lo is not None:
+    up = (lo // step + 1) * step
+    pred = _predict(points, s, up)
+    if up in points:
+      out["next"] = dict(groups=up, compiled=True, peak=points[up]["peak"],
+                         program=points[up].get("program"), refused=points[up].get("refused"))
+      out["verified"] = True
+    elif pred:
+      worst = max(pred, key=pred.get)
+      out["next"] = dict(groups=up, compiled=False, peak=int(pred[worst]), program=worst)
+      out["verified"] = pred[worst] > hbm
+  return dict(out, points=_json_points(points), seconds=round(time.perf_counter() - t0, 1))
+
+
+def _json_points(points: dict[int, dict]) -> dict[str, dict]:
+  return {str(g): {k: v for k, v in p.items() if k != "groups"}
+          for g, p in sorted(points.items())}
 
 
 def _grown_pool(kv: dict, decode_peak: int, chip: Chip) -> dict:
@@ -715,7 +915,9 @@ def _check_fits(plan: dict) -> None:
       f"{_gib(prog['peak'])} per chip > {_gib(plan['capacity'])} ({plan['capacity_source']}): "
       f"state {_gib(sum(parts.values()))} ({', '.join(f'{k} {_gib(v)}' for v, k in biggest)})"
       f" + the program's own {_gib(prog['peak'] - sum(parts.values()))}; shrink with "
-      f"{program_knobs}" + (f"; {knobs}" if knobs else ""))
+      f"{program_knobs}" + (f"; {knobs}" if knobs else "")
+      + (f"; train.batch_groups={plan['max_batch_groups']} fits"
+         if plan.get("max_batch_groups") else ""))
 
 
 def _gib(n: float) -> str:
@@ -733,6 +935,31 @@ def _seconds(x: float | None) -> str:
   if x is None:
     return "n/a"
   return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def _max_batch_line(mb: dict, hbm: int) -> str:
+  """The largest ``train.batch_groups`` that fits, in one line."""
+  pts = mb["points"]
+  tried = ", ".join(f"{g} {'fits' if p['fits'] else 'no'}"
+                    for g, p in sorted(pts.items(), key=lambda kv: int(kv[0])))
+  tail = (f"multiples of {mb['step']} (train.minibatches x micro-batches x batch chips); "
+          f"compiled at {tried}; {mb['seconds']:.0f} s")
+  g = mb["groups"]
+  if g is None:
+    return f"largest train.batch_groups that fits: none ({tail})"
+  nxt = mb.get("next")
+  head = f"largest train.batch_groups that fits: {g} (peak {_gib(pts[str(g)]['peak'])}, " \
+         f"{pts[str(g)]['program']})"
+  if nxt and nxt["peak"] is None:
+    head += f"; {nxt['groups']} does not compile ({nxt.get('refused') or 'invalid'})"
+  elif nxt and nxt["peak"] > hbm:
+    head += (f"; {nxt['groups']} {'needs' if nxt['compiled'] else 'predicted'} "
+             f"{_gib(nxt['peak'])} ({nxt['program']}) > {_gib(hbm)}")
+  elif nxt:
+    head = head.replace(f"fits: {g} ", f"fits: at least {g} ") + (
+        f"; the search stops at {mb['limit']}" if nxt["groups"] > mb["limit"] else
+        f"; the search stopped after {_MAX_BATCH_COMPILES} compiled batches")
+  return f"{head}; {tail}"
 
 
 def format_plan(plan: dict) -> str:
@@ -791,4 +1018,6 @@ def format_plan(plan: dict) -> str:
   verdict = "fits" if est["fits"] else "does NOT fit"
   lines.append(f"  {verdict}: peak {_gib(est['peak'])} of {_gib(plan['capacity'])} per chip "
                f"({est['peak_program']}; {plan['capacity_source']})")
+  if plan.get("max_batch"):
+    lines.append("  " + _max_batch_line(plan["max_batch"], plan["capacity"]))
   return "\n".join(lines)
