@@ -226,6 +226,7 @@ def _env() -> ml_collections.ConfigDict:
       max_turn_tokens=16,  # model tokens per assistant turn
       max_obs_tokens=16,  # ids per observation (longer ones are cut and counted)
       step_timeout_s=10.0,  # seconds an environment step may run (then an error observation)
+      kv_ttl_s=-1.0,  # seconds a group waiting on its environments keeps its KV (-1: always)
       workers=4,  # environment threads
       n_train=2000,  # examples of the task's train split
       n_eval=200,  # calculator, gymnasium: held-out examples (guess: every target once)
@@ -646,6 +647,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "env.max_turn_tokens": cu.positive_int,
       "env.max_obs_tokens": cu.positive_int,
       "env.step_timeout_s": cu.positive,
+      "env.kv_ttl_s": lambda x: (None if cu.is_number(x) and (x >= 0 or x == -1) else
+                                 "must be seconds >= 0, or -1 (never evict)"),
       "env.workers": cu.positive_int,
       "env.n_train": cu.positive_int,
       "env.n_eval": cu.positive_int,

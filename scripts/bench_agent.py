@@ -7,7 +7,8 @@ turn before all continue together, while ``continuous`` keeps decoding the other
 while tools run, and with a KV time-to-live (``--ttl``) lends the slot of a group whose
 samples all wait on tools to waiting work (Continuum); ``lockstep`` is continuous batching
 with the deterministic schedule (``AgentEngine(deterministic=True)``: the steps submitted in
-one iteration are applied at the start of the next, no evictions; the trainer's schedule).
+one iteration are applied at the start of the next, no evictions; the trainer's schedule
+with ``rollout.partial``).
 They are timed in interleaved repeats after a warm-up call each (compiles excluded) and
 must return identical trajectories (the environments are deterministic).
 
@@ -104,7 +105,8 @@ def run(args) -> dict:
         cfg, ChatRenderer(), TOK.decode, n=args.n, max_slots=args.slots, max_prompt_len=32,
         max_total_tokens=args.turns * (args.turn_tokens + 24), max_turn_tokens=args.turn_tokens,
         max_turns=args.turns, max_obs_tokens=24, stop_ids=stop, seed=1,
-        ttl=args.ttl if name == "continuous" else None, workers=args.groups * args.n,
+        ttl=args.ttl if name == "continuous" and args.ttl >= 0 else None,
+        workers=args.groups * args.n,
         schedule="turn_sync" if name == "turn_sync" else "continuous",
         deterministic=name == "lockstep")
   for e in engines.values():
@@ -135,7 +137,8 @@ def main(argv=None) -> dict:
   p.add_argument("--turns", type=int, default=3)
   p.add_argument("--turn-tokens", type=int, default=16)
   p.add_argument("--sleep", type=float, default=0.05, help="seconds per tool call")
-  p.add_argument("--ttl", type=float, default=0.0, help="KV time-to-live (s), continuous")
+  p.add_argument("--ttl", type=float, default=0.0,
+                 help="KV time-to-live (s) of the continuous schedule; < 0: never evict")
   p.add_argument("--width", type=int, default=64)
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args(argv)

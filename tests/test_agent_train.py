@@ -1,9 +1,8 @@
 """Multi-turn training end to end (``env.name``): the agentic producer trains and writes its
 metrics, the learner scores exactly the sampled trajectory ids, observations are masked from
 the loss, the learner's proximal log-probs of every turn are recomputed from its own weights,
-GiGPO trains through the trainer, SIGKILL + rerun is bit-exact (metrics included) for a
-synchronous run and for an asynchronous run holding partial multi-turn trajectories (APRIL),
-bad env settings fail in one line.
+GiGPO trains through the trainer, SIGKILL + rerun of an asynchronous run holding partial
+multi-turn trajectories (APRIL) is bit-exact, bad env settings fail in one line.
 
 The runs use the guess game with 4 targets and 2 turns: after a short warm start the policy
 guesses digits, so groups have reward variance and first-turn misses get an observation.
@@ -166,25 +165,21 @@ def _partial_groups(held):
   return int((status != done).any(axis=1).sum())
 
 
-@pytest.mark.parametrize("held", [True, False], ids=["async_partial", "sync"])
-def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path, monkeypatch, held):
-  """SIGKILL right after the checkpoint of the first RL step (step 11 of 13) is on disk;
-  the rerun of the same run restores that step and finishes with the uninterrupted run's
-  weights bit for bit and its metrics, wall-clock ones aside, equal (the behaviour log-prob
-  mismatch and the KV hit rate included: the engine's lockstep schedule makes its decode
-  batches a function of the seeds, never of tool timing). ``async_partial``: one step off
-  with APRIL, the checkpoint holding partial trajectories (held groups imported,
-  environments replayed); ``sync``: the agent quickstart's synchronous schedule."""
-  overrides = HELD if held else ["train.checkpoint_every=11"]
+def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path, monkeypatch):
+  """SIGKILL right after the checkpoint of the first RL step (step 11 of 13) is on disk,
+  while the multi-turn engine holds partial trajectories in it; the rerun of the same run
+  restores that step (held groups imported, environments replayed) and finishes with the
+  uninterrupted run's weights bit for bit and its metrics, wall-clock ones aside, equal
+  (the behaviour log-prob mismatch and the KV hit rate included: the engine's lockstep
+  schedule makes its decode batches a function of the seeds)."""
   ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
-  train.train(_config(overrides), ref_dir, progress=False)
+  train.train(_config(HELD), ref_dir, progress=False)
   ref = metrics.read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
   rl = [r for r in ref if r["phase"] == "rl"]
-  if held:
-    assert all(r["buffer_size"] > 0 for r in rl) and max(r["max_token_lag"] for r in rl) >= 1
+  assert all(r["buffer_size"] > 0 for r in rl) and max(r["max_token_lag"] for r in rl) >= 1
   kill_at = 11  # the first RL step: its checkpoint holds groups (not the last step's)
   cmd = [sys.executable, "-m", "rl_jax.train", f"--config={AGENT_QUICKSTART}:guess",
-         f"--workdir={killed_dir}"] + [f"--config.{o}" for o in TINY + overrides]
+         f"--workdir={killed_dir}"] + [f"--config.{o}" for o in TINY + HELD]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpts = os.path.join(killed_dir, "checkpoints")
   deadline = time.time() + 600
@@ -203,15 +198,13 @@ def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path, monk
 
   def restore_newest(*args):
     state = resume.restore_newest(*args)
-    held_groups = getattr(state.producer, "held", None)
-    restored.append((int(state.step), _partial_groups(jax.device_get(held_groups))
-                     if held_groups else 0))
+    restored.append((int(state.step), _partial_groups(jax.device_get(state.producer.held))))
     return state
 
   monkeypatch.setattr(loop, "restore_newest", restore_newest)
-  train.train(_config(overrides), killed_dir, progress=False)
-  # the rerun resumed from the RL step's checkpoint (holding partial multi-turn groups)
-  assert restored[0][0] == kill_at and (restored[0][1] > 0 or not held), restored
+  train.train(_config(HELD), killed_dir, progress=False)
+  # the rerun resumed from the RL step's checkpoint, holding partial multi-turn groups
+  assert restored[0][0] == kill_at and restored[0][1] > 0, restored
   a = load_file(os.path.join(ref_dir, "hf", "model.safetensors"))
   b = load_file(os.path.join(killed_dir, "hf", "model.safetensors"))
   assert a.keys() == b.keys()
@@ -224,7 +217,7 @@ def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path, monk
 @pytest.mark.parametrize("override,needle", [
     ("env.name=chess", "config.env.name"),
     ("env.max_turns=0", "config.env.max_turns"),
-    ("env.step_timeout_s=0", "config.env.step_timeout_s"),
+    ("env.kv_ttl_s=-2.0", "config.env.kv_ttl_s"),
     ("env.max_turn_tokens=64", "env.max_turn_tokens=64 exceeds"),
     ("rollout.speculative=True", "not supported with rollout.speculative=True"),
     ("data.selector=greso", "not supported with data.selector=greso"),
