@@ -115,12 +115,12 @@ def test_sampler_prefill_compiles_with_the_cpu_options_to_the_same_samples(fast_
   prompts = [[1, 5, 9, 3], [1, 7, 2]]
   engine = lambda: rollout.RolloutEngine(cfg, n=3, max_slots=2, max_new_tokens=6,
                                          max_prompt_len=8)
-  assert engine().admit_fn is sampler.admit_with(FAST) is not sampler.admit
+  assert engine().admit_fn is sampler.admit_with(FAST, 2048) is not sampler.admit
   run = lambda: rollout.generate(cfg, params, prompts, n=3, max_new_tokens=6, temperature=1.0,
                                  seed=3)
   fast = run()
   compile_options.use_fast_cpu_compile(False)
-  assert engine().admit_fn is sampler.admit
+  assert engine().admit_fn is sampler.admit_with((), 2048) is not sampler.admit_with(FAST, 2048)
   slow = run()
   np.testing.assert_array_equal(fast.tokens, slow.tokens)
   np.testing.assert_allclose(fast.logprobs, slow.logprobs, rtol=1e-6, atol=1e-7)

@@ -86,7 +86,15 @@ def test_own_pass_update_equals_separate_pass_update(preset):
   moved = max(float(np.max(np.abs(np.asarray(a) - b)))
               for a, b in zip(jax.tree.leaves(out_sep[0]), jax.tree.leaves(before)))
   assert moved > 1e-5, "the update did not move the policy; the comparison would be empty"
-  chex.assert_trees_all_close(out_own[0], out_sep[0], rtol=1e-5, atol=1e-7)  # params
+  # params: to float32 rounding, but Adam's first step moves each weight by about lr·sign(g),
+  # so where a gradient element is tiny the two programs' last-bit differences in it show up
+  # in the weight (1 of 3,168 elements of the LM head at 1.8e-6 on this batch): at most 0.1%
+  # of a leaf may differ by more than rtol 1e-5 / atol 1e-7, and none by more than 1e-5
+  for a, b in zip(jax.tree.leaves(out_own[0]), jax.tree.leaves(out_sep[0])):
+    a, b = np.asarray(a), np.asarray(b)
+    off = ~np.isclose(a, b, rtol=1e-5, atol=1e-7)
+    assert off.mean() <= 1e-3, (off.sum(), off.size)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
   # Adam moments: an element that is a sum with cancellation (an embedding row's gradient)
   # keeps the absolute rounding of its terms, so the tolerance is 1e-4 of the element or of
   # its leaf's largest element (the two programs may add in different orders)

@@ -37,7 +37,8 @@ from rl_jax import sharding
 from rl_jax.models.config import QUANTS, ModelConfig
 
 __all__ = ["QUANTS", "dequantize", "dequantize_base", "gathered", "is_quantized", "layer_axes",
-           "layer_shapes", "matmul", "projection", "quantize", "quantize_base", "quantize_layers", "targets"]
+           "layer_shapes", "matmul", "projection", "quantize", "quantize_base",
+           "quantize_layers", "targets"]
 
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
 # projection -> axis of the stacked weight [L, ...] that is blocked (its last contraction axis)

@@ -71,8 +71,8 @@ from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, appl
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
-from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two, in_flight_budget,
-                                    pow2, sampling_params)
+from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
+                                    in_flight_budget, pow2, sampling_params)
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 

@@ -13,8 +13,9 @@ Per device (the busiest one; FSDP shards split evenly):
   adapters), ``rl_optimizer`` (the RL optimizer state: Adam's two
   moments), ``sft_optimizer`` (only while the supervised stage runs), ``reference`` (only with
   a KL term, in ``train.ref_dtype``), ``critic`` (PPO value params + their optimizer state),
-  ``sampler_copy`` (with several processes: the policy all-gathered for the local sampler;
-  one process samples from the trainer's weights in place, or with LoRA and
+  ``sampler_copy`` (with several processes: this device's share of the process's own copy
+  of the policy, laid out over its devices by the sampler's rules; on the asynchronous
+  trainer's rollout devices a whole replica; one process samples from the trainer's weights in place, or with LoRA and
   ``rollout.lora_merge`` from merged copies of the adapted weights), ``rollout_buffer`` (APRIL's
   held groups), ``rollout_queue`` (a runner with a lag: the scored batches sampled ahead of
   the learner), ``selector`` / ``spec_drafts`` (prompt selection, speculative rollouts), and
@@ -82,7 +83,7 @@ KNOBS = {
     "reference": "train.ref_dtype=bfloat16, train.offload=reference, loss.kl_beta=0",
     "teacher": "train.offload=teacher, model.dtype=bfloat16, a larger mesh.shape.fsdp",
     "critic": "a larger mesh.shape.fsdp",
-    "sampler_copy": "fewer processes per host, rollout.lora_merge=False (LoRA), "
+    "sampler_copy": "more devices per process, rollout.lora_merge=False (LoRA), "
                     "rollout.weight_dtype=''",
     "rollout_buffer": "rollout.over_sampling",
     "rollout_queue": "train.async_lag",
