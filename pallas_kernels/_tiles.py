@@ -68,7 +68,7 @@ def init_carry(bq: int, head_dim: int):
           jnp.zeros((bq, head_dim), jnp.float32))
 
 
-def online_softmax_step(m, l, acc, s, mask, v):
+def online_softmax_step(m, l, acc, s, mask, v, pv=None):
   """Folds one key tile into the online softmax.
 
   Args:
@@ -78,6 +78,8 @@ def online_softmax_step(m, l, acc, s, mask, v):
     s: float32 [T,S] scores of this tile.
     mask: bool [T,S] keys each query may see.
     v: [S,H] values of this tile.
+    pv: ``pv(p, v)`` -> float32 [T,H] for p float32 [T,S]; default the matmul with p
+      rounded to v's dtype (tiles too small for a dot pass broadcast products).
 
   Returns:
     The updated (m, l, acc).
@@ -87,13 +89,16 @@ def online_softmax_step(m, l, acc, s, mask, v):
   alpha = jnp.exp(m - m_new)
   p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
   l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-  pv = _dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+  pv = matmul(p.astype(v.dtype), v) if pv is None else pv(p, v)
   return m_new, l_new, alpha * acc + pv
 
 
 def finalize(m, l, acc):
-  """Normalised output float32 [T,H] and log-sum-exp float32 [T,1] of the online softmax."""
-  return acc / l, m + jnp.log(l)
+  """Normalised output float32 [T,H] and log-sum-exp float32 [T,1] of the online softmax;
+  0 and -inf for a row that saw no key (l = 0)."""
+  seen = l > 0
+  safe = jnp.where(seen, l, 1.0)
+  return jnp.where(seen, acc / safe, 0.0), jnp.where(seen, m + jnp.log(safe), -jnp.inf)
 
 
 def probs_and_dscores(q, k, v, do, lse, di, mask, scale):

@@ -48,7 +48,8 @@ skipped but still copies page 0. GPU: H and S must be powers of two; with H, S >
 products are dots with J padded to a power of two >= 16 (Triton's smallest dot), below that
 broadcast products summed over [J,H,S] (small tiles only). Scores and softmax are float32;
 16-bit pages are multiplied natively (probabilities rounded to the values' dtype for p·V),
-float32 ones at full precision.
+float32 ones at ``jax_default_matmul_precision``: the online softmax and its products are
+the shared-prefix kernels' (``_tiles``).
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention"; Milakov & Gimelshein 2018, "Online normalizer calculation for
@@ -206,49 +207,6 @@ def _compute_dtype(q, k_pages, v_pages):
   return jnp.promote_types(q.dtype, jnp.promote_types(k_pages.dtype, v_pages.dtype))
 
 
-def _dot(a, b):
-  """float32 a @ b ([J,X] @ [X,Y]) with the precision its operands call for: full float32
-  for float32 operands, the native product for 16-bit ones (Mosaic rejects a float32
-  contract precision on bf16 operands, whatever ``jax_default_matmul_precision`` says)."""
-  precision = (lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT)
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
-
-
-def _fold(carry, s, mask, v, pv):
-  """Folds one page into the online softmax.
-
-  Args:
-    carry: (m [J,1] running max, l [J,1] running sum of exp(s - m), acc [J,H] running sum of
-      exp(s - m) v), all float32.
-    s: float32 [J,S] scaled scores of the page; mask: bool [J,S] valid positions.
-    v: [S,H] the page's values; pv: ``pv(e, v)`` -> float32 [J,H], e float32 [J,S].
-
-  Returns:
-    The updated carry.
-  """
-  m, l, acc = carry
-  s = jnp.where(mask, s, _tiles.MASK_VALUE)
-  m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-  alpha = jnp.exp(m - m_new)
-  e = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-  return m_new, alpha * l + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv(e, v)
-
-
-def _dot_pv(e, v):
-  """float32 [J,H] = e [J,S] @ v [S,H], e rounded to v's dtype (the usual flash-attention
-  rounding for 16-bit values)."""
-  return _dot(e.astype(v.dtype), v)
-
-
-def _finish(m, l, acc):
-  """Online-softmax state (m, l [J,1], acc [J,H]) -> out float32 [J,H] and lse float32
-  [J,1]; out 0 and lse -inf where nothing was seen (l = 0)."""
-  seen = l > 0
-  out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
-  return out, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-
-
 # ---------------------------------------------------------------------------------------
 # TPU (Mosaic): pages walked by the grid.
 
@@ -280,16 +238,16 @@ def _tpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, ls
 
   @pl.when((p * s_ < length) & ((p + 1) * s_ > start) & (page >= 0))
   def _page():
-    s = _dot(q_ref[...].astype(dtype), k_ref[...].astype(dtype)) * scale  # [J,S]
+    s = _tiles.matmul(q_ref[...].astype(dtype), k_ref[...].astype(dtype)) * scale  # [J,S]
     pos = p * s_ + lax.broadcasted_iota(jnp.int32, (j_, s_), 1)
     mask = (pos >= start) & (pos < length)
-    m, l, acc = _fold((column(m_sc), column(l_sc), acc_sc[...]), s, mask,
-                      v_ref[...].astype(dtype), _dot_pv)
+    m, l, acc = _tiles.online_softmax_step(column(m_sc), column(l_sc), acc_sc[...], s, mask,
+                                           v_ref[...].astype(dtype))
     m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
 
   @pl.when(p == nb - 1)
   def _finalize():
-    out, lse = _finish(column(m_sc), column(l_sc), acc_sc[...])
+    out, lse = _tiles.finalize(column(m_sc), column(l_sc), acc_sc[...])
     o_ref[...] = out
     lse_ref[...] = lanes(lse)
 
@@ -345,8 +303,8 @@ def _gpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, ls
   q = q_ref[...].astype(dtype)
 
   if use_dot:
-    qk = lambda k: _dot(q, k)  # [J,H] @ [H,S]
-    pv = _dot_pv
+    qk = lambda k: _tiles.matmul(q, k)  # [J,H] @ [H,S]
+    pv = None  # the matmul
   else:  # too small for a dot: broadcast products summed
     qf = q.astype(jnp.float32)
     qk = lambda k: jnp.sum(qf[:, :, None] * k.astype(jnp.float32)[None, :, :], axis=1)
@@ -359,12 +317,12 @@ def _gpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, ls
     s = qk(k) * scale
     pos = p * s_ + lax.broadcasted_iota(jnp.int32, (j_, s_), 1)
     mask = (pos >= start) & (pos < length) & (page >= 0)
-    return _fold(carry, s, mask, v, pv)
+    return _tiles.online_softmax_step(*carry, s, mask, v, pv)
 
   first = lax.div(jnp.maximum(start, 0), s_)
   end = jnp.minimum(lax.div(jnp.maximum(length, 0) + s_ - 1, s_), nb)
   m, l, acc = lax.fori_loop(first, jnp.maximum(end, first), step, _tiles.init_carry(j_, h_))
-  out, lse = _finish(m, l, acc)
+  out, lse = _tiles.finalize(m, l, acc)
   o_ref[...] = out
   lse_ref[...] = lse[:, 0]
 

@@ -113,15 +113,15 @@ class Layout(NamedTuple):
     local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
     if jax.process_count() == 1:  # the asynchronous trainer's own rollout devices
       return jax.device_put(params, local, may_alias=False)
-    targets = spread = None
+    per_process = None
     if self.sampler_cfg is not None and set(self.sampler_mesh.devices.flat) <= set(
         self.mesh.devices.flat):  # sampling on the training devices: shard per process
-      targets = sampler_shardings(self.sampler_cfg, self.sampler_mesh, self.rules, params)
-      spread = per_process_shardings(self.mesh, self.sampler_mesh, targets)
-    if spread is not None:
-      moved = _reshard(jax.tree.structure(params), tuple(jax.tree.leaves(spread)))(params)
+      per_process = _per_process(self.sampler_cfg, self.mesh, self.sampler_mesh, self.rules,
+                                 bool(models.lora.split(params)[1]))
+    if per_process is not None:
+      targets, reshard = per_process
       return jax.tree.map(lambda x, t: jax.make_array_from_single_device_arrays(
-          x.shape, t, [shard.data for shard in x.addressable_shards]), moved, targets)
+          x.shape, t, [shard.data for shard in x.addressable_shards]), reshard(params), targets)
     replicated = _gather(self.mesh)(params)
     return jax.tree.map(lambda x: _local_replica(x, local), replicated)
 
@@ -149,8 +149,26 @@ def sampler_shardings(cfg, mesh: jax.sharding.Mesh, rules, params: Any) -> Any:
   """The layout the rollout engine keeps its weights in (``RolloutEngine.prepare_params``):
   ``models.param_shardings`` of the sampler's config on its mesh, without adapters when
   ``params`` has none (LoRA merged for the sampler)."""
+  return _sampler_targets(cfg, mesh, rules, bool(models.lora.split(params)[1]))
+
+
+@functools.lru_cache(maxsize=None)
+def _sampler_targets(cfg, mesh: jax.sharding.Mesh, rules, adapters: bool) -> Any:
   targets = models.param_shardings(cfg, mesh, rules)
-  return targets if models.lora.split(params)[1] else models.lora.strip(targets)
+  return targets if adapters else models.lora.strip(targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_process(cfg, mesh: jax.sharding.Mesh, sampler_mesh: jax.sharding.Mesh, rules,
+                 adapters: bool) -> tuple[Any, Callable] | None:
+  """(the sampler's shardings on this process's mesh, a jitted reshard of the policy onto
+  one copy per process: ``per_process_shardings``), built once per run; None where the
+  processes' devices are not laid out as their sampler meshes."""
+  targets = _sampler_targets(cfg, sampler_mesh, rules, adapters)
+  spread = per_process_shardings(mesh, sampler_mesh, targets)
+  if spread is None:
+    return None
+  return targets, jax.jit(lambda tree: tree, out_shardings=spread)
 
 
 def per_process_shardings(mesh: jax.sharding.Mesh, sampler_mesh: jax.sharding.Mesh,
@@ -174,13 +192,6 @@ def per_process_shardings(mesh: jax.sharding.Mesh, sampler_mesh: jax.sharding.Me
     return None
   grid = jax.sharding.Mesh(grid, ("processes", *sampler_mesh.axis_names))
   return jax.tree.map(lambda t: jax.sharding.NamedSharding(grid, t.spec), targets)
-
-
-@functools.lru_cache(maxsize=None)
-def _reshard(treedef, shardings: tuple) -> Callable:
-  """A jitted identity onto ``shardings`` (one per leaf of ``treedef``)."""
-  return jax.jit(lambda tree: tree,
-                 out_shardings=jax.tree.unflatten(treedef, list(shardings)))
 
 
 @functools.lru_cache(maxsize=None)
