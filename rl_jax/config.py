@@ -226,7 +226,13 @@ def _env() -> ml_collections.ConfigDict:
       max_turn_tokens=16,  # model tokens per assistant turn
       max_obs_tokens=16,  # ids per observation (longer ones are cut and counted)
       step_timeout_s=10.0,  # seconds an environment step may run (then an error observation)
-      kv_ttl_s=-1.0,  # seconds a group waiting on its environments keeps its KV (-1: always)
+      # a tool's result joins the decode batch this many decode steps after its call (the
+      # loop waits only for a later tool): every decode batch is a function of the seeds;
+      # size it to the tools' latency in decode steps
+      result_delay_steps=8,
+      # decode steps a group waiting on its environments keeps its KV slot while other work
+      # waits for one (-1: always)
+      kv_ttl_steps=-1,
       workers=4,  # environment threads
       n_train=2000,  # examples of the task's train split
       n_eval=200,  # calculator, gymnasium: held-out examples (guess: every target once)
@@ -647,8 +653,9 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "env.max_turn_tokens": cu.positive_int,
       "env.max_obs_tokens": cu.positive_int,
       "env.step_timeout_s": cu.positive,
-      "env.kv_ttl_s": lambda x: (None if cu.is_number(x) and (x >= 0 or x == -1) else
-                                 "must be seconds >= 0, or -1 (never evict)"),
+      "env.result_delay_steps": cu.positive_int,
+      "env.kv_ttl_steps": lambda x: (None if cu.is_int(x) and (x >= 0 or x == -1) else
+                                     "must be decode steps >= 0, or -1 (never evict)"),
       "env.workers": cu.positive_int,
       "env.n_train": cu.positive_int,
       "env.n_eval": cu.positive_int,

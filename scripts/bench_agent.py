@@ -5,10 +5,12 @@ The schedules run on the same ``AgentEngine`` (same slots, model, episodes and d
 programs); ``schedule="turn_sync"`` makes every sample wait for the slowest tool call of its
 turn before all continue together, while ``continuous`` keeps decoding the other samples
 while tools run, and with a KV time-to-live (``--ttl``) lends the slot of a group whose
-samples all wait on tools to waiting work (Continuum); ``lockstep`` is continuous batching
-with the deterministic schedule (``AgentEngine(deterministic=True)``: the steps submitted in
-one iteration are applied at the start of the next, no evictions; the trainer's schedule
-with ``rollout.partial``).
+samples all wait on tools to waiting work (Continuum); ``delay D`` is continuous batching
+with the deterministic schedule (``AgentEngine(deterministic=True, result_delay=D)``: a
+tool's result joins the batch D decode steps after its call, the loop waiting only if the
+tool is later, so every decode batch is a function of the seeds; the trainer's schedule),
+one column per ``--delays`` value, with the same time-to-live in decode steps
+(``--ttl-steps``).
 They are timed in interleaved repeats after a warm-up call each (compiles excluded) and
 must return identical trajectories (the environments are deterministic).
 
@@ -16,6 +18,7 @@ Usage::
 
     python scripts/bench_agent.py                     # about a minute on 2 CPU cores
     python scripts/bench_agent.py --groups 32 --repeats 5
+    python scripts/bench_agent.py --delays 8,32,128 --ttl-steps 0
 
 Prints one markdown row: trajectories/s of each schedule and the speed-up.
 
@@ -100,15 +103,18 @@ def run(args) -> dict:
   specs = [rollout.EpisodeSpec(lambda: ToolEnv(args.sleep, args.turns), {"q": f"task {i}"})
            for i in range(args.groups)]
   engines = {}
-  for name in ("continuous", "lockstep", "turn_sync"):
+  delays = [int(d) for d in args.delays.split(",") if d]
+  for name in ("continuous", *(f"delay {d}" for d in delays), "turn_sync"):
+    det = name.startswith("delay")
     engines[name] = rollout.AgentEngine(
         cfg, ChatRenderer(), TOK.decode, n=args.n, max_slots=args.slots, max_prompt_len=32,
         max_total_tokens=args.turns * (args.turn_tokens + 24), max_turn_tokens=args.turn_tokens,
         max_turns=args.turns, max_obs_tokens=24, stop_ids=stop, seed=1,
         ttl=args.ttl if name == "continuous" and args.ttl >= 0 else None,
         workers=args.groups * args.n,
-        schedule="turn_sync" if name == "turn_sync" else "continuous",
-        deterministic=name == "lockstep")
+        schedule="turn_sync" if name == "turn_sync" else "continuous", deterministic=det,
+        result_delay=int(name.split()[1]) if det else 1,
+        ttl_steps=args.ttl_steps if det and args.ttl_steps >= 0 else None)
   for e in engines.values():
     e.warmup(params)  # every shape compiled up front: no compile inside the timed calls
   outs = {s: e.rollout(params, specs) for s, e in engines.items()}  # warm-up call
@@ -118,14 +124,14 @@ def run(args) -> dict:
       outs[s] = e.rollout(params, specs)
       times[s].append(outs[s].stats["seconds"])
   a = outs["continuous"]
-  for b in (outs["lockstep"], outs["turn_sync"]):
+  for b in outs.values():
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert a.actions == b.actions
   trajs = args.groups * args.n
   rate = {s: trajs / min(t) for s, t in times.items()}
   return dict(rate=rate, speedup=rate["continuous"] / rate["turn_sync"],
-              lockstep=rate["lockstep"] / rate["turn_sync"],
-              hit=a.stats["kv_hit_rate"], evictions=a.stats["evictions"],
+              hit={s: o.stats["kv_hit_rate"] for s, o in outs.items()},
+              evictions={s: o.stats["evictions"] for s, o in outs.items()},
               turns=float(a.num_turns.mean()), model_tokens=int(a.model_mask.sum()))
 
 
@@ -139,18 +145,23 @@ def main(argv=None) -> dict:
   p.add_argument("--sleep", type=float, default=0.05, help="seconds per tool call")
   p.add_argument("--ttl", type=float, default=0.0,
                  help="KV time-to-live (s) of the continuous schedule; < 0: never evict")
+  p.add_argument("--delays", default="8,32,128",
+                 help="comma-separated result delays (decode steps) of deterministic columns")
+  p.add_argument("--ttl-steps", type=int, default=-1,
+                 help="KV time-to-live (decode steps) of the deterministic columns; < 0: never")
   p.add_argument("--width", type=int, default=64)
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args(argv)
   r = run(args)
-  print("| groups x n | slots | turns | tool sleep | continuous traj/s | lockstep traj/s "
-        "| turn-sync traj/s | speed-up (continuous / lockstep) | KV hit rate | evictions |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  names = list(r["rate"])
+  print("| groups x n | slots | turns | tool sleep | "
+        + " | ".join(f"{s} traj/s (hit rate, evictions)" for s in names)
+        + " | speed-up (continuous / turn-sync) |")
+  print("|---|---|---|---|" + "---|" * (len(names) + 1))
   print(f"| {args.groups} x {args.n} | {args.slots} | {r['turns']:.1f} | "
-        f"{args.sleep * 1e3:.0f} ms | {r['rate']['continuous']:.1f} | "
-        f"{r['rate']['lockstep']:.1f} | {r['rate']['turn_sync']:.1f} | "
-        f"**{r['speedup']:.2f}x** / {r['lockstep']:.2f}x | {r['hit']:.2f} | "
-        f"{r['evictions']} |")
+        f"{args.sleep * 1e3:.0f} ms | "
+        + " | ".join(f"{r['rate'][s]:.1f} ({r['hit'][s]:.2f}, {r['evictions'][s]})"
+                     for s in names) + f" | **{r['speedup']:.2f}x** |")
   return r
 
 

@@ -385,6 +385,31 @@ def test_deterministic_schedule_holds_the_same_groups_whatever_the_tool_timing()
       np.testing.assert_array_equal(held_a[k], held_b[k], err_msg=k)
 
 
+@pytest.mark.parametrize("ttl_steps", [None, 0])
+def test_deterministic_decode_batches_do_not_depend_on_tool_timing(ttl_steps):
+  """The deterministic schedule with tools of random latency: two runs decode the same
+  batches (log-probs bit-identical, the same decode calls, evictions and KV hits), every
+  result joining ``result_delay`` decode steps after its call; the tokens are the
+  wall-clock schedule's."""
+  specs = _specs(6, sleep="random")
+  outs = []
+  for _ in range(2):
+    e = _engine(deterministic=True, result_delay=3, ttl_steps=ttl_steps, max_slots=2)
+    outs.append(e.rollout(PARAMS, specs))
+    e.close()
+  a, b = outs
+  np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  for k in ("decode_calls", "evictions", "kv_hits", "resumes", "reprefill_tokens"):
+    assert a.stats[k] == b.stats[k], k
+  assert (a.stats["evictions"] > 0) == (ttl_steps == 0)
+  e = _engine(max_slots=2)
+  c = e.rollout(PARAMS, specs)
+  e.close()
+  np.testing.assert_array_equal(a.tokens, c.tokens)
+  assert a.actions == c.actions
+  _check_exact(a, 1.0)
+
+
 def test_staleness_bound_across_turns():
   eng = _engine(over_sampling=2.0, max_staleness=1, max_turns=6)
   specs = [rollout.EpisodeSpec(CounterEnv, {"q": f"q{i}", "turns": 6 if i % 3 == 0 else 1})

@@ -217,7 +217,8 @@ def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path, monk
 @pytest.mark.parametrize("override,needle", [
     ("env.name=chess", "config.env.name"),
     ("env.max_turns=0", "config.env.max_turns"),
-    ("env.kv_ttl_s=-2.0", "config.env.kv_ttl_s"),
+    ("env.kv_ttl_steps=-2", "config.env.kv_ttl_steps"),
+    ("env.result_delay_steps=0", "config.env.result_delay_steps"),
     ("env.max_turn_tokens=64", "env.max_turn_tokens=64 exceeds"),
     ("rollout.speculative=True", "not supported with rollout.speculative=True"),
     ("data.selector=greso", "not supported with data.selector=greso"),

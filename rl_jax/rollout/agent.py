@@ -107,11 +107,16 @@ class AgentEngine:
     poll_steps: decode steps between checks for returned observations.
     over_sampling: ``rollout_groups`` keeps ceil(f·K) groups in flight (APRIL).
     max_staleness: η; held samples with a model token more than η versions old restart.
-    deterministic: lockstep scheduling: every environment step submitted in one iteration
-      of the loop is applied at the start of the next (waiting for it if it is late; no
-      evictions), so which groups complete first, and everything held, is a function of the
-      seeds alone (a resumed trainer holding groups continues exactly). Steps still overlap
-      the decode call of the iteration that submitted them.
+    deterministic: a schedule that is a function of the seeds and token counts alone: the
+      result of an environment step joins the batch ``result_delay`` decode steps after the
+      step was submitted (the loop waits for it only if the tool is later), results due
+      together join in (submission step, group, sample) order, and the time-to-live is
+      ``ttl_steps`` decode steps. Tools overlap those decode steps, yet which samples decode
+      together at every step, which groups complete first and everything held depend on
+      nothing measured in seconds (a resumed trainer continues exactly).
+    result_delay: decode steps between an environment step's submission and its result
+      joining the batch (``deterministic`` only; size it to the tools' latency in steps).
+    ttl_steps: the time-to-live of ``deterministic`` in decode steps (None: never evict).
     dtype: sampler dtype (None = cfg's). context: maximum positions.
     mesh, rules: run every program sharded on this mesh with these rules.
     page_size: tokens per page of the trajectory cache (``rollout.pages``; >= the
@@ -128,13 +133,14 @@ class AgentEngine:
                ttl: float | None = 1.0, step_timeout: float | None = 30.0, workers: int = 16,
                schedule: str = "continuous", poll_steps: int = 8,
                over_sampling: float = 2.0, max_staleness: int | None = None,
-               deterministic: bool = False, dtype: str | None = None,
+               deterministic: bool = False, result_delay: int = 16,
+               ttl_steps: int | None = None, dtype: str | None = None,
                context: int | None = None, mesh=None, rules=None, page_size: int = 64,
                prefill_chunk: int | None = 2048):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
-                        poll_steps=poll_steps).items():
+                        poll_steps=poll_steps, result_delay=result_delay).items():
       check_int(name, v, 1)
     if schedule not in SCHEDULES:
       raise RolloutError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -144,6 +150,8 @@ class AgentEngine:
       check_int("max_staleness", max_staleness, 0)
     if ttl is not None and not float(ttl) >= 0:
       raise RolloutError(f"ttl must be >= 0 seconds or None, got {ttl!r}")
+    if ttl_steps is not None:
+      check_int("ttl_steps", ttl_steps, 0)
     stop = list(stop_ids) if stop_ids is not None else list(renderer.end_of_turn_ids[:1])
     if not stop:
       raise RolloutError("no stop id: pass stop_ids or a renderer with end_of_turn_ids")
@@ -159,8 +167,12 @@ class AgentEngine:
     self.max_prompt_len, self.max_total = int(max_prompt_len), int(max_total_tokens)
     self.max_turn, self.max_turns = int(max_turn_tokens), int(max_turns)
     self.max_obs, self.seed, self.schedule = int(max_obs_tokens), int(seed), schedule
-    self.deterministic = bool(deterministic)
-    self.ttl = None if ttl is None or self.deterministic else float(ttl)
+    self.deterministic, self.result_delay = bool(deterministic), int(result_delay)
+    # the time-to-live in the loop's clock: decode steps (deterministic) or seconds
+    if self.deterministic:
+      self.ttl = None if ttl_steps is None else int(ttl_steps)
+    else:
+      self.ttl = None if ttl is None else float(ttl)
     self.poll_steps = int(poll_steps)
     self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
     check_power_of_two("page_size", page_size)

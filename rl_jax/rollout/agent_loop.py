@@ -7,6 +7,12 @@ time-to-live expired when work waits), append returned observations by increment
 and decode until the next turn ends (``decode``). With ``turn_sync`` the loop waits at each
 turn for every environment step of the resident samples before anything continues.
 
+With a deterministic engine the loop keeps a clock of decode steps: a step submitted at
+clock t returns at t + ``result_delay`` (the loop blocks if the tool is later; a decode call
+stops at the next result due; with nothing to decode the clock jumps to it), results due
+together apply in (due, group, sample) order and the time-to-live counts clock steps, so
+every decode batch is a function of the seeds and token counts.
+
 Axis letters: the legend of ``rl_jax/__init__.py`` (G slots, M samples, P prompt
 cache length, R trajectory cache length); Bn, Pb, Br, Be, C are the admission, prompt,
 resume, extension and chunk buckets.
@@ -30,7 +36,7 @@ from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.records import pow2
 
 __all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "apply_outcome",
-           "poll_outcomes"]
+           "apply_outcomes", "poll_outcomes"]
 
 RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
@@ -52,7 +58,8 @@ class Group:
     self.epoch = [0] * M  # restarts (the staleness bound): late outcomes of old epochs drop
     self.resumed = 0  # calls this group was held across
     self.chunk: list[list[int] | None] = [None] * M  # observation ids waiting for ``extend``
-    self.since = [0.0] * M  # when the sample's environment step was submitted
+    self.since = [0.0] * M  # when the sample's environment step was submitted (loop clock)
+    self.due = [0] * M  # deterministic: the clock at which that step's result joins
     self.cut = [False] * M  # the turn ended on its budget (stop id appended)
     self.evicted = [False] * M  # KV dropped since the turn ended (a re-prefill)
     self.slot: int | None = None
@@ -81,6 +88,12 @@ class Loop:
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []
     self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
+    # the deterministic schedule's clock: decode steps run by this call (idle time jumps to
+    # the next result due); results of steps submitted by an earlier call join at once
+    self.clock = 0
+    if eng.deterministic:
+      for grp in eng.live.values():
+        grp.due = [0] * len(grp.due)
     self.sync = eng.schedule == "turn_sync"
     self.wait_s = 0.0
     # decode steps per call when no environment step is pending (None: until a turn ends);
@@ -96,6 +109,9 @@ class Loop:
     """
     t0 = time.perf_counter()
     want = len(groups) if min_complete is None else min(min_complete, len(groups))
+    # results an earlier call's steps left first (a deterministic engine applies them all,
+    # as ``export_held`` does), so a group they complete is complete before anything runs
+    self.collect()
     self.queue.extend(g for g in groups if not g.done)
     complete = [g for g in groups if g.done]
     while len(complete) < want:
@@ -177,7 +193,15 @@ class Loop:
       self.decode()
       self.turn_ends()
     elif not progressed:
-      self.wait()
+      due = self.pending_due() if self.e.deterministic else []
+      if due:  # nothing to decode: the clock jumps to the next result due
+        self.clock = max(self.clock, due[0][0])
+      else:
+        self.wait()
+
+  def now(self) -> float:
+    """The time the time-to-live counts in: decode steps (deterministic) or seconds."""
+    return self.clock if self.e.deterministic else time.monotonic()
 
   def wait(self) -> None:
     """Block on the environments (nothing to decode); the time is ``stats["env_wait_s"]``,
@@ -188,12 +212,12 @@ class Loop:
 
   def collect(self) -> bool:
     """Apply returned environment steps: rewards, counters, observation chunks (with a
-    deterministic engine: every step submitted so far, waiting for the late ones)."""
-    if self.e.deterministic and len(self.e.pool):
-      t0 = time.perf_counter()
-      self.e.pool.wait_all()
-      self.wait_s += time.perf_counter() - t0
-    outcomes = poll_outcomes(self.e, self.stats)
+    deterministic engine: the steps due by the clock, in a fixed order, waiting for late
+    ones)."""
+    if self.e.deterministic:
+      outcomes = self.due_outcomes()
+    else:
+      outcomes = poll_outcomes(self.e, self.stats)
     for grp in list(self.evicted):
       if grp.done:
         self.evicted.remove(grp)
@@ -201,6 +225,31 @@ class Loop:
       if grp.done:  # harvest: the slot is free
         self.free_slot(g, grp)
     return bool(outcomes)
+
+  def pending_due(self) -> list[tuple[int, int, int, tuple]]:
+    """(due, uid, sample, key) of every environment step still running for a live sample,
+    sorted; steps of restarted samples are dropped."""
+    e, out = self.e, []
+    for key in e.pool.keys():
+      uid, m, epoch = key
+      grp = e.live.get(uid)
+      if grp is None or grp.epoch[m] != epoch:
+        e.pool.discard(key)  # a stale step: its outcome would be dropped
+      else:
+        out.append((grp.due[m], uid, m, key))
+    return sorted(out)
+
+  def due_outcomes(self) -> bool:
+    """Apply the steps whose result is due by the clock, in (due, group, sample) order,
+    waiting for those not back yet (the deterministic schedule)."""
+    due = [key for d, _, _, key in self.pending_due() if d <= self.clock]
+    if not due:
+      return False
+    t0 = time.perf_counter()
+    outcomes = self.e.pool.take(due)
+    self.wait_s += time.perf_counter() - t0
+    apply_outcomes(self.e, outcomes, self.stats)
+    return True
 
   def admit(self) -> bool:
     """Fill free slots: groups returning from eviction first, then new groups."""
@@ -275,7 +324,7 @@ class Loop:
 
   def evict(self, need: int) -> list[int]:
     """Free up to ``need`` slots whose groups all wait on environments past the TTL."""
-    e, now, freed = self.e, time.monotonic(), []
+    e, now, freed = self.e, self.now(), []
     for g, grp in self.resident():
       if len(freed) >= need:
         break
@@ -326,16 +375,21 @@ class Loop:
     self.give_back()  # slots freed since the last admission stop decoding
     poll = not self.sync and len(e.pool) > 0
     steps = e.poll_steps if poll else (self.chunk_steps or e.R)
+    if e.deterministic:  # decode up to the next result due
+      due = self.pending_due()
+      steps = max(due[0][0] - self.clock, 1) if due else (self.chunk_steps or e.R)
     stop = e.G * e.M if self.sync else 1
     length, reason, active = jax.device_get((self.state.length, self.state.reason,
                                              self.state.active))
     run = (reason == kv_cache.RUNNING) & active[:, None]
     self.room(int(run.sum()))  # a page for every running sample's next token
     live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.R // e.S)
-    self.state, _ = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
-                                 jnp.int32(steps), jnp.int32(stop), filtered=e.filtered,
-                                 ctx=e.ctx, live=live, identity=self.identity)
+    self.state, ran = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
+                                   jnp.int32(steps), jnp.int32(stop), filtered=e.filtered,
+                                   ctx=e.ctx, live=live, identity=self.identity)
     self.stats["decode_calls"] += 1
+    if e.deterministic:
+      self.clock += int(ran)
 
   def turn_ends(self) -> bool:
     """Record the turns that ended on device and submit their environment steps."""
@@ -350,7 +404,7 @@ class Loop:
       return False
     tokens, logprobs, versions = jax.device_get((self.state.tokens, self.state.logprobs,
                                                  self.state.versions))
-    now = time.monotonic()
+    now = self.now()
     for g, m, grp in ended:
       t = grp.trajs[m]
       n0, n1 = len(t.tokens), int(length[g, m])
@@ -368,6 +422,7 @@ class Loop:
       render = lambda msgs, h=history: observation_ids(e.renderer, h, msgs, e.max_obs)
       e.pool.submit((grp.uid, m, grp.epoch[m]), t.env, action, render)
       grp.status[m], grp.since[m] = WAIT, now
+      grp.due[m] = self.clock + e.result_delay
     return True
 
 
@@ -408,6 +463,13 @@ def poll_outcomes(e, stats=None) -> bool:
   """Apply every finished environment step of the engine's live groups (never blocks);
   outcomes of restarted samples are dropped. Returns whether any step finished."""
   outcomes = e.pool.poll()
+  apply_outcomes(e, outcomes, stats)
+  return bool(outcomes)
+
+
+def apply_outcomes(e, outcomes, stats=None) -> None:
+  """Apply ``[(key, StepOutcome)]`` in order to the engine's live groups (``apply_outcome``);
+  outcomes of restarted samples (another epoch) or returned groups are dropped."""
   for (uid, m, epoch), out in outcomes:
     grp = e.live.get(uid)
     if grp is None or grp.epoch[m] != epoch:
@@ -417,4 +479,3 @@ def poll_outcomes(e, stats=None) -> bool:
       stats["env_steps"] += 1
       stats["timeouts"] += int(out.timed_out)
       stats["env_errors"] += int(out.error is not None and not out.timed_out)
-  return bool(outcomes)

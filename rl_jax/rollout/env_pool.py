@@ -113,24 +113,50 @@ class EnvPool:
 
     self._pending[key] = (self._pool.submit(work), box, render)
 
+  def keys(self) -> list:
+    """The keys of the steps not yet returned, in submission order."""
+    return list(self._pending)
+
+  def _finished(self, key, now: float) -> StepOutcome | None:
+    """The outcome of step ``key`` if it finished or ran past the time-out, else None."""
+    fut, box, render = self._pending[key]
+    if fut.done():
+      result, error, (ids, msgs, cut) = fut.result()  # a renderer error propagates
+      if result is None:
+        result = StepResult(msgs)
+      return StepOutcome(result, ids, msgs, cut, box["elapsed"], error=error)
+    if self.timeout is not None and "start" in box and now - box["start"] > self.timeout:
+      text = f"environment step timed out after {self.timeout:g} s"
+      ids, msgs, cut = render((error_message(text),))
+      return StepOutcome(StepResult(msgs), ids, msgs, cut, now - box["start"], timed_out=True,
+                         error=text)
+    return None
+
   def poll(self) -> list[tuple[Any, StepOutcome]]:
     """Finished (or timed-out) steps, in submission order; never blocks."""
     out, now = [], time.monotonic()
-    for key, (fut, box, render) in list(self._pending.items()):
-      if fut.done():
-        result, error, (ids, msgs, cut) = fut.result()  # a renderer error propagates
-        if result is None:
-          result = StepResult(msgs)
-        out.append((key, StepOutcome(result, ids, msgs, cut, box["elapsed"], error=error)))
-      elif self.timeout is not None and "start" in box and now - box["start"] > self.timeout:
-        text = f"environment step timed out after {self.timeout:g} s"
-        ids, msgs, cut = render((error_message(text),))
-        out.append((key, StepOutcome(StepResult(msgs), ids, msgs, cut, now - box["start"],
-                                     timed_out=True, error=text)))
-      else:
-        continue
+    for key in list(self._pending):
+      outcome = self._finished(key, now)
+      if outcome is not None:
+        out.append((key, outcome))
+        del self._pending[key]
+    return out
+
+  def take(self, keys) -> list[tuple[Any, StepOutcome]]:
+    """The outcomes of the steps ``keys``, in that order, waiting for each one until it
+    finishes or runs past the time-out."""
+    out = []
+    for key in keys:
+      while (outcome := self._finished(key, time.monotonic())) is None:
+        fut = self._pending[key][0]
+        cf.wait([fut], timeout=None if self.timeout is None else 0.05)
+      out.append((key, outcome))
       del self._pending[key]
     return out
+
+  def discard(self, key) -> None:
+    """Forget step ``key`` (its result is never returned)."""
+    self._pending.pop(key, None)
 
   def wait(self, seconds: float) -> None:
     """Block until a step finishes or ``seconds`` pass."""

@@ -22,9 +22,9 @@ environment task, as small functions of the setup's config and host arrays:
   groups to complete and holds the rest (mid-turn, waiting on a tool, or with an observation
   to append) in ``ProducerState.held``; group uids come from the engine's
   counter, which travels with the held groups. The engine's schedule is deterministic
-  (lockstep environment steps), so which groups complete and everything held is a function of
-  the seeds, and a resumed run continues exactly; held environments are rebuilt by replaying
-  their actions.
+  (a tool's result joins ``env.result_delay_steps`` decode steps after its call), so which
+  groups complete and everything held is a function of the seeds, and a resumed run
+  continues exactly; held environments are rebuilt by replaying their actions.
 * ``turn_fields``: the per-turn objective inputs (``losses.TURN_FIELDS``) of a rollout; a
   turn's state id is the state key its environment reported (``StateKeys``: the training
   episodes' environments are wrapped to record them), else a hash of its token history.
@@ -351,9 +351,10 @@ def make_engines(s) -> tuple[Any, Any]:
 
 def make_engine(s, temperature: float):
   """An ``AgentEngine`` of the setup ``s``: G slots of M samples, R = ``env.max_total_tokens``,
-  APRIL's over-sampling and staleness bound, deterministic with ``rollout.partial`` (the
-  lockstep schedule waits for every step it submitted, 6.7x slower than continuous batching
-  with 50 ms tools: ``scripts/bench_agent.py``)."""
+  APRIL's over-sampling and staleness bound, and the deterministic schedule: a tool's result
+  joins the batch ``env.result_delay_steps`` decode steps after its call, the time-to-live
+  is ``env.kv_ttl_steps`` decode steps, so a resumed run decodes exactly the batches of an
+  uninterrupted one (``scripts/bench_agent.py`` times it against the wall-clock schedule)."""
   c, e, geo = s.config, s.config.env, s.geometry
   r = c.rollout
   return rollout.AgentEngine(
@@ -362,13 +363,15 @@ def make_engine(s, temperature: float):
       max_turn_tokens=e.max_turn_tokens, max_turns=e.max_turns,
       max_obs_tokens=e.max_obs_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
       seed=seed_for(c.train.seed, 0, Stream.AGENT),
-      ttl=None if e.kv_ttl_s < 0 else e.kv_ttl_s, step_timeout=e.step_timeout_s,
+      step_timeout=e.step_timeout_s,
       # an agent session's step waits for the agent's next request: a thread per session
       workers=max(e.workers, 2 * geo.groups * geo.samples) if e.agent else e.workers,
       context=s.model_cfg.max_position_embeddings,
       over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
-      deterministic=bool(r.partial), mesh=s.sampler_mesh, rules=s.rules,
+      deterministic=True, result_delay=e.result_delay_steps,
+      ttl_steps=None if e.kv_ttl_steps < 0 else e.kv_ttl_steps, mesh=s.sampler_mesh,
+      rules=s.rules,
       prefill_chunk=r.prefill_chunk)
 
 
