@@ -54,9 +54,10 @@ class CounterEnv:
 
   tools = ()
 
-  def __init__(self, sleep=0.0, raise_at=None, hang_at=None, long=False, turns=3):
+  def __init__(self, sleep=0.0, raise_at=None, hang_at=None, long=False, turns=3, hang_s=1.0):
     self.sleep, self.raise_at, self.hang_at, self.long, self.turns = (
         sleep, raise_at, hang_at, long, turns)
+    self.hang_s = hang_s
 
   def reset(self, example, seed):
     self.k, self.seed = 0, seed
@@ -69,7 +70,7 @@ class CounterEnv:
     if self.k == self.raise_at:
       raise ZeroDivisionError("division by zero")
     if self.k == self.hang_at:
-      time.sleep(1.0)
+      time.sleep(self.hang_s)
     text = f"n={self.k} len={len(action)} s={self.seed % 7}" + (" x" * 40 if self.long else "")
     return StepResult((Message("tool", text),), reward=float(len(action) % 3),
                       done=self.k >= self.turns, info={"tool_calls": 1})
@@ -408,6 +409,33 @@ def test_deterministic_decode_batches_do_not_depend_on_tool_timing(ttl_steps):
   np.testing.assert_array_equal(a.tokens, c.tokens)
   assert a.actions == c.actions
   _check_exact(a, 1.0)
+
+
+def test_a_timed_out_step_is_replayed_as_recorded():
+  """Groups held while their first step had timed out: exported and imported into a new
+  engine (environments replayed), each sample sees the time-out's error observation again
+  and the next call returns what the engine that kept its groups returns."""
+  specs = _specs(6, hang_at=1, hang_s=0.4)
+  outs, held = [], []
+  for reimport in (False, True):
+    e = _engine(over_sampling=3.0, deterministic=True, step_timeout=0.1)
+    it = iter(specs)
+    first = e.rollout_groups(PARAMS, it, k_groups=1, policy_version=0)
+    assert (first.timeouts >= 1).all()
+    d = e.export_held(capacity=8)
+    if reimport:
+      e.close()
+      e = _engine(over_sampling=3.0, deterministic=True, step_timeout=0.1)
+      e.import_held(d, spec_of=lambda meta: specs[meta])
+    held.append({g.uid: [t.messages for t in g.trajs] for g in e.buffer})
+    outs.append(e.rollout_groups(PARAMS, it, k_groups=1, policy_version=1))
+    e.close()
+  assert held[0] == held[1] and held[0]
+  # (the error text is cut to the observation limit)
+  assert any(m.content.startswith("error: environment step t")
+             for msgs in held[1].values() for ms in msgs for m in ms)
+  _same(outs[0], outs[1])
+  assert outs[0].timeouts.sum() == outs[1].timeouts.sum() > 0
 
 
 def test_staleness_bound_across_turns():

@@ -41,8 +41,9 @@ restarted (a fresh environment, reset with the same seed).
 ``export_held`` writes the held groups as fixed-shape arrays plus the recorded actions;
 ``import_held`` rebuilds each environment by ``reset`` + replay of its actions (episodes are
 deterministic given example, seed and actions: ``rl_jax.envs.base``), so a resumed run
-continues exactly. A step that timed out originally is replayed as a plain step (its late
-effects on the environment cannot be known).
+continues exactly. A step that timed out is recorded as such (``Trajectory.turn_timeouts``)
+and replayed as recorded: the environment steps (the late step ran in the background, so its
+effects are kept) and the sample sees the time-out's error observation again.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (G slots, M samples, P prompt
 cache length, R trajectory cache length); U turns (``agent_records``).
@@ -415,7 +416,8 @@ class AgentEngine:
       logprobs float32 [capacity,M,R]; model bool [capacity,M,R]; length, status, budget,
       turn_start, cut, n_rewards, epoch, finish and the counters int32 [capacity,M]
       (``status`` indexes run/wait/ready/done, ``finish`` "", done, max_turns, max_tokens);
-      turn_rewards float32 [capacity,M,U]; turn_ends int32 [capacity,M,U]; env_time float32
+      turn_rewards float32 [capacity,M,U]; turn_ends int32 [capacity,M,U]; timed_out bool
+      [capacity,M,U] (the applied step ran past the time-out); env_time float32
       [capacity,M]; next_uid int32 []. Numbers only (a checkpoint holds them as they are):
       the actions to replay are the decoded model tokens of each ended turn.
     """
@@ -433,6 +435,7 @@ class AgentEngine:
              versions=z((C, M, R), np.int32, -1), turn=z((C, M, R), np.int32, -1),
              logprobs=z((C, M, R), np.float32), model=z((C, M, R), bool),
              turn_rewards=z((C, M, U), np.float32), turn_ends=z((C, M, U), np.int32, -1),
+             timed_out=z((C, M, U), bool),
              env_time=z((C, M), np.float32),
              **{k: z((C, M), np.int32) for k in ("length", "status", "budget", "turn_start",
                                                  "cut", "n_rewards", "epoch", "finish",
@@ -446,6 +449,7 @@ class AgentEngine:
         for k in ("tokens", "versions", "turn", "logprobs", "model"):
           d[k][h, m, :n] = getattr(t, k)
         d["turn_rewards"][h, m, :u] = t.turn_rewards
+        d["timed_out"][h, m, :u] = t.turn_timeouts
         d["turn_ends"][h, m, :len(t.turn_ends)] = t.turn_ends
         d["length"][h, m], d["status"][h, m] = n, _STATUS.index(grp.status[m])
         d["budget"][h, m], d["turn_start"][h, m] = grp.budget[m], grp.turn_start[m]
@@ -518,13 +522,17 @@ class AgentEngine:
     grp.cut[m], grp.epoch[m] = bool(d["cut"][h, m]), int(d["epoch"][h, m])
     applied = int(d["n_rewards"][h, m])
     rewards = np.asarray(d["turn_rewards"][h, m, :applied]).tolist()
+    timed_out = np.asarray(d["timed_out"][h, m, :applied], bool).tolist()
     for i, action in enumerate(actions):
       t.actions.append(action)
       t.messages.append(Message("assistant", action))
-      try:
-        res = t.env.step(action)
-      except Exception as e:  # as in the pool: an error observation
-        res = StepResult((error_message(f"{type(e).__name__}: {e}"),))
+      if i < applied and timed_out[i]:  # as recorded: the step runs, its result is not seen
+        res = StepResult((error_message(self.pool.replay_late(t.env.step, action)),))
+      else:
+        try:
+          res = t.env.step(action)
+        except Exception as e:  # as in the pool: an error observation
+          res = StepResult((error_message(f"{type(e).__name__}: {e}"),))
       ids, msgs, cut = observation_ids(self.renderer, tuple(t.messages), res.messages
                                        if not res.done else (), self.max_obs)
       if i < applied:
@@ -532,7 +540,7 @@ class AgentEngine:
         if i == applied - 1 and grp.status[m] == READY:
           grp.chunk[m] = (list(self.renderer.end_of_turn_ids[:1]) if grp.cut[m] else []) + ids
       else:  # the step that was running at export: apply its replayed outcome now
-        t.turn_rewards = rewards
+        t.turn_rewards, t.turn_timeouts = rewards, timed_out
         apply_outcome(self, grp, m, StepOutcome(res, ids, msgs, cut, 0.0))
         return
-    t.turn_rewards = rewards
+    t.turn_rewards, t.turn_timeouts = rewards, timed_out

@@ -436,6 +436,7 @@ def apply_outcome(e, grp: Group, m: int, out) -> None:
   episode's end (done, max turns, no room left) or the observation chunk (READY)."""
   t, res = grp.trajs[m], out.result
   t.turn_rewards.append(float(res.reward))
+  t.turn_timeouts.append(bool(out.timed_out))
   t.env_time += out.elapsed
   t.tool_calls += int(res.info.get("tool_calls", 0))
   t.tool_errors += error_count(res.info.get("tool_errors", 0))

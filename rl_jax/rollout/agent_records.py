@@ -91,6 +91,8 @@ class Trajectory:
   turn: list[int] = dataclasses.field(default_factory=list)
   actions: list[str] = dataclasses.field(default_factory=list)
   turn_rewards: list[float] = dataclasses.field(default_factory=list)
+  # per applied environment step: it ran past the time-out (its observation is the error)
+  turn_timeouts: list[bool] = dataclasses.field(default_factory=list)
   turn_ends: list[int] = dataclasses.field(default_factory=list)
   tool_calls: int = 0
   tool_errors: int = 0

@@ -4,7 +4,8 @@ rendering of observations into token ids (with the per-turn observation limit).
 A step runs ``env.step(action)`` then renders the environment's messages with the
 renderer's ``delta_ids`` in a worker thread, so the host loop keeps the device decoding.
 An exception raised by the environment, or a step running longer than the time-out (counted
-from when the worker starts it, not from submission), becomes an error observation
+from when the worker starts it, not from submission; also one that finished late before the
+loop looked), becomes an error observation
 (``error_message``) that is flagged in the outcome; the loop never crashes or stalls on it.
 A timed-out worker cannot be interrupted: its late result is discarded (size the pool for
 the steps that may hang).
@@ -120,16 +121,18 @@ class EnvPool:
   def _finished(self, key, now: float) -> StepOutcome | None:
     """The outcome of step ``key`` if it finished or ran past the time-out, else None."""
     fut, box, render = self._pending[key]
-    if fut.done():
+    late = self.timeout is not None and "start" in box and (
+        box.get("elapsed", now - box["start"]) > self.timeout)
+    if fut.done() and not late:
       result, error, (ids, msgs, cut) = fut.result()  # a renderer error propagates
       if result is None:
         result = StepResult(msgs)
       return StepOutcome(result, ids, msgs, cut, box["elapsed"], error=error)
-    if self.timeout is not None and "start" in box and now - box["start"] > self.timeout:
-      text = f"environment step timed out after {self.timeout:g} s"
+    if late:  # also a step that finished past the time-out before anyone looked
+      text = self.timeout_text()
       ids, msgs, cut = render((error_message(text),))
-      return StepOutcome(StepResult(msgs), ids, msgs, cut, now - box["start"], timed_out=True,
-                         error=text)
+      return StepOutcome(StepResult(msgs), ids, msgs, cut,
+                         box.get("elapsed", now - box["start"]), timed_out=True, error=text)
     return None
 
   def poll(self) -> list[tuple[Any, StepOutcome]]:
@@ -153,6 +156,19 @@ class EnvPool:
       out.append((key, outcome))
       del self._pending[key]
     return out
+
+  def timeout_text(self) -> str:
+    """The error text a timed-out step's observation carries."""
+    if self.timeout is None:
+      return "environment step timed out"
+    return f"environment step timed out after {self.timeout:g} s"
+
+  def replay_late(self, step: Callable[[str], Any], action: str) -> str:
+    """Re-run a step recorded as timed out (its effects on the environment happened, late):
+    in a worker, waited for at most the time-out. Returns the recorded error text."""
+    fut = self._pool.submit(step, action)
+    cf.wait([fut], timeout=self.timeout)
+    return self.timeout_text()
 
   def discard(self, key) -> None:
     """Forget step ``key`` (its result is never returned)."""
