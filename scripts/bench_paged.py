@@ -27,9 +27,16 @@ and 192 new tokens, which removes prefill) against the bytes a step must read (w
 the live K/V: the pages of the live bucket and the prompt caches), as a fraction of this
 host's copy bandwidth measured in the same run (a 256 MiB numpy copy, read + write).
 
+``--fork``: n continuations of one mid-sequence state (``generate(prefixes=)``: 8 prompts,
+each with a 1024-token response prefix, 8 samples continuing it for up to 64 tokens, no
+EOS): the prefix prefilled once and forked by the other samples (whole pages shared, the
+partial last page copied) against every sample prefilling it (``share_prefixes=False``),
+calls alternating; time and peak pages, same tokens.
+
 Usage::
 
     python scripts/bench_paged.py --rounds 3       # about 5 minutes on 2 CPU cores
+    python scripts/bench_paged.py --fork --repeats 3
     python scripts/bench_paged.py --fixed-budget --repeats 1   # about 20 minutes
     python scripts/bench_paged.py --bandwidth
 
@@ -161,6 +168,31 @@ def bandwidth(repeats: int) -> None:
         f"{peak / 1e9:.2f} GB/s: {achieved / peak:.1%} of the copy bandwidth")
 
 
+def fork(repeats: int) -> None:
+  """n continuations of a long response prefix: forked vs each sample prefilling it."""
+  import numpy as np
+
+  from rl_jax import rollout
+
+  cfg, params, prompts = _workload(512, 2048, 8)
+  heads = np.random.default_rng(2).integers(1, 512, (8, 1024)).tolist()
+  outs, times = {}, {True: [], False: []}
+  for share in (True, False, True, False) + (True, False) * repeats:
+    t = time.perf_counter()
+    outs[share] = rollout.generate(cfg, params, prompts, n=8, max_new_tokens=1088,
+                                   temperature=1.0, seed=1, prefixes=heads,
+                                   share_prefixes=share)
+    times[share].append(time.perf_counter() - t)
+  a, b = outs[True], outs[False]
+  same = np.array_equal(a.tokens, b.tokens) and np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+  best = {k: min(v[2:]) for k, v in times.items()}  # the first two calls compile
+  print(f"forked: {best[True]:.2f} s, peak pages {a.stats['kv_pages_used_peak']:.0f}, "
+        f"{a.stats['forked_samples']:.0f} samples forked; prefilled by each: {best[False]:.2f} "
+        f"s, peak pages {b.stats['kv_pages_used_peak']:.0f}; time {best[False] / best[True]:.2f}x, "
+        f"pages {b.stats['kv_pages_used_peak'] / a.stats['kv_pages_used_peak']:.2f}x; same "
+        f"tokens and log-probs: {same}")
+
+
 def _timed(fn) -> float:
   t = time.perf_counter()
   fn()
@@ -175,12 +207,15 @@ def main() -> None:
                   "compiles; 0 times the first)")
   ap.add_argument("--fixed-budget", action="store_true", help="pages vs slots in one budget")
   ap.add_argument("--bandwidth", action="store_true", help="decode vs copy bandwidth")
+  ap.add_argument("--fork", action="store_true", help="forked vs re-prefilled prefixes")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.fixed_budget:
     return fixed_budget(args.repeats)
   if args.bandwidth:
     return bandwidth(args.repeats)
+  if args.fork:
+    return fork(args.repeats)
   if args.child:
     max_new, page = map(int, args.child.split(","))
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)

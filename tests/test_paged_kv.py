@@ -78,6 +78,12 @@ def test_paged_on_8_devices_equals_1(reference):
   out = _gen(page_size=4, kv_pages=2 * M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp")
   _same(out, reference[1.0])
   assert out.stats["preemptions"] > 0
+  # samples forked from a response prefix, on the mesh
+  heads = [[5, 6, 7, 8, 9][:n] for n in (5, 2, 0, 4, 1, 3)]
+  kw = dict(page_size=4, kv_pages=2 * M * MAX_NEW // 4, prefixes=heads)
+  forked = _gen(mesh=mesh, rules="fsdp_tp", **kw)
+  _same(forked, _gen(**kw))
+  assert forked.stats["forked_samples"] > 0
 
 
 def test_cost_follows_the_tokens_not_the_budget():
@@ -202,3 +208,84 @@ def test_prompts_prefilled_in_chunks_give_the_whole_prompts_tokens(reference):
   long = [PROMPTS[0] + [(5 * j) % 60 + 1 for j in range(39)]]
   whole, chunked = (_gen(long, prefill_chunk=c) for c in (None, 8))
   _same(chunked, whole)
+
+
+def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
+  """``pages.fork`` against the definition: entries wholly below the cached length name the
+  source's pages, the one holding the cut gets a fresh page holding a copy, later ones none;
+  with an identity table every kept page is copied onto the sample's own."""
+  G, Ms, NP, S = 2, 3, 4, 4
+  rng = np.random.default_rng(0)
+  table = np.full((G, Ms, NP), -1, np.int32)
+  table[1, 0] = [5, 2, 7, -1]
+  free = np.ones(12, bool)
+  free[[5, 2, 7]] = False
+  slot, src, dst, cached = (np.array(x, np.int32) for x in ([1, 1, 2], [0, 0, 0], [1, 2, 0],
+                                                            [6, 8, 3]))
+  t, f, frm, to = pages.fork(jnp.asarray(table), jnp.asarray(free), slot, src, dst, cached, S)
+  t, f, frm, to = map(np.asarray, (t, f, frm, to))
+  assert t[1, 1].tolist() == [5, 0, -1, -1]  # 6 cached: page 5 shared, 2's copy on page 0
+  assert t[1, 2].tolist() == [5, 2, -1, -1]  # 8 cached: two whole pages, nothing copied
+  assert (t[0] == -1).all() and (t[1, 0] == table[1, 0]).all()  # row 3 is padding
+  assert [(a, b) for a, b in zip(frm.ravel(), to.ravel()) if a < 12] == [(2, 0)]
+  assert f.tolist() == [i not in (0, 2, 5, 7) for i in range(12)]
+  pool = (jnp.asarray(rng.normal(size=(12, 2, 3, S)), jnp.float32),)
+  moved = np.asarray(pages.copy_pages(pool, jnp.asarray(frm), jnp.asarray(to))[0])
+  np.testing.assert_array_equal(moved[0], np.asarray(pool[0])[2])
+  np.testing.assert_array_equal(np.delete(moved, 0, 0), np.delete(np.asarray(pool[0]), 0, 0))
+  ident = np.asarray(pages.identity_table(G, Ms, NP))
+  *_, frm, to = pages.fork(jnp.asarray(ident), jnp.zeros(G * Ms * NP, bool), slot[:1], src[:1],
+                           dst[:1], cached[:1], S, identity=True)
+  assert [(a, b) for a, b in zip(np.ravel(frm), np.ravel(to)) if a < G * Ms * NP] == [
+      (ident[1, 0, 0], ident[1, 1, 0]), (ident[1, 0, 1], ident[1, 1, 1])]
+
+
+@pytest.mark.parametrize("page_size,kv_pages", [(4, None), (4, 8 * M * MAX_NEW // 4),
+                                                (2, M * MAX_NEW // 2)])
+def test_samples_continuing_one_prefix_fork_it_and_sample_as_if_prefilled(page_size, kv_pages):
+  """n samples continuing a response prefix per prompt (a mid-sequence state): the prefix is
+  prefilled once and the other samples fork it; tokens and log-probs equal those of every
+  sample prefilling it (in-place pages, a fixed pool, a preempting pool), and the
+  continuations' log-probs equal teacher forcing."""
+  rng = np.random.default_rng(1)
+  ok = [t for t in range(1, CFG.vocab_size) if t not in EOS]
+  heads = [rng.choice(ok, size=n).tolist() for n in (5, 8, 9, 0, 13, 1)]
+  kw = dict(temperature=0.9, page_size=page_size, kv_pages=kv_pages, prefixes=heads)
+  forked, plain = _gen(**kw), _gen(share_prefixes=False, **kw)
+  _same(forked, plain)
+  assert forked.stats["forked_samples"] == (M - 1) * 4 and plain.stats["forked_samples"] == 0
+  assert forked.stats["fork_tokens_shared"] == (M - 1) * (4 + 7 + 8 + 12)
+  if kv_pages == M * MAX_NEW // 2:
+    assert forked.stats["preemptions"] > 0
+  for r in range(len(PROMPTS) * M):
+    head = heads[r // M]
+    assert forked.tokens[r, :len(head)].tolist() == head
+    assert (forked.versions[r, :len(head)] == -1).all()
+  rows = [PROMPTS[r // M] for r in range(len(PROMPTS) * M)]
+  z = _teacher_forced_logits(CFG, PARAMS, rows, forked.tokens) / 0.9
+  ref = np.take_along_axis(z - scipy.special.logsumexp(z, axis=-1, keepdims=True),
+                           forked.tokens[..., None], axis=-1)[..., 0]
+  new = forked.mask & (forked.versions >= 0)
+  np.testing.assert_allclose(np.where(new, forked.logprobs, 0), np.where(new, ref, 0),
+                             atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_growing_pool_makes_room_for_long_resumed_samples_before_rebuilding_them(share):
+  """Samples resumed with more tokens than a growing pool's first size holds (there: room
+  for 256 tokens a sample): the pool grows before their K/V is rebuilt, so nothing is
+  dropped; the continuations' log-probs equal teacher forcing."""
+  rng = np.random.default_rng(2)
+  ok = [t for t in range(1, CFG.vocab_size) if t not in EOS]
+  prompts = PROMPTS[:2]
+  heads = [rng.choice(ok, size=700).tolist() for _ in prompts]
+  out = rollout.generate(CFG, PARAMS, prompts, n=2, max_new_tokens=720, temperature=0.9,
+                         eos_id=EOS, seed=3, prefixes=heads, share_prefixes=share)
+  rows = [prompts[r // 2] for r in range(4)]
+  z = _teacher_forced_logits(CFG, PARAMS, rows, out.tokens) / 0.9
+  ref = np.take_along_axis(z - scipy.special.logsumexp(z, axis=-1, keepdims=True),
+                           out.tokens[..., None], axis=-1)[..., 0]
+  new = out.mask & (out.versions >= 0)
+  assert new.sum() >= 4
+  np.testing.assert_allclose(np.where(new, out.logprobs, 0), np.where(new, ref, 0),
+                             atol=1e-5, rtol=0)

@@ -53,7 +53,8 @@ from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout,
                                     Sample, assemble, check_int, check_power_of_two,
                                     check_prompt, in_flight_budget, pow2, sampling_params)
 
-__all__ = ["APRIL_STATS", "ENGINE_STATS", "PAGE_STATS", "RolloutEngine", "kv_bytes"]
+__all__ = ["APRIL_STATS", "ENGINE_STATS", "FORK_STATS", "PAGE_STATS", "RolloutEngine",
+           "kv_bytes"]
 
 # The engine's counters in a rollout's ``stats``, one definition for every reader: the
 # APRIL counters of ``rollout_groups`` (the multi-turn engine reports the same names) and
@@ -62,6 +63,9 @@ APRIL_STATS = ("off_policy_token_fraction", "max_token_lag", "aborted_groups",
                "restarted_samples", "buffer_size", "resumed_groups")
 PAGE_STATS = ("kv_pages_used_mean", "kv_pages_used_peak", "preemptions", "prefix_pages_shared",
               "decode_buckets")
+# samples forked at admission and the response positions they share (``slots.forks``); in
+# ``generate``'s stats, not the trainer's metrics (its samples never share a response prefix)
+FORK_STATS = ("forked_samples", "fork_tokens_shared")
 ENGINE_STATS = APRIL_STATS + PAGE_STATS
 
 
@@ -105,6 +109,9 @@ class RolloutEngine:
     prefill_chunk: prompts longer than this many tokens (a power of two) are prefilled in
       chunks of it (``prefill.prefill_prompts``: scores [chunk, P] per head at a time
       instead of [P, P]); None: whole prompts.
+    share_prefixes: a resumed sample whose tokens begin another resumed sample of its group
+      is forked from it at admission (``slots.forks``: whole pages shared, the partial last
+      page copied) instead of re-prefilled; False re-prefills every one (same tokens).
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
@@ -114,8 +121,10 @@ class RolloutEngine:
                prompt_once: bool = True, seed: int = 0,
                mesh=None, rules=None, dtype: str | None = None, context: int | None = None,
                page_size: int = 64, kv_pages: int | None = None,
-               kv_memory_fraction: float | None = None, prefill_chunk: int | None = 2048):
+               kv_memory_fraction: float | None = None, prefill_chunk: int | None = 2048,
+               share_prefixes: bool = True):
     cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
+    self.share_prefixes = bool(share_prefixes)
     self.context = int(context or cfg.max_position_embeddings)
     check_int("n", n, 1)
     check_int("max_slots", max_slots, 1)
@@ -282,6 +291,9 @@ class RolloutEngine:
           stats["prefix_pages_shared"] += (len(unit[1]) - 1) * pages.pages_needed(
               len(unit[0].prompt), self.S)
         fresh = len(free) == G  # first admission of this call: no scatter into old slots
+        if not self.fixed_pool:  # room for the resumed samples' K/V before it is rebuilt
+          need = sum(self._pages_now(unit) for _, unit in batch)
+          state = self._grow(state, need - int(np.asarray(state.free).sum()))
         state = self._admit(params, state, batch, version, key, fresh)
       state, done_slots = slots.harvest(state, slot_unit, remaining, complete)
       if done_slots:
@@ -319,8 +331,9 @@ class RolloutEngine:
   def page_stats(self) -> dict[str, float]:
     """The last ``run``'s page counters (``PAGE_STATS``): pages in use when decode calls
     returned (mean, peak), preemptions, prompt pages shared by a group's samples instead of
-    held by each (at this page size), decode programs compiled (live bucket x pool size)."""
-    return {k: float(self.stats.get(k, 0)) for k in PAGE_STATS}
+    held by each (at this page size), decode programs compiled (live bucket x pool size);
+    and the fork counters (``FORK_STATS``)."""
+    return {k: float(self.stats.get(k, 0)) for k in PAGE_STATS + FORK_STATS}
 
   def _pages_now(self, unit) -> int:
     """Pages a unit's samples take as soon as it is admitted and fed once: a fresh sample
@@ -355,6 +368,18 @@ class RolloutEngine:
       batch.append((g, units.popleft()))
     return batch
 
+  def _grow(self, state, short: int):
+    """A growing pool doubled (up to every sample's budget) until ``short`` more pages are
+    free."""
+    Pg = new = state.free.shape[0]
+    while new - Pg < short and new < self.max_pool_pages:
+      new *= 2
+    self.pool_pages = min(new, self.max_pool_pages)  # later calls start at this size
+    if self.pool_pages > Pg:
+      state = kv_cache.resize_pool(state, self.pool_pages, ctx=self.ctx)
+      self.stats["pool_growths"] += 1
+    return state
+
   def _make_room(self, state, slot_unit, order, units):
     """The live-page bucket of the next decode call, with pages for its first step.
 
@@ -374,14 +399,7 @@ class RolloutEngine:
     if short <= 0:
       return state, live
     if not self.fixed_pool:
-      Pg = free.shape[0]
-      new = Pg
-      while new - Pg < short:
-        new *= 2
-      self.pool_pages = min(new, self.max_pool_pages)  # later calls start at this size
-      state = kv_cache.resize_pool(state, self.pool_pages, ctx=self.ctx)
-      self.stats["pool_growths"] += 1
-      return state, live
+      return self._grow(state, short), live
     g = max((g for g, u in enumerate(slot_unit) if u is not None and run[g].any()),
             key=lambda g: order[g])
     unit = slot_unit[g]
@@ -409,6 +427,9 @@ class RolloutEngine:
     Bn = min(self.G, pow2(len(batch), 4))  # coarse buckets: few admission compiles
     Pb = min(self.P, pow2(max(len(u[0].prompt) for _, u in batch), 8))
     a, resume = self._admission(batch, Bn, Pb)
+    shared = []
+    if self.share_prefixes:
+      resume, shared = slots.forks(a, resume)
     state = self.admit_fn(self.cfg, params, state, sampler.Admission(**a), self.sp, version,
                           key, filtered=self.filtered, fresh=fresh and Bn == self.G,
                           ctx=self.ctx)
@@ -419,6 +440,14 @@ class RolloutEngine:
         res.slot[r], res.sample[r], res.length[r] = g, m, a["length"][b, m]
         res.tokens[r] = a["tokens"][b, m, :T]
       state = sampler.resume(self.cfg, params, state, res, ctx=self.ctx)
+    if shared:
+      F = pow2(len(shared), 4)  # a few fork programs
+      rows = np.zeros((4, F), np.int32)
+      rows[0] = self.G  # padding rows
+      rows[:, :len(shared)] = np.asarray(shared, np.int32).T
+      state = kv_cache.fork_samples(state, *rows, identity=self._identity, ctx=self.ctx)
+      self.stats["forked_samples"] += len(shared)
+      self.stats["fork_tokens_shared"] += sum(n for *_, n in shared)
     return state
 
   def _admission(self, batch, Bn: int, Pb: int):

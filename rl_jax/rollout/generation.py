@@ -14,7 +14,27 @@ from rl_jax.rollout.engine import RolloutEngine, kv_bytes
 from rl_jax.rollout.records import (GroupRequest, Rollout, RolloutError, Sample, assemble,
                                     check_int, check_prompt, pow2)
 
-__all__ = ["generate"]
+__all__ = ["check_prefixes", "generate"]
+
+
+def check_prefixes(prefixes, groups: int, cfg: ModelConfig, max_new_tokens: int):
+  """``generate``'s ``prefixes`` as lists of ints (G empty ones for None); RolloutError on
+  a wrong count, an id outside the vocabulary or a prefix leaving no room for a token."""
+  if prefixes is None:
+    return [[] for _ in range(groups)]
+  if isinstance(prefixes, (str, bytes)) or not hasattr(prefixes, "__len__") or (
+      len(prefixes) != groups):
+    raise RolloutError(f"prefixes must be one token-id list per prompt ({groups})")
+  out = []
+  for i, p in enumerate(prefixes):
+    ids = [int(t) for t in p]
+    if any(not 0 <= t < cfg.vocab_size for t in ids):
+      raise RolloutError(f"prefix {i} has an id outside the vocabulary of {cfg.vocab_size}")
+    if len(ids) >= max_new_tokens:
+      raise RolloutError(f"prefix {i} has {len(ids)} tokens; max_new_tokens="
+                         f"{max_new_tokens} leaves no room to continue it")
+    out.append(ids)
+  return out
 
 
 def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int = 1,
@@ -23,7 +43,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
              prompt_once: bool = True, max_slots: int | None = None, mesh=None, rules=None,
              policy_version: int = 0, first_index: int = 0, page_size: int = 64,
              kv_pages: int | None = None, kv_memory_fraction: float | None = None,
-             prefill_chunk: int | None = 2048) -> Rollout:
+             prefill_chunk: int | None = 2048, prefixes: Sequence[Sequence[int]] | None = None,
+             share_prefixes: bool = True) -> Rollout:
   """Sample ``n`` responses for every prompt with the jitted KV-cache sampler.
 
   Args:
@@ -46,12 +67,18 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
       fixed pool takes (both None: grown as the responses need it).
     prefill_chunk: prompts longer than this many tokens are prefilled in chunks of it
       (bounded memory for long prompts); None: whole prompts.
+    prefixes: one list of response tokens per prompt that its n samples continue from (a
+      mid-sequence state: tree rollouts, re-rollouts from a point of an earlier response);
+      they open each row with log-prob 0 and version -1 (not sampled here) and count
+      against ``max_new_tokens``. The prefix is prefilled once per prompt and the other
+      samples fork it (``share_prefixes``: whole pages shared, the partial last page
+      copied; False prefills it for every sample, for comparison).
   Returns:
     Rollout with G·M rows (M = n), prompt-major: tokens int32 [G·M,R] (R = max_new_tokens),
     mask, logprobs, versions, lengths, finish_reason ("eos" / "stop" / "length"),
     stats["kv_bytes"] (prompt caches and response pool held), stats["kv_bytes_replicated"]
     (every sample's prompt and whole budget, the replicated worst case) and the page
-    counters ``engine.PAGE_STATS``.
+    counters ``engine.PAGE_STATS`` and ``engine.FORK_STATS``.
   """
   if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
     raise RolloutError("prompts must be a list of token-id lists")
@@ -69,9 +96,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
                          top_k=top_k, eos_id=eos_id, stop=stop, prompt_once=prompt_once,
                          seed=seed, mesh=mesh, rules=rules, context=context,
                          page_size=page_size, kv_pages=kv_pages,
-                         kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk)
+                         kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk,
+                         share_prefixes=share_prefixes)
   check_int("first_index", first_index, 0)
-  requests = [GroupRequest(first_index + i, p, [Sample() for _ in range(n)])
+  heads = check_prefixes(prefixes, len(checked), cfg, max_new_tokens)
+  fresh = lambda i: Sample(list(heads[i]), [0.0] * len(heads[i]), [-1] * len(heads[i]))
+  requests = [GroupRequest(first_index + i, p, [fresh(i) for _ in range(n)])
               for i, p in enumerate(checked)]
   complete, _ = engine.run(engine.prepare_params(params), requests,
                            policy_version=policy_version)

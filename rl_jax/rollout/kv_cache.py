@@ -38,8 +38,8 @@ from rl_jax.rollout import pages, sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
-           "init_state", "kv_cache_bytes", "mesh_context", "needs_cast", "pool_bytes", "record", "release_slots",
-           "resize_pool"]
+           "fork_samples", "init_state", "kv_cache_bytes", "mesh_context", "needs_cast",
+           "pool_bytes", "record", "release_slots", "resize_pool"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -239,6 +239,23 @@ def release_slots(state: DecodeState, rows, identity: bool = False, ctx=None) ->
       return constrain_state(state._replace(active=state.active & ~rows))
     table, free = pages.release(state.pages, state.free, rows)
     return constrain_state(state._replace(pages=table, free=free, active=state.active & ~rows))
+
+
+@functools.partial(jax.jit, static_argnames=("identity", "ctx"), donate_argnames=("state",))
+def fork_samples(state: DecodeState, slot, src, dst, cached, identity: bool = False,
+                 ctx=None) -> DecodeState:
+  """Response K/V of sample ``dst`` of slot ``slot`` forked from sample ``src``'s first
+  ``cached`` positions (``pages.fork``: whole pages shared, the partial last page copied);
+  rows int32 [F], padding rows with slot >= G. Tokens, lengths and the rest of the samples'
+  records are the admission's; only the pages change."""
+  TRACE_COUNTS["fork_samples"] += 1
+  with mesh_context(ctx):
+    S = state.suffix_v[0].shape[2]
+    table, free, frm, to = pages.fork(state.pages, state.free, slot, src, dst, cached, S,
+                                      identity)
+    return constrain_state(state._replace(
+        suffix_k=pages.copy_pages(state.suffix_k, frm, to),
+        suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table, free=free))
 
 
 @functools.partial(jax.jit, static_argnames=("pages_", "ctx"))

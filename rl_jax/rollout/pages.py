@@ -15,6 +15,13 @@ counts, never of time) and given back by ``release`` when a slot's group leaves 
 prompt stays once per slot in the prefix cache (``kv_cache``), so the group's samples share
 it; page size = R (one page per sample) is the former worst-case slot layout.
 
+Forks (``fork``). A sample of a slot can start as a copy of another sample of the same slot
+up to a token: the whole pages below that token are shared (both table rows name them; a
+shared page is never written again, since tokens are only appended, and it goes back to the
+pool once, when the slot is released), the partial last page is copied onto a fresh page
+(copy-on-write, done at the fork). An identity table owns every page for good, so there a
+fork copies every page it keeps.
+
 Attention reads the first ``nb`` pages of every sample (``live_pages``), nb chosen by the
 engine as a power of two covering the longest live response, so a decode step's work follows
 the tokens generated and the number of compiled decode programs is logarithmic in R. The
@@ -31,9 +38,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["allocate", "contiguous", "grow", "identity_table", "in_place", "live_bucket",
-           "live_pages", "pages_from_memory", "pages_needed", "release", "rows_need",
-           "take_entry", "write", "write_rows"]
+__all__ = ["allocate", "contiguous", "copy_pages", "fork", "grow", "identity_table",
+           "in_place", "live_bucket", "live_pages", "pages_from_memory", "pages_needed",
+           "release", "rows_need", "take_entry", "write", "write_rows"]
 
 
 def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
@@ -120,6 +127,54 @@ def release(table: jax.Array, free: jax.Array, rows: jax.Array):
   ids = jnp.where(rows[:, None, None] & (table >= 0), table, Pg)
   free = free.at[ids.reshape(-1)].set(True, mode="drop")
   return jnp.where(rows[:, None, None], -1, table), free
+
+
+def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
+         identity: bool = False):
+  """Sample ``dst`` of slot ``slot`` starts as a copy of sample ``src``'s first ``cached``
+  response positions (rows [F]; padding rows have slot >= G).
+
+  Entries wholly below ``cached`` share src's pages; the entry that holds position
+  ``cached`` and earlier ones gets a fresh page, to be filled with a copy of src's
+  (``copy_pages``); later entries have none. With ``identity`` dst keeps its own pages and
+  every entry holding a kept position is copied.
+
+  Args:
+    table: int32 [G,M,NP]. free: bool [Pg]. slot, src, dst, cached: int32 [F] (src holds at
+      least ``cached`` positions; dst's row holds no page: a freshly admitted slot).
+    S: page size.
+  Returns:
+    (table, free, frm, to): frm, to int32 [F,NP] the pages to copy from and onto (Pg where
+    nothing is copied).
+  """
+  G, _, NP = table.shape
+  Pg = free.shape[0]
+  e = jnp.arange(NP)[None, :]
+  valid = (slot < G)[:, None]
+  g = jnp.minimum(slot, G - 1)
+  n = cached[:, None]
+  src_pages = table[g, src]  # [F,NP]
+  full = (e + 1) * S <= n
+  partial = (e * S < n) & ~full
+  if identity:
+    frm = jnp.where((full | partial) & valid, src_pages, Pg)
+    return table, free, frm, jnp.where(frm < Pg, table[g, dst], Pg)
+  ids, free = _take(free, partial & valid)
+  got = partial & valid & (ids < Pg)
+  row = jnp.where(full, src_pages, jnp.where(got, ids, -1))
+  table = table.at[jnp.where(valid[:, 0], slot, G), dst].set(row, mode="drop")
+  frm = jnp.where(got, src_pages, Pg)
+  return table.astype(jnp.int32), free, frm, jnp.where(got, ids, Pg)
+
+
+def copy_pages(pool: tuple, frm: jax.Array, to: jax.Array) -> tuple:
+  """Each layer's pool with pages ``frm`` copied onto pages ``to`` (any shape, equal; entries
+  equal to Pg are skipped)."""
+  Pg = pool[0].shape[0]
+  frm, to = frm.reshape(-1), to.reshape(-1)
+  src = jnp.minimum(frm, Pg - 1)
+  to = jnp.where(frm < Pg, to, Pg)
+  return tuple(p.at[to].set(p[src], mode="drop") for p in pool)
 
 
 def write(pool_k, pool_v, page, offset, k, v):

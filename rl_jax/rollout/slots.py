@@ -20,7 +20,7 @@ from rl_jax.rollout.kv_cache import REASON_NAMES, RUNNING
 from rl_jax.rollout.prefill import Resume
 from rl_jax.rollout.records import REASON_CODES, Sample
 
-__all__ = ["admission", "collect", "harvest", "resume_rows", "resume_shape"]
+__all__ = ["admission", "collect", "forks", "harvest", "resume_rows", "resume_shape"]
 
 
 def admission(batch, Bn: int, Pb: int, *, G: int, M: int, R: int, max_new_tokens: int):
@@ -56,6 +56,30 @@ def admission(batch, Bn: int, Pb: int, *, G: int, M: int, R: int, max_new_tokens
       elif t > 1:
         resume.append((b, m, g, t - 1))
   return a, resume
+
+
+def forks(a, resume):
+  """Split ``admission``'s resumed samples into those re-prefilled and those forked.
+
+  A resumed sample whose cached tokens (all but its last) begin another resumed sample of
+  the same group is forked from it (``kv_cache.fork_samples``: the other's whole pages
+  shared, the partial one copied) instead of re-prefilled: n continuations of one state, or
+  re-rollouts from points of an earlier trajectory, prefill that state once. Longer samples
+  are sources first.
+
+  Returns:
+    (resume rows kept, forks: list of (slot, source sample, sample, cached positions)).
+  """
+  kept, out = [], []
+  for b, m, g, n in sorted(resume, key=lambda r: (r[0], -r[3], r[1])):
+    row = a["tokens"][b]
+    src = next((sm for sb, sm, _, sn in kept if sb == b and sn >= n
+                and np.array_equal(row[sm, :n], row[m, :n])), None)
+    if src is None:
+      kept.append((b, m, g, n))
+    else:
+      out.append((g, src, m, n))
+  return kept, out
 
 
 def resume_rows(Br: int, T: int, G: int) -> Resume:
