@@ -304,7 +304,8 @@ def _rollout() -> ml_collections.ConfigDict:
       # (>= max_new_tokens: one worst-case page per sample, the unpaged layout).
       page_size=64,
       # Pool pages, fixed: when they run out the newest group is preempted and resumed by
-      # recompute (the same tokens). None: from rollout.kv_memory_fraction where the device
+      # recompute (the same tokens; multi-turn runs too, partial turns kept). At least one
+      # group's whole budget. None: from rollout.kv_memory_fraction where the device
       # reports its memory, else the pool grows as the responses need it (never preempts).
       kv_pages=config_dict.placeholder(int),
       # Fraction of the device memory free when the engine starts that the pool takes (GPU,
@@ -684,17 +685,22 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
   }
 
 
-def _check_pool(r) -> None:
+def _check_pool(config) -> None:
   """A fixed KV pool (``rollout.kv_pages``) must hold one group's whole budget: n samples x
-  the pages of max_new_tokens (the response cache rounds it up to a power of two >= 8)."""
+  the pages of the response budget (max_new_tokens, or env.max_total_tokens with an
+  environment; the response cache rounds it up to a power of two >= 8)."""
+  r = config.rollout
   if r.kv_pages is None:
     return
-  R = max(8, 1 << (r.max_new_tokens - 1).bit_length())
+  budget = geometry(config).new_tokens
+  env = config.get("env")
+  name = "env.max_total_tokens" if env is not None and env.name else "max_new_tokens"
+  R = max(8, 1 << (budget - 1).bit_length())
   need = r.n * (R // min(r.page_size, R))
   if r.kv_pages < need:
     raise ConfigError(f"rollout.kv_pages={r.kv_pages} is smaller than one group needs: "
                       f"rollout.n={r.n} samples x {R // min(r.page_size, R)} pages of "
-                      f"{min(r.page_size, R)} tokens (max_new_tokens={r.max_new_tokens})")
+                      f"{min(r.page_size, R)} tokens ({name}={budget})")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -711,7 +717,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if axes != sorted(sharding.MESH_AXES):
     raise ConfigError(f"config.mesh.shape must name the axes {list(sharding.MESH_AXES)}, "
                       f"got {axes}")
-  _check_pool(config.rollout)
+  _check_pool(config)
   if (config.data.overlong_buffer or 0) > config.rollout.max_new_tokens:
     raise ConfigError(f"data.overlong_buffer={config.data.overlong_buffer} exceeds "
                       f"rollout.max_new_tokens={config.rollout.max_new_tokens}")

@@ -411,6 +411,26 @@ def test_deterministic_decode_batches_do_not_depend_on_tool_timing(ttl_steps):
   _check_exact(a, 1.0)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_fixed_pool_preempts_and_resumes_by_recompute(deterministic):
+  """A fixed pool of one group's whole budget (3 slots would need 3): the newest group is
+  preempted when the residents need more pages, keeps its partial turns and resumes by
+  recompute; the trajectories are the growing pool's and the log-probs teacher forcing's."""
+  specs = _specs(5, sleep="random")
+  kw = dict(max_slots=3, page_size=8, deterministic=deterministic)
+  e = _engine(kv_pages=2 * 128 // 8, **kw)  # n x R/S (R: 96 rounded up)
+  fixed = e.rollout(PARAMS, specs)
+  e.close()
+  assert fixed.stats["preemptions"] > 0
+  e = _engine(**kw)
+  grown = e.rollout(PARAMS, specs)
+  e.close()
+  _same(fixed, grown)
+  _check_exact(fixed, 1.0)
+  with pytest.raises(rollout.RolloutError, match="smaller than one group needs"):
+    _engine(kv_pages=2 * 128 // 8 - 1, **kw)
+
+
 def test_a_timed_out_step_is_replayed_as_recorded():
   """Groups held while their first step had timed out: exported and imported into a new
   engine (environments replayed), each sample sees the time-out's error observation again

@@ -219,6 +219,7 @@ def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path, monk
     ("env.max_turns=0", "config.env.max_turns"),
     ("env.kv_ttl_steps=-2", "config.env.kv_ttl_steps"),
     ("env.result_delay_steps=0", "config.env.result_delay_steps"),
+    ("rollout.kv_pages=3", "(env.max_total_tokens=24)"),
     ("env.max_turn_tokens=64", "env.max_turn_tokens=64 exceeds"),
     ("rollout.speculative=True", "not supported with rollout.speculative=True"),
     ("data.selector=greso", "not supported with data.selector=greso"),

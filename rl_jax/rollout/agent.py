@@ -124,6 +124,11 @@ class AgentEngine:
       trajectory budget is one worst-case page per sample).
     prefill_chunk: prompts longer than this many tokens are prefilled in chunks
       (``prefill.prefill_prompts``); None: whole.
+    kv_pages: a fixed pool of this many pages (at least one group's whole budget). When the
+      resident groups need more, the most recently admitted one is preempted: its partial
+      turns are kept, it goes back to the front of the queue and resumes by recompute
+      (drawing the same tokens), and no group is admitted until another leaves its slot.
+      None: the pool grows as trajectories need it (never preempts).
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,
@@ -137,7 +142,7 @@ class AgentEngine:
                deterministic: bool = False, result_delay: int = 16,
                ttl_steps: int | None = None, dtype: str | None = None,
                context: int | None = None, mesh=None, rules=None, page_size: int = 64,
-               prefill_chunk: int | None = 2048):
+               prefill_chunk: int | None = 2048, kv_pages: int | None = None):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -185,6 +190,15 @@ class AgentEngine:
     self.max_pool_pages = self.G * self.M * (self.R // self.S)
     self.pool_pages = min(self.max_pool_pages,
                           self.G * self.M * -(-min(self.R, 256) // self.S))
+    self.fixed_pool = kv_pages is not None
+    if self.fixed_pool:
+      check_int("kv_pages", kv_pages, 1)
+      group = self.M * (self.R // self.S)
+      if kv_pages < group:
+        raise RolloutError(f"kv_pages={kv_pages} is smaller than one group needs: n={self.M} "
+                           f"samples x {self.R // self.S} pages of {self.S} tokens "
+                           f"(max_total_tokens={self.max_total})")
+      self.pool_pages = int(kv_pages)
     self.stop = set(stop)
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
     if (mesh is None) != (rules is None):

@@ -21,6 +21,7 @@ resume, extension and chunk buckets.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import jax
@@ -40,7 +41,7 @@ __all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "apply_
 
 RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
-             "reprefill_tokens", "decode_calls")
+             "reprefill_tokens", "decode_calls", "preemptions")
 
 
 class Group:
@@ -87,6 +88,11 @@ class Loop:
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []
+    # a fixed pool: admission order of each slot's group (preemption takes the newest), and
+    # whether admission is closed since a preemption, until a group leaves its slot
+    self.admitted = itertools.count()
+    self.order = [0] * eng.G
+    self.closed = False
     self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
     # the deterministic schedule's clock: decode steps run by this call (idle time jumps to
     # the next result due); results of steps submitted by an earlier call join at once
@@ -123,10 +129,11 @@ class Loop:
     done = {id(g) for g in complete}
     return complete, [g for g in groups if id(g) not in done]
 
-  def hold(self):
-    """Copy the partial turns of decoding samples to their records; free every slot."""
-    live = [(g, m, grp) for g, grp in self.resident() for m, s in enumerate(grp.status)
-            if s == RUN]
+  def hold(self, only: int | None = None):
+    """Copy the partial turns of decoding samples to their records; free every slot (or
+    slot ``only``)."""
+    resident = [(g, grp) for g, grp in self.resident() if only is None or g == only]
+    live = [(g, m, grp) for g, grp in resident for m, s in enumerate(grp.status) if s == RUN]
     if live:
       host = jax.device_get((self.state.tokens, self.state.logprobs, self.state.versions,
                              self.state.length))
@@ -135,8 +142,26 @@ class Loop:
         n0 = len(t.tokens)
         t.append(host[0][g, m, n0:n1], host[1][g, m, n0:n1], host[2][g, m, n0:n1], True,
                  len(t.actions))
-    for g, grp in self.resident():
+    for g, grp in resident:
       self.free_slot(g, grp)
+
+  def fit(self, need) -> None:
+    """A fixed pool: preempt the most recently admitted resident groups until ``need()``
+    pages (recomputed after each) are free; the oldest group stays (the pool holds its whole
+    budget). A preempted group keeps its partial turns and goes back to the front of the
+    queue, to resume by recompute."""
+    if not self.e.fixed_pool:
+      return
+    self.give_back()
+    while len(self.resident()) > 1 and need() > int(np.asarray(self.state.free).sum()):
+      g, grp = max(self.resident(), key=lambda r: self.order[r[0]])
+      for m, s in enumerate(grp.status):  # an observation will need a re-prefill first
+        grp.evicted[m] |= s in (WAIT, READY)
+      self.hold(only=g)
+      self.queue.appendleft(grp)
+      self.give_back()
+      self.stats["preemptions"] += 1
+      self.closed = True
 
   def free_slot(self, g: int, grp: Group) -> None:
     """Take ``grp`` out of slot ``g``; its pages go back to the pool before the next
@@ -154,8 +179,11 @@ class Loop:
       self.released = []
 
   def room(self, pages: int) -> None:
-    """Grow the pool (doubling, up to every sample's whole budget) until ``pages`` are free."""
+    """Grow the pool (doubling, up to every sample's whole budget) until ``pages`` are free
+    (a fixed pool does not grow: ``fit``)."""
     e = self.e
+    if e.fixed_pool:
+      return
     free = int(np.asarray(self.state.free).sum())
     size = new = self.state.free.shape[0]
     while free + new - size < pages and new < e.max_pool_pages:
@@ -224,6 +252,7 @@ class Loop:
     for g, grp in self.resident():
       if grp.done:  # harvest: the slot is free
         self.free_slot(g, grp)
+        self.closed = False
     return bool(outcomes)
 
   def pending_due(self) -> list[tuple[int, int, int, tuple]]:
@@ -255,20 +284,33 @@ class Loop:
     """Fill free slots: groups returning from eviction first, then new groups."""
     e = self.e
     free = [g for g, grp in enumerate(self.slot_group) if grp is None]
+    busy = len(free) < e.G
+    if self.closed and busy:
+      return False  # a fixed pool preempted a group: none comes in until one leaves
     returning = [grp for grp in self.evicted if grp.has(READY)]
     want = len(returning) + len(self.queue)
     if want > len(free) and not self.sync and e.ttl is not None:
       free += self.evict(want - len(free))
+    if e.fixed_pool:
+      self.give_back()
+      left = int(np.asarray(self.state.free).sum())
     batch = []
     for g in free:
+      nxt = returning[0] if returning else (self.queue[0] if self.queue else None)
+      if nxt is None:
+        break
+      if e.fixed_pool:  # admit while the pool holds what the group takes at once
+        need = group_pages(e, nxt)
+        if need > left and (busy or batch):
+          break
+        left -= need
       if returning:
         grp = returning.pop(0)
         self.evicted.remove(grp)
-      elif self.queue:
-        grp = self.queue.popleft()
       else:
-        break
+        grp = self.queue.popleft()
       grp.slot, self.slot_group[g] = g, grp
+      self.order[g] = next(self.admitted)
       batch.append((g, grp))
     if not batch:
       return False
@@ -337,14 +379,17 @@ class Loop:
       self.free_slot(g, grp)
       self.evicted.append(grp)
       self.stats["evictions"] += 1
+      self.closed = False
       freed.append(g)
     return freed
 
   def extend(self) -> bool:
     """Incremental prefill of returned observations; the samples resume decoding."""
     e = self.e
-    rows = [(g, m, grp) for g, grp in self.resident() for m, s in enumerate(grp.status)
-            if s == READY]
+    ready = lambda: [(g, m, grp) for g, grp in self.resident()
+                     for m, s in enumerate(grp.status) if s == READY]
+    self.fit(lambda: sum(-(-(len(grp.chunk[m]) + 1) // e.S) + 1 for _, m, grp in ready()))
+    rows = ready()
     if not rows:
       return False
     Be = min(e.G * e.M, pow2(len(rows), 4))
@@ -379,9 +424,12 @@ class Loop:
       due = self.pending_due()
       steps = max(due[0][0] - self.clock, 1) if due else (self.chunk_steps or e.R)
     stop = e.G * e.M if self.sync else 1
+    self.fit(self.pages_for_next_token)
     length, reason, active = jax.device_get((self.state.length, self.state.reason,
                                              self.state.active))
     run = (reason == kv_cache.RUNNING) & active[:, None]
+    if not run.any():
+      return
     self.room(int(run.sum()))  # a page for every running sample's next token
     live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.R // e.S)
     self.state, ran = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
@@ -390,6 +438,15 @@ class Loop:
     self.stats["decode_calls"] += 1
     if e.deterministic:
       self.clock += int(ran)
+
+  def pages_for_next_token(self) -> int:
+    """Pages the running samples take at the next decode step (their fed token's entry
+    has none)."""
+    length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
+                                                    self.state.active, self.state.pages))
+    run = (reason == kv_cache.RUNNING) & active[:, None]
+    entry = np.minimum(np.maximum(length - 1, 0) // self.e.S, table.shape[-1] - 1)
+    return int((run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0)).sum())
 
   def turn_ends(self) -> bool:
     """Record the turns that ended on device and submit their environment steps."""
@@ -424,6 +481,18 @@ class Loop:
       grp.status[m], grp.since[m] = WAIT, now
       grp.due[m] = self.clock + e.result_delay
     return True
+
+
+def group_pages(e, grp: Group) -> int:
+  """Pages ``grp`` takes as soon as it is admitted: its samples' tokens so far (a fresh
+  sample's first token: one), an observation waiting to be appended, none for a finished
+  sample."""
+  total = 0
+  for m, t in enumerate(grp.trajs):
+    if grp.status[m] != DONE:
+      extra = len(grp.chunk[m]) if grp.chunk[m] is not None else 0
+      total += -(-(max(len(t.tokens), 1) + extra) // e.S)
+  return total
 
 
 def turn_tokens(e, grp: Group) -> int:
