@@ -281,3 +281,30 @@ def test_sampler_copy_is_one_per_host_split_over_its_chips():
   whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
   copy = memory._sampler_copy_bytes(s, params)  # pylint: disable=protected-access
   assert whole / 4 <= copy < whole / 2, (copy, whole)  # most weights split over 4 chips
+
+
+def test_sampler_compiles_on_a_host_whose_chips_are_not_the_first_ids(tmp_path):
+  """On ``v6e:8x8`` (16 hosts of 2x2 chips) host 0 holds chips 0, 1, 8 and 9; libtpu aborts
+  the process (SIGABRT) compiling a 4-chip program for those ids, so the dry run compiles
+  the sampler's programs for the same places of a one-host ``v6e:2x2`` (ids 0-3). Run in a
+  subprocess: the abort would kill pytest."""
+  from rl_jax.train.context import build_setup  # pylint: disable=import-outside-toplevel
+  config = _config("v6e:8x8", ["train.batch_groups=16"])
+  s = build_setup(config, topology.topology_devices("v6e:8x8"))
+  assert sorted(d.id for d in s.sampler_mesh.devices.flat) == [0, 1, 8, 9]
+  host = topology._host_topology_mesh(s)  # pylint: disable=protected-access
+  assert host.shape == s.sampler_mesh.shape
+  assert sorted(d.id for d in host.devices.flat) == [0, 1, 2, 3]
+  place = lambda m: [tuple(d.coords) for d in m.devices.flat]
+  assert place(host) == place(s.sampler_mesh)  # the host's 2x2 block at its origin
+  out = subprocess.run(
+      [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={tmp_path}",
+       "--config.train.dry_run=True", "--config.dry_run.topology=v6e:8x8",
+       *(f"--config.{o}" for o in QUICK[:2]), "--config.train.batch_groups=16"],
+      cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 0, out.stderr[-2000:]
+  with open(tmp_path / topology.PLAN_FILE) as f:
+    plan = json.load(f)
+  assert plan["hosts"] == 16 and plan["sampler_mesh"]["fsdp"] == 4
+  assert {"kv_init", "prefill", "decode"} <= set(plan["programs"])
+  assert plan["estimate"]["fits"]

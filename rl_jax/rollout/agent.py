@@ -73,7 +73,8 @@ from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, 
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
-                                    in_flight_budget, pow2, sampling_params)
+                                    fixed_pool_pages, in_flight_budget, pow2,
+                                    sampling_params)
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 
@@ -129,6 +130,9 @@ class AgentEngine:
       turns are kept, it goes back to the front of the queue and resumes by recompute
       (drawing the same tokens), and no group is admitted until another leaves its slot.
       None: the pool grows as trajectories need it (never preempts).
+    kv_memory_fraction: with kv_pages None, a fixed pool of this fraction of the free
+      memory of the sampler's devices (``records.fixed_pool_pages``; devices that report no
+      capacity, e.g. CPU, keep the growing pool).
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,
@@ -142,7 +146,8 @@ class AgentEngine:
                deterministic: bool = False, result_delay: int = 16,
                ttl_steps: int | None = None, dtype: str | None = None,
                context: int | None = None, mesh=None, rules=None, page_size: int = 64,
-               prefill_chunk: int | None = 2048, kv_pages: int | None = None):
+               prefill_chunk: int | None = 2048, kv_pages: int | None = None,
+               kv_memory_fraction: float | None = None):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -190,15 +195,14 @@ class AgentEngine:
     self.max_pool_pages = self.G * self.M * (self.R // self.S)
     self.pool_pages = min(self.max_pool_pages,
                           self.G * self.M * -(-min(self.R, 256) // self.S))
+    kv_pages = fixed_pool_pages(
+        cfg, kv_pages, kv_memory_fraction,
+        jax.devices()[:1] if mesh is None else list(mesh.devices.flat), M=self.M,
+        NP=self.R // self.S, S=self.S, whole=self.max_pool_pages,
+        budget=f"max_total_tokens={self.max_total}")
     self.fixed_pool = kv_pages is not None
     if self.fixed_pool:
-      check_int("kv_pages", kv_pages, 1)
-      group = self.M * (self.R // self.S)
-      if kv_pages < group:
-        raise RolloutError(f"kv_pages={kv_pages} is smaller than one group needs: n={self.M} "
-                           f"samples x {self.R // self.S} pages of {self.S} tokens "
-                           f"(max_total_tokens={self.max_total})")
-      self.pool_pages = int(kv_pages)
+      self.pool_pages = kv_pages
     self.stop = set(stop)
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
     if (mesh is None) != (rules is None):

@@ -51,7 +51,8 @@ from rl_jax.rollout import kv_cache, pages, sampler, slots
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble, check_int, check_power_of_two,
-                                    check_prompt, in_flight_budget, pow2, sampling_params)
+                                    check_prompt, fixed_pool_pages, in_flight_budget, pow2,
+                                    sampling_params)
 
 __all__ = ["APRIL_STATS", "ENGINE_STATS", "FORK_STATS", "PAGE_STATS", "RolloutEngine",
            "kv_bytes"]
@@ -161,24 +162,10 @@ class RolloutEngine:
     self.S = min(int(page_size), self.R)  # tokens per page
     self.NP = self.R // self.S  # page-table entries per sample
     whole = self.G * self.M * self.NP  # every sample's whole budget
-    if kv_pages is None and kv_memory_fraction is not None:
-      if not 0.0 < float(kv_memory_fraction) <= 1.0:
-        raise RolloutError(f"kv_memory_fraction must lie in (0, 1], got {kv_memory_fraction!r}")
-      devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-      fit = pages.pages_from_memory(devices, float(kv_memory_fraction),
-                                    kv_cache.pool_bytes(cfg, 1, self.S))
-      if fit is not None:
-        if fit < self.M * self.NP:
-          raise RolloutError(
-              f"kv_memory_fraction={kv_memory_fraction} leaves room for {fit} pages of "
-              f"{self.S} tokens; one group needs {self.M * self.NP}")
-        kv_pages = min(fit, whole)
-    if kv_pages is not None:
-      check_int("kv_pages", kv_pages, 1)
-      if kv_pages < self.M * self.NP:
-        raise RolloutError(
-            f"kv_pages={kv_pages} is smaller than one group needs: {self.M} samples x "
-            f"{self.NP} pages of {self.S} tokens (max_new_tokens={self.max_new_tokens})")
+    kv_pages = fixed_pool_pages(
+        cfg, kv_pages, kv_memory_fraction,
+        jax.devices()[:1] if mesh is None else list(mesh.devices.flat), M=self.M, NP=self.NP,
+        S=self.S, whole=whole, budget=f"max_new_tokens={self.max_new_tokens}")
     self.fixed_pool = kv_pages is not None
     self.pool_pages = (int(kv_pages) if kv_pages is not None else
                        min(whole, self.G * self.M * pages.pages_needed(min(self.R, 256), self.S)))

@@ -17,11 +17,12 @@ import numpy as np
 from rl_jax.errors import RLJaxError
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import sampling
+from rl_jax.rollout import kv_cache, pages
 from rl_jax.rollout.kv_cache import REASON_NAMES
 
 __all__ = ["REASON_CODES", "GroupRequest", "Prompt", "Rollout", "RolloutError", "Sample",
-           "as_ids", "assemble", "check_int", "check_power_of_two", "check_prompt", "pow2",
-           "sampling_params"]
+           "as_ids", "assemble", "check_int", "check_power_of_two", "check_prompt",
+           "fixed_pool_pages", "pow2", "sampling_params"]
 
 REASON_CODES = {name: code for code, name in REASON_NAMES.items()}
 
@@ -153,6 +154,37 @@ def check_int(name: str, value, lo: int):
   """Raises RolloutError unless ``value`` is an integer >= ``lo``."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
     raise RolloutError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def fixed_pool_pages(cfg: ModelConfig, kv_pages, kv_memory_fraction, devices, *, M: int,
+                     NP: int, S: int, whole: int, budget: str) -> int | None:
+  """The pages of an engine's fixed response pool, or None for a growing one.
+
+  ``kv_pages`` as given; else ``kv_memory_fraction`` of the free memory ``devices`` report
+  (``pages.pages_from_memory``; None where they report none, e.g. CPU), at most ``whole``
+  (every sample's budget). Either must hold one group: M samples x NP pages of S tokens.
+  ``budget`` names the response budget in the error (e.g. "max_new_tokens=512").
+
+  Raises:
+    RolloutError: one line, for a value out of range or a pool smaller than one group.
+  """
+  if kv_pages is None and kv_memory_fraction is not None:
+    if not 0.0 < float(kv_memory_fraction) <= 1.0:
+      raise RolloutError(f"kv_memory_fraction must lie in (0, 1], got {kv_memory_fraction!r}")
+    fit = pages.pages_from_memory(devices, float(kv_memory_fraction),
+                                  kv_cache.pool_bytes(cfg, 1, S))
+    if fit is not None:
+      if fit < M * NP:
+        raise RolloutError(f"kv_memory_fraction={kv_memory_fraction} leaves room for {fit} "
+                           f"pages of {S} tokens; one group needs {M * NP}")
+      kv_pages = min(fit, whole)
+  if kv_pages is None:
+    return None
+  check_int("kv_pages", kv_pages, 1)
+  if kv_pages < M * NP:
+    raise RolloutError(f"kv_pages={kv_pages} is smaller than one group needs: {M} samples x "
+                       f"{NP} pages of {S} tokens ({budget})")
+  return int(kv_pages)
 
 
 def check_power_of_two(name: str, value):

@@ -372,6 +372,7 @@ def make_engine(s, temperature: float):
       deterministic=True, result_delay=e.result_delay_steps,
       ttl_steps=None if e.kv_ttl_steps < 0 else e.kv_ttl_steps, mesh=s.sampler_mesh,
       rules=s.rules, page_size=r.page_size, kv_pages=r.kv_pages,
+      kv_memory_fraction=r.kv_memory_fraction,
       prefill_chunk=r.prefill_chunk)
 
 

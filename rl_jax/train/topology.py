@@ -415,6 +415,35 @@ def _compile(name: str, lowered):
                                  f"shrink with {SAMPLER_KNOBS}") from None
 
 
+def _host_topology_mesh(s: Setup) -> jax.sharding.Mesh:
+  """The mesh the sampler's programs are compiled for: ``s.sampler_mesh``, or on a slice of
+  several hosts whose host's chips are not ids 0..k-1 (host 0 of ``v6e:8x8`` holds chips 0,
+  1, 8 and 9, a 2x2 block of the grid) the same mesh over the chips at the same places of a
+  one-host topology of the same generation (ids 0..k-1). libtpu compiles a program of k
+  chips for device ids below k only; with a host's own ids it aborts the process (SIGABRT:
+  "Unexpected device_id 8 ... in replica group"). Only the dry run compiles this way: a
+  real run's sampler compiles on its host's own devices."""
+  mesh = s.sampler_mesh
+  flat = list(mesh.devices.flat)
+  if sorted(d.id for d in flat) == list(range(len(flat))):
+    return mesh
+  if len({d.process_index for d in flat}) != 1 or mesh is s.mesh:
+    return mesh  # one process's devices only (context._sampler_mesh)
+  chip, _ = parse_topology(s.config.dry_run.topology)
+  bounds = chip.host_bounds[:chip.dims]
+  name = f"{chip.name}:{'x'.join(map(str, bounds))}"
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  with _quiet_libtpu(chip, math.prod(bounds)):
+    host = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                        chips_per_host_bounds=chip.host_bounds, num_slices=1)
+  where = lambda d, b: (tuple(int(c) % n for c, n in zip(d.coords, b)),
+                        getattr(d, "core_on_chip", 0))
+  by_place = {where(d, chip.host_bounds): d for d in host.devices}
+  devices = np.vectorize(lambda d: by_place[where(d, chip.host_bounds)],
+                         otypes=[object])(mesh.devices)
+  return jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+
+
 def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                      free: int = 0) -> tuple[dict[str, dict[str, Any]], dict]:
   """The sampler's programs of one RL step compiled for the sampler's mesh: ``kv_init``
@@ -426,7 +455,11 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   ``program`` (compiled), ``params`` (bytes per device of the weights among its
   arguments), ``calls`` per step and ``note``; and the pool (``pages`` it starts with,
   ``max_pages`` a growing pool reaches, ``page_size``, ``page_bytes`` per chip, ``slots``:
-  the engine's group slots)."""
+  the engine's group slots). On a slice of several hosts they are compiled for one host's
+  chips numbered from 0 (``_host_topology_mesh``)."""
+  mesh = _host_topology_mesh(t.setup)
+  if mesh is not t.setup.sampler_mesh:
+    t = t._replace(setup=dataclasses.replace(t.setup, sampler_mesh=mesh))
   engine, groups = memory.sampler_engine(t, None)
   if kv_fraction is not None and not t.setup.config.rollout.kv_pages:
     fit = int(kv_fraction * max(free, 0) // kv_cache.pool_bytes(engine.cfg, 1, engine.S))
