@@ -286,17 +286,8 @@ def test_sampler_copy_is_one_per_host_split_over_its_chips():
 def test_sampler_compiles_on_a_host_whose_chips_are_not_the_first_ids(tmp_path):
   """On ``v6e:8x8`` (16 hosts of 2x2 chips) host 0 holds chips 0, 1, 8 and 9; libtpu aborts
   the process (SIGABRT) compiling a 4-chip program for those ids, so the dry run compiles
-  the sampler's programs for the same places of a one-host ``v6e:2x2`` (ids 0-3). Run in a
-  subprocess: the abort would kill pytest."""
-  from rl_jax.train.context import build_setup  # pylint: disable=import-outside-toplevel
-  config = _config("v6e:8x8", ["train.batch_groups=16"])
-  s = build_setup(config, topology.topology_devices("v6e:8x8"))
-  assert sorted(d.id for d in s.sampler_mesh.devices.flat) == [0, 1, 8, 9]
-  host = topology._host_topology_mesh(s)  # pylint: disable=protected-access
-  assert host.shape == s.sampler_mesh.shape
-  assert sorted(d.id for d in host.devices.flat) == [0, 1, 2, 3]
-  place = lambda m: [tuple(d.coords) for d in m.devices.flat]
-  assert place(host) == place(s.sampler_mesh)  # the host's 2x2 block at its origin
+  the sampler's programs for the same places of a one-host ``v6e:2x2`` (ids 0-3). The plan
+  runs in a subprocess: the abort would kill pytest."""
   out = subprocess.run(
       [sys.executable, "-m", "rl_jax.train", f"--config={QUICKSTART}", f"--workdir={tmp_path}",
        "--config.train.dry_run=True", "--config.dry_run.topology=v6e:8x8",
@@ -308,3 +299,12 @@ def test_sampler_compiles_on_a_host_whose_chips_are_not_the_first_ids(tmp_path):
   assert plan["hosts"] == 16 and plan["sampler_mesh"]["fsdp"] == 4
   assert {"kv_init", "prefill", "decode"} <= set(plan["programs"])
   assert plan["estimate"]["fits"]
+  from rl_jax.train.context import build_setup  # pylint: disable=import-outside-toplevel
+  s = build_setup(_config("v6e:8x8", ["train.batch_groups=16"]),
+                  topology.topology_devices("v6e:8x8"))
+  assert sorted(d.id for d in s.sampler_mesh.devices.flat) == [0, 1, 8, 9]
+  host = topology._host_topology_mesh(s)  # pylint: disable=protected-access
+  assert host.shape == s.sampler_mesh.shape
+  assert sorted(d.id for d in host.devices.flat) == [0, 1, 2, 3]
+  place = lambda m: [tuple(d.coords) for d in m.devices.flat]
+  assert place(host) == place(s.sampler_mesh)  # host 0's 2x2 block is at the grid's origin

@@ -14,15 +14,17 @@ its ``config.json`` and tokenizer files).
 
 The run is built as it would be on that slice (``context.build_setup`` over the topology's
 devices: the config's ``mesh.shape`` and ``mesh.rules``, the sampler's mesh per host when
-the slice has several hosts), and its programs are compiled on abstract inputs
-(``jax.ShapeDtypeStruct`` with shardings): the supervised step, the RL update (micro-batches
-included), the log-prob passes (policy, reference, critic) as the memory plan compiles them
-(``memory.compile_steps``), and the sampler's programs: the KV cache's allocation, the
-prefill of a step's groups at the longest prompt (``prefill.admit``) and the decode loop at
-its largest live-page bucket (``decode.decode``), with the response pool the engine starts
-with (what a growing pool reaches is added from the page size). Kernels are the target's:
-``sharding.use`` hands the mesh's platform to ``pallas_kernels`` (``target_platform``), so
-the packed log-prob passes compile the Pallas TPU shared-prefix kernel with Mosaic.
+the slice has several hosts, its programs compiled for the same places of a one-host
+topology of the chip, ids from 0, where a host's chips are not the first ids), and its
+programs are compiled on abstract inputs (``jax.ShapeDtypeStruct`` with shardings): the
+supervised step, the RL update (micro-batches included), the log-prob passes (policy,
+reference, critic) as the memory plan compiles them (``memory.compile_steps``), and the
+sampler's programs: the KV cache's allocation, the prefill of a step's groups at the
+longest prompt (``prefill.admit``) and the decode loop at its largest live-page bucket
+(``decode.decode``), with the response pool the engine starts with (what a growing pool
+reaches is added from the page size). Kernels are the target's: ``sharding.use`` hands the
+mesh's platform to ``pallas_kernels`` (``target_platform``), so the packed log-prob passes
+compile the Pallas TPU shared-prefix kernel with Mosaic.
 
 Printed per program (per chip): HBM (XLA's argument, temporary and output bytes, and the
 peak with the rest of the resident state, ``memory``'s plan) against the chip's HBM, FLOPs,
@@ -419,10 +421,10 @@ def _host_topology_mesh(s: Setup) -> jax.sharding.Mesh:
   """The mesh the sampler's programs are compiled for: ``s.sampler_mesh``, or on a slice of
   several hosts whose host's chips are not ids 0..k-1 (host 0 of ``v6e:8x8`` holds chips 0,
   1, 8 and 9, a 2x2 block of the grid) the same mesh over the chips at the same places of a
-  one-host topology of the same generation (ids 0..k-1). libtpu compiles a program of k
-  chips for device ids below k only; with a host's own ids it aborts the process (SIGABRT:
-  "Unexpected device_id 8 ... in replica group"). Only the dry run compiles this way: a
-  real run's sampler compiles on its host's own devices."""
+  one-host topology of the same generation (ids 0..k-1). Compiling a 4-chip program for
+  host 0's own ids, libtpu aborts the process (SIGABRT: "Unexpected device_id 8 [0:2] in
+  replica group (0,1,2,3) :: target has 4 device_id"). Only the dry run compiles this way:
+  a real run's sampler compiles on its host's own devices."""
   mesh = s.sampler_mesh
   flat = list(mesh.devices.flat)
   if sorted(d.id for d in flat) == list(range(len(flat))):
