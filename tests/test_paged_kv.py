@@ -191,6 +191,12 @@ def test_paged_bad_inputs_raise_one_clear_error():
     _gen(page_size=4, kv_pages=0)
   with pytest.raises(rollout.RolloutError, match="exceeds the context"):
     _gen(max_new_tokens=CFG.max_position_embeddings)
+  for bad, needle in (([[1]] * 2, "one token-id list per prompt"),
+                      ([[1]] * 5 + [[CFG.vocab_size]], "outside the vocabulary"),
+                      ([[1]] * 5 + [["a"]], "not a list of token ids"),
+                      ([[1]] * 5 + [[1] * MAX_NEW], "leaves no room")):
+    with pytest.raises(rollout.RolloutError, match=needle):
+      _gen(prefixes=bad)
   for bad in (0, 6, 2.0):
     with pytest.raises(rollout.RolloutError,
                        match="prefill_chunk must be a positive power of two"):

@@ -27,7 +27,10 @@ def check_prefixes(prefixes, groups: int, cfg: ModelConfig, max_new_tokens: int)
     raise RolloutError(f"prefixes must be one token-id list per prompt ({groups})")
   out = []
   for i, p in enumerate(prefixes):
-    ids = [int(t) for t in p]
+    try:
+      ids = [int(t) for t in p]
+    except (TypeError, ValueError):
+      raise RolloutError(f"prefix {i} is not a list of token ids") from None
     if any(not 0 <= t < cfg.vocab_size for t in ids):
       raise RolloutError(f"prefix {i} has an id outside the vocabulary of {cfg.vocab_size}")
     if len(ids) >= max_new_tokens:
