@@ -113,8 +113,8 @@ def run(args) -> dict:
         ttl=args.ttl if name == "continuous" and args.ttl >= 0 else None,
         workers=args.groups * args.n,
         schedule="turn_sync" if name == "turn_sync" else "continuous", deterministic=det,
-        result_delay=int(name.split()[1]) if det else 1,
-        ttl_steps=args.ttl_steps if det and args.ttl_steps >= 0 else None)
+        **(dict(result_delay=int(name.split()[1]),
+                ttl_steps=args.ttl_steps if args.ttl_steps >= 0 else None) if det else {}))
   for e in engines.values():
     e.warmup(params)  # every shape compiled up front: no compile inside the timed calls
   outs = {s: e.rollout(params, specs) for s, e in engines.items()}  # warm-up call
