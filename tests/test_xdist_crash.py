@@ -1,8 +1,9 @@
 """The suite's xdist scheduler (``tests/conftest.py``) when a worker dies mid-run.
 
-A worker that aborts (a C++ fault in a compiled program, say) must fail the test it was
-running and let the run finish; xdist's own file scheduler hangs when the dead worker had
-finished files, which turns one red test into a CI run that never ends.
+A worker that aborts (a C++ fault in the compiler, say) must not end the run: its test runs
+once more on a new worker and fails if it aborts again, and the other tests run once each.
+xdist's own file scheduler hangs when the dead worker had finished files, which turns one
+red test into a CI run that never ends.
 """
 
 import os
@@ -14,11 +15,12 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _write_suite(directory):
+def _write_suite(directory, always):
   (directory / "conftest.py").write_text(textwrap.dedent(f"""
       import sys
       sys.path.insert(0, {str(ROOT)!r})
-      from tests.conftest import pytest_xdist_make_scheduler  # the hook under test
+      from tests.conftest import (  # the hooks under test
+          pytest_handlecrashitem, pytest_report_teststatus, pytest_xdist_make_scheduler)
       """))
   flag = directory / "aborted_once"
   for i in range(4):
@@ -30,22 +32,34 @@ def _write_suite(directory):
         def test_a(): time.sleep({1.5 if last else 0.1})
         def test_b(): time.sleep(0.1)
         def test_c():
-          if {last} and not pathlib.Path({str(flag)!r}).exists():
+          if {last} and ({always} or not pathlib.Path({str(flag)!r}).exists()):
             pathlib.Path({str(flag)!r}).touch()
             os.abort()
         def test_d(): pass
         """))
 
 
-def test_a_crashed_worker_fails_its_test_and_the_run_finishes(tmp_path):
-  _write_suite(tmp_path)
+def _run_suite(directory):
   env = dict(os.environ, PYTHONFAULTHANDLER="0")
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
-       "--rootdir", str(tmp_path), str(tmp_path)],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-  summary = proc.stdout.strip().splitlines()[-1]
+       "--rootdir", str(directory), str(directory)],
+      cwd=directory, env=env, capture_output=True, text=True, timeout=300)
+  return proc, proc.stdout.strip().splitlines()[-1]
+
+
+def test_a_test_that_crashes_its_worker_once_runs_again_and_the_run_finishes(tmp_path):
+  _write_suite(tmp_path, always=False)
+  proc, summary = _run_suite(tmp_path)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert "crashed while running 'test_file3.py::test_c'; running it again" in proc.stdout
+  # Every test passed once, test_c and test_d of the crashed file on the replacement worker.
+  assert "16 passed, 1 rerun" in summary, proc.stdout[-3000:]
+
+
+def test_a_test_that_crashes_its_worker_twice_fails_and_the_run_finishes(tmp_path):
+  _write_suite(tmp_path, always=True)
+  proc, summary = _run_suite(tmp_path)
   assert proc.returncode == 1, proc.stdout[-3000:]
   assert "crashed while running 'test_file3.py::test_c'" in proc.stdout
-  # Every other test ran once, test_d of the crashed file on the replacement worker.
-  assert "1 failed, 15 passed" in summary, proc.stdout[-3000:]
+  assert "1 failed, 15 passed, 1 rerun" in summary, proc.stdout[-3000:]
