@@ -72,6 +72,32 @@ def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
   assert est["fits"] and est["rl_step"]["seconds"] > 0 and 0 < est["rl_step"]["mfu"] < 1
 
 
+def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path):
+  """With ``env.name`` the sampler's programs are the multi-turn engine's: its turn loop's
+  decode (the paged kernel) and the incremental prefill of observations (``extend``), on the
+  engine's own pool: R = env.max_total_tokens (40, bucketed to 64) on pages of
+  min(rollout.page_size, R) = 64 tokens, one page per sample, not the single-turn engine's
+  32-token pages of R = rollout.max_new_tokens."""
+  config = config_utils.load_config(
+      os.path.join(ROOT, "configs", "agent_quickstart.py"),
+      ["sft.steps=0", "train.batch_groups=4", "train.dry_run=True",
+       "dry_run.topology=v5e:2x2"])
+  assert (config.env.max_total_tokens, config.rollout.page_size,
+          config.rollout.max_new_tokens) == (40, 64, 32)
+  assert train.train(config, str(tmp_path), progress=False) is None
+  with open(tmp_path / topology.PLAN_FILE) as f:
+    p = json.load(f)
+  progs = p["programs"]
+  assert set(progs) == {"logprobs", "rl_update", "kv_init", "prefill", "decode", "extend"}
+  assert progs["decode"]["kernels"] == ["paged_decode_attention"]
+  assert progs["decode"]["calls"] == 64  # a decode step per trajectory token at most
+  assert progs["extend"]["calls"] == config.env.max_turns - 1
+  samples = 4 * config.rollout.n
+  assert p["kv_pool"] == {"pages": samples, "max_pages": samples, "page_size": 64,
+                          "tokens": samples * 64}
+  assert all(prog["peak"] < p["capacity"] for prog in progs.values())
+
+
 def test_fsdp_update_flops_split_over_four_chips_with_a_reduce_scatter(quick_plan):
   """The update's FLOPs per chip on 4 chips are a quarter of one chip's (± 2 %), and its
   gradient leaves through a reduce-scatter (XLA:TPU's all-reduce-scatter fusion)."""

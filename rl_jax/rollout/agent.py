@@ -67,8 +67,8 @@ from rl_jax.envs.base import Message, StepResult
 from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, prefill, slots
-from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, apply_outcome,
-                                      poll_outcomes)
+from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, admission,
+                                      apply_outcome, poll_outcomes)
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
@@ -315,10 +315,9 @@ class AgentEngine:
     state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
                                 identity=identity)
     ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})
-    loop = Loop(self, params, 0)
     for Bn in ladder(4, e.G):
       for Pb in ladder(8, e.P):
-        a, _ = loop.admission([], Bn, Pb)
+        a, _ = admission(e, [], Bn, Pb)
         state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
                            filtered=e.filtered, ctx=e.ctx)
     shapes = {slots.resume_shape(r, t, G=e.G, M=e.M, R=e.R)

@@ -36,8 +36,8 @@ from rl_jax.rollout.env_pool import observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.records import pow2
 
-__all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "apply_outcome",
-           "apply_outcomes", "poll_outcomes"]
+__all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "admission",
+           "apply_outcome", "apply_outcomes", "poll_outcomes"]
 
 RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
@@ -71,6 +71,39 @@ class Group:
 
   def has(self, status: str) -> bool:
     return status in self.status
+
+
+def admission(e, batch, Bn: int, Pb: int):
+  """Admission arrays of the ``AgentEngine`` ``e`` for ``batch``, (slot, group) pairs, at
+  Bn rows and Pb prompt tokens, and the samples whose K/V is rebuilt: (slot, sample, ids).
+  A fresh sample's turn budget and start are set on its group here."""
+  M, R = e.M, e.R
+  a = dict(slots=np.full(Bn, e.G, np.int32), prompt=np.zeros((Bn, Pb), np.int32),
+           prompt_len=np.ones(Bn, np.int32), tokens=np.zeros((Bn, M, R), np.int32),
+           logprobs=np.zeros((Bn, M, R), np.float32),
+           versions=np.full((Bn, M, R), -1, np.int32), length=np.zeros((Bn, M), np.int32),
+           reason=np.zeros((Bn, M), np.int32),
+           budget=np.full((Bn, M), min(e.max_turn, e.max_total), np.int32),
+           request_id=np.zeros(Bn, np.int32), sample_id=np.tile(np.arange(M, dtype=np.int32),
+                                                                (Bn, 1)))
+  rebuild = []
+  for b, (g, grp) in enumerate(batch):
+    a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
+    a["prompt"][b, :len(grp.prompt)] = grp.prompt
+    a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
+    for m, t in enumerate(grp.trajs):
+      n = len(t.tokens)
+      if n == 0:  # a fresh sample: its first token is drawn by ``admit``
+        grp.budget[m], grp.turn_start[m] = int(a["budget"][b, m]), 0
+        continue
+      a["tokens"][b, m, :n], a["length"][b, m] = t.tokens, n
+      a["logprobs"][b, m, :n], a["versions"][b, m, :n] = t.logprobs, t.versions
+      a["budget"][b, m] = grp.budget[m]
+      if grp.status[m] != RUN:
+        a["reason"][b, m] = kv_cache.EOS  # waiting or done: not decoding
+      if grp.status[m] != DONE and n > 1:
+        rebuild.append((g, m, t.tokens))
+  return a, rebuild
 
 
 class Loop:
@@ -316,7 +349,7 @@ class Loop:
       return False
     Bn = min(e.G, pow2(len(batch), 4))
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
-    a, rebuild = self.admission(batch, Bn, Pb)
+    a, rebuild = admission(self.e, batch, Bn, Pb)
     self.give_back()
     self.room(sum(-(-(len(t) - 1) // e.S) for *_, t in rebuild))
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
@@ -332,37 +365,6 @@ class Loop:
           self.stats["reprefill_tokens"] += len(toks) - 1
         self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
     return True
-
-  def admission(self, batch, Bn: int, Pb: int):
-    """Admission arrays for (slot, group) pairs and the samples whose K/V is rebuilt."""
-    e = self.e
-    M, R = e.M, e.R
-    a = dict(slots=np.full(Bn, e.G, np.int32), prompt=np.zeros((Bn, Pb), np.int32),
-             prompt_len=np.ones(Bn, np.int32), tokens=np.zeros((Bn, M, R), np.int32),
-             logprobs=np.zeros((Bn, M, R), np.float32),
-             versions=np.full((Bn, M, R), -1, np.int32), length=np.zeros((Bn, M), np.int32),
-             reason=np.zeros((Bn, M), np.int32),
-             budget=np.full((Bn, M), min(e.max_turn, e.max_total), np.int32),
-             request_id=np.zeros(Bn, np.int32), sample_id=np.tile(np.arange(M, dtype=np.int32),
-                                                                  (Bn, 1)))
-    rebuild = []
-    for b, (g, grp) in enumerate(batch):
-      a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
-      a["prompt"][b, :len(grp.prompt)] = grp.prompt
-      a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
-      for m, t in enumerate(grp.trajs):
-        n = len(t.tokens)
-        if n == 0:  # a fresh sample: its first token is drawn by ``admit``
-          grp.budget[m], grp.turn_start[m] = int(a["budget"][b, m]), 0
-          continue
-        a["tokens"][b, m, :n], a["length"][b, m] = t.tokens, n
-        a["logprobs"][b, m, :n], a["versions"][b, m, :n] = t.logprobs, t.versions
-        a["budget"][b, m] = grp.budget[m]
-        if grp.status[m] != RUN:
-          a["reason"][b, m] = kv_cache.EOS  # waiting or done: not decoding
-        if grp.status[m] != DONE and n > 1:
-          rebuild.append((g, m, t.tokens))
-    return a, rebuild
 
   def evict(self, need: int) -> list[int]:
     """Free up to ``need`` slots whose groups all wait on environments past the TTL."""

@@ -349,12 +349,14 @@ def make_engines(s) -> tuple[Any, Any]:
   return make_engine(s, s.config.rollout.temperature), make_engine(s, 0.0)
 
 
-def make_engine(s, temperature: float):
+def make_engine(s, temperature: float, kv_pages: int | None = None):
   """An ``AgentEngine`` of the setup ``s``: G slots of M samples, R = ``env.max_total_tokens``,
   APRIL's over-sampling and staleness bound, and the deterministic schedule: a tool's result
   joins the batch ``env.result_delay_steps`` decode steps after its call, the time-to-live
   is ``env.kv_ttl_steps`` decode steps, so a resumed run decodes exactly the batches of an
-  uninterrupted one (``scripts/bench_agent.py`` times it against the wall-clock schedule)."""
+  uninterrupted one (``scripts/bench_agent.py`` times it against the wall-clock schedule).
+  ``kv_pages``: a fixed pool of that many pages instead of ``rollout.kv_pages`` (the memory
+  plan's and the dry run's)."""
   c, e, geo = s.config, s.config.env, s.geometry
   r = c.rollout
   return rollout.AgentEngine(
@@ -371,7 +373,7 @@ def make_engine(s, temperature: float):
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
       deterministic=True, result_delay=e.result_delay_steps,
       ttl_steps=None if e.kv_ttl_steps < 0 else e.kv_ttl_steps, mesh=s.sampler_mesh,
-      rules=s.rules, page_size=r.page_size, kv_pages=r.kv_pages,
+      rules=s.rules, page_size=r.page_size, kv_pages=kv_pages or r.kv_pages,
       kv_memory_fraction=r.kv_memory_fraction,
       prefill_chunk=r.prefill_chunk)
 

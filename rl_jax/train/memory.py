@@ -52,6 +52,7 @@ from rl_jax import models
 from rl_jax import rollout, storage
 from rl_jax.errors import RLJaxError
 from rl_jax.rollout import kv_cache, records
+from rl_jax.train import agent_stage
 from rl_jax.train import layout as layout_lib
 from rl_jax.train import offload
 from rl_jax.train import teacher as teacher_lib
@@ -325,16 +326,19 @@ def _staged(m: dict[str, int], read) -> dict[str, int]:
 
 
 def sampler_engine(t: TrainParts, kv_pages: int | None = None
-                   ) -> tuple[rollout.RolloutEngine, int]:
+                   ) -> tuple[rollout.RolloutEngine | rollout.AgentEngine, int]:
   """The engine whose programs one RL step's rollout runs (the APRIL engine of
   ``state.make_engine``, or the one ``rollout.generate`` builds for a fresh step's groups,
-  with the longest prompt: its largest prompt bucket), with a fixed pool of ``kv_pages``
-  when given, and the groups one sampler serves per step (with several hosts each host
-  samples the groups on its own devices). Building it compiles and allocates nothing."""
+  with the longest prompt: its largest prompt bucket; with ``env.name`` the multi-turn
+  ``AgentEngine`` of ``agent_stage.make_engine``), with a fixed pool of ``kv_pages`` when
+  given, and the groups one sampler serves per step (with several hosts each host samples
+  the groups on its own devices). Building it compiles and allocates nothing."""
   s, r = t.setup, t.setup.config.rollout
   geo = s.geometry
   hosts = len({d.process_index for d in s.mesh.devices.flat})
   groups = geo.groups if s.sampler_mesh is s.mesh else math.ceil(geo.groups / hosts)
+  if s.config.env.name:
+    return agent_stage.make_engine(s, r.temperature, kv_pages), groups
   kw = dict(n=geo.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id, mesh=s.sampler_mesh,
             rules=s.rules, context=s.model_cfg.max_position_embeddings,

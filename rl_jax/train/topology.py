@@ -84,6 +84,8 @@ from rl_jax import rollout
 from rl_jax import sharding
 from rl_jax import storage
 from rl_jax.errors import ConfigError, RLJaxError
+from rl_jax.rollout import agent_loop
+from rl_jax.rollout import extend as extend_lib
 from rl_jax.rollout import kv_cache
 from rl_jax.rollout import records
 from rl_jax.rollout import sampler as sampler_lib
@@ -463,21 +465,25 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   if mesh is not t.setup.sampler_mesh:
     t = t._replace(setup=dataclasses.replace(t.setup, sampler_mesh=mesh))
   engine, groups = memory.sampler_engine(t, None)
+  NP = engine.R // engine.S  # pages of one sample's whole budget
   if kv_fraction is not None and not t.setup.config.rollout.kv_pages:
     fit = int(kv_fraction * max(free, 0) // kv_cache.pool_bytes(engine.cfg, 1, engine.S))
-    if fit < engine.M * engine.NP:
+    if fit < engine.M * NP:
       raise TopologyPlanError(
           f"rollout.kv_memory_fraction={kv_fraction} of the {free / GiB:.2f} GiB per chip the "
           f"state leaves free holds {fit} pages of {engine.S} tokens; one group needs "
-          f"{engine.M * engine.NP}")
+          f"{engine.M * NP}")
     engine, groups = memory.sampler_engine(t, min(fit, engine.max_pool_pages))
   mesh, _ = engine.ctx
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params = _sampler_params(t, rl_state, engine)
   cfg, G, M, P, R = engine.cfg, engine.G, engine.M, engine.P, engine.R
   pool = engine.pool_pages
+  agent = isinstance(engine, rollout.AgentEngine)
+  identity = agent and pool == engine.max_pool_pages  # as ``agent_loop.Loop`` decides it
   init = _compile("kv_init", sampler_lib.init_state.lower(cfg, G, M, P, R, engine.ctx,
-                                                          S=engine.S, pages=pool))
+                                                          S=engine.S, pages=pool,
+                                                          identity=identity))
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                        init.out_info)
   sp = jax.tree.map(lambda x: _spec(x, rep), engine.sp)
@@ -485,29 +491,54 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   key = jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32"))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
   Bn = min(G, records.pow2(min(groups, G), 4))  # the engine's admission bucket
-  a, _ = slots_lib.admission([], Bn, P, G=G, M=M, R=R, max_new_tokens=engine.max_new_tokens)
+  if agent:
+    a, _ = agent_loop.admission(engine, [], Bn, P)
+  else:
+    a, _ = slots_lib.admission([], Bn, P, G=G, M=M, R=R, max_new_tokens=engine.max_new_tokens)
   adm = sampler_lib.Admission(**{k: _spec(v, rep) for k, v in a.items()})
   prefill = _compile("prefill", engine.admit_fn.lower(
       cfg, params, state, adm, sp, i32, key, filtered=engine.filtered, fresh=Bn == G,
       ctx=engine.ctx))
-  decode = _compile("decode", sampler_lib.decode.lower(
-      cfg, params, state, sp, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
-      live=engine.NP))
+  rows = min(groups, G) * M
   weights = memory.tree_bytes(params)
-  kv = dict(pages=pool, max_pages=engine.max_pool_pages, page_size=engine.S,
-            page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool,
-            slots=G)
-  return {
+  programs = {
       "kv_init": {"program": init, "params": 0, "calls": 1, "shape": {},
                   "note": f"{G} slots x {M} samples, pool {pool} pages of {engine.S}"},
       "prefill": {"program": prefill, "params": weights, "calls": 1,
                   "shape": {"rows": Bn, "tokens": P},
                   "note": f"{Bn} groups x {P} prompt tokens"},
-      "decode": {"program": decode, "params": weights, "calls": engine.max_new_tokens,
-                 "shape": {"rows": min(groups, G) * M},
-                 "note": f"one step of the loop x R={engine.max_new_tokens} steps, "
-                         f"{engine.NP} live pages"},
-  }, kv
+  }
+  if agent:
+    # one decode call of the turn loop at every page live, and the observations' incremental
+    # prefill at its largest bucket (every sample of the slots, the longest observation)
+    decode = _compile("decode", extend_lib.decode_turns.lower(
+        cfg, params, state, sp, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
+        live=NP, identity=identity))
+    C = min(R, records.pow2(engine.max_obs + 2, 16))
+    Be = records.pow2(rows, 4)
+    ext = extend_lib.Extension(*(_spec(np.zeros(shape, np.int32), rep) for shape in (
+        (Be,), (Be,), (Be,), (Be, C), (Be,), (Be,))))
+    extend = _compile("extend", extend_lib.extend.lower(
+        cfg, params, state, ext, sp, i32, filtered=engine.filtered, ctx=engine.ctx))
+    programs["decode"] = {"program": decode, "params": weights, "calls": R,
+                          "shape": {"rows": rows},
+                          "note": f"the turn loop at R={R} trajectory tokens, {NP} live pages"}
+    programs["extend"] = {"program": extend, "params": weights, "calls": engine.max_turns - 1,
+                          "shape": {"rows": Be, "tokens": C},
+                          "note": f"{Be} samples x {C} observation tokens, each turn after "
+                                  "the first"}
+  else:
+    decode = _compile("decode", sampler_lib.decode.lower(
+        cfg, params, state, sp, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
+        live=NP))
+    programs["decode"] = {"program": decode, "params": weights, "calls": engine.max_new_tokens,
+                          "shape": {"rows": rows},
+                          "note": f"one step of the loop x R={engine.max_new_tokens} steps, "
+                                  f"{NP} live pages"}
+  kv = dict(pages=pool, max_pages=engine.max_pool_pages, page_size=engine.S,
+            page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool,
+            slots=G)
+  return programs, kv
 
 
 # ------------------------------------------------------------------------------- the command
