@@ -152,7 +152,7 @@ class Trainer:
       ``tokens`` int32 [G·M,R], ``mask`` bool [G·M,R], ``logprobs`` float32 [G·M,R]
       (behaviour log-probs), rows grouped by prompt.
     """
-    s, r = self.setup, self.setup.config.rollout
+    s, r = self.setup, self.setup.rollout
     prompts = [encode_prompt(s.tokenizer, p) if isinstance(p, str) else list(p)
                for p in prompts]
     pick = lambda x, default: default if x is None else x

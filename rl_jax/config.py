@@ -38,6 +38,7 @@ from rl_jax import config_utils as cu
 from rl_jax import imports
 from rl_jax import losses
 from rl_jax import optim
+from rl_jax import settings
 from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
@@ -267,55 +268,9 @@ def _env() -> ml_collections.ConfigDict:
 
 
 def _rollout() -> ml_collections.ConfigDict:
-  """Sampling for training rollouts (M samples per prompt)."""
-  return ml_collections.ConfigDict(dict(
-      n=8,  # M, samples per prompt (group size)
-      max_new_tokens=32,
-      temperature=1.0,  # 0 means greedy
-      top_p=1.0,
-      top_k=0,  # 0 disables top-k
-      eos_id=config_dict.placeholder(int),  # None: the tokenizer's EOS
-      # Active partial rollouts (APRIL): keep ceil(over_sampling·batch_groups) groups in
-      # flight, train on the first batch_groups that complete, carry the rest (with their
-      # tokens, behaviour log-probs and policy versions) into the next step.
-      partial=False,
-      over_sampling=2.0,
-      # Engine shares: the step's groups split into this many independent APRIL engines
-      # (each its own batch_groups / shares groups, held groups and prompt stream); with
-      # several processes each runs and holds only its own shares. 0: one per process. Runs
-      # with the same shares give the same batches on any number of processes.
-      partial_shares=0,
-      max_staleness=1,  # η: no token more than η policy versions old; -1 = unbounded
-      mask_stale=False,  # drop tokens sampled by an older policy from the loss
-      # SPEC-RL: the previous response of the same prompt is a draft, verified by the
-      # current policy (exact speculative sampling; docs/SELECTION.md).
-      speculative=False,
-      spec_lenience=0.0,  # l: accept with min(1, e^l p_new/p_old); 0 is exact
-      # LoRA (model.lora.rank > 0): the sampler decodes merged weights W + (alpha/r)·A·B,
-      # merged once per policy version (faster on the measured CPU: docs/BENCHMARKS.md);
-      # False decodes the base and the adapters unmerged (no merged copy of the weights);
-      # with model.lora.quant the sampler always decodes the quantised base unmerged
-      lora_merge=True,
-      # Weights the sampler decodes with: "" the trainer's (model.dtype); "int8" or "fp8"
-      # (float8_e4m3fn) quantises every dense projection, a scale per head_dim entries, while
-      # the trainer keeps its dtype (rl_jax.train.layout; mismatch_* metrics show the gap)
-      weight_dtype="",
-      # The paged response cache (rl_jax/rollout/pages.py): tokens per page, a power of two
-      # (>= max_new_tokens: one worst-case page per sample, the unpaged layout).
-      page_size=64,
-      # Pool pages, fixed: when they run out the newest group is preempted and resumed by
-      # recompute (the same tokens; multi-turn runs too, partial turns kept). At least one
-      # group's whole budget. None: from rollout.kv_memory_fraction where the device
-      # reports its memory, else the pool grows as the responses need it (never preempts).
-      kv_pages=config_dict.placeholder(int),
-      # Fraction of the device memory free when the engine starts that the pool takes (GPU,
-      # TPU; ignored where the device reports no capacity, e.g. CPU). None: grow as needed.
-      kv_memory_fraction=config_dict.placeholder(float),
-      # Prompts longer than this many tokens (a power of two) are prefilled in chunks of it:
-      # attention scores [chunk, prompt] per head at a time instead of [prompt, prompt]
-      # (rl_jax/rollout/prefill.py); equal to float rounding.
-      prefill_chunk=2048,
-  ))
+  """Sampling for training rollouts (M samples per prompt): the fields, defaults, checks
+  and docs of ``rl_jax.settings.RolloutSettings``."""
+  return settings.section_config(settings.RolloutSettings)
 
 
 def _loss() -> ml_collections.ConfigDict:
@@ -525,6 +480,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
   """Value-range checks of every field the trainer reads: ``key -> check(s)``."""
   opt = cu.optional
   return {
+      **settings.section_checks("rollout", settings.RolloutSettings),
       "model.architecture": cu.one_of(model_config_lib.ARCHITECTURES),
       "model.num_layers": cu.positive_int,
       "model.remat": cu.one_of(model_config_lib.REMAT_POLICIES),
@@ -567,21 +523,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "data.group_chunk": opt(cu.positive_int),
       "data.group_max": opt(cu.positive_int),
       "data.overlong_buffer": opt(cu.nonnegative_int),
-      "rollout.spec_lenience": cu.nonnegative,
-      "rollout.lora_merge": cu.one_of((False, True)),
-      "rollout.weight_dtype": cu.one_of(model_config_lib.SAMPLER_QUANTS),
-      "rollout.n": cu.positive_int,
-      "rollout.page_size": cu.power_of_two,
-      "rollout.prefill_chunk": cu.power_of_two,
-      "rollout.kv_pages": cu.optional(cu.positive_int),
-      "rollout.kv_memory_fraction": cu.optional(cu.in_range(0.0, 1.0, low_inclusive=False)),
-      "rollout.max_new_tokens": cu.positive_int,
-      "rollout.temperature": cu.nonnegative,
-      "rollout.top_p": (cu.probability, cu.in_range(0.0, 1.0, low_inclusive=False)),
-      "rollout.top_k": cu.nonnegative_int,
-      "rollout.over_sampling": cu.in_range(1.0, None),
-      "rollout.partial_shares": cu.nonnegative_int,
-      "rollout.max_staleness": cu.in_range(-1, None),
       "loss.preset": cu.one_of(losses.PRESETS),
       "loss.advantage": opt(cu.one_of(losses.ADVANTAGES)),
       "loss.policy": opt(cu.one_of(losses.POLICIES)),
@@ -721,12 +662,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if (config.data.overlong_buffer or 0) > config.rollout.max_new_tokens:
     raise ConfigError(f"data.overlong_buffer={config.data.overlong_buffer} exceeds "
                       f"rollout.max_new_tokens={config.rollout.max_new_tokens}")
-  if config.rollout.speculative and not config.rollout.temperature > 0:
-    raise ConfigError("rollout.speculative=True needs rollout.temperature > 0 (greedy decoding "
-                      "has nothing to verify)")
-  if config.rollout.speculative and config.rollout.partial:
-    raise ConfigError("rollout.speculative=True and rollout.partial=True cannot be combined; "
-                      "choose one")
+  settings.from_section(settings.RolloutSettings, "rollout", config.rollout)
   shares = config.rollout.partial_shares
   if config.rollout.partial and shares and config.train.batch_groups % shares:
     raise ConfigError(f"rollout.partial_shares={shares} does not divide "

@@ -183,9 +183,9 @@ def test_sort_mix_has_easy_learnable_and_impossible_prompts():
 def test_speculative_drafts_have_a_size_limit():
   from rl_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
   from rl_jax.train import speculative_stage  # pylint: disable=import-outside-toplevel
-  c = _config()
-  c.rollout.speculative = True
-  d = speculative_stage.drafts_state(c, N, 7)
+  geo = base.geometry(_config())
+  assert speculative_stage.drafts_state(False, geo, N, 7) == {}  # rollout.speculative off
+  d = speculative_stage.drafts_state(True, geo, N, 7)
   assert d["logq"].shape == (N, M, R, 7) and not d["length"].any()
   with pytest.raises(ConfigError, match="rollout.speculative"):
-    speculative_stage.drafts_state(c, 10**6, 150_000)
+    speculative_stage.drafts_state(True, geo, 10**6, 150_000)

@@ -346,7 +346,7 @@ def env_examples(spec, split: Sequence[dict], fmt) -> list[EnvExample]:
 def make_engines(s) -> tuple[Any, Any]:
   """(training engine, greedy evaluation engine) of the setup ``s``; the evaluation engine
   differs only in its temperature."""
-  return make_engine(s, s.config.rollout.temperature), make_engine(s, 0.0)
+  return make_engine(s, s.rollout.temperature), make_engine(s, 0.0)
 
 
 def make_engine(s, temperature: float, kv_pages: int | None = None):
@@ -358,7 +358,7 @@ def make_engine(s, temperature: float, kv_pages: int | None = None):
   ``kv_pages``: a fixed pool of that many pages instead of ``rollout.kv_pages`` (the memory
   plan's and the dry run's)."""
   c, e, geo = s.config, s.config.env, s.geometry
-  r = c.rollout
+  r = s.rollout
   return rollout.AgentEngine(
       s.model_cfg, s.chat, s.tokenizer.decode, n=geo.samples, max_slots=geo.groups,
       max_prompt_len=s.prompt_len, max_total_tokens=geo.new_tokens,

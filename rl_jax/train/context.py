@@ -23,6 +23,7 @@ from rl_jax import config as config_lib
 from rl_jax import losses
 from rl_jax import models
 from rl_jax import optim
+from rl_jax import settings
 from rl_jax import sharding
 from rl_jax.data import group_rewards
 from rl_jax.data import rewards as rewards_lib
@@ -59,9 +60,9 @@ class Setup:
   devices, ``split_devices``).
   With ``env.name`` set, ``task`` is the environment task (``rl_jax.envs.spec.EnvSpec``)
   and the splits are ``agent_stage.EnvExample``s (the rendered first prompt of each).
-  ``geometry`` (the step's groups, samples per group and chunks) and ``schedule`` (how the
-  producer and learner are joined) are computed once from the config; every module reads
-  them from here.
+  ``geometry`` (the step's groups, samples per group and chunks), ``schedule`` (how the
+  producer and learner are joined) and ``rollout`` (``settings.RolloutSettings``) are
+  computed once from the config; every module reads them from here.
   """
 
   config: ml_collections.ConfigDict
@@ -86,6 +87,7 @@ class Setup:
   reward_names: tuple = ()
   geometry: config_lib.Geometry = dataclasses.field(init=False)
   schedule: config_lib.Schedule = dataclasses.field(init=False)
+  rollout: settings.RolloutSettings = dataclasses.field(init=False)
 
   @property
   def sampler_cfg(self) -> models.ModelConfig:
@@ -93,7 +95,7 @@ class Setup:
     ``rollout.weight_dtype`` ("int8", "fp8") its dense projections quantised, a float32
     scale per ``head_dim`` entries of each contraction axis (``models.quant``); the trainer
     keeps ``model_cfg``."""
-    wd = self.config.rollout.get("weight_dtype") or ""
+    wd = self.rollout.weight_dtype
     if not wd:
       return self.model_cfg
     return self.model_cfg.replace(quant=wd, quant_block=self.model_cfg.head_dim)
@@ -101,6 +103,8 @@ class Setup:
   def __post_init__(self):
     object.__setattr__(self, "geometry", config_lib.geometry(self.config))
     object.__setattr__(self, "schedule", config_lib.schedule(self.config))
+    object.__setattr__(self, "rollout", settings.from_section(
+        settings.RolloutSettings, "rollout", self.config.rollout))
 
 
 def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:
@@ -505,7 +509,8 @@ def build_setup(config: ml_collections.ConfigDict,
   _device_rules(config, j)
   tokenizer, task, train, evals, prompt_len, fmt = _task(config)
   model_cfg = _model_config(config, tokenizer)
-  speculative_stage.check_draft_bytes(config, len(train), model_cfg.vocab_size)
+  speculative_stage.check_draft_bytes(config.rollout.speculative, config_lib.geometry(config),
+                                      len(train), model_cfg.vocab_size)
   mesh = _mesh(config, j)
   R, what = ((config.env.max_total_tokens, "env.max_total_tokens") if fmt is not None else
              (config.rollout.max_new_tokens, "rollout.max_new_tokens"))

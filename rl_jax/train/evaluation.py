@@ -67,7 +67,7 @@ def evaluate(s: Setup, params, step: int, agent=None) -> dict[str, float]:
   result = {"eval_accuracy": float(np.mean(rewards >= 1.0))}
   k = c.eval.pass_k
   if k > 0:
-    tokens, mask = _sample(s, params, prompts, k, c.rollout.temperature or 1.0,
+    tokens, mask = _sample(s, params, prompts, k, s.rollout.sample_temperature,
                            seed_for(c.train.seed, step, Stream.EVAL_PASS_K))
     r, _ = score(s, decode(s, tokens, mask), [a for a in answers for _ in range(k)])
     result[f"eval_pass@{k}"] = float(np.mean((r.reshape(len(examples), k) >= 1.0).any(axis=1)))

@@ -206,7 +206,7 @@ def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
   ``abstract_state(s)``: shapes and shardings only, nothing computed)."""
   shardings = jax.tree.map(lambda x: x.sharding, abstract or abstract_state(s))
   merge = None
-  if s.model_cfg.lora_rank and s.config.rollout.lora_merge and not s.model_cfg.quant:
+  if s.model_cfg.lora_rank and s.rollout.lora_merge and not s.model_cfg.quant:
     merge = merge_weight_by_weight(s.model_cfg, models.lora.split(shardings.params)[0])
   quantize = None
   if s.sampler_cfg is not s.model_cfg:  # rollout.weight_dtype

@@ -94,7 +94,7 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   lo, hi = t.layout.share(G)  # the groups whose rows live on this process's devices
   g = len(scored.indices)
   loss_mask = scored.mask
-  if c.rollout.mask_stale:  # only tokens of the policy the producer held
+  if s.rollout.mask_stale:  # only tokens of the policy the producer held
     loss_mask = scored.mask & (scored.versions >= scored.version)
   if max_lag >= 0:
     loss_mask = loss_mask & (scored.versions >= int(state.step) - max_lag)

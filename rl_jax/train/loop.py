@@ -74,7 +74,7 @@ def sft_batch(s: Setup, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = encode_prompt(tok, e.prompt)
     rows.append(p + tok.encode(e.answer) + [s.eos_id])
     prompt_lens.append(len(p))
-  T = s.prompt_len + s.config.rollout.max_new_tokens
+  T = s.prompt_len + s.rollout.max_new_tokens
   tokens = np.full((len(rows), T), tok.pad_id, np.int32)
   attn = np.zeros((len(rows), T), bool)
   loss_mask = np.zeros((len(rows), T), np.float32)

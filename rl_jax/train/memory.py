@@ -270,7 +270,7 @@ def compile_steps(t: TrainParts, sft_state: TrainState | None, rl_state: TrainSt
 
   if sft_state is not None:
     rows = t.layout.rows(c.sft.batch_size)
-    T = s.prompt_len + c.rollout.max_new_tokens
+    T = s.prompt_len + s.rollout.max_new_tokens
     b = [_spec((c.sft.batch_size, T), dt, rows) for dt in (jnp.int32, bool, jnp.float32)]
     out["sft"] = _staged(step_memory(compiled("sft", f.sft.lower(
         sft_state.params, sft_state.sft_opt_state, *b))), sft_state.sft_opt_state)
@@ -333,7 +333,7 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
   ``AgentEngine`` of ``agent_stage.make_engine``), with a fixed pool of ``kv_pages`` when
   given, and the groups one sampler serves per step (with several hosts each host samples
   the groups on its own devices). Building it compiles and allocates nothing."""
-  s, r = t.setup, t.setup.config.rollout
+  s, r = t.setup, t.setup.rollout
   geo = s.geometry
   hosts = len({d.process_index for d in s.mesh.devices.flat})
   groups = geo.groups if s.sampler_mesh is s.mesh else math.ceil(geo.groups / hosts)

@@ -102,8 +102,8 @@ def _fresh(t: TrainParts, params, p: ProducerState, *, step: int, version: int, 
   idx = idx[lo:hi]
   examples = [s.train_examples[i] for i in idx]
   prompts = encode_prompts(s, examples)
-  out = generate(s, params, prompts, n=geo.samples, temperature=c.rollout.temperature,
-                 top_p=c.rollout.top_p, top_k=c.rollout.top_k, first_index=lo,
+  out = generate(s, params, prompts, n=geo.samples, temperature=s.rollout.temperature,
+                 top_p=s.rollout.top_p, top_k=s.rollout.top_k, first_index=lo,
                  seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
   tokens = np.asarray(out.tokens)
   out = Sampled(examples, prompts, tokens, np.asarray(out.mask), np.asarray(out.logprobs),
@@ -220,7 +220,7 @@ def _agentic(t: TrainParts, params, p: ProducerState, *, step: int, version: int
   del lo, hi
   s, geo = t.setup, t.setup.geometry
   t0 = time.perf_counter()
-  if s.config.rollout.partial:
+  if s.rollout.partial:
     position = [np.asarray(p.data)]
 
     def next_index() -> int:
@@ -268,8 +268,8 @@ def _roll(t: TrainParts, params, drafts: dict, idx: np.ndarray, first_index: int
     tokens, mask, logprobs, stats = speculative_stage.roll(
         s, params, drafts, idx, prompts, step=step, first_index=first_index, version=version)
   else:
-    out = generate(s, params, prompts, n=M, temperature=c.rollout.temperature,
-                   top_p=c.rollout.top_p, top_k=c.rollout.top_k, first_index=first_index,
+    out = generate(s, params, prompts, n=M, temperature=s.rollout.temperature,
+                   top_p=s.rollout.top_p, top_k=s.rollout.top_k, first_index=first_index,
                    seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
     tokens, mask, logprobs, stats = (np.asarray(out.tokens), np.asarray(out.mask),
                                      np.asarray(out.logprobs), engine_stats(out.stats))
@@ -319,7 +319,7 @@ def source(t: TrainParts) -> str:
     return "agentic"
   if t.engine is not None:
     return "engine"
-  if (selection_stage.effective_selector(c) != "none" or bool(c.rollout.speculative)
+  if (selection_stage.effective_selector(c) != "none" or t.setup.rollout.speculative
       or t.setup.geometry.adaptive):
     return "selected"
   return "fresh"

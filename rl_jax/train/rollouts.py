@@ -138,7 +138,7 @@ def generate(s: Setup, params, prompts, cfg=None, **kw):
   """``rollout.generate`` on the sampler's mesh with the task's EOS and length budget;
   ``params`` as ``Layout.sampler_params`` places them; the paged cache as configured;
   ``cfg``: the model config they are decoded with (default ``Setup.sampler_cfg``)."""
-  r = s.config.rollout
+  r = s.rollout
   return rollout.generate(cfg or s.sampler_cfg, params, prompts, max_new_tokens=r.max_new_tokens,
                           eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.rules,
                           page_size=r.page_size, kv_pages=r.kv_pages,

@@ -280,8 +280,7 @@ class FreeRunning:
   newest published weights into a bounded queue under the staleness bound η."""
 
   def __init__(self, t: TrainParts, state: TrainState):
-    c = t.setup.config
-    self.t, self.eta = t, c.rollout.max_staleness
+    self.t, self.eta = t, t.setup.rollout.max_staleness
     self.capacity = t.setup.schedule.queue
     self.cond = threading.Condition()
     self.queue: list[tuple[Scored, ProducerState | None]] = [

@@ -29,31 +29,33 @@ __all__ = ["MAX_DRAFT_BYTES", "draft_bytes", "check_draft_bytes", "drafts_state"
 MAX_DRAFT_BYTES = 4 << 30  # the drafts' distributions are train state: keep them bounded
 
 
-def draft_bytes(c, num_prompts: int, vocab: int) -> int:
-  """Bytes of the drafts' arrays (checked against ``MAX_DRAFT_BYTES`` by the setup)."""
-  geo = config_lib.geometry(c)
+def draft_bytes(geo: config_lib.Geometry, num_prompts: int, vocab: int) -> int:
+  """Bytes of the drafts' arrays of ``num_prompts`` prompts: M samples of R tokens each with
+  their float32 distributions over ``vocab`` (checked against ``MAX_DRAFT_BYTES`` by the
+  setup)."""
   return num_prompts * geo.samples * geo.new_tokens * vocab * 4
 
 
-def check_draft_bytes(c, num_prompts: int, vocab: int) -> None:
-  """The SPEC-RL rule: the drafts of ``num_prompts`` prompts fit ``MAX_DRAFT_BYTES`` (the
-  setup checks it before anything is built)."""
-  size = draft_bytes(c, num_prompts, vocab)
-  if c.rollout.speculative and size > MAX_DRAFT_BYTES:
-    geo = config_lib.geometry(c)
+def check_draft_bytes(speculative: bool, geo: config_lib.Geometry, num_prompts: int,
+                      vocab: int) -> None:
+  """The SPEC-RL rule (``rollout.speculative``): the drafts of ``num_prompts`` prompts fit
+  ``MAX_DRAFT_BYTES`` (the setup checks it before anything is built)."""
+  size = draft_bytes(geo, num_prompts, vocab)
+  if speculative and size > MAX_DRAFT_BYTES:
     raise ConfigError(f"rollout.speculative=True would keep {size / 2**30:.1f} GiB of drafts "
                       f"({num_prompts} prompts x {geo.samples} samples x {geo.new_tokens} "
                       f"tokens x {vocab} vocab x 4 bytes; the limit is "
                       f"{MAX_DRAFT_BYTES / 2**30:.0f} GiB)")
 
 
-def drafts_state(c, num_prompts: int, vocab: int) -> dict:
-  """The drafts of a fresh run (``ProducerState.drafts``): none yet (``{}`` when the feature
-  is off)."""
-  if not c.rollout.speculative:
+def drafts_state(speculative: bool, geo: config_lib.Geometry, num_prompts: int,
+                 vocab: int) -> dict:
+  """The drafts of a fresh run (``ProducerState.drafts``): none yet (``{}`` when
+  ``rollout.speculative`` is off). tokens int32 [N,M,R], length int32 [N,M], logq float32
+  [N,M,R,V]."""
+  if not speculative:
     return {}
-  check_draft_bytes(c, num_prompts, vocab)
-  geo = config_lib.geometry(c)
+  check_draft_bytes(speculative, geo, num_prompts, vocab)
   M, R = geo.samples, geo.new_tokens
   return {"tokens": np.zeros((num_prompts, M, R), np.int32),
           "length": np.zeros((num_prompts, M), np.int32),
@@ -80,8 +82,7 @@ def roll(s, params, drafts: dict, idx: np.ndarray, prompts: list, *, step: int,
     tokens int32 [g·M,R], mask bool [g·M,R], behaviour log-probs float32 [g·M,R] (the current
     policy's for every token), and the step's SPEC-RL counters.
   """
-  c = s.config
-  r = c.rollout
+  r = s.rollout
   M, R = s.geometry.samples, s.geometry.new_tokens
   pt, pl = _padded(prompts, s.prompt_len, s.tokenizer.pad_id)
   dt = drafts["tokens"][idx]

@@ -92,16 +92,14 @@ def engine_shares(s: Setup) -> int:
   """S, the independent APRIL engines the step's G groups are split into
   (``rollout.partial_shares``; 0: one per process): each returns G / S groups and holds its
   own groups, uids and prompt stream. 1 without the single-turn partial engine."""
-  c = s.config
-  if not c.rollout.partial or c.env.name:
+  if not s.rollout.partial or s.config.env.name:
     return 1
-  return c.rollout.partial_shares or jax.process_count()
+  return s.rollout.partial_shares or jax.process_count()
 
 
 def held_capacity(s: Setup) -> int:
   """Most groups one partial-rollout engine share can hold between steps (its slots)."""
-  c = s.config
-  return math.ceil(c.rollout.over_sampling * c.train.batch_groups / engine_shares(s))
+  return math.ceil(s.rollout.over_sampling * s.config.train.batch_groups / engine_shares(s))
 
 
 def stack_shares(held: list[dict]) -> dict:
@@ -117,7 +115,7 @@ def take_shares(held: dict, first: int, last: int) -> dict:
 
 def make_engine(s: Setup) -> rollout.RolloutEngine | None:
   """The APRIL rollout engine of ``rollout.partial`` runs (None otherwise)."""
-  r = s.config.rollout
+  r = s.rollout
   if not r.partial:
     return None
   return rollout.RolloutEngine(
@@ -135,9 +133,9 @@ def _empty_buffer(s: Setup) -> dict:
   engine's with ``env.name``); with S > 1 engine shares (``engine_shares``) the job-wide
   form, ``stack_shares`` of S empty shares (share j's uids from j·``UID_STRIDE``)."""
   if s.config.env.name:
-    if not s.config.rollout.partial:
+    if not s.rollout.partial:
       return {}
-    engine = agent_stage.make_engine(s, s.config.rollout.temperature)
+    engine = agent_stage.make_engine(s, s.rollout.temperature)
     try:
       return engine.export_held(held_capacity(s))
     finally:
@@ -158,7 +156,8 @@ def _host_parts(s: Setup) -> dict:
   E = len(s.train_examples)
   producer = {"held": _empty_buffer(s),
               "selector": selection_stage.selector_state(s.config, E),
-              "drafts": speculative_stage.drafts_state(s.config, E, s.model_cfg.vocab_size),
+              "drafts": speculative_stage.drafts_state(s.rollout.speculative, s.geometry, E,
+                                                       s.model_cfg.vocab_size),
               "replay": replay_stage.empty_buffer(s.config, s.prompt_len,
                                                   len(s.reward_names),
                                                   s.model_cfg.num_experts,

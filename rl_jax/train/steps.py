@@ -180,7 +180,7 @@ def _micro(s: Setup) -> int:
 
 
 def _temperature(s: Setup) -> float:
-  return s.config.rollout.temperature or 1.0
+  return s.rollout.sample_temperature
 
 
 def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=(),

@@ -371,7 +371,7 @@ def model_flops(s: Setup, prog: str, sampler: dict | None = None) -> float:
     g = rows // c.train.minibatches
     flops = 2 * train * (trunk * g * per_row + head * g * M * R)
   elif prog == "sft":
-    T = P + c.rollout.max_new_tokens
+    T = P + s.rollout.max_new_tokens
     flops = 2 * train * (trunk + head) * c.sft.batch_size * T
   elif sampler is not None and prog == "prefill":
     flops = 2 * (trunk * sampler["rows"] * sampler["tokens"] + head * sampler["rows"])
@@ -466,7 +466,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
     t = t._replace(setup=dataclasses.replace(t.setup, sampler_mesh=mesh))
   engine, groups = memory.sampler_engine(t, None)
   NP = engine.R // engine.S  # pages of one sample's whole budget
-  if kv_fraction is not None and not t.setup.config.rollout.kv_pages:
+  if kv_fraction is not None and not t.setup.rollout.kv_pages:
     fit = int(kv_fraction * max(free, 0) // kv_cache.pool_bytes(engine.cfg, 1, engine.S))
     if fit < engine.M * NP:
       raise TopologyPlanError(
@@ -747,7 +747,7 @@ def batch_step(s: Setup) -> int:
   axes = sharding.logical_to_spec(("batch",), s.rules, s.mesh, (s.mesh.size << 12,))[0] or ()
   split = math.prod(s.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
   step = c.train.minibatches * math.lcm(c.train.micro_batches, split)
-  if c.rollout.partial:
+  if s.rollout.partial:
     step = math.lcm(step, state_lib.engine_shares(s))
   return step
 
@@ -756,9 +756,8 @@ def _slots(s: Setup, groups: int) -> int:
   """The sampler engine's group slots at ``groups`` groups a step (``memory.sampler_engine``):
   a power of two of the groups one sampler serves (per host when each host samples its
   own), or the partial engine's held groups."""
-  c = s.config
-  if c.rollout.partial:
-    return math.ceil(c.rollout.over_sampling * groups / state_lib.engine_shares(s))
+  if s.rollout.partial:
+    return math.ceil(s.rollout.over_sampling * groups / state_lib.engine_shares(s))
   hosts = len({d.process_index for d in s.mesh.devices.flat})
   return records.pow2(groups if s.sampler_mesh is s.mesh else math.ceil(groups / hosts))
 
