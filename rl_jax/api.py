@@ -156,7 +156,7 @@ class Trainer:
     prompts = [encode_prompt(s.tokenizer, p) if isinstance(p, str) else list(p)
                for p in prompts]
     pick = lambda x, default: default if x is None else x
-    seed = pick(seed, seed_for(s.config.train.seed, self.step, Stream.ROLLOUT))
+    seed = pick(seed, seed_for(s.train.seed, self.step, Stream.ROLLOUT))
     return rollout.generate(
         s.sampler_cfg, self.trainer.layout.sampler_params(self.state.params), prompts,
         n=pick(n, s.geometry.samples), max_new_tokens=pick(max_new_tokens, r.max_new_tokens),
@@ -221,7 +221,7 @@ class Trainer:
       raise RLJaxError("api: a batch needs rewards or advantages")
     rewards = (b.rewards if b.rewards is not None
                else np.zeros(np.shape(b.tokens)[:2], np.float32))
-    own_old = old_logp_in_update(s.config, obj)
+    own_old = old_logp_in_update(s.train, s.schedule.overlapped, s.rollout.partial, obj)
     if "ref_logp" in obj.needs and not jax.tree.leaves(self.state.ref_params):
       raise RLJaxError("api: the loss needs a reference (a KL term) but the config's "
                        "objective keeps none; set loss.kl_beta > 0 in the config")
@@ -239,7 +239,7 @@ class Trainer:
     behaviour = (self._put(b.behaviour_logp, np.float32) if b.behaviour_logp is not None
                  else t.steps.logprobs(self.state.params, *args))
     src = Source(steps, self.state, args, self._put(rewards, np.float32), args[3], behaviour,
-                 s.config.train.seed, teacher=t.teacher)
+                 s.train.seed, teacher=t.teacher)
     inputs = make_inputs(obj.needs, src)
     if b.old_logp is not None and not own_old:
       inputs = inputs._replace(old_logp=self._put(b.old_logp, np.float32))

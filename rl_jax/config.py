@@ -28,7 +28,6 @@ so an estimator registered by a user config file is accepted too.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import NamedTuple
 
 import ml_collections
@@ -37,7 +36,6 @@ from ml_collections import config_dict
 from rl_jax import config_utils as cu
 from rl_jax import imports
 from rl_jax import losses
-from rl_jax import optim
 from rl_jax import settings
 from rl_jax import sharding
 from rl_jax.errors import ConfigError
@@ -45,14 +43,13 @@ from rl_jax.models import config as model_config_lib
 from rl_jax.models import moe
 from rl_jax.models import lora as lora_lib
 
-__all__ = ["SELECTORS", "OFFLOAD_PARTS", "DISTILL_KNOBS", "check_objective", "replay_groups",
+__all__ = ["SELECTORS", "DISTILL_KNOBS", "check_objective",
            "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry",
            "check_moe_fields", "notices", "schedule", "validate"]
 
 SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
-OFFLOAD_PARTS = ("optimizer", "reference", "teacher")
 # preset knobs set from the distill section (distill.coef), not from config.loss
-DISTILL_KNOBS = ("distill_coef",)  # train.offload (rl_jax.train.offload)
+DISTILL_KNOBS = ("distill_coef",)
 GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
 ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks.TASKS)
 # env.name of the adapters' tasks (rl_jax.envs.adapters): a gymnasium id, a verifiers taskset
@@ -267,12 +264,6 @@ def _env() -> ml_collections.ConfigDict:
   ))
 
 
-def _rollout() -> ml_collections.ConfigDict:
-  """Sampling for training rollouts (M samples per prompt): the fields, defaults, checks
-  and docs of ``rl_jax.settings.RolloutSettings``."""
-  return settings.section_config(settings.RolloutSettings)
-
-
 def _loss() -> ml_collections.ConfigDict:
   """A named preset of ``rl_jax.losses`` plus every knob, each None meaning the preset's.
 
@@ -284,128 +275,6 @@ def _loss() -> ml_collections.ConfigDict:
     if knob not in DISTILL_KNOBS:
       fields[knob] = config_dict.placeholder(kind)
   return ml_collections.ConfigDict(fields)
-
-
-def _loss_extra() -> ml_collections.ConfigDict:
-  """Trainer-side settings of objectives (not knobs of the loss itself)."""
-  return ml_collections.ConfigDict(dict(
-      grad_norm_method="map",  # VCPO per-trajectory gradient norms; rl_jax.losses.GRAD_NORM_METHODS
-      grad_norm_chunk=4,  # rows per chunk of "map" (docs/BENCHMARKS.md: grad-norm section)
-  ))
-
-
-def _optim() -> ml_collections.ConfigDict:
-  """AdamW with linear warm-up then constant or cosine decay (``rl_jax.optim``)."""
-  return ml_collections.ConfigDict(dict(
-      lr=1e-5,  # η
-      schedule="constant",  # one of rl_jax.optim.SCHEDULES
-      warmup_steps=0,
-      b1=0.9,
-      b2=0.999,
-      eps=1e-8,
-      weight_decay=0.0,
-      grad_clip=1.0,  # global-norm clip; 0 disables
-      value_lr=config_dict.placeholder(float),  # PPO critic learning rate (None: lr)
-      mu_dtype=config_dict.placeholder(str),  # Adam first moment dtype (None: param dtype)
-      # with model.param_dtype=bfloat16: add each update in float32 and round the weights
-      # back to bfloat16 stochastically (unbiased), instead of to nearest (rl_jax.optim)
-      stochastic_rounding=False,
-  ))
-
-
-def _train() -> ml_collections.ConfigDict:
-  """Loop sizes, seeding, evaluation and checkpoint cadence."""
-  return ml_collections.ConfigDict(dict(
-      steps=100,
-      batch_groups=8,  # G, prompts (groups) per step; each has rollout.n samples
-      minibatches=1,  # optimizer updates per step
-      # μ: passes over each step's batch (PPO epochs), minibatches reshuffled per pass; the
-      # proximal log-probs are computed once, before the first pass (rl_jax.train.learner)
-      epochs=1,
-      # gradient accumulation: each minibatch's groups in this many micro-batches, one after
-      # another inside the update (the same update to float rounding, less activation memory)
-      micro_batches=1,
-      shared_prefix=True,  # packed prompt-once layout for grouped log-probs
-      max_bad_steps=3,  # consecutive skipped updates (non-finite loss or grad norm), then stop
-      seed=0,
-      eval_every=50,  # 0 disables evaluation
-      checkpoint_every=50,  # 0 saves only at the end
-      keep=3,  # checkpoints kept
-      # a lock whose holder runs on another host is stale after this many seconds without a
-      # heartbeat (rl_jax.train.lock); a holder on this host is stale once its pid is gone
-      lock_stale_s=300,
-      # storage dtype of the frozen KL reference (None: model.dtype, the compute dtype)
-      ref_dtype=config_dict.placeholder(str),
-      # state parts kept in host memory between steps (JAX memory kind "pinned_host"):
-      # "" or comma-separated names of "reference", "optimizer", "teacher" (the on-policy
-      # distillation teacher) (rl_jax.train.offload)
-      offload="",
-      dry_run=False,  # print the memory plan (abstract shapes, no weights read) and exit
-      memory_check=True,  # fail before compiling when the memory plan exceeds the devices
-      # "sync": sample, then update. "async": a rollout producer samples on its own devices
-      # (mesh.rollout_devices) while the learner updates (rl_jax.train.runner).
-      mode="sync",
-      # async only: the batch of step t comes from the weights of step t - async_lag (a
-      # reproducible, resumable pipeline; 0 equals sync). -1: free-running producer,
-      # bounded by rollout.max_staleness.
-      async_lag=1,
-      # async: allow a lag above 1 (or train.replay) with an objective that ignores the
-      # behaviour log-probs (plain GRPO on stale data, for ablations)
-      allow_uncorrected=False,
-      # experience replay (rl_jax.train.replay_stage; docs/ALGORITHMS.md, "Experience
-      # replay"): a ring of the last ``capacity`` scored groups with reward variance (0: off);
-      # once it holds round(fraction * batch_groups) groups, each step draws that many from
-      # it and samples only the rest of its batch_groups fresh
-      replay=ml_collections.ConfigDict(dict(capacity=0, fraction=0.25)),
-      # "auto": with one minibatch (on-policy) the update takes old_logp from its own policy
-      # pass instead of a separate one (rl_jax.train.on_policy); "separate": always a pass.
-      old_logp_pass="auto",
-      # JAX's persistent compilation cache: relative paths are under the workdir (a rerun or
-      # resume loads its programs), an absolute one can be shared by runs; "" disables it.
-      # The environment variable RL_JAX_COMPILE_CACHE, when set, replaces the default (one
-      # cache for every run on a machine, e.g. a test suite).
-      compile_cache=os.environ.get("RL_JAX_COMPILE_CACHE", "compile_cache"),
-      # CPU only: compile the training programs and the sampler's prefill with XLA's elemental
-      # emitter and LLVM -O1 (rl_jax.compile_options): about half the compile time for them,
-      # values equal to XLA's defaults to float rounding. False: XLA's defaults.
-      cpu_fast_compile=True,
-      # CPU only: the training programs' reductions as XLA's own loops, not YNNPACK's
-      # (rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in
-      # another order, values equal to float rounding. False: XLA's defaults.
-      cpu_xla_reductions=True,
-      # CPU only, opt-in: the training programs' temporaries in blocks of at most this many
-      # MiB (16 suits glibc; rl_jax.compile_options), which malloc reuses between calls
-      # instead of mapping and faulting in one large block each time: the RL update up to
-      # 1.08x faster on a small model, values bit-identical; programs in several blocks
-      # are not stored in the compilation cache. 0: one block, XLA's default.
-      cpu_temp_block_mib=0,
-      profile_step=0,  # write a jax.profiler trace of this step to DIR/profile (0: none)
-  ))
-
-
-def _sft() -> ml_collections.ConfigDict:
-  """Supervised warm start on prompt/answer pairs before RL (0 steps disables it)."""
-  return ml_collections.ConfigDict(dict(steps=0, lr=1e-4, batch_size=32))
-
-
-def _eval() -> ml_collections.ConfigDict:
-  """Held-out evaluation: greedy accuracy, and pass@k with k samples (0 disables)."""
-  return ml_collections.ConfigDict(dict(
-      pass_k=0,
-      # Sample through the training rollouts' compiled programs (M greedy rows per prompt
-      # instead of one; fewer programs to compile). rl_jax.train.evaluation.
-      share_programs=True,
-  ))
-
-
-def _distill() -> ml_collections.ConfigDict:
-  """On-policy distillation (``rl_jax.train.teacher``): a frozen teacher scores the tokens
-  the policy samples, and ``coef`` x (teacher log-prob - sampler log-prob) is each token's
-  advantage, added to the task's (any preset) or alone (``loss.preset=on_policy_distill``)."""
-  return ml_collections.ConfigDict(dict(
-      teacher_path="",  # HF checkpoint directory of the teacher (same vocabulary); "" = off
-      coef=1.0,  # weight of the per-token reverse-KL advantage
-  ))
 
 
 def _reward() -> ml_collections.ConfigDict:
@@ -429,16 +298,6 @@ def _reward() -> ml_collections.ConfigDict:
   ))
 
 
-def _log() -> ml_collections.ConfigDict:
-  """Metrics output."""
-  return ml_collections.ConfigDict(dict(
-      tensorboard=True,  # DIR/tensorboard event files (tensorboardX)
-      wandb=False,  # also log to Weights & Biases (needs `pip install wandb`)
-      wandb_project="rl_jax",
-      wandb_name=config_dict.placeholder(str),  # None: W&B picks a run name
-  ))
-
-
 def _dry_run() -> ml_collections.ConfigDict:
   """``train.dry_run=True`` for a TPU topology this host does not have
   (``rl_jax.train.topology``, needs ``pip install -e ".[tpu]"``): every program of the run
@@ -456,13 +315,13 @@ def _dry_run() -> ml_collections.ConfigDict:
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """The full default config tree (unlocked): model, mesh, distributed, data, rollout, loss,
-  loss_extra, optim, train, sft, eval, log, env, dry_run, distill, reward."""
+  """The full default config tree (unlocked): model, mesh, distributed, data, env, loss,
+  dry_run, reward, and the sections with typed settings (``settings.SECTIONS``: rollout,
+  train, sft, eval, distill, log, optim, loss_extra), built from their classes."""
+  typed = {name: settings.section_config(cls) for name, cls in settings.SECTIONS.items()}
   return ml_collections.ConfigDict(dict(
       model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),
-      rollout=_rollout(), loss=_loss(), loss_extra=_loss_extra(), optim=_optim(),
-      train=_train(), sft=_sft(), eval=_eval(), log=_log(), dry_run=_dry_run(),
-      distill=_distill(), reward=_reward(),
+      loss=_loss(), dry_run=_dry_run(), reward=_reward(), **typed,
   ))
 
 
@@ -480,7 +339,8 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
   """Value-range checks of every field the trainer reads: ``key -> check(s)``."""
   opt = cu.optional
   return {
-      **settings.section_checks("rollout", settings.RolloutSettings),
+      **{key: check for name, cls in settings.SECTIONS.items()
+         for key, check in settings.section_checks(name, cls).items()},
       "model.architecture": cu.one_of(model_config_lib.ARCHITECTURES),
       "model.num_layers": cu.positive_int,
       "model.remat": cu.one_of(model_config_lib.REMAT_POLICIES),
@@ -549,46 +409,10 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.geo_mean_cap": opt(cu.positive),
       "loss.minpro": opt(cu.one_of((False, True))),
       "loss.value_coef": opt(cu.nonnegative),
-      "distill.coef": cu.positive,
-      "loss_extra.grad_norm_method": cu.one_of(losses.GRAD_NORM_METHODS),
-      "loss_extra.grad_norm_chunk": cu.positive_int,
-      "optim.lr": cu.positive,
-      "optim.value_lr": opt(cu.positive),
-      "optim.schedule": cu.one_of(optim.SCHEDULES),
-      "optim.warmup_steps": cu.nonnegative_int,
-      "optim.weight_decay": cu.nonnegative,
-      "optim.grad_clip": cu.nonnegative,
-      "optim.mu_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
-      "optim.stochastic_rounding": cu.one_of((False, True)),
-      "train.steps": cu.positive_int,
-      "train.batch_groups": cu.positive_int,
-      "train.minibatches": cu.positive_int,
-      "train.epochs": cu.positive_int,
-      "train.micro_batches": cu.positive_int,
-      "train.eval_every": cu.nonnegative_int,
-      "train.checkpoint_every": cu.nonnegative_int,
-      "train.keep": cu.positive_int,
-      "train.lock_stale_s": cu.positive_int,
-      "train.max_bad_steps": cu.positive_int,
-      "train.ref_dtype": opt(cu.one_of(model_config_lib.DTYPES)),
-      "train.mode": cu.one_of(("sync", "async")),
-      "train.replay.capacity": cu.nonnegative_int,
-      "train.replay.fraction": cu.in_range(0.0, 1.0, high_inclusive=False),
-      "train.async_lag": lambda x: (None if cu.is_int(x) and x >= -1 else
-                                    "must be an int >= 0, or -1 (free-running)"),
       "mesh.rollout_devices": cu.nonnegative_int,
-      "train.old_logp_pass": cu.one_of(("auto", "separate")),
-      "train.profile_step": cu.nonnegative_int,
-      "train.cpu_fast_compile": cu.one_of((False, True)),
-      "train.cpu_xla_reductions": cu.one_of((False, True)),
-      "train.cpu_temp_block_mib": cu.nonnegative_int,
       "dry_run.topology": lambda x: None if isinstance(x, str) else "must be a string",
       "dry_run.num_slices": cu.positive_int,
       "dry_run.max_batch": cu.one_of((False, True)),
-      "sft.steps": cu.nonnegative_int,
-      "sft.lr": cu.positive,
-      "sft.batch_size": cu.positive_int,
-      "eval.pass_k": cu.nonnegative_int,
       "env.name": _env_name,
       "env.max_turns": cu.positive_int,
       "env.max_total_tokens": cu.positive_int,
@@ -662,7 +486,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if (config.data.overlong_buffer or 0) > config.rollout.max_new_tokens:
     raise ConfigError(f"data.overlong_buffer={config.data.overlong_buffer} exceeds "
                       f"rollout.max_new_tokens={config.rollout.max_new_tokens}")
-  settings.from_section(settings.RolloutSettings, "rollout", config.rollout)
+  for name, cls in settings.SECTIONS.items():  # their own rules (train's replay: below)
+    if name != "train":
+      settings.from_section(cls, name, config[name])
   shares = config.rollout.partial_shares
   if config.rollout.partial and shares and config.train.batch_groups % shares:
     raise ConfigError(f"rollout.partial_shares={shares} does not divide "
@@ -678,7 +504,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       f"{config.model.param_dtype}: its updates already add exactly enough)")
   _check_group_size(config)
   _check_env(config)
-  _check_offload(config)
   _check_distill(config)
   _check_sampler_weights(config)
   _check_reward(config)
@@ -688,6 +513,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       "frozen base the policy already holds; there is no copy to offload")
   _check_async(config)
   _check_replay(config)
+  settings.from_section(settings.TrainSettings, "train", config.train)  # its own rules
   check_wandb(config)
   if config.train.batch_groups % config.train.minibatches:
     raise ConfigError(f"train.batch_groups={config.train.batch_groups} is not divisible by "
@@ -812,15 +638,6 @@ def _check_env(config: ml_collections.ConfigDict) -> None:
                         "agentic producer samples fixed groups")
 
 
-def _check_offload(config: ml_collections.ConfigDict) -> None:
-  """``train.offload``: comma-separated names of ``OFFLOAD_PARTS``."""
-  names = {n.strip() for n in (config.train.get("offload") or "").split(",") if n.strip()}
-  unknown = sorted(n for n in names if n not in OFFLOAD_PARTS)
-  if unknown:
-    raise ConfigError(f"config.train.offload names {unknown[0]!r}; choose from "
-                      f"{sorted(OFFLOAD_PARTS)} (comma-separated), or '' for none")
-
-
 def notices(config: ml_collections.ConfigDict) -> list[str]:
   """Settings that run but are unlikely to do what was meant: one ``note:`` line each,
   printed when a run starts (``train.loop``)."""
@@ -906,18 +723,9 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
                       "overlaps, -1 is unbounded)")
 
 
-def replay_groups(config: ml_collections.ConfigDict) -> int:
-  """k: the groups a step of experience replay takes from its buffer once it holds that
-  many, round(train.replay.fraction · G) (halves up); 0 with replay off."""
-  r = config.train.get("replay")
-  if not r or not r.capacity:
-    return 0
-  return int(r.fraction * config.train.batch_groups + 0.5)
-
-
 def _check_replay(config: ml_collections.ConfigDict) -> None:
-  """Experience replay (``train.replay``) runs in the synchronous single-turn producer
-  only, and its buffer must hold a step's k replayed groups (``replay_groups``)."""
+  """Experience replay (``train.replay``) runs in the synchronous single-turn producer only
+  (its own rules, k replayed groups that fit the buffer, are ``settings.TrainSettings``')."""
   c, r = config, config.train.replay
   if not r.capacity:
     return
@@ -935,13 +743,6 @@ def _check_replay(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"{what} is not supported with data.selector="
                       f"{'dapo (the dapo preset)' if sel == 'none' else repr(sel)}: replayed "
                       "groups take the place of fresh prompts, not of selected ones")
-  k = replay_groups(c)
-  if k == 0:
-    raise ConfigError(f"{what}: train.replay.fraction={r.fraction} of "
-                      f"train.batch_groups={c.train.batch_groups} rounds to 0 replayed groups")
-  if r.capacity < k:
-    raise ConfigError(f"{what} holds fewer groups than a step replays (round(fraction x "
-                      f"batch_groups) = {k})")
 
 
 # how an objective corrects tokens of older weights (named in the one-line errors below)
@@ -967,7 +768,7 @@ def check_objective(config: ml_collections.ConfigDict, needs) -> None:
     raise ConfigError(f"model.lora.rank={c.model.lora.rank}: loss.preset={c.loss.preset!r} "
                       f"needs a value model, which LoRA does not support (the critic has no "
                       f"adapters); use a critic-free objective or model.lora.rank=0")
-  if replay_groups(c) and _uncorrected(c, needs):
+  if c.train.replay.capacity and _uncorrected(c, needs):
     raise ConfigError(
         f"train.replay.capacity={c.train.replay.capacity} trains on replayed groups of older "
         f"weights, but loss.preset={c.loss.preset!r} never reads the behaviour log-probs to "

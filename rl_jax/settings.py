@@ -5,34 +5,58 @@ the command line. A section with settings here has one home: each field's defaul
 value check and its doc are declared on the field, ``rl_jax.config`` builds the section's
 ``ConfigDict`` (``section_config``) and its check table (``section_checks``) from them, and
 the rules between fields of the section are the dataclass's ``__post_init__``. The setup
-turns the section into its settings once (``from_section``: ``Setup.rollout``); the code
+turns the section into its settings once (``from_section``: ``Setup.rollout`` ...); the code
 below the setup reads those, never the raw config, so a function's signature says what it
 depends on.
 
 * ``RolloutSettings``: ``config.rollout``, sampling for training rollouts.
+* ``TrainSettings`` (with ``ReplaySettings``): ``config.train``, the loop, its mode and
+  cadence, the CPU compile options.
+* ``SftSettings``, ``EvalSettings``, ``DistillSettings``, ``LogSettings``, ``OptimSettings``,
+  ``LossExtraSettings``: ``config.sft``, ``eval``, ``distill``, ``log``, ``optim``,
+  ``loss_extra``.
+
+``SECTIONS`` maps each section to its class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
 from rl_jax import config_checks as cu
+from rl_jax import losses, optim
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 
-__all__ = ["RolloutSettings", "from_section", "section_checks", "section_config", "setting"]
+__all__ = ["OFFLOAD_PARTS", "OLD_LOGP_PASSES", "SECTIONS", "DistillSettings", "EvalSettings",
+           "LogSettings", "LossExtraSettings", "OptimSettings", "ReplaySettings",
+           "RolloutSettings", "SftSettings", "TrainSettings", "from_section", "section_checks",
+           "section_config", "setting"]
 
 
 def setting(default: Any, check: Any = None, doc: str = "", *, kind: type | None = None):
-  """A settings field: ``default``, ``check`` (an ``rl_jax.config_checks`` check, or a tuple
-  of them, run on the value before the settings are built), ``doc`` (its meaning); ``kind``:
-  the type of a field whose default is None (how the command line parses it)."""
-  return dataclasses.field(default=default,
-                           metadata={"check": check, "doc": doc, "kind": kind})
+  """A settings field: ``default`` (a callable is called for each new settings value: a
+  nested settings class, a default read from the environment), ``check`` (an
+  ``rl_jax.config_checks`` check, or a tuple of them, run on the value before the settings
+  are built), ``doc`` (its meaning); ``kind``: the type of a field whose default is None
+  (how the command line parses it)."""
+  metadata = {"check": check, "doc": doc, "kind": kind}
+  if callable(default):
+    return dataclasses.field(default_factory=default, metadata=metadata)
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+OFFLOAD_PARTS = ("optimizer", "reference", "teacher")  # train.offload (rl_jax.train.offload)
+OLD_LOGP_PASSES = ("auto", "separate")  # train.old_logp_pass (rl_jax.train.on_policy)
+
+
+def _int(x: Any) -> str | None:
+  return None if cu.is_int(x) else "must be an int"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,33 +146,298 @@ class RolloutSettings:
     return self.temperature or 1.0
 
 
+def _async_lag(x: Any) -> str | None:
+  return None if cu.is_int(x) and x >= -1 else "must be an int >= 0, or -1 (free-running)"
+
+
+def _compile_cache() -> str:
+  """``train.compile_cache``'s default, read when a config is built: the environment
+  variable RL_JAX_COMPILE_CACHE (one cache for every run on a machine, e.g. a test suite),
+  else "compile_cache" under the workdir."""
+  return os.environ.get("RL_JAX_COMPILE_CACHE", "compile_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySettings:
+  """Experience replay (``train.replay``; rl_jax.train.replay_stage, docs/ALGORITHMS.md,
+  "Experience replay")."""
+
+  capacity: int = setting(
+      0, cu.nonnegative_int,
+      "a ring of the last ``capacity`` scored groups with reward variance (0: off)")
+  fraction: float = setting(
+      0.25, cu.in_range(0.0, 1.0, high_inclusive=False),
+      "once the ring holds round(fraction * batch_groups) groups, each step draws that many "
+      "from it and samples only the rest of its batch_groups fresh")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+  """Loop sizes, seeding, evaluation and checkpoint cadence, the training mode and the
+  CPU compile options: ``config.train``. G = ``batch_groups``, μ = ``epochs``."""
+
+  steps: int = setting(100, cu.positive_int, "RL steps of the run")
+  batch_groups: int = setting(
+      8, cu.positive_int, "G, prompts (groups) per step; each has rollout.n samples")
+  minibatches: int = setting(1, cu.positive_int, "optimizer updates per step (per epoch)")
+  epochs: int = setting(
+      1, cu.positive_int,
+      "μ: passes over each step's batch (PPO epochs), minibatches reshuffled per pass; the "
+      "proximal log-probs are computed once, before the first pass (rl_jax.train.learner)")
+  micro_batches: int = setting(
+      1, cu.positive_int,
+      "gradient accumulation: each minibatch's groups in this many micro-batches, one after "
+      "another inside the update (the same update to float rounding, less activation memory)")
+  shared_prefix: bool = setting(True, cu.one_of((False, True)),
+                                "packed prompt-once layout for grouped log-probs")
+  max_bad_steps: int = setting(
+      3, cu.positive_int,
+      "consecutive skipped updates (non-finite loss or grad norm), then the run stops")
+  seed: int = setting(0, _int, "the run's seed; every random stream derives from it")
+  eval_every: int = setting(50, cu.nonnegative_int, "0 disables evaluation")
+  checkpoint_every: int = setting(50, cu.nonnegative_int, "0 saves only at the end")
+  keep: int = setting(3, cu.positive_int, "checkpoints kept")
+  lock_stale_s: int = setting(
+      300, cu.positive_int,
+      "a lock whose holder runs on another host is stale after this many seconds without a "
+      "heartbeat (rl_jax.train.lock); a holder on this host is stale once its pid is gone")
+  ref_dtype: str | None = setting(
+      None, cu.optional(cu.one_of(model_config_lib.DTYPES)),
+      "storage dtype of the frozen KL reference (None: model.dtype, the compute dtype)",
+      kind=str)
+  offload: str = setting(
+      "", None,
+      'state parts kept in host memory between steps (JAX memory kind "pinned_host"): "" or '
+      'comma-separated names of "reference", "optimizer", "teacher" (the on-policy '
+      "distillation teacher) (rl_jax.train.offload)")
+  dry_run: bool = setting(
+      False, cu.one_of((False, True)),
+      "print the memory plan (abstract shapes, no weights read) and exit; with "
+      "dry_run.topology, compile every program for that TPU topology")
+  memory_check: bool = setting(
+      True, cu.one_of((False, True)),
+      "fail before compiling when the memory plan exceeds the devices")
+  mode: str = setting(
+      "sync", cu.one_of(("sync", "async")),
+      '"sync": sample, then update. "async": a rollout producer samples on its own devices '
+      "(mesh.rollout_devices) while the learner updates (rl_jax.train.runner)")
+  async_lag: int = setting(
+      1, _async_lag,
+      "async only: the batch of step t comes from the weights of step t - async_lag (a "
+      "reproducible, resumable pipeline; 0 equals sync). -1: free-running producer, bounded "
+      "by rollout.max_staleness")
+  allow_uncorrected: bool = setting(
+      False, cu.one_of((False, True)),
+      "async: allow a lag above 1 (or train.replay) with an objective that ignores the "
+      "behaviour log-probs (plain GRPO on stale data, for ablations)")
+  replay: ReplaySettings = setting(ReplaySettings, None, "experience replay")
+  old_logp_pass: str = setting(
+      "auto", cu.one_of(OLD_LOGP_PASSES),
+      '"auto": with one minibatch (on-policy) the update takes old_logp from its own policy '
+      'pass instead of a separate one (rl_jax.train.on_policy); "separate": always a pass')
+  compile_cache: str = setting(
+      _compile_cache, None,
+      "JAX's persistent compilation cache: relative paths are under the workdir (a rerun or "
+      "resume loads its programs), an absolute one can be shared by runs; \"\" disables it. "
+      "The environment variable RL_JAX_COMPILE_CACHE, when set, replaces the default")
+  cpu_fast_compile: bool = setting(
+      True, cu.one_of((False, True)),
+      "CPU only: compile the training programs and the sampler's prefill with XLA's "
+      "elemental emitter and LLVM -O1 (rl_jax.compile_options): about half the compile time "
+      "for them, values equal to XLA's defaults to float rounding. False: XLA's defaults")
+  cpu_xla_reductions: bool = setting(
+      True, cu.one_of((False, True)),
+      "CPU only: the training programs' reductions as XLA's own loops, not YNNPACK's "
+      "(rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in "
+      "another order, values equal to float rounding. False: XLA's defaults")
+  cpu_temp_block_mib: int = setting(
+      0, cu.nonnegative_int,
+      "CPU only, opt-in: the training programs' temporaries in blocks of at most this many "
+      "MiB (16 suits glibc; rl_jax.compile_options), which malloc reuses between calls "
+      "instead of mapping and faulting in one large block each time: the RL update up to "
+      "1.08x faster on a small model, values bit-identical; programs in several blocks are "
+      "not stored in the compilation cache. 0: one block, XLA's default")
+  profile_step: int = setting(
+      0, cu.nonnegative_int, "write a jax.profiler trace of this step to DIR/profile (0: none)")
+
+  def __post_init__(self):
+    unknown = sorted(n for n in self.offload_parts if n not in OFFLOAD_PARTS)
+    if unknown:
+      raise ConfigError(f"config.train.offload names {unknown[0]!r}; choose from "
+                        f"{sorted(OFFLOAD_PARTS)} (comma-separated), or '' for none")
+    r, k = self.replay, self.replay_groups
+    what = f"train.replay.capacity={r.capacity}"
+    if r.capacity and k == 0:
+      raise ConfigError(f"{what}: train.replay.fraction={r.fraction} of "
+                        f"train.batch_groups={self.batch_groups} rounds to 0 replayed groups")
+    if r.capacity and r.capacity < k:
+      raise ConfigError(f"{what} holds fewer groups than a step replays (round(fraction x "
+                        f"batch_groups) = {k})")
+
+  @property
+  def replay_groups(self) -> int:
+    """k: the groups a step of experience replay takes from its buffer once it holds that
+    many, round(replay.fraction · G) (halves up); 0 with replay off."""
+    if not self.replay.capacity:
+      return 0
+    return int(self.replay.fraction * self.batch_groups + 0.5)
+
+  @property
+  def offload_parts(self) -> tuple[str, ...]:
+    """``offload``'s names, sorted, each once."""
+    return tuple(sorted({n.strip() for n in (self.offload or "").split(",") if n.strip()}))
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSettings:
+  """Supervised warm start on prompt/answer pairs before RL: ``config.sft``."""
+
+  steps: int = setting(0, cu.nonnegative_int, "supervised steps before RL; 0 disables it")
+  lr: float = setting(1e-4, cu.positive, "its learning rate")
+  batch_size: int = setting(32, cu.positive_int, "prompt/answer pairs per step")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+  """Held-out evaluation: greedy accuracy, and pass@k with k samples: ``config.eval``."""
+
+  pass_k: int = setting(0, cu.nonnegative_int, "k of pass@k; 0 disables it")
+  share_programs: bool = setting(
+      True, cu.one_of((False, True)),
+      "sample through the training rollouts' compiled programs (M greedy rows per prompt "
+      "instead of one; fewer programs to compile; rl_jax.train.evaluation)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSettings:
+  """On-policy distillation (``rl_jax.train.teacher``): a frozen teacher scores the tokens
+  the policy samples, and ``coef`` x (teacher log-prob - sampler log-prob) is each token's
+  advantage, added to the task's (any preset) or alone (``loss.preset=on_policy_distill``):
+  ``config.distill``."""
+
+  teacher_path: str = setting(
+      "", None, 'HF checkpoint directory of the teacher (same vocabulary); "" = off')
+  coef: float = setting(1.0, cu.positive, "weight of the per-token reverse-KL advantage")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+  """Metrics output: ``config.log``."""
+
+  tensorboard: bool = setting(True, cu.one_of((False, True)),
+                              "DIR/tensorboard event files (tensorboardX)")
+  wandb: bool = setting(False, cu.one_of((False, True)),
+                        "also log to Weights & Biases (needs `pip install wandb`)")
+  wandb_project: str = setting("rl_jax", None, "the W&B project")
+  wandb_name: str | None = setting(None, None, "None: W&B picks a run name", kind=str)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+  """AdamW with linear warm-up then constant or cosine decay (``rl_jax.optim``):
+  ``config.optim``. η = ``lr``."""
+
+  lr: float = setting(1e-5, cu.positive, "η, the policy's learning rate")
+  schedule: str = setting("constant", cu.one_of(optim.SCHEDULES),
+                          "one of rl_jax.optim.SCHEDULES")
+  warmup_steps: int = setting(0, cu.nonnegative_int, "linear warm-up steps")
+  b1: float = setting(0.9, None, "Adam's β1")
+  b2: float = setting(0.999, None, "Adam's β2")
+  eps: float = setting(1e-8, None, "Adam's ε")
+  weight_decay: float = setting(0.0, cu.nonnegative, "decoupled weight decay")
+  grad_clip: float = setting(1.0, cu.nonnegative, "global-norm clip; 0 disables it")
+  value_lr: float | None = setting(None, cu.optional(cu.positive),
+                                   "PPO critic learning rate (None: lr)", kind=float)
+  mu_dtype: str | None = setting(None, cu.optional(cu.one_of(model_config_lib.DTYPES)),
+                                 "Adam first moment dtype (None: param dtype)", kind=str)
+  stochastic_rounding: bool = setting(
+      False, cu.one_of((False, True)),
+      "with model.param_dtype=bfloat16: add each update in float32 and round the weights "
+      "back to bfloat16 stochastically (unbiased), instead of to nearest (rl_jax.optim)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossExtraSettings:
+  """Trainer-side settings of objectives, not knobs of the loss itself:
+  ``config.loss_extra``."""
+
+  grad_norm_method: str = setting(
+      "map", cu.one_of(losses.GRAD_NORM_METHODS),
+      "VCPO per-trajectory gradient norms; rl_jax.losses.GRAD_NORM_METHODS")
+  grad_norm_chunk: int = setting(
+      4, cu.positive_int, 'rows per chunk of "map" (docs/BENCHMARKS.md: grad-norm section)')
+
+
+# config section -> its settings class: ``rl_jax.config`` builds these sections from them
+# and ``Setup`` holds each as the attribute of the section's name
+SECTIONS = {"rollout": RolloutSettings, "train": TrainSettings, "sft": SftSettings,
+            "eval": EvalSettings, "distill": DistillSettings, "log": LogSettings,
+            "optim": OptimSettings, "loss_extra": LossExtraSettings}
+
+
+def _default(f: dataclasses.Field) -> Any:
+  return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _is_settings(value: Any) -> bool:
+  return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
 def section_config(cls) -> ml_collections.ConfigDict:
   """The ``ConfigDict`` of a settings class's defaults (a None default is a placeholder of
-  the field's ``kind``, so the command line parses it)."""
+  the field's ``kind``, so the command line parses it; a nested settings class is a nested
+  section)."""
   out = {}
   for f in dataclasses.fields(cls):
-    kind = f.metadata.get("kind")
-    out[f.name] = config_dict.placeholder(kind) if f.default is None else f.default
+    value = _default(f)
+    if _is_settings(value):
+      out[f.name] = section_config(type(value))
+    elif value is None:
+      out[f.name] = config_dict.placeholder(f.metadata.get("kind"))
+    else:
+      out[f.name] = value
   return ml_collections.ConfigDict(out)
 
 
 def section_checks(section: str, cls) -> dict[str, Any]:
   """The value checks of a settings class, keyed ``section.field`` (``rl_jax.config``'s check
-  table)."""
-  return {f"{section}.{f.name}": f.metadata["check"] for f in dataclasses.fields(cls)
-          if f.metadata.get("check") is not None}
+  table; nested sections ``section.sub.field``)."""
+  out = {}
+  for f in dataclasses.fields(cls):
+    value = _default(f)
+    if _is_settings(value):
+      out.update(section_checks(f"{section}.{f.name}", type(value)))
+    elif f.metadata.get("check") is not None:
+      out[f"{section}.{f.name}"] = f.metadata["check"]
+  return out
+
+
+def _build(cls, section: str, values: dict):
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    raise ConfigError(f"config.{section} has no field {unknown[0]!r} (fields: "
+                      f"{', '.join(sorted(fields))})")
+  kwargs = {}
+  for name, f in fields.items():
+    if name not in values:
+      kwargs[name] = _default(f)
+      continue
+    value = values[name]
+    default = _default(f)
+    if _is_settings(default):
+      value = _build(type(default), f"{section}.{name}", dict(value))
+    kwargs[name] = value
+  return cls(**kwargs)
 
 
 def from_section(cls, section: str, values: ml_collections.ConfigDict):
   """The settings of one config section: every field's check (one ``ConfigError`` line
   naming ``section.field``), then the class's own rules. A key the class does not declare
   is a ``ConfigError`` too."""
-  values = dict(values)
-  known = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(values) - known)
-  if unknown:
-    raise ConfigError(f"config.{section} has no field {unknown[0]!r} (fields: "
-                      f"{', '.join(sorted(known))})")
-  config = ml_collections.ConfigDict({section: values})
-  cu.validate(config, section_checks(section, cls))
-  return cls(**values)
+  values = values.to_dict() if isinstance(values, ml_collections.ConfigDict) else dict(values)
+  tree = values
+  for name in reversed(section.split(".")):  # "train.replay": {"train": {"replay": ...}}
+    tree = {name: tree}
+  cu.validate(ml_collections.ConfigDict(tree), section_checks(section, cls))
+  return _build(cls, section, values)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rl_jax import config as config_lib
-from rl_jax import config_utils, train
+from rl_jax import config_utils, settings, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import context, learner, on_policy
 from tests.tiny import QUICKSTART, TINY_MODEL, ParityTask
@@ -90,7 +90,10 @@ def test_two_epochs_equal_a_hand_written_loop():
 @pytest.mark.parametrize("epochs,expected", [(1, True), (2, False)])
 def test_several_epochs_turn_off_the_on_policy_shortcut(epochs, expected):
   config = _config(["loss.preset=grpo", f"train.epochs={epochs}"])
-  assert on_policy.old_logp_in_update(config, context.make_objective(config)) == expected
+  train = settings.from_section(settings.TrainSettings, "train", config.train)
+  own = on_policy.old_logp_in_update(train, config_lib.schedule(config).overlapped,
+                                     config.rollout.partial, context.make_objective(config))
+  assert own == expected
 
 
 def test_an_objective_that_cannot_take_several_passes_is_refused():

@@ -373,3 +373,16 @@ def test_load_balancing_loss_term_of_the_updates():
   assert float(out["sft_loss"]) == pytest.approx(nll, rel=1e-5)
   assert float(out["moe_aux_loss"]) == pytest.approx(
       _hf_aux_and_grad(sft_logits, attn)[0], rel=1e-5)
+
+
+def test_lora_reference_pass_replays_the_expert_records():
+  """LoRA on the attention of a MoE policy with router replay and a KL term: the reference
+  pass (the base, adapters off, ``make_ref_logprob_fn``) takes the sampler's expert records
+  like the policy's passes. It took one argument fewer, and the step failed before it ran
+  (``in_shardings ... length 5 for an args tuple of length 6``)."""
+  s, record, _ = _replay_step(["model.lora.rank=4", "model.lora.targets=q,k,v,o",
+                               "loss.kl_beta=0.1"])
+  assert s.model_cfg.lora_rank == 4 and "ref_logp" in s.objective.needs
+  assert record["routing_mismatch"] == 0.0
+  # the adapters start at zero: the policy is its base, so the k3 KL is 0
+  assert record["kl"] == pytest.approx(0.0, abs=1e-6)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from rl_jax import checkpoint, config_utils, metrics, train
+from rl_jax import checkpoint, config_utils, metrics, settings, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import memory, offload
 from tests.tiny import QUICKSTART, TINY_MODEL
@@ -110,8 +110,9 @@ def test_bad_offload_requests_fail_in_one_line(tmp_path):
                 progress=False)
   assert "\n" not in str(e.value) and "'weights'" in str(e.value), e.value
   assert not (tmp_path / "run" / memory.PLAN_FILE).exists()  # failed before planning
-  assert offload.parse("optimizer, reference,optimizer") == ("optimizer", "reference")
-  assert offload.parse("") == offload.parse(None) == ()
+  parts = lambda value: settings.TrainSettings(offload=value).offload_parts
+  assert parts("optimizer, reference,optimizer") == ("optimizer", "reference")
+  assert parts("") == ()
 
   class NoHostMemory:  # the CPU devices here have pinned_host; a backend without it:
     platform, id, device_kind = "gpu", 3, "an old GPU"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rl_jax import config as config_lib
-from rl_jax import config_utils, train
+from rl_jax import config_utils, settings, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import context, on_policy
 from tests.tiny import QUICKSTART, TINY_MODEL, ParityTask
@@ -39,7 +39,10 @@ def _config(overrides):
 ])
 def test_when_the_update_takes_old_logp_from_its_own_pass(overrides, expected):
   config = _config(overrides)
-  assert on_policy.old_logp_in_update(config, context.make_objective(config)) == expected
+  train = settings.from_section(settings.TrainSettings, "train", config.train)
+  own = on_policy.old_logp_in_update(train, config_lib.schedule(config).overlapped,
+                                     config.rollout.partial, context.make_objective(config))
+  assert own == expected
 
 
 def test_old_logp_pass_value_is_checked_in_one_line():

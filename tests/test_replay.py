@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from rl_jax import config as base, config_utils, metrics, train
+from rl_jax import config as base, config_utils, metrics, settings, train
 from rl_jax.checkpoint.tree import leaf_paths
 from rl_jax.errors import ConfigError
 from rl_jax.train import replay_stage, runner
@@ -48,7 +48,8 @@ def _scored(rewards, M=3, R=2, first=0, P=P):
 def _buffer(capacity, M=3, R=2):
   c = _config(["train.replay.capacity=%d" % capacity, "loss.tis_level=token",
                f"rollout.n={M}", f"rollout.max_new_tokens={R}"])
-  return replay_stage.empty_buffer(c, P)
+  return replay_stage.empty_buffer(settings.from_section(settings.ReplaySettings, "train.replay",
+                                                         c.train.replay), base.geometry(c), P)
 
 
 # ------------------------------------------------------------------------ the buffer alone
@@ -148,17 +149,19 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 # ------------------------------------------------------------------------- config and off
+# the quickstart's 32 groups replay round(0.25 x 32) = 8 a step: a capacity of 8 is the one
+# problem of each incompatible row
 @pytest.mark.parametrize("overrides,word", [
     (["train.replay.capacity=-1"], "train.replay.capacity"),
     (["train.replay.capacity=4", "train.replay.fraction=1.0"], "train.replay.fraction"),
     (["train.replay.capacity=4", "train.replay.fraction=0.01"], "rounds to 0"),
     (["train.replay.capacity=1"], "fewer groups than a step replays"),
-    (["train.replay.capacity=4", "rollout.partial=True"], "rollout.partial"),
-    (["train.replay.capacity=4", "train.mode=async"], "train.mode=async"),
-    (["train.replay.capacity=4", "rollout.speculative=True"], "rollout.speculative"),
-    (["train.replay.capacity=4", "data.group_size=adaptive"], "data.group_size=adaptive"),
-    (["train.replay.capacity=4", "env.name=calculator"], "env.name"),
-    (["train.replay.capacity=4", "loss.preset=dapo"], "data.selector"),
+    (["train.replay.capacity=8", "rollout.partial=True"], "rollout.partial"),
+    (["train.replay.capacity=8", "train.mode=async"], "train.mode=async"),
+    (["train.replay.capacity=8", "rollout.speculative=True"], "rollout.speculative"),
+    (["train.replay.capacity=8", "data.group_size=adaptive"], "data.group_size=adaptive"),
+    (["train.replay.capacity=8", "env.name=calculator"], "env.name"),
+    (["train.replay.capacity=8", "loss.preset=dapo"], "data.selector"),
 ])
 def test_bad_replay_settings_fail_in_one_line(overrides, word):
   config = config_utils.load_config(QUICKSTART, overrides)
@@ -175,8 +178,8 @@ def test_replay_without_a_correction_is_refused_in_one_line():
 
 def test_off_by_default_leaves_the_producer_state_as_it_was():
   config = _config()
-  assert config.train.replay.capacity == 0 and not replay_stage.enabled(config)
   s = train.build_setup(config)
+  assert config.train.replay.capacity == 0 and not replay_stage.enabled(s.train)
   for state in (train.init_state(s), train.abstract_state(s)):
     assert state.producer.replay == {}
     paths, _, _ = leaf_paths(state)

@@ -4,6 +4,7 @@ checks, docs and rules, built once by the setup and read below it instead of the
 import dataclasses
 import pathlib
 import re
+import tokenize
 
 import pytest
 
@@ -16,18 +17,24 @@ from tests.tiny import QUICKSTART
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_rollout_section_is_built_from_the_settings_defaults():
-  section = config_lib.base_config().rollout
-  fields = {f.name: f for f in dataclasses.fields(RolloutSettings)}
-  assert set(section.keys()) == set(fields)
-  assert settings.from_section(RolloutSettings, "rollout", section) == RolloutSettings()
+@pytest.mark.parametrize("section,cls", sorted(settings.SECTIONS.items()))
+def test_a_section_is_built_from_its_settings_defaults(section, cls):
+  config = config_lib.base_config()[section]
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  assert set(config.keys()) == set(fields)
+  assert settings.from_section(cls, section, config) == cls()
   for name, f in fields.items():
     assert f.metadata["doc"], name  # every field says what it means
     if f.default is None:  # the command line needs the type of a field without a value
-      assert f.metadata["kind"] in (int, float), name
+      assert f.metadata["kind"] in (int, float, str), name
+
+
+def test_none_defaults_parse_with_their_kind():
   # a None default is typed on the command line, the others keep their value's type
-  c = config_utils.load_config(QUICKSTART, ["rollout.kv_pages=64", "rollout.top_p=0.5"])
+  c = config_utils.load_config(QUICKSTART, ["rollout.kv_pages=64", "rollout.top_p=0.5",
+                                            "optim.value_lr=3e-4", "log.wandb_name=run1"])
   assert c.rollout.kv_pages == 64 and c.rollout.top_p == 0.5
+  assert c.optim.value_lr == 3e-4 and c.log.wandb_name == "run1"
 
 
 @pytest.mark.parametrize("override,words", [
@@ -71,21 +78,80 @@ def test_settings_are_frozen_and_an_unknown_key_is_one_line():
   assert RolloutSettings(temperature=0.7).sample_temperature == 0.7
 
 
-# Files that may read the rollout section from a config: the config modules, the setup
-# (train/context.py builds Setup.rollout), the dry run's edit of the config before it builds
-# the setup (train/topology.py ``build``, ``_planned``), and two helpers that take the whole config
-# because they also read sections without settings yet (selection_stage: data and loss;
-# on_policy: train).
-CONFIG_READERS = {"config.py", "settings.py", "config_utils.py", "config_checks.py",
-                  "train/context.py", "train/topology.py", "train/selection_stage.py",
-                  "train/on_policy.py"}
+# Files that may read a section with settings from a config: the config modules, the setup
+# (train/context.py builds the settings), and the dry run's edits of the config before it
+# builds a setup (train/topology.py); besides, per section: the command line's run before it
+# has a setup (train/loop.py: the workdir lock), the environment's task built by the setup
+# (agent_stage: a task without expert episodes and sft.steps), the W&B run that records the
+# whole config (wandb_log), and the helpers that take the whole config because they also
+# read sections without settings yet (selection_stage: data and loss).
+SETUP = {"config.py", "settings.py", "train/context.py", "train/topology.py"}
+CONFIG_READERS = {
+    "rollout": SETUP | {"train/selection_stage.py"},
+    "train": SETUP | {"train/loop.py", "train/selection_stage.py"},
+    "sft": SETUP | {"train/agent_stage.py"},
+    "log": SETUP | {"wandb_log.py"},
+    **{name: SETUP for name in ("eval", "distill", "optim", "loss_extra")},
+}
 
 
-def test_below_the_setup_the_rollout_section_is_read_from_its_settings():
-  pattern = re.compile(r"\b(config|c|cfg)\.rollout\b")
+def _code(path: pathlib.Path) -> str:
+  """The file's names and operators, without strings and comments (an error message or a
+  docstring that names ``config.train.x`` reads nothing)."""
+  out, last = [], None
+  with open(path, "rb") as f:
+    for t in tokenize.tokenize(f.readline):
+      if t.type in (tokenize.NAME, tokenize.OP):
+        out.append((" " if t.type == last == tokenize.NAME else "") + t.string)
+        last = t.type
+  return "".join(out)
+
+
+@pytest.mark.parametrize("section", sorted(CONFIG_READERS))
+def test_below_the_setup_a_section_is_read_from_its_settings(section):
+  pattern = re.compile(rf"(?<![\w.])(config|c|cfg)\.{section}\b")
   readers = sorted(str(p.relative_to(ROOT / "rl_jax")) for p in (ROOT / "rl_jax").rglob("*.py")
-                   if pattern.search(p.read_text()))
-  assert set(readers) <= CONFIG_READERS, sorted(set(readers) - CONFIG_READERS)
+                   if pattern.search(_code(p)))
+  assert set(readers) <= CONFIG_READERS[section], sorted(set(readers) - CONFIG_READERS[section])
+
+
+def test_every_section_with_settings_is_checked_here():
+  assert set(CONFIG_READERS) == set(settings.SECTIONS)
+
+
+@pytest.mark.parametrize("section,cls", sorted(settings.SECTIONS.items()))
+def test_each_section_is_its_settings_defaults_and_checks(section, cls):
+  config = config_lib.base_config()
+  assert settings.from_section(cls, section, config[section]) == cls()
+  table = config_lib.checks()
+  for key, check in settings.section_checks(section, cls).items():
+    assert table[key] is check, key  # the config's check table takes the field's own
+  assert not [k for k in table if k.startswith(section + ".")
+              and k not in settings.section_checks(section, cls)]
+
+
+def test_train_rules_live_on_its_settings():
+  T, R = settings.TrainSettings, settings.ReplaySettings
+  with pytest.raises(ConfigError, match="config.train.offload names 'weights'"):
+    T(offload="weights,optimizer")
+  assert T(offload=" reference,optimizer,reference").offload_parts == ("optimizer", "reference")
+  with pytest.raises(ConfigError, match="rounds to 0 replayed groups"):
+    T(batch_groups=8, replay=R(capacity=4, fraction=0.01))
+  with pytest.raises(ConfigError, match="fewer groups than a step replays"):
+    T(batch_groups=32, replay=R(capacity=4, fraction=0.25))
+  assert T(batch_groups=10, replay=R(capacity=4, fraction=0.25)).replay_groups == 3  # 2.5 up
+  assert T().replay_groups == 0
+  c = config_utils.load_config(QUICKSTART, ["train.offload=weights"])
+  with pytest.raises(ConfigError, match="'weights'"):
+    config_lib.validate(c)
+
+
+def test_compile_cache_default_is_read_when_a_config_is_built(monkeypatch):
+  monkeypatch.setenv("RL_JAX_COMPILE_CACHE", "/tmp/shared_cache")
+  assert config_lib.base_config().train.compile_cache == "/tmp/shared_cache"
+  assert settings.TrainSettings().compile_cache == "/tmp/shared_cache"
+  monkeypatch.delenv("RL_JAX_COMPILE_CACHE")
+  assert config_lib.base_config().train.compile_cache == "compile_cache"
 
 
 def test_setup_rebuilds_its_settings_with_its_config():
@@ -94,7 +160,8 @@ def test_setup_rebuilds_its_settings_with_its_config():
   from rl_jax.train import context  # pylint: disable=import-outside-toplevel
   c = config_utils.load_config(QUICKSTART, ["sft.steps=0"])
   s = context.build_setup(c)
-  assert s.rollout == settings.from_section(RolloutSettings, "rollout", c.rollout)
+  for name, cls in settings.SECTIONS.items():
+    assert getattr(s, name) == settings.from_section(cls, name, c[name]), name
   c2 = c.copy_and_resolve_references()
   c2.rollout.temperature = 0.5
   s2 = dataclasses.replace(s, config=c2)

@@ -247,7 +247,7 @@ class RolloutEngine:
       (complete groups in completion order, unfinished groups in submission order; their
       partial samples are kept, not-started groups are returned untouched).
     """
-    cfg, G, M = self.cfg, self.G, self.M
+    cfg, G = self.cfg, self.G
     want = len(requests) if min_complete is None else min(min_complete, len(requests))
     units = collections.deque()  # (request, sample ids) in submission order
     for req in requests:

@@ -40,7 +40,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from rl_jax.envs.base import Message, StepResult
 from rl_jax.envs import tool_calls

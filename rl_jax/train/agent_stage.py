@@ -357,14 +357,14 @@ def make_engine(s, temperature: float, kv_pages: int | None = None):
   uninterrupted one (``scripts/bench_agent.py`` times it against the wall-clock schedule).
   ``kv_pages``: a fixed pool of that many pages instead of ``rollout.kv_pages`` (the memory
   plan's and the dry run's)."""
-  c, e, geo = s.config, s.config.env, s.geometry
+  e, geo = s.config.env, s.geometry
   r = s.rollout
   return rollout.AgentEngine(
       s.model_cfg, s.chat, s.tokenizer.decode, n=geo.samples, max_slots=geo.groups,
       max_prompt_len=s.prompt_len, max_total_tokens=geo.new_tokens,
       max_turn_tokens=e.max_turn_tokens, max_turns=e.max_turns,
       max_obs_tokens=e.max_obs_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-      seed=seed_for(c.train.seed, 0, Stream.AGENT),
+      seed=seed_for(s.train.seed, 0, Stream.AGENT),
       step_timeout=e.step_timeout_s,
       # an agent session's step waits for the agent's next request: a thread per session
       workers=max(e.workers, 2 * geo.groups * geo.samples) if e.agent else e.workers,

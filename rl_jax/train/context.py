@@ -61,8 +61,10 @@ class Setup:
   With ``env.name`` set, ``task`` is the environment task (``rl_jax.envs.spec.EnvSpec``)
   and the splits are ``agent_stage.EnvExample``s (the rendered first prompt of each).
   ``geometry`` (the step's groups, samples per group and chunks), ``schedule`` (how the
-  producer and learner are joined) and ``rollout`` (``settings.RolloutSettings``) are
-  computed once from the config; every module reads them from here.
+  producer and learner are joined) and the typed settings of the config's sections
+  (``rollout``, ``train``, ``sft``, ``eval``, ``distill``, ``log``, ``optim``,
+  ``loss_extra``: ``settings.SECTIONS``) are computed once from the config; every module
+  reads them from here.
   """
 
   config: ml_collections.ConfigDict
@@ -87,7 +89,15 @@ class Setup:
   reward_names: tuple = ()
   geometry: config_lib.Geometry = dataclasses.field(init=False)
   schedule: config_lib.Schedule = dataclasses.field(init=False)
+  # the config's sections with typed settings (``settings.SECTIONS``), built by __post_init__
   rollout: settings.RolloutSettings = dataclasses.field(init=False)
+  train: settings.TrainSettings = dataclasses.field(init=False)
+  sft: settings.SftSettings = dataclasses.field(init=False)
+  eval: settings.EvalSettings = dataclasses.field(init=False)
+  distill: settings.DistillSettings = dataclasses.field(init=False)
+  log: settings.LogSettings = dataclasses.field(init=False)
+  optim: settings.OptimSettings = dataclasses.field(init=False)
+  loss_extra: settings.LossExtraSettings = dataclasses.field(init=False)
 
   @property
   def sampler_cfg(self) -> models.ModelConfig:
@@ -103,8 +113,8 @@ class Setup:
   def __post_init__(self):
     object.__setattr__(self, "geometry", config_lib.geometry(self.config))
     object.__setattr__(self, "schedule", config_lib.schedule(self.config))
-    object.__setattr__(self, "rollout", settings.from_section(
-        settings.RolloutSettings, "rollout", self.config.rollout))
+    for name, cls in settings.SECTIONS.items():
+      object.__setattr__(self, name, settings.from_section(cls, name, self.config[name]))
 
 
 def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:

@@ -33,9 +33,8 @@ def _sample(s: Setup, params, prompts, k: int, temperature: float, seed: int):
   """``k`` samples per prompt (tokens, mask [G·k,R]), on the training programs if shared:
   chunks of exactly the training batch's G groups (the last one padded with copies of its
   last prompt, dropped after), M samples each, prompt ``i`` on key stream ``i``."""
-  c = s.config
   G, M = s.geometry.rows, s.geometry.row_size  # (W, m) with adaptive group size
-  if not (c.eval.share_programs and k <= M):
+  if not (s.eval.share_programs and k <= M):
     out = generate(s, params, prompts, s.model_cfg, n=k, temperature=temperature, seed=seed)
     return np.asarray(out.tokens), np.asarray(out.mask)
   tokens, mask = [], []
@@ -58,17 +57,16 @@ def evaluate(s: Setup, params, step: int, agent=None) -> dict[str, float]:
   greedy episodes and ``eval_turns_mean`` (``agent_stage.evaluate``)."""
   if agent is not None:
     return agent_stage.evaluate(s, agent, params)
-  c = s.config
   examples = s.eval_examples
   answers = [e.answer for e in examples]
   prompts = encode_prompts(s, examples)
   tokens, mask = _sample(s, params, prompts, 1, 0.0, 0)
   rewards, _ = score(s, decode(s, tokens, mask), answers)
   result = {"eval_accuracy": float(np.mean(rewards >= 1.0))}
-  k = c.eval.pass_k
+  k = s.eval.pass_k
   if k > 0:
     tokens, mask = _sample(s, params, prompts, k, s.rollout.sample_temperature,
-                           seed_for(c.train.seed, step, Stream.EVAL_PASS_K))
+                           seed_for(s.train.seed, step, Stream.EVAL_PASS_K))
     r, _ = score(s, decode(s, tokens, mask), [a for a in answers for _ in range(k)])
     result[f"eval_pass@{k}"] = float(np.mean((r.reshape(len(examples), k) >= 1.0).any(axis=1)))
   return result

@@ -49,7 +49,7 @@ def objective_inputs(t: TrainParts, state: TrainState, prompt_tokens, prompt_len
   replay (``model.router_replay``); ``components``: the named reward components [G,M,C]
   (``Setup.reward_names``), the objective's ``reward_components``."""
   src = Source(t.steps, state, (prompt_tokens, prompt_lengths, tokens, mask), rewards,
-               generated_mask, behaviour_logp, t.setup.config.train.seed, turns, routing,
+               generated_mask, behaviour_logp, t.setup.train.seed, turns, routing,
                t.teacher, components=components)
   return make_inputs(t.setup.objective.needs, src)
 
@@ -205,15 +205,15 @@ def apply_update(t: TrainParts, state: TrainState, batch: UpdateBatch) -> tuple[
   μ > 1). With μ > 1 the metrics are the last pass's, and the ``PASS_METRICS`` of every pass
   are added as ``<name>_pass<p>``.
   """
-  c = t.setup.config.train
+  tr = t.setup.train
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   if trims_host_memory(state.params):
     release_host_memory()  # host buffers freed by sampling and scoring, before the peak
-  step = int(state.step) if c.epochs > 1 else 0
+  step = int(state.step) if tr.epochs > 1 else 0
   passes = []
-  for order in pass_orders(c.seed, step, batch.tokens.shape[0], c.epochs):
+  for order in pass_orders(tr.seed, step, batch.tokens.shape[0], tr.epochs):
     mets_all = []
-    for mb in _minibatches(t, batch, c.minibatches, order):
+    for mb in _minibatches(t, batch, tr.minibatches, order):
       *carry, mets = t.steps.rl_update(*carry, mb)
       mets_all.append(jax.device_get(mets))
     passes.append({k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]})

@@ -90,7 +90,7 @@ def sft_step(t: TrainParts, state: TrainState) -> tuple[TrainState, dict, np.nda
   """One supervised step: (state, metrics record, new data position). Multi-turn runs
   train on the task expert's trajectories (``agent_stage.expert_batch``)."""
   s = t.setup
-  examples, data = next_examples(s, np.asarray(state.producer.data), s.config.sft.batch_size)
+  examples, data = next_examples(s, np.asarray(state.producer.data), s.sft.batch_size)
   rows = agent_stage.expert_batch if s.config.env.name else sft_batch
   batch = (t.layout.put(a) for a in rows(s, examples))
   params, opt, mets = t.steps.sft(state.params, state.sft_opt_state, *batch)
@@ -165,8 +165,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 
 def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   """``train`` once the workdir is this run's."""
-  c = s.config
-  cache = startup.use_compile_cache(c.train.compile_cache, workdir)
+  c, tr = s.config, s.train
+  cache = startup.use_compile_cache(tr.compile_cache, workdir)
   note = compile_options.uncached_note(cache, jax.devices())
   if note and distributed.is_lead():
     print(note, file=sys.stderr)
@@ -174,22 +174,22 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
     print(line, file=sys.stderr)
   clock = startup.compile_clock()
   clock.take()
-  sft_steps, total = c.sft.steps, c.sft.steps + c.train.steps
-  ckpt = ckpt_lib.Checkpointer(storage.join(workdir, "checkpoints"), keep=c.train.keep,
-                               save_every=c.train.checkpoint_every or total)
+  sft_steps, total = s.sft.steps, s.sft.steps + tr.steps
+  ckpt = ckpt_lib.Checkpointer(storage.join(workdir, "checkpoints"), keep=tr.keep,
+                               save_every=tr.checkpoint_every or total)
   metrics_path = storage.join(workdir, "metrics.jsonl")
   abstract = abstract_state(s)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
   t = make_trainer(s, abstract)
-  memory.plan_workdir(t, abstract, workdir, check=c.train.memory_check and not c.train.dry_run,
+  memory.plan_workdir(t, abstract, workdir, check=tr.memory_check and not tr.dry_run,
                       lead=lead)  # before any weight is read or step compiled for a call
-  if c.train.dry_run:
+  if tr.dry_run:
     ckpt.close()
     return None
   state = _start(s, ckpt, metrics_path, abstract)
   if lead:
     memory.record_live(workdir, state)
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=s.log.tensorboard,
                                      sinks=wandb_log.sinks(c, workdir)) if lead else None
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
@@ -211,7 +211,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
               file=sys.stderr)
         break
       step = int(state.step)
-      profiling = c.train.profile_step == step + 1 and lead
+      profiling = tr.profile_step == step + 1 and lead
       if profiling:
         profile_dir = startup.start_profile(workdir)
       t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
         state, record = runner.step(state)  # its producer's data position already placed
         record = {"phase": "rl", **record}
       bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
-      if bad_steps >= c.train.max_bad_steps:
+      if bad_steps >= tr.max_bad_steps:
         raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm "
                          f"(last at step {step}); stopping. Lower optim.lr or check the data.")
       state = state._replace(step=state.step + 1)
@@ -236,7 +236,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
         startup.stop_profile(profile_dir, state, upload_to=remote)
         print(f"profile of step {step}: {remote or profile_dir} (summary.txt)", file=sys.stderr)
       record["step_time_s"] = time.perf_counter() - t0
-      if c.train.eval_every and (step % c.train.eval_every == 0 or step in (total, sft_steps)):
+      if tr.eval_every and (step % tr.eval_every == 0 or step in (total, sft_steps)):
         record.update(evaluate(s, t.layout.sampler_params(state.params, quantized=False), step,
                                agent=t.agent[1] if t.agent else None))
       record["compile_time_s"] = clock.take()  # tracing + compiling (or cache loads)
@@ -307,7 +307,7 @@ def export_hf(s: Setup, params, workdir: str) -> None:
   if not cfg.lora_rank:
     return
   base_path = s.config.model.hf_path
-  if s.config.sft.steps or not base_path:
+  if s.sft.steps or not base_path:
     base_path = storage.join(workdir, "hf_base")
     if not storage.is_remote(base_path):
       base_path = os.path.abspath(base_path)

@@ -57,7 +57,7 @@ def config_base(s: Setup, step: int) -> bool:
   """Whether the trainer's base after ``step`` completed steps is the one the config builds:
   with ``sft.steps=0`` always, else through the supervised stage (``state.rl_layout``: the
   warm start's adapters are merged into the base when RL begins)."""
-  return not s.config.sft.steps or step <= s.config.sft.steps
+  return not s.sft.steps or step <= s.sft.steps
 
 
 def adapters_only(params: dict) -> dict:

@@ -269,9 +269,9 @@ def compile_steps(t: TrainParts, sft_state: TrainState | None, rl_state: TrainSt
     return program
 
   if sft_state is not None:
-    rows = t.layout.rows(c.sft.batch_size)
+    rows = t.layout.rows(s.sft.batch_size)
     T = s.prompt_len + s.rollout.max_new_tokens
-    b = [_spec((c.sft.batch_size, T), dt, rows) for dt in (jnp.int32, bool, jnp.float32)]
+    b = [_spec((s.sft.batch_size, T), dt, rows) for dt in (jnp.int32, bool, jnp.float32)]
     out["sft"] = _staged(step_memory(compiled("sft", f.sft.lower(
         sft_state.params, sft_state.sft_opt_state, *b))), sft_state.sft_opt_state)
   batch = abstract_update_batch(t, G)
@@ -296,7 +296,7 @@ def compile_steps(t: TrainParts, sft_state: TrainState | None, rl_state: TrainSt
   if "values" in needs:
     out["values"] = step_memory(compiled("values", f.values.lower(rl_state.value_params,
                                                                    *args[:4])))
-  mb = abstract_update_batch(t, G // c.train.minibatches)
+  mb = abstract_update_batch(t, G // s.train.minibatches)
   out["rl_update"] = _staged(step_memory(compiled("rl_update", f.rl_update.lower(
       rl_state.params, rl_state.opt_state, rl_state.value_params, rl_state.value_opt_state,
       mb))), (rl_state.opt_state, rl_state.value_opt_state))
@@ -421,12 +421,12 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
   capacity, source = device_capacity(s.mesh.devices.flat[0])
   return {"devices": int(s.mesh.size), "mesh": {k: int(v) for k, v in s.mesh.shape.items()},
           "platform": s.mesh.devices.flat[0].platform, "state": phases,
-          "host_state": host, "offload": list(offload.parse(s.config.train.get("offload"))),
+          "host_state": host, "offload": list(s.train.offload_parts),
           "steps": {},
           "peak": {}, "capacity": capacity, "capacity_source": source,
           "dtypes": {"param": s.model_cfg.param_dtype, "compute": s.model_cfg.dtype,
-                     "reference": str(jnp.dtype(s.config.train.ref_dtype or s.model_cfg.dtype)),
-                     "mu": s.config.optim.get("mu_dtype") or "float32"}}
+                     "reference": str(jnp.dtype(s.train.ref_dtype or s.model_cfg.dtype)),
+                     "mu": s.optim.mu_dtype or "float32"}}
 
 
 def add_steps(t: TrainParts, plan: dict[str, Any], sft_state: TrainState | None,
@@ -539,7 +539,7 @@ def plan_workdir(t: TrainParts, abstract: TrainState, workdir: str, *, check: bo
   phase's state is ``abstract`` itself (if ``sft.steps``), the RL phase's the state after the
   first RL step. Process 0 prints the plan and writes ``workdir/memory_plan.json``."""
   s = t.setup
-  sft = s.config.sft.steps
+  sft = s.sft.steps
   rl_state = abstract_state(s, sft + 1) if sft else abstract
   path = storage.join(workdir, PLAN_FILE) if lead else None
   return plan_run(t, abstract if sft else None, rl_state, check=check, path=path, echo=lead)

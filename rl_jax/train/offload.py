@@ -22,25 +22,19 @@ from typing import Any
 
 import jax
 
-from rl_jax import config as config_lib
+from rl_jax import settings
 from rl_jax.errors import ConfigError
 from rl_jax.train.context import Setup
 
-__all__ = ["OFFLOADABLE", "HOST", "parse", "offloaded_fields", "has_host_memory",
+__all__ = ["OFFLOADABLE", "HOST", "offloaded_fields", "has_host_memory",
            "check_backend", "is_host", "host_sharding", "host_specs", "place", "to_device"]
 
 # config name -> TrainState fields it moves to host memory
 OFFLOADABLE = {"reference": ("ref_params",),
                "optimizer": ("opt_state", "sft_opt_state", "value_opt_state"),
                "teacher": ()}  # not in the TrainState: rl_jax.train.teacher places it
-assert set(OFFLOADABLE) == set(config_lib.OFFLOAD_PARTS)
+assert set(OFFLOADABLE) == set(settings.OFFLOAD_PARTS)
 HOST = "pinned_host"
-
-
-def parse(value: str | None) -> tuple[str, ...]:
-  """``train.offload`` ("", "reference", "optimizer", "reference,optimizer") -> its names
-  (checked by ``rl_jax.config.validate``)."""
-  return tuple(sorted({n.strip() for n in (value or "").split(",") if n.strip()}))
 
 
 def has_host_memory(device) -> bool:
@@ -65,7 +59,7 @@ def check_backend(names: tuple[str, ...], devices) -> None:
 
 def offloaded_fields(s: Setup) -> tuple[str, ...]:
   """The TrainState fields this run keeps in host memory (checked against its mesh)."""
-  names = parse(s.config.train.get("offload"))
+  names = s.train.offload_parts
   check_backend(names, s.mesh.devices.flat)
   return tuple(f for n in names for f in OFFLOADABLE[n])
 

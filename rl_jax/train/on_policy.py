@@ -24,12 +24,11 @@ Shapes (package legend): G groups, M samples per prompt, R new tokens.
 from __future__ import annotations
 
 
-from rl_jax import config as config_lib
 from rl_jax import losses
+from rl_jax import settings
 
-__all__ = ["OLD_LOGP_PASSES", "estimator_reads_old_logp", "old_logp_in_update"]
+__all__ = ["estimator_reads_old_logp", "old_logp_in_update"]
 
-OLD_LOGP_PASSES = ("auto", "separate")
 
 def estimator_reads_old_logp(objective: losses.Objective) -> bool:
   """True unless the objective's advantage estimator declares it runs without ``old_logp``
@@ -40,9 +39,11 @@ def estimator_reads_old_logp(objective: losses.Objective) -> bool:
   return "old_logp" in objective.estimator_needs
 
 
-def old_logp_in_update(config, objective: losses.Objective) -> bool:
-  """Whether the RL update takes ``old_logp`` from its own policy pass (see module doc)."""
-  return (config.train.old_logp_pass == "auto" and config.train.minibatches == 1
-          and config.train.epochs == 1 and not config_lib.schedule(config).overlapped
-          and not config.rollout.partial
-          and not estimator_reads_old_logp(objective))
+def old_logp_in_update(train: settings.TrainSettings, overlapped: bool, partial: bool,
+                       objective: losses.Objective) -> bool:
+  """Whether the RL update takes ``old_logp`` from its own policy pass (see module doc):
+  ``train``'s pass choice, minibatches and epochs; ``overlapped``, the schedule's
+  (``Schedule.overlapped``: sampling runs beside the update); ``partial``,
+  ``rollout.partial``."""
+  return (train.old_logp_pass == "auto" and train.minibatches == 1 and train.epochs == 1
+          and not overlapped and not partial and not estimator_reads_old_logp(objective))

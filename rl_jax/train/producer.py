@@ -41,7 +41,6 @@ from typing import Callable
 import jax
 import numpy as np
 
-from rl_jax import config as config_lib
 from rl_jax import rollout
 from rl_jax.errors import RLJaxError
 from rl_jax.train import (agent_stage, group_size, replay_stage, selection_stage,
@@ -96,7 +95,7 @@ def _fresh(t: TrainParts, params, p: ProducerState, *, step: int, version: int, 
   """Groups ``[lo, hi)`` of step ``step``'s G new prompts (drawn at ``p.data``; ``groups``
   of them when given), M samples each; each group samples from its own key stream,
   wherever it is sampled."""
-  s, c, geo = t.setup, t.setup.config, t.setup.geometry
+  s, geo = t.setup, t.setup.geometry
   t0 = time.perf_counter()
   idx, data = next_indices(s, np.asarray(p.data), geo.groups if groups is None else groups)
   idx = idx[lo:hi]
@@ -104,7 +103,7 @@ def _fresh(t: TrainParts, params, p: ProducerState, *, step: int, version: int, 
   prompts = encode_prompts(s, examples)
   out = generate(s, params, prompts, n=geo.samples, temperature=s.rollout.temperature,
                  top_p=s.rollout.top_p, top_k=s.rollout.top_k, first_index=lo,
-                 seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
+                 seed=seed_for(s.train.seed, step, Stream.ROLLOUT))
   tokens = np.asarray(out.tokens)
   out = Sampled(examples, prompts, tokens, np.asarray(out.mask), np.asarray(out.logprobs),
                 np.full(tokens.shape, version, np.int32), engine_stats(out.stats),
@@ -259,7 +258,7 @@ def _roll(t: TrainParts, params, drafts: dict, idx: np.ndarray, first_index: int
   """The selection stage's rollout: sample (speculatively when ``drafts``) and score the
   groups of prompts ``idx`` ([g] dataset indices; one chunk each with adaptive group size)
   from the key streams of prompts ``first_index ..``."""
-  s, c = t.setup, t.setup.config
+  s = t.setup
   M = s.geometry.row_size
   prompts = encode_prompts(s, [s.train_examples[i] for i in idx])
   t0 = time.perf_counter()
@@ -270,7 +269,7 @@ def _roll(t: TrainParts, params, drafts: dict, idx: np.ndarray, first_index: int
   else:
     out = generate(s, params, prompts, n=M, temperature=s.rollout.temperature,
                    top_p=s.rollout.top_p, top_k=s.rollout.top_k, first_index=first_index,
-                   seed=seed_for(c.train.seed, step, Stream.ROLLOUT))
+                   seed=seed_for(s.train.seed, step, Stream.ROLLOUT))
     tokens, mask, logprobs, stats = (np.asarray(out.tokens), np.asarray(out.mask),
                                      np.asarray(out.logprobs), engine_stats(out.stats))
     routing = out.routing
@@ -331,10 +330,10 @@ def _replayed(t: TrainParts, params, p: ProducerState, *, step: int, version: in
   once ``p.replay`` holds k groups, G - k fresh groups and k drawn from it (seeded by
   (train.seed, step)); without, G fresh ones. The fresh informative groups are then added."""
   del lo, hi
-  s, c = t.setup, t.setup.config
-  G, k = s.geometry.groups, config_lib.replay_groups(c)
+  s = t.setup
+  G, k = s.geometry.groups, s.train.replay_groups
   buffer = jax.device_get(p.replay)
-  part = replay_stage.draw(buffer, k, seed_for(c.train.seed, step, Stream.REPLAY))
+  part = replay_stage.draw(buffer, k, seed_for(s.train.seed, step, Stream.REPLAY))
   n = G if part is None else G - k
   fresh, p = _fresh(t, params, p, step=step, version=version, lo=0, hi=n, groups=n)
   buffer = replay_stage.add(buffer, fresh)
@@ -346,6 +345,6 @@ def produce(t: TrainParts, params, producer: ProducerState, *, step: int, versio
             hi: int) -> tuple[Scored, ProducerState]:
   """One batch of step ``step``: groups ``[lo, hi)`` sampled from ``params`` (placed for the
   sampler; policy version ``version``) and scored; and the producer's next position."""
-  if replay_stage.enabled(t.setup.config):
+  if replay_stage.enabled(t.setup.train):
     return _replayed(t, params, producer, step=step, version=version, lo=lo, hi=hi)
   return SOURCES[source(t)](t, params, producer, step=step, version=version, lo=lo, hi=hi)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from rl_jax import config as config_lib
+from rl_jax import settings
 from rl_jax.errors import ConfigError
 
 __all__ = ["METRICS", "enabled", "empty_buffer", "informative", "add", "draw", "merge"]
@@ -46,30 +47,29 @@ _GROUPS = ("indices", "prompts", "prompt_lens")
 _ROWS = {"tokens": np.int32, "mask": np.bool_, "logprobs": np.float32, "versions": np.int32}
 
 
-def enabled(c) -> bool:
+def enabled(train: settings.TrainSettings) -> bool:
   """Whether the run replays (``train.replay.capacity`` > 0)."""
-  return config_lib.replay_groups(c) > 0
+  return train.replay_groups > 0
 
 
-def empty_buffer(c, prompt_len: int, components: int = 0, experts: int = 0,
-                 processes: int = 1) -> dict:
+def empty_buffer(replay: settings.ReplaySettings, geo: config_lib.Geometry, prompt_len: int,
+                 components: int = 0, experts: int = 0, processes: int = 1) -> dict:
   """``ProducerState.replay`` of a fresh run: ``{}`` with replay off, else host arrays
   holding nothing: indices int32 [capacity], prompts int32 [capacity,P] (P =
   ``prompt_len``, ``Setup.prompt_len``) and prompt_lens int32 [capacity], tokens / mask /
-  logprobs / versions [capacity,M,R], rewards float32 [capacity,M], components float32
-  [capacity,M,C] (with C = ``components`` > 0 named reward components), size int32 []
-  (groups held) and next int32 [] (the slot written next)."""
-  if not enabled(c):
+  logprobs / versions [capacity,M,R] (M, R of ``geo``), rewards float32 [capacity,M],
+  components float32 [capacity,M,C] (with C = ``components`` > 0 named reward components),
+  size int32 [] (groups held) and next int32 [] (the slot written next)."""
+  if not replay.capacity:
     return {}
-  what = f"train.replay.capacity={c.train.replay.capacity}"
+  what = f"train.replay.capacity={replay.capacity}"
   if experts:
     raise ConfigError(f"{what} is not supported with a mixture-of-experts model (the buffer "
                       "keeps no expert routing records)")
   if processes > 1:
     raise ConfigError(f"{what} is not supported with {processes} processes (one process "
                       "draws the whole batch)")
-  geo = config_lib.geometry(c)
-  n, M, R = c.train.replay.capacity, geo.samples, geo.new_tokens
+  n, M, R = replay.capacity, geo.samples, geo.new_tokens
   out = {"indices": np.zeros((n,), np.int32),
          "prompts": np.zeros((n, prompt_len), np.int32),
          "prompt_lens": np.zeros((n,), np.int32),

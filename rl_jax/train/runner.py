@@ -91,7 +91,7 @@ def collect(t: TrainParts, state: TrainState) -> tuple[Any, dict, ProducerState]
   scored, producer = produce(t, t.layout.sampler_params(state.params), state.producer,
                              step=step, version=step, lo=lo, hi=hi)
   batch, info = learner_batch(t, state, scored, staleness=t.setup.schedule.overlapped
-                              or replay_stage.enabled(t.setup.config))
+                              or replay_stage.enabled(t.setup.train))
   return batch, info, producer
 
 
@@ -206,7 +206,7 @@ class FixedLag:
     self.pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
                  if self.k else None)
     # experience replay: the token-lag metrics show the replayed groups' age
-    self.replay = replay_stage.enabled(t.setup.config)
+    self.replay = replay_stage.enabled(t.setup.train)
 
   def _produce(self, params, producer: ProducerState, step: int, version: int):
     t0 = time.perf_counter()

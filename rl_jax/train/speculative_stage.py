@@ -95,14 +95,14 @@ def roll(s, params, drafts: dict, idx: np.ndarray, prompts: list, *, step: int,
   p_all = rows(dt) if dl.any() else np.zeros(dt.shape + (s.model_cfg.vocab_size,), np.float32)
   p_rows = p_all.reshape(len(idx) * M, R, -1)
   q_rows = drafts["logq"][idx].reshape(len(idx) * M, R, -1)
-  rng = np.random.default_rng([seed_for(c.train.seed, step, Stream.SPECULATIVE), first_index])
+  rng = np.random.default_rng([seed_for(s.train.seed, step, Stream.SPECULATIVE), first_index])
   eos = s.eos_id if isinstance(s.eos_id, (list, tuple)) else [s.eos_id]
   sp = speculative.speculate(dt.reshape(len(idx) * M, R), dl, p_rows, q_rows, rng,
                              eos_ids=eos, max_new_tokens=R, lenience=r.spec_lenience)
   out = speculative.complete_prefixes(
       s.model_cfg, params, prompts, sp, n=M, max_new_tokens=R, temperature=r.temperature,
       top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id,
-      seed=seed_for(c.train.seed, step, Stream.ROLLOUT), first_index=first_index,
+      seed=seed_for(s.train.seed, step, Stream.ROLLOUT), first_index=first_index,
       policy_version=version, mesh=s.sampler_mesh, rules=s.rules)
   tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   drafts["tokens"][idx] = tokens.reshape(len(idx), M, R)

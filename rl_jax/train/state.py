@@ -99,7 +99,7 @@ def engine_shares(s: Setup) -> int:
 
 def held_capacity(s: Setup) -> int:
   """Most groups one partial-rollout engine share can hold between steps (its slots)."""
-  return math.ceil(s.rollout.over_sampling * s.config.train.batch_groups / engine_shares(s))
+  return math.ceil(s.rollout.over_sampling * s.train.batch_groups / engine_shares(s))
 
 
 def stack_shares(held: list[dict]) -> dict:
@@ -123,7 +123,7 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
       max_prompt_len=s.prompt_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       eos_id=s.eos_id, over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
-      seed=seed_for(s.config.train.seed, 0, Stream.ENGINE), mesh=s.sampler_mesh, rules=s.rules,
+      seed=seed_for(s.train.seed, 0, Stream.ENGINE), mesh=s.sampler_mesh, rules=s.rules,
       context=s.model_cfg.max_position_embeddings, page_size=r.page_size, kv_pages=r.kv_pages,
       kv_memory_fraction=r.kv_memory_fraction, prefill_chunk=r.prefill_chunk)
 
@@ -158,9 +158,8 @@ def _host_parts(s: Setup) -> dict:
               "selector": selection_stage.selector_state(s.config, E),
               "drafts": speculative_stage.drafts_state(s.rollout.speculative, s.geometry, E,
                                                        s.model_cfg.vocab_size),
-              "replay": replay_stage.empty_buffer(s.config, s.prompt_len,
-                                                  len(s.reward_names),
-                                                  s.model_cfg.num_experts,
+              "replay": replay_stage.empty_buffer(s.train.replay, s.geometry, s.prompt_len,
+                                                  len(s.reward_names), s.model_cfg.num_experts,
                                                   jax.process_count())}
   return {"producer": producer, "rollout_queue": queue_lib.empty_queue(s)}
 
@@ -191,13 +190,13 @@ def rl_layout(s: Setup, step: int) -> bool:
   supervised optimizer state) rather than the supervised stage's: true from step 0 with
   ``sft.steps=0``, else for ``step > sft.steps`` (``begin_rl`` switches at the first RL step,
   so a checkpoint written at ``step == sft.steps`` still has the supervised layout)."""
-  sft = s.config.sft.steps
+  sft = s.sft.steps
   return sft == 0 or step > sft
 
 
 def ref_dtype(s: Setup) -> jnp.dtype:
   """Storage dtype of the frozen reference: ``train.ref_dtype``, default the compute dtype."""
-  return jnp.dtype(s.config.train.ref_dtype or s.model_cfg.dtype)
+  return jnp.dtype(s.train.ref_dtype or s.model_cfg.dtype)
 
 
 def reference_copy(s: Setup) -> bool:
@@ -228,7 +227,7 @@ def _state_from_params(s: Setup, params, rl: bool = True) -> TrainState:
   ref = make_reference(s, params) if rl else {}
   value, value_opt = {}, {}
   if "values" in needs:  # critic warm-started from (a copy of) the policy trunk
-    key = jax.random.key(seed_for(s.config.train.seed, 0, Stream.CRITIC_INIT))
+    key = jax.random.key(seed_for(s.train.seed, 0, Stream.CRITIC_INIT))
     value = models.init_value_params(s.model_cfg, key,
                                      policy_params=jax.tree.map(jnp.copy, params))
     value_opt = _init_optimizer(s, s.optimizers.value, value,
@@ -289,7 +288,7 @@ def init_params(s: Setup) -> dict:
     else:  # trained whole: the update donates them, which needs buffers XLA owns
       params = models.hf.own_buffers(params)
   else:
-    params = models.init_sharded(s.model_cfg, jax.random.key(s.config.train.seed), s.mesh,
+    params = models.init_sharded(s.model_cfg, jax.random.key(s.train.seed), s.mesh,
                                  s.rules, std=s.config.model.init_std,
                                  lora_init=s.config.model.lora.init)
     if loaded is not None:
@@ -311,7 +310,7 @@ def _loaded_adapters(s: Setup, shardings) -> dict | None:
 def adapters(s: Setup) -> dict:
   """Fresh adapters of the run (``model.lora``): the ones a random init makes (key
   ``fold_in(key(train.seed), 1)``, ``models.init_params``), for a loaded base too."""
-  key = jax.random.fold_in(jax.random.key(s.config.train.seed), 1)
+  key = jax.random.fold_in(jax.random.key(s.train.seed), 1)
   return models.lora.init_adapters(s.model_cfg, key, s.config.model.lora.init)
 
 

@@ -78,9 +78,9 @@ def rounding_key(s: Setup, opt_state, stage: int) -> jax.Array | None:
   without it): the run's ``ROUNDING`` stream, the optimizer (``stage``: 0 supervised, 1 RL,
   2 critic) and its update count, which the checkpoint holds, so a resumed run rounds
   exactly as the uninterrupted one."""
-  if not s.config.optim.get("stochastic_rounding"):
+  if not s.optim.stochastic_rounding:
     return None
-  key = jax.random.key(seed_for(s.config.train.seed, 0, Stream.ROUNDING))
+  key = jax.random.key(seed_for(s.train.seed, 0, Stream.ROUNDING))
   return jax.random.fold_in(jax.random.fold_in(key, stage), optim.update_count(opt_state))
 
 
@@ -163,7 +163,7 @@ def make_sft_step(s: Setup, layout: Layout) -> Callable:
     return params, opt_state, {"sft_loss": loss, **mets, "grad_norm": norm,
                                "update_skipped": 1 - finite.astype(jnp.int32)}
 
-  st, rows = layout.state, layout.rows(s.config.sft.batch_size)
+  st, rows = layout.state, layout.rows(s.sft.batch_size)
   return jit_on_mesh(step, layout, donate_argnums=(0, 1),
                      in_shardings=(st.params, st.sft_opt_state, rows, rows, rows),
                      out_shardings=(st.params, st.sft_opt_state, layout.replicated))
@@ -176,7 +176,7 @@ def _groups(s: Setup) -> int:
 
 def _micro(s: Setup) -> int:
   """``train.micro_batches``: the batch passes and the update run in this many pieces."""
-  return s.config.train.micro_batches
+  return s.train.micro_batches
 
 
 def _temperature(s: Setup) -> float:
@@ -243,7 +243,7 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
   """``logprobs(params, prompt_tokens [G,P], prompt_lengths [G], tokens [G,M,R],
   mask [G,M,R]) -> [G,M,R]`` at the sampling temperature (packed layout by default); with
   ``model.router_replay`` a sixth argument, the sampler's routing [G,M,R,Y,X]."""
-  temp, shared = _temperature(s), s.config.train.shared_prefix
+  temp, shared = _temperature(s), s.train.shared_prefix
   rows = layout.rows(_groups(s))
   return _group_pass(layout, layout.state.params, _groups(s),
                      lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
@@ -258,12 +258,14 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
   LoRA the pass takes the policy's params and runs the base with the adapters off
   (``StepFns.ref_from_policy``). None when the reference is on the device: ``logprobs``
   serves it."""
-  temp, shared = _temperature(s), s.config.train.shared_prefix
-  if s.model_cfg.lora_rank:
+  temp, shared = _temperature(s), s.train.shared_prefix
+  if s.model_cfg.lora_rank:  # with router replay it takes the records like the others
     return _group_pass(layout, layout.state.params, _groups(s),
-                       lambda p, pt, pl, rt, rm: models.response_logprobs(
+                       lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
                            s.model_cfg, models.lora.strip(p), pt, pl, rt, rm,
-                           shared_prefix=shared, temperature=temp),
+                           shared_prefix=shared, temperature=temp,
+                           routing=routing[0] if routing else None),
+                       extra=(layout.rows(_groups(s)),) if _replay(s) else (),
                        micro_batches=_micro(s))
   if "ref_params" not in offload.offloaded_fields(s):
     return None
@@ -285,7 +287,7 @@ def make_teacher_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
   None without a teacher."""
   if s.teacher_cfg is None:
     return None
-  cfg, temp, shared = s.teacher_cfg, _temperature(s), s.config.train.shared_prefix
+  cfg, temp, shared = s.teacher_cfg, _temperature(s), s.train.shared_prefix
   host = teacher_lib.offloaded(s)
   return _group_pass(layout, teacher_lib.teacher_shardings(s), _groups(s),
                      lambda p, pt, pl, rt, rm: models.response_logprobs(
@@ -295,7 +297,7 @@ def make_teacher_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
 
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
   """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
-  shared = s.config.train.shared_prefix
+  shared = s.train.shared_prefix
   return _group_pass(layout, layout.state.value_params, _groups(s),
                      lambda v, pt, pl, rt, rm: models.response_values(
                          s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared),
@@ -326,10 +328,10 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
   """
   cfg, obj = s.model_cfg, s.objective if obj is None else obj
   replay = _replay(s)
-  temp, shared = _temperature(s), s.config.train.shared_prefix
+  temp, shared = _temperature(s), s.train.shared_prefix
   with_critic = "values" in obj.needs
   with_entropy = "entropy" in obj.needs  # an entropy bonus: per-token entropy of this pass
-  own_old = old_logp_in_update(s.config, obj)
+  own_old = old_logp_in_update(s.train, s.schedule.overlapped, s.rollout.partial, obj)
   capacity = cfg.is_moe and bool(cfg.moe_capacity_factor)  # metric moe_dropped_tokens
   aux_coef = _aux_coef(s)  # load-balancing loss, metric moe_aux_loss
 
@@ -449,7 +451,7 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
 
   st = layout.state
   weights = (st.params, st.opt_state, st.value_params, st.value_opt_state)
-  rows = layout.rows(_groups(s) // s.config.train.minibatches)
+  rows = layout.rows(_groups(s) // s.train.minibatches)
   return jit_on_mesh(update, layout, donate_argnums=(0, 1, 2, 3),
                      in_shardings=(*weights, rows), out_shardings=(*weights, layout.replicated))
 
@@ -459,8 +461,8 @@ def make_grad_norm_fn(s: Setup, layout: Layout) -> Callable:
   squared gradient norm of each trajectory's summed log-probs (VCPO's off-policy optimal
   baseline), by ``loss_extra.grad_norm_method``."""
   cfg, temp = s.model_cfg, _temperature(s)
-  method = s.config.loss_extra.grad_norm_method
-  chunk = s.config.loss_extra.grad_norm_chunk
+  method = s.loss_extra.grad_norm_method
+  chunk = s.loss_extra.grad_norm_chunk
 
   def row_logp(p, x):
     pt, pl, rt, rm = x
@@ -487,7 +489,8 @@ def make_step_fns(s: Setup, layout: Layout) -> StepFns:
   return StepFns(sft=make_sft_step(s, layout), rl_update=make_rl_update(s, layout),
                  logprobs=make_logprob_fn(s, layout), values=make_value_fn(s, layout),
                  grad_sq_norms=make_grad_norm_fn(s, layout),
-                 old_logp_in_update=old_logp_in_update(s.config, s.objective),
+                 old_logp_in_update=old_logp_in_update(s.train, s.schedule.overlapped,
+                                                       s.rollout.partial, s.objective),
                  ref_logprobs=make_ref_logprob_fn(s, layout),
                  ref_from_policy=bool(s.model_cfg.lora_rank),
                  advantages=make_advantage_fn(s),

@@ -39,7 +39,7 @@ __all__ = ["load_teacher", "teacher_shardings", "abstract_teacher", "offloaded"]
 
 def offloaded(s: Setup) -> bool:
   """Whether ``train.offload`` names the teacher (kept in host memory between passes)."""
-  return "teacher" in offload.parse(s.config.train.get("offload"))
+  return "teacher" in s.train.offload_parts
 
 
 def teacher_shardings(s: Setup) -> Any:
@@ -60,12 +60,12 @@ def abstract_teacher(s: Setup) -> Any:
 
 def load_teacher(s: Setup) -> Any:
   """The teacher's weights, read from ``distill.teacher_path`` onto ``teacher_shardings``."""
-  where = f"distill.teacher_path={s.config.distill.teacher_path}"
+  where = f"distill.teacher_path={s.distill.teacher_path}"
   if offloaded(s):
     offload.check_backend(("teacher",), s.mesh.devices.flat)
   device_sh = models.param_shardings(s.teacher_cfg, s.mesh, s.rules)
   try:
-    _, params = models.load_hf(s.config.distill.teacher_path,
+    _, params = models.load_hf(s.distill.teacher_path,
                                dtype=jnp.dtype(s.teacher_cfg.param_dtype), shardings=device_sh)
   except (ModelError, ValueError, KeyError) as e:
     raise ConfigError(f"{where}: {e}") from None

@@ -357,10 +357,10 @@ def model_flops(s: Setup, prog: str, sampler: dict | None = None) -> float:
   training step (backward = 2 forwards) plus a forward with ``model.remat`` on; attention
   scores left out. A cross-check of XLA's count, which takes a loop body (the layer scan,
   the log-prob chunks) once. ``sampler``: the sampler program's shapes (``sampler_programs``)."""
-  c, geo = s.config, s.geometry
+  geo = s.geometry
   trunk, head = matmul_params(s.model_cfg)
   rows, M, R, P = geo.rows, geo.row_size, geo.new_tokens, s.prompt_len
-  per_row = P + M * R if c.train.shared_prefix else M * (P + R)  # the packed row
+  per_row = P + M * R if s.train.shared_prefix else M * (P + R)  # the packed row
   train = 3.0 + (1.0 if s.model_cfg.remat != "none" else 0.0)
   if prog in ("logprobs", "ref_logprobs", "values"):
     flops = 2 * (trunk * rows * per_row + head * rows * M * R)
@@ -368,11 +368,11 @@ def model_flops(s: Setup, prog: str, sampler: dict | None = None) -> float:
     t_trunk, t_head = matmul_params(s.teacher_cfg)
     flops = 2 * (t_trunk * rows * per_row + t_head * rows * M * R)
   elif prog == "rl_update":
-    g = rows // c.train.minibatches
+    g = rows // s.train.minibatches
     flops = 2 * train * (trunk * g * per_row + head * g * M * R)
   elif prog == "sft":
     T = P + s.rollout.max_new_tokens
-    flops = 2 * train * (trunk + head) * c.sft.batch_size * T
+    flops = 2 * train * (trunk + head) * s.sft.batch_size * T
   elif sampler is not None and prog == "prefill":
     flops = 2 * (trunk * sampler["rows"] * sampler["tokens"] + head * sampler["rows"])
   elif sampler is not None and prog == "decode":
@@ -743,10 +743,9 @@ def batch_step(s: Setup) -> int:
   every minibatch (``train.minibatches`` x ``train.micro_batches``), every minibatch's rows
   split evenly over the mesh's batch axes (rows they do not divide are replicated on every
   chip: another program), and whole engine shares with ``rollout.partial``."""
-  c = s.config
   axes = sharding.logical_to_spec(("batch",), s.rules, s.mesh, (s.mesh.size << 12,))[0] or ()
   split = math.prod(s.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-  step = c.train.minibatches * math.lcm(c.train.micro_batches, split)
+  step = s.train.minibatches * math.lcm(s.train.micro_batches, split)
   if s.rollout.partial:
     step = math.lcm(step, state_lib.engine_shares(s))
   return step
@@ -928,9 +927,8 @@ def _time(prog: dict, chip: Chip) -> None:
 
 def _calls(s: Setup, prog: str) -> int:
   """Calls of a trainer program per step of its phase."""
-  c = s.config
   if prog == "rl_update":
-    return c.train.minibatches * c.train.epochs
+    return s.train.minibatches * s.train.epochs
   return 1
 
 
