@@ -80,6 +80,8 @@ MODELS = {
 }
 # overrides per model family (MoE: train on the sampler's experts)
 FAMILY = {"qwen3-30b-a3b": ["model.router_replay=True"]}
+# with adapters, per model family (LoRA adapts a mixture-of-experts model's attention only)
+ADAPTED = {"qwen3-30b-a3b": ["model.lora.targets=q,k,v,o"]}
 VARIANTS = {
     "full": [],
     "lora": ["model.lora.rank=16", "model.lora.alpha=32.0", "model.param_dtype=bfloat16"],
@@ -127,7 +129,9 @@ def run_one(workdir: str, model: str, topology: str, variant: str, extra: list[s
          f"--workdir={run_dir}", f"--config.model.hf_path={os.path.join(workdir, 'models', model)}",
          f"--config.data.path={os.path.join(workdir, 'gsm8k_synthetic.jsonl')}",
          "--config.train.dry_run=True", f"--config.dry_run.topology={topology}"]
-  cmd += [f"--config.{o}" for o in FAMILY.get(model, []) + VARIANTS[variant] + list(extra)]
+  adapted = ADAPTED.get(model, []) if variant in ("lora", "qlora") else []
+  cmd += [f"--config.{o}"
+          for o in FAMILY.get(model, []) + VARIANTS[variant] + adapted + list(extra)]
   plan_file = os.path.join(run_dir, "topology_plan.json")
   if os.path.exists(plan_file):  # an earlier sweep's
     os.remove(plan_file)
