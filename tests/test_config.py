@@ -46,7 +46,7 @@ def test_knobs_reach_the_objective():
   rng = np.random.default_rng(0)
   B, T = 8, 6
   logp = jnp.asarray(rng.normal(-1.0, 0.3, (B, T)), jnp.float32)
-  batch = losses.Batch(mask=jnp.ones((B, T), bool), advantages=jnp.asarray(rng.normal(size=B)),
+  batch = losses.LossBatch(mask=jnp.ones((B, T), bool), advantages=jnp.asarray(rng.normal(size=B)),
                        old_logp=logp, behaviour_logp=logp + jnp.asarray(
                            rng.normal(0, 0.5, (B, T)), jnp.float32))
 

@@ -31,7 +31,7 @@ def make_batch(seed=0, token_adv=False, with_values=False, b=B, t=T):
   if with_values:
     fields.update(values=f(b, t), returns=f(b, t), old_values=f(b, t))
   logp = old + 0.1 * f(b, t)
-  return logp, losses.Batch(**fields)
+  return logp, losses.LossBatch(**fields)
 
 
 PRESET_CASES = ["grpo", "dapo", "dr_grpo", "gspo", "vcpo", "m2po", "decoupled_ppo", "ppo",
@@ -116,7 +116,7 @@ def test_no_recompile_when_values_change():
        hnp.arrays(np.float32, (4,), elements=st.floats(-2.0, 2.0, width=32)))
 def test_decoupled_equals_ppo_when_behaviour_is_proximal(old, delta, adv):
   mask = jnp.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], bool)
-  batch = losses.Batch(mask=mask, advantages=jnp.asarray(adv), old_logp=jnp.asarray(old),
+  batch = losses.LossBatch(mask=mask, advantages=jnp.asarray(adv), old_logp=jnp.asarray(old),
                        behaviour_logp=jnp.asarray(old))
   logp = jnp.asarray(old + delta)
   dec = losses.get_objective("decoupled_ppo")
@@ -185,7 +185,7 @@ def test_bad_inputs():
     obj.loss(logp, batch._replace(ref_logp=None))
   with pytest.raises(ValueError, match="behaviour_logp has shape"):
     obj.loss(logp, batch._replace(behaviour_logp=jnp.zeros((B, T + 1))))
-  with pytest.raises(ValueError, match="losses.Batch"):
+  with pytest.raises(ValueError, match="losses.LossBatch"):
     obj.loss(logp, dict(batch._asdict()))
   with pytest.raises(ValueError, match="unknown objective 'grop'"):
     losses.get_objective("grop")

@@ -20,7 +20,7 @@ def _batch(rng, token_adv=False, values=False):
       ref_logp=old + 0.2 * f())
   if values:
     fields.update(values=f(), returns=f(), old_values=f())
-  return old + 0.05 * f(), losses.Batch(**fields)
+  return old + 0.05 * f(), losses.LossBatch(**fields)
 
 
 def _fd_check(fn, x, rng, n_dirs=3, h=1e-6):

@@ -58,7 +58,7 @@ def test_vcpo_preset_feeds_ess_transform():
   mask = jnp.asarray(np.arange(4)[None] < np.array([[4], [2], [3], [1]]))
   old = jnp.asarray(-np.abs(rng.normal(size=(4, 4))), jnp.float32)
   mu = old + jnp.asarray(rng.normal(size=(4, 4)) * 0.3, jnp.float32)
-  batch = losses.Batch(mask=mask, advantages=jnp.asarray(rng.normal(size=4), jnp.float32),
+  batch = losses.LossBatch(mask=mask, advantages=jnp.asarray(rng.normal(size=4), jnp.float32),
                        old_logp=old, behaviour_logp=mu)
   _, _, m = obj.loss(old, batch)
   w = np.exp(np.asarray(losses.sequence_log_weights(old, mu, mask), np.float64))

@@ -44,7 +44,7 @@ def make_case(seed=0, spread=0.4):
 
 def batch_of(old, mu, mask, adv):
   f = lambda x: jnp.asarray(x, jnp.float32)
-  return losses.Batch(mask=jnp.asarray(mask), advantages=f(adv), old_logp=f(old),
+  return losses.LossBatch(mask=jnp.asarray(mask), advantages=f(adv), old_logp=f(old),
                       behaviour_logp=f(mu))
 
 

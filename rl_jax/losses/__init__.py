@@ -1,7 +1,7 @@
 """RL objectives as composable, jittable transforms.
 
 * Records (inputs.py): ``ObjectiveInputs`` (one step's groups, [G,M,...]) -> an estimator's
-  ``Advantages`` -> ``loss_batch`` -> the per-row ``Batch`` the loss reads.
+  ``Advantages`` -> ``loss_batch`` -> the per-row ``LossBatch`` the loss reads.
 * Plain formulas (``grpo_advantages``, ``kl_penalty``, ``aggregate``, ``policy_loss`` ...)
   for direct use.
 * Parts combined with ``chain(...)`` into an ``Objective``: advantage estimators
@@ -25,7 +25,7 @@ from rl_jax.losses.estimators import (ADVANTAGES, DISTILL_NEEDS, TURN_FIELDS,
                                       register_advantage, reinforce_pp,
                                       reinforce_pp_baseline, rloo, sampled_reverse_kl,
                                       with_distillation)
-from rl_jax.losses.inputs import (INPUT_FIELDS, Advantages, Batch, ObjectiveInputs,
+from rl_jax.losses.inputs import (INPUT_FIELDS, Advantages, LossBatch, ObjectiveInputs,
                                   check_inputs, loss_batch)
 from rl_jax.losses.kl import KL_KINDS, entropy_from_logits, kl_penalty, kl_reward
 from rl_jax.losses.policy import (DECOUPLED_MODES, MIS_LEVELS, MIS_MODES, RATIO_LEVELS,
@@ -51,7 +51,7 @@ from rl_jax.losses.vcpo import (ESS_RULES, GRAD_NORM_METHODS, effective_sample_s
 
 __all__ = [
     # records
-    "INPUT_FIELDS", "Advantages", "Batch", "ObjectiveInputs", "check_inputs", "loss_batch",
+    "INPUT_FIELDS", "Advantages", "LossBatch", "ObjectiveInputs", "check_inputs", "loss_batch",
     # advantage formulas
     "gae_advantages", "gdpo_advantages", "grpo_advantages", "mc_grpo_advantages",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_advantages",

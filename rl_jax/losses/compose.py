@@ -40,7 +40,7 @@ from rl_jax.losses._utils import (Array, check_rank, check_same_shape, masked_me
                                   safe_divide)
 from rl_jax.losses.aggregation import Aggregation, aggregation
 from rl_jax.losses.estimators import AdvantageEstimator
-from rl_jax.losses.inputs import INPUT_FIELDS, Advantages, Batch, ObjectiveInputs
+from rl_jax.losses.inputs import INPUT_FIELDS, Advantages, LossBatch, ObjectiveInputs
 from rl_jax.losses.stages import LossInputs, LossStage, LossTerms, ppo_clip
 
 __all__ = ["Objective", "chain", "finalize", "policy_loss"]
@@ -94,7 +94,7 @@ class Objective(NamedTuple):
 
   advantages: Callable[..., Any]
   loss: Callable[..., tuple[Array, Array, dict]]
-  prepare: Callable[[Batch], Batch]
+  prepare: Callable[[LossBatch], LossBatch]
   update_transform: optax.GradientTransformationExtraArgs
   default_agg: str
   uses_kl: bool
@@ -134,9 +134,9 @@ def _sanitize(x: Array | None, mask: Array) -> Array | None:
   return sharding.constrain(jnp.where(mask, x, 0.0), _TOKEN_AXES)
 
 
-def _check_batch(logp: Array, batch: Batch, values, entropy) -> None:
-  if not isinstance(batch, Batch):
-    raise ValueError(f"batch must be a losses.Batch, got {type(batch).__name__}")
+def _check_batch(logp: Array, batch: LossBatch, values, entropy) -> None:
+  if not isinstance(batch, LossBatch):
+    raise ValueError(f"batch must be a losses.LossBatch, got {type(batch).__name__}")
   check_rank("logp", logp, (2,))
   check_same_shape("logp", logp, mask=batch.mask, old_logp=batch.old_logp,
                    behaviour_logp=batch.behaviour_logp, ref_logp=batch.ref_logp,
@@ -216,14 +216,14 @@ def chain(*parts: Any, name: str = "custom") -> Objective:
       s.kind == "term" and "ref_logp" in s.needs for s in stages)
   advantages_from, advantages = _advantage_fns(estimator)
 
-  def prepare(batch: Batch) -> Batch:
+  def prepare(batch: LossBatch) -> LossBatch:
     aux = dict(batch.aux or {})
     for s in stages:
       if s.prepare is not None:
         aux.update(s.prepare(batch))
     return batch._replace(aux=aux)
 
-  def loss(logp: Array, batch: Batch, *, values: Array | None = None,
+  def loss(logp: Array, batch: LossBatch, *, values: Array | None = None,
            entropy: Array | None = None) -> tuple[Array, Array, dict]:
     values = batch.values if values is None else values
     _check_batch(logp, batch, values, entropy)
@@ -240,7 +240,7 @@ def chain(*parts: Any, name: str = "custom") -> Objective:
     missing = sorted({n for s in stages for n in s.needs
                       if n in LossInputs._fields and getattr(x, n) is None})
     if missing:
-      raise ValueError(f"this objective needs {missing} (in the Batch or as loss kwargs)")
+      raise ValueError(f"this objective needs {missing} (in the LossBatch or as loss kwargs)")
     fmask = mask.astype(logp.dtype)
     terms = LossTerms(policy=jnp.zeros_like(x.logp), weight=fmask, keep=mask,
                       extra=jnp.zeros_like(x.logp), metrics={})
@@ -301,6 +301,6 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array,
   """
   obj = chain(ppo_clip(eps_low, eps_high, dual_clip, ratio_level), aggregation(agg, agg_norm),
               name="policy_loss")
-  loss_sum, denom, metrics = obj.loss(logp, Batch(mask=mask, advantages=advantages,
+  loss_sum, denom, metrics = obj.loss(logp, LossBatch(mask=mask, advantages=advantages,
                                                   old_logp=old_logp))
   return finalize(loss_sum, denom), {k: metrics[k] for k in _POLICY_LOSS_METRICS}

@@ -2,7 +2,7 @@
 
 * ``ObjectiveInputs``: one step's groups, as every advantage estimator sees them ([G,M,...]).
 * ``Advantages``: what an estimator returns.
-* ``Batch``: per-row loss data ([B,T] with B = G·M, T = R), what ``Objective.loss`` reads;
+* ``LossBatch``: per-row loss data ([B,T] with B = G·M, T = R), what ``Objective.loss`` reads;
   ``loss_batch`` builds it from the two records above.
 
 Axis letters: the package legend (``rl_jax/__init__.py``).
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from rl_jax.losses._utils import Array, check_rank
 
-__all__ = ["INPUT_FIELDS", "Advantages", "Batch", "ObjectiveInputs", "check_inputs",
+__all__ = ["INPUT_FIELDS", "Advantages", "LossBatch", "ObjectiveInputs", "check_inputs",
            "loss_batch"]
 
 
@@ -92,7 +92,7 @@ class Advantages(NamedTuple):
   keep: Array | None = None
 
 
-class Batch(NamedTuple):
+class LossBatch(NamedTuple):
   """Per-row training data for one (micro-)batch; a pytree, sliceable along rows.
 
   Attributes:
@@ -173,7 +173,7 @@ def check_inputs(inputs: ObjectiveInputs, needs: tuple[str, ...] = (), who: str 
     raise ValueError(f"advantage estimator {label}needs {missing} in ObjectiveInputs")
 
 
-def loss_batch(inputs: ObjectiveInputs, adv: Advantages) -> Batch:
+def loss_batch(inputs: ObjectiveInputs, adv: Advantages) -> LossBatch:
   """Flatten groups to rows ([G,M,...] -> [G·M,...]) for ``Objective.loss``.
 
   The loss mask is ``inputs.mask`` restricted to the rows ``adv.keep`` (all rows if None);
@@ -185,7 +185,7 @@ def loss_batch(inputs: ObjectiveInputs, adv: Advantages) -> Batch:
     adv: the estimator's result for ``inputs``.
 
   Returns:
-    A ``Batch`` with B = G·M rows and T = R tokens (``aux`` and ``values`` left None).
+    A ``LossBatch`` with B = G·M rows and T = R tokens (``aux`` and ``values`` left None).
   """
   check_inputs(inputs, ("old_logp",), "loss_batch")
   g, m, r = inputs.mask.shape
@@ -205,7 +205,7 @@ def loss_batch(inputs: ObjectiveInputs, adv: Advantages) -> Batch:
   def rows(x):
     return None if x is None else x.reshape(g * m, *x.shape[2:])
 
-  return Batch(mask=rows(mask), advantages=rows(adv.advantages),
+  return LossBatch(mask=rows(mask), advantages=rows(adv.advantages),
                old_logp=rows(inputs.old_logp), behaviour_logp=rows(inputs.behaviour_logp),
                ref_logp=rows(inputs.ref_logp), returns=rows(adv.returns),
                old_values=rows(inputs.values))

@@ -23,7 +23,7 @@ from rl_jax.losses import policy as pol
 from rl_jax.losses import vcpo as vcpo_lib
 from rl_jax.losses._registry import Registry
 from rl_jax.losses._utils import Array, check_choice, clamped_exp, masked_mean, safe_divide
-from rl_jax.losses.inputs import Batch
+from rl_jax.losses.inputs import LossBatch
 from rl_jax.losses.kl import KL_KINDS, kl_penalty
 
 __all__ = ["POLICIES", "LossInputs", "LossStage", "LossTerms", "ace", "decoupled",
@@ -77,7 +77,7 @@ class LossStage(NamedTuple):
   apply: Callable[[LossTerms, LossInputs], LossTerms]
   kind: str  # "policy", "correction" or "term"
   needs: tuple[str, ...] = ()
-  prepare: Callable[[Batch], dict] | None = None
+  prepare: Callable[[LossBatch], dict] | None = None
   single_pass: bool = False
 
 
@@ -143,7 +143,7 @@ def reinforce(ratio: bool = False) -> LossStage:
   return LossStage(apply, "policy", single_pass=not ratio)
 
 
-def _mismatch_delta(batch: Batch) -> tuple[Array, Array]:
+def _mismatch_delta(batch: LossBatch) -> tuple[Array, Array]:
   """``(mu - prox, mask)`` of a whole batch, 0 off the mask (M2PO's statistics)."""
   mu = batch.old_logp if batch.behaviour_logp is None else batch.behaviour_logp
   m = batch.mask.astype(bool)
