@@ -6,8 +6,9 @@ value check and its doc are declared on the field, ``rl_jax.config`` builds the 
 ``ConfigDict`` (``section_config``) and its check table (``section_checks``) from them, and
 the rules between fields of the section are the dataclass's ``__post_init__``. The setup
 turns the section into its settings once (``from_section``: ``Setup.rollout`` ...); the code
-below the setup reads those, never the raw config, so a function's signature says what it
-depends on.
+below the setup reads those instead of the raw config (``tests/test_settings.py`` names the
+few modules that still take a whole config), and a function that needs a few of them takes
+those, so its signature says what it depends on.
 
 * ``RolloutSettings``: ``config.rollout``, sampling for training rollouts.
 * ``TrainSettings`` (with ``ReplaySettings``): ``config.train``, the loop, its mode and
