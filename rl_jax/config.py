@@ -56,8 +56,6 @@ ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks
 ENV_ADAPTERS = {"gymnasium": "gym_id", "verifiers": "verifiers"}
 GYM_CODECS = ("auto", "frozen_lake", "blackjack", "default")  # env.gym_codec
 TOOL_FORMATS = ("auto", "hermes", "llama3")  # env.tool_format (rl_jax.envs.tool_calls)
-GROUP_FNS = ("majority_vote",)  # reward.group_fn built-ins (rl_jax.data.group_rewards)
-JUDGE_VERDICTS = ("yes_no", "score")  # reward.judge_verdict (rl_jax.train.judge_stage)
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -277,27 +275,6 @@ def _loss() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(fields)
 
 
-def _reward() -> ml_collections.ConfigDict:
-  """Rewards that are not a per-row rule: a group function (``rl_jax.data.group_rewards``)
-  scores the M completions of each prompt together, once per group; a judge model
-  (``rl_jax.train.judge_stage``) scores each completion from a prompt rendered by a jinja2
-  template. Either one's rewards replace the task verifier's for training (evaluation keeps
-  the verifier)."""
-  return ml_collections.ConfigDict(dict(
-      # "" = the task's verifier per row; a built-in ("majority_vote": test-time RL's
-      # label-free majority vote) or "module:fn", fn(completions, example) -> M rewards
-      group_fn="",
-      # HF checkpoint directory (config.json, safetensors, tokenizer.json) of a judge; "" = off
-      judge_path="",
-      # jinja2 template file of the judge's prompt (variables: question, answer, reference)
-      judge_template="",
-      # "yes_no": P(yes)/(P(yes)+P(no)) of the judge's next token; "score": the first number
-      # of its greedy continuation of up to judge_max_tokens tokens
-      judge_verdict="yes_no",
-      judge_max_tokens=8,
-  ))
-
-
 def _dry_run() -> ml_collections.ConfigDict:
   """``train.dry_run=True`` for a TPU topology this host does not have
   (``rl_jax.train.topology``, needs ``pip install -e ".[tpu]"``): every program of the run
@@ -321,7 +298,7 @@ def base_config() -> ml_collections.ConfigDict:
   typed = {name: settings.section_config(cls) for name, cls in settings.SECTIONS.items()}
   return ml_collections.ConfigDict(dict(
       model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),
-      loss=_loss(), dry_run=_dry_run(), reward=_reward(), **typed,
+      loss=_loss(), dry_run=_dry_run(), **typed,
   ))
 
 
@@ -439,14 +416,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
                                   "must be an import path module:fn, or ''"),
       "env.agent": lambda x: (None if x == "" or imports.is_import_path(x) else
                               "must be an import path module:fn, or ''"),
-      "reward.group_fn": lambda x: (None if x in ("",) + GROUP_FNS or imports.is_import_path(x)
-                                    else f"must be '', a built-in {GROUP_FNS} or an import "
-                                    "path module:fn (e.g. my_rewards:vote)"),
-      "reward.judge_path": lambda x: None if isinstance(x, str) else "must be a directory (str)",
-      "reward.judge_template": lambda x: (None if isinstance(x, str) else
-                                          "must be a jinja2 template file (str)"),
-      "reward.judge_verdict": cu.one_of(JUDGE_VERDICTS),
-      "reward.judge_max_tokens": cu.positive_int,
   }
 
 
@@ -684,21 +653,10 @@ def _check_distill(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_reward(config: ml_collections.ConfigDict) -> None:
-  """A group function scores whole groups of one prompt: single-turn, fixed-size groups. A
-  judge needs its template (and the reverse), single-turn rows, and no group function (the
-  judge's directory and template are read when the setup is built, ``judge_stage``)."""
-  fn = config.get("reward", {}).get("group_fn") or ""
-  judge = config.get("reward", {}).get("judge_path") or ""
-  template = config.get("reward", {}).get("judge_template") or ""
-  if judge and not template:
-    raise ConfigError(f"reward.judge_path={judge} needs reward.judge_template=FILE.jinja (the "
-                      "judge's prompt, rendered from question, answer and reference)")
-  if template and not judge:
-    raise ConfigError(f"reward.judge_template={template} needs reward.judge_path=HF_DIR (the "
-                      "judge model that reads the rendered prompt)")
-  if judge and fn:
-    raise ConfigError(f"reward.judge_path={judge} and reward.group_fn={fn!r} cannot be "
-                      "combined: each replaces the verifier's reward; set one")
+  """A group function scores whole groups of one prompt: single-turn, fixed-size groups; a
+  judge, single-turn rows (the rules of the section alone are ``settings.RewardSettings``';
+  the judge's directory and template are read when the setup is built, ``judge_stage``)."""
+  fn, judge = config.reward.group_fn, config.reward.judge_path
   if judge and config.env.name:
     raise ConfigError(f"reward.judge_path={judge} is not supported with env.name="
                       f"{config.env.name!r}: multi-turn rewards are the environments' returns")
@@ -839,7 +797,8 @@ class Geometry(NamedTuple):
   prompt (adaptive group size; 1 otherwise). new_tokens: R (``rollout.max_new_tokens``).
   adaptive: whether rows are chunks of a per-prompt allocation (``data.group_size``).
   turns: U, the most assistant turns of a trajectory (``env.max_turns``; 1 single-turn).
-  With ``env.name`` set, new_tokens is R = ``env.max_total_tokens``.
+  multi_turn: whether the rollouts are episodes of an environment (``env.name`` set); then
+  new_tokens is R = ``env.max_total_tokens``.
   """
 
   groups: int
@@ -850,6 +809,7 @@ class Geometry(NamedTuple):
   new_tokens: int
   adaptive: bool
   turns: int = 1
+  multi_turn: bool = False
 
 
 def geometry(config: ml_collections.ConfigDict) -> Geometry:
@@ -857,7 +817,7 @@ def geometry(config: ml_collections.ConfigDict) -> Geometry:
   G, M, R = config.train.batch_groups, config.rollout.n, config.rollout.max_new_tokens
   env = config.get("env")
   if env is not None and env.name:
-    return Geometry(G, M, G, M, 1, int(env.max_total_tokens), False, int(env.max_turns))
+    return Geometry(G, M, G, M, 1, int(env.max_total_tokens), False, int(env.max_turns), True)
   if (config.data.group_size or "fixed") != "adaptive":
     return Geometry(G, M, G, M, 1, R, False)
   m = config.data.group_chunk

@@ -14,8 +14,8 @@ those, so its signature says what it depends on.
 * ``TrainSettings`` (with ``ReplaySettings``): ``config.train``, the loop, its mode and
   cadence, the CPU compile options.
 * ``SftSettings``, ``EvalSettings``, ``DistillSettings``, ``LogSettings``, ``OptimSettings``,
-  ``LossExtraSettings``: ``config.sft``, ``eval``, ``distill``, ``log``, ``optim``,
-  ``loss_extra``.
+  ``LossExtraSettings``, ``RewardSettings``: ``config.sft``, ``eval``, ``distill``, ``log``,
+  ``optim``, ``loss_extra``, ``reward``.
 
 ``SECTIONS`` maps each section to its class.
 """
@@ -30,13 +30,14 @@ import ml_collections
 from ml_collections import config_dict
 
 from rl_jax import config_checks as cu
+from rl_jax import imports
 from rl_jax import losses, optim
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 
-__all__ = ["OFFLOAD_PARTS", "OLD_LOGP_PASSES", "SECTIONS", "DistillSettings", "EvalSettings",
-           "LogSettings", "LossExtraSettings", "OptimSettings", "ReplaySettings",
-           "RolloutSettings", "SftSettings", "TrainSettings", "from_section", "section_checks",
+__all__ = ["GROUP_FNS", "JUDGE_VERDICTS", "OFFLOAD_PARTS", "OLD_LOGP_PASSES", "SECTIONS",
+           "DistillSettings", "EvalSettings", "LogSettings", "LossExtraSettings", "OptimSettings",
+           "ReplaySettings", "RewardSettings", "RolloutSettings", "SftSettings", "TrainSettings", "from_section", "section_checks",
            "section_config", "setting"]
 
 
@@ -369,11 +370,63 @@ class LossExtraSettings:
       4, cu.positive_int, 'rows per chunk of "map" (docs/BENCHMARKS.md: grad-norm section)')
 
 
+GROUP_FNS = ("majority_vote",)  # reward.group_fn built-ins (rl_jax.data.group_rewards)
+JUDGE_VERDICTS = ("yes_no", "score")  # reward.judge_verdict (rl_jax.train.judge_stage)
+
+
+def _group_fn(x: Any) -> str | None:
+  if x in ("",) + GROUP_FNS or imports.is_import_path(x):
+    return None
+  return f"must be '', a built-in {GROUP_FNS} or an import path module:fn (e.g. my_rewards:vote)"
+
+
+def _str(what: str):
+  return lambda x: None if isinstance(x, str) else f"must be {what} (str)"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+  """Rewards that are not a per-row rule: ``config.reward``. A group function
+  (``rl_jax.data.group_rewards``) scores the M completions of each prompt together, once
+  per group; a judge model (``rl_jax.train.judge_stage``) scores each completion from a
+  prompt rendered by a jinja2 template. Either one's rewards replace the task verifier's
+  for training (evaluation keeps the verifier)."""
+
+  group_fn: str = setting(
+      "", _group_fn,
+      '"" = the task\'s verifier per row; a built-in ("majority_vote": test-time RL\'s '
+      'label-free majority vote) or "module:fn", fn(completions, example) -> M rewards')
+  judge_path: str = setting(
+      "", _str("a directory"),
+      "HF checkpoint directory (config.json, safetensors, tokenizer.json) of a judge; "
+      '"" = off')
+  judge_template: str = setting(
+      "", _str("a jinja2 template file"),
+      "jinja2 template file of the judge's prompt (variables: question, answer, reference)")
+  judge_verdict: str = setting(
+      "yes_no", cu.one_of(JUDGE_VERDICTS),
+      '"yes_no": P(yes)/(P(yes)+P(no)) of the judge\'s next token; "score": the first '
+      "number of its greedy continuation of up to judge_max_tokens tokens")
+  judge_max_tokens: int = setting(8, cu.positive_int, "the judge's longest continuation")
+
+  def __post_init__(self):
+    fn, judge, template = self.group_fn, self.judge_path, self.judge_template
+    if judge and not template:
+      raise ConfigError(f"reward.judge_path={judge} needs reward.judge_template=FILE.jinja "
+                        "(the judge's prompt, rendered from question, answer and reference)")
+    if template and not judge:
+      raise ConfigError(f"reward.judge_template={template} needs reward.judge_path=HF_DIR "
+                        "(the judge model that reads the rendered prompt)")
+    if judge and fn:
+      raise ConfigError(f"reward.judge_path={judge} and reward.group_fn={fn!r} cannot be "
+                        "combined: each replaces the verifier's reward; set one")
+
+
 # config section -> its settings class: ``rl_jax.config`` builds these sections from them
 # and ``Setup`` holds each as the attribute of the section's name
 SECTIONS = {"rollout": RolloutSettings, "train": TrainSettings, "sft": SftSettings,
             "eval": EvalSettings, "distill": DistillSettings, "log": LogSettings,
-            "optim": OptimSettings, "loss_extra": LossExtraSettings}
+            "optim": OptimSettings, "loss_extra": LossExtraSettings, "reward": RewardSettings}
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -82,8 +82,8 @@ def test_settings_are_frozen_and_an_unknown_key_is_one_line():
 # (train/context.py builds the settings), and the dry run's edits of the config before it
 # builds a setup (train/topology.py); besides, per section: the command line's run before it
 # has a setup (train/loop.py: the workdir lock), the environment's task built by the setup
-# (agent_stage: a task without expert episodes and sft.steps), the W&B run that records the
-# whole config (wandb_log), and the helpers that take the whole config because they also
+# (agent_stage: a task without expert episodes and sft.steps), the judge the setup builds
+# (judge_stage.make_judge), the W&B run that records the whole config (wandb_log), and the helpers that take the whole config because they also
 # read sections without settings yet (selection_stage: data and loss).
 SETUP = {"config.py", "settings.py", "train/context.py", "train/topology.py"}
 CONFIG_READERS = {
@@ -91,6 +91,7 @@ CONFIG_READERS = {
     "train": SETUP | {"train/loop.py", "train/selection_stage.py"},
     "sft": SETUP | {"train/agent_stage.py"},
     "log": SETUP | {"wandb_log.py"},
+    "reward": SETUP | {"train/judge_stage.py"},
     **{name: SETUP for name in ("eval", "distill", "optim", "loss_extra")},
 }
 
@@ -166,3 +167,18 @@ def test_setup_rebuilds_its_settings_with_its_config():
   c2.rollout.temperature = 0.5
   s2 = dataclasses.replace(s, config=c2)
   assert s2.rollout.temperature == 0.5 and s.rollout.temperature == c.rollout.temperature
+
+
+def test_reward_rules_live_on_its_settings():
+  from rl_jax.data import group_rewards  # pylint: disable=import-outside-toplevel
+  assert set(settings.GROUP_FNS) == set(group_rewards.GROUP_FNS)
+  R = settings.RewardSettings
+  with pytest.raises(ConfigError, match="needs reward.judge_template"):
+    R(judge_path="/judge")
+  with pytest.raises(ConfigError, match="needs reward.judge_path"):
+    R(judge_template="judge.jinja")
+  with pytest.raises(ConfigError, match="cannot be combined"):
+    R(judge_path="/judge", judge_template="judge.jinja", group_fn="majority_vote")
+  c = config_utils.load_config(QUICKSTART, ["reward.group_fn=not an import path"])
+  with pytest.raises(ConfigError, match="config.reward.group_fn must be ''"):
+    config_lib.validate(c)

@@ -83,7 +83,7 @@ def majority_vote(completions: Sequence[str], example: Any = None) -> list[float
   return [float(k == label) for k in keys]
 
 
-# reward.group_fn built-in names -> functions (rl_jax.config.GROUP_FNS lists the names)
+# reward.group_fn built-in names -> functions (rl_jax.settings.GROUP_FNS lists the names)
 GROUP_FNS: dict[str, GroupFn] = {"majority_vote": majority_vote}
 
 

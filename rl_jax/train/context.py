@@ -63,7 +63,7 @@ class Setup:
   ``geometry`` (the step's groups, samples per group and chunks), ``schedule`` (how the
   producer and learner are joined) and the typed settings of the config's sections
   (``rollout``, ``train``, ``sft``, ``eval``, ``distill``, ``log``, ``optim``,
-  ``loss_extra``: ``settings.SECTIONS``) are computed once from the config; every module
+  ``loss_extra``, ``reward``: ``settings.SECTIONS``) are computed once from the config; every module
   reads them from here.
   """
 
@@ -98,6 +98,7 @@ class Setup:
   log: settings.LogSettings = dataclasses.field(init=False)
   optim: settings.OptimSettings = dataclasses.field(init=False)
   loss_extra: settings.LossExtraSettings = dataclasses.field(init=False)
+  reward: settings.RewardSettings = dataclasses.field(init=False)
 
   @property
   def sampler_cfg(self) -> models.ModelConfig:

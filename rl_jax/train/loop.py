@@ -59,7 +59,7 @@ def make_trainer(s: Setup, abstract: TrainState | None = None) -> TrainParts:
   """The setup with its layout, jitted steps and rollout engine (``abstract``: the state's
   ``abstract_state``, if already computed)."""
   layout = make_layout(s, abstract)
-  agent = agent_stage.make_engines(s) if s.config.env.name else None
+  agent = agent_stage.make_engines(s) if s.geometry.multi_turn else None
   teacher = teacher_lib.load_teacher(s) if s.teacher_cfg is not None else None
   return TrainParts(setup=s, layout=layout, steps=make_step_fns(s, layout), engine=make_engine(s),
                  agent=agent, teacher=teacher)
@@ -91,7 +91,7 @@ def sft_step(t: TrainParts, state: TrainState) -> tuple[TrainState, dict, np.nda
   train on the task expert's trajectories (``agent_stage.expert_batch``)."""
   s = t.setup
   examples, data = next_examples(s, np.asarray(state.producer.data), s.sft.batch_size)
-  rows = agent_stage.expert_batch if s.config.env.name else sft_batch
+  rows = agent_stage.expert_batch if s.geometry.multi_turn else sft_batch
   batch = (t.layout.put(a) for a in rows(s, examples))
   params, opt, mets = t.steps.sft(state.params, state.sft_opt_state, *batch)
   return state._replace(params=params, sft_opt_state=opt), {"phase": "sft",

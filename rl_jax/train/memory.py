@@ -337,7 +337,7 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
   geo = s.geometry
   hosts = len({d.process_index for d in s.mesh.devices.flat})
   groups = geo.groups if s.sampler_mesh is s.mesh else math.ceil(geo.groups / hosts)
-  if s.config.env.name:
+  if s.geometry.multi_turn:
     return agent_stage.make_engine(s, r.temperature, kv_pages), groups
   kw = dict(n=geo.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id, mesh=s.sampler_mesh,

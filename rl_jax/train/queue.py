@@ -56,7 +56,7 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   G, M, R = geo.groups, geo.samples, geo.new_tokens
   P = config.data.max_prompt_len if P is None else P
   rows = (Q, G * M, R)
-  turns = {} if not config.env.name else {
+  turns = {} if not geo.multi_turn else {
       "turn_rewards": np.zeros((Q, G * M, geo.turns), np.float32),
       "turn_ids": np.zeros(rows, np.int32),
       "turn_states": np.zeros((Q, G * M, geo.turns), np.int32),

@@ -103,11 +103,11 @@ def score_groups(s: Setup, completions: list[str], examples: Sequence,
   only (the overlong one is added by the caller)."""
   c, names = s.config, tuple(n for n in s.reward_names if n != "overlong")
   if s.group_fn is not None:
-    who = f"reward.group_fn={c.reward.group_fn!r}"
+    who = f"reward.group_fn={s.reward.group_fn!r}"
     values, faults = group_rewards.score_groups(s.group_fn, completions, examples, M, who,
                                                 timeout_s=c.data.reward_timeout_s)
   elif s.judge is not None:
-    who = f"reward.judge_path={c.reward.judge_path}"
+    who = f"reward.judge_path={s.reward.judge_path}"
     rows = [e for e in examples for _ in range(M)]
     values, faults = judge_stage.as_values(s.judge.verdicts(
         [e.prompt for e in rows], completions, [e.answer for e in rows]))

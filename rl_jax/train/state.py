@@ -92,7 +92,7 @@ def engine_shares(s: Setup) -> int:
   """S, the independent APRIL engines the step's G groups are split into
   (``rollout.partial_shares``; 0: one per process): each returns G / S groups and holds its
   own groups, uids and prompt stream. 1 without the single-turn partial engine."""
-  if not s.rollout.partial or s.config.env.name:
+  if not s.rollout.partial or s.geometry.multi_turn:
     return 1
   return s.rollout.partial_shares or jax.process_count()
 
@@ -132,7 +132,7 @@ def _empty_buffer(s: Setup) -> dict:
   """``ProducerState.held`` of a fresh run: host arrays with nothing held (the multi-turn
   engine's with ``env.name``); with S > 1 engine shares (``engine_shares``) the job-wide
   form, ``stack_shares`` of S empty shares (share j's uids from j·``UID_STRIDE``)."""
-  if s.config.env.name:
+  if s.geometry.multi_turn:
     if not s.rollout.partial:
       return {}
     engine = agent_stage.make_engine(s, s.rollout.temperature)
