@@ -293,8 +293,8 @@ def _dry_run() -> ml_collections.ConfigDict:
 
 def base_config() -> ml_collections.ConfigDict:
   """The full default config tree (unlocked): model, mesh, distributed, data, env, loss,
-  dry_run, reward, and the sections with typed settings (``settings.SECTIONS``: rollout,
-  train, sft, eval, distill, log, optim, loss_extra), built from their classes."""
+  dry_run, and the sections with typed settings (``settings.SECTIONS``: rollout, train, sft,
+  eval, distill, log, optim, loss_extra, reward), built from their classes."""
   typed = {name: settings.section_config(cls) for name, cls in settings.SECTIONS.items()}
   return ml_collections.ConfigDict(dict(
       model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),

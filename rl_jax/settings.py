@@ -37,8 +37,8 @@ from rl_jax.models import config as model_config_lib
 
 __all__ = ["GROUP_FNS", "JUDGE_VERDICTS", "OFFLOAD_PARTS", "OLD_LOGP_PASSES", "SECTIONS",
            "DistillSettings", "EvalSettings", "LogSettings", "LossExtraSettings", "OptimSettings",
-           "ReplaySettings", "RewardSettings", "RolloutSettings", "SftSettings", "TrainSettings", "from_section", "section_checks",
-           "section_config", "setting"]
+           "ReplaySettings", "RewardSettings", "RolloutSettings", "SftSettings", "TrainSettings",
+           "from_section", "section_checks", "section_config", "setting"]
 
 
 def setting(default: Any, check: Any = None, doc: str = "", *, kind: type | None = None):
@@ -55,6 +55,9 @@ def setting(default: Any, check: Any = None, doc: str = "", *, kind: type | None
 
 OFFLOAD_PARTS = ("optimizer", "reference", "teacher")  # train.offload (rl_jax.train.offload)
 OLD_LOGP_PASSES = ("auto", "separate")  # train.old_logp_pass (rl_jax.train.on_policy)
+
+
+_BOOL = cu.one_of((False, True))  # the check of a boolean field
 
 
 def _int(x: Any) -> str | None:
@@ -77,7 +80,7 @@ class RolloutSettings:
   top_k: int = setting(0, cu.nonnegative_int, "0 disables top-k")
   eos_id: int | None = setting(None, None, "None: the tokenizer's EOS", kind=int)
   partial: bool = setting(
-      False, cu.one_of((False, True)),
+      False, _BOOL,
       "Active partial rollouts (APRIL): keep ceil(over_sampling * batch_groups) groups in "
       "flight, train on the first batch_groups that complete, carry the rest (with their "
       "tokens, behaviour log-probs and policy versions) into the next step")
@@ -91,16 +94,16 @@ class RolloutSettings:
       "with the same shares give the same batches on any number of processes")
   max_staleness: int = setting(1, cu.in_range(-1, None),
                                "η: no token more than η policy versions old; -1 = unbounded")
-  mask_stale: bool = setting(False, cu.one_of((False, True)),
+  mask_stale: bool = setting(False, _BOOL,
                              "drop tokens sampled by an older policy from the loss")
   speculative: bool = setting(
-      False, cu.one_of((False, True)),
+      False, _BOOL,
       "SPEC-RL: the previous response of the same prompt is a draft, verified by the "
       "current policy (exact speculative sampling; docs/SELECTION.md)")
   spec_lenience: float = setting(0.0, cu.nonnegative,
                                  "l: accept with min(1, e^l p_new/p_old); 0 is exact")
   lora_merge: bool = setting(
-      True, cu.one_of((False, True)),
+      True, _BOOL,
       "LoRA (model.lora.rank > 0): the sampler decodes merged weights W + (alpha/r)·A·B, "
       "merged once per policy version (faster on the measured CPU: docs/BENCHMARKS.md); "
       "False decodes the base and the adapters unmerged (no merged copy of the weights); "
@@ -190,7 +193,7 @@ class TrainSettings:
       1, cu.positive_int,
       "gradient accumulation: each minibatch's groups in this many micro-batches, one after "
       "another inside the update (the same update to float rounding, less activation memory)")
-  shared_prefix: bool = setting(True, cu.one_of((False, True)),
+  shared_prefix: bool = setting(True, _BOOL,
                                 "packed prompt-once layout for grouped log-probs")
   max_bad_steps: int = setting(
       3, cu.positive_int,
@@ -213,11 +216,11 @@ class TrainSettings:
       'comma-separated names of "reference", "optimizer", "teacher" (the on-policy '
       "distillation teacher) (rl_jax.train.offload)")
   dry_run: bool = setting(
-      False, cu.one_of((False, True)),
+      False, _BOOL,
       "print the memory plan (abstract shapes, no weights read) and exit; with "
       "dry_run.topology, compile every program for that TPU topology")
   memory_check: bool = setting(
-      True, cu.one_of((False, True)),
+      True, _BOOL,
       "fail before compiling when the memory plan exceeds the devices")
   mode: str = setting(
       "sync", cu.one_of(("sync", "async")),
@@ -229,7 +232,7 @@ class TrainSettings:
       "reproducible, resumable pipeline; 0 equals sync). -1: free-running producer, bounded "
       "by rollout.max_staleness")
   allow_uncorrected: bool = setting(
-      False, cu.one_of((False, True)),
+      False, _BOOL,
       "async: allow a lag above 1 (or train.replay) with an objective that ignores the "
       "behaviour log-probs (plain GRPO on stale data, for ablations)")
   replay: ReplaySettings = setting(ReplaySettings, None, "experience replay")
@@ -243,12 +246,12 @@ class TrainSettings:
       "resume loads its programs), an absolute one can be shared by runs; \"\" disables it. "
       "The environment variable RL_JAX_COMPILE_CACHE, when set, replaces the default")
   cpu_fast_compile: bool = setting(
-      True, cu.one_of((False, True)),
+      True, _BOOL,
       "CPU only: compile the training programs and the sampler's prefill with XLA's "
       "elemental emitter and LLVM -O1 (rl_jax.compile_options): about half the compile time "
       "for them, values equal to XLA's defaults to float rounding. False: XLA's defaults")
   cpu_xla_reductions: bool = setting(
-      True, cu.one_of((False, True)),
+      True, _BOOL,
       "CPU only: the training programs' reductions as XLA's own loops, not YNNPACK's "
       "(rl_jax.compile_options): the RL update about 1.1x faster on a small model; sums in "
       "another order, values equal to float rounding. False: XLA's defaults")
@@ -305,7 +308,7 @@ class EvalSettings:
 
   pass_k: int = setting(0, cu.nonnegative_int, "k of pass@k; 0 disables it")
   share_programs: bool = setting(
-      True, cu.one_of((False, True)),
+      True, _BOOL,
       "sample through the training rollouts' compiled programs (M greedy rows per prompt "
       "instead of one; fewer programs to compile; rl_jax.train.evaluation)")
 
@@ -326,9 +329,9 @@ class DistillSettings:
 class LogSettings:
   """Metrics output: ``config.log``."""
 
-  tensorboard: bool = setting(True, cu.one_of((False, True)),
+  tensorboard: bool = setting(True, _BOOL,
                               "DIR/tensorboard event files (tensorboardX)")
-  wandb: bool = setting(False, cu.one_of((False, True)),
+  wandb: bool = setting(False, _BOOL,
                         "also log to Weights & Biases (needs `pip install wandb`)")
   wandb_project: str = setting("rl_jax", None, "the W&B project")
   wandb_name: str | None = setting(None, None, "None: W&B picks a run name", kind=str)
@@ -353,7 +356,7 @@ class OptimSettings:
   mu_dtype: str | None = setting(None, cu.optional(cu.one_of(model_config_lib.DTYPES)),
                                  "Adam first moment dtype (None: param dtype)", kind=str)
   stochastic_rounding: bool = setting(
-      False, cu.one_of((False, True)),
+      False, _BOOL,
       "with model.param_dtype=bfloat16: add each update in float32 and round the weights "
       "back to bfloat16 stochastically (unbiased), instead of to nearest (rl_jax.optim)")
 

@@ -63,8 +63,8 @@ class Setup:
   ``geometry`` (the step's groups, samples per group and chunks), ``schedule`` (how the
   producer and learner are joined) and the typed settings of the config's sections
   (``rollout``, ``train``, ``sft``, ``eval``, ``distill``, ``log``, ``optim``,
-  ``loss_extra``, ``reward``: ``settings.SECTIONS``) are computed once from the config; every module
-  reads them from here.
+  ``loss_extra``, ``reward``: ``settings.SECTIONS``) are computed once from the config;
+  every module reads them from here.
   """
 
   config: ml_collections.ConfigDict
