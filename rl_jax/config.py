@@ -34,28 +34,19 @@ import ml_collections
 from ml_collections import config_dict
 
 from rl_jax import config_utils as cu
-from rl_jax import imports
 from rl_jax import losses
 from rl_jax import settings
-from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 from rl_jax.models import moe
 from rl_jax.models import lora as lora_lib
 
-__all__ = ["SELECTORS", "DISTILL_KNOBS", "check_objective",
+__all__ = ["DISTILL_KNOBS", "check_objective",
            "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry",
            "check_moe_fields", "notices", "schedule", "validate"]
 
-SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector
 # preset knobs set from the distill section (distill.coef), not from config.loss
 DISTILL_KNOBS = ("distill_coef",)
-GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
-ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks.TASKS)
-# env.name of the adapters' tasks (rl_jax.envs.adapters): a gymnasium id, a verifiers taskset
-ENV_ADAPTERS = {"gymnasium": "gym_id", "verifiers": "verifiers"}
-GYM_CODECS = ("auto", "frozen_lake", "blackjack", "default")  # env.gym_codec
-TOOL_FORMATS = ("auto", "hermes", "llama3")  # env.tool_format (rl_jax.envs.tool_calls)
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -138,130 +129,6 @@ def _model() -> ml_collections.ConfigDict:
   ))
 
 
-def _mesh() -> ml_collections.ConfigDict:
-  """Mesh shape over (data, fsdp, sequence, tensor); -1 takes the remaining devices."""
-  return ml_collections.ConfigDict(dict(
-      shape={axis: -1 if axis == "fsdp" else 1 for axis in sharding.MESH_AXES},
-      rules="fsdp",  # a key of rl_jax.sharding.RULES
-      num_devices=0,  # use the first k devices (0: all)
-      # train.mode="async": the first k devices form the rollout mesh and the training mesh
-      # (mesh.shape) takes the rest; 0: the producer samples on the training devices.
-      rollout_devices=0,
-  ))
-
-
-def _distributed() -> ml_collections.ConfigDict:
-  """Multi-process start-up (``rl_jax.distributed``): all three fields, or none (automatic on
-  multi-host TPU slices and SLURM, else one process)."""
-  return ml_collections.ConfigDict(dict(
-      coordinator_address=config_dict.placeholder(str),  # "host:port" of process 0
-      num_processes=config_dict.placeholder(int),
-      process_id=config_dict.placeholder(int),
-      initialization_timeout_s=300,  # how long to wait for every process to join
-      heartbeat_timeout_s=100,  # a process silent this long is dead: the job stops
-  ))
-
-
-def _data() -> ml_collections.ConfigDict:
-  """Prompt source: a built-in task, or a JSONL / Parquet file (task="file")."""
-  return ml_collections.ConfigDict(dict(
-      task="arithmetic",  # arithmetic | countdown | sorting (built in), or "file" (data.path)
-      path=config_dict.placeholder(str),  # .jsonl or .parquet file when task is "file"
-      tokenizer=config_dict.placeholder(str),  # None: the model's (hf_path) or characters
-      difficulty=0,  # the task's difficulty knob
-      format="auto",  # file tasks: gsm8k | math | auto
-      eval_path=config_dict.placeholder(str),  # file tasks: held-out file (None: hash split)
-      template="{question}",  # file tasks: prompt template
-      max_prompt_len=64,
-      eval_size=128,
-      reward_timeout_s=5.0,  # per verifier call; a time-out scores 0 and is counted
-      seed=0,
-      # Prompt selection (docs/SELECTION.md): "none" | "dapo" (dynamic sampling: keep only
-      # groups whose rewards differ) | "greso" (skip prompts whose recent groups had zero
-      # reward variance) | "beta" (per-prompt Beta posterior). With loss.preset="dapo",
-      # "none" means "dapo". (--config.data.selector=none stores None, read as "none".)
-      selector=config_dict.FieldReference("none", field_type=str),
-      max_tries=10,  # dapo: candidate batches per step; greso: candidate batches to draw
-      select_pool=2.0,  # beta: candidates drawn per step, as a multiple of batch_groups
-      beta_mode="thompson",  # beta: "thompson" (sample closest to 0.5) | "variance" (mu(1-mu))
-      beta_decay=0.9,  # beta: lambda of the decay toward the Beta(1, 1) prior
-      # Samples per prompt (docs/SELECTION.md): "fixed" (rollout.n each) | "adaptive" (the
-      # budget batch_groups * rollout.n is cut into chunks of group_chunk samples and each
-      # prompt gets >= 1 chunk from its Beta posterior; more where mixed rewards are likely
-      # to need more samples).
-      group_size="fixed",
-      group_chunk=config_dict.placeholder(int),  # adaptive: m samples per chunk (None: n // 2)
-      group_max=config_dict.placeholder(int),  # adaptive: most samples per prompt (None: any)
-      # DAPO overlong shaping: linear penalty over the last L_cache response tokens
-      # (0 = off; None = the preset's: max_new_tokens // 4 for "dapo", else off).
-      overlong_buffer=config_dict.placeholder(int),
-  ))
-
-
-def _env() -> ml_collections.ConfigDict:
-  """Multi-turn (agentic) training on an environment task (``rl_jax.envs.tasks``);
-  ``name=""`` is the single-turn trainer (``data``). With a name, the prompts are the task's
-  opening messages, the rollouts are episodes of the ``AgentEngine`` and R (the training
-  row's response length) is ``max_total_tokens`` (``rl_jax.train.agent_stage``). The chat
-  format is the compact built-in one with the char tokenizer, else the checkpoint's own
-  template (``model.hf_path`` or ``data.tokenizer``). ``math_tools`` reads its questions
-  from ``data.path`` (``data.format``, ``data.eval_path`` as for file tasks).
-
-  Tasks from outside rl_jax: ``name="my_env:make"`` (an import path, ``rl_jax.imports``:
-  ``make(config.env)`` returns an ``rl_jax.envs.EnvSpec``; the user's own settings go in
-  ``kwargs``), ``gym_id="FrozenLake-v1"`` (a gymnasium environment played in text; examples
-  are episode seeds) or ``verifiers="my_tasks:load"`` (``load(config.env)`` returns a
-  verifiers taskset, or a (train, eval) pair); the last two set ``name`` to "gymnasium" /
-  "verifiers" when it is unset."""
-  return ml_collections.ConfigDict(dict(
-      # "" | a built-in task (rl_jax.envs.tasks.TASKS: "calculator", "guess", "math_tools")
-      # | "module.path:factory" | "gymnasium" (gym_id) | "verifiers" (verifiers)
-      name="",
-      max_turns=3,  # U: assistant turns per trajectory
-      max_total_tokens=48,  # R: every token after the first prompt (model + observation)
-      max_turn_tokens=16,  # model tokens per assistant turn
-      max_obs_tokens=16,  # ids per observation (longer ones are cut and counted)
-      step_timeout_s=10.0,  # seconds an environment step may run (then an error observation)
-      # a tool's result joins the decode batch this many decode steps after its call (the
-      # loop waits only for a later tool): every decode batch is a function of the seeds;
-      # size it to the tools' latency in decode steps
-      result_delay_steps=8,
-      # decode steps a group waiting on its environments keeps its KV slot while other work
-      # waits for one (-1: always)
-      kv_ttl_steps=-1,
-      workers=4,  # environment threads
-      n_train=2000,  # examples of the task's train split
-      n_eval=200,  # calculator, gymnasium: held-out examples (guess: every target once)
-      digits_min=2,  # calculator: digits of each factor (min, max)
-      digits_max=3,
-      guess_n=20,  # guess: targets in [1, guess_n]
-      step_penalty=0.0,  # guess: reward of each wrong guess is -step_penalty
-      # math_tools: tool-call format, "auto" = the one the chat template writes
-      tool_format="auto",
-      # math_tools: None = the task's, "" = none; gymnasium: the instructions before the
-      # first observation (None: the codec's, "" = none)
-      system_prompt=config_dict.placeholder(str),
-      python_timeout_s=5.0,  # math_tools: wall-clock seconds per Python call
-      max_tool_calls=2,  # math_tools: tool calls run per assistant turn
-      # HF chat templates: Qwen3's enable_thinking (None: the template's default)
-      enable_thinking=config_dict.placeholder(bool),
-      # the user's own settings, read by an env.name=module:factory task (config.env.kwargs)
-      # and passed to gymnasium.make(gym_id, **kwargs); new keys may be set from the
-      # command line (--config.env.kwargs.is_slippery=False)
-      kwargs=ml_collections.ConfigDict(),
-      gym_id="",  # gymnasium id (e.g. "FrozenLake-v1"); train/eval examples: episode seeds
-      # gymnasium text codec: "auto" (FrozenLake, Blackjack by id, else "default"),
-      # "frozen_lake", "blackjack", "default" (an action's index for Discrete, Text as is)
-      gym_codec="auto",
-      invalid_reward=0.0,  # gymnasium: reward of a turn that is no valid action
-      verifiers="",  # "module:fn", fn(config.env) -> a verifiers Taskset or (train, eval)
-      # "module:fn": every episode of the task (env.name's examples) is a session of the
-      # agent function fn(base_url, api_key, example) -> reward, which calls the policy
-      # through an OpenAI-compatible server on 127.0.0.1 (rl_jax.serve.sessions)
-      agent="",
-  ))
-
-
 def _loss() -> ml_collections.ConfigDict:
   """A named preset of ``rl_jax.losses`` plus every knob, each None meaning the preset's.
 
@@ -275,31 +142,12 @@ def _loss() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(fields)
 
 
-def _dry_run() -> ml_collections.ConfigDict:
-  """``train.dry_run=True`` for a TPU topology this host does not have
-  (``rl_jax.train.topology``, needs ``pip install -e ".[tpu]"``): every program of the run
-  compiled for it with libtpu; HBM per chip, XLA's estimates; exit 0 if it fits."""
-  return ml_collections.ConfigDict(dict(
-      # "" plans on this job's devices (the memory plan); else a TPU slice named by its
-      # chips: "v5e:2x2" (4 chips), "v5p:2x2x2" (8 chips, sold as v5p-16), "v6e:2x4"
-      topology="",
-      num_slices=1,  # slices of that topology in the job (multislice)
-      # also search the largest train.batch_groups whose RL phase fits the chip's HBM
-      # (rl_jax.train.topology.max_batch: one to four more compiles of the RL programs,
-      # each about as long as the plan's own)
-      max_batch=False,
-  ))
-
-
 def base_config() -> ml_collections.ConfigDict:
-  """The full default config tree (unlocked): model, mesh, distributed, data, env, loss,
-  dry_run, and the sections with typed settings (``settings.SECTIONS``: rollout, train, sft,
-  eval, distill, log, optim, loss_extra, reward), built from their classes."""
+  """The full default config tree (unlocked): model, loss, and the sections with typed
+  settings (``settings.SECTIONS``: rollout, train, sft, eval, distill, log, optim,
+  loss_extra, reward, data, env, mesh, distributed, dry_run), built from their classes."""
   typed = {name: settings.section_config(cls) for name, cls in settings.SECTIONS.items()}
-  return ml_collections.ConfigDict(dict(
-      model=_model(), mesh=_mesh(), distributed=_distributed(), data=_data(), env=_env(),
-      loss=_loss(), dry_run=_dry_run(), **typed,
-  ))
+  return ml_collections.ConfigDict(dict(model=_model(), loss=_loss(), **typed))
 
 
 def _lora_targets(x) -> str | None:
@@ -344,22 +192,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "model.lora.quant": cu.one_of(("", "int8", "int4")),
       "model.lora.quant_block": cu.positive_int,
       "model.lora.base_dtype": cu.one_of(("", *model_config_lib.DTYPES)),
-      "mesh.rules": cu.one_of(sharding.RULES),
-      "mesh.num_devices": cu.nonnegative_int,
-      "distributed.initialization_timeout_s": cu.positive_int,
-      "distributed.heartbeat_timeout_s": cu.positive_int,
-      "data.max_prompt_len": cu.positive_int,
-      "data.eval_size": cu.nonnegative_int,
-      "data.reward_timeout_s": cu.positive,
-      "data.selector": opt(cu.one_of(SELECTORS)),
-      "data.max_tries": cu.positive_int,
-      "data.select_pool": cu.in_range(1.0, None),
-      "data.beta_mode": cu.one_of(("thompson", "variance")),
-      "data.beta_decay": cu.probability,
-      "data.group_size": cu.one_of(GROUP_SIZES),
-      "data.group_chunk": opt(cu.positive_int),
-      "data.group_max": opt(cu.positive_int),
-      "data.overlong_buffer": opt(cu.nonnegative_int),
       "loss.preset": cu.one_of(losses.PRESETS),
       "loss.advantage": opt(cu.one_of(losses.ADVANTAGES)),
       "loss.policy": opt(cu.one_of(losses.POLICIES)),
@@ -386,36 +218,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.geo_mean_cap": opt(cu.positive),
       "loss.minpro": opt(cu.one_of((False, True))),
       "loss.value_coef": opt(cu.nonnegative),
-      "mesh.rollout_devices": cu.nonnegative_int,
-      "dry_run.topology": lambda x: None if isinstance(x, str) else "must be a string",
-      "dry_run.num_slices": cu.positive_int,
-      "dry_run.max_batch": cu.one_of((False, True)),
-      "env.name": _env_name,
-      "env.max_turns": cu.positive_int,
-      "env.max_total_tokens": cu.positive_int,
-      "env.max_turn_tokens": cu.positive_int,
-      "env.max_obs_tokens": cu.positive_int,
-      "env.step_timeout_s": cu.positive,
-      "env.result_delay_steps": cu.positive_int,
-      "env.kv_ttl_steps": lambda x: (None if cu.is_int(x) and (x >= 0 or x == -1) else
-                                     "must be decode steps >= 0, or -1 (never evict)"),
-      "env.workers": cu.positive_int,
-      "env.n_train": cu.positive_int,
-      "env.n_eval": cu.positive_int,
-      "env.digits_min": cu.positive_int,
-      "env.digits_max": cu.positive_int,
-      "env.guess_n": cu.positive_int,
-      "env.step_penalty": cu.nonnegative,
-      "env.tool_format": cu.one_of(TOOL_FORMATS),
-      "env.python_timeout_s": cu.positive,
-      "env.max_tool_calls": cu.positive_int,
-      "env.gym_id": lambda x: None if isinstance(x, str) else "must be a gymnasium id (str)",
-      "env.gym_codec": cu.one_of(GYM_CODECS),
-      "env.invalid_reward": lambda x: None if cu.is_number(x) else "must be a number",
-      "env.verifiers": lambda x: (None if x == "" or imports.is_import_path(x) else
-                                  "must be an import path module:fn, or ''"),
-      "env.agent": lambda x: (None if x == "" or imports.is_import_path(x) else
-                              "must be an import path module:fn, or ''"),
   }
 
 
@@ -447,10 +249,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _env_source(config)
   cu.validate(config, checks())
   _check_model(config)
-  axes = sorted(dict(config.mesh.shape))
-  if axes != sorted(sharding.MESH_AXES):
-    raise ConfigError(f"config.mesh.shape must name the axes {list(sharding.MESH_AXES)}, "
-                      f"got {axes}")
   _check_pool(config)
   if (config.data.overlong_buffer or 0) > config.rollout.max_new_tokens:
     raise ConfigError(f"data.overlong_buffer={config.data.overlong_buffer} exceeds "
@@ -548,14 +346,6 @@ def _check_lora_off(config: ml_collections.ConfigDict) -> None:
                         f"model.lora.rank=0, so LoRA is off{why}")
 
 
-def _env_name(x) -> str | None:
-  """``env.name``: "", a built-in task, an adapter's name or an import path."""
-  if x in ("",) + ENV_TASKS + tuple(ENV_ADAPTERS) or imports.is_import_path(x):
-    return None
-  return (f"must be '', a built-in task {ENV_TASKS}, one of {tuple(ENV_ADAPTERS)} or an "
-          "import path module:factory (e.g. my_env:make)")
-
-
 def _env_source(config: ml_collections.ConfigDict) -> None:
   """``env.gym_id`` / ``env.verifiers`` name the task of their adapter: with ``env.name``
   unset it becomes "gymnasium" / "verifiers" (the name every multi-turn path reads); any other
@@ -563,7 +353,7 @@ def _env_source(config: ml_collections.ConfigDict) -> None:
   e = config.get("env")
   if e is None or "gym_id" not in e:
     return
-  given = [(name, key) for name, key in ENV_ADAPTERS.items() if e[key]]
+  given = [(name, key) for name, key in settings.ENV_ADAPTERS.items() if e[key]]
   if len(given) > 1:
     raise ConfigError(f"env.gym_id={e.gym_id!r} and env.verifiers={e.verifiers!r} both name a "
                       "task; set one")
@@ -574,8 +364,8 @@ def _env_source(config: ml_collections.ConfigDict) -> None:
     elif e.name != name:
       raise ConfigError(f"env.{key}={e[key]!r} names the task, but env.name={e.name!r} names "
                         f"another; set env.name={name!r} or leave it unset")
-  elif e.name in ENV_ADAPTERS:
-    raise ConfigError(f"env.name={e.name!r} needs env.{ENV_ADAPTERS[e.name]} (e.g. "
+  elif e.name in settings.ENV_ADAPTERS:
+    raise ConfigError(f"env.name={e.name!r} needs env.{settings.ENV_ADAPTERS[e.name]} (e.g. "
                       + ("env.gym_id=FrozenLake-v1)" if e.name == "gymnasium" else
                          "env.verifiers=my_tasks:load)"))
 
@@ -583,18 +373,11 @@ def _env_source(config: ml_collections.ConfigDict) -> None:
 def _check_env(config: ml_collections.ConfigDict) -> None:
   """Multi-turn runs: what the agentic producer supports (fixed groups; synchronous or
   asynchronous; every episode finished within its step, or held across steps with
-  ``rollout.partial``; see rl_jax.train.agent_stage)."""
-  e = config.get("env")
-  if e is not None and e.get("agent") and not e.name:
-    raise ConfigError(f"env.agent={e.agent!r} plays the episodes of a task: set env.name (its "
-                      "examples, e.g. calculator or my_env:make)")
-  if e is None or not e.name:
+  ``rollout.partial``; see rl_jax.train.agent_stage). The rules of the section alone are
+  ``settings.EnvSettings``'."""
+  if not config.env.name:
     return
-  if e.digits_min > e.digits_max:
-    raise ConfigError(f"env.digits_min={e.digits_min} exceeds env.digits_max={e.digits_max}")
-  if e.max_turn_tokens > e.max_total_tokens:
-    raise ConfigError(f"env.max_turn_tokens={e.max_turn_tokens} exceeds env.max_total_tokens="
-                      f"{e.max_total_tokens}")
+  e = config.env
   c = config
   sel = c.data.selector or "none"
   for key, bad in (("rollout.speculative=True", c.rollout.speculative),

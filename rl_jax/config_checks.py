@@ -171,7 +171,8 @@ def check(config: ml_collections.ConfigDict, key: str, *checks: Check) -> Any:
   for fn in checks:
     problem = fn(value)
     if problem:
-      raise ConfigError(f"config.{key} {problem}, got {value!r}")
+      shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+      raise ConfigError(f"config.{key} {problem}, got {shown!r}")  # one line
   return value
 
 

@@ -16,8 +16,14 @@ those, so its signature says what it depends on.
 * ``SftSettings``, ``EvalSettings``, ``DistillSettings``, ``LogSettings``, ``OptimSettings``,
   ``LossExtraSettings``, ``RewardSettings``: ``config.sft``, ``eval``, ``distill``, ``log``,
   ``optim``, ``loss_extra``, ``reward``.
+* ``DataSettings``, ``EnvSettings``: ``config.data`` (the prompts, their selection and group
+  sizes) and ``config.env`` (multi-turn environments).
+* ``MeshSettings``, ``DistributedSettings``, ``DryRunSettings``: ``config.mesh``,
+  ``distributed`` and ``dry_run`` (the devices, the processes, a TPU topology to compile for).
 
-``SECTIONS`` maps each section to its class.
+``SECTIONS`` maps each section to its class; ``SETUP_SECTIONS`` names those the setup holds.
+The ``model`` section is ``rl_jax.models.ModelConfig``'s (built by the setup from the
+section or the checkpoint's config.json) and ``loss`` the knobs of ``rl_jax.losses``.
 """
 
 from __future__ import annotations
@@ -32,21 +38,25 @@ from ml_collections import config_dict
 from rl_jax import config_checks as cu
 from rl_jax import imports
 from rl_jax import losses, optim
+from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
 
-__all__ = ["GROUP_FNS", "JUDGE_VERDICTS", "OFFLOAD_PARTS", "OLD_LOGP_PASSES", "SECTIONS",
-           "DistillSettings", "EvalSettings", "LogSettings", "LossExtraSettings", "OptimSettings",
-           "ReplaySettings", "RewardSettings", "RolloutSettings", "SftSettings", "TrainSettings",
-           "from_section", "section_checks", "section_config", "setting"]
+__all__ = ["ENV_ADAPTERS", "ENV_TASKS", "GROUP_FNS", "GROUP_SIZES", "GYM_CODECS",
+           "JUDGE_VERDICTS", "OFFLOAD_PARTS", "OLD_LOGP_PASSES", "SECTIONS", "SELECTORS",
+           "SETUP_SECTIONS", "TOOL_FORMATS", "DataSettings", "DistillSettings",
+           "DistributedSettings", "DryRunSettings", "EnvSettings", "EvalSettings", "LogSettings",
+           "LossExtraSettings", "MeshSettings", "ModelSource", "OptimSettings", "ReplaySettings",
+           "RewardSettings", "RolloutSettings", "SftSettings", "TrainSettings", "from_section",
+           "model_source", "section_checks", "section_config", "setting"]
 
 
 def setting(default: Any, check: Any = None, doc: str = "", *, kind: type | None = None):
   """A settings field: ``default`` (a callable is called for each new settings value: a
   nested settings class, a default read from the environment), ``check`` (an
   ``rl_jax.config_checks`` check, or a tuple of them, run on the value before the settings
-  are built), ``doc`` (its meaning); ``kind``: the type of a field whose default is None
-  (how the command line parses it)."""
+  are built), ``doc`` (its meaning); ``kind``: the type of a field whose default is None,
+  or that may be set to None (how the command line parses it, ``none`` included)."""
   metadata = {"check": check, "doc": doc, "kind": kind}
   if callable(default):
     return dataclasses.field(default_factory=default, metadata=metadata)
@@ -427,9 +437,304 @@ class RewardSettings:
 
 # config section -> its settings class: ``rl_jax.config`` builds these sections from them
 # and ``Setup`` holds each as the attribute of the section's name
+
+SELECTORS = ("none", "dapo", "greso", "beta")  # data.selector (rl_jax.train.selection_stage)
+GROUP_SIZES = ("fixed", "adaptive")  # data.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  """The prompts of a run: a built-in task or a JSONL / Parquet file (``task="file"``),
+  which prompts a step trains on (``selector``) and how many samples each gets
+  (``group_size``; docs/SELECTION.md): ``config.data``. A multi-turn run (``env.name``) takes
+  its prompts from the environment and reads ``seed``, ``eval_size``, ``tokenizer`` and (for
+  ``math_tools``) the file fields from here."""
+
+  task: str = setting("arithmetic", None,
+                      "arithmetic | countdown | sorting (built in), or 'file' (data.path)")
+  path: str | None = setting(None, None, ".jsonl or .parquet file when task is 'file'",
+                             kind=str)
+  tokenizer: str | None = setting(
+      None, None, "a tokenizer directory; None: the model's (model.hf_path), else characters",
+      kind=str)
+  difficulty: int = setting(0, None, "the built-in task's difficulty knob")
+  format: str = setting("auto", None, "file tasks: gsm8k | math | auto")
+  eval_path: str | None = setting(None, None, "file tasks: held-out file (None: hash split)",
+                                  kind=str)
+  template: str = setting("{question}", None, "file tasks: prompt template")
+  max_prompt_len: int = setting(64, cu.positive_int, "the longest prompt, in tokens")
+  eval_size: int = setting(128, cu.nonnegative_int, "held-out prompts evaluated")
+  reward_timeout_s: float = setting(
+      5.0, cu.positive, "seconds per verifier call; a time-out scores 0 and is counted")
+  seed: int = setting(0, None, "the prompt stream's seed")
+  selector: str = setting(
+      "none", cu.optional(cu.one_of(SELECTORS)),
+      'Prompt selection: "none" | "dapo" (dynamic sampling: keep only groups whose rewards '
+      'differ) | "greso" (skip prompts whose recent groups had zero reward variance) | '
+      '"beta" (per-prompt Beta posterior). With loss.preset="dapo", "none" means "dapo". '
+      "None (--config.data.selector=none on the command line) is read as \"none\"", kind=str)
+  max_tries: int = setting(
+      10, cu.positive_int, "dapo: candidate batches per step; greso: candidate batches to draw")
+  select_pool: float = setting(
+      2.0, cu.in_range(1.0, None),
+      "beta: candidates drawn per step, as a multiple of train.batch_groups")
+  beta_mode: str = setting(
+      "thompson", cu.one_of(("thompson", "variance")),
+      'beta: "thompson" (sample closest to 0.5) | "variance" (mu(1-mu))')
+  beta_decay: float = setting(0.9, cu.probability,
+                              "beta: lambda of the decay toward the Beta(1, 1) prior")
+  group_size: str = setting(
+      "fixed", cu.one_of(GROUP_SIZES),
+      'Samples per prompt: "fixed" (rollout.n each) | "adaptive" (the budget batch_groups * '
+      "rollout.n is cut into chunks of group_chunk samples and each prompt gets >= 1 chunk "
+      "from its Beta posterior; more where mixed rewards are likely to need more samples)")
+  group_chunk: int | None = setting(
+      None, cu.optional(cu.positive_int), "adaptive: m samples per chunk (None: n // 2)",
+      kind=int)
+  group_max: int | None = setting(
+      None, cu.optional(cu.positive_int), "adaptive: most samples per prompt (None: any)",
+      kind=int)
+  overlong_buffer: int | None = setting(
+      None, cu.optional(cu.nonnegative_int),
+      "DAPO overlong shaping: a linear penalty over the last L_cache response tokens (0: "
+      'off; None: the preset\'s, max_new_tokens // 4 for "dapo", else off)', kind=int)
+
+  def __post_init__(self):
+    if self.selector is None:  # the command line's "none"
+      object.__setattr__(self, "selector", "none")
+
+
+ENV_TASKS = ("calculator", "guess", "math_tools")  # env.name (rl_jax.envs.tasks.TASKS)
+# the adapters' task names and the env field that names each one's task
+ENV_ADAPTERS = {"gymnasium": "gym_id", "verifiers": "verifiers"}
+GYM_CODECS = ("auto", "frozen_lake", "blackjack", "default")  # env.gym_codec
+TOOL_FORMATS = ("auto", "hermes", "llama3")  # env.tool_format (rl_jax.envs.tool_calls)
+
+
+def _env_name(x: Any) -> str | None:
+  """``env.name``: "", a built-in task, an adapter's name or an import path."""
+  if x in ("",) + ENV_TASKS + tuple(ENV_ADAPTERS) or imports.is_import_path(x):
+    return None
+  return (f"must be '', a built-in task {ENV_TASKS}, one of {tuple(ENV_ADAPTERS)} or an "
+          "import path module:factory (e.g. my_env:make)")
+
+
+def _import_path_or_empty(x: Any) -> str | None:
+  return None if x == "" or imports.is_import_path(x) else "must be an import path module:fn, or ''"
+
+
+def _kv_ttl(x: Any) -> str | None:
+  return (None if cu.is_int(x) and (x >= 0 or x == -1) else
+          "must be decode steps >= 0, or -1 (never evict)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSettings:
+  """Multi-turn (agentic) training on an environment task (``rl_jax.envs.tasks``):
+  ``config.env``; ``name=""`` is the single-turn trainer (``data``). With a name, the prompts
+  are the task's opening messages, the rollouts are episodes of the multi-turn engine and R
+  (the training row's response length) is ``max_total_tokens`` (``rl_jax.train.agent_stage``).
+  The chat format is the compact built-in one with the char tokenizer, else the checkpoint's
+  own template (``model.hf_path`` or ``data.tokenizer``). ``math_tools`` reads its questions
+  from ``data.path`` (``data.format``, ``data.eval_path`` as for file tasks).
+
+  Tasks from outside rl_jax: ``name="my_env:make"`` (an import path, ``rl_jax.imports``:
+  ``make(env)`` returns an ``rl_jax.envs.EnvSpec``, where ``env`` is this section as a
+  ``ConfigDict``, ``section()``; the user's own settings go in ``kwargs``),
+  ``gym_id="FrozenLake-v1"`` (a gymnasium environment played in text; examples are episode
+  seeds) or ``verifiers="my_tasks:load"`` (``load(env)`` returns a verifiers taskset, or a
+  (train, eval) pair); the last two set ``name`` to "gymnasium" / "verifiers" when it is
+  unset (``rl_jax.config.validate``)."""
+
+  name: str = setting(
+      "", _env_name,
+      '"" | a built-in task (rl_jax.envs.tasks.TASKS: "calculator", "guess", "math_tools") | '
+      '"module.path:factory" | "gymnasium" (gym_id) | "verifiers" (verifiers)')
+  max_turns: int = setting(3, cu.positive_int, "U: assistant turns per trajectory")
+  max_total_tokens: int = setting(
+      48, cu.positive_int, "R: every token after the first prompt (model + observation)")
+  max_turn_tokens: int = setting(16, cu.positive_int, "model tokens per assistant turn")
+  max_obs_tokens: int = setting(
+      16, cu.positive_int, "ids per observation (longer ones are cut and counted)")
+  step_timeout_s: float = setting(
+      10.0, cu.positive,
+      "seconds an environment step may run (then an error observation; the time-out is "
+      "recorded with the trajectory and replayed as recorded on resume)")
+  result_delay_steps: int = setting(
+      8, cu.positive_int,
+      "a tool's result joins the decode batch this many decode steps after its call (the "
+      "loop waits only for a later tool): every decode batch is a function of the seeds; "
+      "size it to the tools' latency in decode steps")
+  kv_ttl_steps: int = setting(
+      -1, _kv_ttl,
+      "decode steps a group waiting on its environments keeps its KV pages while other "
+      "work waits for them (-1: always)")
+  workers: int = setting(4, cu.positive_int, "environment threads")
+  n_train: int = setting(2000, cu.positive_int, "examples of the task's train split")
+  n_eval: int = setting(
+      200, cu.positive_int,
+      "calculator, gymnasium: held-out examples (guess: every target once)")
+  digits_min: int = setting(2, cu.positive_int, "calculator: least digits of each factor")
+  digits_max: int = setting(3, cu.positive_int, "calculator: most digits of each factor")
+  guess_n: int = setting(20, cu.positive_int, "guess: targets in [1, guess_n]")
+  step_penalty: float = setting(0.0, cu.nonnegative,
+                                "guess: the reward of each wrong guess is -step_penalty")
+  tool_format: str = setting(
+      "auto", cu.one_of(TOOL_FORMATS),
+      'math_tools: the tool-call format, "auto" = the one the chat template writes')
+  system_prompt: str | None = setting(
+      None, None,
+      'math_tools: None = the task\'s, "" = none; gymnasium: the instructions before the '
+      'first observation (None: the codec\'s, "" = none)', kind=str)
+  python_timeout_s: float = setting(5.0, cu.positive,
+                                    "math_tools: wall-clock seconds per Python call")
+  max_tool_calls: int = setting(2, cu.positive_int,
+                                "math_tools: tool calls run per assistant turn")
+  enable_thinking: bool | None = setting(
+      None, None, "HF chat templates: Qwen3's enable_thinking (None: the template's default)",
+      kind=bool)
+  kwargs: dict = setting(
+      dict, None,
+      "the user's own settings, read by an env.name=module:factory task and passed to "
+      "gymnasium.make(gym_id, **kwargs); new keys may be set from the command line "
+      "(--config.env.kwargs.is_slippery=False)")
+  gym_id: str = setting("", _str("a gymnasium id"),
+                        'gymnasium id (e.g. "FrozenLake-v1"); examples are episode seeds')
+  gym_codec: str = setting(
+      "auto", cu.one_of(GYM_CODECS),
+      'gymnasium text codec: "auto" (FrozenLake, Blackjack by id, else "default"), '
+      '"frozen_lake", "blackjack", "default" (an action\'s index for Discrete, Text as is)')
+  invalid_reward: float = setting(
+      0.0, lambda x: None if cu.is_number(x) else "must be a number",
+      "gymnasium: the reward of a turn that is no valid action")
+  verifiers: str = setting(
+      "", _import_path_or_empty,
+      '"module:fn", fn(env) -> a verifiers Taskset or (train, eval)')
+  agent: str = setting(
+      "", _import_path_or_empty,
+      '"module:fn": every episode of the task (env.name\'s examples) is a session of the '
+      "agent function fn(base_url, api_key, example) -> reward, which calls the policy "
+      "through an OpenAI-compatible server on 127.0.0.1 (rl_jax.serve.sessions)")
+
+  def __post_init__(self):
+    if self.agent and not self.name:
+      raise ConfigError(f"env.agent={self.agent!r} plays the episodes of a task: set env.name "
+                        "(its examples, e.g. calculator or my_env:make)")
+    if not self.name:
+      return
+    if self.digits_min > self.digits_max:
+      raise ConfigError(f"env.digits_min={self.digits_min} exceeds env.digits_max="
+                        f"{self.digits_max}")
+    if self.max_turn_tokens > self.max_total_tokens:
+      raise ConfigError(f"env.max_turn_tokens={self.max_turn_tokens} exceeds "
+                        f"env.max_total_tokens={self.max_total_tokens}")
+
+  def section(self) -> ml_collections.ConfigDict:
+    """This section as a ``ConfigDict`` copy, locked against new keys: what a user's task
+    factory (``name="module:factory"``) and verifiers loader receive (``env.kwargs.x`` and
+    ``env.get("x")`` read as on the config; a change to it does not reach the run)."""
+    c = ml_collections.ConfigDict(dataclasses.asdict(self))
+    c.lock()
+    return c
+
+
+def _mesh_axes(shape: Any) -> str | None:
+  """``mesh.shape``: one size per mesh axis (the sizes are checked against the devices when
+  the mesh is built, ``rl_jax.train.context.mesh_shape``)."""
+  if sorted(dict(shape)) != sorted(sharding.MESH_AXES):
+    return f"must name the axes {list(sharding.MESH_AXES)}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+  """The device mesh over (data, fsdp, sequence, tensor): ``config.mesh``
+  (``rl_jax.sharding``)."""
+
+  shape: dict = setting(lambda: {axis: -1 if axis == "fsdp" else 1
+                                 for axis in sharding.MESH_AXES},
+                        _mesh_axes, "each axis's size; -1 takes the remaining devices")
+  rules: str = setting("fsdp", cu.one_of(sharding.RULES),
+                       "how the weights are sharded: a key of rl_jax.sharding.RULES")
+  num_devices: int = setting(0, cu.nonnegative_int, "use the first k devices (0: all)")
+  rollout_devices: int = setting(
+      0, cu.nonnegative_int,
+      'train.mode="async": the first k devices form the rollout mesh and the training mesh '
+      "(shape) takes the rest; 0: the producer samples on the training devices")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+  """Multi-process start-up (``rl_jax.distributed``): ``config.distributed``. The three
+  address fields together, or none (automatic on multi-host TPU slices and SLURM, else one
+  process)."""
+
+  coordinator_address: str | None = setting(None, None, '"host:port" of process 0', kind=str)
+  num_processes: int | None = setting(None, None, "processes of the job", kind=int)
+  process_id: int | None = setting(None, None, "this process's index", kind=int)
+  initialization_timeout_s: int = setting(300, cu.positive_int,
+                                          "how long to wait for every process to join")
+  heartbeat_timeout_s: int = setting(100, cu.positive_int,
+                                     "a process silent this long is dead: the job stops")
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunSettings:
+  """``train.dry_run=True`` for a TPU topology this host does not have
+  (``rl_jax.train.topology``, needs ``pip install -e ".[tpu]"``): every program of the run
+  compiled for it with libtpu; HBM per chip, XLA's estimates; exit 0 if it fits:
+  ``config.dry_run``."""
+
+  topology: str = setting(
+      "", _str("a TPU topology"),
+      '"" plans on this job\'s devices (the memory plan); else a TPU slice named by its '
+      'chips: "v5e:2x2" (4 chips), "v5p:2x2x2" (8 chips, sold as v5p-16), "v6e:2x4"')
+  num_slices: int = setting(1, cu.positive_int,
+                            "slices of that topology in the job (multislice)")
+  max_batch: bool = setting(
+      False, _BOOL,
+      "also search the largest train.batch_groups whose RL phase fits the chip's HBM "
+      "(rl_jax.train.topology.max_batch: one to four more compiles of the RL programs)")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """The fields of ``config.model`` beside the architecture (which the setup turns into
+  ``rl_jax.models.ModelConfig``, from the section or the checkpoint's config.json): where the
+  weights come from and what the trainer does with the router (``Setup.model``, built by
+  ``model_source``; their defaults and checks are the model section's, ``rl_jax.config``).
+
+  hf_path: the HF checkpoint directory (None: a random init of ``init_std``). lora_init:
+  the fresh adapters' init (``model.lora.init``); adapter_path: a PEFT adapter directory whose
+  A and B replace them (``model.lora.adapter_path``). router_replay: the training passes use
+  the sampler's experts. router_aux_loss_coef: the weight of the load-balancing loss
+  (mixture-of-experts models; 0 otherwise).
+  """
+
+  hf_path: str | None = None
+  init_std: float = 0.02
+  lora_init: str = "gaussian"
+  adapter_path: str | None = None
+  router_replay: bool = False
+  router_aux_loss_coef: float = 0.0
+
+
+def model_source(m: ml_collections.ConfigDict) -> ModelSource:
+  """The ``ModelSource`` of the model section ``m``."""
+  return ModelSource(hf_path=m.get("hf_path") or None, init_std=float(m.init_std),
+                     lora_init=m.lora.init, adapter_path=m.lora.get("adapter_path") or None,
+                     router_replay=bool(m.get("router_replay", False)),
+                     router_aux_loss_coef=float(m.get("router_aux_loss_coef", 0.0) or 0.0))
+
 SECTIONS = {"rollout": RolloutSettings, "train": TrainSettings, "sft": SftSettings,
             "eval": EvalSettings, "distill": DistillSettings, "log": LogSettings,
-            "optim": OptimSettings, "loss_extra": LossExtraSettings, "reward": RewardSettings}
+            "optim": OptimSettings, "loss_extra": LossExtraSettings, "reward": RewardSettings,
+            "data": DataSettings, "env": EnvSettings, "mesh": MeshSettings,
+            "distributed": DistributedSettings, "dry_run": DryRunSettings}
+# the sections the setup holds, each as its field of the same name (``Setup.rollout``, ...);
+# mesh and distributed are read while the setup is built (the devices, the processes)
+SETUP_SECTIONS = tuple(name for name in SECTIONS if name not in ("mesh", "distributed"))
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -442,7 +747,8 @@ def _is_settings(value: Any) -> bool:
 
 def section_config(cls) -> ml_collections.ConfigDict:
   """The ``ConfigDict`` of a settings class's defaults (a None default is a placeholder of
-  the field's ``kind``, so the command line parses it; a nested settings class is a nested
+  the field's ``kind``, so the command line parses it, and any default with a ``kind`` a
+  reference of that type, which None may replace; a nested settings class is a nested
   section)."""
   out = {}
   for f in dataclasses.fields(cls):
@@ -451,6 +757,8 @@ def section_config(cls) -> ml_collections.ConfigDict:
       out[f.name] = section_config(type(value))
     elif value is None:
       out[f.name] = config_dict.placeholder(f.metadata.get("kind"))
+    elif f.metadata.get("kind") is not None:  # a default that may be set to None
+      out[f.name] = config_dict.FieldReference(value, field_type=f.metadata["kind"])
     else:
       out[f.name] = value
   return ml_collections.ConfigDict(out)

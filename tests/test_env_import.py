@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rl_jax import config as config_lib
-from rl_jax import config_utils, imports, losses, metrics, train
+from rl_jax import config_utils, imports, losses, metrics, settings, train
 from rl_jax.envs import Message, StepResult
 from rl_jax.errors import ConfigError
 from rl_jax.rollout.agent_records import AgentRollout, env_seed
@@ -214,7 +214,9 @@ def test_verifiers_taskset_by_import_path(user_dir):
   from rl_jax.data.tokenizers import HFTokenizer  # pylint: disable=import-outside-toplevel
   from rl_jax.envs.chat import ChatFormat  # pylint: disable=import-outside-toplevel
   fmt = ChatFormat.from_pretrained(str(model_dir), HFTokenizer(str(model_dir)), with_tools=True)
-  spec = agent_stage.env_task(config, fmt)
+  spec = agent_stage.env_task(settings.from_section(settings.EnvSettings, "env", config.env),
+                              settings.from_section(settings.DataSettings, "data", config.data),
+                              config.sft.steps, fmt)
   assert spec.name == "verifiers:my_env:tasks" and len(spec.train) == 2
   examples = agent_stage.env_examples(spec, spec.train, fmt)
   assert "What is 12*34?" in examples[0].prompt

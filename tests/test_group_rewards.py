@@ -169,16 +169,16 @@ def test_components_round_trip_through_the_checkpointed_queue(tmp_path):
   over = ["data.task=sorting_parts", "loss.advantage=gdpo", "train.mode=async",
           "train.async_lag=1", "train.checkpoint_every=1"]
   s = train.build_setup(_config(over))
-  q = queue_lib.empty_queue(s)
+  q = queue_lib.setup_queue(s)
   assert q["components"].shape == (1, G, M, 2)
-  assert "components" not in queue_lib.empty_queue(train.build_setup(_config(over[3:])))
+  assert "components" not in queue_lib.setup_queue(train.build_setup(_config(over[3:])))
   item = dict(indices=np.arange(G, dtype=np.int32), rewards=np.ones((G, M), np.float32),
               components=np.random.default_rng(0).random((G, M, 2)).astype(np.float32))
   for k in ("prompts", "prompt_lens", "tokens", "mask", "logprobs", "versions"):
     item[k] = q[k][0]
   scored = train.Scored(**item, faults=np.zeros(2, np.int64), rollout_s=1.0, version=0,
                         stats={})
-  (back,) = queue_lib.from_arrays(queue_lib.to_arrays(s, [scored]))
+  (back,) = queue_lib.from_arrays(queue_lib.to_arrays(q, [scored]))
   np.testing.assert_array_equal(back["components"], item["components"])
 
   resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rl_jax import config as config_lib
-from rl_jax import config_utils, losses, train
+from rl_jax import config_utils, losses, settings, train
 from rl_jax.data import selection
 from rl_jax.errors import ConfigError
 from rl_jax.train import group_size as gs
@@ -32,6 +32,13 @@ def test_mixed_prob_matches_its_definition():
   p = np.random.default_rng(0).beta(2.0, 5.0, 400_000)
   mc = [np.mean(1 - p**k - (1 - p)**k) for k in (2, 6)]
   np.testing.assert_allclose(gs.mixed_prob(2.0, 5.0, np.asarray([2, 6])), mc, atol=3e-3)
+
+
+def _how(c):
+  """(the run's ``Selection``, its geometry) as the setup builds them from ``c``."""
+  data = settings.from_section(settings.DataSettings, "data", c.data)
+  rollout = settings.from_section(settings.RolloutSettings, "rollout", c.rollout)
+  return ss.make_selection(data, c.loss.preset, rollout, c.train.seed), config_lib.geometry(c)
 
 
 def _value(alpha, beta, k, m):
@@ -211,7 +218,7 @@ def test_selection_stage_rolls_chunks_and_updates_posteriors_per_prompt():
                   np.ones(g, np.int32), z.astype(np.int32), z == 0, z, z.astype(np.int32),
                   np.asarray(rewards, np.float32), np.zeros(2, np.int64), 0.1, 0, {})
 
-  out, data, new, stats = ss.select(c, np.zeros(2, np.int32), sel, nxt, roll, step=0)
+  out, data, new, stats = ss.select(*_how(c), np.zeros(2, np.int32), sel, nxt, roll, step=0)
   idx, _ = nxt(np.zeros(2, np.int32), G)
   k = gs.allocate(sel["alpha"][idx], sel["beta"][idx], G * M // m, m)
   assert len(calls) == 1 and calls[0][1] == 0
@@ -224,7 +231,7 @@ def test_selection_stage_rolls_chunks_and_updates_posteriors_per_prompt():
   rest = np.setdiff1d(np.arange(N), idx)
   np.testing.assert_array_equal(new["alpha"][rest], sel["alpha"][rest])  # decay 1: unchanged
   assert (stats["group_size_min"], stats["group_size_max"]) == (k.min() * m, k.max() * m)
-  assert ss.selector_state(c, N).keys() == {"alpha", "beta"}
+  assert ss.selector_state(_how(c)[0].kind, True, N).keys() == {"alpha", "beta"}
 
 
 # ------------------------------------------------------------------ the trainer

@@ -215,8 +215,8 @@ def test_queue_keeps_the_expert_records_of_moe_models(replay_run):
   c = s.config.copy_and_resolve_references()
   c.train.mode, c.train.async_lag = "async", 1
   s = dataclasses.replace(s, config=c)
-  assert "routing" not in queue.empty_queue(c)  # no model config: the dense layout
-  empty = queue.empty_queue(s)
+  assert "routing" not in queue.empty_queue(1, s.geometry, s.prompt_len)  # no model config
+  empty = queue.setup_queue(s)
   R, Y, X = c.rollout.max_new_tokens, 1, 2
   assert empty["routing"].shape == (1, 4, R, Y, X)
   rng = np.random.default_rng(0)
@@ -227,7 +227,7 @@ def test_queue_keeps_the_expert_records_of_moe_models(replay_run):
       versions=np.zeros((4, R), np.int32), rewards=np.zeros((2, 2), np.float32),
       faults=np.zeros(2, np.int64), rollout_s=1.0, version=0, stats={},
       routing=rng.integers(-1, 4, (4, R, Y, X)).astype(np.int32))
-  (back,) = queue.from_arrays(queue.to_arrays(s, [item]))
+  (back,) = queue.from_arrays(queue.to_arrays(empty, [item]))
   np.testing.assert_array_equal(back["routing"], item.routing)
 
 

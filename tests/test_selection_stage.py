@@ -4,11 +4,11 @@ overlong shaping and the dapo preset's defaults."""
 
 import math
 
-import ml_collections
 import numpy as np
 import pytest
 
 from rl_jax import config as base
+from rl_jax import settings
 from rl_jax.data import selection
 from rl_jax.train import selection_stage as ss
 from rl_jax.train.rollouts import Scored
@@ -22,6 +22,18 @@ def _config(**data):
   c.train.batch_groups, c.rollout.n, c.rollout.max_new_tokens = G, M, R
   c.data.update(data)
   return c
+
+
+def _how(c):
+  """(the run's ``Selection``, its geometry) as the setup builds them from ``c``."""
+  data = settings.from_section(settings.DataSettings, "data", c.data)
+  rollout = settings.from_section(settings.RolloutSettings, "rollout", c.rollout)
+  return ss.make_selection(data, c.loss.preset, rollout, c.train.seed), base.geometry(c)
+
+
+def _state(c):
+  how, geo = _how(c)
+  return ss.selector_state(how.kind, geo.adaptive, N)
 
 
 def _sampler(c):
@@ -61,7 +73,7 @@ def test_dapo_fills_the_batch_with_informative_groups_in_draw_order():
   order, _ = _sampler(c)(np.zeros(2), 3 * G)
   informative = [int(i) for i in order[[1, 6, 7, 9, 10]]]  # 1 in draw 0, 2 in 1, 2 in 2
   calls = []
-  out, data, new, stats = ss.select(c, np.zeros(2, np.int32), {}, _sampler(c),
+  out, data, new, stats = ss.select(*_how(c), np.zeros(2, np.int32), {}, _sampler(c),
                                     _roller(_table(informative), calls), step=0)
   assert [f for _, f in calls] == [0, G, 2 * G]  # distinct key streams per try
   assert list(out.indices) == informative[:G]  # first G informative, in draw order
@@ -80,7 +92,7 @@ def test_dapo_reports_a_short_batch_instead_of_failing():
   c = _config(selector="dapo", max_tries=2)
   order, _ = _sampler(c)(np.zeros(2), 2 * G)
   informative = [int(order[5])]
-  out, _, _, stats = ss.select(c, np.zeros(2, np.int32), {}, _sampler(c),
+  out, _, _, stats = ss.select(*_how(c), np.zeros(2, np.int32), {}, _sampler(c),
                                _roller(_table(informative), []), step=0)
   assert len(out.indices) == G  # never a short batch
   assert stats["dynamic_sampling_short"] == G - 1
@@ -90,7 +102,7 @@ def test_dapo_reports_a_short_batch_instead_of_failing():
 
 def test_dapo_with_one_try_is_plain_sampling():
   c = _config(selector="dapo", max_tries=1)
-  out, _, _, stats = ss.select(c, np.zeros(2, np.int32), {}, _sampler(c),
+  out, _, _, stats = ss.select(*_how(c), np.zeros(2, np.int32), {}, _sampler(c),
                                _roller(_table([]), []), step=0)
   plain, _ = _sampler(c)(np.zeros(2), G)
   assert list(out.indices) == list(plain) and stats["dynamic_sampling_short"] == G
@@ -98,13 +110,13 @@ def test_dapo_with_one_try_is_plain_sampling():
 
 def test_greso_skips_from_streaks_and_updates_its_state():
   c = _config(selector="greso", max_tries=10)
-  sel = ss.selector_state(c, N)
+  sel = _state(c)
   seed = seed_for(c.train.seed, 0, Stream.SELECTOR)
   table = _table([])
   data = np.zeros(2, np.int32)
   for step in range(4):  # 16 prompts per epoch-step: revisits after 10 steps at most
     before = {k: v.copy() for k, v in sel.items()}
-    out, data2, sel, stats = ss.select(c, data, sel, _sampler(c), _roller(table, []), step)
+    out, data2, sel, stats = ss.select(*_how(c), data, sel, _sampler(c), _roller(table, []), step)
     gs = selection.GresoState(before["streak"], before["kind"], float(before["p"][0]),
                               float(before["p"][1]), seed)
     idx, sampler, skipped = selection.greso_select(
@@ -121,17 +133,17 @@ def test_greso_skips_from_streaks_and_updates_its_state():
 
 def test_greso_skips_a_prompt_with_a_long_streak():
   c = _config(selector="greso")
-  sel = ss.selector_state(c, N)
+  sel = _state(c)
   sel["streak"][:] = 30  # p^30 < 0.01: skip with probability 0.99
   sel["kind"][:] = 1
-  _, _, _, stats = ss.select(c, np.zeros(2, np.int32), sel, _sampler(c),
+  _, _, _, stats = ss.select(*_how(c), np.zeros(2, np.int32), sel, _sampler(c),
                              _roller(_table([]), []), step=0)
   assert stats["skipped_prompts"] >= 30  # about 0.99 of the 40 candidates drawn
 
 
 def test_beta_picks_by_posterior_and_decays_toward_the_prior():
   c = _config(selector="beta", select_pool=2.5, beta_mode="variance", beta_decay=0.5)
-  sel = ss.selector_state(c, N)
+  sel = _state(c)
   sel["alpha"][:] = 1.0
   sel["beta"][:] = 9.0  # mean 0.1
   cand, _ = _sampler(c)(np.zeros(2), math.ceil(2.5 * G))
@@ -139,7 +151,7 @@ def test_beta_picks_by_posterior_and_decays_toward_the_prior():
   sel["alpha"][best] = 5.0
   sel["beta"][best] = 5.0  # mean 0.5: the largest mu(1 - mu)
   table = _table([])
-  out, data, new, stats = ss.select(c, np.zeros(2, np.int32), sel, _sampler(c),
+  out, data, new, stats = ss.select(*_how(c), np.zeros(2, np.int32), sel, _sampler(c),
                                     _roller(table, []), step=3)
   assert sorted(out.indices) == sorted(best)
   assert stats["skipped_prompts"] == 10 - G and list(data) == [0, 10]
@@ -155,15 +167,18 @@ def test_overlong_shaping_and_the_dapo_preset_defaults():
   c = _config()
   c.rollout.max_new_tokens = 8
   r = np.ones(4, np.float32)
-  np.testing.assert_array_equal(ss.shape_rewards(c, r, np.asarray([2, 6, 7, 8])), r)
+  np.testing.assert_array_equal(ss.shape_rewards(_how(c)[0], r, np.asarray([2, 6, 7, 8])), r)
   c.loss.preset = "dapo"  # L_cache = 8 // 4 = 2: ramp over lengths 7..8
-  assert ss.effective_selector(c) == "dapo" and ss.overlong_buffer(c) == 2
-  np.testing.assert_allclose(ss.shape_rewards(c, r, np.asarray([2, 6, 7, 8])),
+  how = _how(c)[0]
+  assert how.kind == "dapo" and how.overlong == 2
+  np.testing.assert_allclose(ss.shape_rewards(how, r, np.asarray([2, 6, 7, 8])),
                              [1.0, 1.0, 0.5, 0.0])
   c.data.overlong_buffer = 0
   c.rollout.partial = True
-  assert ss.overlong_buffer(c) == 0 and ss.effective_selector(c) == "none"
-  assert isinstance(c, ml_collections.ConfigDict)
+  how = _how(c)[0]
+  assert how.overlong == 0 and how.kind == "none"
+  assert ss.effective_selector("none", "dapo", False) == "dapo"
+  assert ss.overlong_buffer(None, "grpo", 8) == 0 and ss.overlong_buffer(3, "grpo", 8) == 3
 
 
 def test_sort_mix_has_easy_learnable_and_impossible_prompts():

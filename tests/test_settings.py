@@ -26,7 +26,7 @@ def test_a_section_is_built_from_its_settings_defaults(section, cls):
   for name, f in fields.items():
     assert f.metadata["doc"], name  # every field says what it means
     if f.default is None:  # the command line needs the type of a field without a value
-      assert f.metadata["kind"] in (int, float, str), name
+      assert f.metadata["kind"] in (int, float, str, bool), name
 
 
 def test_none_defaults_parse_with_their_kind():
@@ -35,6 +35,11 @@ def test_none_defaults_parse_with_their_kind():
                                             "optim.value_lr=3e-4", "log.wandb_name=run1"])
   assert c.rollout.kv_pages == 64 and c.rollout.top_p == 0.5
   assert c.optim.value_lr == 3e-4 and c.log.wandb_name == "run1"
+  c = config_utils.load_config(QUICKSTART, ["env.enable_thinking=False", "data.selector=none",
+                                            "distributed.num_processes=2"])
+  assert c.env.enable_thinking is False and c.distributed.num_processes == 2
+  assert c.data.selector is None  # a default with a kind may be set to None ...
+  assert settings.from_section(settings.DataSettings, "data", c.data).selector == "none"
 
 
 @pytest.mark.parametrize("override,words", [
@@ -81,18 +86,18 @@ def test_settings_are_frozen_and_an_unknown_key_is_one_line():
 # Files that may read a section with settings from a config: the config modules, the setup
 # (train/context.py builds the settings), and the dry run's edits of the config before it
 # builds a setup (train/topology.py); besides, per section: the command line's run before it
-# has a setup (train/loop.py: the workdir lock), the environment's task built by the setup
-# (agent_stage: a task without expert episodes and sft.steps), the judge the setup builds
-# (judge_stage.make_judge), the W&B run that records the whole config (wandb_log), and the helpers that take the whole config because they also
-# read sections without settings yet (selection_stage: data and loss).
+# has a setup (train/loop.py: the processes joined, the workdir lock), the judge the setup
+# builds (judge_stage.make_judge), the W&B run that records the whole config (wandb_log).
 SETUP = {"config.py", "settings.py", "train/context.py", "train/topology.py"}
 CONFIG_READERS = {
-    "rollout": SETUP | {"train/selection_stage.py"},
-    "train": SETUP | {"train/loop.py", "train/selection_stage.py"},
-    "sft": SETUP | {"train/agent_stage.py"},
+    "rollout": SETUP,
+    "train": SETUP | {"train/loop.py"},
+    "sft": SETUP,
     "log": SETUP | {"wandb_log.py"},
     "reward": SETUP | {"train/judge_stage.py"},
-    **{name: SETUP for name in ("eval", "distill", "optim", "loss_extra")},
+    "distributed": SETUP | {"train/loop.py"},
+    **{name: SETUP for name in ("eval", "distill", "optim", "loss_extra", "data", "env", "mesh",
+                                "dry_run")},
 }
 
 
@@ -161,7 +166,8 @@ def test_setup_rebuilds_its_settings_with_its_config():
   from rl_jax.train import context  # pylint: disable=import-outside-toplevel
   c = config_utils.load_config(QUICKSTART, ["sft.steps=0"])
   s = context.build_setup(c)
-  for name, cls in settings.SECTIONS.items():
+  for name in settings.SETUP_SECTIONS:
+    cls = settings.SECTIONS[name]
     assert getattr(s, name) == settings.from_section(cls, name, c[name]), name
   c2 = c.copy_and_resolve_references()
   c2.rollout.temperature = 0.5
@@ -181,4 +187,29 @@ def test_reward_rules_live_on_its_settings():
     R(judge_path="/judge", judge_template="judge.jinja", group_fn="majority_vote")
   c = config_utils.load_config(QUICKSTART, ["reward.group_fn=not an import path"])
   with pytest.raises(ConfigError, match="config.reward.group_fn must be ''"):
+    config_lib.validate(c)
+
+
+def test_env_data_and_mesh_rules_live_on_their_settings():
+  E = settings.EnvSettings
+  with pytest.raises(ConfigError, match="env.agent='m:play' plays the episodes of a task"):
+    E(agent="m:play")
+  with pytest.raises(ConfigError, match="env.digits_min=4 exceeds env.digits_max=3"):
+    E(name="calculator", digits_min=4, digits_max=3)
+  assert E(digits_min=4, digits_max=3).digits_min == 4  # single-turn: not read, not checked
+  with pytest.raises(ConfigError, match="env.max_turn_tokens=64 exceeds"):
+    E(name="guess", max_turn_tokens=64)
+  section = E(name="my_env:make", kwargs={"size": 8}).section()  # what a user's factory gets
+  assert section.kwargs.size == 8 and section.get("name") == "my_env:make"
+  with pytest.raises(AttributeError):
+    section.new_key = 1  # locked against new keys
+  assert settings.DataSettings(selector=None).selector == "none"
+  c = config_utils.load_config(QUICKSTART, [])
+  c.mesh.shape.unlock()
+  c.mesh.shape.model = 2
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(c)
+  assert str(e.value).startswith("config.mesh.shape must name the axes") and "\n" not in str(e.value)
+  c = config_utils.load_config(QUICKSTART, ["env.name=calculator", "env.digits_min=5"])
+  with pytest.raises(ConfigError, match="env.digits_min=5 exceeds"):
     config_lib.validate(c)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from rl_jax import checkpoint
+from rl_jax import config as config_lib
 from rl_jax import config_utils
 from rl_jax import metrics
 from rl_jax import train
@@ -143,7 +144,8 @@ def test_split_rollout_and_training_meshes_match_one_device(tmp_path):
 def test_queue_round_trips_through_arrays():
   config = _config(["train.mode=async", "train.async_lag=2"])
   rng = np.random.default_rng(0)
-  G, M, R, P = 4, 4, 5, config.data.max_prompt_len  # a bare config: P is the bound
+  G, M, R, P = 4, 4, 5, config.data.max_prompt_len
+  empty = queue_lib.empty_queue(config_lib.schedule(config).queue, config_lib.geometry(config), P)
   item = dict(indices=rng.integers(0, 9, G).astype(np.int32),
               prompts=rng.integers(0, 9, (G, P)).astype(np.int32),
               prompt_lens=rng.integers(1, P + 1, G).astype(np.int32),
@@ -153,13 +155,13 @@ def test_queue_round_trips_through_arrays():
               rewards=rng.random((G, M), np.float32), faults=np.asarray([1, 2], np.int32),
               rollout_s=0.5, version=7, stats={"aborted_groups": 3.0})
   from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
-  arrays = queue_lib.to_arrays(config, [SimpleNamespace(**item)])
+  arrays = queue_lib.to_arrays(empty, [SimpleNamespace(**item)])
   (back,) = queue_lib.from_arrays(arrays)
   for k, v in item.items():
     np.testing.assert_array_equal(back[k] if k != "stats" else back[k]["aborted_groups"],
                                   v if k != "stats" else 3.0, err_msg=k)
   with pytest.raises(ValueError):
-    queue_lib.to_arrays(config, [SimpleNamespace(**item)] * 3)
+    queue_lib.to_arrays(empty, [SimpleNamespace(**item)] * 3)
 
 
 def test_produced_batches_carry_the_prompts_they_were_sampled_from():
@@ -175,7 +177,7 @@ def test_produced_batches_carry_the_prompts_they_were_sampled_from():
   assert scored.prompts.shape == (hi - lo, s.prompt_len)
   assert_prompts_as_sampled(s, scored)
   assert (scored.prompt_lens < s.prompt_len).all()  # each right-padded
-  (back,) = queue_lib.from_arrays(queue_lib.to_arrays(s, [scored]))
+  (back,) = queue_lib.from_arrays(queue_lib.to_arrays(queue_lib.setup_queue(s), [scored]))
   for k in ("prompts", "prompt_lens"):
     np.testing.assert_array_equal(back[k], getattr(scored, k), err_msg=k)
   batch, _ = learner.learner_batch(t, st, train.Scored(**back))

@@ -44,7 +44,7 @@ def register_task(name: str, factory: TaskFactory, *, replace: bool = False) -> 
   """Make ``get_task(name, ...)`` call ``factory(difficulty=, seed=, **options)``.
 
   Args:
-    name: the task name (``config.data.task``).
+    name: the task name (``data.task``).
     factory: builds the task; raises ValueError on bad options.
     replace: allow replacing an existing name.
 

@@ -13,7 +13,7 @@ Public API (see shared Contract)::
     logits, routing = models.forward(cfg, params, tokens, return_routing=True)
     logits = models.forward(cfg, params, tokens, routing=routing.ids)
     aux = models.load_balancing_loss(routing.logits, cfg.num_experts_per_tok, mask)
-    # (the trainer adds config.model.router_aux_loss_coef × aux; the checkpoint's
+    # (the trainer adds model.router_aux_loss_coef × aux; the checkpoint's
     #  cfg.router_aux_loss_coef is only carried through the HF round trip)
 
     # low-rank adapters beside the frozen base (cfg.lora_rank > 0; ``models.lora``)

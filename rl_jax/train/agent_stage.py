@@ -52,6 +52,7 @@ import numpy as np
 
 from rl_jax import imports
 from rl_jax import rollout
+from rl_jax import settings
 from rl_jax.data import files
 from rl_jax.data.tokenizers import CharTokenizer
 from rl_jax.envs import adapters
@@ -86,36 +87,38 @@ class EnvExample(NamedTuple):
   data: dict
 
 
-def env_task(config, fmt=None):
-  """The configured task (``rl_jax.envs.spec.EnvSpec``); ``fmt`` is the run's chat format
-  (``task_chat_format``; math_tools and verifiers tasks call tools in its format)."""
-  e = config.env
+def env_task(e: settings.EnvSettings, data: settings.DataSettings, sft_steps: int,
+             fmt=None):
+  """The task ``e`` names (``rl_jax.envs.spec.EnvSpec``); ``data``: the prompt stream's seed
+  and math_tools' question file; ``sft_steps``: the supervised warm start (a task needs
+  expert trajectories for it); ``fmt`` is the run's chat format (``task_chat_format``;
+  math_tools and verifiers tasks call tools in its format)."""
   if e.name == "math_tools":
-    return math_tools_task(config, fmt)
+    return math_tools_task(e, data, sft_steps, fmt)
   if e.name == "calculator":
-    return env_tasks.make_task("calculator", seed=config.data.seed, n_train=e.n_train,
+    return env_tasks.make_task("calculator", seed=data.seed, n_train=e.n_train,
                                n_eval=e.n_eval, digits=(e.digits_min, e.digits_max),
                                max_turns=e.max_turns)
   if e.name == "guess":
-    return env_tasks.make_task("guess", seed=config.data.seed, n_train=e.n_train, n=e.guess_n,
+    return env_tasks.make_task("guess", seed=data.seed, n_train=e.n_train, n=e.guess_n,
                                max_turns=e.max_turns, step_penalty=e.step_penalty)
   if e.name == "gymnasium":
-    spec, key = gymnasium_task(config), f"env.gym_id={e.gym_id!r}"
+    spec, key = gymnasium_task(e), f"env.gym_id={e.gym_id!r}"
   elif e.name == "verifiers":
-    spec, key = verifiers_task(config, fmt), f"env.verifiers={e.verifiers!r}"
+    spec, key = verifiers_task(e, fmt), f"env.verifiers={e.verifiers!r}"
   else:
-    spec, key = external_task(config), f"env.name={e.name!r}"
-  return _checked(config, spec, key, fmt)
+    spec, key = external_task(e), f"env.name={e.name!r}"
+  return _checked(spec, key, fmt, sft_steps)
 
 
-def external_task(config) -> EnvSpec:
-  """The task of ``env.name=module.path:factory``: ``factory(config.env)`` (the run's
-  environment settings; the user's own under ``config.env.kwargs``) returns an ``EnvSpec``.
-  The module is found as ``rl_jax.imports`` says (sys.path, the config file's directory, the
-  working directory); a bad path, a factory that raises or that returns anything else is one
+def external_task(e: settings.EnvSettings) -> EnvSpec:
+  """The task of ``env.name=module.path:factory``: ``factory(env)`` returns an ``EnvSpec``,
+  where ``env`` is the run's environment section as a read-only ``ConfigDict``
+  (``EnvSettings.section()``; the user's own settings under ``env.kwargs``). The module is
+  found as ``rl_jax.imports`` says (sys.path, the config file's directory, the working
+  directory); a bad path, a factory that raises or that returns anything else is one
   ``ConfigError`` line."""
-  e = config.env
-  spec = imports.call(e.name, "env.name", e)
+  spec = imports.call(e.name, "env.name", e.section())
   if not isinstance(spec, EnvSpec):
     raise ConfigError(f"env.name={e.name!r} returned a {type(spec).__name__}, not an "
                       "rl_jax.envs.EnvSpec")
@@ -126,7 +129,7 @@ _GYM_CODECS = {"frozen_lake": adapters.FROZEN_LAKE_CODEC, "blackjack": adapters.
                "default": None}
 
 
-def gymnasium_task(config) -> EnvSpec:
+def gymnasium_task(e: settings.EnvSettings) -> EnvSpec:
   """``env.gym_id``'s environment played in text (``adapters.GymnasiumTextEnv``):
   ``gymnasium.make(gym_id, **env.kwargs)``, the codec ``env.gym_codec`` ("auto": FrozenLake
   and Blackjack by id, else the action's index), its instructions ``env.system_prompt`` when
@@ -134,13 +137,12 @@ def gymnasium_task(config) -> EnvSpec:
   the next ``n_eval``); every sample of an example plays the episode of its seed (the same
   first observation and random stream), so its group compares actions. The engine cuts
   episodes at ``env.max_turns``; state keys are the observations' text."""
-  e = config.env
   key = f"env.gym_id={e.gym_id!r}"
   try:
     import gymnasium  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ConfigError(f"{key} needs gymnasium (pip install 'rl_jax[agent]')") from None
-  kwargs = e.kwargs.to_dict()
+  kwargs = dict(e.kwargs)
 
   def make():
     return gymnasium.make(e.gym_id, **kwargs)
@@ -174,20 +176,20 @@ def gymnasium_task(config) -> EnvSpec:
   return EnvSpec(f"gymnasium:{e.gym_id}", make_env, train, evals)
 
 
-def verifiers_task(config, fmt) -> EnvSpec:
-  """The task of ``env.verifiers=module:fn``: ``fn(config.env)`` returns a verifiers (v1)
+def verifiers_task(e: settings.EnvSettings, fmt) -> EnvSpec:
+  """The task of ``env.verifiers=module:fn``: ``fn(env)`` (the section as ``external_task``
+  passes it) returns a verifiers (v1)
   ``Taskset``, or a pair (train, eval) of them (eval may be None); the episodes are
   ``adapters.VerifiersEnvironment``s scored by the taskset's own rewards, with no tools, tool
   calls parsed in ``env.tool_format`` (with "auto" the template's, else hermes),
   ``env.max_turns`` and ``env.max_tool_calls``. For tools, write an ``env.name`` factory
   that returns ``adapters.verifiers_spec(taskset, tools=[...])``."""
-  e = config.env
   key = f"env.verifiers={e.verifiers!r}"
   try:
     import verifiers.v1 as vf  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ConfigError(f"{key} needs verifiers (pip install 'rl_jax[agent]')") from None
-  out = imports.call(e.verifiers, "env.verifiers", e)
+  out = imports.call(e.verifiers, "env.verifiers", e.section())
   train, evals = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
   for what, ts in (("the train taskset", train), ("the eval taskset", evals)):
     if not (isinstance(ts, vf.Taskset) or (ts is None and what == "the eval taskset")):
@@ -206,14 +208,14 @@ def verifiers_task(config, fmt) -> EnvSpec:
     raise ConfigError(f"{key}: loading its tasks failed: {_one_line(ex)}") from None
 
 
-def _checked(config, spec: EnvSpec, key: str, fmt) -> EnvSpec:
+def _checked(spec: EnvSpec, key: str, fmt, sft_steps: int) -> EnvSpec:
   """A task from outside rl_jax, checked where the trainer would otherwise fail later: a
   train split, an expert for ``sft.steps``, the chat format it is meant for, and its first
   train example starting (``make_env``, ``reset``, a state key ``state_id`` can read)."""
   if not spec.train:
     raise ConfigError(f"{key}: the task {spec.name!r} has no train examples")
-  if config.sft.steps and spec.expert is None:
-    raise ConfigError(f"sft.steps={config.sft.steps}: the task of {key} has no expert "
+  if sft_steps and spec.expert is None:
+    raise ConfigError(f"sft.steps={sft_steps}: the task of {key} has no expert "
                       "trajectories to warm-start on; set sft.steps=0")
   if spec.chat == "model" and getattr(fmt, "name", None) == "builtin":
     raise ConfigError(f"{key}: the task {spec.name!r} renders prompts with a checkpoint's "
@@ -234,12 +236,11 @@ def _checked(config, spec: EnvSpec, key: str, fmt) -> EnvSpec:
   return spec
 
 
-def agent_task(config, spec: EnvSpec, fmt, tokenizer) -> EnvSpec:
+def agent_task(e: settings.EnvSettings, spec: EnvSpec, fmt, tokenizer) -> EnvSpec:
   """``spec`` with every episode a session of the agent function ``env.agent``
   (``rl_jax.serve.sessions``): its examples, expert and evaluation stay the task's. The
   session server starts on first use; one ``ConfigError`` line when the function cannot be
   imported or the serve extra is missing."""
-  e = config.env
   agent = imports.resolve(e.agent, "env.agent")
   try:
     from rl_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
@@ -271,34 +272,33 @@ def chat_format(tokenizer):
   return chat_lib.ChatFormat.builtin(tokenizer)
 
 
-def task_chat_format(config, tokenizer):
+def task_chat_format(e: settings.EnvSettings, tokenizer, path: str | None):
   """The run's chat format: the compact built-in one for the character tokenizer, else the
-  chat template of the tokenizer's checkpoint directory (``data.tokenizer`` or
+  chat template of the tokenizer's checkpoint directory ``path`` (``data.tokenizer`` or
   ``model.hf_path``; of named templates the "tool_use" one) with ``env.enable_thinking``
   when set; one ``ConfigError`` line when the directory has none, or when math_tools would
   get the built-in format."""
   if isinstance(tokenizer, CharTokenizer):
-    if config.env.name == "math_tools":
+    if e.name == "math_tools":
       raise ConfigError("env.name='math_tools' renders prompts with a checkpoint's chat "
                         "template; set model.hf_path (or data.tokenizer) to a directory with "
                         "tokenizer.json and a chat template")
     return chat_format(tokenizer)
-  path = config.data.tokenizer or config.model.hf_path
-  thinking = config.env.enable_thinking
+  thinking = e.enable_thinking
   try:
     return chat_lib.ChatFormat.from_pretrained(
         path, tokenizer, with_tools=True,
         template_vars=None if thinking is None else {"enable_thinking": bool(thinking)})
-  except ValueError as e:
-    raise ConfigError(f"env.name={config.env.name!r}: {' '.join(str(e).split())}") from None
+  except ValueError as ex:
+    raise ConfigError(f"env.name={e.name!r}: {' '.join(str(ex).split())}") from None
 
 
-def tool_format(config, fmt) -> str:
+def tool_format(e: settings.EnvSettings, fmt) -> str:
   """The tool-call format math_tools parses: ``env.tool_format``, or with "auto" the one
   the chat template writes (``tool_calls.template_format``); one ``ConfigError`` line when
   it names none."""
-  if config.env.tool_format != "auto":
-    return config.env.tool_format
+  if e.tool_format != "auto":
+    return e.tool_format
   found = tool_calls.template_format(fmt.source)
   if found is None:
     raise ConfigError(f"env.tool_format=auto: the chat template of {fmt.name!r} shows no "
@@ -307,28 +307,27 @@ def tool_format(config, fmt) -> str:
   return found
 
 
-def file_examples(config) -> tuple[list[dict], list[dict]]:
+def file_examples(d: settings.DataSettings) -> tuple[list[dict], list[dict]]:
   """(train, eval) examples ``{"prompt": question, "answer": reference}`` of the
   question/answer file ``data.path`` (``data.format``; eval from ``data.eval_path``, else a
   stable hash split: ``rl_jax.data.files.FileTask``), eval cut to ``data.eval_size``."""
-  d = config.data
   task = files.FileTask(path=d.path or "", format=d.format, eval_path=d.eval_path,
                         backend="memory")
   as_dicts = lambda view: [{"prompt": x.prompt, "answer": x.answer} for x in view]
   return as_dicts(task.split("train")), as_dicts(task.split("eval", d.eval_size))
 
 
-def math_tools_task(config, fmt):
+def math_tools_task(e: settings.EnvSettings, data: settings.DataSettings, sft_steps: int,
+                    fmt):
   """The math_tools task (``rl_jax.envs.tasks``) on ``data.path``, tools called in
   ``fmt``'s format; no expert, so ``sft.steps`` must be 0."""
-  e = config.env
-  if config.sft.steps:
-    raise ConfigError(f"sft.steps={config.sft.steps}: env.name='math_tools' has no expert "
+  if sft_steps:
+    raise ConfigError(f"sft.steps={sft_steps}: env.name='math_tools' has no expert "
                       "trajectories to warm-start on; set sft.steps=0")
-  train, evals = file_examples(config)
+  train, evals = file_examples(data)
   system = env_tasks.MATH_TOOLS_SYSTEM if e.system_prompt is None else e.system_prompt
   return env_tasks.make_task("math_tools", train=train, eval=evals,
-                             parser=tool_format(config, fmt), max_turns=e.max_turns,
+                             parser=tool_format(e, fmt), max_turns=e.max_turns,
                              system_prompt=system, python_timeout_s=e.python_timeout_s,
                              max_tool_calls_per_turn=e.max_tool_calls)
 
@@ -357,7 +356,7 @@ def make_engine(s, temperature: float, kv_pages: int | None = None):
   uninterrupted one (``scripts/bench_agent.py`` times it against the wall-clock schedule).
   ``kv_pages``: a fixed pool of that many pages instead of ``rollout.kv_pages`` (the memory
   plan's and the dry run's)."""
-  e, geo = s.config.env, s.geometry
+  e, geo = s.env, s.geometry
   r = s.rollout
   return rollout.AgentEngine(
       s.model_cfg, s.chat, s.tokenizer.decode, n=geo.samples, max_slots=geo.groups,

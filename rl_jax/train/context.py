@@ -63,8 +63,8 @@ class Setup:
   ``geometry`` (the step's groups, samples per group and chunks), ``schedule`` (how the
   producer and learner are joined) and the typed settings of the config's sections
   (``rollout``, ``train``, ``sft``, ``eval``, ``distill``, ``log``, ``optim``,
-  ``loss_extra``, ``reward``: ``settings.SECTIONS``) are computed once from the config;
-  every module reads them from here.
+  ``loss_extra``, ``reward``, ``data``, ``env``, ``dry_run``: ``settings.SETUP_SECTIONS``)
+  are computed once from the config; every module reads them from here.
   """
 
   config: ml_collections.ConfigDict
@@ -89,7 +89,7 @@ class Setup:
   reward_names: tuple = ()
   geometry: config_lib.Geometry = dataclasses.field(init=False)
   schedule: config_lib.Schedule = dataclasses.field(init=False)
-  # the config's sections with typed settings (``settings.SECTIONS``), built by __post_init__
+  # the config's sections the setup holds (``settings.SETUP_SECTIONS``), built by __post_init__
   rollout: settings.RolloutSettings = dataclasses.field(init=False)
   train: settings.TrainSettings = dataclasses.field(init=False)
   sft: settings.SftSettings = dataclasses.field(init=False)
@@ -99,6 +99,13 @@ class Setup:
   optim: settings.OptimSettings = dataclasses.field(init=False)
   loss_extra: settings.LossExtraSettings = dataclasses.field(init=False)
   reward: settings.RewardSettings = dataclasses.field(init=False)
+  data: settings.DataSettings = dataclasses.field(init=False)
+  env: settings.EnvSettings = dataclasses.field(init=False)
+  dry_run: settings.DryRunSettings = dataclasses.field(init=False)
+  # how the run picks its prompts and shapes their rewards (data.selector, loss.preset)
+  selection: selection_stage.Selection = dataclasses.field(init=False)
+  # the model section beside the architecture: the weights' source, the router switches
+  model: settings.ModelSource = dataclasses.field(init=False)
 
   @property
   def sampler_cfg(self) -> models.ModelConfig:
@@ -114,8 +121,12 @@ class Setup:
   def __post_init__(self):
     object.__setattr__(self, "geometry", config_lib.geometry(self.config))
     object.__setattr__(self, "schedule", config_lib.schedule(self.config))
-    for name, cls in settings.SECTIONS.items():
+    for name in settings.SETUP_SECTIONS:
+      cls = settings.SECTIONS[name]
       object.__setattr__(self, name, settings.from_section(cls, name, self.config[name]))
+    object.__setattr__(self, "model", settings.model_source(self.config.model))
+    object.__setattr__(self, "selection", selection_stage.make_selection(
+        self.data, self.config.loss.preset, self.rollout, self.train.seed))
 
 
 def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:
@@ -169,12 +180,14 @@ def make_objective(config) -> losses.Objective:
 
 def _env_task(config, tokenizer):
   """(task, train split, eval split, chat format) of a multi-turn run (``env.name``)."""
-  fmt = agent_stage.task_chat_format(config, tokenizer)
-  spec = agent_stage.env_task(config, fmt)
+  e = settings.from_section(settings.EnvSettings, "env", config.env)
+  data = settings.from_section(settings.DataSettings, "data", config.data)
+  fmt = agent_stage.task_chat_format(e, tokenizer, data.tokenizer or config.model.hf_path)
+  spec = agent_stage.env_task(e, data, config.sft.steps, fmt)
   train = agent_stage.env_examples(spec, spec.train, fmt)
-  evals = agent_stage.env_examples(spec, spec.eval[:config.data.eval_size], fmt)
-  if config.env.agent:  # the episodes are the agent's sessions; the prompts stay the task's
-    spec = agent_stage.agent_task(config, spec, fmt, tokenizer)
+  evals = agent_stage.env_examples(spec, spec.eval[:data.eval_size], fmt)
+  if e.agent:  # the episodes are the agent's sessions; the prompts stay the task's
+    spec = agent_stage.agent_task(e, spec, fmt, tokenizer)
   return spec, train, evals, fmt
 
 
@@ -244,7 +257,8 @@ def _rewards(config, task, train) -> tuple[Any, tuple[str, ...]]:
     who = "the task's verifier"
   names = rewards_lib.component_names(values[0])
   rewards_lib.stack_components(values, names, who)  # every row the same names
-  if names and selection_stage.overlong_buffer(config):
+  if names and selection_stage.overlong_buffer(config.data.overlong_buffer, config.loss.preset,
+                                               config.rollout.max_new_tokens):
     if "overlong" in names:
       raise ConfigError(f"{who} returns a component named 'overlong', the name of DAPO's "
                         "overlong penalty (data.overlong_buffer); rename it")

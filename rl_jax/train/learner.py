@@ -89,7 +89,7 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   Returns:
     (the update batch, the step's rollout metrics).
   """
-  s, c, geo = t.setup, t.setup.config, t.setup.geometry
+  s, geo = t.setup, t.setup.geometry
   G, M, R = geo.rows, geo.row_size, geo.new_tokens
   lo, hi = t.layout.share(G)  # the groups whose rows live on this process's devices
   g = len(scored.indices)
@@ -108,9 +108,9 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   routing = None  # mixture of experts: the sampler's expert records
   if scored.routing is not None:
     routing = put(scored.routing.reshape(g, M, R, *scored.routing.shape[2:]))
-  elif c.model.get("router_replay", False):
+  elif s.model.router_replay:
     raise RLJaxError("model.router_replay=True: this batch has no expert records")
-  replay = routing if c.model.get("router_replay", False) else None
+  replay = routing if s.model.router_replay else None
   components = None  # named reward components, for an objective that reads them
   if scored.components is not None and "reward_components" in s.objective.needs:
     components = put(scored.components)

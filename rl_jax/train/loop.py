@@ -158,20 +158,23 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     if topology.requested(config):  # compiled for the topology's chips; nothing runs
       topology.plan_topology(config, workdir)
       return None
-    return _train(build_setup(config), workdir, progress)
+    s = build_setup(config)
+    for line in config_lib.notices(config) if distributed.is_lead() else ():
+      print(line, file=sys.stderr)
+    sinks = lambda: wandb_log.sinks(config, workdir)  # W&B records the whole config
+    return _train(s, workdir, progress, sinks)
   finally:
     lock.release()
 
 
-def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
-  """``train`` once the workdir is this run's."""
-  c, tr = s.config, s.train
+def _train(s: Setup, workdir: str, progress: bool,
+           sinks: Callable[[], list]) -> TrainState | None:
+  """``train`` once the workdir is this run's; ``sinks()``: the metrics' extra sinks."""
+  tr = s.train
   cache = startup.use_compile_cache(tr.compile_cache, workdir)
   note = compile_options.uncached_note(cache, jax.devices())
   if note and distributed.is_lead():
     print(note, file=sys.stderr)
-  for line in config_lib.notices(c) if distributed.is_lead() else ():
-    print(line, file=sys.stderr)
   clock = startup.compile_clock()
   clock.take()
   sft_steps, total = s.sft.steps, s.sft.steps + tr.steps
@@ -190,7 +193,7 @@ def _train(s: Setup, workdir: str, progress: bool) -> TrainState | None:
   if lead:
     memory.record_live(workdir, state)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=s.log.tensorboard,
-                                     sinks=wandb_log.sinks(c, workdir)) if lead else None
+                                     sinks=sinks()) if lead else None
   preempted = _Preempted()
   old_handler = signal.signal(signal.SIGTERM, preempted)
   bar = _progress(progress and lead, total, int(state.step))
@@ -296,8 +299,7 @@ def export_hf(s: Setup, params, workdir: str) -> None:
   ``base_model_name_or_path`` names. A quantised base (``model.lora.quant``) is written
   dequantised: ``hf`` holds the dequantised base plus the merged adapters."""
   cfg = s.model_cfg
-  c = s.config
-  tokenizer = c.data.tokenizer or c.model.hf_path or "char"  # as the run loaded it
+  tokenizer = s.data.tokenizer or s.model.hf_path or "char"  # as the run loaded it
 
   def with_tokenizer(save):  # every exported directory carries its tokenizer
     return lambda d: (save(d), tok_lib.save_tokenizer(tokenizer, d))
@@ -306,7 +308,7 @@ def export_hf(s: Setup, params, workdir: str) -> None:
   _write_hf(storage.join(workdir, "hf"), with_tokenizer(lambda d: models.save_hf(cfg, params, d)))
   if not cfg.lora_rank:
     return
-  base_path = s.config.model.hf_path
+  base_path = s.model.hf_path
   if s.sft.steps or not base_path:
     base_path = storage.join(workdir, "hf_base")
     if not storage.is_remote(base_path):

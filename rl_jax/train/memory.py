@@ -252,7 +252,7 @@ def compile_steps(t: TrainParts, sft_state: TrainState | None, rl_state: TrainSt
   """``step_memory`` of each step the run will call, compiled on abstract inputs;
   ``programs``, when given, receives each compiled program under the same name (for its
   cost analysis and HLO text: ``rl_jax.train.topology``)."""
-  s, c, f = t.setup, t.setup.config, t.steps
+  s, f = t.setup, t.steps
   G = s.geometry.rows
   out = {}
 
@@ -276,7 +276,7 @@ def compile_steps(t: TrainParts, sft_state: TrainState | None, rl_state: TrainSt
         sft_state.params, sft_state.sft_opt_state, *b))), sft_state.sft_opt_state)
   batch = abstract_update_batch(t, G)
   args = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, batch.inputs.mask)
-  if c.model.get("router_replay", False):  # the log-prob passes replay the records
+  if s.model.router_replay:  # the log-prob passes replay the records
     args += (batch.routing,)
   if not f.old_logp_in_update:  # else the update's own pass gives old_logp
     out["logprobs"] = step_memory(compiled("logprobs", f.logprobs.lower(rl_state.params,

@@ -75,7 +75,7 @@ def _scored(t: TrainParts, out: Sampled, idx: np.ndarray, rollout_s: float, vers
   rewards, comps, faults = score_groups(s, decode(s, out.tokens, out.mask),
                                         [s.train_examples[i] for i in idx], M)
   lengths = out.mask.sum(axis=1)
-  penalty = selection_stage.overlong_penalties(s.config, lengths)
+  penalty = selection_stage.overlong_penalties(s.selection, lengths)
   rewards = rewards + penalty
   if comps is not None and s.reward_names[-1] == "overlong":
     comps = np.concatenate([comps, penalty[:, None]], axis=1)
@@ -291,8 +291,8 @@ def _selected(t: TrainParts, params, p: ProducerState, *, step: int, version: in
   drafts = p.drafts
   roll = lambda idx, first: _roll(t, params, drafts, idx, first, step=step, version=version)
   nxt = lambda data, n: next_indices(s, data, n)
-  scored, data, new_sel, stats = selection_stage.select(s.config, p.data, p.selector, nxt,
-                                                        roll, step)
+  scored, data, new_sel, stats = selection_stage.select(s.selection, s.geometry, p.data,
+                                                        p.selector, nxt, roll, step)
   informative = int(np.sum(group_size.prompt_spread(scored.rewards, scored.groups)))
   stats = {**scored.stats, **stats, "informative_groups": float(informative),
            "rollout_tokens_per_informative_group":
@@ -313,12 +313,11 @@ SOURCES: dict[str, Callable[..., tuple[Scored, ProducerState]]] = {
 
 def source(t: TrainParts) -> str:
   """The run's prompt source (see the module docstring)."""
-  c = t.setup.config
   if t.agent is not None:
     return "agentic"
   if t.engine is not None:
     return "engine"
-  if (selection_stage.effective_selector(c) != "none" or t.setup.rollout.speculative
+  if (t.setup.selection.kind != "none" or t.setup.rollout.speculative
       or t.setup.geometry.adaptive):
     return "selected"
   return "fresh"

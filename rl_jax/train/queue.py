@@ -26,35 +26,29 @@ from rl_jax.envs.tools import ERROR_KINDS
 from rl_jax.train.agent_stage import METRICS
 from rl_jax.train.records import STATS, array_fields
 
-__all__ = ["AGENT_STATS", "empty_queue", "to_arrays", "from_arrays"]
+__all__ = ["AGENT_STATS", "empty_queue", "setup_queue", "to_arrays", "from_arrays"]
 
 # the multi-turn step metrics a queued batch keeps (tool errors of the built-in tools' kinds)
 AGENT_STATS = METRICS + tuple(f"tool_errors_{k}" for k in ERROR_KINDS)
 
 
-def empty_queue(config) -> dict[str, np.ndarray]:
-  """The queue with nothing in it (``{}`` when the schedule keeps none: lag 0):
+def empty_queue(Q: int, geo: config_lib.Geometry, prompt_len: int, *, model_cfg: Any = None,
+                reward_names: tuple = ()) -> dict[str, np.ndarray]:
+  """The queue of Q slots (``Schedule.queue``) with nothing in it (``{}`` when Q is 0: lag 0)
+  for batches of the geometry ``geo`` and prompts of ``prompt_len`` tokens (P):
 
-  count int32 []; indices int32 [Q,G]; prompts int32 [Q,G,P] (P: ``Setup.prompt_len``
-  given a Setup, else the bound ``data.max_prompt_len``); prompt_lens int32 [Q,G];
+  count int32 []; indices int32 [Q,G]; prompts int32 [Q,G,P]; prompt_lens int32 [Q,G];
   tokens / versions int32 [Q,G·M,R]; mask bool [Q,G·M,R]; logprobs float32 [Q,G·M,R];
   rewards float32 [Q,G,M]; faults int32 [Q,2]; rollout_s float32 [Q]; version int32 [Q];
-  stats float32 [Q, len(STATS)]; with
-  ``env.name`` also turn_rewards float32 [Q,G·M,U], turn_ids int32 [Q,G·M,R], turn_states
-  int32 [Q,G·M,U] and agent_stats float32 [Q, len(AGENT_STATS)]; given a Setup of a
-  mixture-of-experts model, also routing int32 [Q,G·M,R,Y,X] (-1: none recorded); given a
-  Setup with C reward components (``Setup.reward_names``), also components float32 [Q,G,M,C].
+  stats float32 [Q, len(STATS)]; multi-turn (``geo.multi_turn``) also turn_rewards float32
+  [Q,G·M,U], turn_ids int32 [Q,G·M,R], turn_states int32 [Q,G·M,U] and agent_stats float32
+  [Q, len(AGENT_STATS)]; with a mixture-of-experts ``model_cfg`` also routing int32
+  [Q,G·M,R,Y,X] (-1: none recorded); with C ``reward_names`` (``Setup.reward_names``) also
+  components float32 [Q,G,M,C].
   """
-  model_cfg = getattr(config, "model_cfg", None)
-  names = tuple(getattr(config, "reward_names", ()))
-  P = getattr(config, "prompt_len", None)
-  config = getattr(config, "config", config)  # a Setup or its config
-  Q = config_lib.schedule(config).queue
   if not Q:
     return {}
-  geo = config_lib.geometry(config)
-  G, M, R = geo.groups, geo.samples, geo.new_tokens
-  P = config.data.max_prompt_len if P is None else P
+  G, M, R, P = geo.groups, geo.samples, geo.new_tokens, prompt_len
   rows = (Q, G * M, R)
   turns = {} if not geo.multi_turn else {
       "turn_rewards": np.zeros((Q, G * M, geo.turns), np.float32),
@@ -63,7 +57,8 @@ def empty_queue(config) -> dict[str, np.ndarray]:
       "agent_stats": np.full((Q, len(AGENT_STATS)), np.nan, np.float32)}
   moe = {} if model_cfg is None or not model_cfg.is_moe else {"routing": np.full(
       (*rows, len(model_cfg.moe_layers), model_cfg.num_experts_per_tok), -1, np.int32)}
-  comps = {"components": np.zeros((Q, G, M, len(names)), np.float32)} if names else {}
+  C = len(reward_names)
+  comps = {"components": np.zeros((Q, G, M, C), np.float32)} if C else {}
   return {**turns, **moe, **comps,
       "count": np.zeros((), np.int32),
       "indices": np.zeros((Q, G), np.int32),
@@ -81,9 +76,17 @@ def empty_queue(config) -> dict[str, np.ndarray]:
   }
 
 
-def to_arrays(config, items) -> dict[str, np.ndarray]:
-  """``items`` (scored batches, oldest first) in ``empty_queue``'s arrays."""
-  out = empty_queue(config)
+def setup_queue(s) -> dict[str, np.ndarray]:
+  """The empty queue of the setup ``s`` (its schedule, geometry, prompt bucket, model and
+  reward components)."""
+  return empty_queue(s.schedule.queue, s.geometry, s.prompt_len, model_cfg=s.model_cfg,
+                     reward_names=s.reward_names)
+
+
+def to_arrays(empty: dict[str, np.ndarray], items) -> dict[str, np.ndarray]:
+  """``items`` (scored batches, oldest first) in a copy of the queue ``empty``
+  (``empty_queue``, ``setup_queue``)."""
+  out = {k: np.array(v) for k, v in empty.items()}
   if not out:
     return out
   if len(items) > len(out["version"]):

@@ -89,7 +89,7 @@ def score(s: Setup, completions: list[str], answers: list[str]) -> tuple[np.ndar
   named components summed), counters. Evaluation scores with it; training with
   ``score_groups``."""
   return rewards_lib.compute_rewards(s.task.verify, completions, answers,
-                                     timeout_s=s.config.data.reward_timeout_s)
+                                     timeout_s=s.data.reward_timeout_s)
 
 
 def score_groups(s: Setup, completions: list[str], examples: Sequence,
@@ -101,11 +101,11 @@ def score_groups(s: Setup, completions: list[str], examples: Sequence,
   against each example's answer; (rewards float32 [G·M], components float32 [G·M,C] in the
   order of ``Setup.reward_names`` or None, counters). C counts the verifier's components
   only (the overlong one is added by the caller)."""
-  c, names = s.config, tuple(n for n in s.reward_names if n != "overlong")
+  names = tuple(n for n in s.reward_names if n != "overlong")
   if s.group_fn is not None:
     who = f"reward.group_fn={s.reward.group_fn!r}"
     values, faults = group_rewards.score_groups(s.group_fn, completions, examples, M, who,
-                                                timeout_s=c.data.reward_timeout_s)
+                                                timeout_s=s.data.reward_timeout_s)
   elif s.judge is not None:
     who = f"reward.judge_path={s.reward.judge_path}"
     rows = [e for e in examples for _ in range(M)]
@@ -115,7 +115,7 @@ def score_groups(s: Setup, completions: list[str], examples: Sequence,
     who = "the task's verifier"
     values, faults = rewards_lib.verify_rows(s.task.verify, completions,
                                              [e.answer for e in examples for _ in range(M)],
-                                             timeout_s=c.data.reward_timeout_s)
+                                             timeout_s=s.data.reward_timeout_s)
   rewards, components = rewards_lib.stack_components(values, names, who)
   return rewards, components, faults
 
@@ -123,7 +123,7 @@ def score_groups(s: Setup, completions: list[str], examples: Sequence,
 def next_indices(s: Setup, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
   """The next ``n`` dataset indices of the seeded sampler at position ``data`` (epoch,
   position), and the position after them."""
-  state = selection.SamplerState(int(s.config.data.seed), int(data[0]), int(data[1]))
+  state = selection.SamplerState(int(s.data.seed), int(data[0]), int(data[1]))
   idx, state = selection.sampler_next(state, len(s.train_examples), n)
   return idx, np.asarray([state.epoch, state.position], np.int32)
 

@@ -155,7 +155,7 @@ def job_wide_held(held: dict, split: bool) -> dict:
 
 def _with_queue(t: TrainParts, state: TrainState, items: list[Scored]) -> TrainState:
   s = t.setup
-  arrays = queue_lib.to_arrays(s, items)
+  arrays = queue_lib.to_arrays(queue_lib.setup_queue(s), items)
   return state._replace(rollout_queue=jax.tree.map(lambda x: place_replicated(s, x), arrays))
 
 

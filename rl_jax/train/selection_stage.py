@@ -30,18 +30,19 @@ Shapes (package legend): G groups, M samples per prompt, R new tokens; I train p
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from rl_jax import config as config_lib
+from rl_jax import settings
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import selection
 from rl_jax.train import group_size
 from rl_jax.train.streams import Stream, seed_for
 
-__all__ = ["METRICS", "effective_selector", "overlong_buffer", "overlong_penalties",
-           "selector_state", "shape_rewards",
+__all__ = ["METRICS", "Selection", "effective_selector", "overlong_buffer",
+           "make_selection", "overlong_penalties", "selector_state", "shape_rewards",
            "take_groups", "select"]
 
 # Scored.stats keys the learner copies into the step's metrics (docs/SELECTION.md)
@@ -54,48 +55,74 @@ METRICS = ("skipped_prompts", "selected_prompts", "dynamic_sampling_tries",
 GRESO_P0 = 0.5  # initial exploration probability of both GRESO kinds
 
 
-def effective_selector(c) -> str:
-  """The selector a run uses: ``data.selector``, or ``"dapo"`` for the dapo preset."""
-  sel = c.data.selector or "none"
-  if sel == "none" and c.loss.preset == "dapo" and not c.rollout.partial:
+def effective_selector(selector: str, preset: str, partial: bool) -> str:
+  """The selector a run uses: ``data.selector``, or ``"dapo"`` for the dapo preset
+  (``loss.preset``) unless the partial-rollout engine (``rollout.partial``) draws the
+  prompts."""
+  if selector == "none" and preset == "dapo" and not partial:
     return "dapo"
-  return sel
+  return selector
 
 
-def overlong_buffer(c) -> int:
-  """L_cache of DAPO overlong shaping (0 = off)."""
-  if c.data.overlong_buffer is not None:
-    return int(c.data.overlong_buffer)
-  return max(1, c.rollout.max_new_tokens // 4) if c.loss.preset == "dapo" else 0
+def overlong_buffer(setting: int | None, preset: str, max_new_tokens: int) -> int:
+  """L_cache of DAPO overlong shaping (0 = off): ``data.overlong_buffer`` when set, else a
+  quarter of the response budget for the dapo preset."""
+  if setting is not None:
+    return int(setting)
+  return max(1, max_new_tokens // 4) if preset == "dapo" else 0
 
 
-def overlong_penalties(c, lengths: np.ndarray) -> np.ndarray:
+class Selection(NamedTuple):
+  """How a run picks its prompts and shapes their rewards, decided once (``Setup.selection``).
+
+  kind: the selector (``effective_selector``: "none", "dapo", "greso", "beta"). overlong:
+  L_cache of DAPO's overlong shaping (0: off). max_new_tokens: R, where the penalty ends.
+  seed: the selector's random stream. data: the data settings (tries, pool, Beta mode and
+  decay, the prompt stream's seed).
+  """
+
+  kind: str
+  overlong: int
+  max_new_tokens: int
+  seed: int
+  data: settings.DataSettings
+
+
+def make_selection(data: settings.DataSettings, preset: str, rollout: settings.RolloutSettings,
+              train_seed: int) -> Selection:
+  """The ``Selection`` of a run with these settings and ``loss.preset``."""
+  R = rollout.max_new_tokens
+  return Selection(effective_selector(data.selector, preset, rollout.partial),
+                   overlong_buffer(data.overlong_buffer, preset, R), R,
+                   seed_for(train_seed, 0, Stream.SELECTOR), data)
+
+
+def overlong_penalties(sel: Selection, lengths: np.ndarray) -> np.ndarray:
   """DAPO's overlong penalty of response lengths [B]: float32 [B], zeros when it is off."""
-  L = overlong_buffer(c)
-  if not L:
+  if not sel.overlong:
     return np.zeros(np.shape(lengths), np.float32)
-  return np.asarray(rewards_lib.overlong_penalty(lengths, c.rollout.max_new_tokens, L),
+  return np.asarray(rewards_lib.overlong_penalty(lengths, sel.max_new_tokens, sel.overlong),
                     np.float32)
 
 
-def shape_rewards(c, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def shape_rewards(sel: Selection, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   """Task rewards [B] plus the overlong penalty of response lengths [B] (when on)."""
-  if not overlong_buffer(c):
+  if not sel.overlong:
     return rewards
-  return (rewards + overlong_penalties(c, lengths)).astype(np.float32)
+  return (rewards + overlong_penalties(sel, lengths)).astype(np.float32)
 
 
-def selector_state(c, num_prompts: int) -> dict:
-  """``TrainState.selector`` of a fresh run (host arrays; ``{}`` without per-prompt state).
+def selector_state(kind: str, adaptive: bool, num_prompts: int) -> dict:
+  """``TrainState.selector`` of a fresh run with the selector ``kind`` (``Selection.kind``)
+  and, if ``adaptive``, adaptive group sizes (host arrays; ``{}`` without per-prompt state).
 
   greso: streak int32 [I], kind int8 [I], p float32 [2] (p_easy, p_hard).
   beta (and adaptive group size): alpha, beta float32 [I] at the Beta(1, 1) prior.
   """
-  sel = effective_selector(c)
-  if sel == "greso":
+  if kind == "greso":
     return {"streak": np.zeros(num_prompts, np.int32), "kind": np.zeros(num_prompts, np.int8),
             "p": np.full(2, GRESO_P0, np.float32)}
-  if sel == "beta" or config_lib.geometry(c).adaptive:
+  if kind == "beta" or adaptive:
     return {"alpha": np.ones(num_prompts, np.float32), "beta": np.ones(num_prompts, np.float32)}
   return {}
 
@@ -122,10 +149,9 @@ def take_groups(parts: list, picks: list[tuple[int, int]]):
       rollout_s=float(sum(p.rollout_s for p in parts)), stats=stats)
 
 
-def _dapo(c, data, next_indices, roll):
-  G = c.train.batch_groups
+def _dapo(sel: Selection, G: int, data, next_indices, roll):
   parts, informative = [], []
-  for attempt in range(c.data.max_tries):
+  for attempt in range(sel.data.max_tries):
     idx, data = next_indices(data, G)
     sc = roll(idx, attempt * G)
     parts.append(sc)
@@ -146,12 +172,11 @@ def _dapo(c, data, next_indices, roll):
   return out, data, None, stats
 
 
-def _greso(c, data, sel, roll, step, seed):
-  G = c.train.batch_groups
+def _greso(how: Selection, G: int, data, sel, roll, step):
   gs = selection.GresoState(sel["streak"], sel["kind"], float(sel["p"][0]),
-                            float(sel["p"][1]), seed)
-  sampler = selection.SamplerState(int(c.data.seed), int(data[0]), int(data[1]))
-  idx, sampler, skipped = selection.greso_select(sampler, gs, G, step, c.data.max_tries)
+                            float(sel["p"][1]), how.seed)
+  sampler = selection.SamplerState(int(how.data.seed), int(data[0]), int(data[1]))
+  idx, sampler, skipped = selection.greso_select(sampler, gs, G, step, how.data.max_tries)
   out = roll(idx, 0)
   gs = selection.greso_update(gs, idx, out.rewards)
   new = {"streak": gs.streak.astype(np.int32), "kind": gs.kind.astype(np.int8),
@@ -160,9 +185,9 @@ def _greso(c, data, sel, roll, step, seed):
           {"skipped_prompts": float(skipped), "selected_prompts": float(G)})
 
 
-def _beta_state(c, sel, seed) -> selection.BetaState:
+def _beta_state(how: Selection, sel) -> selection.BetaState:
   return selection.BetaState(sel["alpha"].astype(np.float64), sel["beta"].astype(np.float64),
-                             1.0, 1.0, float(c.data.beta_decay), seed)
+                             1.0, 1.0, float(how.data.beta_decay), how.seed)
 
 
 def _beta_update(bs, idx, out, groups, counts) -> dict:
@@ -174,28 +199,26 @@ def _beta_update(bs, idx, out, groups, counts) -> dict:
   return {"alpha": bs.alpha.astype(np.float32), "beta": bs.beta.astype(np.float32)}
 
 
-def _beta(c, data, sel, next_indices, roll, step, seed):
-  geo = config_lib.geometry(c)
+def _beta(how: Selection, geo: config_lib.Geometry, data, sel, next_indices, roll, step):
   G, M = geo.groups, geo.samples
-  pool = math.ceil(c.data.select_pool * G)
+  pool = math.ceil(how.data.select_pool * G)
   cand, data = next_indices(data, pool)
-  bs = _beta_state(c, sel, seed)
-  chosen = selection.beta_select(bs, G, step, candidates=cand, mode=c.data.beta_mode)
+  bs = _beta_state(how, sel)
+  chosen = selection.beta_select(bs, G, step, candidates=cand, mode=how.data.beta_mode)
   out = roll(chosen, 0)
   new = _beta_update(bs, chosen, out, None, np.full(G, float(M)))
   return out, data, new, {"skipped_prompts": float(pool - G), "selected_prompts": float(G)}
 
 
-def _adaptive(c, data, sel, next_indices, roll, step, seed):
+def _adaptive(how: Selection, geo: config_lib.Geometry, data, sel, next_indices, roll, step):
   """Adaptive group size (``rl_jax.train.group_size``): G prompts (the sampler's next, or the
   Beta selector's choice), k_i chunks of m samples each from their posteriors."""
-  geo = config_lib.geometry(c)
   G, W, m = geo.groups, geo.rows, geo.row_size
-  bs = _beta_state(c, sel, seed)
-  if effective_selector(c) == "beta":
-    pool = math.ceil(c.data.select_pool * G)
+  bs = _beta_state(how, sel)
+  if how.kind == "beta":
+    pool = math.ceil(how.data.select_pool * G)
     cand, data = next_indices(data, pool)
-    idx = selection.beta_select(bs, G, step, candidates=cand, mode=c.data.beta_mode)
+    idx = selection.beta_select(bs, G, step, candidates=cand, mode=how.data.beta_mode)
   else:
     pool = G
     idx, data = next_indices(data, G)
@@ -210,12 +233,14 @@ def _adaptive(c, data, sel, next_indices, roll, step, seed):
   return out, data, new, stats
 
 
-def select(c, data: np.ndarray, sel: dict, next_indices: Callable, roll: Callable, step: int
+def select(how: Selection, geo: config_lib.Geometry, data: np.ndarray, sel: dict,
+           next_indices: Callable, roll: Callable, step: int
            ) -> tuple[Any, np.ndarray, dict | None, dict]:
   """Choose and roll out one step's G groups with the run's selector.
 
   Args:
-    c: the config. data: int32 [2] sampler position. sel: ``TrainState.selector`` (host).
+    how: the run's ``Selection``. geo: the step's geometry (G groups; adaptive group size).
+    data: int32 [2] sampler position. sel: ``TrainState.selector`` (host).
     next_indices: ``(data, n) -> (indices [n], data')`` the seeded sampler.
     roll: ``(indices [g], first_index) -> Scored`` samples and scores groups (``first_index``
       picks their key streams).
@@ -224,18 +249,17 @@ def select(c, data: np.ndarray, sel: dict, next_indices: Callable, roll: Callabl
     (the ``Scored`` G groups, the new sampler position, the new selector state or None,
     the selection metrics).
   """
-  kind = effective_selector(c)
-  seed = seed_for(c.train.seed, 0, Stream.SELECTOR)
-  if config_lib.geometry(c).adaptive:
-    out, data, new, stats = _adaptive(c, data, sel, next_indices, roll, step, seed)
+  kind, G = how.kind, geo.groups
+  if geo.adaptive:
+    out, data, new, stats = _adaptive(how, geo, data, sel, next_indices, roll, step)
   elif kind == "dapo":
-    out, data, new, stats = _dapo(c, data, next_indices, roll)
+    out, data, new, stats = _dapo(how, G, data, next_indices, roll)
   elif kind == "greso":
-    out, data, new, stats = _greso(c, data, sel, roll, step, seed)
+    out, data, new, stats = _greso(how, G, data, sel, roll, step)
   elif kind == "beta":
-    out, data, new, stats = _beta(c, data, sel, next_indices, roll, step, seed)
+    out, data, new, stats = _beta(how, geo, data, sel, next_indices, roll, step)
   else:
-    idx, data = next_indices(data, c.train.batch_groups)
+    idx, data = next_indices(data, G)
     out, new, stats = roll(idx, 0), None, {"selected_prompts": float(len(idx)),
                                            "skipped_prompts": 0.0}
   return out, data, new, stats

@@ -155,13 +155,14 @@ def _host_parts(s: Setup) -> dict:
   drafts, and the runner's queue (host arrays)."""
   E = len(s.train_examples)
   producer = {"held": _empty_buffer(s),
-              "selector": selection_stage.selector_state(s.config, E),
+              "selector": selection_stage.selector_state(s.selection.kind, s.geometry.adaptive,
+                                                            E),
               "drafts": speculative_stage.drafts_state(s.rollout.speculative, s.geometry, E,
                                                        s.model_cfg.vocab_size),
               "replay": replay_stage.empty_buffer(s.train.replay, s.geometry, s.prompt_len,
                                                   len(s.reward_names), s.model_cfg.num_experts,
                                                   jax.process_count())}
-  return {"producer": producer, "rollout_queue": queue_lib.empty_queue(s)}
+  return {"producer": producer, "rollout_queue": queue_lib.setup_queue(s)}
 
 
 def _with_host_parts(state: TrainState, parts: dict, place) -> TrainState:
@@ -271,7 +272,7 @@ def init_params(s: Setup) -> dict:
   with ``model.lora.rank`` beside its initial adapters. Deterministic: LoRA checkpoints that
   name this base (``lora_checkpoint``) rebuild it from here on restore."""
   shardings = models.param_shardings(s.model_cfg, s.mesh, s.rules)
-  hf_path = s.config.model.hf_path
+  hf_path = s.model.hf_path
   loaded = _loaded_adapters(s, models.lora.split(shardings)[1])
   if hf_path:  # loaded (a quantised base quantised layer by layer as read), adapters added
     base_sh, _ = models.lora.split(shardings)
@@ -289,8 +290,7 @@ def init_params(s: Setup) -> dict:
       params = models.hf.own_buffers(params)
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.train.seed), s.mesh,
-                                 s.rules, std=s.config.model.init_std,
-                                 lora_init=s.config.model.lora.init)
+                                 s.rules, std=s.model.init_std, lora_init=s.model.lora_init)
     if loaded is not None:
       params = models.lora.combine(models.lora.split(params)[0], loaded)
   return params
@@ -299,10 +299,10 @@ def init_params(s: Setup) -> dict:
 def _loaded_adapters(s: Setup, shardings) -> dict | None:
   """The adapters of ``model.lora.adapter_path`` (PEFT, checked against the run by
   ``build_setup``) placed straight onto their ``shardings``; None without one."""
-  path = s.config.model.lora.get("adapter_path")
+  path = s.model.adapter_path
   if not path or not s.model_cfg.lora_rank:
     return None
-  host = models.load_hf_adapter(s.model_cfg, path, s.config.model.hf_path)
+  host = models.load_hf_adapter(s.model_cfg, path, s.model.hf_path)
   return jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
                       host, shardings)
 
@@ -311,7 +311,7 @@ def adapters(s: Setup) -> dict:
   """Fresh adapters of the run (``model.lora``): the ones a random init makes (key
   ``fold_in(key(train.seed), 1)``, ``models.init_params``), for a loaded base too."""
   key = jax.random.fold_in(jax.random.key(s.train.seed), 1)
-  return models.lora.init_adapters(s.model_cfg, key, s.config.model.lora.init)
+  return models.lora.init_adapters(s.model_cfg, key, s.model.lora_init)
 
 
 def place_replicated(s: Setup, x) -> jax.Array:

@@ -123,8 +123,7 @@ def _aux_coef(s: Setup) -> float:
   """``model.router_aux_loss_coef`` (0.0: off; dense models never have it, the config
   checks reject it there). The checkpoint's own ``ModelConfig.router_aux_loss_coef`` is not
   read."""
-  return float(s.config.model.get("router_aux_loss_coef", 0.0) or 0.0) if s.model_cfg.is_moe \
-      else 0.0
+  return s.model.router_aux_loss_coef if s.model_cfg.is_moe else 0.0
 
 
 def make_sft_step(s: Setup, layout: Layout) -> Callable:
@@ -222,7 +221,7 @@ def _in_micro_batches(fn: Callable, k: int, is_batch: list[bool]) -> Callable:
 
 def _replay(s: Setup) -> bool:
   """``model.router_replay``: the passes route response tokens as the sampler did."""
-  return bool(s.config.model.get("router_replay", False))
+  return s.model.router_replay
 
 
 def routing_mismatch(used: jax.Array, recorded: jax.Array, mask: jax.Array) -> jax.Array:

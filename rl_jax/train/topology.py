@@ -433,7 +433,7 @@ def _host_topology_mesh(s: Setup) -> jax.sharding.Mesh:
     return mesh
   if len({d.process_index for d in flat}) != 1 or mesh is s.mesh:
     return mesh  # one process's devices only (context._sampler_mesh)
-  chip, _ = parse_topology(s.config.dry_run.topology)
+  chip, _ = parse_topology(s.dry_run.topology)
   bounds = chip.host_bounds[:chip.dims]
   name = f"{chip.name}:{'x'.join(map(str, bounds))}"
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
