@@ -596,9 +596,10 @@ class Geometry(NamedTuple):
 
 
 def geometry(config: ml_collections.ConfigDict) -> Geometry:
-  """The batch geometry of ``config`` (see ``Geometry``)."""
+  """The batch geometry of ``config`` (see ``Geometry``), or of a ``Setup`` (whose typed
+  settings have the sections' fields)."""
   G, M, R = config.train.batch_groups, config.rollout.n, config.rollout.max_new_tokens
-  env = config.get("env")
+  env = getattr(config, "env", None)
   if env is not None and env.name:
     return Geometry(G, M, G, M, 1, int(env.max_total_tokens), False, int(env.max_turns), True)
   if (config.data.group_size or "fixed") != "adaptive":
@@ -626,7 +627,7 @@ class Schedule(NamedTuple):
 
 
 def schedule(config: ml_collections.ConfigDict) -> Schedule:
-  """The ``Schedule`` of ``config``."""
+  """The ``Schedule`` of ``config``, or of a ``Setup``."""
   if config.train.mode != "async":
     return Schedule(0, 0, False)
   lag = config.train.async_lag

@@ -2,10 +2,12 @@
 metrics, the learner scores exactly the sampled trajectory ids, observations are masked from
 the loss, the learner's proximal log-probs of every turn are recomputed from its own weights,
 GiGPO trains through the trainer, SIGKILL + rerun of an asynchronous run holding partial
-multi-turn trajectories (APRIL) is bit-exact, bad env settings fail in one line.
+multi-turn trajectories (APRIL) is bit-exact, the training engine's episodes on 8 devices
+equal those on 1, bad env settings fail in one line.
 
-The runs use the guess game with 4 targets and 2 turns: after a short warm start the policy
-guesses digits, so groups have reward variance and first-turn misses get an observation.
+The runs use the guess game with 4 targets and 2 turns (the 8-device comparison: the
+quickstart's 5): after a short warm start the policy guesses digits, so groups have reward
+variance and first-turn misses get an observation.
 """
 
 import os
@@ -23,7 +25,9 @@ import jax.numpy as jnp
 
 from rl_jax import checkpoint, config_utils, metrics, models, train
 from rl_jax.errors import ConfigError
-from rl_jax.train import learner, loop, producer, resume, rollouts, state as state_lib
+from rl_jax.rollout import kv_cache
+from rl_jax.train import agent_stage, learner, loop, producer, resume, rollouts
+from rl_jax.train import state as state_lib
 from rl_jax.train.context import build_setup
 from tests.tiny import ROOT, TINY_MODEL, assert_prompts_as_sampled
 
@@ -123,7 +127,7 @@ def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
   for b, seq in enumerate(seqs):
     rows[b, :len(seq)] = seq
   logits = models.forward(s.model_cfg, jax.device_get(st2.params), jnp.asarray(rows))
-  logp = np.asarray(jax.nn.log_softmax(logits / s.config.rollout.temperature))
+  logp = np.asarray(jax.nn.log_softmax(logits / s.rollout.temperature))
   flat_mask, later = scored.mask.reshape(-1, R), turn_ids > 0
   for b, seq in enumerate(seqs):
     p = len(prompts[b // M])
@@ -149,6 +153,54 @@ def test_agentic_gigpo_run_trains_and_writes_metrics(tmp_path):
   assert any(r["grad_norm"] > 0 for r in rows)  # groups with reward variance were trained
   last = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))[-1]
   assert 0.0 <= last["eval_accuracy"] <= 1.0 and 1.0 <= last["eval_turns_mean"] <= 2.0
+
+
+# the guess game's own limits in configs/agent_quickstart.py: up to 5 turns of 4 ids
+GUESS_LIMITS = ["env.max_turns=5", "env.max_total_tokens=40", "env.max_turn_tokens=4"]
+
+
+def test_agent_quickstart_episodes_on_8_devices_equal_1():
+  """The training engine (``agent_stage.make_engine``) of the agent quickstart's guess setup
+  on a sampler mesh of 8 devices (weights and slots split over fsdp) rolls the same 8 groups
+  as on 1 device from the same warm-started weights: the same sampled and observation ids,
+  turn boundaries, rewards and finish reasons, the behaviour log-probs to 1e-5."""
+  one, eight = (build_setup(_config(GUESS_LIMITS + ["train.batch_groups=8",
+                                                    f"mesh.num_devices={n}"])) for n in (1, 8))
+  assert one.sampler_mesh.size == 1 and eight.sampler_mesh.size == 8
+  t = loop.make_trainer(one)
+  st = state_lib.init_state(one)
+  for _ in range(one.sft.steps):  # warm start: several turns, reward variance
+    st, _, data = loop.sft_step(t, st)
+    st = st._replace(producer=st.producer._replace(data=data))
+  for e in t.agent:
+    e.close()
+  params = jax.device_get(st.params)  # host arrays, placed by each engine on its mesh
+  outs, placed = [], []
+  for s in (one, eight):
+    eng = agent_stage.make_engine(s, s.rollout.temperature)
+    try:
+      outs.append(agent_stage.roll(s, eng, params, np.arange(8), step=0, version=0))
+      # the weights and the decode state (its slots) as the engine's programs take them
+      state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, ctx=eng.ctx, S=eng.S,
+                                  pages=eng.pool_pages)
+      placed.append((eng.prepare_params(params)["embed"], state.tokens))
+    finally:
+      eng.close()
+  for x in placed[0]:
+    assert len(x.sharding.device_set) == 1
+  for x in placed[1]:  # split over the 8 devices, not replicated
+    assert len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+  a, b = outs
+  R = a.tokens.shape[1]
+  obs = ~a.model_mask & (np.arange(R)[None] < a.lengths[:, None])
+  assert obs.any() and (a.num_turns == 1).any() and (a.num_turns >= 3).any()
+  assert 0 < a.reward.sum() < len(a.reward)
+  for k in ("tokens", "lengths", "model_mask", "turn", "turn_ends", "num_turns", "turn_rewards",
+            "reward", "finish_reason", "truncated_obs", "truncated_turn", "versions",
+            "state_ids", "prompt_index", "group_ids"):
+    np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)
+  assert a.prompts == b.prompts and a.actions == b.actions
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 # asynchronous (one step off) with partial rollouts: groups held mid-turn or waiting on

@@ -20,7 +20,7 @@ OVERRIDES = [f"train.steps={STEPS}", "sft.steps=0", "train.eval_every=0",
 def _grpo_loop(run: api.Trainer, steps: int) -> list[dict]:
   """The trainer's synchronous GRPO step, written with the primitives."""
   s = run.setup
-  G, M = s.config.train.batch_groups, s.config.rollout.n
+  G, M = s.train.batch_groups, s.rollout.n
   records = []
   for _ in range(steps):
     examples = run.next_examples(G)
@@ -64,7 +64,7 @@ def test_custom_grpo_loop_matches_the_trainer_bit_for_bit(runs):
 def _batch(run):
   """One step's batch from the current weights, with reward variance in every group."""
   s = run.setup
-  G, M = s.config.train.batch_groups, s.config.rollout.n
+  G, M = s.train.batch_groups, s.rollout.n
   examples = list(s.train_examples[:G])
   prompts = [s.tokenizer.encode(e.prompt) for e in examples]
   out = run.sample(prompts, n=M, seed=7)

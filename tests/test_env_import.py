@@ -189,7 +189,7 @@ def test_gymnasium_by_id(user_dir, tmp_path):
       "env.name=", "env.gym_id=FrozenLake-v1", "env.kwargs.is_slippery=False",
       "env.system_prompt="])
   s = build_setup(config)
-  assert s.config.env.name == "gymnasium" and s.task.name == "gymnasium:FrozenLake-v1"
+  assert s.env.name == "gymnasium" and s.task.name == "gymnasium:FrozenLake-v1"
   assert [e.data for e in s.train_examples[:2]] == [{"seed": 0}, {"seed": 1}]
   assert s.eval_examples[0].data == {"seed": 16}
   tr = loop.make_trainer(s)

@@ -54,7 +54,7 @@ def test_two_epochs_equal_a_hand_written_loop():
   state = train.begin_rl(s, train.init_state(s))
   batch, _, _ = train.collect(t, state)
   assert batch.inputs.old_logp is not None
-  orders = learner.pass_orders(s.config.train.seed, int(state.step), G, 2)
+  orders = learner.pass_orders(s.train.seed, int(state.step), G, 2)
   assert not np.array_equal(orders[0], orders[1]), "pick a seed whose passes differ"
 
   carry = _copy((state.params, state.opt_state, state.value_params, state.value_opt_state))

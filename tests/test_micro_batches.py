@@ -64,7 +64,7 @@ def _updates(overrides, ks=(1, 4)):
     for a, b in zip(passes[k], passes[ks[0]]):
       if b is not None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  return jax.device_get(carry), grads, outs, float(s.config.optim.lr)
+  return jax.device_get(carry), grads, outs, float(s.optim.lr)
 
 
 def _close_to_leaf_scale(a, b, rel=1e-4):

@@ -193,11 +193,11 @@ def test_micro_batches_take_each_groups_expert_records_along(replay_run):
   whole batch's step (loss, updated weights) to float rounding."""
   _, whole, whole_state = replay_run
   s, record, state = _replay_step(["train.micro_batches=2"])
-  assert s.config.train.old_logp_pass == "separate"  # the pass with the records runs
+  assert s.train.old_logp_pass == "separate"  # the pass with the records runs
   assert record["routing_mismatch"] == 0.0
   assert record["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
   assert record["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
-  lr = float(s.config.optim.lr)
+  lr = float(s.optim.lr)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=lr / 4),
                jax.device_get(state.params), jax.device_get(whole_state.params))
 
@@ -212,12 +212,11 @@ def test_router_replay_step_has_no_routing_mismatch(replay_run):
 
 def test_queue_keeps_the_expert_records_of_moe_models(replay_run):
   s, _, _ = replay_run
-  c = s.config.copy_and_resolve_references()
-  c.train.mode, c.train.async_lag = "async", 1
-  s = dataclasses.replace(s, config=c)
+  s = dataclasses.replace(s, train=dataclasses.replace(s.train, mode="async", async_lag=1))
+  assert s.schedule.queue == 1  # derived again from the replaced settings
   assert "routing" not in queue.empty_queue(1, s.geometry, s.prompt_len)  # no model config
   empty = queue.setup_queue(s)
-  R, Y, X = c.rollout.max_new_tokens, 1, 2
+  R, Y, X = s.rollout.max_new_tokens, 1, 2
   assert empty["routing"].shape == (1, 4, R, Y, X)
   rng = np.random.default_rng(0)
   item = train.Scored(

@@ -137,7 +137,7 @@ def test_offloaded_steps_lower_for_accelerators(tmp_path, platform):
   s = train.build_setup(_config(tmp_path / "cache", [BOTH]))
   t = train.make_trainer(s, train.abstract_state(s))
   rl, sft = train.abstract_state(s, 2), train.abstract_state(s, 0)
-  mb = memory.abstract_update_batch(t, s.config.train.batch_groups)
+  mb = memory.abstract_update_batch(t, s.train.batch_groups)
   args = (mb.prompt_tokens, mb.prompt_lengths, mb.tokens, mb.inputs.mask)
   n_opt = len(jax.tree.leaves(rl.opt_state))
   exported = {
@@ -146,7 +146,7 @@ def test_offloaded_steps_lower_for_accelerators(tmp_path, platform):
       "ref_logprobs": (jax.export.export(t.steps.ref_logprobs, platforms=[platform])(
           rl.ref_params, *args), len(jax.tree.leaves(rl.ref_params))),
   }
-  B, T = s.config.sft.batch_size, s.prompt_len + s.config.rollout.max_new_tokens
+  B, T = s.sft.batch_size, s.prompt_len + s.rollout.max_new_tokens
   batch = [jax.ShapeDtypeStruct((B, T), dt, sharding=t.layout.rows(B))
            for dt in (np.int32, np.bool_, np.float32)]
   exported["sft"] = (jax.export.export(t.steps.sft, platforms=[platform])(

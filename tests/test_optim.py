@@ -119,7 +119,7 @@ def test_rl_update_lowers_to_one_gradient_norm():
   s = train.build_setup(config_utils.load_config(QUICKSTART, list(TINY_MODEL) + [
       "train.compile_cache=", "log.tensorboard=False"]))
   state, layout = train.init_state(s), train.make_layout(s)
-  G, M, R = s.config.train.batch_groups, s.config.rollout.n, s.config.rollout.max_new_tokens
+  G, M, R = s.train.batch_groups, s.rollout.n, s.rollout.max_new_tokens
   inputs = losses.ObjectiveInputs(
       rewards=jnp.zeros((G, M)), mask=jnp.ones((G, M, R), bool),
       old_logp=jnp.full((G, M, R), -1.0), behaviour_logp=jnp.full((G, M, R), -1.0))

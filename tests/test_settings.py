@@ -121,6 +121,19 @@ def test_below_the_setup_a_section_is_read_from_its_settings(section):
   assert set(readers) <= CONFIG_READERS[section], sorted(set(readers) - CONFIG_READERS[section])
 
 
+# the modules that may import ml_collections: the config modules, the setup, the command
+# line's run, the dry run's config edits and the Python API's entry points
+ML_COLLECTIONS = {"config.py", "config_checks.py", "config_utils.py", "settings.py", "api.py",
+                  "train/context.py", "train/loop.py", "train/topology.py"}
+
+
+def test_below_the_setup_nothing_imports_ml_collections():
+  pattern = re.compile(r"^\s*(import ml_collections|from ml_collections)", re.M)
+  importers = {str(p.relative_to(ROOT / "rl_jax")) for p in (ROOT / "rl_jax").rglob("*.py")
+               if pattern.search(p.read_text())}
+  assert importers <= ML_COLLECTIONS, sorted(importers - ML_COLLECTIONS)
+
+
 def test_every_section_with_settings_is_checked_here():
   assert set(CONFIG_READERS) == set(settings.SECTIONS)
 
@@ -160,19 +173,25 @@ def test_compile_cache_default_is_read_when_a_config_is_built(monkeypatch):
   assert config_lib.base_config().train.compile_cache == "compile_cache"
 
 
-def test_setup_rebuilds_its_settings_with_its_config():
-  """``dataclasses.replace(s, config=...)`` reaches ``Setup.rollout`` (as it reaches the
-  geometry and the schedule)."""
+def test_the_setup_holds_settings_not_the_config():
+  """``build_setup`` turns each section into its settings once; the setup keeps no config,
+  and ``dataclasses.replace`` on a section derives the geometry, schedule and selection
+  again."""
   from rl_jax.train import context  # pylint: disable=import-outside-toplevel
   c = config_utils.load_config(QUICKSTART, ["sft.steps=0"])
   s = context.build_setup(c)
+  assert "config" not in {f.name for f in dataclasses.fields(s)}
   for name in settings.SETUP_SECTIONS:
     cls = settings.SECTIONS[name]
     assert getattr(s, name) == settings.from_section(cls, name, c[name]), name
-  c2 = c.copy_and_resolve_references()
-  c2.rollout.temperature = 0.5
-  s2 = dataclasses.replace(s, config=c2)
-  assert s2.rollout.temperature == 0.5 and s.rollout.temperature == c.rollout.temperature
+  assert s.model == settings.model_source(c.model)
+  s2 = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, n=2, max_new_tokens=5),
+                           data=dataclasses.replace(s.data, overlong_buffer=2))
+  assert (s2.geometry.samples, s2.geometry.new_tokens) == (2, 5)
+  assert (s.geometry.samples, s.geometry.new_tokens) == (c.rollout.n, c.rollout.max_new_tokens)
+  assert s2.selection.overlong == 2 and s.selection.overlong == 0
+  s3 = dataclasses.replace(s, train=dataclasses.replace(s.train, mode="async", async_lag=2))
+  assert s3.schedule == config_lib.Schedule(2, 2, True) and s.schedule.lag == 0
 
 
 def test_reward_rules_live_on_its_settings():

@@ -114,7 +114,7 @@ def test_inputs_hold_exactly_what_the_objective_needs(overrides, needed):
   for field in optional:
     assert (getattr(x, field) is not None) == (field in setup.objective.needs), field
   args = (batch.prompt_tokens, batch.prompt_lengths, batch.tokens, x.mask)
-  cfg, temp = setup.model_cfg, setup.config.rollout.temperature
+  cfg, temp = setup.model_cfg, setup.rollout.temperature
   if "ref_logp" in needed:
     ref = models.response_logprobs(cfg, state.ref_params, *args, shared_prefix=False,
                                    temperature=temp)

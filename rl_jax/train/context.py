@@ -60,14 +60,15 @@ class Setup:
   devices, ``split_devices``).
   With ``env.name`` set, ``task`` is the environment task (``rl_jax.envs.spec.EnvSpec``)
   and the splits are ``agent_stage.EnvExample``s (the rendered first prompt of each).
-  ``geometry`` (the step's groups, samples per group and chunks), ``schedule`` (how the
-  producer and learner are joined) and the typed settings of the config's sections
-  (``rollout``, ``train``, ``sft``, ``eval``, ``distill``, ``log``, ``optim``,
-  ``loss_extra``, ``reward``, ``data``, ``env``, ``dry_run``: ``settings.SETUP_SECTIONS``)
-  are computed once from the config; every module reads them from here.
+  The config's sections arrive as their typed settings (``rollout``, ``train``, ``sft``,
+  ``eval``, ``distill``, ``log``, ``optim``, ``loss_extra``, ``reward``, ``data``, ``env``,
+  ``dry_run``: ``settings.SETUP_SECTIONS``; ``model``: the model section beside the
+  architecture, ``settings.ModelSource``); the setup holds no config. ``geometry`` (the
+  step's groups, samples per group and chunks), ``schedule`` (how the producer and learner
+  are joined) and ``selection`` (how prompts are picked and rewards shaped) are derived from
+  them once, and again by ``dataclasses.replace``; every module reads them from here.
   """
 
-  config: ml_collections.ConfigDict
   tokenizer: Any
   task: Any
   train_examples: Sequence[tasks_lib.Example]
@@ -80,6 +81,19 @@ class Setup:
   optimizers: Optimizers
   prompt_len: int
   eos_id: int
+  rollout: settings.RolloutSettings
+  train: settings.TrainSettings
+  sft: settings.SftSettings
+  eval: settings.EvalSettings
+  distill: settings.DistillSettings
+  log: settings.LogSettings
+  optim: settings.OptimSettings
+  loss_extra: settings.LossExtraSettings
+  reward: settings.RewardSettings
+  data: settings.DataSettings
+  env: settings.EnvSettings
+  dry_run: settings.DryRunSettings
+  model: settings.ModelSource
   chat: Any = None  # multi-turn runs (env.name): the task's chat format (agent_stage)
   teacher_cfg: Any = None  # distill.teacher_path: the teacher's ModelConfig (train.teacher)
   group_fn: Any = None  # reward.group_fn: the group reward function (data.group_rewards)
@@ -89,23 +103,8 @@ class Setup:
   reward_names: tuple = ()
   geometry: config_lib.Geometry = dataclasses.field(init=False)
   schedule: config_lib.Schedule = dataclasses.field(init=False)
-  # the config's sections the setup holds (``settings.SETUP_SECTIONS``), built by __post_init__
-  rollout: settings.RolloutSettings = dataclasses.field(init=False)
-  train: settings.TrainSettings = dataclasses.field(init=False)
-  sft: settings.SftSettings = dataclasses.field(init=False)
-  eval: settings.EvalSettings = dataclasses.field(init=False)
-  distill: settings.DistillSettings = dataclasses.field(init=False)
-  log: settings.LogSettings = dataclasses.field(init=False)
-  optim: settings.OptimSettings = dataclasses.field(init=False)
-  loss_extra: settings.LossExtraSettings = dataclasses.field(init=False)
-  reward: settings.RewardSettings = dataclasses.field(init=False)
-  data: settings.DataSettings = dataclasses.field(init=False)
-  env: settings.EnvSettings = dataclasses.field(init=False)
-  dry_run: settings.DryRunSettings = dataclasses.field(init=False)
-  # how the run picks its prompts and shapes their rewards (data.selector, loss.preset)
+  # how the run picks its prompts and shapes their rewards (data.selector, the preset)
   selection: selection_stage.Selection = dataclasses.field(init=False)
-  # the model section beside the architecture: the weights' source, the router switches
-  model: settings.ModelSource = dataclasses.field(init=False)
 
   @property
   def sampler_cfg(self) -> models.ModelConfig:
@@ -118,15 +117,11 @@ class Setup:
       return self.model_cfg
     return self.model_cfg.replace(quant=wd, quant_block=self.model_cfg.head_dim)
 
-  def __post_init__(self):
-    object.__setattr__(self, "geometry", config_lib.geometry(self.config))
-    object.__setattr__(self, "schedule", config_lib.schedule(self.config))
-    for name in settings.SETUP_SECTIONS:
-      cls = settings.SECTIONS[name]
-      object.__setattr__(self, name, settings.from_section(cls, name, self.config[name]))
-    object.__setattr__(self, "model", settings.model_source(self.config.model))
+  def __post_init__(self):  # the settings have the config sections' fields
+    object.__setattr__(self, "geometry", config_lib.geometry(self))
+    object.__setattr__(self, "schedule", config_lib.schedule(self))
     object.__setattr__(self, "selection", selection_stage.make_selection(
-        self.data, self.config.loss.preset, self.rollout, self.train.seed))
+        self.data, self.objective.name, self.rollout, self.train.seed))
 
 
 def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:
@@ -551,10 +546,12 @@ def build_setup(config: ml_collections.ConfigDict,
   group_fn, reward_names = _rewards(config, task, train)
   judge = judge_stage.make_judge(config)  # its files and template; weights on first use
   eos = config.rollout.eos_id
-  return Setup(config=config, tokenizer=tokenizer, task=task, train_examples=train,
+  sections = {name: settings.from_section(settings.SECTIONS[name], name, config[name])
+              for name in settings.SETUP_SECTIONS}
+  return Setup(tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos,
                chat=fmt, teacher_cfg=teacher_cfg, group_fn=group_fn, judge=judge,
-               reward_names=reward_names)
+               reward_names=reward_names, model=settings.model_source(config.model), **sections)
