@@ -19,6 +19,7 @@ from rl_jax.data.tokenizers import CharTokenizer
 from rl_jax.envs import Message, StepResult
 from rl_jax.rollout import extend as ext_lib
 from rl_jax.rollout import sampler, slots
+from rl_jax.rollout.engine import PAGE_STATS
 
 TOK = CharTokenizer()
 CFG = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48,
@@ -429,6 +430,22 @@ def test_a_fixed_pool_preempts_and_resumes_by_recompute(deterministic):
   _check_exact(fixed, 1.0)
   with pytest.raises(rollout.RolloutError, match="smaller than one group needs"):
     _engine(kv_pages=2 * 128 // 8 - 1, **kw)
+
+
+def test_the_page_counters_are_the_single_turn_engines():
+  """The multi-turn engine reports the single-turn engine's page counters (``PAGE_STATS``,
+  which the producer copies into the step's metrics): the pages in use (peak within the
+  pool), the prompt pages a group's samples share, and the decode programs compiled."""
+  eng = _engine(page_size=8)
+  out = eng.rollout(PARAMS, _specs(4))
+  eng.close()
+  assert set(PAGE_STATS) <= set(out.stats)
+  assert 0 < out.stats["kv_pages_used_mean"] <= out.stats["kv_pages_used_peak"]
+  assert out.stats["kv_pages_used_peak"] <= out.stats["kv_pages"]
+  # each group admitted once (no eviction, no preemption): M - 1 = 1 copy of its prompt saved
+  assert out.stats["preemptions"] == 0 and out.stats["evictions"] == 0
+  assert out.stats["prefix_pages_shared"] == sum(-(-len(p) // 8) for p in out.prompts) > 0
+  assert out.stats["decode_buckets"] == len(eng.programs) >= 1
 
 
 def test_a_timed_out_step_is_replayed_as_recorded():

@@ -203,6 +203,7 @@ class AgentEngine:
     self.fixed_pool = kv_pages is not None
     if self.fixed_pool:
       self.pool_pages = kv_pages
+    self.programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
     self.stop = set(stop)
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
     if (mesh is None) != (rules is None):

@@ -41,7 +41,7 @@ __all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "admiss
 
 RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
-             "reprefill_tokens", "decode_calls", "preemptions")
+             "reprefill_tokens", "decode_calls", "preemptions", "prefix_pages_shared")
 
 
 class Group:
@@ -127,6 +127,7 @@ class Loop:
     self.order = [0] * eng.G
     self.closed = False
     self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
+    self.used: list[int] = []  # pool pages in use after each decode call
     # the deterministic schedule's clock: decode steps run by this call (idle time jumps to
     # the next result due); results of steps submitted by an earlier call join at once
     self.clock = 0
@@ -233,7 +234,10 @@ class Loop:
                                 e.max_turns)
     seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
-                     env_wait_s=self.wait_s,
+                     env_wait_s=self.wait_s, kv_pages=int(self.state.free.shape[0]),
+                     kv_pages_used_peak=max(self.used, default=0),
+                     kv_pages_used_mean=float(np.mean(self.used)) if self.used else 0.0,
+                     decode_buckets=len(e.programs),
                      kv_hit_rate=s["kv_hits"] / max(s["resumes"], 1),
                      trajectories_per_s=len(groups) * e.M / max(seconds, 1e-9))
     return out
@@ -347,6 +351,9 @@ class Loop:
       batch.append((g, grp))
     if not batch:
       return False
+    # the group's prompt is read once for its M samples (pages a per-sample copy would take)
+    self.stats["prefix_pages_shared"] += sum((e.M - 1) * pages.pages_needed(len(grp.prompt), e.S)
+                                             for _, grp in batch)
     Bn = min(e.G, pow2(len(batch), 4))
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = admission(self.e, batch, Bn, Pb)
@@ -438,6 +445,9 @@ class Loop:
                                    jnp.int32(steps), jnp.int32(stop), filtered=e.filtered,
                                    ctx=e.ctx, live=live, identity=self.identity)
     self.stats["decode_calls"] += 1
+    pool = int(self.state.free.shape[0])
+    e.programs.add((live, pool))
+    self.used.append(pool - int(np.asarray(self.state.free).sum()))
     if e.deterministic:
       self.clock += int(ran)
 

@@ -173,12 +173,11 @@ def make_objective(config) -> losses.Objective:
   return obj
 
 
-def _env_task(config, tokenizer):
+def _env_task(e: settings.EnvSettings, data: settings.DataSettings, sft_steps: int,
+              tokenizer, tokenizer_path: str | None):
   """(task, train split, eval split, chat format) of a multi-turn run (``env.name``)."""
-  e = settings.from_section(settings.EnvSettings, "env", config.env)
-  data = settings.from_section(settings.DataSettings, "data", config.data)
-  fmt = agent_stage.task_chat_format(e, tokenizer, data.tokenizer or config.model.hf_path)
-  spec = agent_stage.env_task(e, data, config.sft.steps, fmt)
+  fmt = agent_stage.task_chat_format(e, tokenizer, tokenizer_path)
+  spec = agent_stage.env_task(e, data, sft_steps, fmt)
   train = agent_stage.env_examples(spec, spec.train, fmt)
   evals = agent_stage.env_examples(spec, spec.eval[:data.eval_size], fmt)
   if e.agent:  # the episodes are the agent's sessions; the prompts stay the task's
@@ -186,15 +185,16 @@ def _env_task(config, tokenizer):
   return spec, train, evals, fmt
 
 
-def _task(config):
-  """(tokenizer, task, train split, eval split, P, chat format or None) with data errors as
-  one line."""
-  d = config.data
+def _task(sections: dict, hf_path: str | None):
+  """(tokenizer, task, train split, eval split, P, chat format or None) of the typed
+  ``sections`` and the checkpoint ``hf_path``, with data errors as one line."""
+  d, e = sections["data"], sections["env"]
   fmt = None
   try:
-    tokenizer = tok_lib.load_tokenizer(d.tokenizer or config.model.hf_path or "char")
-    if config.env.name:
-      task, train, evals, fmt = _env_task(config, tokenizer)
+    tokenizer = tok_lib.load_tokenizer(d.tokenizer or hf_path or "char")
+    if e.name:
+      task, train, evals, fmt = _env_task(e, d, sections["sft"].steps, tokenizer,
+                                          d.tokenizer or hf_path)
     elif d.task == "file":
       task = tasks_lib.get_task("file", path=d.path or "", format=d.format,
                                 eval_path=d.eval_path, template=d.template, seed=d.seed)
@@ -212,7 +212,7 @@ def _task(config):
     raise DataError(f"data: {' '.join(str(e).split())}") from None
   if not len(train):  # pylint: disable=g-explicit-length-test
     raise ConfigError(f"data: the train split of {d.task!r} is empty")
-  if config.train.eval_every and not evals:
+  if sections["train"].eval_every and not evals:
     raise ConfigError(f"data: the eval split of {d.task!r} is empty")
   if prompt_len > d.max_prompt_len:
     raise ConfigError(f"data: a prompt has {prompt_len} tokens > data.max_prompt_len="
@@ -527,7 +527,9 @@ def build_setup(config: ml_collections.ConfigDict,
   config_lib.check_objective(config, objective.needs)
   j = job(devices)
   _device_rules(config, j)
-  tokenizer, task, train, evals, prompt_len, fmt = _task(config)
+  sections = {name: settings.from_section(settings.SECTIONS[name], name, config[name])
+              for name in settings.SETUP_SECTIONS}
+  tokenizer, task, train, evals, prompt_len, fmt = _task(sections, config.model.hf_path)
   model_cfg = _model_config(config, tokenizer)
   speculative_stage.check_draft_bytes(config.rollout.speculative, config_lib.geometry(config),
                                       len(train), model_cfg.vocab_size)
@@ -546,8 +548,6 @@ def build_setup(config: ml_collections.ConfigDict,
   group_fn, reward_names = _rewards(config, task, train)
   judge = judge_stage.make_judge(config)  # its files and template; weights on first use
   eos = config.rollout.eos_id
-  sections = {name: settings.from_section(settings.SECTIONS[name], name, config[name])
-              for name in settings.SETUP_SECTIONS}
   return Setup(tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
