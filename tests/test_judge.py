@@ -13,7 +13,7 @@ import tokenizers
 import torch
 from tokenizers import models as tok_models, pre_tokenizers
 
-from rl_jax import config as config_lib, config_utils, metrics, train
+from rl_jax import config as config_lib, config_utils, metrics, settings, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import judge_stage
 from tests.hf_utils import tiny_hf_model
@@ -60,6 +60,12 @@ def _config(path, extra=()):
       f"reward.judge_path={path}", f"reward.judge_template={path}/yes_no.jinja", *extra])
 
 
+def _judge(config):
+  """The judge the setup builds from ``config``'s reward settings."""
+  reward = settings.from_section(settings.RewardSettings, "reward", config.reward)
+  return judge_stage.make_judge(reward, config.model.dtype)
+
+
 def _hf_ids(path, template, q, a, r):
   """The prompt as plain jinja2 renders it and the tokenizers library encodes it."""
   text = jinja2.Template(template).render(question=q, answer=a, reference=r)
@@ -70,7 +76,7 @@ def test_yes_no_verdicts_match_transformers(judge_dir):
   """P(yes)/(P(yes)+P(no)) of the next token, batched and padded, equals transformers'
   softmax on each prompt alone."""
   path, model = judge_dir
-  judge = judge_stage.make_judge(_config(path))
+  judge = _judge(_config(path))
   vocab = judge.tokenizer.vocab()
   assert (judge.yes, judge.no) == ((vocab["yes"],), (vocab["no"],))
   q, a, r = (list(x) for x in zip(*ROWS))
@@ -91,7 +97,7 @@ def test_score_verdicts_follow_transformers_greedy_decoding(judge_dir):
   """The "score" reader: the greedy continuation's ids are transformers' ``generate``'s, and
   the reward the first number of their text (NaN, then reward 0 and one exception, without)."""
   path, model = judge_dir
-  judge = judge_stage.make_judge(_config(path, [
+  judge = _judge(_config(path, [
       f"reward.judge_template={path}/score.jinja", "reward.judge_verdict=score",
       "reward.judge_max_tokens=6"]))
   q, a, r = (list(x) for x in zip(*ROWS))

@@ -86,15 +86,15 @@ def test_settings_are_frozen_and_an_unknown_key_is_one_line():
 # Files that may read a section with settings from a config: the config modules, the setup
 # (train/context.py builds the settings), and the dry run's edits of the config before it
 # builds a setup (train/topology.py); besides, per section: the command line's run before it
-# has a setup (train/loop.py: the processes joined, the workdir lock), the judge the setup
-# builds (judge_stage.make_judge), the W&B run that records the whole config (wandb_log).
+# has a setup (train/loop.py: the processes joined, the workdir lock), the W&B run that
+# records the whole config (wandb_log).
 SETUP = {"config.py", "settings.py", "train/context.py", "train/topology.py"}
 CONFIG_READERS = {
     "rollout": SETUP,
     "train": SETUP | {"train/loop.py"},
     "sft": SETUP,
     "log": SETUP | {"wandb_log.py"},
-    "reward": SETUP | {"train/judge_stage.py"},
+    "reward": SETUP,
     "distributed": SETUP | {"train/loop.py"},
     **{name: SETUP for name in ("eval", "distill", "optim", "loss_extra", "data", "env", "mesh",
                                 "dry_run")},

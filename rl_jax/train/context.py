@@ -546,7 +546,7 @@ def build_setup(config: ml_collections.ConfigDict,
     raise ConfigError(f"rollout.weight_dtype={wd}: the scale blocks of head_dim="
                       f"{model_cfg.head_dim} entries {problem}")
   group_fn, reward_names = _rewards(config, task, train)
-  judge = judge_stage.make_judge(config)  # its files and template; weights on first use
+  judge = judge_stage.make_judge(sections["reward"], config.model.dtype)  # weights: first use
   eos = config.rollout.eos_id
   return Setup(tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,

@@ -4,7 +4,7 @@ and its verdict is the row's training reward (LLM-as-a-judge, Zheng et al. 2023,
 LLM-as-a-Judge with MT-Bench and Chatbot Arena"; a generative reward model, Mahan et al.
 2024, "Generative Reward Models").
 
-* ``make_judge(config)``: at setup, everything but the weights: the directory's
+* ``make_judge(reward, dtype)``: at setup, everything but the weights: the directory's
   ``config.json`` (its ModelConfig) and ``tokenizer.json``, the template (compiled and
   rendered once with dummy values), the verdict reader and, for ``yes_no``, the verdict token
   ids. Each problem is one ``ConfigError`` line. The weights are read on the first
@@ -40,6 +40,7 @@ import numpy as np
 
 from rl_jax import models
 from rl_jax import rollout
+from rl_jax import settings
 from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, ModelError, RLJaxError
 
@@ -221,16 +222,16 @@ class Judge:
                        for ids in self.continuations(prompts)], np.float32)
 
 
-def make_judge(config) -> Judge | None:
-  """The run's judge from ``config.reward`` (None without ``judge_path``), weights unread.
+def make_judge(rc: settings.RewardSettings, dtype: str) -> Judge | None:
+  """The run's judge from the reward settings ``rc`` (None without ``judge_path``), weights
+  unread, computing in ``dtype`` (``model.dtype``).
 
   Raises:
     ConfigError: one line: the directory, its ``config.json`` or ``tokenizer.json`` is
       missing or unreadable, the template is missing or does not render, or (``yes_no``) the
       tokenizer has no token for "yes" or "no", or the same one for both.
   """
-  rc = config.reward
-  path = rc.get("judge_path") or ""
+  path = rc.judge_path or ""
   if not path:
     return None
   where = f"reward.judge_path={path}"
@@ -241,7 +242,7 @@ def make_judge(config) -> Judge | None:
       raise ConfigError(f"{where}: the directory has no {name} (a Hugging Face checkpoint "
                         "with config.json, safetensors weights and tokenizer.json)")
   try:
-    cfg = models.read_hf_config(path, dtype=config.model.dtype, param_dtype=config.model.dtype)
+    cfg = models.read_hf_config(path, dtype=dtype, param_dtype=dtype)
   except (ModelError, ValueError, KeyError) as e:
     raise ConfigError(f"{where}: {' '.join(str(e).split())}") from None
   try:
@@ -249,7 +250,7 @@ def make_judge(config) -> Judge | None:
   except (OSError, ValueError) as e:
     raise ConfigError(f"{where}: cannot read its tokenizer: {' '.join(str(e).split())}") from None
   template = _read_template(rc.judge_template)
-  verdict = rc.get("judge_verdict") or "yes_no"
+  verdict = rc.judge_verdict or "yes_no"
   yes = no = ()
   if verdict == "yes_no":
     yes, no = verdict_ids(tokenizer, "yes"), verdict_ids(tokenizer, "no")
@@ -261,5 +262,4 @@ def make_judge(config) -> Judge | None:
     if set(yes) & set(no):
       raise ConfigError(f"{where}: the judge's tokenizer starts 'yes' and 'no' with the same "
                         "token; reward.judge_verdict=yes_no cannot tell them apart")
-  return Judge(path, cfg, tokenizer, template, verdict, int(rc.get("judge_max_tokens", 8)),
-               yes, no)
+  return Judge(path, cfg, tokenizer, template, verdict, int(rc.judge_max_tokens), yes, no)
