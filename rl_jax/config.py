@@ -37,96 +37,13 @@ from rl_jax import config_utils as cu
 from rl_jax import losses
 from rl_jax import settings
 from rl_jax.errors import ConfigError
-from rl_jax.models import config as model_config_lib
-from rl_jax.models import moe
-from rl_jax.models import lora as lora_lib
 
 __all__ = ["DISTILL_KNOBS", "check_objective",
            "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry",
-           "check_moe_fields", "notices", "schedule", "validate"]
+           "notices", "schedule", "validate"]
 
 # preset knobs set from the distill section (distill.coef), not from config.loss
 DISTILL_KNOBS = ("distill_coef",)
-
-
-def _model() -> ml_collections.ConfigDict:
-  """Either ``hf_path`` (an HF checkpoint directory) or the architecture fields."""
-  return ml_collections.ConfigDict(dict(
-      hf_path=config_dict.placeholder(str),  # If set, the fields below come from config.json.
-      architecture="llama",  # one of rl_jax.models.config.ARCHITECTURES
-      vocab_size=256,
-      hidden_size=64,
-      intermediate_size=128,
-      num_layers=2,
-      num_heads=4,
-      num_kv_heads=2,
-      head_dim=16,
-      rope_theta=10000.0,
-      max_position_embeddings=1024,
-      tie_word_embeddings=False,
-      init_std=0.02,  # random init (when hf_path is None)
-      dtype="float32",  # compute dtype
-      # storage dtype of the trained weights (with model.lora.rank: the adapters; the frozen
-      # base is in model.lora.base_dtype)
-      param_dtype="float32",
-      remat="none",  # one of rl_jax.models.config.REMAT_POLICIES
-      # one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp); None: "auto"
-      # (on for CPU programs, off for TPU and GPU)
-      fused_mlp=config_dict.placeholder(bool),
-      scan_layers=True,  # False unrolls the layer loop: no scan, longer compiles
-      # packed-layout and decode response attention: "auto" ("concat" on CPU, "kernel" on
-      # TPU and GPU, by the mesh's platform), "kernel" (Pallas / its jnp reference; decode:
-      # the paged kernel) or "concat" (one softmax over [prompt | own] keys; faster on CPU;
-      # ModelConfig.prefix_attention)
-      prefix_attention="auto",
-      # mixture of experts (architecture="qwen3_moe"): E experts per MoE layer, top X per
-      # token, every ``moe_every``-th layer MoE (the others a dense MLP of intermediate_size)
-      num_experts=0,
-      num_experts_per_tok=2,
-      moe_intermediate_size=0,  # expert MLP width (0: intermediate_size)
-      norm_topk_prob=True,  # renormalise the X routing weights to sum to one
-      moe_every=1,
-      router="softmax_topk",  # one of rl_jax.models.moe.ROUTERS
-      # the training passes use the experts the sampler chose for each response token
-      router_replay=False,
-      # expert capacity of the training passes: 0 (or None) = dropless grouped matmuls; > 0 =
-      # each token shard sends at most C = ceil(factor · tokens · X / E) assignments to an
-      # expert (all-to-all expert parallelism on a mesh that shards the experts); the
-      # assignments past C are dropped, metric moe_dropped_tokens. The sampler is dropless.
-      moe_capacity_factor=0.0,
-      # load-balancing auxiliary loss (Switch / transformers' ``load_balancing_loss_func``,
-      # ``rl_jax.models.moe.load_balancing_loss``): > 0 adds coef × the loss of the current
-      # router over the real tokens (valid prompt + generated) to the RL update and the
-      # supervised step, metric moe_aux_loss; 0 = off. A checkpoint's own
-      # ``router_aux_loss_coef`` (config.json) is not applied: set this field to use it.
-      router_aux_loss_coef=0.0,
-      # attention layout: "full" everywhere, or (gemma3) "sliding": sliding-window layers of
-      # ``sliding_window`` keys with a global layer every ``global_every`` layers
-      attention="full",  # one of rl_jax.models.config.ATTENTION_LAYOUTS
-      sliding_window=512,
-      global_every=6,
-      # low-rank adapters (rl_jax.models.lora): rank r > 0 trains only the adapters of the
-      # projections in `targets` (comma-separated: q,k,v,o,gate,up,down); they add
-      # (alpha/r)·x·A·B; A starts random (`init`: gaussian | kaiming), B at zero.
-      # QLoRA (rl_jax.models.quant): `quant` = "int8" | "int4" stores the frozen base's
-      # projections (q,k,v,o,gate,up,down) as integers with float32 scales, one per
-      # `quant_block` entries along each weight's contraction axis (must divide hidden_size,
-      # head_dim and intermediate_size); dequantised inside the matmul by the trainer, the
-      # sampler and the reference alike; "" keeps it in `base_dtype`.
-      # `base_dtype`: storage dtype of the frozen base ("" = model.dtype, the compute dtype:
-      # a base that is never updated needs no float32 master copy); the adapters are stored in
-      # model.param_dtype.
-      # `adapter_path`: a PEFT LoRA adapter directory (adapter_config.json +
-      # adapter_model.safetensors, as hf_adapter/ exports) whose A and B replace the fresh
-      # adapters at the start of the run (instead of `init`); its r, lora_alpha,
-      # target_modules and tensor shapes must match rank, alpha, targets and the base, and its
-      # base_model_name_or_path (if set) must name hf_path. The KL reference stays the base
-      # with the adapters off. With rank 0 (off) every other lora field keeps its default.
-      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down",
-                                          init="gaussian", quant="", quant_block=64,
-                                          base_dtype="",
-                                          adapter_path=config_dict.placeholder(str))),
-  ))
 
 
 def _loss() -> ml_collections.ConfigDict:
@@ -143,21 +60,12 @@ def _loss() -> ml_collections.ConfigDict:
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """The full default config tree (unlocked): model, loss, and the sections with typed
-  settings (``settings.SECTIONS``: rollout, train, sft, eval, distill, log, optim,
-  loss_extra, reward, data, env, mesh, distributed, dry_run), built from their classes."""
+  """The full default config tree (unlocked): loss (the objectives' knobs) and the sections
+  with typed settings (``settings.SECTIONS``: rollout, train, sft, eval, distill, log, optim,
+  loss_extra, reward, data, env, mesh, distributed, dry_run, model), built from their
+  classes."""
   typed = {name: settings.section_config(cls) for name, cls in settings.SECTIONS.items()}
-  return ml_collections.ConfigDict(dict(model=_model(), loss=_loss(), **typed))
-
-
-def _lora_targets(x) -> str | None:
-  """``model.lora.targets``: distinct names of ``LORA_TARGETS``, comma-separated."""
-  try:
-    lora_lib.parse_targets(x)
-  except (ValueError, AttributeError, TypeError):
-    return (f"must be distinct names from {','.join(model_config_lib.LORA_TARGETS)}, "
-            "comma-separated")
-  return None
+  return ml_collections.ConfigDict(dict(loss=_loss(), **typed))
 
 
 def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
@@ -166,32 +74,6 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
   return {
       **{key: check for name, cls in settings.SECTIONS.items()
          for key, check in settings.section_checks(name, cls).items()},
-      "model.architecture": cu.one_of(model_config_lib.ARCHITECTURES),
-      "model.num_layers": cu.positive_int,
-      "model.remat": cu.one_of(model_config_lib.REMAT_POLICIES),
-      "model.dtype": cu.one_of(model_config_lib.DTYPES),
-      "model.param_dtype": cu.one_of(model_config_lib.DTYPES),
-      "model.num_experts": cu.nonnegative_int,
-      "model.num_experts_per_tok": cu.positive_int,
-      "model.moe_intermediate_size": cu.nonnegative_int,
-      "model.moe_every": cu.positive_int,
-      "model.router": cu.one_of(moe.ROUTERS),
-      "model.router_replay": cu.one_of((False, True)),
-      "model.moe_capacity_factor": opt(cu.nonnegative),
-      "model.router_aux_loss_coef": cu.nonnegative,
-      "model.fused_mlp": opt(cu.one_of((False, True))),
-      "model.scan_layers": cu.one_of((False, True)),
-      "model.prefix_attention": cu.one_of(model_config_lib.PREFIX_ATTENTIONS),
-      "model.attention": cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
-      "model.sliding_window": cu.positive_int,
-      "model.global_every": cu.positive_int,
-      "model.lora.rank": cu.nonnegative_int,
-      "model.lora.alpha": cu.positive,
-      "model.lora.targets": _lora_targets,
-      "model.lora.init": cu.one_of(lora_lib.LORA_INITS),
-      "model.lora.quant": cu.one_of(("", "int8", "int4")),
-      "model.lora.quant_block": cu.positive_int,
-      "model.lora.base_dtype": cu.one_of(("", *model_config_lib.DTYPES)),
       "loss.preset": cu.one_of(losses.PRESETS),
       "loss.advantage": opt(cu.one_of(losses.ADVANTAGES)),
       "loss.policy": opt(cu.one_of(losses.POLICIES)),
@@ -274,7 +156,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_distill(config)
   _check_sampler_weights(config)
   _check_reward(config)
-  _check_lora_off(config)
   if config.model.lora.rank and "reference" in (config.train.get("offload") or ""):
     raise ConfigError("train.offload=reference: with model.lora.rank > 0 the reference is the "
                       "frozen base the policy already holds; there is no copy to offload")
@@ -293,57 +174,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
-  """The mixture-of-experts and attention-layout fields against the architecture."""
-  m = config.model
-  if m.hf_path:
-    arch = None  # config.json decides (router_replay is checked against it at setup)
-  else:
-    arch = m.architecture
-    if (arch == "qwen3_moe") != (m.num_experts > 0):
-      raise ConfigError(f"model.num_experts={m.num_experts}: architecture 'qwen3_moe' needs "
-                        f"experts (> 0) and the other architectures none (got {arch!r})")
-    if m.num_experts and m.num_experts_per_tok > m.num_experts:
-      raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds "
-                        f"model.num_experts={m.num_experts}")
-    if m.attention == "sliding" and arch != "gemma3":
-      raise ConfigError(f"model.attention='sliding' needs model.architecture='gemma3' "
-                        f"(got {arch!r})")
-    check_moe_fields(m, arch)
-  if m.router_replay and (config.rollout.speculative or config.env.name):
+  """Router replay against the rollouts that keep no expert records (the model section's own
+  rules are ``settings.ModelSettings``')."""
+  if config.model.router_replay and (config.rollout.speculative or config.env.name):
     raise ConfigError("model.router_replay=True needs the sampler's expert records, which "
                       "rollout.speculative and env.name rollouts do not keep")
-
-
-def check_moe_fields(m: ml_collections.ConfigDict, arch: str) -> None:
-  """The mixture-of-experts fields of ``config.model`` (``m``) against the model's
-  architecture ``arch``: ``model.architecture`` for a random init, the checkpoint's
-  ``model_type`` once ``build_setup`` has read it."""
-  if arch == "qwen3_moe":
-    return
-  for field, value in (("moe_capacity_factor", m.get("moe_capacity_factor")),
-                       ("router_replay", m.get("router_replay")),
-                       ("router_aux_loss_coef", m.get("router_aux_loss_coef"))):
-    if value:
-      raise ConfigError(f"model.{field}={value} needs a mixture-of-experts model "
-                        f"(architecture 'qwen3_moe'), got {arch!r}")
-
-
-def _check_lora_off(config: ml_collections.ConfigDict) -> None:
-  """``model.lora.rank=0`` means LoRA is off: any other ``model.lora`` field changed from its
-  default would be silently ignored, so it is an error."""
-  lo = config.model.lora
-  if lo.rank:
-    return
-  defaults = _model().lora
-  for key in ("quant", "adapter_path", "targets", "alpha", "init", "quant_block", "base_dtype"):
-    value, default = lo.get(key), defaults[key]
-    same = (lora_lib.parse_targets(value) == lora_lib.parse_targets(default)
-            if key == "targets" else value == default or (not value and not default))
-    if not same:
-      why = (" (a quantised base is frozen: only adapters can train on it)" if key == "quant"
-             else "")
-      raise ConfigError(f"model.lora.{key}={value!r} needs model.lora.rank > 0: "
-                        f"model.lora.rank=0, so LoRA is off{why}")
 
 
 def _env_source(config: ml_collections.ConfigDict) -> None:

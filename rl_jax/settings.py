@@ -21,9 +21,12 @@ those, so its signature says what it depends on.
 * ``MeshSettings``, ``DistributedSettings``, ``DryRunSettings``: ``config.mesh``,
   ``distributed`` and ``dry_run`` (the devices, the processes, a TPU topology to compile for).
 
+* ``ModelSettings`` (with ``LoraSettings``): ``config.model``, the policy model, which the
+  setup turns into ``rl_jax.models.ModelConfig`` (from these fields or the checkpoint's
+  config.json).
+
 ``SECTIONS`` maps each section to its class; ``SETUP_SECTIONS`` names those the setup holds.
-The ``model`` section is ``rl_jax.models.ModelConfig``'s (built by the setup from the
-section or the checkpoint's config.json) and ``loss`` the knobs of ``rl_jax.losses``.
+The ``loss`` section is the knobs of ``rl_jax.losses`` (``losses.KNOBS``).
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ from rl_jax import losses, optim
 from rl_jax import sharding
 from rl_jax.errors import ConfigError
 from rl_jax.models import config as model_config_lib
+from rl_jax.models import lora as lora_lib
+from rl_jax.models import moe
 
 __all__ = ["ENV_ADAPTERS", "ENV_TASKS", "GROUP_FNS", "GROUP_SIZES", "GYM_CODECS",
            "JUDGE_VERDICTS", "OFFLOAD_PARTS", "OLD_LOGP_PASSES", "SECTIONS", "SELECTORS",
            "SETUP_SECTIONS", "TOOL_FORMATS", "DataSettings", "DistillSettings",
            "DistributedSettings", "DryRunSettings", "EnvSettings", "EvalSettings", "LogSettings",
-           "LossExtraSettings", "MeshSettings", "ModelSource", "OptimSettings", "ReplaySettings",
-           "RewardSettings", "RolloutSettings", "SftSettings", "TrainSettings", "from_section",
-           "model_source", "section_checks", "section_config", "setting"]
+           "LoraSettings", "LossExtraSettings", "MeshSettings", "ModelSettings", "OptimSettings",
+           "ReplaySettings", "RewardSettings", "RolloutSettings", "SftSettings", "TrainSettings",
+           "from_section", "section_checks", "section_config", "setting"]
 
 
 def setting(default: Any, check: Any = None, doc: str = "", *, kind: type | None = None):
@@ -698,40 +703,179 @@ class DryRunSettings:
 
 
 
+def _lora_targets(x: Any) -> str | None:
+  """``model.lora.targets``: distinct names of ``LORA_TARGETS``, comma-separated."""
+  try:
+    lora_lib.parse_targets(x)
+  except (ValueError, AttributeError, TypeError):
+    return (f"must be distinct names from {','.join(model_config_lib.LORA_TARGETS)}, "
+            "comma-separated")
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelSource:
-  """The fields of ``config.model`` beside the architecture (which the setup turns into
-  ``rl_jax.models.ModelConfig``, from the section or the checkpoint's config.json): where the
-  weights come from and what the trainer does with the router (``Setup.model``, built by
-  ``model_source``; their defaults and checks are the model section's, ``rl_jax.config``).
+class LoraSettings:
+  """Low-rank adapters and the quantised base (``model.lora``; rl_jax.models.lora,
+  rl_jax.models.quant, docs/LORA.md). With rank 0 (off) every other field keeps its default
+  (``rl_jax.config.validate``)."""
 
-  hf_path: the HF checkpoint directory (None: a random init of ``init_std``). lora_init:
-  the fresh adapters' init (``model.lora.init``); adapter_path: a PEFT adapter directory whose
-  A and B replace them (``model.lora.adapter_path``). router_replay: the training passes use
-  the sampler's experts. router_aux_loss_coef: the weight of the load-balancing loss
-  (mixture-of-experts models; 0 otherwise).
-  """
+  rank: int = setting(
+      0, cu.nonnegative_int,
+      "r > 0 trains only the adapters of the projections in targets; they add "
+      "(alpha/r)·x·A·B, A random (init), B zero")
+  alpha: float = setting(16.0, cu.positive, "the adapters' scale alpha")
+  targets: str = setting("q,k,v,o,gate,up,down", _lora_targets,
+                         "the adapted projections, comma-separated (q,k,v,o,gate,up,down)")
+  init: str = setting("gaussian", cu.one_of(lora_lib.LORA_INITS),
+                      "A's init: gaussian | kaiming (PEFT's)")
+  quant: str = setting(
+      "", cu.one_of(("", "int8", "int4")),
+      "QLoRA: the frozen base's projections stored as int8 or int4 with float32 scales, "
+      "one per quant_block entries along each weight's contraction axis, dequantised inside "
+      'the matmul by the trainer, the sampler and the reference alike; "" keeps base_dtype')
+  quant_block: int = setting(
+      64, cu.positive_int,
+      "entries per scale (must divide hidden_size, head_dim and intermediate_size)")
+  base_dtype: str = setting(
+      "", cu.one_of(("", *model_config_lib.DTYPES)),
+      'storage dtype of the frozen base ("": model.dtype, the compute dtype: a base that is '
+      "never updated needs no float32 master copy); the adapters are stored in "
+      "model.param_dtype")
+  adapter_path: str | None = setting(
+      None, None,
+      "a PEFT LoRA adapter directory (as hf_adapter/ exports) whose A and B replace the "
+      "fresh adapters at the start of the run; its r, lora_alpha, target_modules and shapes "
+      "must match rank, alpha, targets and the base, and its base_model_name_or_path (if "
+      "set) must name hf_path. The KL reference stays the base with the adapters off",
+      kind=str)
 
-  hf_path: str | None = None
-  init_std: float = 0.02
-  lora_init: str = "gaussian"
-  adapter_path: str | None = None
-  router_replay: bool = False
-  router_aux_loss_coef: float = 0.0
 
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+  """The policy model: ``config.model``. Either ``hf_path`` (an HF checkpoint directory whose
+  config.json gives the architecture fields) or the architecture fields of a random init;
+  ``build_setup`` turns them into ``rl_jax.models.ModelConfig``. The rules between the
+  fields are ``rl_jax.config.validate``'s (they involve the checkpoint or other sections)."""
 
-def model_source(m: ml_collections.ConfigDict) -> ModelSource:
-  """The ``ModelSource`` of the model section ``m``."""
-  return ModelSource(hf_path=m.get("hf_path") or None, init_std=float(m.init_std),
-                     lora_init=m.lora.init, adapter_path=m.lora.get("adapter_path") or None,
-                     router_replay=bool(m.get("router_replay", False)),
-                     router_aux_loss_coef=float(m.get("router_aux_loss_coef", 0.0) or 0.0))
+  hf_path: str | None = setting(
+      None, None, "an HF checkpoint directory; if set, the architecture comes from its "
+      "config.json", kind=str)
+  architecture: str = setting("llama", cu.one_of(model_config_lib.ARCHITECTURES),
+                              "one of rl_jax.models.config.ARCHITECTURES")
+  vocab_size: int = setting(256, None, "a random init's vocabulary (the tokenizer's wins)")
+  hidden_size: int = setting(64, None, "d_model")
+  intermediate_size: int = setting(128, None, "the MLP's width")
+  num_layers: int = setting(2, cu.positive_int, "L, decoder layers")
+  num_heads: int = setting(4, None, "query heads")
+  num_kv_heads: int = setting(2, None, "key/value heads (grouped-query attention)")
+  head_dim: int = setting(16, None, "the width of a head")
+  rope_theta: float = setting(10000.0, None, "the RoPE base")
+  max_position_embeddings: int = setting(1024, None, "the longest sequence")
+  tie_word_embeddings: bool = setting(False, None, "the LM head is the embedding")
+  init_std: float = setting(0.02, None, "the random init's standard deviation (no hf_path)")
+  dtype: str = setting("float32", cu.one_of(model_config_lib.DTYPES), "the compute dtype")
+  param_dtype: str = setting(
+      "float32", cu.one_of(model_config_lib.DTYPES),
+      "storage dtype of the trained weights (with lora.rank: the adapters; the frozen base "
+      "is in lora.base_dtype)")
+  remat: str = setting("none", cu.one_of(model_config_lib.REMAT_POLICIES),
+                       "one of rl_jax.models.config.REMAT_POLICIES")
+  fused_mlp: bool | None = setting(
+      None, cu.optional(_BOOL),
+      "one gate/up matmul, hand-written SwiGLU backward (ModelConfig.fused_mlp); None: auto "
+      "(on for CPU programs, off for TPU and GPU)", kind=bool)
+  scan_layers: bool = setting(True, _BOOL, "False unrolls the layer loop: no scan, longer "
+                              "compiles")
+  prefix_attention: str = setting(
+      "auto", cu.one_of(model_config_lib.PREFIX_ATTENTIONS),
+      'packed-layout and decode response attention: "auto" ("concat" on CPU, "kernel" on '
+      'TPU and GPU, by the mesh\'s platform), "kernel" (Pallas / its jnp reference; decode: '
+      'the paged kernel) or "concat" (one softmax over [prompt | own] keys; faster on CPU)')
+  num_experts: int = setting(
+      0, cu.nonnegative_int,
+      'E experts per MoE layer (architecture="qwen3_moe"; 0 for the other architectures)')
+  num_experts_per_tok: int = setting(2, cu.positive_int, "X, the experts of a token")
+  moe_intermediate_size: int = setting(0, cu.nonnegative_int,
+                                       "an expert MLP's width (0: intermediate_size)")
+  norm_topk_prob: bool = setting(True, None,
+                                 "renormalise the X routing weights to sum to one")
+  moe_every: int = setting(1, cu.positive_int,
+                           "every moe_every-th layer is MoE (the others a dense MLP)")
+  router: str = setting("softmax_topk", cu.one_of(moe.ROUTERS),
+                        "one of rl_jax.models.moe.ROUTERS")
+  router_replay: bool = setting(
+      False, _BOOL, "the training passes use the experts the sampler chose for each token")
+  moe_capacity_factor: float | None = setting(
+      0.0, cu.optional(cu.nonnegative),
+      "expert capacity of the training passes: 0 (or None) = dropless grouped matmuls; > 0 = "
+      "each token shard sends at most C = ceil(factor · tokens · X / E) assignments to an "
+      "expert (all-to-all expert parallelism on a mesh that shards the experts), the rest "
+      "dropped (metric moe_dropped_tokens). The sampler is dropless", kind=float)
+  router_aux_loss_coef: float = setting(
+      0.0, cu.nonnegative,
+      "> 0 adds coef × the load-balancing loss (Switch; rl_jax.models.moe."
+      "load_balancing_loss) of the current router over the real tokens to the RL update and "
+      "the supervised step, metric moe_aux_loss. A checkpoint's own router_aux_loss_coef is "
+      "not applied: set this field to use it")
+  attention: str = setting(
+      "full", cu.one_of(model_config_lib.ATTENTION_LAYOUTS),
+      '"full" everywhere, or (gemma3) "sliding": sliding-window layers of sliding_window keys '
+      "with a global layer every global_every layers")
+  sliding_window: int = setting(512, cu.positive_int, "keys of a sliding-window layer")
+  global_every: int = setting(6, cu.positive_int, "a global layer every this many layers")
+  lora: LoraSettings = setting(LoraSettings, None, "low-rank adapters, the quantised base")
+
+  def __post_init__(self):
+    if not self.hf_path:  # with a checkpoint its config.json decides (checked at setup)
+      arch = self.architecture
+      if (arch == "qwen3_moe") != (self.num_experts > 0):
+        raise ConfigError(f"model.num_experts={self.num_experts}: architecture 'qwen3_moe' "
+                          f"needs experts (> 0) and the other architectures none (got {arch!r})")
+      if self.num_experts and self.num_experts_per_tok > self.num_experts:
+        raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                          f"model.num_experts={self.num_experts}")
+      if self.attention == "sliding" and arch != "gemma3":
+        raise ConfigError(f"model.attention='sliding' needs model.architecture='gemma3' "
+                          f"(got {arch!r})")
+      self.check_moe_fields(arch)
+    self._check_lora_off()
+
+  def check_moe_fields(self, arch: str) -> None:
+    """The mixture-of-experts switches against the model's architecture ``arch``:
+    ``architecture`` for a random init, the checkpoint's ``model_type`` once the setup has
+    read it."""
+    if arch == "qwen3_moe":
+      return
+    for name in ("moe_capacity_factor", "router_replay", "router_aux_loss_coef"):
+      value = getattr(self, name)
+      if value:
+        raise ConfigError(f"model.{name}={value} needs a mixture-of-experts model "
+                          f"(architecture 'qwen3_moe'), got {arch!r}")
+
+  def _check_lora_off(self) -> None:
+    """``lora.rank=0`` means LoRA is off: any other ``lora`` field changed from its default
+    would be silently ignored, so it is an error."""
+    lo, default = self.lora, LoraSettings()
+    if lo.rank:
+      return
+    for key in ("quant", "adapter_path", "targets", "alpha", "init", "quant_block",
+                "base_dtype"):
+      value, base = getattr(lo, key), getattr(default, key)
+      same = (lora_lib.parse_targets(value) == lora_lib.parse_targets(base)
+              if key == "targets" else value == base or (not value and not base))
+      if not same:
+        why = (" (a quantised base is frozen: only adapters can train on it)" if key == "quant"
+               else "")
+        raise ConfigError(f"model.lora.{key}={value!r} needs model.lora.rank > 0: "
+                          f"model.lora.rank=0, so LoRA is off{why}")
+
 
 SECTIONS = {"rollout": RolloutSettings, "train": TrainSettings, "sft": SftSettings,
             "eval": EvalSettings, "distill": DistillSettings, "log": LogSettings,
             "optim": OptimSettings, "loss_extra": LossExtraSettings, "reward": RewardSettings,
             "data": DataSettings, "env": EnvSettings, "mesh": MeshSettings,
-            "distributed": DistributedSettings, "dry_run": DryRunSettings}
+            "distributed": DistributedSettings, "dry_run": DryRunSettings,
+            "model": ModelSettings}
 # the sections the setup holds, each as its field of the same name (``Setup.rollout``, ...);
 # mesh and distributed are read while the setup is built (the devices, the processes)
 SETUP_SECTIONS = tuple(name for name in SECTIONS if name not in ("mesh", "distributed"))

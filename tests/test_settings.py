@@ -97,7 +97,7 @@ CONFIG_READERS = {
     "reward": SETUP,
     "distributed": SETUP | {"train/loop.py"},
     **{name: SETUP for name in ("eval", "distill", "optim", "loss_extra", "data", "env", "mesh",
-                                "dry_run")},
+                                "dry_run", "model")},
 }
 
 
@@ -184,7 +184,6 @@ def test_the_setup_holds_settings_not_the_config():
   for name in settings.SETUP_SECTIONS:
     cls = settings.SECTIONS[name]
     assert getattr(s, name) == settings.from_section(cls, name, c[name]), name
-  assert s.model == settings.model_source(c.model)
   s2 = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, n=2, max_new_tokens=5),
                            data=dataclasses.replace(s.data, overlong_buffer=2))
   assert (s2.geometry.samples, s2.geometry.new_tokens) == (2, 5)

@@ -62,8 +62,7 @@ class Setup:
   and the splits are ``agent_stage.EnvExample``s (the rendered first prompt of each).
   The config's sections arrive as their typed settings (``rollout``, ``train``, ``sft``,
   ``eval``, ``distill``, ``log``, ``optim``, ``loss_extra``, ``reward``, ``data``, ``env``,
-  ``dry_run``: ``settings.SETUP_SECTIONS``; ``model``: the model section beside the
-  architecture, ``settings.ModelSource``); the setup holds no config. ``geometry`` (the
+  ``dry_run``, ``model``: ``settings.SETUP_SECTIONS``); the setup holds no config. ``geometry`` (the
   step's groups, samples per group and chunks), ``schedule`` (how the producer and learner
   are joined) and ``selection`` (how prompts are picked and rewards shaped) are derived from
   them once, and again by ``dataclasses.replace``; every module reads them from here.
@@ -93,7 +92,7 @@ class Setup:
   data: settings.DataSettings
   env: settings.EnvSettings
   dry_run: settings.DryRunSettings
-  model: settings.ModelSource
+  model: settings.ModelSettings  # ModelConfig (model_cfg) is built from these
   chat: Any = None  # multi-turn runs (env.name): the task's chat format (agent_stage)
   teacher_cfg: Any = None  # distill.teacher_path: the teacher's ModelConfig (train.teacher)
   group_fn: Any = None  # reward.group_fn: the group reward function (data.group_rewards)
@@ -312,7 +311,8 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
   cfg = cfg.replace(prefix_attention=m.get("prefix_attention", cfg.prefix_attention))
-  config_lib.check_moe_fields(m, cfg.architecture)  # the checkpoint's architecture
+  settings.from_section(settings.ModelSettings, "model", m).check_moe_fields(
+      cfg.architecture)  # the checkpoint's architecture
   if m.get("moe_capacity_factor"):
     cfg = cfg.replace(moe_capacity_factor=float(m.moe_capacity_factor))
   if m.lora.rank:
@@ -554,4 +554,4 @@ def build_setup(config: ml_collections.ConfigDict,
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos,
                chat=fmt, teacher_cfg=teacher_cfg, group_fn=group_fn, judge=judge,
-               reward_names=reward_names, model=settings.model_source(config.model), **sections)
+               reward_names=reward_names, **sections)

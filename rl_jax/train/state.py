@@ -290,7 +290,7 @@ def init_params(s: Setup) -> dict:
       params = models.hf.own_buffers(params)
   else:
     params = models.init_sharded(s.model_cfg, jax.random.key(s.train.seed), s.mesh,
-                                 s.rules, std=s.model.init_std, lora_init=s.model.lora_init)
+                                 s.rules, std=s.model.init_std, lora_init=s.model.lora.init)
     if loaded is not None:
       params = models.lora.combine(models.lora.split(params)[0], loaded)
   return params
@@ -299,7 +299,7 @@ def init_params(s: Setup) -> dict:
 def _loaded_adapters(s: Setup, shardings) -> dict | None:
   """The adapters of ``model.lora.adapter_path`` (PEFT, checked against the run by
   ``build_setup``) placed straight onto their ``shardings``; None without one."""
-  path = s.model.adapter_path
+  path = s.model.lora.adapter_path
   if not path or not s.model_cfg.lora_rank:
     return None
   host = models.load_hf_adapter(s.model_cfg, path, s.model.hf_path)
@@ -311,7 +311,7 @@ def adapters(s: Setup) -> dict:
   """Fresh adapters of the run (``model.lora``): the ones a random init makes (key
   ``fold_in(key(train.seed), 1)``, ``models.init_params``), for a loaded base too."""
   key = jax.random.fold_in(jax.random.key(s.train.seed), 1)
-  return models.lora.init_adapters(s.model_cfg, key, s.model.lora_init)
+  return models.lora.init_adapters(s.model_cfg, key, s.model.lora.init)
 
 
 def place_replicated(s: Setup, x) -> jax.Array:
