@@ -9,6 +9,8 @@ A config file is a user file that starts from ``base_config()`` and changes what
       config.model.num_layers = 2
       return config
 
+Each section's fields, defaults, checks and docs are declared in ``rl_jax.settings`` (the
+loss knobs in ``rl_jax.losses.KNOBS``); ``base_config`` builds the tree from them.
 Every field can be overridden on the command line (``--config.rollout.n=16``); fields that
 may legitimately be None are typed placeholders, so an override still type-checks
 (``--config.model.hf_path=/ckpt/qwen3-0.6b``, ``--config.loss.m2po_tau=0.04``).

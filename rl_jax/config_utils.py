@@ -345,8 +345,9 @@ usage: python -m rl_jax.train --config=FILE[:ARG] --workdir=DIR [--config.KEY=VA
                         --config.train.steps=10 --config.rollout.temperature=0.7
                         --config.mesh.shape.fsdp=2; an unknown key fails with a hint
 
-Every field, its default and its meaning: rl_jax/config.py (base_config). Multi-process
-jobs run the same command on every process (rl_jax.distributed).
+Every field, its default and its meaning: rl_jax/settings.py (rl_jax/config.py builds the
+config from it). Multi-process jobs run the same command on every process
+(rl_jax.distributed).
 """
 
 HELP_FLAGS = ("-h", "--help", "--helpfull", "-help")
