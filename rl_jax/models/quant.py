@@ -182,6 +182,11 @@ def layer_axes(cfg: ModelConfig, layer: dict) -> dict:
   return out
 
 
+# projection -> logical axes of one layer's weight as stored (``transformer.param_axes``
+# without the layer axis)
+_STORED_AXES = {"q": ("embed", "q_heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
+                "v": ("embed", "kv_heads", "head_dim"), "o": ("q_heads", "head_dim", "embed"),
+                "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 # projection -> logical axes of one layer's weight gathered for its matmul: the FSDP-sharded
 # ``embed`` axis whole, the tensor-parallel axes as they are (``transformer.param_axes``)
 _GATHERED_AXES = {"q": (None, "q_heads", "head_dim"), "k": (None, "kv_heads", "head_dim"),
@@ -189,17 +194,34 @@ _GATHERED_AXES = {"q": (None, "q_heads", "head_dim"), "k": (None, "kv_heads", "h
                   "gate": (None, "mlp"), "up": (None, "mlp"), "down": ("mlp", None)}
 
 
+def _scale_axes(name: str, axes: tuple) -> tuple:
+  """The axes of one layer's scales: ``axes`` with the blocked axis replicated."""
+  a = _BLOCK_AXIS[name] - 1  # the layer axis is gone
+  return (*axes[:a], None, *axes[a + 1:])
+
+
 def gathered(name: str, w):
   """One layer's quantised weight ``w`` of projection ``name`` with its values and scales
   constrained to the layout its matmul reads (``embed`` whole): under FSDP the 8-bit values
   and their scales are all-gathered, and dequantised after, instead of XLA dequantising each
   shard first and gathering the wider dequantised weight. Unchanged outside a mesh, for a
-  plain weight, or for a name without gathered axes."""
+  plain weight, or for a name without gathered axes.
+
+  The values and scales are first pinned to their stored layout (``_STORED_AXES``), so the
+  all-gather happens here, where the layer is used. Without that pin, sharding propagation
+  carries the gathered layout back to where ``w`` was made: in the sampler's decode, the
+  per-layer slices made before the ``while_loop`` (``transformer.unstack_layers``) became
+  gathered loop operands, so every layer's gathered weights were held for the whole loop
+  (Qwen3-32B int4 on 8 chips: 0.23 GiB per layer per chip, 15 GiB for 64 layers) instead
+  of one layer's while it runs."""
   axes = _GATHERED_AXES.get(name)
   if not is_quantized(w) or axes is None or w.qvalue.ndim != len(axes):
     return w
-  return dataclasses.replace(w, qvalue=sharding.constrain(w.qvalue, axes),
-                             scale=sharding.constrain(w.scale, axes))
+  stored = _STORED_AXES[name]
+  qvalue = sharding.constrain(sharding.constrain(w.qvalue, stored), axes)
+  scale = sharding.constrain(sharding.constrain(w.scale, _scale_axes(name, stored)),
+                             _scale_axes(name, axes))
+  return dataclasses.replace(w, qvalue=qvalue, scale=scale)
 
 
 def matmul(spec: str, x: jax.Array, w, dtype) -> jax.Array:
