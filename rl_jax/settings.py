@@ -467,11 +467,12 @@ class DataSettings:
   eval_path: str | None = setting(None, None, "file tasks: held-out file (None: hash split)",
                                   kind=str)
   template: str = setting("{question}", None, "file tasks: prompt template")
-  max_prompt_len: int = setting(64, cu.positive_int, "the longest prompt, in tokens")
+  max_prompt_len: int = setting(64, cu.positive_int,
+                                "the longest prompt allowed, in tokens (a longer one is an error)")
   eval_size: int = setting(128, cu.nonnegative_int, "held-out prompts evaluated")
   reward_timeout_s: float = setting(
       5.0, cu.positive, "seconds per verifier call; a time-out scores 0 and is counted")
-  seed: int = setting(0, None, "the prompt stream's seed")
+  seed: int = setting(0, None, "the seed of a built-in task's examples and of the prompt stream")
   selector: str = setting(
       "none", cu.optional(cu.one_of(SELECTORS)),
       'Prompt selection: "none" | "dapo" (dynamic sampling: keep only groups whose rewards '
@@ -572,8 +573,8 @@ class EnvSettings:
       "size it to the tools' latency in decode steps")
   kv_ttl_steps: int = setting(
       -1, _kv_ttl,
-      "decode steps a group waiting on its environments keeps its KV pages while other "
-      "work waits for them (-1: always)")
+      "decode steps a group waiting on its environments keeps its KV slot while other work "
+      "waits for one (-1: always)")
   workers: int = setting(4, cu.positive_int, "environment threads")
   n_train: int = setting(2000, cu.positive_int, "examples of the task's train split")
   n_eval: int = setting(
@@ -762,7 +763,8 @@ class ModelSettings:
       "config.json", kind=str)
   architecture: str = setting("llama", cu.one_of(model_config_lib.ARCHITECTURES),
                               "one of rl_jax.models.config.ARCHITECTURES")
-  vocab_size: int = setting(256, None, "a random init's vocabulary (the tokenizer's wins)")
+  vocab_size: int = setting(
+      256, None, "kept for config files that set it; a random init takes the tokenizer's size")
   hidden_size: int = setting(64, None, "d_model")
   intermediate_size: int = setting(128, None, "the MLP's width")
   num_layers: int = setting(2, cu.positive_int, "L, decoder layers")
