@@ -56,20 +56,23 @@ class UpdateBatch(NamedTuple):
 
 
 class StepFns(NamedTuple):
-  """The compiled steps of one run (see each ``make_*`` for signatures)."""
+  """The compiled steps of one run, built by ``make_step_fns``; each field names the
+  function that makes it, whose docstring gives its signature and what it computes."""
 
-  sft: Callable
-  rl_update: Callable
-  logprobs: Callable
-  values: Callable
-  grad_sq_norms: Callable
+  sft: Callable  # make_sft_step: one supervised step
+  rl_update: Callable  # make_rl_update: rl_grads then rl_apply, one program per minibatch
+  logprobs: Callable  # make_logprob_fn: the policy's log-probs of the sampled tokens
+  values: Callable  # make_value_fn: the critic's values (PPO)
+  grad_sq_norms: Callable  # make_grad_norm_fn: per-trajectory squared gradient norms (VCPO)
   old_logp_in_update: bool = False  # rl_update takes old_logp from its own policy pass
-  ref_logprobs: Callable | None = None  # the reference's pass when it lives in host memory
+  # make_ref_logprob_fn: the reference's pass when it lives in host memory
+  ref_logprobs: Callable | None = None
   ref_from_policy: bool = False  # LoRA: ref_logprobs takes the policy (runs its base)
-  # the objective's advantage estimator as one program (ObjectiveInputs -> Advantages);
-  # None when the objective has none
+  # make_advantage_fn: the objective's advantage estimator as one program (ObjectiveInputs
+  # -> Advantages); None when the objective has none
   advantages: Callable | None = None
-  # on-policy distillation: the teacher's pass (teacher params first); None without one
+  # make_teacher_logprob_fn: on-policy distillation's teacher pass (teacher params first);
+  # None without one
   teacher_logprobs: Callable | None = None
 
 
