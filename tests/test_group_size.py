@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rl_jax import config as config_lib
-from rl_jax import config_utils, losses, settings, train
+from rl_jax import config_utils, losses, train
 from rl_jax.data import selection
 from rl_jax.errors import ConfigError
 from rl_jax.train import group_size as gs
@@ -19,6 +19,7 @@ from rl_jax.train import selection_stage as ss
 from rl_jax.train import startup
 from rl_jax.train.rollouts import Scored
 from rl_jax.train.state import place_replicated
+from tests import tiny
 from tests.tiny import QUICKSTART, TINY_MODEL, ParityTask
 
 
@@ -34,11 +35,7 @@ def test_mixed_prob_matches_its_definition():
   np.testing.assert_allclose(gs.mixed_prob(2.0, 5.0, np.asarray([2, 6])), mc, atol=3e-3)
 
 
-def _how(c):
-  """(the run's ``Selection``, its geometry) as the setup builds them from ``c``."""
-  data = settings.from_section(settings.DataSettings, "data", c.data)
-  rollout = settings.from_section(settings.RolloutSettings, "rollout", c.rollout)
-  return ss.make_selection(data, c.loss.preset, rollout, c.train.seed), config_lib.geometry(c)
+_how = tiny.selection_of
 
 
 def _value(alpha, beta, k, m):

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from rl_jax import config as base
-from rl_jax import settings
 from rl_jax.data import selection
 from rl_jax.train import selection_stage as ss
 from rl_jax.train.rollouts import Scored
 from rl_jax.train.streams import Stream, seed_for
+from tests import tiny
 
 N, G, M, R = 40, 4, 4, 3
 
@@ -24,11 +24,7 @@ def _config(**data):
   return c
 
 
-def _how(c):
-  """(the run's ``Selection``, its geometry) as the setup builds them from ``c``."""
-  data = settings.from_section(settings.DataSettings, "data", c.data)
-  rollout = settings.from_section(settings.RolloutSettings, "rollout", c.rollout)
-  return ss.make_selection(data, c.loss.preset, rollout, c.train.seed), base.geometry(c)
+_how = tiny.selection_of
 
 
 def _state(c):

@@ -5,7 +5,9 @@ import os
 
 import numpy as np
 
-from rl_jax import config_utils, losses, train
+from rl_jax import config as config_lib
+from rl_jax import config_utils, losses, settings, train
+from rl_jax.train import selection_stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
@@ -26,6 +28,15 @@ def assert_prompts_as_sampled(s, scored) -> None:
   for got, ref in zip((scored.prompts, scored.prompt_lens), want):
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, ref)
+
+
+def selection_of(config):
+  """(the run's ``selection_stage.Selection``, its geometry) as the setup derives them from
+  ``config``."""
+  data = settings.from_section(settings.DataSettings, "data", config.data)
+  rollout = settings.from_section(settings.RolloutSettings, "rollout", config.rollout)
+  how = selection_stage.make_selection(data, config.loss.preset, rollout, config.train.seed)
+  return how, config_lib.geometry(config)
 
 
 def env_with_devices(devices: int) -> dict:
