@@ -172,32 +172,35 @@ def layer_shapes(cfg: ModelConfig, layer: dict) -> dict:
   return out
 
 
+def _replicated(axes: tuple, a: int) -> tuple:
+  """``axes`` with axis ``a`` replicated: the axes of the scales of a weight of ``axes``
+  blocked along ``a``."""
+  return (*axes[:a], None, *axes[a + 1:])
+
+
 def layer_axes(cfg: ModelConfig, layer: dict) -> dict:
   """The layer axis table (``param_axes(cfg)["layers"]``) with each quantised weight's axes
   as ``QArray(qvalue=<W's axes>, scale=<W's axes, the blocked one None>)``."""
   out = dict(layer)
   for t in targets(cfg):
-    axes, a = layer[t], _BLOCK_AXIS[t]
-    out[t] = _qwix().QArray(axes, (*axes[:a], None, *axes[a + 1:]), None, _QTYPES[cfg.quant])
+    axes = layer[t]
+    out[t] = _qwix().QArray(axes, _replicated(axes, _BLOCK_AXIS[t]), None, _QTYPES[cfg.quant])
   return out
 
 
-# projection -> logical axes of one layer's weight as stored (``transformer.param_axes``
-# without the layer axis)
-_STORED_AXES = {"q": ("embed", "q_heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
-                "v": ("embed", "kv_heads", "head_dim"), "o": ("q_heads", "head_dim", "embed"),
-                "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 # projection -> logical axes of one layer's weight gathered for its matmul: the FSDP-sharded
 # ``embed`` axis whole, the tensor-parallel axes as they are (``transformer.param_axes``)
 _GATHERED_AXES = {"q": (None, "q_heads", "head_dim"), "k": (None, "kv_heads", "head_dim"),
                   "v": (None, "kv_heads", "head_dim"), "o": ("q_heads", "head_dim", None),
                   "gate": (None, "mlp"), "up": (None, "mlp"), "down": ("mlp", None)}
+# ... and as stored (``transformer.param_axes`` without the layer axis): ``embed`` sharded
+_STORED_AXES = {t: tuple("embed" if a is None else a for a in axes)
+                for t, axes in _GATHERED_AXES.items()}
 
 
 def _scale_axes(name: str, axes: tuple) -> tuple:
-  """The axes of one layer's scales: ``axes`` with the blocked axis replicated."""
-  a = _BLOCK_AXIS[name] - 1  # the layer axis is gone
-  return (*axes[:a], None, *axes[a + 1:])
+  """The axes of one layer's scales of projection ``name`` given its weight's ``axes``."""
+  return _replicated(axes, _BLOCK_AXIS[name] - 1)  # the layer axis is gone
 
 
 def gathered(name: str, w):

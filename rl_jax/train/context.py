@@ -281,7 +281,7 @@ def _family_fields(m) -> dict:
 
 def _fused_mlp(m) -> bool | str:
   """``model.fused_mlp`` for the ModelConfig: None (the default) is "auto"."""
-  return "auto" if m.get("fused_mlp") is None else bool(m.fused_mlp)
+  return "auto" if m.fused_mlp is None else bool(m.fused_mlp)
 
 
 def _weights_dtype(m) -> str:
@@ -289,12 +289,13 @@ def _weights_dtype(m) -> str:
   ``model.param_dtype`` for a model trained whole; with ``model.lora.rank`` the frozen base's,
   ``model.lora.base_dtype`` or else the compute dtype ``model.dtype``."""
   if m.lora.rank:
-    return m.lora.get("base_dtype") or m.dtype
+    return m.lora.base_dtype or m.dtype
   return m.param_dtype
 
 
-def _model_config(config, tokenizer) -> models.ModelConfig:
-  m = config.model
+def _model_config(m: settings.ModelSettings, tokenizer) -> models.ModelConfig:
+  """The policy's ModelConfig: the model settings ``m`` (or the checkpoint's config.json
+  with ``m.hf_path``) with the run's dtypes, LoRA and quantisation."""
   if m.hf_path:
     cfg = models.read_hf_config(m.hf_path, dtype=m.dtype, param_dtype=_weights_dtype(m),
                                 remat=m.remat, fused_mlp=_fused_mlp(m),
@@ -310,10 +311,9 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
         qkv_bias=m.architecture == "qwen2",
         qk_norm=m.architecture in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, **_family_fields(m))
-  cfg = cfg.replace(prefix_attention=m.get("prefix_attention", cfg.prefix_attention))
-  settings.from_section(settings.ModelSettings, "model", m).check_moe_fields(
-      cfg.architecture)  # the checkpoint's architecture
-  if m.get("moe_capacity_factor"):
+  cfg = cfg.replace(prefix_attention=m.prefix_attention)
+  m.check_moe_fields(cfg.architecture)  # the checkpoint's architecture
+  if m.moe_capacity_factor:
     cfg = cfg.replace(moe_capacity_factor=float(m.moe_capacity_factor))
   if m.lora.rank:
     try:
@@ -322,7 +322,7 @@ def _model_config(config, tokenizer) -> models.ModelConfig:
                         lora_dtype=m.param_dtype)
     except ModelError as e:
       raise ConfigError(f"model.lora: {e}") from None
-    if m.lora.get("adapter_path"):  # its header against the run's LoRA fields and base
+    if m.lora.adapter_path:  # its header against the run's LoRA fields and base
       try:
         models.check_hf_adapter(cfg, m.lora.adapter_path, m.hf_path)
       except ModelError as e:
@@ -530,7 +530,7 @@ def build_setup(config: ml_collections.ConfigDict,
   sections = {name: settings.from_section(settings.SECTIONS[name], name, config[name])
               for name in settings.SETUP_SECTIONS}
   tokenizer, task, train, evals, prompt_len, fmt = _task(sections, config.model.hf_path)
-  model_cfg = _model_config(config, tokenizer)
+  model_cfg = _model_config(sections["model"], tokenizer)
   speculative_stage.check_draft_bytes(config.rollout.speculative, config_lib.geometry(config),
                                       len(train), model_cfg.vocab_size)
   mesh = _mesh(config, j)
