@@ -77,31 +77,9 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       **{key: check for name, cls in settings.SECTIONS.items()
          for key, check in settings.section_checks(name, cls).items()},
       "loss.preset": cu.one_of(losses.PRESETS),
-      "loss.advantage": opt(cu.one_of(losses.ADVANTAGES)),
-      "loss.policy": opt(cu.one_of(losses.POLICIES)),
-      "loss.agg": opt(cu.one_of(losses.AGG_MODES)),
-      "loss.kl_kind": opt(cu.one_of(losses.KL_KINDS)),
-      "loss.tis_level": opt(cu.one_of(losses.TIS_LEVELS)),
-      "loss.mis_level": opt(cu.one_of(losses.MIS_LEVELS)),
-      "loss.mis_mode": opt(cu.one_of(losses.MIS_MODES)),
-      "loss.decoupled_mode": opt(cu.one_of(losses.DECOUPLED_MODES)),
-      "loss.ess_rule": opt(cu.one_of(losses.ESS_RULES)),
-      "loss.eps_low": opt(cu.nonnegative),
-      "loss.eps_high": opt(cu.nonnegative),
-      "loss.kl_beta": opt(cu.nonnegative),
-      "loss.m2po_tau": opt(cu.positive),
-      "loss.decoupled_cap": opt(cu.positive),
-      "loss.tis_cap": opt(cu.positive),
-      # a band around 1: a token or row without mismatch (ratio 1) is always kept
-      "loss.mis_low": opt(cu.in_range(0.0, 1.0, high_inclusive=False)),
-      "loss.mis_high": opt(cu.in_range(1.0, None)),
-      "loss.icepop_beta": opt(cu.in_range(1.0, None, low_inclusive=False)),
-      "loss.icepop_alpha": opt(cu.in_range(0.0, 1.0, low_inclusive=False,
-                                           high_inclusive=False)),
-      "loss.geo_mean_is": opt(cu.one_of((False, True))),
-      "loss.geo_mean_cap": opt(cu.positive),
-      "loss.minpro": opt(cu.one_of((False, True))),
-      "loss.value_coef": opt(cu.nonnegative),
+      # each knob's range is declared with it (losses.KNOBS), as get_objective applies it
+      **{f"loss.{name}": opt(knob.check) for name, knob in losses.KNOBS.items()
+         if knob.check is not None},
   }
 
 

@@ -83,7 +83,7 @@ __all__ = [
     "set_value", "parse_value", "parse_cli", "main_guard", "get_value", "Check", "check",
     "check_choice", "validate",
     "positive_int", "power_of_two", "nonnegative_int", "positive", "nonnegative", "probability",
-    "in_range", "one_of", "optional", "is_int",
+    "in_range", "one_of", "optional", "is_int", "is_number",
 ]
 
 _NONE_WORDS = ("none", "null")

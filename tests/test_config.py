@@ -2,6 +2,7 @@
 field that reaches the objective; allowed values come from the modules that define them."""
 
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +40,37 @@ def test_every_preset_knob_is_settable_from_the_command_line(knob):
   assert isinstance(value, kind), (knob, value)
   base.validate(config)
   context.make_objective(config)  # the knob is accepted by the objective builder
+
+
+# a value each knob's declared range rejects: the config and get_objective say the same
+BAD_KNOB_VALUES = {"eps_low": -0.1, "kl_beta": -1.0, "gamma": 1.5, "mis_low": 1.0,
+                   "mis_high": 0.5, "icepop_beta": 1.0, "icepop_alpha": 1.0, "tis_cap": 0.0,
+                   "agg": "mean", "kl_kind": "k9", "value_clip": 0.0, "ess_rho_base": -2.0}
+
+
+@pytest.mark.parametrize("knob", sorted(BAD_KNOB_VALUES))
+def test_a_knobs_range_is_one_rule_for_the_config_and_get_objective(knob):
+  """Each knob's range is declared with it (losses.KNOBS): the config's loss section and
+  get_objective reject the same value with the same requirement."""
+  bad = BAD_KNOB_VALUES[knob]
+  requirement = losses.KNOBS[knob].problem(bad)
+  assert requirement
+  config = base.base_config()
+  config.loss[knob] = bad
+  with pytest.raises(ConfigError, match=f"config.loss.{knob} {re.escape(requirement)}, got"):
+    base.validate(config)
+  with pytest.raises(ValueError, match=f"option {knob}={re.escape(repr(bad))} "
+                                       f"{re.escape(requirement)}"):
+    losses.get_objective("grpo", **{knob: bad})
+
+
+def test_every_preset_sets_its_knobs_within_their_ranges():
+  for name, knobs in losses.PRESETS.items():
+    for knob, value in {**losses.PRESET_KNOB_DEFAULTS, **knobs}.items():
+      assert losses.KNOBS[knob].problem(value) is None, (name, knob, value)
+  checked = {k for k in base.checks() if k.startswith("loss.")}
+  assert checked == {"loss.preset"} | {f"loss.{k}" for k, knob in losses.KNOBS.items()
+                                       if knob.check is not None and k in LOSS_KNOBS}
 
 
 def test_knobs_reach_the_objective():

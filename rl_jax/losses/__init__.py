@@ -34,8 +34,8 @@ from rl_jax.losses.policy import (DECOUPLED_MODES, MIS_LEVELS, MIS_MODES, RATIO_
                                   m2po_clip_bound, m2po_mask, masked_is_weights,
                                   minpro_weights, ppo_clip_per_token, sequence_log_ratio,
                                   truncated_is_weights, value_loss_per_token)
-from rl_jax.losses.presets import (PRESET_KNOB_DEFAULTS, PRESET_KNOB_TYPES, PRESET_KNOBS,
-                                   PRESETS, get_objective)
+from rl_jax.losses.presets import (KNOBS, PRESET_KNOB_DEFAULTS, PRESET_KNOB_TYPES,
+                                   PRESET_KNOBS, PRESETS, Knob, get_objective)
 from rl_jax.losses.stages import (POLICIES, LossInputs, LossStage, LossTerms, ace, decoupled,
                                   entropy_bonus, ess_metrics, geo_mean_is, gspo_clip, icepop,
                                   kl_term, m2po, m2po_clip_budget, masked_is, minpro,
@@ -78,8 +78,8 @@ __all__ = [
     # aggregation
     "AGG_MODES", "Aggregation", "aggregate", "aggregate_parts", "aggregation",
     # composition and presets
-    "Objective", "chain", "finalize", "PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS",
-    "PRESET_KNOB_TYPES", "get_objective",
+    "Objective", "chain", "finalize", "PRESETS", "KNOBS", "Knob", "PRESET_KNOBS",
+    "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES", "get_objective",
     # VCPO
     "ESS_RULES", "GRAD_NORM_METHODS", "effective_sample_size", "ess_lr_multiplier",
     "ess_ratio_from_sums", "ess_sums", "head_grad_sq_norms", "identity_transform",

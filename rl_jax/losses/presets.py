@@ -3,7 +3,7 @@
 ``get_objective("dapo")``, ``get_objective("grpo", kl_beta=0.0)`` or
 ``get_objective({"name": "gspo", "eps_high": 5e-4})`` (any mapping, e.g. an ml-collections
 ConfigDict). Every preset accepts the same keyword knobs, each declared once in ``KNOBS`` (its
-type, default and meaning; ``PRESET_KNOBS``, ``PRESET_KNOB_DEFAULTS`` and
+type, default, range and meaning; ``PRESET_KNOBS``, ``PRESET_KNOB_DEFAULTS`` and
 ``PRESET_KNOB_TYPES`` are views of it, and ``config.loss`` is built from it); a preset only
 sets different defaults.
 The ``advantage`` and ``policy`` knobs name registry entries (``ADVANTAGES``, ``POLICIES``),
@@ -47,11 +47,16 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
+from rl_jax import value_checks as vc
 from rl_jax.losses import stages as st
 from rl_jax.losses import vcpo as vcpo_lib
-from rl_jax.losses.aggregation import aggregation
+from rl_jax.losses.aggregation import AGG_MODES, aggregation
 from rl_jax.losses.compose import Objective, chain
-from rl_jax.losses.estimators import make_advantage, with_distillation
+from rl_jax.losses.estimators import ADVANTAGES, make_advantage, with_distillation
+from rl_jax.losses.kl import KL_KINDS
+from rl_jax.losses.policy import DECOUPLED_MODES, MIS_LEVELS, MIS_MODES, TIS_LEVELS
+from rl_jax.losses.stages import POLICIES
+from rl_jax.losses.vcpo import ESS_RULES
 
 __all__ = ["Knob", "KNOBS", "PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "PRESET_KNOB_TYPES",
            "get_objective"]
@@ -60,54 +65,78 @@ __all__ = ["Knob", "KNOBS", "PRESETS", "PRESET_KNOBS", "PRESET_KNOB_DEFAULTS", "
 class Knob(NamedTuple):
   """One knob of the objectives: the python ``kind`` of a command-line override (a knob whose
   default is None takes that kind or None; ``dual_clip`` also accepts True, meaning c = 3),
-  its ``default`` and what it ``means``."""
+  its ``default``, what it ``means`` and the ``check`` of a value other than None
+  (``rl_jax.value_checks``; None: any value of its kind). The config's ``loss`` section and
+  ``get_objective`` both apply the check."""
 
   kind: type
   default: Any
   means: str
+  check: vc.Check | None = None
+
+  def problem(self, value: Any) -> str | None:
+    """None if ``value`` is allowed, else the requirement it violates."""
+    return None if value is None or self.check is None else self.check(value)
 
 
-# every knob, declared once: the defaults every preset starts from and their types
+_BOOL = vc.one_of((False, True))
+# a band around 1: a token or row without mismatch (ratio 1) is always kept
+_BELOW_ONE = vc.in_range(0.0, 1.0, high_inclusive=False)
+_ABOVE_ONE = vc.in_range(1.0, None)
+
+# every knob, declared once: the defaults every preset starts from, their types and ranges
 KNOBS: Mapping[str, Knob] = MappingProxyType(dict(
-    advantage=Knob(str, "grpo", "one of ADVANTAGES (estimators.py), or a registered name"),
-    adv_eps=Knob(float, 1e-6, "GRPO std epsilon"),
-    adv_kl_beta=Knob(float, 0.01, "REINFORCE++: KL coefficient folded into the reward"),
-    gamma=Knob(float, 1.0, "GAE / REINFORCE++ discount"),
-    lam=Knob(float, 1.0, "GAE / REINFORCE++ lambda"),
+    advantage=Knob(str, "grpo", "one of ADVANTAGES (estimators.py), or a registered name",
+                   vc.one_of(ADVANTAGES)),
+    adv_eps=Knob(float, 1e-6, "GRPO std epsilon", vc.nonnegative),
+    adv_kl_beta=Knob(float, 0.01, "REINFORCE++: KL coefficient folded into the reward",
+                     vc.nonnegative),
+    gamma=Knob(float, 1.0, "GAE / REINFORCE++ discount", vc.probability),
+    lam=Knob(float, 1.0, "GAE / REINFORCE++ lambda", vc.probability),
     gdpo_weights=Knob(tuple, None, "GDPO component weights, one per reward component"),
-    opob_tis_cap=Knob(float, None, "VCPO compatibility switch: W also times min(w, 8)^2"),
-    gigpo_omega=Knob(float, 1.0, "GiGPO: weight omega of the step-level advantage"),
-    gigpo_gamma=Knob(float, 0.95, "GiGPO: discount of the per-turn return-to-go"),
-    gigpo_std=Knob(bool, True, "GiGPO: divide both levels by the group std (False: centre only)"),
-    policy=Knob(str, "ppo_clip", "one of POLICIES (stages.py), or a registered name"),
-    eps_low=Knob(float, 0.2, "epsilon_low of the clip range"),
-    eps_high=Knob(float, 0.2, "epsilon_high of the clip range"),
+    opob_tis_cap=Knob(float, None, "VCPO compatibility switch: W also times min(w, 8)^2",
+                      vc.positive),
+    gigpo_omega=Knob(float, 1.0, "GiGPO: weight omega of the step-level advantage",
+                     vc.nonnegative),
+    gigpo_gamma=Knob(float, 0.95, "GiGPO: discount of the per-turn return-to-go",
+                     vc.probability),
+    gigpo_std=Knob(bool, True, "GiGPO: divide both levels by the group std (False: centre only)",
+                   _BOOL),
+    policy=Knob(str, "ppo_clip", "one of POLICIES (stages.py), or a registered name",
+                vc.one_of(POLICIES)),
+    eps_low=Knob(float, 0.2, "epsilon_low of the clip range", vc.nonnegative),
+    eps_high=Knob(float, 0.2, "epsilon_high of the clip range", vc.nonnegative),
     dual_clip=Knob(float, None, "dual-clip bound c (True -> 3)"),
-    kl_beta=Knob(float, 0.0, "beta of the KL loss term (0 = off)"),
-    kl_kind=Knob(str, "k3", "estimator of the KL loss term (KL_KINDS)"),
-    entropy_coef=Knob(float, 0.0, "entropy bonus coefficient (0 = off)"),
-    tis_level=Knob(str, None, "None or one of TIS_LEVELS: truncated IS vs the sampler"),
-    tis_cap=Knob(float, 2.0, "C of truncated IS (None = untruncated)"),
-    mis_level=Knob(str, None, "None or one of MIS_LEVELS: masked IS (reject outside the band)"),
-    mis_low=Knob(float, None, "MIS band's lower end of the ratio (None = open)"),
-    mis_high=Knob(float, 2.0, "MIS band's upper end of the ratio (None = open)"),
-    mis_mode=Knob(str, "weight", 'one of MIS_MODES: kept rows weighted by rho, or by 1 ("mask")'),
-    icepop_beta=Knob(float, None, "IcePop band upper bound beta > 1 (None = off)"),
-    icepop_alpha=Knob(float, None, "IcePop lower bound alpha in (0, 1) (None = 1 / beta)"),
-    geo_mean_is=Knob(bool, False, "geometric-mean sequence IS weight"),
-    geo_mean_cap=Knob(float, None, "its truncation C (None = untruncated)"),
-    minpro=Knob(bool, False, "MinPRO minimum-prefix-ratio weight"),
-    decoupled_cap=Knob(float, None, "AReaL behaviour-weight cap (None = off)"),
-    decoupled_mode=Knob(str, "mask", "one of DECOUPLED_MODES"),
-    m2po_tau=Knob(float, None, "M2PO second-moment threshold tau (None = off)"),
+    kl_beta=Knob(float, 0.0, "beta of the KL loss term (0 = off)", vc.nonnegative),
+    kl_kind=Knob(str, "k3", "estimator of the KL loss term (KL_KINDS)", vc.one_of(KL_KINDS)),
+    entropy_coef=Knob(float, 0.0, "entropy bonus coefficient (0 = off)", vc.nonnegative),
+    tis_level=Knob(str, None, "None or one of TIS_LEVELS: truncated IS vs the sampler",
+                   vc.one_of(TIS_LEVELS)),
+    tis_cap=Knob(float, 2.0, "C of truncated IS (None = untruncated)", vc.positive),
+    mis_level=Knob(str, None, "None or one of MIS_LEVELS: masked IS (reject outside the band)",
+                   vc.one_of(MIS_LEVELS)),
+    mis_low=Knob(float, None, "MIS band's lower end of the ratio (None = open)", _BELOW_ONE),
+    mis_high=Knob(float, 2.0, "MIS band's upper end of the ratio (None = open)", _ABOVE_ONE),
+    mis_mode=Knob(str, "weight", 'one of MIS_MODES: kept rows weighted by rho, or by 1 ("mask")',
+                  vc.one_of(MIS_MODES)),
+    icepop_beta=Knob(float, None, "IcePop band upper bound beta > 1 (None = off)",
+                     vc.in_range(1.0, None, low_inclusive=False)),
+    icepop_alpha=Knob(float, None, "IcePop lower bound alpha in (0, 1) (None = 1 / beta)",
+                      vc.in_range(0.0, 1.0, low_inclusive=False, high_inclusive=False)),
+    geo_mean_is=Knob(bool, False, "geometric-mean sequence IS weight", _BOOL),
+    geo_mean_cap=Knob(float, None, "its truncation C (None = untruncated)", vc.positive),
+    minpro=Knob(bool, False, "MinPRO minimum-prefix-ratio weight", _BOOL),
+    decoupled_cap=Knob(float, None, "AReaL behaviour-weight cap (None = off)", vc.positive),
+    decoupled_mode=Knob(str, "mask", "one of DECOUPLED_MODES", vc.one_of(DECOUPLED_MODES)),
+    m2po_tau=Knob(float, None, "M2PO second-moment threshold tau (None = off)", vc.positive),
     ace_alpha=Knob(float, None, "ACE strength (None = off)"),
-    value_coef=Knob(float, 0.0, "PPO value loss coefficient"),
-    value_clip=Knob(float, 0.2, "PPO value loss clip"),
-    agg=Knob(str, "token-mean", "aggregation mode (AGG_MODES)"),
-    agg_norm=Knob(float, None, "C of ...-token-sum-norm"),
-    ess_scaling=Knob(bool, False, "VCPO ESS learning-rate multiplier"),
-    ess_rho_base=Knob(float, 1.0, "its base rho"),
-    ess_rule=Knob(str, "sqrt", "its rule (ESS_RULES)"),
+    value_coef=Knob(float, 0.0, "PPO value loss coefficient", vc.nonnegative),
+    value_clip=Knob(float, 0.2, "PPO value loss clip", vc.positive),
+    agg=Knob(str, "token-mean", "aggregation mode (AGG_MODES)", vc.one_of(AGG_MODES)),
+    agg_norm=Knob(float, None, "C of ...-token-sum-norm", vc.positive),
+    ess_scaling=Knob(bool, False, "VCPO ESS learning-rate multiplier", _BOOL),
+    ess_rho_base=Knob(float, 1.0, "its base rho", vc.positive),
+    ess_rule=Knob(str, "sqrt", "its rule (ESS_RULES)", vc.one_of(ESS_RULES)),
     distill_coef=Knob(float, None, "on-policy distillation: weight of the reverse-KL advantage"),
 ))
 _BASE = {name: knob.default for name, knob in KNOBS.items()}
@@ -142,6 +171,10 @@ def _objective(name: str, knobs: Mapping[str, Any]) -> Objective:
   unknown = sorted(set(knobs) - set(_BASE))
   if unknown:
     raise ValueError(f"unknown objective option(s) {unknown}; valid: {sorted(_BASE)}")
+  for key, value in knobs.items():
+    problem = KNOBS[key].problem(value)
+    if problem:
+      raise ValueError(f"objective option {key}={value!r} {problem}")
   k = {**_BASE, **knobs}
   est = make_advantage(k["advantage"], k)
   if k["distill_coef"] is not None and k["advantage"] != "distill":
