@@ -214,7 +214,7 @@ def apply_update(t: TrainParts, state: TrainState, batch: UpdateBatch) -> tuple[
   for order in pass_orders(tr.seed, step, batch.tokens.shape[0], tr.epochs):
     mets_all = []
     for mb in _minibatches(t, batch, tr.minibatches, order):
-      *carry, mets = t.steps.rl_update(*carry, mb)  # steps.make_rl_update's program
+      *carry, mets = t.steps.rl_update(*carry, mb)  # steps.rl_update, compiled
       mets_all.append(jax.device_get(mets))
     passes.append({k: float(np.mean([m[k] for m in mets_all])) for k in mets_all[0]})
   state = state._replace(params=carry[0], opt_state=carry[1], value_params=carry[2],

@@ -32,7 +32,7 @@ from rl_jax.train.streams import Stream, seed_for
 
 __all__ = ["UpdateBatch", "StepFns", "make_step_fns", "finite_update", "make_sft_step",
            "make_logprob_fn", "make_ref_logprob_fn", "make_teacher_logprob_fn", "make_value_fn",
-           "make_rl_update",
+           "make_rl_update", "rl_update",
            "rl_grads", "rl_apply", "make_grad_norm_fn", "make_advantage_fn", "rounding_key",
            "routing_mismatch"]
 
@@ -60,7 +60,7 @@ class StepFns(NamedTuple):
   function that makes it, whose docstring gives its signature and what it computes."""
 
   sft: Callable  # make_sft_step: one supervised step
-  rl_update: Callable  # make_rl_update: rl_grads then rl_apply, one program per minibatch
+  rl_update: Callable  # make_rl_update: rl_update (rl_grads, rl_apply) compiled, per minibatch
   logprobs: Callable  # make_logprob_fn: the policy's log-probs of the sampled tokens
   values: Callable  # make_value_fn: the critic's values (PPO)
   grad_sq_norms: Callable  # make_grad_norm_fn: per-trajectory squared gradient norms (VCPO)
@@ -426,10 +426,21 @@ def rl_apply(s: Setup) -> Callable:
   return apply
 
 
+def rl_update(grads_fn: Callable, apply: Callable, params, opt_state, value_params,
+              value_opt_state, b: UpdateBatch):
+  """The RL update of one minibatch ``b``: ``grads_fn`` (``rl_grads``, accumulated over
+  micro-batches) gives the loss, metrics and the policy's and critic's gradients, then
+  ``apply`` (``rl_apply``) steps both optimizers. Returns (params, opt_state, value_params,
+  value_opt_state, metrics). ``make_rl_update`` compiles it for the run's mesh."""
+  loss, _, mets, grads, vgrads = grads_fn(params, value_params, b)
+  return apply(params, opt_state, value_params, value_opt_state, grads, vgrads, loss, mets)
+
+
 def make_rl_update(s: Setup, layout: Layout) -> Callable:
-  """``update(params, opt_state, value_params, value_opt_state, batch: UpdateBatch)`` ->
-  the four updated and a metrics dict; one optimizer step on one minibatch of groups
-  (``rl_grads`` then ``rl_apply``, compiled as one program).
+  """``rl_update`` compiled for the run:
+  ``update(params, opt_state, value_params, value_opt_state, batch: UpdateBatch)`` -> the
+  four updated and a metrics dict; one optimizer step on one minibatch of groups
+  (``rl_grads`` then ``rl_apply``, one program).
 
   The objective's loss runs over the flattened rows (``losses.loss_batch``); the critic is
   updated alongside when the objective reads values, and the policy pass also returns the
@@ -444,13 +455,8 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
   ``train.micro_batches`` = k > 1: the gradients are those of k micro-batches of the groups,
   one after another, combined by their loss denominators (``train.accumulate``).
   """
-  grads_fn = accumulate.accumulated(rl_grads(s), _micro(s))
-  apply = rl_apply(s)
-
-  def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
-    loss, _, mets, grads, vgrads = grads_fn(params, value_params, b)
-    return apply(params, opt_state, value_params, value_opt_state, grads, vgrads, loss, mets)
-
+  update = functools.partial(rl_update, accumulate.accumulated(rl_grads(s), _micro(s)),
+                             rl_apply(s))
   st = layout.state
   weights = (st.params, st.opt_state, st.value_params, st.value_opt_state)
   rows = layout.rows(_groups(s) // s.train.minibatches)
