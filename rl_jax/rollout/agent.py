@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import itertools
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -72,9 +71,9 @@ from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, admi
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
+from rl_jax.rollout.held import HeldGroups, lag_stats
 from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
-                                    fixed_pool_pages, in_flight_budget, pow2,
-                                    sampling_params)
+                                    fixed_pool_pages, pow2, sampling_params)
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 
@@ -214,12 +213,20 @@ class AgentEngine:
     self.admit_fn = prefill.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
                                       prefill_chunk)
     self.pool = EnvPool(int(workers), step_timeout)
-    self._uids = itertools.count()
     self.over_sampling = float(over_sampling)
     self.max_staleness = None if max_staleness is None else int(max_staleness)
-    self.buffer: collections.deque[Group] = collections.deque()  # held unfinished groups
-    self._ready: collections.deque[Group] = collections.deque()  # complete beyond K
+    self.held = HeldGroups()  # complete extras, the buffer, the uid counter
     self.live: dict[int, Group] = {}  # every group not yet returned, by uid
+
+  @property
+  def ready(self) -> tuple[Group, ...]:
+    """Complete groups beyond K from the previous call; returned first at the next call."""
+    return tuple(self.held.ready)
+
+  @property
+  def buffer(self) -> collections.deque[Group]:
+    """Unfinished groups (FIFO), resumed first at the next call."""
+    return self.held.buffer
 
   # ---------------------------------------------------------------- requests
   def prepare_params(self, params):
@@ -248,7 +255,7 @@ class AgentEngine:
     """``new_group`` of each (spec, uid); uids None are drawn in order. Environments whose
     class sets ``concurrent_reset`` (an agent session waits in ``reset`` for its first
     request) are reset in threads, all at once."""
-    uids = [next(self._uids) if u is None else int(u) for u in uids]
+    uids = [self.held.new_uid() if u is None else int(u) for u in uids]
     jobs = [(spec, uid, m, spec.make_env()) for spec, uid in zip(specs, uids)
             for m in range(self.M)]
 
@@ -358,40 +365,29 @@ class AgentEngine:
     check_int("k_groups", k_groups, 1)
     params = self.prepare_params(params)
     it = iter(episodes)
-    restarted = self._enforce_staleness(policy_version)
-    result = []
-    while self._ready and len(result) < k_groups:
-      result.append(self._ready.popleft())
-    need = k_groups - len(result)
-    in_flight = in_flight_budget(k_groups, len(result), self.over_sampling, self.max_staleness)
-    submit = []
-    while self.buffer and len(submit) < in_flight:
-      submit.append(self.buffer.popleft())
-    while len(submit) < in_flight:
+    restarted = self.held.enforce_staleness(policy_version, self.max_staleness,
+                                            self._restart_stale)
+
+    def new():
       spec = next(it, None)
       if spec is None:
-        break
+        return None
       grp = self.new_group(spec)
       self.live[grp.uid] = grp
-      submit.append(grp)
+      return grp
+
+    result, submit, need = self.held.serve(k_groups, self.over_sampling, self.max_staleness, new)
     loop = Loop(self, params, policy_version)
     if submit:
       complete, unfinished = loop.run(submit, min_complete=need)
-      result += complete[:need]
-      self._ready.extend(complete[need:])
-      for grp in unfinished:
-        grp.resumed += 1
-      self.buffer.extendleft(reversed(unfinished))
+      self.held.settle(result, complete, unfinished, need)
     for grp in result:
       self.live.pop(grp.uid, None)
     out = loop.result(result)
-    lag = np.where(out.model_mask, policy_version - out.versions, 0)
-    stale = (out.versions < policy_version) & out.model_mask
     out.stats.update(held_groups=len(self.buffer), buffer_size=len(self.buffer),
                      restarted_samples=restarted,
                      resumed_groups=sum(1 for g in result if g.resumed),
-                     max_token_lag=int(lag.max(initial=0)),
-                     off_policy_token_fraction=float(stale.sum() / max(out.model_mask.sum(), 1)))
+                     **lag_stats(out.versions, out.model_mask, policy_version))
     return out
 
   def _restart(self, grp, m: int) -> None:
@@ -402,20 +398,14 @@ class AgentEngine:
     grp.status[m], grp.chunk[m], grp.cut[m], grp.evicted[m] = RUN, None, False, False
     grp.epoch[m] += 1  # a step still running for the old episode is discarded
 
-  def _enforce_staleness(self, policy_version: int) -> int:
-    """Restart held samples holding a model token older than ``policy_version − η``."""
-    if self.max_staleness is None:
-      return 0
-    oldest, restarted = policy_version - self.max_staleness, 0
-    for grp in list(self.buffer) + list(self._ready):
-      for m, t in enumerate(grp.trajs):
-        old = [v for v, model in zip(t.versions, t.model) if model and v < oldest]
-        if old:
-          self._restart(grp, m)
-          restarted += 1
-    stale = [g for g in self._ready if not g.done]
-    self._ready = collections.deque(g for g in self._ready if g.done)
-    self.buffer.extendleft(reversed(stale))
+  def _restart_stale(self, grp, oldest: int) -> int:
+    """Restart the samples of ``grp`` holding a model token of a version below ``oldest``;
+    how many (the staleness bound's restart, ``HeldGroups.enforce_staleness``)."""
+    restarted = 0
+    for m, t in enumerate(grp.trajs):
+      if any(model and v < oldest for v, model in zip(t.versions, t.model)):
+        self._restart(grp, m)
+        restarted += 1
     return restarted
 
   # ---------------------------------------------------------------- checkpoints
@@ -442,7 +432,7 @@ class AgentEngine:
     if self.deterministic:
       self.pool.wait_all()
     poll_outcomes(self)
-    held = [(g, True) for g in self._ready] + [(g, False) for g in self.buffer]
+    held = self.held.held()
     if len(held) > capacity:
       raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
     C, M, R, U = capacity, self.M, self.R, self.max_turns
@@ -476,7 +466,7 @@ class AgentEngine:
         d["finish"][h, m] = _FINISH.index(t.finish or "")
         for k in _COUNTERS:
           d[k][h, m] = getattr(t, k)
-    d["next_uid"] = np.int32(self._next_uid())
+    d["next_uid"] = np.int32(self.held.next_uid())
     return d
 
   def import_held(self, d, spec_of: Callable[[Any], EpisodeSpec]) -> None:
@@ -490,8 +480,7 @@ class AgentEngine:
     """
     self.pool.drop()
     self.live.clear()
-    self._ready.clear()
-    self.buffer.clear()
+    held = []
     for h in np.flatnonzero(np.asarray(d["valid"])):
       meta = int(d["meta"][h])
       spec = spec_of(None if meta < 0 else meta)
@@ -502,8 +491,8 @@ class AgentEngine:
       for m in range(self.M):
         self._replay(grp, m, d, h, self._actions(d, h, m))
       self.live[grp.uid] = grp
-      (self._ready if d["ready"][h] else self.buffer).append(grp)
-    self._uids = itertools.count(int(d["next_uid"]))
+      held.append((grp, bool(d["ready"][h])))
+    self.held.replace(held, int(d["next_uid"]))
 
   def _actions(self, d, h: int, m: int) -> list[str]:
     """The actions of sample m of row h: each ended turn's model tokens, decoded without
@@ -516,12 +505,6 @@ class AgentEngine:
       ids = tokens[model & (turn == u)].tolist()
       out.append(self.detokenize(ids[:-1] if ids and ids[-1] in self.stop else ids))
     return out
-
-  def _next_uid(self) -> int:
-    """The uid the next new group gets (without consuming it)."""
-    nxt = next(self._uids)
-    self._uids = itertools.count(nxt)
-    return nxt
 
   def _replay(self, grp, m: int, d, h: int, actions) -> None:
     """Restore sample m's record from row h and replay its actions on its environment."""

@@ -2,7 +2,8 @@
 
 The engine drives the jitted pieces in ``rl_jax.rollout.sampler`` from Python (records and
 argument checks in ``records``, slot bookkeeping in ``slots``; this module is the scheduling
-loop and the held groups with their checkpoint arrays):
+loop and the held groups' checkpoint arrays; the held groups themselves, the staleness bound
+and the uid counter are ``held.HeldGroups``, shared with the multi-turn engine):
 
 * Slots. A fixed number of group slots (``max_slots``), each holding one prompt's prefix
   K/V once and its ``n`` samples' own response K/V (``prompt_once=True``), or one sample per
@@ -48,10 +49,11 @@ import numpy as np
 from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, sampler, slots
+from rl_jax.rollout.held import HeldGroups, lag_stats
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble, check_int, check_power_of_two,
-                                    check_prompt, fixed_pool_pages, in_flight_budget, pow2,
+                                    check_prompt, fixed_pool_pages, pow2,
                                     sampling_params)
 
 __all__ = ["APRIL_STATS", "ENGINE_STATS", "FORK_STATS", "PAGE_STATS", "RolloutEngine",
@@ -177,9 +179,7 @@ class RolloutEngine:
     # ``train.cpu_fast_compile`` is on (the decode loop keeps XLA's defaults: compile_options)
     self.admit_fn = sampler.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
                                       prefill_chunk)
-    self.buffer: collections.deque[GroupRequest] = collections.deque()
-    self._ready: collections.deque[GroupRequest] = collections.deque()
-    self._uids = itertools.count()
+    self.held = HeldGroups()  # complete extras, the buffer, the uid counter
     self._target = self._sync = None  # sampler parameter layout, jitted cast + reshard
     self._programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
     self._identity = False  # the current state's table is the identity (``_init_state``)
@@ -187,7 +187,12 @@ class RolloutEngine:
   @property
   def ready(self) -> tuple[GroupRequest, ...]:
     """Complete groups beyond k_groups from the previous call; returned first at the next call."""
-    return tuple(self._ready)
+    return tuple(self.held.ready)
+
+  @property
+  def buffer(self) -> collections.deque[GroupRequest]:
+    """Unfinished groups (FIFO), resumed first at the next call."""
+    return self.held.buffer
 
   # ---------------------------------------------------------------- parameters
   def prepare_params(self, params):
@@ -231,7 +236,7 @@ class RolloutEngine:
     if len(ids) > self.max_prompt_len:
       raise RolloutError(f"prompt {index} has {len(ids)} tokens, more than max_prompt_len="
                          f"{self.max_prompt_len}")
-    return GroupRequest(next(self._uids), ids, [Sample() for _ in range(self.n)], meta=meta)
+    return GroupRequest(self.held.new_uid(), ids, [Sample() for _ in range(self.n)], meta=meta)
 
   # ---------------------------------------------------------------- continuous batching
   def run(self, params, requests: Sequence[GroupRequest], *, policy_version: int = 0,
@@ -509,41 +514,25 @@ class RolloutEngine:
     check_int("k_groups", k_groups, 1)
     params = self.prepare_params(params)
     it: Iterator = iter(prompts)
-    restarted = self._enforce_staleness(policy_version)
-    result: list[GroupRequest] = []
-    while self._ready and len(result) < k_groups:
-      result.append(self._ready.popleft())
-    need = k_groups - len(result)
-    in_flight = in_flight_budget(k_groups, len(result), self.over_sampling, self.max_staleness)
-    submit: list[GroupRequest] = []
-    while self.buffer and len(submit) < in_flight:
-      submit.append(self.buffer.popleft())
-    index = 0
-    while len(submit) < in_flight:
+    restarted = self.held.enforce_staleness(policy_version, self.max_staleness, _restart)
+    index = itertools.count()
+
+    def new():
       prompt = next(it, None)
-      if prompt is None:
-        break
-      submit.append(self.new_request(prompt, index))
-      index += 1
+      return None if prompt is None else self.new_request(prompt, next(index))
+
+    result, submit, need = self.held.serve(k_groups, self.over_sampling, self.max_staleness, new)
     aborted = 0
     if submit:
       complete, unfinished = self.run(params, submit, policy_version=policy_version,
                                       min_complete=need)
-      result.extend(complete[:need])
-      self._ready.extend(complete[need:])
-      for req in unfinished:
-        if req.started:
-          req.resumed += 1
-          aborted += 1
-      self.buffer.extendleft(reversed(unfinished))
+      aborted = self.held.settle(result, complete, unfinished, need,
+                                 started=lambda req: req.started)
     out = assemble(result, self.max_new_tokens)
-    toks = out.mask.sum()
-    stale = (out.versions < policy_version) & out.mask
-    lag = np.where(out.mask, policy_version - out.versions, 0)
     out.stats.update(aborted_groups=aborted, buffer_size=len(self.buffer),
-                     restarted_samples=restarted, max_token_lag=int(lag.max(initial=0)),
+                     restarted_samples=restarted,
                      resumed_groups=sum(1 for r in result if r.resumed),
-                     off_policy_token_fraction=float(stale.sum() / max(toks, 1)),
+                     **lag_stats(out.versions, out.mask, policy_version),
                      kv_bytes=kv_bytes(self, self.G), **self.page_stats())
     return out
 
@@ -563,7 +552,7 @@ class RolloutEngine:
       next_uid int32 []; mixture-of-experts models also routing int32 [capacity,M,R,Y,X]
       (``Sample.routing``, -1 where none was recorded).
     """
-    held = [(r, True) for r in self._ready] + [(r, False) for r in self.buffer]
+    held = self.held.held()
     if len(held) > capacity:
       raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
     cap, n, R = capacity, self.n, self.max_new_tokens
@@ -589,14 +578,13 @@ class RolloutEngine:
           d["reason"][h, i] = REASON_CODES[smp.finish_reason]
         if "routing" in d and smp.routing is not None:
           d["routing"][h, i, :t] = smp.routing
-    d["next_uid"] = np.int32(self._next_uid())
+    d["next_uid"] = np.int32(self.held.next_uid())
     return d
 
   def import_held(self, d) -> None:
     """Replace the held groups and the uid counter with ``export_held``'s arrays."""
     d = {k: np.asarray(v) for k, v in d.items()}
-    self._ready.clear()
-    self.buffer.clear()
+    held = []
     for h in np.flatnonzero(d["valid"]):
       samples = []
       for i in range(self.n):
@@ -609,34 +597,20 @@ class RolloutEngine:
       meta = int(d["meta"][h])
       req = GroupRequest(int(d["uid"][h]), d["prompt"][h, :int(d["prompt_len"][h])].tolist(),
                          samples, int(d["resumed"][h]), None if meta < 0 else meta)
-      (self._ready if d["ready"][h] else self.buffer).append(req)
-    self._uids = itertools.count(int(d["next_uid"]))
+      held.append((req, bool(d["ready"][h])))
+    self.held.replace(held, int(d["next_uid"]))
 
-  def _next_uid(self) -> int:
-    """The uid the next new request gets (without consuming it)."""
-    nxt = next(self._uids)
-    self._uids = itertools.count(nxt)
-    return nxt
 
-  def _enforce_staleness(self, policy_version: int) -> int:
-    """Restart held samples with a token older than ``policy_version − η``; returns how many.
-
-    Complete groups held from the previous call that hold such a sample go back to the
-    front of the buffer.
-    """
-    if self.max_staleness is None:
-      return 0
-    oldest = policy_version - self.max_staleness
-    restarted = 0
-    for req in list(self.buffer) + list(self._ready):
-      for i, smp in enumerate(req.samples):
-        if smp.versions and min(smp.versions) < oldest:
-          req.samples[i] = Sample()
-          restarted += 1
-    stale = [r for r in self._ready if not r.done]
-    self._ready = collections.deque(r for r in self._ready if r.done)
-    self.buffer.extendleft(reversed(stale))
-    return restarted
+def _restart(req: GroupRequest, oldest: int) -> int:
+  """Drop the samples of ``req`` holding a token of a version below ``oldest`` (they start
+  over from the prompt); how many were dropped. The staleness bound's restart
+  (``HeldGroups.enforce_staleness``)."""
+  restarted = 0
+  for i, smp in enumerate(req.samples):
+    if smp.versions and min(smp.versions) < oldest:
+      req.samples[i] = Sample()
+      restarted += 1
+  return restarted
 
 
 def kv_bytes(engine: RolloutEngine, groups: int) -> int:

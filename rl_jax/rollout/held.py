@@ -1,0 +1,134 @@
+"""Held groups: what a rollout engine keeps between ``rollout_groups`` calls, one home for
+the single-turn engine (``engine.RolloutEngine``) and the multi-turn one (``agent.AgentEngine``).
+
+APRIL returns exactly K complete groups per call and keeps the rest: ``ready``, the complete
+groups beyond K (served first at the next call), and ``buffer``, the unfinished groups (FIFO,
+served next, each resumed from its partial samples). AReaL's staleness bound η caps the groups
+in flight at ``(η+1)·K`` (``records.in_flight_budget``) and restarts a held sample that holds a
+token sampled more than η versions before the current policy. The uid counter numbers new
+groups; uids seed every token's uniforms, so a resumed run continues the count
+(``next_uid``, ``replace``).
+
+A group is the engine's record (``records.GroupRequest`` or ``agent_loop.Group``: anything
+with ``done`` and ``resumed``), and restarting one of its samples is the engine's too (a
+single-turn sample drops its tokens; a multi-turn one also resets its environment); the
+serving order, the bound, the lag counters and the uid counter are here.
+
+References: Zhou et al. 2025, "APRIL: Active Partial Rollouts in Reinforcement Learning to
+Tame Long-tail Generation"; Fu et al. 2025, "AReaL" (staleness-bounded admission).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from rl_jax.rollout.records import in_flight_budget
+
+__all__ = ["HeldGroups", "lag_stats"]
+
+
+class HeldGroups:
+  """The held groups of one engine: ``ready`` and ``buffer`` (deques of group records) and
+  the uid counter."""
+
+  def __init__(self):
+    self.ready: collections.deque = collections.deque()  # complete beyond K
+    self.buffer: collections.deque = collections.deque()  # unfinished, FIFO
+    self._uids = itertools.count()
+
+  def new_uid(self) -> int:
+    """The uid of a new group (consumed)."""
+    return next(self._uids)
+
+  def next_uid(self) -> int:
+    """The uid the next new group gets (not consumed)."""
+    nxt = next(self._uids)
+    self._uids = itertools.count(nxt)
+    return nxt
+
+  def held(self) -> list[tuple[Any, bool]]:
+    """Every held group with whether it is complete: ``ready`` first, then ``buffer``, the
+    order a checkpoint writes them in."""
+    return [(g, True) for g in self.ready] + [(g, False) for g in self.buffer]
+
+  def replace(self, held: Iterable[tuple[Any, bool]], next_uid: int) -> None:
+    """Hold exactly ``held`` ((group, complete) pairs, in ``held()``'s order) and continue
+    the uid count at ``next_uid``: a checkpoint's held groups restored."""
+    self.ready.clear()
+    self.buffer.clear()
+    for g, complete in held:
+      (self.ready if complete else self.buffer).append(g)
+    self._uids = itertools.count(int(next_uid))
+
+  def serve(self, k_groups: int, over_sampling: float, max_staleness: int | None,
+            new: Callable[[], Any]) -> tuple[list, list, int]:
+    """One call's groups, in APRIL's serving order.
+
+    Args:
+      k_groups: K, the complete groups the call returns. over_sampling, max_staleness: the
+        engine's (``in_flight_budget``). new: the next new group, or None when the source
+        has run out (called only while the in-flight budget has room).
+    Returns:
+      (result: up to K complete groups from ``ready``, submit: the groups to run, buffer
+      first, then new ones, need: the complete groups the run must still give).
+    """
+    result = []
+    while self.ready and len(result) < k_groups:
+      result.append(self.ready.popleft())
+    in_flight = in_flight_budget(k_groups, len(result), over_sampling, max_staleness)
+    submit = []
+    while self.buffer and len(submit) < in_flight:
+      submit.append(self.buffer.popleft())
+    while len(submit) < in_flight:
+      g = new()
+      if g is None:
+        break
+      submit.append(g)
+    return result, submit, k_groups - len(result)
+
+  def settle(self, result: list, complete: list, unfinished: list, need: int,
+             started: Callable[[Any], bool] = lambda g: True) -> int:
+    """After a run: the first ``need`` complete groups join ``result``, the other complete
+    ones wait in ``ready``, the unfinished go back to the front of ``buffer`` in their order.
+    Returns how many unfinished groups had ``started`` (each counts one more resume)."""
+    result.extend(complete[:need])
+    self.ready.extend(complete[need:])
+    aborted = 0
+    for g in unfinished:
+      if started(g):
+        g.resumed += 1
+        aborted += 1
+    self.buffer.extendleft(reversed(unfinished))
+    return aborted
+
+  def enforce_staleness(self, policy_version: int, max_staleness: int | None,
+                        restart: Callable[[Any, int], int]) -> int:
+    """Restart held samples holding a token older than ``policy_version − η``.
+
+    ``restart(group, oldest)`` restarts the group's samples holding a version below
+    ``oldest`` and returns how many it restarted; buffer first, then ready. A complete group
+    that now has a restarted sample goes back to the front of the buffer. Returns the number
+    of samples restarted (0 without a bound).
+    """
+    if max_staleness is None:
+      return 0
+    oldest = policy_version - max_staleness
+    restarted = sum(restart(g, oldest) for g in list(self.buffer) + list(self.ready))
+    stale = [g for g in self.ready if not g.done]
+    self.ready = collections.deque(g for g in self.ready if g.done)
+    self.buffer.extendleft(reversed(stale))
+    return restarted
+
+
+def lag_stats(versions: np.ndarray, mask: np.ndarray, policy_version: int) -> dict[str, Any]:
+  """``max_token_lag`` (versions behind ``policy_version``, the largest over the tokens of
+  ``mask``) and ``off_policy_token_fraction`` (the masked tokens sampled by an older policy)
+  of a rollout's ``versions`` and ``mask`` (int32 and bool, the same shape)."""
+  lag = np.where(mask, policy_version - versions, 0)
+  stale = (versions < policy_version) & mask
+  return dict(max_token_lag=int(lag.max(initial=0)),
+              off_policy_token_fraction=float(stale.sum() / max(mask.sum(), 1)))
