@@ -4,8 +4,10 @@ APRIL's serving order, the staleness bound's restarts and the uid counter, on pl
 import dataclasses
 
 import numpy as np
+import pytest
 
-from rl_jax.rollout.held import HeldGroups, lag_stats
+from rl_jax.rollout.held import HeldGroups, lag_stats, rows
+from rl_jax.rollout.records import RolloutError
 
 
 @dataclasses.dataclass
@@ -84,3 +86,29 @@ def test_lag_stats_count_the_masked_tokens_only():
   assert s == dict(max_token_lag=2, off_policy_token_fraction=2 / 5)
   assert lag_stats(versions, np.zeros_like(mask), 4) == dict(max_token_lag=0,
                                                               off_policy_token_fraction=0.0)
+
+
+@dataclasses.dataclass
+class P:
+  uid: int
+  prompt: list
+  meta: int | None
+  resumed: int = 0
+  done: bool = False
+
+
+def test_the_group_arrays_of_a_checkpoint_give_the_held_groups_back():
+  h = HeldGroups()
+  for _ in range(7):
+    h.new_uid()
+  h.ready.append(P(3, [5, 6, 7], 12, 1, True))
+  h.buffer.extend([P(4, [9], None, 2), P(6, [1, 2], 0)])
+  d, groups = h.export(5, 4)
+  assert [g.uid for g in groups] == [3, 4, 6] and int(d["next_uid"]) == 7
+  assert d["valid"].tolist() == [True, True, True, False, False]
+  assert d["prompt"].shape == (5, 4) and d["meta"].tolist() == [12, -1, 0, -1, -1]
+  back = rows(d)
+  assert [(r.h, r.uid, r.resumed, r.meta, r.prompt, r.ready) for r in back] == [
+      (0, 3, 1, 12, [5, 6, 7], True), (1, 4, 2, None, [9], False), (2, 6, 0, 0, [1, 2], False)]
+  with pytest.raises(RolloutError, match="3 held groups do not fit capacity 2"):
+    h.export(2, 4)

@@ -71,7 +71,7 @@ from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, admi
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
-from rl_jax.rollout.held import HeldGroups, lag_stats
+from rl_jax.rollout.held import HeldGroups, lag_stats, rows
 from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
                                     fixed_pool_pages, pow2, sampling_params)
 
@@ -432,14 +432,10 @@ class AgentEngine:
     if self.deterministic:
       self.pool.wait_all()
     poll_outcomes(self)
-    held = self.held.held()
-    if len(held) > capacity:
-      raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
+    d, held = self.held.export(capacity, self.max_prompt_len)
     C, M, R, U = capacity, self.M, self.R, self.max_turns
     z = lambda shape, dt, fill=0: np.full(shape, fill, dt)
-    d = dict(valid=z(C, bool), ready=z(C, bool), uid=z(C, np.int32), resumed=z(C, np.int32),
-             meta=z(C, np.int32, -1), prompt_len=z(C, np.int32),
-             prompt=z((C, self.max_prompt_len), np.int32), tokens=z((C, M, R), np.int32),
+    d.update(tokens=z((C, M, R), np.int32),
              versions=z((C, M, R), np.int32, -1), turn=z((C, M, R), np.int32, -1),
              logprobs=z((C, M, R), np.float32), model=z((C, M, R), bool),
              turn_rewards=z((C, M, U), np.float32), turn_ends=z((C, M, U), np.int32, -1),
@@ -448,10 +444,7 @@ class AgentEngine:
              **{k: z((C, M), np.int32) for k in ("length", "status", "budget", "turn_start",
                                                  "cut", "n_rewards", "epoch", "finish",
                                                  *_COUNTERS)})
-    for h, (grp, ready) in enumerate(held):
-      d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, ready, grp.uid, grp.resumed
-      d["meta"][h] = -1 if grp.meta is None else int(grp.meta)
-      d["prompt_len"][h], d["prompt"][h, :len(grp.prompt)] = len(grp.prompt), grp.prompt
+    for h, grp in enumerate(held):
       for m, t in enumerate(grp.trajs):
         n, u = len(t.tokens), len(t.turn_rewards)
         for k in ("tokens", "versions", "turn", "logprobs", "model"):
@@ -466,7 +459,6 @@ class AgentEngine:
         d["finish"][h, m] = _FINISH.index(t.finish or "")
         for k in _COUNTERS:
           d[k][h, m] = getattr(t, k)
-    d["next_uid"] = np.int32(self.held.next_uid())
     return d
 
   def import_held(self, d, spec_of: Callable[[Any], EpisodeSpec]) -> None:
@@ -481,17 +473,15 @@ class AgentEngine:
     self.pool.drop()
     self.live.clear()
     held = []
-    for h in np.flatnonzero(np.asarray(d["valid"])):
-      meta = int(d["meta"][h])
-      spec = spec_of(None if meta < 0 else meta)
-      grp = self.new_group(spec, uid=int(d["uid"][h]))
-      grp.resumed = int(d["resumed"][h])
-      if grp.prompt != np.asarray(d["prompt"][h, :int(d["prompt_len"][h])]).tolist():
+    for row in rows(d):
+      grp = self.new_group(spec_of(row.meta), uid=row.uid)
+      grp.resumed = row.resumed
+      if grp.prompt != row.prompt:
         raise RolloutError(f"held group {grp.uid}: the rebuilt first prompt differs")
       for m in range(self.M):
-        self._replay(grp, m, d, h, self._actions(d, h, m))
+        self._replay(grp, m, d, row.h, self._actions(d, row.h, m))
       self.live[grp.uid] = grp
-      held.append((grp, bool(d["ready"][h])))
+      held.append((grp, row.ready))
     self.held.replace(held, int(d["next_uid"]))
 
   def _actions(self, d, h: int, m: int) -> list[str]:

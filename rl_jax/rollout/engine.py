@@ -49,7 +49,7 @@ import numpy as np
 from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, sampler, slots
-from rl_jax.rollout.held import HeldGroups, lag_stats
+from rl_jax.rollout.held import HeldGroups, lag_stats, rows
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble, check_int, check_power_of_two,
@@ -552,24 +552,15 @@ class RolloutEngine:
       next_uid int32 []; mixture-of-experts models also routing int32 [capacity,M,R,Y,X]
       (``Sample.routing``, -1 where none was recorded).
     """
-    held = self.held.held()
-    if len(held) > capacity:
-      raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
+    d, held = self.held.export(capacity, self.max_prompt_len)
     cap, n, R = capacity, self.n, self.max_new_tokens
-    d = dict(valid=np.zeros(cap, bool), ready=np.zeros(cap, bool), uid=np.zeros(cap, np.int32),
-             resumed=np.zeros(cap, np.int32), meta=np.zeros(cap, np.int32),
-             prompt_len=np.zeros(cap, np.int32), prompt=np.zeros((cap, self.max_prompt_len), np.int32),
-             tokens=np.zeros((cap, n, R), np.int32), versions=np.full((cap, n, R), -1, np.int32),
+    d.update(tokens=np.zeros((cap, n, R), np.int32), versions=np.full((cap, n, R), -1, np.int32),
              logprobs=np.zeros((cap, n, R), np.float32), length=np.zeros((cap, n), np.int32),
              reason=np.full((cap, n), -1, np.int32))
     if self.cfg.is_moe:
       d["routing"] = np.full((cap, n, R, len(self.cfg.moe_layers), self.cfg.num_experts_per_tok),
                              -1, np.int32)
-    for h, (req, ready) in enumerate(held):
-      d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, ready, req.uid, req.resumed
-      d["meta"][h] = -1 if req.meta is None else int(req.meta)
-      d["prompt_len"][h] = len(req.prompt)
-      d["prompt"][h, :len(req.prompt)] = req.prompt
+    for h, req in enumerate(held):
       for i, smp in enumerate(req.samples):
         t = len(smp.tokens)
         d["tokens"][h, i, :t], d["versions"][h, i, :t] = smp.tokens, smp.versions
@@ -578,15 +569,14 @@ class RolloutEngine:
           d["reason"][h, i] = REASON_CODES[smp.finish_reason]
         if "routing" in d and smp.routing is not None:
           d["routing"][h, i, :t] = smp.routing
-    d["next_uid"] = np.int32(self.held.next_uid())
     return d
 
   def import_held(self, d) -> None:
     """Replace the held groups and the uid counter with ``export_held``'s arrays."""
     d = {k: np.asarray(v) for k, v in d.items()}
     held = []
-    for h in np.flatnonzero(d["valid"]):
-      samples = []
+    for row in rows(d):
+      h, samples = row.h, []
       for i in range(self.n):
         t = int(d["length"][h, i])
         code = int(d["reason"][h, i])
@@ -594,10 +584,8 @@ class RolloutEngine:
                               d["versions"][h, i, :t].tolist(),
                               None if code < 0 else REASON_NAMES[code],
                               d["routing"][h, i, :t].copy() if "routing" in d else None))
-      meta = int(d["meta"][h])
-      req = GroupRequest(int(d["uid"][h]), d["prompt"][h, :int(d["prompt_len"][h])].tolist(),
-                         samples, int(d["resumed"][h]), None if meta < 0 else meta)
-      held.append((req, bool(d["ready"][h])))
+      held.append((GroupRequest(row.uid, row.prompt, samples, row.resumed, row.meta),
+                   row.ready))
     self.held.replace(held, int(d["next_uid"]))
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
-from rl_jax.rollout.records import in_flight_budget
+from rl_jax.rollout.records import RolloutError, in_flight_budget
 
-__all__ = ["HeldGroups", "lag_stats"]
+__all__ = ["HeldGroups", "Row", "lag_stats", "rows"]
 
 
 class HeldGroups:
@@ -63,6 +63,29 @@ class HeldGroups:
     for g, complete in held:
       (self.ready if complete else self.buffer).append(g)
     self._uids = itertools.count(int(next_uid))
+
+  def export(self, capacity: int, max_prompt_len: int) -> tuple[dict[str, np.ndarray], list]:
+    """The group-level arrays of a checkpoint of the held groups, in ``held()``'s order.
+
+    Returns:
+      (arrays, groups): valid, ready bool [capacity]; uid, resumed int32 [capacity]; meta
+      int32 [capacity] (a group's integer tag, -1 for none); prompt_len int32 [capacity];
+      prompt int32 [capacity, max_prompt_len]; next_uid int32 []. ``groups`` lists the held
+      groups, row h holding ``groups[h]``; the engine adds its samples' arrays.
+    """
+    held = self.held()
+    if len(held) > capacity:
+      raise RolloutError(f"{len(held)} held groups do not fit capacity {capacity}")
+    z = lambda dtype, fill=0: np.full(capacity, fill, dtype)
+    d = dict(valid=z(bool), ready=z(bool), uid=z(np.int32), resumed=z(np.int32),
+             meta=z(np.int32, -1), prompt_len=z(np.int32),
+             prompt=np.zeros((capacity, max_prompt_len), np.int32))
+    for h, (g, complete) in enumerate(held):
+      d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, complete, g.uid, g.resumed
+      d["meta"][h] = -1 if g.meta is None else int(g.meta)
+      d["prompt_len"][h], d["prompt"][h, :len(g.prompt)] = len(g.prompt), g.prompt
+    d["next_uid"] = np.int32(self.next_uid())
+    return d, [g for g, _ in held]
 
   def serve(self, k_groups: int, over_sampling: float, max_staleness: int | None,
             new: Callable[[], Any]) -> tuple[list, list, int]:
@@ -132,3 +155,25 @@ def lag_stats(versions: np.ndarray, mask: np.ndarray, policy_version: int) -> di
   stale = (versions < policy_version) & mask
   return dict(max_token_lag=int(lag.max(initial=0)),
               off_policy_token_fraction=float(stale.sum() / max(mask.sum(), 1)))
+
+
+class Row(NamedTuple):
+  """One held group of a checkpoint's arrays (``HeldGroups.export``)."""
+
+  h: int  # its row
+  uid: int
+  resumed: int
+  meta: int | None
+  prompt: list[int]
+  ready: bool  # complete (held beyond K) or unfinished (in the buffer)
+
+
+def rows(d) -> list[Row]:
+  """The valid rows of ``HeldGroups.export``'s arrays ``d``, in order."""
+  out = []
+  for h in np.flatnonzero(np.asarray(d["valid"])):
+    meta = int(d["meta"][h])
+    out.append(Row(int(h), int(d["uid"][h]), int(d["resumed"][h]), None if meta < 0 else meta,
+                   np.asarray(d["prompt"][h, :int(d["prompt_len"][h])]).tolist(),
+                   bool(d["ready"][h])))
+  return out
