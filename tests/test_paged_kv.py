@@ -146,6 +146,23 @@ def test_live_bucket_is_a_power_of_two_of_pages():
   assert pages.live_bucket(3, 64, 2, floor_tokens=1) == 1
 
 
+def test_the_engines_pool_rules_against_a_direct_count():
+  """Both engines grow a pool by doubling up to the whole budget and reserve a page for a
+  running sample whose next token's entry has none (pages.grown_size, next_token_pages)."""
+  assert pages.grown_size(8, 2, 2, 64) == 8  # enough free: no growth
+  assert pages.grown_size(8, 2, 3, 64) == 16 and pages.grown_size(8, 0, 20, 64) == 32
+  assert pages.grown_size(8, 0, 500, 40) == 40  # at most the whole budget
+  rng = np.random.default_rng(0)
+  G, M, NP, S = 3, 4, 5, 4
+  for _ in range(20):
+    length = rng.integers(0, NP * S + 1, (G, M))
+    table = np.where(rng.random((G, M, NP)) < 0.5, rng.integers(0, 50, (G, M, NP)), -1)
+    run = rng.random((G, M)) < 0.7
+    want = sum(1 for g in range(G) for m in range(M)
+               if run[g, m] and table[g, m, min(max(length[g, m] - 1, 0) // S, NP - 1)] < 0)
+    assert pages.next_token_pages(run, length, table, S) == want
+
+
 def test_page_bookkeeping_matches_a_python_free_list():
   """Random takes and releases on device against a list of free ids handed out lowest
   first, entries in row-major order."""

@@ -218,14 +218,11 @@ class Loop:
     e = self.e
     if e.fixed_pool:
       return
-    free = int(np.asarray(self.state.free).sum())
-    size = new = self.state.free.shape[0]
-    while free + new - size < pages and new < e.max_pool_pages:
-      new = min(2 * new, e.max_pool_pages)
-    if new > size:
-      self.state = kv_cache.resize_pool(self.state, new, ctx=e.ctx)
-      e.pool_pages = new  # later calls start at this size
+    grown = kv_cache.grow_pool(self.state, pages, e.max_pool_pages, ctx=e.ctx)
+    if grown.free.shape[0] > self.state.free.shape[0]:
+      e.pool_pages = grown.free.shape[0]  # later calls start at this size
       self.stats["pool_growths"] += 1
+    self.state = grown
 
   def result(self, groups: list[Group]) -> AgentRollout:
     """The AgentRollout of complete ``groups`` with this call's stats."""
@@ -234,10 +231,8 @@ class Loop:
                                 e.max_turns)
     seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
-                     env_wait_s=self.wait_s, kv_pages=int(self.state.free.shape[0]),
-                     kv_pages_used_peak=max(self.used, default=0),
-                     kv_pages_used_mean=float(np.mean(self.used)) if self.used else 0.0,
-                     decode_buckets=len(e.programs),
+                     env_wait_s=self.wait_s,
+                     **pages.usage_counters(self.used, e.programs, self.state.free.shape[0]),
                      kv_hit_rate=s["kv_hits"] / max(s["resumes"], 1),
                      trajectories_per_s=len(groups) * e.M / max(seconds, 1e-9))
     return out
@@ -457,8 +452,7 @@ class Loop:
     length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
                                                     self.state.active, self.state.pages))
     run = (reason == kv_cache.RUNNING) & active[:, None]
-    entry = np.minimum(np.maximum(length - 1, 0) // self.e.S, table.shape[-1] - 1)
-    return int((run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0)).sum())
+    return pages.next_token_pages(run, length, table, self.e.S)
 
   def turn_ends(self) -> bool:
     """Record the turns that ended on device and submit their environment steps."""

@@ -284,8 +284,7 @@ class RolloutEngine:
               len(unit[0].prompt), self.S)
         fresh = len(free) == G  # first admission of this call: no scatter into old slots
         if not self.fixed_pool:  # room for the resumed samples' K/V before it is rebuilt
-          need = sum(self._pages_now(unit) for _, unit in batch)
-          state = self._grow(state, need - int(np.asarray(state.free).sum()))
+          state = self._grow(state, sum(self._pages_now(unit) for _, unit in batch))
         state = self._admit(params, state, batch, version, key, fresh)
       state, done_slots = slots.harvest(state, slot_unit, remaining, complete)
       if done_slots:
@@ -308,10 +307,7 @@ class RolloutEngine:
                                 live=live, identity=self._identity)
       self._programs.add((live, state.free.shape[0]))
       used.append(int(state.free.shape[0] - np.asarray(state.free).sum()))
-    stats["kv_pages_used_peak"] = max(used, default=0)
-    stats["kv_pages_used_mean"] = float(np.mean(used)) if used else 0.0
-    stats["decode_buckets"] = len(self._programs)
-    stats["kv_pages"] = int(state.free.shape[0])
+    stats.update(pages.usage_counters(used, self._programs, state.free.shape[0]))
     # abort whatever is still in a slot: keep its partial samples
     if any(u is not None for u in slot_unit):
       slots.collect(state, [g for g in range(G) if slot_unit[g] is not None], slot_unit)
@@ -360,17 +356,13 @@ class RolloutEngine:
       batch.append((g, units.popleft()))
     return batch
 
-  def _grow(self, state, short: int):
-    """A growing pool doubled (up to every sample's budget) until ``short`` more pages are
-    free."""
-    Pg = new = state.free.shape[0]
-    while new - Pg < short and new < self.max_pool_pages:
-      new *= 2
-    self.pool_pages = min(new, self.max_pool_pages)  # later calls start at this size
-    if self.pool_pages > Pg:
-      state = kv_cache.resize_pool(state, self.pool_pages, ctx=self.ctx)
+  def _grow(self, state, want: int):
+    """A growing pool doubled (up to every sample's budget) until ``want`` pages are free."""
+    grown = kv_cache.grow_pool(state, want, self.max_pool_pages, ctx=self.ctx)
+    if grown.free.shape[0] > state.free.shape[0]:
+      self.pool_pages = grown.free.shape[0]  # later calls start at this size
       self.stats["pool_growths"] += 1
-    return state
+    return grown
 
   def _make_room(self, state, slot_unit, order, units):
     """The live-page bucket of the next decode call, with pages for its first step.
@@ -385,13 +377,11 @@ class RolloutEngine:
     run = (reason == kv_cache.RUNNING) & active[:, None]
     cur = np.maximum(length - 1, 0)
     live = pages.live_bucket(int(cur[run].max(initial=0)) + 1, self.S, self.NP)
-    entry = np.minimum(cur // self.S, self.NP - 1)
-    short = int((run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0)).sum()
-                - free.sum())
-    if short <= 0:
+    want = pages.next_token_pages(run, length, table, self.S)
+    if want <= free.sum():
       return state, live
     if not self.fixed_pool:
-      return self._grow(state, short), live
+      return self._grow(state, want), live
     g = max((g for g, u in enumerate(slot_unit) if u is not None and run[g].any()),
             key=lambda g: order[g])
     unit = slot_unit[g]

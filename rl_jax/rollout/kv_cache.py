@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
@@ -38,7 +39,7 @@ from rl_jax.rollout import pages, sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
-           "fork_samples", "init_state", "kv_cache_bytes", "mesh_context", "needs_cast",
+           "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context", "needs_cast",
            "pool_bytes", "record", "release_slots", "resize_pool"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
@@ -267,6 +268,14 @@ def resize_pool(state: DecodeState, pages_: int, ctx=None) -> DecodeState:
     return constrain_state(state._replace(
         suffix_k=pages.grow(state.suffix_k, pages_), suffix_v=pages.grow(state.suffix_v, pages_),
         free=jnp.concatenate([state.free, jnp.ones((extra,), bool)])))
+
+
+def grow_pool(state: DecodeState, want: int, most: int, ctx=None) -> DecodeState:
+  """``state`` with its pool doubled (``pages.grown_size``, up to ``most`` pages) until
+  ``want`` pages are free; unchanged when they are."""
+  size = state.free.shape[0]
+  new = pages.grown_size(size, int(np.asarray(state.free).sum()), want, most)
+  return resize_pool(state, new, ctx=ctx) if new > size else state
 
 
 def cast_leaf(x, dtype):

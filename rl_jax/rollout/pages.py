@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["allocate", "contiguous", "copy_pages", "fork", "grow", "identity_table",
-           "in_place", "live_bucket", "live_pages", "pages_from_memory", "pages_needed",
-           "release", "rows_need", "take_entry", "write", "write_rows"]
+__all__ = ["allocate", "contiguous", "copy_pages", "fork", "grow", "grown_size",
+           "identity_table", "in_place", "live_bucket", "live_pages", "next_token_pages",
+           "pages_from_memory", "pages_needed", "release", "rows_need", "take_entry",
+           "usage_counters", "write", "write_rows"]
 
 
 def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
@@ -70,6 +72,34 @@ def live_bucket(longest: int, page_size: int, entries: int, floor_tokens: int = 
   return int(min(nb, entries))
 
 
+# ------------------------------------------------------------ host-side scheduling (both engines)
+def grown_size(size: int, free: int, want: int, most: int) -> int:
+  """A growing pool's size: ``size`` pages (``free`` of them free) doubled until ``want``
+  pages are free, at most ``most`` (every sample's whole budget); ``size`` if enough are."""
+  new = size
+  while free + new - size < want and new < most:
+    new = min(2 * new, most)
+  return new
+
+
+def next_token_pages(run: np.ndarray, length: np.ndarray, table: np.ndarray, S: int) -> int:
+  """Pages the running samples take at their next decode step: those whose fed token's
+  page-table entry has no page yet. ``run`` bool [G,M] (running samples), ``length`` int32
+  [G,M] (tokens so far), ``table`` int32 [G,M,NP] (host copies)."""
+  entry = np.minimum(np.maximum(length - 1, 0) // S, table.shape[-1] - 1)
+  return int((run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0)).sum())
+
+
+def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str, float]:
+  """The page counters of one rollout call: pages in use after each decode call (``used``;
+  mean and peak), the decode programs compiled so far (``programs``: (live bucket, pool
+  size) pairs) and the pool's size at the end."""
+  return dict(kv_pages_used_peak=max(used, default=0),
+              kv_pages_used_mean=float(np.mean(used)) if used else 0.0,
+              decode_buckets=len(programs), kv_pages=int(pool_pages))
+
+
+# ------------------------------------------------------------ device side
 def _take(free: jax.Array, want: jax.Array):
   """Free page ids for the True entries of ``want`` (any shape), lowest ids first in
   row-major order; Pg where not wanted or where the pool ran out. Returns (ids, free)."""
