@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.envs.base import Message, StepResult
-from rl_jax import models, sharding
+from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, prefill, slots
 from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, admission,
@@ -208,7 +208,7 @@ class AgentEngine:
     if (mesh is None) != (rules is None):
       raise RolloutError("pass both mesh and rules, or neither")
     self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
-    self._target = None  # the sampler's parameter shardings (with a mesh)
+    self._params = kv_cache.SamplerParams(cfg, self.ctx)
     # prefill, as the engine's
     self.admit_fn = prefill.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
                                       prefill_chunk)
@@ -230,18 +230,9 @@ class AgentEngine:
 
   # ---------------------------------------------------------------- requests
   def prepare_params(self, params):
-    """Trainer parameters cast to the sampler's dtype (jitted; a no-op when they match) and,
-    with a mesh, placed in the sampler's layout."""
-    want = jnp.dtype(self.cfg.param_dtype)
-    if kv_cache.needs_cast(params, want):
-      params = kv_cache.cast_params(params, str(want))
-    if self.ctx is not None:
-      if self._target is None:
-        self._target = models.param_shardings(self.cfg, *self.ctx)
-        if not models.lora.split(params)[1]:  # LoRA weights merged for the sampler
-          self._target = models.lora.strip(self._target)
-      params = jax.device_put(params, self._target)
-    return params
+    """Trainer parameters -> sampler parameters, on device (``kv_cache.SamplerParams``: the
+    single-turn engine's cast and, with a mesh, its layout)."""
+    return self._params(params)
 
   def new_group(self, spec: EpisodeSpec, uid: int | None = None) -> Group:
     """Reset M fresh environments (seeds ``env_seed(seed, uid, m)``) and render the prompt.

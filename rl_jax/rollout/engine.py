@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax import models, sharding
+from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, sampler, slots
 from rl_jax.rollout.held import HeldGroups, lag_stats, rows
@@ -180,7 +180,7 @@ class RolloutEngine:
     self.admit_fn = sampler.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
                                       prefill_chunk)
     self.held = HeldGroups()  # complete extras, the buffer, the uid counter
-    self._target = self._sync = None  # sampler parameter layout, jitted cast + reshard
+    self._params = kv_cache.SamplerParams(cfg, self.ctx)
     self._programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
     self._identity = False  # the current state's table is the identity (``_init_state``)
 
@@ -196,36 +196,9 @@ class RolloutEngine:
 
   # ---------------------------------------------------------------- parameters
   def prepare_params(self, params):
-    """Trainer parameters -> sampler parameters, on device.
-
-    With a mesh: one jitted program casts to the sampler dtype and reshards to the sampler's
-    layout (``out_shardings``), so XLA moves shards device to device (collectives), never
-    through host memory; compiled once per input layout. A no-op when the parameters are
-    already in the sampler's dtype and layout. Parameters on devices outside the sampler's
-    mesh (disaggregated trainer / sampler) are copied over with ``jax.device_put`` first.
-    """
-    want = jnp.dtype(self.cfg.param_dtype)
-    leaves = jax.tree.leaves(params)
-    if self.ctx is None:
-      if kv_cache.needs_cast(params, want):
-        params = sampler.cast_params(params, str(want))
-      return params
-    mesh, rules = self.ctx
-    if self._target is None:
-      self._target = models.param_shardings(self.cfg, mesh, rules)
-      if not models.lora.split(params)[1]:  # LoRA weights merged for the sampler
-        self._target = models.lora.strip(self._target)
-      self._sync = jax.jit(lambda p: jax.tree.map(lambda x: kv_cache.cast_leaf(x, want), p),
-                           out_shardings=self._target)
-    targets = jax.tree.leaves(self._target)
-    if all(kv_cache.cast_leaf(leaf, want).dtype == leaf.dtype and isinstance(leaf, jax.Array)
-           and leaf.sharding.is_equivalent_to(t, leaf.ndim) for leaf, t in zip(leaves, targets)):
-      return params
-    devices = set(mesh.devices.flat)
-    if not all(isinstance(leaf, jax.Array) and leaf.sharding.device_set <= devices
-               for leaf in leaves):
-      params = jax.device_put(params, self._target)
-    return self._sync(params)
+    """Trainer parameters -> sampler parameters, on device (``kv_cache.SamplerParams``: one
+    jitted cast + reshard on a mesh; a no-op when they already match)."""
+    return self._params(params)
 
   def new_request(self, prompt: Sequence[int] | Prompt, index: int = 0) -> GroupRequest:
     """A fresh group for ``prompt`` (validated; a ``Prompt`` keeps its tag)."""

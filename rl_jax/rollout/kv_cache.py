@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax import sharding
+from rl_jax import models, sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import pages, sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
            "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context", "needs_cast",
-           "pool_bytes", "record", "release_slots", "resize_pool"]
+           "pool_bytes", "record", "release_slots", "resize_pool", "SamplerParams"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -294,3 +294,42 @@ def needs_cast(params, dtype) -> bool:
 def cast_params(params, dtype: str):
   """Jitted cast of the trainer's parameters to the sampler's storage dtype (``cast_leaf``)."""
   return jax.tree.map(lambda x: cast_leaf(x, dtype), params)
+
+
+class SamplerParams:
+  """Trainer parameters -> sampler parameters on device, for one engine (its
+  ``prepare_params``): cast to ``cfg.param_dtype`` and, with a mesh (``ctx`` = (mesh,
+  rules)), placed in the sampler's layout.
+
+  With a mesh, one jitted program casts and reshards (``out_shardings``), so XLA moves shards
+  device to device (collectives), never through host memory; compiled once per input layout.
+  A no-op when the parameters are already in the sampler's dtype and layout. Parameters on
+  devices outside the sampler's mesh (disaggregated trainer / sampler) are copied over with
+  ``jax.device_put`` first. LoRA weights the trainer merged for the sampler get the layout
+  without the adapters.
+  """
+
+  def __init__(self, cfg: ModelConfig, ctx=None):
+    self.cfg, self.ctx = cfg, ctx
+    self._target = self._sync = None  # the sampler's layout and its jitted cast + reshard
+
+  def __call__(self, params):
+    want = jnp.dtype(self.cfg.param_dtype)
+    if self.ctx is None:
+      return cast_params(params, str(want)) if needs_cast(params, want) else params
+    mesh, rules = self.ctx
+    if self._target is None:
+      self._target = models.param_shardings(self.cfg, mesh, rules)
+      if not models.lora.split(params)[1]:  # LoRA weights merged for the sampler
+        self._target = models.lora.strip(self._target)
+      self._sync = jax.jit(lambda p: jax.tree.map(lambda x: cast_leaf(x, want), p),
+                           out_shardings=self._target)
+    leaves, targets = jax.tree.leaves(params), jax.tree.leaves(self._target)
+    if all(cast_leaf(leaf, want).dtype == leaf.dtype and isinstance(leaf, jax.Array)
+           and leaf.sharding.is_equivalent_to(t, leaf.ndim) for leaf, t in zip(leaves, targets)):
+      return params
+    devices = set(mesh.devices.flat)
+    if not all(isinstance(leaf, jax.Array) and leaf.sharding.device_set <= devices
+               for leaf in leaves):
+      params = jax.device_put(params, self._target)
+    return self._sync(params)
