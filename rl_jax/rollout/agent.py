@@ -73,7 +73,7 @@ from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observa
 from rl_jax.rollout.extend import Extension, decode_turns, extend
 from rl_jax.rollout.held import HeldGroups, lag_stats, rows
 from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
-                                    fixed_pool_pages, pow2, sampling_params)
+                                    pool_plan, pow2, sampling_params)
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 
@@ -185,23 +185,19 @@ class AgentEngine:
       self.ttl = None if ttl is None else float(ttl)
     self.poll_steps = int(poll_steps)
     self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
-    check_power_of_two("page_size", page_size)
     if prefill_chunk is not None:
       check_power_of_two("prefill_chunk", prefill_chunk)
-    # the paged trajectory cache: a pool that starts with room for 256 tokens per sample and
-    # doubles as trajectories need it (``agent_loop.Loop.room``), up to every whole budget
-    self.S = min(int(page_size), self.R)
-    self.max_pool_pages = self.G * self.M * (self.R // self.S)
-    self.pool_pages = min(self.max_pool_pages,
-                          self.G * self.M * -(-min(self.R, 256) // self.S))
-    kv_pages = fixed_pool_pages(
-        cfg, kv_pages, kv_memory_fraction,
-        jax.devices()[:1] if mesh is None else list(mesh.devices.flat), M=self.M,
-        NP=self.R // self.S, S=self.S, whole=self.max_pool_pages,
+    # the paged trajectory cache, as the single-turn engine's: a pool that starts with room
+    # for 256 tokens per sample and doubles as trajectories need it (``agent_loop.Loop.room``),
+    # up to every whole budget, or a fixed one that preempts (``agent_loop.Loop.fit``)
+    self.pool_plan = pool_plan(
+        cfg, G=self.G, M=self.M, R=self.R, page_size=page_size, kv_pages=kv_pages,
+        kv_memory_fraction=kv_memory_fraction,
+        devices=jax.devices()[:1] if mesh is None else list(mesh.devices.flat),
         budget=f"max_total_tokens={self.max_total}")
-    self.fixed_pool = kv_pages is not None
-    if self.fixed_pool:
-      self.pool_pages = kv_pages
+    self.S = self.pool_plan.S
+    self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
+    self.pool_pages = self.pool_plan.pages  # grows with the pool; later calls start there
     self.programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
     self.stop = set(stop)
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
@@ -310,7 +306,7 @@ class AgentEngine:
     e, before = self, sum(kv_cache.TRACE_COUNTS.values())
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    identity = e.pool_pages == e.max_pool_pages  # as ``agent_loop.Loop`` decides it
+    identity = e.pool_plan.in_place(e.pool_pages)  # as ``agent_loop.Loop`` decides it
     state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
                                 identity=identity)
     ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})

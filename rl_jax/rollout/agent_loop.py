@@ -114,7 +114,7 @@ class Loop:
     self.version = jnp.int32(policy_version)
     self.key = jax.random.key(eng.seed, impl="threefry2x32")
     # a pool of every whole budget: the identity table, read in place (``decode_step``)
-    self.identity = eng.pool_pages == eng.max_pool_pages
+    self.identity = eng.pool_plan.in_place(eng.pool_pages)
     self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, ctx=eng.ctx,
                                      S=eng.S, pages=eng.pool_pages, identity=self.identity)
     self.released: list[int] = []  # slots freed since their pages were last returned

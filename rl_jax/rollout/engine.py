@@ -53,7 +53,7 @@ from rl_jax.rollout.held import HeldGroups, lag_stats, rows
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble, check_int, check_power_of_two,
-                                    check_prompt, fixed_pool_pages, pow2,
+                                    check_prompt, pool_plan, pow2,
                                     sampling_params)
 
 __all__ = ["APRIL_STATS", "ENGINE_STATS", "FORK_STATS", "PAGE_STATS", "RolloutEngine",
@@ -148,7 +148,6 @@ class RolloutEngine:
                          f"exceeds the context of {self.context} positions")
     if (mesh is None) != (rules is None):
       raise RolloutError("pass both mesh and rules, or neither")
-    check_power_of_two("page_size", page_size)
     if prefill_chunk is not None:
       check_power_of_two("prefill_chunk", prefill_chunk)
     if dtype is not None:
@@ -161,17 +160,14 @@ class RolloutEngine:
     self.G = int(max_slots)
     self.P = pow2(self.max_prompt_len, 8)
     self.R = pow2(self.max_new_tokens, 8)
-    self.S = min(int(page_size), self.R)  # tokens per page
-    self.NP = self.R // self.S  # page-table entries per sample
-    whole = self.G * self.M * self.NP  # every sample's whole budget
-    kv_pages = fixed_pool_pages(
-        cfg, kv_pages, kv_memory_fraction,
-        jax.devices()[:1] if mesh is None else list(mesh.devices.flat), M=self.M, NP=self.NP,
-        S=self.S, whole=whole, budget=f"max_new_tokens={self.max_new_tokens}")
-    self.fixed_pool = kv_pages is not None
-    self.pool_pages = (int(kv_pages) if kv_pages is not None else
-                       min(whole, self.G * self.M * pages.pages_needed(min(self.R, 256), self.S)))
-    self.max_pool_pages = self.pool_pages if self.fixed_pool else whole
+    self.pool_plan = pool_plan(
+        cfg, G=self.G, M=self.M, R=self.R, page_size=page_size, kv_pages=kv_pages,
+        kv_memory_fraction=kv_memory_fraction,
+        devices=jax.devices()[:1] if mesh is None else list(mesh.devices.flat),
+        budget=f"max_new_tokens={self.max_new_tokens}")
+    self.S, self.NP = self.pool_plan.S, self.pool_plan.NP  # tokens per page, entries per sample
+    self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
+    self.pool_pages = self.pool_plan.pages  # grows with the pool; later calls start there
     self.stats: collections.Counter = collections.Counter()  # page counters, per run() call
     self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
     self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, eos_id, stop)
@@ -367,7 +363,7 @@ class RolloutEngine:
     """An empty state of this engine's shapes. A pool of every sample's whole budget (a
     growing pool's largest, or its first when max_new_tokens <= 256) gets the identity
     table, its pages read in place (``decode_step``'s fast path)."""
-    self._identity = not self.fixed_pool and self.pool_pages == self.max_pool_pages
+    self._identity = self.pool_plan.in_place(self.pool_pages)
     return sampler.init_state(self.cfg, self.G, self.M, self.P, self.R, ctx=self.ctx,
                               S=self.S, pages=self.pool_pages, identity=self._identity)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +22,7 @@ from rl_jax.rollout.kv_cache import REASON_NAMES
 
 __all__ = ["REASON_CODES", "GroupRequest", "Prompt", "Rollout", "RolloutError", "Sample",
            "as_ids", "assemble", "check_int", "check_power_of_two", "check_prompt",
-           "fixed_pool_pages", "pow2", "sampling_params"]
+           "fixed_pool_pages", "PoolPlan", "pool_plan", "pow2", "sampling_params"]
 
 REASON_CODES = {name: code for code, name in REASON_NAMES.items()}
 
@@ -154,6 +154,46 @@ def check_int(name: str, value, lo: int):
   """Raises RolloutError unless ``value`` is an integer >= ``lo``."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
     raise RolloutError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+class PoolPlan(NamedTuple):
+  """An engine's response pool (``pool_plan``): ``S`` tokens per page, ``NP`` = R / S
+  page-table entries per sample, ``pages`` its first size, ``most`` its largest (a fixed
+  pool's size, or every sample's whole budget for a growing one) and whether it is
+  ``fixed`` (preempts when it runs out) or grows (doubling, never preempts)."""
+
+  S: int
+  NP: int
+  pages: int
+  most: int
+  fixed: bool
+
+  def in_place(self, pool_pages: int) -> bool:
+    """Whether a pool of ``pool_pages`` gets the identity page table, its pages read in
+    place (``pages.identity_table``): a growing pool at every sample's whole budget."""
+    return not self.fixed and pool_pages == self.most
+
+
+def pool_plan(cfg: ModelConfig, *, G: int, M: int, R: int, page_size: int, kv_pages,
+              kv_memory_fraction, devices, budget: str) -> PoolPlan:
+  """The response pool of an engine of G slots x M samples with an R-token response cache:
+  pages of ``page_size`` tokens (a power of two; at most R), fixed (``kv_pages``, or
+  ``kv_memory_fraction`` of the devices' free memory: ``fixed_pool_pages``) or growing from
+  room for 256 tokens per sample. ``budget`` names the response budget in errors.
+
+  Raises:
+    RolloutError: one line, for a page size that is not a power of two, a value out of
+      range, or a fixed pool smaller than one group.
+  """
+  check_power_of_two("page_size", page_size)
+  S = min(int(page_size), R)
+  NP = R // S
+  whole = G * M * NP
+  fixed = fixed_pool_pages(cfg, kv_pages, kv_memory_fraction, devices, M=M, NP=NP, S=S,
+                           whole=whole, budget=budget)
+  if fixed is not None:
+    return PoolPlan(S, NP, fixed, fixed, True)
+  return PoolPlan(S, NP, min(whole, G * M * pages.pages_needed(min(R, 256), S)), whole, False)
 
 
 def fixed_pool_pages(cfg: ModelConfig, kv_pages, kv_memory_fraction, devices, *, M: int,

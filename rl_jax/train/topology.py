@@ -480,7 +480,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   cfg, G, M, P, R = engine.cfg, engine.G, engine.M, engine.P, engine.R
   pool = engine.pool_pages
   agent = isinstance(engine, rollout.AgentEngine)
-  identity = agent and pool == engine.max_pool_pages  # as ``agent_loop.Loop`` decides it
+  identity = engine.pool_plan.in_place(pool)  # as both engines decide it
   init = _compile("kv_init", sampler_lib.init_state.lower(cfg, G, M, P, R, engine.ctx,
                                                           S=engine.S, pages=pool,
                                                           identity=identity))
