@@ -156,6 +156,20 @@ def test_staleness_bound_restarts_stale_samples():
   assert restarted > 0, "no sample outlived the bound; the test would not exercise it"
 
 
+def test_the_warmup_buckets_are_every_bucket_a_call_can_take():
+  """Both engines warm up slots.buckets and slots.resume_shapes: every admission / prompt /
+  extension bucket (min(top, pow2(n, lo))) and every re-prefill bucket a call can meet."""
+  from rl_jax.rollout import slots  # pylint: disable=g-import-not-at-top
+  from rl_jax.rollout.records import pow2  # pylint: disable=g-import-not-at-top
+  for lo in (4, 8, 16):
+    for top in range(1, 130):
+      assert slots.buckets(lo, top) == sorted({min(top, pow2(n, lo)) for n in range(1, top + 1)})
+  for G, M, R in itertools.product((1, 3, 8), (1, 4), (8, 64, 256)):
+    every = {slots.resume_shape(rows, n, G=G, M=M, R=R) for rows in range(1, G * M + 1)
+             for n in range(1, R + 1)}
+    assert slots.resume_shapes(G=G, M=M, R=R) == sorted(every)
+
+
 def test_warmup_compiles_every_shape_up_front():
   from rl_jax.rollout import sampler
   eng = _engine(max_staleness=2)

@@ -309,19 +309,15 @@ class AgentEngine:
     identity = e.pool_plan.in_place(e.pool_pages)  # as ``agent_loop.Loop`` decides it
     state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
                                 identity=identity)
-    ladder = lambda lo, top: sorted({min(top, pow2(lo << i)) for i in range(top.bit_length())})
-    for Bn in ladder(4, e.G):
-      for Pb in ladder(8, e.P):
+    for Bn in slots.buckets(4, e.G):
+      for Pb in slots.buckets(8, e.P):
         a, _ = admission(e, [], Bn, Pb)
         state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
                            filtered=e.filtered, ctx=e.ctx)
-    shapes = {slots.resume_shape(r, t, G=e.G, M=e.M, R=e.R)
-              for r in [1, e.G * e.M, *(4 ** i for i in range(1, 16) if 4 ** i < e.G * e.M)]
-              for t in (1, e.R // 2, e.R)}
-    for Br, T in sorted(shapes):
+    for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R):
       state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G), ctx=e.ctx)
-    for Be in ladder(4, e.G * e.M):
-      for C in ladder(16, min(e.R, pow2(e.max_obs + 2, 16))):
+    for Be in slots.buckets(4, e.G * e.M):
+      for C in slots.buckets(16, min(e.R, pow2(e.max_obs + 2, 16))):
         x = Extension(np.full(Be, e.G, np.int32), np.zeros(Be, np.int32), np.zeros(Be, np.int32),
                       np.zeros((Be, C), np.int32), np.ones(Be, np.int32), np.zeros(Be, np.int32))
         state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,

@@ -425,18 +425,14 @@ class RolloutEngine:
     params = self.prepare_params(params)
     key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
     state = self._init_state()
-    ladder = lambda lo, top: sorted({min(top, lo << i) for i in range(max(1, top).bit_length() + 1)})
-    for Bn in ladder(4, self.G):
-      for Pb in ladder(8, self.P):
+    for Bn in slots.buckets(4, self.G):
+      for Pb in slots.buckets(8, self.P):
         for fresh in ((False, True) if Bn == self.G else (False,)):
           a, _ = self._admission([], Bn, Pb)
           state = self.admit_fn(self.cfg, params, state, sampler.Admission(**a), self.sp,
                                 version, key, filtered=self.filtered, fresh=fresh,
                                 ctx=self.ctx)
-    rows = [4 ** i for i in range(1, (self.G * self.M).bit_length()) if 4 ** i < self.G * self.M]
-    lengths = [self.R >> j for j in range(3) if self.R >> j >= 1]
-    shapes = {self._resume_shape(r, n) for r in [1, *rows, self.G * self.M] for n in lengths}
-    for Br, T in sorted(shapes):
+    for Br, T in slots.resume_shapes(G=self.G, M=self.M, R=self.R):
       state = sampler.resume(self.cfg, params, state, slots.resume_rows(Br, T, self.G),
                              ctx=self.ctx)
     state = self._release(state, range(self.G))

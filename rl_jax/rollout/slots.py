@@ -20,7 +20,8 @@ from rl_jax.rollout.kv_cache import REASON_NAMES, RUNNING
 from rl_jax.rollout.prefill import Resume
 from rl_jax.rollout.records import REASON_CODES, Sample
 
-__all__ = ["admission", "collect", "forks", "harvest", "resume_rows", "resume_shape"]
+__all__ = ["admission", "buckets", "collect", "forks", "harvest", "resume_rows", "resume_shape",
+           "resume_shapes"]
 
 
 def admission(batch, Bn: int, Pb: int, *, G: int, M: int, R: int, max_new_tokens: int):
@@ -100,6 +101,20 @@ def resume_shape(rows: int, longest: int, *, G: int, M: int, R: int) -> tuple[in
   while T < longest:
     T *= 2
   return min(Br, G * M), min(T, R)
+
+
+def resume_shapes(*, G: int, M: int, R: int) -> list[tuple[int, int]]:
+  """Every (Br, T) bucket ``resume_shape`` gives for this engine's shapes, sorted: what a
+  warm-up compiles."""
+  rows = [1, *(4 ** i for i in range(1, (G * M).bit_length()) if 4 ** i < G * M), G * M]
+  return sorted({resume_shape(r, n, G=G, M=M, R=R) for r in rows
+                 for n in (R, R // 2, R // 4) if n >= 1})
+
+
+def buckets(lo: int, top: int) -> list[int]:
+  """Every value ``min(top, pow2(n, lo))`` takes for n = 1 .. top (powers of two from ``lo``,
+  capped at ``top``): the admission, prompt and extension buckets a warm-up compiles."""
+  return sorted({min(top, lo << i) for i in range(max(1, top).bit_length() + 1)})
 
 
 def _merged_routing(old, new: np.ndarray) -> np.ndarray:
