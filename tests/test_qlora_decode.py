@@ -1,7 +1,8 @@
 """The sampler's decode of a quantised (int4) base under FSDP: each layer's int4 values are
 all-gathered inside the decode loop, where the layer runs, not before the loop for every
 layer at once (``quant.gathered``), and the decode on 8 fake devices draws the tokens and
-log-probs it draws on one."""
+log-probs it draws on one. A bf16 LoRA base's decode gathers one layer's weights at a time
+(``transformer._sharded_stacks``): its temporaries do not grow with the layers."""
 
 import re
 
@@ -12,18 +13,21 @@ import pytest
 
 from rl_jax import models, rollout, sharding
 from rl_jax.models import quant
+from rl_jax.models import transformer as tx
 from rl_jax.rollout import records
 from rl_jax.rollout import sampler as sampler_lib
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def _cfg(layers=2, hidden=64, inter=64, heads=4, kv_heads=2, head_dim=16, block=16, vocab=61):
+def _cfg(layers=2, hidden=64, inter=64, heads=4, kv_heads=2, head_dim=16, block=16, vocab=61,
+         quant="int4", param_dtype="float32"):
   return models.ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                             num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
                             head_dim=head_dim, architecture="qwen3", qk_norm=True,
-                            lora_rank=2, lora_alpha=4.0, lora_targets=TARGETS, quant="int4",
-                            quant_block=block, max_position_embeddings=256)
+                            lora_rank=2, lora_alpha=4.0, lora_targets=TARGETS, quant=quant,
+                            quant_block=block, param_dtype=param_dtype,
+                            max_position_embeddings=256)
 
 
 def _params(cfg):
@@ -86,22 +90,18 @@ def _split_at_the_loop(hlo: str) -> tuple[list[str], list[str]]:
 
 
 def _int4_gathers(lines: list[str]) -> set[str]:
-  """The shapes of the int4 (s4) results of the all-gathers among ``lines``."""
-  return {dims for line in lines
+  """The shapes of the int4 (s4) results of the all-gathers among ``lines``, without a
+  leading axis of 1 (a layer's slice of its stack, ``transformer._reread_frozen``)."""
+  return {re.sub(r"^1,", "", dims) for line in lines
           for dims in re.findall(r"= s4\[([\d,]*)\][^ =]* all-gather\(", line)}
 
 
-def test_int4_values_are_gathered_per_layer_inside_the_decode_loop():
-  """The sampler's decode compiled for 4 v5e chips (FSDP, XLA:TPU): no int4 values are
-  all-gathered before the ``while_loop``; each projection's are gathered in the loop body. When
-  the gathered layout reached the per-layer slices made before the loop, every layer's
-  gathered values were loop operands, held for the whole decode (Qwen3-32B int4 on
-  v5e-8: 0.23 GiB per layer per chip)."""
-  pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu")
+def _compile_decode(cfg, topology_name: str):
+  """The sampler's decode of ``cfg`` (FSDP over the topology's chips) compiled for a TPU
+  topology by XLA:TPU, from abstract parameters and state (4 slots of 2 samples, prefix 16,
+  response 32 in pages of 16)."""
   from rl_jax.train import topology  # pylint: disable=import-outside-toplevel
-  cfg = _cfg(layers=2, hidden=512, inter=1024, heads=4, kv_heads=2, head_dim=128, block=128,
-             vocab=256)
-  mesh = sharding.make_mesh(devices=topology.topology_devices("v5e:2x2"))
+  mesh = sharding.make_mesh(devices=topology.topology_devices(topology_name))
   ctx = (mesh, sharding.get_rules("fsdp"))
   shapes = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
   params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -114,11 +114,62 @@ def test_int4_values_are_gathered_per_layer_inside_the_decode_loop():
   spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=rep)
   sp = jax.tree.map(spec, records.sampling_params(cfg, 1.0, 0, 1.0, [3], None)[0])
   i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-  compiled = sampler_lib.decode.lower(cfg, params, state, sp, i32, i32, i32, filtered=False,
-                                      ctx=ctx).compile()
+  return sampler_lib.decode.lower(cfg, params, state, sp, i32, i32, i32, filtered=False,
+                                  ctx=ctx).compile()
+
+
+def test_int4_values_are_gathered_per_layer_inside_the_decode_loop():
+  """The sampler's decode compiled for 4 v5e chips (FSDP, XLA:TPU): no int4 values are
+  all-gathered before the ``while_loop``; each projection's are gathered in the loop body. When
+  the gathered layout reached the per-layer slices made before the loop, every layer's
+  gathered values were loop operands, held for the whole decode (Qwen3-32B int4 on
+  v5e-8: 0.23 GiB per layer per chip)."""
+  pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu")
+  cfg = _cfg(layers=2, hidden=512, inter=1024, heads=4, kv_heads=2, head_dim=128, block=128,
+             vocab=256)
+  compiled = _compile_decode(cfg, "v5e:2x2")
   outside, inside = _split_at_the_loop(compiled.as_text())
   assert not _int4_gathers(outside)
   # each projection's values whole: q, o [512,4,128] (o laid out as [4,128,512]), k, v
   # [512,2,128], gate, up [512,1024], down [1024,512]
   assert _int4_gathers(inside) >= {"512,4,128", "4,128,512", "512,2,128", "512,1024",
                                    "1024,512"}, _int4_gathers(inside)
+
+
+def test_bf16_decode_gathers_one_layer_at_a_time():
+  """A bf16 LoRA base's decode compiled for 4 v5e chips (FSDP, XLA:TPU) at 2 and 4 layers:
+  its temporaries grow by less than a quarter of one layer's gathered weights per layer
+  (they fell from 2 to 4 layers when this was written). Each layer's all-gathers read slices
+  made before the ``while_loop``, so nothing in the body ordered them after the layers
+  before: XLA:TPU issued most layers' gathers at the top of the body and held their
+  gathered weights at once, 0.87 of a layer's gathered weights more per layer here (Qwen3-32B
+  on v5e-8: 0.78 GiB per layer); now each layer's sharded weights are re-read from their
+  stacks once the layer's input exists (``transformer._sharded_stacks``)."""
+  pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu")
+  D, F, N, K, H = 2048, 16384, 16, 4, 128  # gathered MLP weights of 64 MiB: not in VMEM
+  temp = {}
+  for layers in (2, 4):
+    cfg = _cfg(layers=layers, hidden=D, inter=F, heads=N, kv_heads=K, head_dim=H, vocab=256,
+               quant="", param_dtype="bfloat16")
+    temp[layers] = _compile_decode(cfg, "v5e:2x2").memory_analysis().temp_size_in_bytes
+  layer = 2 * (3 * D * F + 2 * D * N * H + 2 * D * K * H)  # one layer's weights, bf16
+  assert (temp[4] - temp[2]) / 2 < 0.25 * layer, (temp, layer)
+
+
+def test_sharded_layer_weights_are_reread_in_the_decode_loop():
+  """Under FSDP on 8 devices the decode's layer loop re-reads every projection from its stack
+  (``transformer._reread_stacks``), of a LoRA tree and of its merged base (no adapters: what
+  the sampler decodes with ``rollout.lora_merge``), and not the replicated norms; outside
+  a mesh and on one device nothing (the CPU decode as it was)."""
+  cfg = _cfg(quant="", param_dtype="bfloat16")
+  params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  for layers in (params["layers"], models.lora.strip(params)["layers"]):
+    assert tx._reread_stacks(cfg, layers) is None
+    with sharding.use(sharding.make_mesh({"fsdp": 1}, jax.devices()[:1]), "fsdp"):
+      assert tx._reread_stacks(cfg, layers) is None
+    with sharding.use(sharding.make_mesh({"fsdp": 8}), "fsdp"):
+      stacks = tx._reread_stacks(cfg, layers)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(layers)[0]]
+    reread = {p for p, a in zip(paths, stacks) if a is not None}
+    assert {f"['{t}']" for t in TARGETS} <= reread, reread
+    assert not {"['attn_norm']", "['mlp_norm']", "['q_norm']"} & reread, reread

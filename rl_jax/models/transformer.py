@@ -562,9 +562,10 @@ def _read_frozen(lp: Params, stacks: list | None, i: jax.Array) -> Params:
 
 
 def _frozen_row(a: jax.Array, stack: jax.Array, i: jax.Array) -> jax.Array:
-  """Row ``i`` of a frozen ``stack`` (``_frozen_stacks``) with ``a``'s values, bit for bit:
-  an int4 stack sliced as it is, a 16-bit float one as its uint16 view, bitcast back."""
-  if _sub_byte(a.dtype):
+  """Row ``i`` of a ``stack`` (``_frozen_stacks``, ``_sharded_stacks``) with ``a``'s values,
+  bit for bit: a 16-bit float stack as its uint16 view, bitcast back; any other (int4,
+  float32) sliced as it is."""
+  if not _half_float(a.dtype):
     return jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
   bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
   return _from_bits(a, jax.lax.dynamic_index_in_dim(bits, i, keepdims=False))
@@ -736,27 +737,70 @@ def unstack_layers(params: Params, cfg: ModelConfig | None = None) -> list[Param
 REREAD_MIN_BYTES = 1 << 30
 
 
+def _sharded_stacks(cfg: ModelConfig, stack: Params) -> list | None:
+  """The leaves of a stacked layer tree that the program being traced shards over its
+  devices (None per other leaf; None if there are none, or outside a mesh of several
+  devices): those whose logical axes (``param_axes``) other than the layer axis map to a
+  mesh axis under the active rules (``sharding.use``), e.g. every projection under FSDP.
+
+  In the sampler's decode each layer's matmuls all-gather these weights in the loop body.
+  The gathers read slices made outside the loop (``unstack_layers``), so nothing in the
+  body orders them after the layers before: XLA:TPU's scheduler issued most layers'
+  gathers at the top of the body, and their gathered weights were live at once (bf16
+  LoRA of Qwen3-32B on 8 v5e chips: 0.78 GiB more temporaries per layer).
+  ``_reread_frozen`` reads each from its stack at an index computed from the layer's input
+  instead, so a layer's weights are gathered once the layer before has run (the index
+  costs a scalar all-reduce per layer: the element of ``x`` it reads is on one device)."""
+  active = sharding.active()
+  if active is None or active[0].size == 1:
+    return None
+  mesh, rules = active
+
+  def like(axes, tree):  # the axes of the entries ``tree`` has (a merged LoRA base: none
+    if isinstance(tree, dict):  # of the adapters ``cfg.lora_rank`` gives it)
+      return {k: like(axes[k], v) for k, v in tree.items()}
+    return axes
+
+  try:
+    shardings = sharding.logical_to_sharding(like(param_axes(cfg)["layers"], stack), mesh,
+                                             rules, stack)
+  except (KeyError, TypeError, ValueError):  # not the tree of cfg's layers: left as they are
+    return None
+  specs = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+  out = [a if any(p is not None for p in s.spec[1:]) else None
+         for a, s in zip(jax.tree.leaves(stack), specs)]
+  return out if any(a is not None for a in out) else None
+
+
 def _reread_stacks(cfg: ModelConfig, stack: Params) -> list | None:
-  """``_frozen_stacks`` for ``trunk_unrolled``, or None below ``REREAD_MIN_BYTES`` of float32
-  copies (4 bytes per frozen value)."""
-  stacks = _frozen_stacks(cfg, stack)
-  hoisted = 4 * sum(a.size for a in stacks or () if a is not None)
-  return stacks if hoisted >= REREAD_MIN_BYTES else None
+  """The stacks ``trunk_unrolled`` re-reads its layers' leaves from (``_reread_frozen``), one
+  entry per leaf of ``stack`` (None: the leaf is used as sliced), or None for none: the
+  leaves sharded over the program's devices (``_sharded_stacks``) and, on the CPU backend,
+  ``_frozen_stacks`` from ``REREAD_MIN_BYTES`` of float32 copies (4 bytes per frozen
+  value)."""
+  frozen = _frozen_stacks(cfg, stack)
+  hoisted = 4 * sum(a.size for a in frozen or () if a is not None)
+  frozen = frozen if hoisted >= REREAD_MIN_BYTES else None
+  sharded = _sharded_stacks(cfg, stack)
+  if frozen is None or sharded is None:
+    return sharded if frozen is None else frozen
+  return [f if f is not None else s for f, s in zip(frozen, sharded)]
 
 
 def _reread_frozen(params: Params, stacks: list | None, lp: Params, i: int,
                    x: jax.Array) -> Params:
   """Layer ``i``'s parameters ``lp`` (an ``unstack_layers`` slice, made outside any loop) with
-  each frozen leaf (``_frozen_stacks`` of ``params["layers"]``) re-read from its stack once
-  the layer's input ``x`` exists: the same values, bit for bit.
+  each leaf that has a stack in ``stacks`` (``_reread_stacks`` of ``params["layers"]``)
+  re-read from it once the layer's input ``x`` exists: the same values, bit for bit.
 
   In a ``while_loop`` body (the sampler's decode) per-layer slices made outside the loop are
   loop invariant, and on the CPU backend so are their conversion for the float32 dots (and
   the dequantisation of a quantised base), which XLA hoists out of the loop: the loop would
-  hold a float32 copy of every layer (the float32 dequantised weights of an int4 base). Read
-  through an optimisation barrier at an index computed from ``x``, each layer is sliced and
-  converted in the loop body when it runs, one layer at a time, and the slices made outside
-  the loop are dropped."""
+  hold a float32 copy of every layer (the float32 dequantised weights of an int4 base); on a
+  mesh, nothing orders the all-gathers of sharded slices after the layers before them
+  (``_sharded_stacks``). Read through an optimisation barrier at an index computed from
+  ``x``, each layer is sliced, converted and gathered in the loop body when it runs, one
+  layer at a time, and the slices made outside the loop are dropped."""
   if stacks is None:
     return lp
   # a value of x, so that the reads depend on x (x itself does not pass the barrier: that
