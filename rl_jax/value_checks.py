@@ -10,6 +10,7 @@ to both the config and ``losses.get_objective``. No dependencies: any layer may 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Iterable
 
 __all__ = ["Check", "is_int", "is_number", "positive_int", "power_of_two", "nonnegative_int",
@@ -22,13 +23,13 @@ Check = Callable[[Any], "str | None"]
 
 
 def is_int(x: Any) -> bool:
-  """An int that is not a bool."""
-  return isinstance(x, int) and not isinstance(x, bool)
+  """An integer (a Python or NumPy one) that is not a bool."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def is_number(x: Any) -> bool:
-  """An int or float that is not a bool."""
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
+  """A real number (a Python or NumPy int or float) that is not a bool."""
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def positive_int(x: Any) -> str | None:

@@ -64,6 +64,13 @@ def test_a_knobs_range_is_one_rule_for_the_config_and_get_objective(knob):
     losses.get_objective("grpo", **{knob: bad})
 
 
+def test_knob_ranges_take_numpy_scalars():
+  obj = losses.get_objective("grpo", eps_low=np.float32(0.1), gamma=np.float64(0.5))
+  assert obj is not None
+  with pytest.raises(ValueError, match="option eps_low=.* must be a number >= 0"):
+    losses.get_objective("grpo", eps_low=np.float32(-0.1))
+
+
 def test_every_preset_sets_its_knobs_within_their_ranges():
   for name, knobs in losses.PRESETS.items():
     for knob, value in {**losses.PRESET_KNOB_DEFAULTS, **knobs}.items():
