@@ -54,7 +54,6 @@ Time-to-Live" (2025); Yu et al. 2022, "Orca" (iteration-level scheduling).
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 from typing import Any, Callable, Iterable, Sequence
 
@@ -71,7 +70,7 @@ from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, admi
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.extend import Extension, decode_turns, extend
-from rl_jax.rollout.held import HeldGroups, lag_stats, rows
+from rl_jax.rollout.held import HeldGroups, HoldsGroups, lag_stats, rows
 from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
                                     pool_plan, pow2, sampling_params)
 
@@ -84,7 +83,7 @@ _COUNTERS = ("tool_calls", "tool_errors", "timeouts", "env_errors", "truncated_o
              "truncated_turn")
 
 
-class AgentEngine:
+class AgentEngine(HoldsGroups):
   """Multi-turn rollouts over group slots (see the module docstring).
 
   Usage::
@@ -213,16 +212,6 @@ class AgentEngine:
     self.max_staleness = None if max_staleness is None else int(max_staleness)
     self.held = HeldGroups()  # complete extras, the buffer, the uid counter
     self.live: dict[int, Group] = {}  # every group not yet returned, by uid
-
-  @property
-  def ready(self) -> tuple[Group, ...]:
-    """Complete groups beyond K from the previous call; returned first at the next call."""
-    return tuple(self.held.ready)
-
-  @property
-  def buffer(self) -> collections.deque[Group]:
-    """Unfinished groups (FIFO), resumed first at the next call."""
-    return self.held.buffer
 
   # ---------------------------------------------------------------- requests
   def prepare_params(self, params):

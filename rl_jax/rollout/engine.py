@@ -49,7 +49,7 @@ import numpy as np
 from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, sampler, slots
-from rl_jax.rollout.held import HeldGroups, lag_stats, rows
+from rl_jax.rollout.held import HeldGroups, HoldsGroups, lag_stats, rows
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble, check_int, check_power_of_two,
@@ -73,7 +73,7 @@ ENGINE_STATS = APRIL_STATS + PAGE_STATS
 
 
 # ------------------------------------------------------------------------------ engine
-class RolloutEngine:
+class RolloutEngine(HoldsGroups):
   """Slot-based sampler with prompt-once groups, continuous batching and APRIL.
 
   Usage::
@@ -179,16 +179,6 @@ class RolloutEngine:
     self._params = kv_cache.SamplerParams(cfg, self.ctx)
     self._programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
     self._identity = False  # the current state's table is the identity (``_init_state``)
-
-  @property
-  def ready(self) -> tuple[GroupRequest, ...]:
-    """Complete groups beyond k_groups from the previous call; returned first at the next call."""
-    return tuple(self.held.ready)
-
-  @property
-  def buffer(self) -> collections.deque[GroupRequest]:
-    """Unfinished groups (FIFO), resumed first at the next call."""
-    return self.held.buffer
 
   # ---------------------------------------------------------------- parameters
   def prepare_params(self, params):

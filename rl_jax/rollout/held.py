@@ -28,7 +28,7 @@ import numpy as np
 
 from rl_jax.rollout.records import RolloutError, in_flight_budget
 
-__all__ = ["HeldGroups", "Row", "lag_stats", "rows"]
+__all__ = ["HeldGroups", "HoldsGroups", "Row", "lag_stats", "rows"]
 
 
 class HeldGroups:
@@ -145,6 +145,23 @@ class HeldGroups:
     self.ready = collections.deque(g for g in self.ready if g.done)
     self.buffer.extendleft(reversed(stale))
     return restarted
+
+
+class HoldsGroups:
+  """What an engine holding a ``HeldGroups`` (``self.held``) shows of it: ``ready`` and
+  ``buffer``. Both engines derive from it."""
+
+  held: HeldGroups
+
+  @property
+  def ready(self) -> tuple:
+    """Complete groups beyond K from the previous call; returned first at the next call."""
+    return tuple(self.held.ready)
+
+  @property
+  def buffer(self) -> collections.deque:
+    """Unfinished groups (FIFO), resumed first at the next call."""
+    return self.held.buffer
 
 
 def lag_stats(versions: np.ndarray, mask: np.ndarray, policy_version: int) -> dict[str, Any]:

@@ -455,8 +455,12 @@ def make_rl_update(s: Setup, layout: Layout) -> Callable:
   ``train.micro_batches`` = k > 1: the gradients are those of k micro-batches of the groups,
   one after another, combined by their loss denominators (``train.accumulate``).
   """
-  update = functools.partial(rl_update, accumulate.accumulated(rl_grads(s), _micro(s)),
-                             rl_apply(s))
+  grads_fn, apply = accumulate.accumulated(rl_grads(s), _micro(s)), rl_apply(s)
+
+  def update(params, opt_state, value_params, value_opt_state, b: UpdateBatch):
+    # rl_update with this run's passes; the program is named jit_update in profiles
+    return rl_update(grads_fn, apply, params, opt_state, value_params, value_opt_state, b)
+
   st = layout.state
   weights = (st.params, st.opt_state, st.value_params, st.value_opt_state)
   rows = layout.rows(_groups(s) // s.train.minibatches)
