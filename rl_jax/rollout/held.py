@@ -21,7 +21,6 @@ Tame Long-tail Generation"; Fu et al. 2025, "AReaL" (staleness-bounded admission
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
@@ -38,17 +37,16 @@ class HeldGroups:
   def __init__(self):
     self.ready: collections.deque = collections.deque()  # complete beyond K
     self.buffer: collections.deque = collections.deque()  # unfinished, FIFO
-    self._uids = itertools.count()
+    self._next_uid = 0
 
   def new_uid(self) -> int:
     """The uid of a new group (consumed)."""
-    return next(self._uids)
+    self._next_uid += 1
+    return self._next_uid - 1
 
   def next_uid(self) -> int:
     """The uid the next new group gets (not consumed)."""
-    nxt = next(self._uids)
-    self._uids = itertools.count(nxt)
-    return nxt
+    return self._next_uid
 
   def held(self) -> list[tuple[Any, bool]]:
     """Every held group with whether it is complete: ``ready`` first, then ``buffer``, the
@@ -62,7 +60,7 @@ class HeldGroups:
     self.buffer.clear()
     for g, complete in held:
       (self.ready if complete else self.buffer).append(g)
-    self._uids = itertools.count(int(next_uid))
+    self._next_uid = int(next_uid)
 
   def export(self, capacity: int, max_prompt_len: int) -> tuple[dict[str, np.ndarray], list]:
     """The group-level arrays of a checkpoint of the held groups, in ``held()``'s order.
