@@ -783,7 +783,7 @@ def _reread_stacks(cfg: ModelConfig, stack: Params) -> list | None:
   frozen = frozen if hoisted >= REREAD_MIN_BYTES else None
   sharded = _sharded_stacks(cfg, stack)
   if frozen is None or sharded is None:
-    return sharded if frozen is None else frozen
+    return frozen or sharded
   return [f if f is not None else s for f, s in zip(frozen, sharded)]
 
 
