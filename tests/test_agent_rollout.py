@@ -92,7 +92,7 @@ def _engine(detok=TOK.decode, **kw):
 _FORWARD = jax.jit(models.forward, static_argnums=0)
 
 
-def _check_exact(out, temperature):
+def _check_exact(out, temperature, cfg=CFG, params=PARAMS):
   """Recorded log-probs = log_softmax(logits / T) of one teacher-forced pass over
   prompt + trajectory, at the model tokens (rows right-padded to one length)."""
   B = len(out.lengths)
@@ -101,7 +101,7 @@ def _check_exact(out, temperature):
   batch = np.zeros((B, 32 + out.tokens.shape[1]), np.int32)
   for b, seq in enumerate(seqs):
     batch[b, :len(seq)] = seq
-  logp = np.asarray(jax.nn.log_softmax(_FORWARD(CFG, PARAMS, jnp.asarray(batch)) / temperature))
+  logp = np.asarray(jax.nn.log_softmax(_FORWARD(cfg, params, jnp.asarray(batch)) / temperature))
   for b, seq in enumerate(seqs):
     n, mask = int(out.lengths[b]), out.model_mask[b]
     p = len(seq) - n
@@ -178,13 +178,13 @@ def test_incremental_prefill_equals_reprefill():
   key = jax.random.key(0, impl="threefry2x32")
   prompt = TOK.encode("U:hi\nA:")
   state = sampler.init_state(CFG, G, M, P, R)
-  a, _ = slots.admission([], G, 16, G=G, M=M, R=R, max_new_tokens=6)
+  a = slots.admission_rows(G, 16, G=G, M=M, R=R, budget=6)
   a["slots"][0], a["prompt_len"][0], a["request_id"][0] = 0, len(prompt), 7
   a["prompt"][0, :len(prompt)], a["sample_id"][0] = prompt, [0, 1]
   state = sampler.admit(CFG, PARAMS, state, sampler.Admission(**a), sp, jnp.int32(0), key,
                         filtered=filt)
-  state, _ = ext_lib.decode_turns(CFG, PARAMS, state, sp, jnp.int32(0), jnp.int32(32),
-                                  jnp.int32(8), filtered=filt)
+  state, _ = sampler.decode(CFG, PARAMS, state, sp, jnp.int32(0), jnp.int32(32),
+                            sampler.NEVER, jnp.int32(8), filtered=filt)
   length = np.asarray(state.length[0])
   obs = [TOK.encode("\nT:n=1\nA:"), TOK.encode("\nT:x\nA:")]
   x = ext_lib.Extension(np.array([0, 0, G, G], np.int32), np.array([0, 1, 0, 0], np.int32),
@@ -430,6 +430,47 @@ def test_a_fixed_pool_preempts_and_resumes_by_recompute(deterministic):
   _check_exact(fixed, 1.0)
   with pytest.raises(rollout.RolloutError, match="smaller than one group needs"):
     _engine(kv_pages=2 * 128 // 8 - 1, **kw)
+
+
+def test_evicted_samples_sharing_their_tokens_are_forked_not_reprefilled():
+  """Greedy samples of a group take the same turns, so when an evicted group comes back one
+  sample is re-prefilled and the other forks its pages (``slots.forks``, as the single-turn
+  engine's resumed samples do); the trajectories equal those where every sample is
+  re-prefilled, and those of a run that evicts nothing."""
+  specs = _specs(3)
+  runs = {}
+  for name, kw in (("base", {}), ("forked", dict(ttl_steps=0)),
+                   ("plain", dict(ttl_steps=0, share_prefixes=False))):
+    e = _engine(temperature=0.0, deterministic=True, result_delay=3, **kw)
+    runs[name] = e.rollout(PARAMS, specs)
+    e.close()
+  base, forked, plain = runs["base"], runs["forked"], runs["plain"]
+  assert forked.stats["evictions"] == plain.stats["evictions"] > 0
+  assert forked.stats["forked_samples"] > 0 and plain.stats["forked_samples"] == 0
+  assert forked.stats["fork_tokens_shared"] > 0
+  assert (forked.stats["reprefill_tokens"] + forked.stats["fork_tokens_shared"]
+          == plain.stats["reprefill_tokens"])
+  _same(base, forked)
+  _same(base, plain)
+
+
+def test_a_mixture_of_experts_policy_runs_multi_turn():
+  """A Qwen3-MoE policy through the multi-turn loop: every layer's experts in the decode
+  (the one decode program slices them per layer), log-probs equal to teacher forcing."""
+  cfg = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48,
+                           num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                           max_position_embeddings=192, architecture="qwen3_moe", qk_norm=True,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           norm_topk_prob=True, sparse_layers=(True, False, True),
+                           dtype="float32", param_dtype="float32")
+  params = models.init_params(cfg, jax.random.key(1), std=0.2)
+  e = rollout.AgentEngine(cfg, ChatRenderer(), TOK.decode, n=2, max_slots=2, max_prompt_len=24,
+                          max_total_tokens=64, max_turn_tokens=12, max_turns=2,
+                          max_obs_tokens=32, stop_ids=STOP, seed=3, ttl=None, workers=4)
+  out = e.rollout(params, _specs(2))
+  e.close()
+  assert out.model_mask.sum() > 0
+  _check_exact(out, 1.0, cfg, params)
 
 
 def test_the_page_counters_are_the_single_turn_engines():

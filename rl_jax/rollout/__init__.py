@@ -9,14 +9,16 @@ Public API::
     agent = rollout.AgentEngine(cfg, renderer, tok.decode, n=4, max_slots=8, max_turns=4)
     out = agent.rollout(params, [rollout.EpisodeSpec(make_env, example)], policy_version=step)
 
-Modules: ``engine`` (the scheduling loop), ``held`` (both engines' held groups between
-calls: APRIL, the staleness bound, the uid counter), ``generation`` (``generate``), ``records``
-(prompts, groups, ``Rollout``), ``slots`` (engine bookkeeping), ``sampler``
-(the jitted pieces: ``kv_cache``, ``prefill``, ``decode``), ``pages`` (the paged response
-cache: page pool, page tables, live-page buckets), ``sampling`` (token draws);
-multi-turn rollouts: ``agent`` (``AgentEngine``, its checkpoints),
-``agent_loop`` (its scheduling loop), ``agent_records``, ``env_pool`` (environment steps off
-the decode loop) and ``extend`` (incremental prefill of observations).
+Modules: ``loop`` (the one scheduling loop: a single-turn request is the one-turn case of a
+multi-turn episode), ``engine`` (``RolloutEngine``: requests in and out of the loop, APRIL,
+its checkpoints), ``held`` (both engines' held groups between calls: APRIL, the staleness
+bound, the uid counter), ``generation`` (``generate``), ``records`` (prompts, groups,
+``Rollout``), ``slots`` (admission arrays, forks, buckets), ``sampler`` (the jitted pieces:
+``kv_cache``, ``prefill``, ``decode``), ``pages`` (the paged response cache: page pool,
+page tables, live-page buckets), ``sampling`` (token draws); multi-turn rollouts: ``agent``
+(``AgentEngine``: episodes in and out of the loop, its checkpoints), ``agent_records``,
+``env_pool`` (environment steps off the decode loop) and ``extend`` (incremental prefill of
+observations).
 Axis letters: the legend of ``rl_jax/__init__.py``.
 """
 

@@ -4,8 +4,8 @@ time-to-live.
 A group is one episode's opening messages × M samples; its first prompt is prefilled once
 into the slot's prefix cache (prompt-once). Everything after it (model tokens and observation
 tokens) lives in each sample's response region, so R (the response cache) is the longest
-trajectory. The host loop (``agent_loop``) drives the jitted pieces of ``kv_cache``,
-``prefill`` and ``extend``:
+trajectory. The scheduling loop both engines run (``loop.Loop``) drives the jitted pieces
+of ``kv_cache``, ``prefill``, ``decode`` and ``extend``:
 
 * A sample whose turn ends (an end-of-turn id, or its per-turn budget) leaves the decode
   batch; its decoded text goes to ``env.step`` in a worker pool (``env_pool``) while the
@@ -58,18 +58,16 @@ import concurrent.futures as cf
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.envs.base import Message, StepResult
 from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import kv_cache, pages, prefill, slots
-from rl_jax.rollout.agent_loop import (DONE, READY, RUN, WAIT, Group, Loop, admission,
-                                      apply_outcome, poll_outcomes)
+from rl_jax.rollout import kv_cache, prefill
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
-from rl_jax.rollout.extend import Extension, decode_turns, extend
+from rl_jax.rollout.loop import (DONE, READY, RUN, WAIT, Group, Loop, apply_outcome,
+                                 poll_outcomes, warmup)
 from rl_jax.rollout.held import HeldGroups, HoldsGroups, lag_stats, rows
 from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
                                     pool_plan, pow2, sampling_params)
@@ -131,6 +129,8 @@ class AgentEngine(HoldsGroups):
     kv_memory_fraction: with kv_pages None, a fixed pool of this fraction of the free
       memory of the sampler's devices (``records.fixed_pool_pages``; devices that report no
       capacity, e.g. CPU, keep the growing pool).
+    share_prefixes: a re-prefilled sample whose tokens begin another re-prefilled sample of
+      its group is forked from it (``slots.forks``) instead; False re-prefills every one.
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,
@@ -145,7 +145,7 @@ class AgentEngine(HoldsGroups):
                ttl_steps: int | None = None, dtype: str | None = None,
                context: int | None = None, mesh=None, rules=None, page_size: int = 64,
                prefill_chunk: int | None = 2048, kv_pages: int | None = None,
-               kv_memory_fraction: float | None = None):
+               kv_memory_fraction: float | None = None, share_prefixes: bool = True):
     for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
                         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
                         max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
@@ -187,8 +187,8 @@ class AgentEngine(HoldsGroups):
     if prefill_chunk is not None:
       check_power_of_two("prefill_chunk", prefill_chunk)
     # the paged trajectory cache, as the single-turn engine's: a pool that starts with room
-    # for 256 tokens per sample and doubles as trajectories need it (``agent_loop.Loop.room``),
-    # up to every whole budget, or a fixed one that preempts (``agent_loop.Loop.fit``)
+    # for 256 tokens per sample and doubles as trajectories need it (``loop.Loop.room``),
+    # up to every whole budget, or a fixed one that preempts (``loop.Loop.fit``)
     self.pool_plan = pool_plan(
         cfg, G=self.G, M=self.M, R=self.R, page_size=page_size, kv_pages=kv_pages,
         kv_memory_fraction=kv_memory_fraction,
@@ -212,6 +212,7 @@ class AgentEngine(HoldsGroups):
     self.max_staleness = None if max_staleness is None else int(max_staleness)
     self.held = HeldGroups()  # complete extras, the buffer, the uid counter
     self.live: dict[int, Group] = {}  # every group not yet returned, by uid
+    self.share_prefixes = bool(share_prefixes)
 
   # ---------------------------------------------------------------- requests
   def prepare_params(self, params):
@@ -290,32 +291,10 @@ class AgentEngine(HoldsGroups):
     return loop.result(groups)
 
   def warmup(self, params) -> int:
-    """Compile every shape the loop can meet (admission, re-prefill, extension and decode
-    buckets) on padding rows, so no ``rollout`` call compiles. Returns the programs traced."""
-    e, before = self, sum(kv_cache.TRACE_COUNTS.values())
-    params = self.prepare_params(params)
-    key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    identity = e.pool_plan.in_place(e.pool_pages)  # as ``agent_loop.Loop`` decides it
-    state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
-                                identity=identity)
-    for Bn in slots.buckets(4, e.G):
-      for Pb in slots.buckets(8, e.P):
-        a, _ = admission(e, [], Bn, Pb)
-        state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
-                           filtered=e.filtered, ctx=e.ctx)
-    for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R):
-      state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G), ctx=e.ctx)
-    for Be in slots.buckets(4, e.G * e.M):
-      for C in slots.buckets(16, min(e.R, pow2(e.max_obs + 2, 16))):
-        x = Extension(np.full(Be, e.G, np.int32), np.zeros(Be, np.int32), np.zeros(Be, np.int32),
-                      np.zeros((Be, C), np.int32), np.ones(Be, np.int32), np.zeros(Be, np.int32))
-        state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,
-                          ctx=e.ctx)
-    state, _ = decode_turns(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
-                            filtered=e.filtered, ctx=e.ctx,
-                            live=pages.live_bucket(1, e.S, e.R // e.S), identity=identity)
-    jax.block_until_ready(state)
-    return sum(kv_cache.TRACE_COUNTS.values()) - before
+    """Compile every shape the loop can meet (``loop.warmup``: admission, re-prefill,
+    extension and decode buckets) on padding rows, so no ``rollout`` call compiles. Returns
+    the programs traced."""
+    return warmup(self, self.prepare_params(params))
 
   def close(self) -> None:
     """Shut the environment pool down."""
@@ -458,7 +437,7 @@ class AgentEngine(HoldsGroups):
 
   def _actions(self, d, h: int, m: int) -> list[str]:
     """The actions of sample m of row h: each ended turn's model tokens, decoded without
-    the stop id that ended it (as ``agent_loop`` decoded them when the turn ended)."""
+    the stop id that ended it (as ``loop`` decoded them when the turn ended)."""
     n = int(d["length"][h, m])
     tokens, model = np.asarray(d["tokens"][h, m, :n]), np.asarray(d["model"][h, m, :n], bool)
     turn = np.asarray(d["turn"][h, m, :n])

@@ -103,7 +103,12 @@ class Trajectory:
   error_kinds: dict = dataclasses.field(default_factory=dict)  # tool-error kind -> count
   truncated_obs: bool = False  # an observation was cut to max_obs_tokens
   truncated_turn: bool = False  # a turn was cut by max_turn_tokens
-  finish: str | None = None  # "done", "max_turns" or "max_tokens"; None while running
+  # "done", "max_turns" or "max_tokens"; a single-turn request's sample (no environment):
+  # the sampler's reason, "eos", "stop" or "length"; None while running
+  finish: str | None = None
+  # a single-turn request's sample of a mixture-of-experts model: int32 [len(tokens),Y,X]
+  # experts of each token (-1: not recorded), as ``records.Sample.routing``
+  routing: np.ndarray | None = None
 
   def append(self, ids, logprobs, versions, model: bool, turn: int):
     """Append aligned ids, log-probs and versions (model or observation tokens)."""

@@ -43,8 +43,8 @@ from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
-__all__ = ["can_step", "decode", "decode_attention", "decode_step", "paged_decode_attention",
-           "split_decode_attention"]
+__all__ = ["NEVER", "can_step", "decode", "decode_attention", "decode_step",
+           "paged_decode_attention", "split_decode_attention"]
 
 
 def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid,
@@ -268,23 +268,30 @@ def can_step(state: DecodeState, live: int) -> jax.Array:
   return inside & (jnp.sum(take & ~has) <= jnp.sum(state.free))
 
 
+# ``decode``'s ``min_finished`` or ``stop_count`` when that rule should never stop the loop
+NEVER = np.iinfo(np.int32).max
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live", "identity"),
                    donate_argnames=("state",))
 def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
-           min_finished, filtered: bool, ctx=None, live: int | None = None,
+           min_finished, stop_count, filtered: bool, ctx=None, live: int | None = None,
            identity: bool = False) -> tuple[DecodeState, jax.Array]:
-  """Decode inside one ``lax.while_loop`` until enough groups finish.
+  """Decode inside one ``lax.while_loop`` until the caller has work to do.
 
   Stops when no sample is running, after ``max_steps`` steps, once at least
   ``min_finished`` active slots have all their samples finished (so the caller can refill
-  them: continuous batching), or when the next step cannot run (``can_step``: a sample
-  reached the end of the ``live`` pages the program reads, or the pool is out of pages;
-  the caller then picks a larger bucket, grows the pool or preempts).
+  them: continuous batching), once ``stop_count`` of the samples running at entry have
+  stopped (a turn ended: its environment step can start), or when the next step cannot run
+  (``can_step``: a sample reached the end of the ``live`` pages the program reads, or the
+  pool is out of pages; the caller then picks a larger bucket, grows the pool or preempts).
+  A sample stops on an end id or a stop sequence (``sp``) or at its ``budget``; it then
+  leaves the decode batch (``decode_step`` skips samples that are not RUNNING).
 
   Args:
     params: model parameters (jit argument). state: DecodeState (donated).
     sp: SamplingParams. version: int32 policy version recorded for new tokens.
-    max_steps, min_finished: int32 scalars (traced).
+    max_steps, min_finished, stop_count: int32 scalars (traced; ``NEVER`` turns a rule off).
     filtered: static; top-k/top-p active. live: static live-page bucket (None = all NP).
     identity: static; the state's table is ``init_state(identity=True)``'s (``decode_step``).
   Returns:
@@ -292,15 +299,17 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
   """
   TRACE_COUNTS["decode"] += 1
   with mesh_context(ctx):
+    running = lambda s: (s.reason == RUNNING) & s.active[:, None]
+    at_entry = jnp.sum(running(state))
 
     def finished(s):
       return jnp.sum(s.active & jnp.all(s.reason != RUNNING, axis=1))
 
     def cond(carry):
       s, step = carry
-      running = jnp.any((s.reason == RUNNING) & s.active[:, None])
-      return (running & (step < max_steps) & (finished(s) < min_finished)
-              & can_step(s, nb))
+      n = jnp.sum(running(s))
+      return ((n > 0) & (step < max_steps) & (finished(s) < min_finished)
+              & (at_entry - n < stop_count) & can_step(s, nb))
 
     layers = tx.unstack_layers(params, cfg)  # sliced once per call, not per step
     nb = state.pages.shape[-1] if live is None else live

@@ -1,9 +1,11 @@
 """Rollout engine: prompt-once groups, continuous batching, active partial rollouts (APRIL).
 
-The engine drives the jitted pieces in ``rl_jax.rollout.sampler`` from Python (records and
-argument checks in ``records``, slot bookkeeping in ``slots``; this module is the scheduling
-loop and the held groups' checkpoint arrays; the held groups themselves, the staleness bound
-and the uid counter are ``held.HeldGroups``, shared with the multi-turn engine):
+The single-turn face of the one rollout loop (``loop.Loop``, which the multi-turn engine
+runs too: a request's samples are one-turn records that end with their first turn): this
+module turns requests into the loop's groups and back, and holds the APRIL call and the held
+groups' checkpoint arrays (the held groups themselves, the staleness bound and the uid
+counter are ``held.HeldGroups``, shared with the multi-turn engine; records and argument
+checks are ``records``'s):
 
 * Slots. A fixed number of group slots (``max_slots``), each holding one prompt's prefix
   K/V once and its ``n`` samples' own response K/V (``prompt_once=True``), or one sample per
@@ -40,17 +42,18 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import kv_cache, pages, sampler, slots
+from rl_jax.rollout import kv_cache, pages, sampler
+from rl_jax.rollout.agent_records import Trajectory
 from rl_jax.rollout.held import HeldGroups, HoldsGroups, lag_stats, rows
 from rl_jax.rollout.kv_cache import REASON_NAMES
+from rl_jax.rollout.loop import DONE, RUN, Group, Loop, warmup
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
                                     Sample, assemble, check_int, check_power_of_two,
                                     check_prompt, pool_plan, pow2,
@@ -177,8 +180,12 @@ class RolloutEngine(HoldsGroups):
                                       prefill_chunk)
     self.held = HeldGroups()  # complete extras, the buffer, the uid counter
     self._params = kv_cache.SamplerParams(cfg, self.ctx)
-    self._programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
-    self._identity = False  # the current state's table is the identity (``_init_state``)
+    self.programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
+    # the loop's view of an engine without environments: each sample's one turn has the
+    # whole budget
+    self.max_turn = self.max_total = self.max_new_tokens
+    self.pool, self.live, self.deterministic = None, {}, False
+    self.schedule, self.ttl = "continuous", None
 
   # ---------------------------------------------------------------- parameters
   def prepare_params(self, params):
@@ -200,7 +207,9 @@ class RolloutEngine(HoldsGroups):
   # ---------------------------------------------------------------- continuous batching
   def run(self, params, requests: Sequence[GroupRequest], *, policy_version: int = 0,
           min_complete: int | None = None) -> tuple[list[GroupRequest], list[GroupRequest]]:
-    """Decode ``requests`` through the slots with continuous batching.
+    """Decode ``requests`` through the slots with continuous batching (``loop.Loop``: each
+    request is a group of one-turn samples, or one group per sample with
+    ``prompt_once=False``).
 
     Args:
       params: sampler parameters (see ``prepare_params``).
@@ -211,68 +220,38 @@ class RolloutEngine(HoldsGroups):
       (complete groups in completion order, unfinished groups in submission order; their
       partial samples are kept, not-started groups are returned untouched).
     """
-    cfg, G = self.cfg, self.G
-    want = len(requests) if min_complete is None else min(min_complete, len(requests))
-    units = collections.deque()  # (request, sample ids) in submission order
-    for req in requests:
-      todo = [i for i, s in enumerate(req.samples) if s.finish_reason is None]
-      if not todo:
-        continue
-      if self.prompt_once:
-        units.append((req, list(range(self.n))))
-      else:
-        units.extend((req, [i]) for i in todo)
-    complete = [r for r in requests if r.done]
-    slot_unit: list[Any] = [None] * G
-    order = [0] * G  # admission order of each slot's unit (preemption takes the newest)
-    admissions = itertools.count(1)
-    state = self._init_state()
-    key = jax.random.key(self.seed, impl="threefry2x32")
-    version = jnp.int32(policy_version)
-    remaining = collections.Counter(id(u[0]) for u in units)
-    self.stats = stats = collections.Counter()
-    used: list[int] = []
-    closed = False  # admission closed since a preemption, until a group leaves its slot
-    while len(complete) < want:
-      free = [g for g in range(G) if slot_unit[g] is None]
-      batch = self._admissible(free, units, state, slot_unit, closed)
-      if batch:
-        for g, unit in batch:
-          slot_unit[g], order[g] = unit, next(admissions)
-          stats["prefix_pages_shared"] += (len(unit[1]) - 1) * pages.pages_needed(
-              len(unit[0].prompt), self.S)
-        fresh = len(free) == G  # first admission of this call: no scatter into old slots
-        if not self.fixed_pool:  # room for the resumed samples' K/V before it is rebuilt
-          state = self._grow(state, sum(self._pages_now(unit) for _, unit in batch))
-        state = self._admit(params, state, batch, version, key, fresh)
-      state, done_slots = slots.harvest(state, slot_unit, remaining, complete)
-      if done_slots:
-        state, closed = self._release(state, done_slots), False
-      if len(complete) >= want:
-        break
-      if all(u is None for u in slot_unit):
-        if not units:
-          break
-        continue
-      if done_slots:
-        continue
-      state, live = self._make_room(state, slot_unit, order, units)
-      if live is None:  # a group was preempted: no admission until one leaves its slot
-        closed = True
-        continue
-      need = 1 if units else max(1, want - len(complete))
-      state, _ = sampler.decode(cfg, params, state, self.sp, version, jnp.int32(self.R),
-                                jnp.int32(need), filtered=self.filtered, ctx=self.ctx,
-                                live=live, identity=self._identity)
-      self._programs.add((live, state.free.shape[0]))
-      used.append(int(state.free.shape[0] - np.asarray(state.free).sum()))
-    stats.update(pages.usage_counters(used, self._programs, state.free.shape[0]))
-    # abort whatever is still in a slot: keep its partial samples
-    if any(u is not None for u in slot_unit):
-      slots.collect(state, [g for g in range(G) if slot_unit[g] is not None], slot_unit)
-    done_ids = {id(r) for r in complete}
-    unfinished = [r for r in requests if id(r) not in done_ids]
+    groups = [grp for req in requests for grp in self._groups(req)]
+    loop = Loop(self, params, policy_version)
+    complete, unfinished = loop.run(groups, min_complete)
+    for grp in groups:
+      for i, t in zip(grp.sample_ids, grp.trajs):
+        grp.owner.samples[i] = Sample(t.tokens, t.logprobs, t.versions, t.finish, t.routing)
+    self.stats = collections.Counter(
+        {k: loop.stats[k] for k in ("preemptions", "prefix_pages_shared", "pool_growths")
+         + FORK_STATS})
+    self.stats.update(pages.usage_counters(loop.used, self.programs,
+                                           loop.state.free.shape[0]))
     return complete, unfinished
+
+  def _groups(self, req: GroupRequest) -> list[Group]:
+    """The loop's groups of ``req``: one of its n samples (prompt-once), or one per sample
+    (replicated), each sample a one-turn record of its tokens so far."""
+    units = [list(range(self.n))] if self.prompt_once else [[i] for i in range(self.n)]
+    out = []
+    for ids in units:
+      trajs = []
+      for i in ids:
+        smp = req.samples[i]
+        t = Trajectory(None, [], list(smp.tokens), list(smp.logprobs), list(smp.versions),
+                       [True] * len(smp.tokens), [0] * len(smp.tokens),
+                       finish=smp.finish_reason, routing=smp.routing)
+        trajs.append(t)
+      grp = Group(req.uid, req.prompt, trajs, None, owner=req, sample_ids=ids)
+      grp.meta = req.meta
+      grp.status = [RUN if t.finish is None else DONE for t in trajs]
+      grp.budget = [self.max_new_tokens] * len(ids)
+      out.append(grp)
+    return out
 
   # ---------------------------------------------------------------- pages
   def page_stats(self) -> dict[str, float]:
@@ -282,157 +261,16 @@ class RolloutEngine(HoldsGroups):
     and the fork counters (``FORK_STATS``)."""
     return {k: float(self.stats.get(k, 0)) for k in PAGE_STATS + FORK_STATS}
 
-  def _pages_now(self, unit) -> int:
-    """Pages a unit's samples take as soon as it is admitted and fed once: a fresh sample
-    one, a resumed one those of its tokens so far, a finished one none."""
-    req, sids = unit
-    total = 0
-    for i in sids:
-      smp = req.samples[i]
-      if smp.finish_reason is None:
-        total += pages.pages_needed(max(len(smp.tokens), 1), self.S)
-    return total
-
-  def _admissible(self, free, units, state, slot_unit, closed: bool = False):
-    """(slot, unit) pairs to admit now: units in order while free slots last and, with a
-    fixed pool, while its free pages cover what they take at once and no group was
-    preempted since a group last left its slot (``closed``: otherwise the preempted group
-    would come straight back and be preempted again). The first unit of an empty engine
-    always fits: the pool holds one group's whole budget."""
-    busy = any(u is not None for u in slot_unit)
-    if not free or not units or (closed and busy):
-      return []
-    left = int(np.asarray(state.free).sum()) if self.fixed_pool else None
-    batch = []
-    for g in free:
-      if not units:
-        break
-      if left is not None:
-        need = self._pages_now(units[0])
-        if need > left and (busy or batch):
-          break
-        left -= need
-      batch.append((g, units.popleft()))
-    return batch
-
-  def _grow(self, state, want: int):
-    """A growing pool doubled (up to every sample's budget) until ``want`` pages are free."""
-    grown = kv_cache.grow_pool(state, want, self.max_pool_pages, ctx=self.ctx)
-    if grown.free.shape[0] > state.free.shape[0]:
-      self.pool_pages = grown.free.shape[0]  # later calls start at this size
-      self.stats["pool_growths"] += 1
-    return grown
-
-  def _make_room(self, state, slot_unit, order, units):
-    """The live-page bucket of the next decode call, with pages for its first step.
-
-    A short pool grows (doubling, up to every sample's budget) or, when fixed, gives up
-    the most recently admitted group: its samples (partial tokens kept) go back to the
-    front of ``units`` and resume by recompute. Returns (state, bucket), or (state, None)
-    after a preemption.
-    """
-    length, reason, active, table, free = jax.device_get(
-        (state.length, state.reason, state.active, state.pages, state.free))
-    run = (reason == kv_cache.RUNNING) & active[:, None]
-    cur = np.maximum(length - 1, 0)
-    live = pages.live_bucket(int(cur[run].max(initial=0)) + 1, self.S, self.NP)
-    want = pages.next_token_pages(run, length, table, self.S)
-    if want <= free.sum():
-      return state, live
-    if not self.fixed_pool:
-      return self._grow(state, want), live
-    g = max((g for g, u in enumerate(slot_unit) if u is not None and run[g].any()),
-            key=lambda g: order[g])
-    unit = slot_unit[g]
-    slots.collect(state, [g], slot_unit)
-    units.appendleft(unit)
-    self.stats["preemptions"] += 1
-    return self._release(state, [g]), None
-
-  def _init_state(self):
-    """An empty state of this engine's shapes. A pool of every sample's whole budget (a
-    growing pool's largest, or its first when max_new_tokens <= 256) gets the identity
-    table, its pages read in place (``decode_step``'s fast path)."""
-    self._identity = self.pool_plan.in_place(self.pool_pages)
-    return sampler.init_state(self.cfg, self.G, self.M, self.P, self.R, ctx=self.ctx,
-                              S=self.S, pages=self.pool_pages, identity=self._identity)
-
-  def _release(self, state, freed):
-    """Return the pages of slots ``freed`` to the pool and mark the slots inactive."""
-    rows = np.zeros(self.G, bool)
-    rows[list(freed)] = True
-    return kv_cache.release_slots(state, rows, identity=self._identity, ctx=self.ctx)
-
-  def _admit(self, params, state, batch, version, key, fresh=False):
-    """Prefill the (slot, unit) pairs of ``batch`` into their slots."""
-    Bn = min(self.G, pow2(len(batch), 4))  # coarse buckets: few admission compiles
-    Pb = min(self.P, pow2(max(len(u[0].prompt) for _, u in batch), 8))
-    a, resume = self._admission(batch, Bn, Pb)
-    shared = []
-    if self.share_prefixes:
-      resume, shared = slots.forks(a, resume)
-    state = self.admit_fn(self.cfg, params, state, sampler.Admission(**a), self.sp, version,
-                          key, filtered=self.filtered, fresh=fresh and Bn == self.G,
-                          ctx=self.ctx)
-    if resume:
-      Br, T = self._resume_shape(len(resume), max(r[3] for r in resume))
-      res = slots.resume_rows(Br, T, self.G)
-      for r, (b, m, g, _) in enumerate(resume):
-        res.slot[r], res.sample[r], res.length[r] = g, m, a["length"][b, m]
-        res.tokens[r] = a["tokens"][b, m, :T]
-      state = sampler.resume(self.cfg, params, state, res, ctx=self.ctx)
-    if shared:
-      F = pow2(len(shared), 4)  # a few fork programs
-      rows = np.zeros((4, F), np.int32)
-      rows[0] = self.G  # padding rows
-      rows[:, :len(shared)] = np.asarray(shared, np.int32).T
-      state = kv_cache.fork_samples(state, *rows, identity=self._identity, ctx=self.ctx)
-      self.stats["forked_samples"] += len(shared)
-      self.stats["fork_tokens_shared"] += sum(n for *_, n in shared)
-    return state
-
-  def _admission(self, batch, Bn: int, Pb: int):
-    """``slots.admission`` for this engine's shapes."""
-    return slots.admission(batch, Bn, Pb, G=self.G, M=self.M, R=self.R,
-                           max_new_tokens=self.max_new_tokens)
-
-  def _resume_shape(self, rows: int, longest: int) -> tuple[int, int]:
-    """``slots.resume_shape`` for this engine's shapes."""
-    return slots.resume_shape(rows, longest, G=self.G, M=self.M, R=self.R)
-
   def warmup(self, params) -> int:
-    """Compile every shape this engine can meet, so no later call compiles.
-
-    Admission buckets (groups x prompt length, and the all-slots-free variant), resume
-    buckets (samples x response length) and the decode loop at the first live-page bucket
-    (longer responses compile one program per further power-of-two bucket when they reach
-    it), run once on padding rows.
+    """Compile every shape this engine can meet, so no later call compiles
+    (``loop.warmup``: admission, resume and fork buckets, the decode loop at the first
+    live-page bucket; longer responses compile one program per further power-of-two bucket
+    when they reach it).
 
     Returns:
       The number of jitted programs traced (0 if all were already compiled).
     """
-    before = sum(sampler.TRACE_COUNTS.values())
-    params = self.prepare_params(params)
-    key, version = jax.random.key(self.seed, impl="threefry2x32"), jnp.int32(0)
-    state = self._init_state()
-    for Bn in slots.buckets(4, self.G):
-      for Pb in slots.buckets(8, self.P):
-        for fresh in ((False, True) if Bn == self.G else (False,)):
-          a, _ = self._admission([], Bn, Pb)
-          state = self.admit_fn(self.cfg, params, state, sampler.Admission(**a), self.sp,
-                                version, key, filtered=self.filtered, fresh=fresh,
-                                ctx=self.ctx)
-    for Br, T in slots.resume_shapes(G=self.G, M=self.M, R=self.R):
-      state = sampler.resume(self.cfg, params, state, slots.resume_rows(Br, T, self.G),
-                             ctx=self.ctx)
-    state = self._release(state, range(self.G))
-    live = pages.live_bucket(1, self.S, self.NP)
-    state, _ = sampler.decode(self.cfg, params, state, self.sp, version, jnp.int32(1),
-                              jnp.int32(1), filtered=self.filtered, ctx=self.ctx, live=live,
-                              identity=self._identity)
-    self._programs.add((live, self.pool_pages))
-    jax.block_until_ready(state)
-    return sum(sampler.TRACE_COUNTS.values()) - before
+    return warmup(self, self.prepare_params(params))
 
   # ---------------------------------------------------------------- APRIL
   def rollout_groups(self, params, prompts: Iterable[Sequence[int]], k_groups: int, *,

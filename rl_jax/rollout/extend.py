@@ -1,5 +1,6 @@
-"""Device pieces of multi-turn rollouts: incremental prefill of observation chunks onto the
-per-sample KV cache (``extend``) and a decode loop that stops at turn ends (``decode_turns``).
+"""Incremental prefill of multi-turn rollouts: an observation chunk onto the sample's pages
+of the KV cache (``extend``); the turns themselves are decoded by ``decode.decode``, which
+stops when a turn ends.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (G group slots, M samples per
 slot, P prefix cache length, R response (trajectory) cache length, L layers, K kv heads,
@@ -31,12 +32,11 @@ import jax.numpy as jnp
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import pages, sampling
-from rl_jax.rollout.decode import can_step, decode_step
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 from rl_jax.rollout.prefill import run_trunk
 
-__all__ = ["Extension", "decode_turns", "extend"]
+__all__ = ["Extension", "extend"]
 
 
 class Extension(NamedTuple):
@@ -144,46 +144,3 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
         budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason))
     return constrain_state(new), logits
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live", "identity"),
-                   donate_argnames=("state",))
-def decode_turns(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
-                 stop_count, filtered: bool, ctx=None, live: int | None = None,
-                 identity: bool = False) -> tuple[DecodeState, jax.Array]:
-  """Decode inside one ``lax.while_loop`` until ``stop_count`` samples end their turn.
-
-  A sample's turn ends on an end-of-turn id (``sp.eos_ids``) or at its ``budget``; it then
-  leaves the decode batch (``decode_step`` skips samples that are not RUNNING) until the
-  host appends its observation with ``extend``.
-
-  Args:
-    params: model parameters (jit argument). state: DecodeState (donated).
-    sp: SamplingParams. version: int32 policy version recorded for new tokens.
-    max_steps, stop_count: int32 scalars (traced): stop after ``max_steps`` steps, once
-      ``stop_count`` of the samples running at entry have stopped, or when none runs (or
-      when the next step cannot run: ``decode.can_step``).
-    filtered: static; top-k/top-p active. live: static live-page bucket (None = all pages).
-    identity: static; the table is ``init_state(identity=True)``'s (``decode_step``).
-  Returns:
-    (state, steps run).
-  """
-  TRACE_COUNTS["decode_turns"] += 1
-  with mesh_context(ctx):
-    running = lambda s: jnp.sum((s.reason == RUNNING) & s.active[:, None])
-    at_entry = running(state)
-    layers = tx.unstack_layers(params)
-
-    def cond(carry):
-      s, step = carry
-      n = running(s)
-      return (n > 0) & (step < max_steps) & (at_entry - n < stop_count) & can_step(s, nb)
-
-    nb = state.pages.shape[-1] if live is None else live
-
-    def body(carry):
-      s, step = carry
-      return (decode_step(cfg, params, layers, s, sp, version, filtered, nb, identity),
-              step + 1)
-
-    return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))

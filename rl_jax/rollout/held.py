@@ -9,7 +9,7 @@ token sampled more than η versions before the current policy. The uid counter n
 groups; uids seed every token's uniforms, so a resumed run continues the count
 (``next_uid``, ``replace``).
 
-A group is the engine's record (``records.GroupRequest`` or ``agent_loop.Group``: anything
+A group is the engine's record (``records.GroupRequest`` or ``loop.Group``: anything
 with ``done`` and ``resumed``), and restarting one of its samples is the engine's too (a
 single-turn sample drops its tokens; a multi-turn one also resets its environment); the
 serving order, the bound, the lag counters and the uid counter are here.

@@ -27,14 +27,15 @@ for softmax" (log-sum-exp merge); DualKV (shared-prompt attention for RL, 2025).
 from __future__ import annotations
 
 from pallas_kernels.lse_attention import merge_partials
-from rl_jax.rollout.decode import decode, decode_attention, decode_step, paged_decode_attention
+from rl_jax.rollout.decode import (NEVER, decode, decode_attention, decode_step,
+                                   paged_decode_attention)
 from rl_jax.rollout.kv_cache import (CACHE_AXES, EOS, LENGTH, REASON_NAMES, RUNNING, STOP,
                                      TRACE_COUNTS, DecodeState, cast_params, init_state,
                                      kv_cache_bytes)
 from rl_jax.rollout.prefill import (Admission, Resume, admit, admit_for, admit_with,
                                      grouped_attention, resume)
 
-__all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
+__all__ = ["CACHE_AXES", "EOS", "LENGTH", "NEVER", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "Admission", "DecodeState", "Resume", "admit", "admit_for", "admit_with", "cast_params",
            "decode", "decode_attention", "decode_step", "grouped_attention", "init_state",
            "kv_cache_bytes", "merge_partials", "paged_decode_attention", "resume"]

@@ -1,8 +1,8 @@
 """Continuous batching of concurrent HTTP requests over the rollout engine.
 
 One thread owns the device work. Each distinct sampling setting (temperature, top-p, top-k)
-is a *lane*: an ``AgentEngine`` (one sample per group, one turn per episode) and its
-scheduling loop (``agent_loop.Loop``), kept across requests. A request's n choices are n
+is a *lane*: an ``AgentEngine`` (one sample per group; each choice a single-turn group,
+which ends with its first turn) and its scheduling loop (``loop.Loop``), kept across requests. A request's n choices are n
 groups queued on its lane; every iteration of the thread admits queued groups into free
 slots (prefill), decodes every running sample a few steps (``poll_steps``) and reports the
 new tokens of each choice, so requests that arrive while others decode join the batch at the
@@ -35,10 +35,9 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from rl_jax.envs.base import StepResult
 from rl_jax.rollout.agent import AgentEngine
-from rl_jax.rollout.agent_loop import DONE, RUN, Group, Loop
-from rl_jax.rollout.agent_records import EpisodeSpec, Trajectory
+from rl_jax.rollout.loop import DONE, RUN, Group, Loop
+from rl_jax.rollout.agent_records import Trajectory
 
 __all__ = ["Chunk", "Request", "Sampling", "Scheduler", "stream_id"]
 
@@ -64,18 +63,6 @@ class Chunk:
   ids: list[int]
   logprobs: list[float]
   finish: str | None = None
-
-
-class _Reply:
-  """The one-turn "environment" of a request: the episode ends with the first turn."""
-
-  tools = ()
-
-  def reset(self, example, seed):  # pragma: no cover - the scheduler builds groups itself
-    return ()
-
-  def step(self, action: str) -> StepResult:
-    return StepResult(done=True)
 
 
 def stream_id(*words: int) -> int:
@@ -143,7 +130,8 @@ class _Lane:
   def add(self, req: Request, streams: Sequence[int]) -> None:
     for i, stream in enumerate(streams):
       uid = next(self.uids)
-      grp = Group(uid, list(req.prompt), [Trajectory(_Reply(), [])], EpisodeSpec(_Reply))
+      # a one-turn group without an episode: the choice ends with its first turn
+      grp = Group(uid, list(req.prompt), [Trajectory(None, [])], None)
       grp.stream, grp.max_turn = stream, req.max_tokens
       choice = _Choice(i, grp)
       req.choices.append(choice)

@@ -84,12 +84,11 @@ from rl_jax import rollout
 from rl_jax import sharding
 from rl_jax import storage
 from rl_jax.errors import ConfigError, RLJaxError
-from rl_jax.rollout import agent_loop
+from rl_jax.rollout import loop as loop_lib
 from rl_jax.rollout import extend as extend_lib
 from rl_jax.rollout import kv_cache
 from rl_jax.rollout import records
 from rl_jax.rollout import sampler as sampler_lib
-from rl_jax.rollout import slots as slots_lib
 from rl_jax.train import memory
 from rl_jax.train import state as state_lib
 from rl_jax.train.context import Setup, build_setup, mesh_shape
@@ -491,10 +490,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   key = jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32"))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
   Bn = min(G, records.pow2(min(groups, G), 4))  # the engine's admission bucket
-  if agent:
-    a, _ = agent_loop.admission(engine, [], Bn, P)
-  else:
-    a, _ = slots_lib.admission([], Bn, P, G=G, M=M, R=R, max_new_tokens=engine.max_new_tokens)
+  a, _ = loop_lib.admission(engine, [], Bn, P)
   adm = sampler_lib.Admission(**{k: _spec(v, rep) for k, v in a.items()})
   prefill = _compile("prefill", engine.admit_fn.lower(
       cfg, params, state, adm, sp, i32, key, filtered=engine.filtered, fresh=Bn == G,
@@ -508,12 +504,13 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                   "shape": {"rows": Bn, "tokens": P},
                   "note": f"{Bn} groups x {P} prompt tokens"},
   }
+  # one decode call (both engines' loop) at every page live
+  decode = _compile("decode", sampler_lib.decode.lower(
+      cfg, params, state, sp, i32, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
+      live=NP, identity=identity))
   if agent:
-    # one decode call of the turn loop at every page live, and the observations' incremental
-    # prefill at its largest bucket (every sample of the slots, the longest observation)
-    decode = _compile("decode", extend_lib.decode_turns.lower(
-        cfg, params, state, sp, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
-        live=NP, identity=identity))
+    # and the observations' incremental prefill at its largest bucket (every sample of the
+    # slots, the longest observation)
     C = min(R, records.pow2(engine.max_obs + 2, 16))
     Be = records.pow2(rows, 4)
     ext = extend_lib.Extension(*(_spec(np.zeros(shape, np.int32), rep) for shape in (
@@ -528,9 +525,6 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                           "note": f"{Be} samples x {C} observation tokens, each turn after "
                                   "the first"}
   else:
-    decode = _compile("decode", sampler_lib.decode.lower(
-        cfg, params, state, sp, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
-        live=NP))
     programs["decode"] = {"program": decode, "params": weights, "calls": engine.max_new_tokens,
                           "shape": {"rows": rows},
                           "note": f"one step of the loop x R={engine.max_new_tokens} steps, "

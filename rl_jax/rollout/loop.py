@@ -1,11 +1,19 @@
-"""The scheduling loop of ``AgentEngine`` (one ``rollout`` call) and its group records.
+"""The scheduling loop of both rollout engines (one ``run`` call) and its group records.
 
 Each iteration: apply returned environment steps (``collect``), fill free slots (groups
 returning from eviction first, then new groups; ``admit``, evicting groups whose KV
-time-to-live expired when work waits), append returned observations by incremental prefill
-(``extend``), record turns that ended and submit their environment steps (``turn_ends``),
-and decode until the next turn ends (``decode``). With ``turn_sync`` the loop waits at each
-turn for every environment step of the resident samples before anything continues.
+time-to-live expired when work waits; resumed samples are re-prefilled or forked from a
+sample of their group whose tokens begin theirs), append returned observations by
+incremental prefill (``extend``), record turns that ended and submit their environment
+steps (``turn_ends``), and decode until the next turn ends (``decode``). With ``turn_sync``
+the loop waits at each turn for every environment step of the resident samples before
+anything continues.
+
+A single-turn request is the one-turn case: a group without an episode (``spec`` None)
+ends each sample with its first turn (an end id, a stop sequence or its budget: the
+sampler's finish reason), and the decode call runs until a slot's samples have all finished
+while work waits (or until enough groups are complete), as no environment needs a turn's
+end. ``RolloutEngine`` (``engine``) and ``AgentEngine`` (``agent``) both run this loop.
 
 With a deterministic engine the loop keeps a clock of decode steps: a step submitted at
 clock t returns at t + ``result_delay`` (the loop blocks if the tool is later; a decode call
@@ -33,23 +41,35 @@ from rl_jax.rollout import kv_cache, pages, prefill, slots
 from rl_jax.rollout.agent_records import (AgentRollout, Trajectory, assemble_trajectories,
                                           error_count, error_kinds)
 from rl_jax.rollout.env_pool import observation_ids
-from rl_jax.rollout.extend import Extension, decode_turns, extend
+from rl_jax.rollout.kv_cache import REASON_NAMES
+from rl_jax.rollout.decode import NEVER, decode
+from rl_jax.rollout.extend import Extension, extend
 from rl_jax.rollout.records import pow2
 
 __all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "admission",
-           "apply_outcome", "apply_outcomes", "poll_outcomes"]
+           "apply_outcome", "apply_outcomes", "poll_outcomes", "warmup"]
 
 RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host status
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
-             "reprefill_tokens", "decode_calls", "preemptions", "prefix_pages_shared")
+             "reprefill_tokens", "decode_calls", "preemptions", "prefix_pages_shared",
+             "forked_samples", "fork_tokens_shared")
 
 
 class Group:
-  """A group in flight: its samples' trajectories and scheduling status."""
+  """A group in flight: its samples' trajectories and scheduling status.
 
-  def __init__(self, uid: int, prompt: list[int], trajs: list[Trajectory], spec):
+  ``spec`` is the episode (None: a single-turn request, whose samples end with their first
+  turn). ``owner`` is what ``Loop.run`` counts as complete once all its groups are (the
+  group itself; a single-turn engine's ``GroupRequest``, split over several groups in the
+  replicated layout). ``sample_ids`` are the samples' ids in their random streams.
+  """
+
+  def __init__(self, uid: int, prompt: list[int], trajs: list[Trajectory], spec, *,
+               owner=None, sample_ids=None):
     self.uid, self.prompt, self.trajs, self.spec = uid, prompt, trajs, spec
-    self.meta = spec.meta
+    self.meta = None if spec is None else spec.meta
+    self.owner = self if owner is None else owner
+    self.sample_ids = list(range(len(trajs))) if sample_ids is None else list(sample_ids)
     self.stream = uid  # the random stream's request id (``sampling.stream_words``)
     self.max_turn: int | None = None  # model tokens per turn (None: the engine's)
     M = len(trajs)
@@ -74,22 +94,16 @@ class Group:
 
 
 def admission(e, batch, Bn: int, Pb: int):
-  """Admission arrays of the ``AgentEngine`` ``e`` for ``batch``, (slot, group) pairs, at
-  Bn rows and Pb prompt tokens, and the samples whose K/V is rebuilt: (slot, sample, ids).
-  A fresh sample's turn budget and start are set on its group here."""
-  M, R = e.M, e.R
-  a = dict(slots=np.full(Bn, e.G, np.int32), prompt=np.zeros((Bn, Pb), np.int32),
-           prompt_len=np.ones(Bn, np.int32), tokens=np.zeros((Bn, M, R), np.int32),
-           logprobs=np.zeros((Bn, M, R), np.float32),
-           versions=np.full((Bn, M, R), -1, np.int32), length=np.zeros((Bn, M), np.int32),
-           reason=np.zeros((Bn, M), np.int32),
-           budget=np.full((Bn, M), min(e.max_turn, e.max_total), np.int32),
-           request_id=np.zeros(Bn, np.int32), sample_id=np.tile(np.arange(M, dtype=np.int32),
-                                                                (Bn, 1)))
+  """Admission arrays of the engine ``e`` for ``batch``, (slot, group) pairs, at Bn rows and
+  Pb prompt tokens, and the samples whose K/V is rebuilt: (row, sample, slot, cached
+  positions) as ``slots.forks`` takes them. A fresh sample's turn budget and start are set
+  on its group here."""
+  a = slots.admission_rows(Bn, Pb, G=e.G, M=e.M, R=e.R, budget=min(e.max_turn, e.max_total))
   rebuild = []
   for b, (g, grp) in enumerate(batch):
     a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
     a["prompt"][b, :len(grp.prompt)] = grp.prompt
+    a["sample_id"][b] = grp.sample_ids
     a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
     for m, t in enumerate(grp.trajs):
       n = len(t.tokens)
@@ -102,12 +116,17 @@ def admission(e, batch, Bn: int, Pb: int):
       if grp.status[m] != RUN:
         a["reason"][b, m] = kv_cache.EOS  # waiting or done: not decoding
       if grp.status[m] != DONE and n > 1:
-        rebuild.append((g, m, t.tokens))
+        rebuild.append((b, m, g, n - 1))
   return a, rebuild
 
 
 class Loop:
-  """One ``rollout`` call: the scheduling loop over the engine's slots."""
+  """One rollout call: the scheduling loop over the engine's slots.
+
+  The engine ``eng`` gives the shapes and programs (``cfg``, ``G``, ``M``, ``P``, ``R``,
+  ``S``, ``pool_plan``, ``sp``, ``admit_fn``, ...) and, with environments, their pool
+  (``pool``; None for single-turn requests).
+  """
 
   def __init__(self, eng, params, policy_version: int):
     self.e, self.params = eng, params
@@ -136,32 +155,52 @@ class Loop:
         grp.due = [0] * len(grp.due)
     self.sync = eng.schedule == "turn_sync"
     self.wait_s = 0.0
+    self.want = self.complete = 0  # owners to complete in ``run``, and completed so far
     # decode steps per call when no environment step is pending (None: until a turn ends);
     # a server bounds it so that new requests join and tokens stream every few steps
     self.chunk_steps: int | None = None
 
   def run(self, groups: list[Group], min_complete: int | None = None):
-    """Serve ``groups`` until ``min_complete`` are complete (None = all).
+    """Serve ``groups`` until ``min_complete`` of their owners are complete (None = all).
 
     Returns:
-      (complete groups in completion order, unfinished groups in submission order: their
-      partial turns are copied back to the host and their slots freed).
+      (complete owners in completion order, unfinished owners in submission order: their
+      groups' partial turns are copied back to the host and their slots freed). An owner is
+      its group unless the group names another (``Group.owner``).
     """
     t0 = time.perf_counter()
-    want = len(groups) if min_complete is None else min(min_complete, len(groups))
+    owners, parts = {}, collections.defaultdict(list)
+    for grp in groups:
+      owners.setdefault(id(grp.owner), grp.owner)
+      parts[id(grp.owner)].append(grp)
+    self.want = len(owners) if min_complete is None else min(min_complete, len(owners))
     # results an earlier call's steps left first (a deterministic engine applies them all,
     # as ``export_held`` does), so a group they complete is complete before anything runs
     self.collect()
     self.queue.extend(g for g in groups if not g.done)
-    complete = [g for g in groups if g.done]
-    while len(complete) < want:
+    complete, seen, done = [], set(), set()
+
+    def harvest():
+      # owners complete in the order their groups finish: without environments, groups
+      # finished by one decode call in slot order (those finished before it first)
+      new = [g for g in groups if g.done and id(g) not in done]
+      if self.e.pool is None:
+        new.sort(key=lambda g: -1 if g.slot is None else g.slot)
+      for grp in new:
+        done.add(id(grp))
+        k = id(grp.owner)
+        if k not in seen and all(g.done for g in parts[k]):
+          seen.add(k)
+          complete.append(grp.owner)
+      self.complete = len(complete)
+
+    harvest()
+    while len(complete) < self.want:
       self.step()
-      seen = {id(g) for g in complete}
-      complete += [g for g in groups if g.done and id(g) not in seen]
+      harvest()
     self.hold()
     self.stats["seconds"] = time.perf_counter() - t0
-    done = {id(g) for g in complete}
-    return complete, [g for g in groups if id(g) not in done]
+    return complete, [o for k, o in owners.items() if k not in seen]
 
   def hold(self, only: int | None = None):
     """Copy the partial turns of decoding samples to their records; free every slot (or
@@ -169,15 +208,27 @@ class Loop:
     resident = [(g, grp) for g, grp in self.resident() if only is None or g == only]
     live = [(g, m, grp) for g, grp in resident for m, s in enumerate(grp.status) if s == RUN]
     if live:
-      host = jax.device_get((self.state.tokens, self.state.logprobs, self.state.versions,
-                             self.state.length))
+      host = self.host_tokens()
       for g, m, grp in live:
-        t, n1 = grp.trajs[m], int(host[3][g, m])
-        n0 = len(t.tokens)
-        t.append(host[0][g, m, n0:n1], host[1][g, m, n0:n1], host[2][g, m, n0:n1], True,
-                 len(t.actions))
+        self.take_tokens(host, g, m, grp)
     for g, grp in resident:
       self.free_slot(g, grp)
+
+  def host_tokens(self):
+    """The state's tokens, log-probs, versions, lengths and expert records, on the host."""
+    s = self.state
+    return jax.device_get((s.tokens, s.logprobs, s.versions, s.length, s.routing))
+
+  def take_tokens(self, host, g: int, m: int, grp: Group) -> None:
+    """Append sample m's tokens decoded in slot g since its record last grew (``host`` from
+    ``host_tokens``); a single-turn group keeps their expert records too."""
+    tokens, logprobs, versions, length, routing = host
+    t, n1 = grp.trajs[m], int(length[g, m])
+    n0 = len(t.tokens)
+    t.append(tokens[g, m, n0:n1], logprobs[g, m, n0:n1], versions[g, m, n0:n1], True,
+             len(t.actions))
+    if routing is not None and grp.spec is None:
+      t.routing = slots.merged_routing(t.routing, routing[g, m, :n1])
 
   def fit(self, need) -> None:
     """A fixed pool: preempt the most recently admitted resident groups until ``need()``
@@ -266,6 +317,9 @@ class Loop:
   def wait(self) -> None:
     """Block on the environments (nothing to decode); the time is ``stats["env_wait_s"]``,
     the environment time not hidden behind decoding."""
+    if self.e.pool is None:
+      raise RuntimeError("the rollout loop has nothing to decode and no environment step "
+                         "to wait for")
     t0 = time.perf_counter()
     self.e.pool.wait(0.02)
     self.wait_s += time.perf_counter() - t0
@@ -274,7 +328,9 @@ class Loop:
     """Apply returned environment steps: rewards, counters, observation chunks (with a
     deterministic engine: the steps due by the clock, in a fixed order, waiting for late
     ones)."""
-    if self.e.deterministic:
+    if self.e.pool is None:
+      outcomes = False
+    elif self.e.deterministic:
       outcomes = self.due_outcomes()
     else:
       outcomes = poll_outcomes(self.e, self.stats)
@@ -352,21 +408,46 @@ class Loop:
     Bn = min(e.G, pow2(len(batch), 4))
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = admission(self.e, batch, Bn, Pb)
+    shared = []
+    if e.share_prefixes:
+      rebuild, shared = slots.forks(a, rebuild)
     self.give_back()
-    self.room(sum(-(-(len(t) - 1) // e.S) for *_, t in rebuild))
+    self.room(sum(group_pages(e, grp) for _, grp in batch))
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
-                            self.version, self.key, filtered=e.filtered, ctx=e.ctx)
-    if rebuild:  # re-prefill evicted samples from their full history
-      Br, T = slots.resume_shape(len(rebuild), max(len(t) for *_, t in rebuild), G=e.G,
-                                 M=e.M, R=e.R)
-      for i in range(0, len(rebuild), Br):
-        res = slots.resume_rows(Br, T, e.G)
-        for r, (g, m, toks) in enumerate(rebuild[i:i + Br]):
-          res.slot[r], res.sample[r], res.length[r] = g, m, len(toks)
-          res.tokens[r, :len(toks)] = toks
-          self.stats["reprefill_tokens"] += len(toks) - 1
-        self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
+                            self.version, self.key, filtered=e.filtered,
+                            fresh=not busy and Bn == e.G, ctx=e.ctx)
+    self.reprefill(a, rebuild)
+    self.fork(shared)
     return True
+
+  def reprefill(self, a, rebuild) -> None:
+    """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens."""
+    if not rebuild:
+      return
+    e = self.e
+    Br, T = slots.resume_shape(len(rebuild), max(n for *_, n in rebuild), G=e.G, M=e.M,
+                               R=e.R)
+    for i in range(0, len(rebuild), Br):
+      res = slots.resume_rows(Br, T, e.G)
+      for r, (b, m, g, n) in enumerate(rebuild[i:i + Br]):
+        res.slot[r], res.sample[r], res.length[r] = g, m, n + 1
+        res.tokens[r] = a["tokens"][b, m, :T]  # the n cached positions (T >= n)
+        self.stats["reprefill_tokens"] += n
+      self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
+
+  def fork(self, shared) -> None:
+    """Give resumed samples the pages of a sample of their group whose tokens begin theirs
+    (``slots.forks``: whole pages shared, the partial last one copied)."""
+    if not shared:
+      return
+    e = self.e
+    F = pow2(len(shared), 4)  # a few fork programs
+    rows = np.zeros((4, F), np.int32)
+    rows[0] = e.G  # padding rows
+    rows[:, :len(shared)] = np.asarray(shared, np.int32).T
+    self.state = kv_cache.fork_samples(self.state, *rows, identity=self.identity, ctx=e.ctx)
+    self.stats["forked_samples"] += len(shared)
+    self.stats["fork_tokens_shared"] += sum(n for *_, n in shared)
 
   def evict(self, need: int) -> list[int]:
     """Free up to ``need`` slots whose groups all wait on environments past the TTL."""
@@ -392,6 +473,8 @@ class Loop:
     e = self.e
     ready = lambda: [(g, m, grp) for g, grp in self.resident()
                      for m, s in enumerate(grp.status) if s == READY]
+    if not ready():
+      return False
     self.fit(lambda: sum(-(-(len(grp.chunk[m]) + 1) // e.S) + 1 for _, m, grp in ready()))
     rows = ready()
     if not rows:
@@ -419,26 +502,33 @@ class Loop:
     return True
 
   def decode(self):
-    """Decode until a turn ends (continuous) or every turn of the batch ends (turn_sync)."""
+    """Decode until a turn ends (continuous) or every turn of the batch ends (turn_sync);
+    without environments, until a slot's samples have all finished while work waits, else
+    until enough groups are complete."""
     e = self.e
     self.give_back()  # slots freed since the last admission stop decoding
-    poll = not self.sync and len(e.pool) > 0
+    poll = e.pool is not None and not self.sync and len(e.pool) > 0
     steps = e.poll_steps if poll else (self.chunk_steps or e.R)
     if e.deterministic:  # decode up to the next result due
       due = self.pending_due()
       steps = max(due[0][0] - self.clock, 1) if due else (self.chunk_steps or e.R)
-    stop = e.G * e.M if self.sync else 1
+    if e.pool is None:  # no turn's end needs the host: stop for a free slot's work
+      waiting = bool(self.queue) or any(grp.has(READY) for grp in self.evicted)
+      slots_done, stop = 1 if waiting else max(1, self.want - self.complete), NEVER
+    else:
+      slots_done, stop = NEVER, e.G * e.M if self.sync else 1
     self.fit(self.pages_for_next_token)
-    length, reason, active = jax.device_get((self.state.length, self.state.reason,
-                                             self.state.active))
+    length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
+                                                    self.state.active, self.state.pages))
     run = (reason == kv_cache.RUNNING) & active[:, None]
     if not run.any():
       return
-    self.room(int(run.sum()))  # a page for every running sample's next token
+    self.room(pages.next_token_pages(run, length, table, e.S))
     live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.R // e.S)
-    self.state, ran = decode_turns(e.cfg, self.params, self.state, e.sp, self.version,
-                                   jnp.int32(steps), jnp.int32(stop), filtered=e.filtered,
-                                   ctx=e.ctx, live=live, identity=self.identity)
+    self.state, ran = decode(e.cfg, self.params, self.state, e.sp, self.version,
+                             jnp.int32(steps), jnp.int32(slots_done), jnp.int32(stop),
+                             filtered=e.filtered, ctx=e.ctx, live=live,
+                             identity=self.identity)
     self.stats["decode_calls"] += 1
     pool = int(self.state.free.shape[0])
     e.programs.add((live, pool))
@@ -455,24 +545,27 @@ class Loop:
     return pages.next_token_pages(run, length, table, self.e.S)
 
   def turn_ends(self) -> bool:
-    """Record the turns that ended on device and submit their environment steps."""
+    """Record the turns that ended on device: a single-turn sample is finished (with the
+    sampler's reason), a multi-turn one submits its environment step."""
     e = self.e
     live = [(g, m, grp) for g, grp in self.resident() for m, s in enumerate(grp.status)
             if s == RUN]
     if not live:
       return False
-    reason, length = jax.device_get((self.state.reason, self.state.length))
+    reason = np.asarray(jax.device_get(self.state.reason))
     ended = [(g, m, grp) for g, m, grp in live if reason[g, m] != kv_cache.RUNNING]
     if not ended:
       return False
-    tokens, logprobs, versions = jax.device_get((self.state.tokens, self.state.logprobs,
-                                                 self.state.versions))
+    host = self.host_tokens()
     now = self.now()
     for g, m, grp in ended:
       t = grp.trajs[m]
-      n0, n1 = len(t.tokens), int(length[g, m])
-      new = tokens[g, m, n0:n1]
-      t.append(new, logprobs[g, m, n0:n1], versions[g, m, n0:n1], True, len(t.actions))
+      n0, n1 = len(t.tokens), int(host[3][g, m])
+      self.take_tokens(host, g, m, grp)
+      if grp.spec is None:
+        t.finish, grp.status[m] = REASON_NAMES[int(reason[g, m])], DONE
+        continue
+      new = t.tokens[n0:n1]
       stopped = reason[g, m] == kv_cache.EOS and int(new[-1]) in e.stop
       grp.cut[m] = not stopped
       t.truncated_turn |= not stopped and n1 < e.max_total
@@ -487,6 +580,42 @@ class Loop:
       grp.status[m], grp.since[m] = WAIT, now
       grp.due[m] = self.clock + e.result_delay
     return True
+
+
+def warmup(e, params) -> int:
+  """Compile every program the loop runs for engine ``e`` on padding rows, so no rollout
+  call compiles: admission buckets (groups x prompt length, and the all-slots-free variant),
+  re-prefill buckets (samples x tokens), with environments the observations' extension
+  buckets (samples x chunk length), and the decode loop at the first live-page bucket
+  (longer trajectories compile one program per further power-of-two bucket when they reach
+  it). ``params``: sampler parameters. Returns the number of programs traced."""
+  before = sum(kv_cache.TRACE_COUNTS.values())
+  key, version = jax.random.key(e.seed, impl="threefry2x32"), jnp.int32(0)
+  identity = e.pool_plan.in_place(e.pool_pages)  # as ``Loop`` decides it
+  state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
+                              identity=identity)
+  for Bn in slots.buckets(4, e.G):
+    for Pb in slots.buckets(8, e.P):
+      for fresh in ((False, True) if Bn == e.G else (False,)):
+        a, _ = admission(e, [], Bn, Pb)
+        state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
+                           filtered=e.filtered, fresh=fresh, ctx=e.ctx)
+  for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R):
+    state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G), ctx=e.ctx)
+  if e.pool is not None:
+    for Be in slots.buckets(4, e.G * e.M):
+      for C in slots.buckets(16, min(e.R, pow2(e.max_obs + 2, 16))):
+        x = Extension(np.full(Be, e.G, np.int32), np.zeros(Be, np.int32), np.zeros(Be, np.int32),
+                      np.zeros((Be, C), np.int32), np.ones(Be, np.int32), np.zeros(Be, np.int32))
+        state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,
+                          ctx=e.ctx)
+  state = kv_cache.release_slots(state, np.ones(e.G, bool), identity=identity, ctx=e.ctx)
+  live = pages.live_bucket(1, e.S, e.R // e.S)
+  state, _ = decode(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
+                    jnp.int32(1), filtered=e.filtered, ctx=e.ctx, live=live, identity=identity)
+  e.programs.add((live, e.pool_pages))
+  jax.block_until_ready(state)
+  return sum(kv_cache.TRACE_COUNTS.values()) - before
 
 
 def group_pages(e, grp: Group) -> int:
