@@ -13,6 +13,8 @@ log-sum-exp; this kernel only walks each sample's own pages.
 Layouts (the pool layout of ``rl_jax/rollout/pages.py``):
   q        [B,K,J,H]      any float dtype
   k_pages  [Pg,K,H,S]     keys length-last: a page holds one kv head's keys as [H,S]
+                          (``keys_by_row``: the TPU kernel reads them as [S,H], for a pool
+                          laid out with H minor)
   v_pages  [Pg,K,S,H]
   table    int32 [B,nb]   page ids of each row's first nb pages; entry p holds positions
                           p·S .. p·S+S-1 of the row; -1 = no page (its positions
@@ -149,7 +151,8 @@ def paged_decode_reference(q, k_pages, v_pages, table, start, length, *, scale):
 
 
 def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
-                           platform: str | None = None, interpret: bool = False):
+                           platform: str | None = None, interpret: bool = False,
+                           keys_by_row: bool = False):
   """Paged decode attention and its log-sum-exp, by a Pallas kernel or the reference.
 
   Args:
@@ -160,6 +163,12 @@ def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
       ``jax.default_backend()``). "cpu" runs the reference unless ``interpret``.
     interpret: run the kernel in the Pallas interpreter (any host); on "cpu" (or None on a
       CPU host) it selects the TPU kernel.
+    keys_by_row: TPU kernel: read each key page as [S,H] (``k_pages`` with its last two axes
+      swapped) instead of [H,S]. Mosaic reads its operands in their row-major layout, so
+      this costs nothing where ``k_pages`` is laid out with H minor (``pages.h_minor``:
+      XLA:TPU's default layout for [..,H,S] when S is below the 128 lanes and H a multiple
+      of them) and saves the copy of the whole pool into the [H,S] layout that the kernel
+      would need per call. The same values either way; the other implementations ignore it.
 
   Returns:
     out float32 [B,K,J,H] normalised over the row's valid positions (0 where a row has
@@ -177,8 +186,10 @@ def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
   args = (q, k_pages, v_pages, *_ints(table, start, length))
   if impl == "reference":
     return _reference(*args, scale=float(scale))
-  kernel = _tpu_attention if impl == "tpu" else _gpu_attention
-  return kernel(*args, scale=float(scale), interpret=interpret)
+  if impl == "gpu":
+    return _gpu_attention(*args, scale=float(scale), interpret=interpret)
+  return _tpu_attention(*args, scale=float(scale), interpret=interpret,
+                        keys_by_row=bool(keys_by_row))
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,9 +233,9 @@ def _page_entry(p, start, length, nb: int, s_: int):
 
 
 def _tpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                m_sc, l_sc, acc_sc, *, scale, nb, dtype):
+                m_sc, l_sc, acc_sc, *, scale, nb, dtype, keys_by_row):
   b, p = pl.program_id(0), pl.program_id(2)
-  j_, s_ = q_ref.shape[0], k_ref.shape[1]
+  j_, s_ = q_ref.shape[0], v_ref.shape[0]
   start, length = start_ref[b], length_ref[b]
   page = table_ref[b * nb + p]
   # m and l live lane-broadcast in [J,128] scratch (lane-dense VMEM); [J,1] values.
@@ -238,7 +249,8 @@ def _tpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, ls
 
   @pl.when((p * s_ < length) & ((p + 1) * s_ > start) & (page >= 0))
   def _page():
-    s = _tiles.matmul(q_ref[...].astype(dtype), k_ref[...].astype(dtype)) * scale  # [J,S]
+    qk = _tiles.scores if keys_by_row else lambda q, k, c: _tiles.matmul(q, k) * c
+    s = qk(q_ref[...].astype(dtype), k_ref[...].astype(dtype), scale)  # [J,S]
     pos = p * s_ + lax.broadcasted_iota(jnp.int32, (j_, s_), 1)
     mask = (pos >= start) & (pos < length)
     m, l, acc = _tiles.online_softmax_step(column(m_sc), column(l_sc), acc_sc[...], s, mask,
@@ -252,11 +264,14 @@ def _tpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, ls
     lse_ref[...] = lanes(lse)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _tpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "keys_by_row"))
+def _tpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret,
+                   keys_by_row=False):
   b_, k_, j_, h_ = q.shape
   nb, s_ = table.shape[1], k_pages.shape[-1]
   dtype = _compute_dtype(q, k_pages, v_pages)
+  if keys_by_row:  # [Pg,K,S,H]: a relabelling of a pool laid out with H minor
+    k_pages = jnp.swapaxes(k_pages, -1, -2)
 
   def q_map(b, h, p, table_ref, start_ref, length_ref):
     return b, h, 0, 0
@@ -266,12 +281,13 @@ def _tpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpre
     return jnp.maximum(table_ref[b * nb + entry], 0), h, 0, 0
 
   out, lse = pl.pallas_call(
-      functools.partial(_tpu_kernel, scale=scale, nb=nb, dtype=dtype),
+      functools.partial(_tpu_kernel, scale=scale, nb=nb, dtype=dtype,
+                        keys_by_row=keys_by_row),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3,
           grid=(b_, k_, nb),
           in_specs=[pl.BlockSpec((None, None, j_, h_), q_map),
-                    pl.BlockSpec((None, None, h_, s_), page_map),
+                    pl.BlockSpec((None, None) + k_pages.shape[2:], page_map),
                     pl.BlockSpec((None, None, s_, h_), page_map)],
           out_specs=[pl.BlockSpec((None, None, j_, h_), q_map),
                      pl.BlockSpec((None, None, j_, _LANES), q_map)],

@@ -131,7 +131,7 @@ def test_sampler_decode_program_lowers_with_the_paged_kernel(platform, verified_
   jax.clear_caches()  # the platform is read at trace time: no trace for another one
   with pallas_kernels.target_platform("gpu" if platform == "cuda" else platform):
     exported = _export(lambda p, s, sp_, v, n, f: decode.decode(
-        cfg, p, s, sp_, v, n, f, filtered=filtered, live=R // page),
+        cfg, p, s, sp_, v, n, f, decode.NEVER, filtered=filtered, live=R // page),
         platform, (params, state, sp, i32, i32, i32))
   text = exported.mlir_module()
   assert _TARGETS[platform][1] in text and "paged_decode_attention" in text

@@ -114,20 +114,24 @@ KERNEL_CASES = [
 ]
 
 
-def _kernel(platform):
+def _kernel(platform, keys_by_row=False):
   def attn(*args):
     return pallas_kernels.paged_decode_attention(*args, scale=0.25, platform=platform,
-                                                 interpret=True)
+                                                 interpret=True, keys_by_row=keys_by_row)
   return attn
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("platform,keys_by_row", [("tpu", False), ("tpu", True),
+                                                  ("gpu", False)],
+                         ids=["tpu", "tpu-keys-by-row", "gpu"])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=["window", "shared"])
-def test_kernel_matches_reference(platform, case):
+def test_kernel_matches_reference(platform, keys_by_row, case):
+  """``keys_by_row``: the TPU kernel reads the key pages as [S,H] (the pool's last two axes
+  swapped, as ``rollout.decode`` passes a pool that XLA:TPU lays out with H minor)."""
   seed, b_, k_, j_, h_, s_, nb, pg, start, length, holes, shared = case
   args = _case(seed, b_, k_, j_, h_, s_, nb, pg, start, length, holes=holes, shared=shared)
   expected = pallas_kernels.paged_decode_reference(*args, scale=0.25)
-  got = _kernel(platform)(*args)
+  got = _kernel(platform, keys_by_row)(*args)
   _close(got, [np.asarray(x, np.float64) for x in expected], 1e-5)
 
 
@@ -217,17 +221,19 @@ def _abstract(b_, k_, j_, h_, s_, nb, pg, dtype=jnp.bfloat16, sharding=None):
           spec((b_,), jnp.int32))
 
 
-def _attention_for(platform, h_):
+def _attention_for(platform, h_, keys_by_row=False):
   def attn(*args):
-    return pallas_kernels.paged_decode_attention(*args, scale=h_ ** -0.5, platform=platform)
+    return pallas_kernels.paged_decode_attention(*args, scale=h_ ** -0.5, platform=platform,
+                                                 keys_by_row=keys_by_row)
   return attn
 
 
-def test_tpu_kernel_compiles_with_mosaic_for_a_v5e_chip():
+@pytest.mark.parametrize("keys_by_row", [False, True])
+def test_tpu_kernel_compiles_with_mosaic_for_a_v5e_chip(keys_by_row):
   pytest.importorskip("libtpu", reason="libtpu is part of the test extra")
   device = topology.topology_devices("v5e:1x1")[0]
   args = _abstract(*REAL, sharding=jax.sharding.SingleDeviceSharding(device))
-  compiled = jax.jit(_attention_for("tpu", REAL[3])).lower(*args).compile()
+  compiled = jax.jit(_attention_for("tpu", REAL[3], keys_by_row)).lower(*args).compile()
   assert topology.mosaic_kernels(compiled.as_text()) == ["paged_decode_attention"]
   out, lse = compiled.out_info
   assert out.shape == REAL[:4] and lse.shape == REAL[:3]

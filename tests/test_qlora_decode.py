@@ -2,8 +2,10 @@
 all-gathered inside the decode loop, where the layer runs, not before the loop for every
 layer at once (``quant.gathered``), and the decode on 8 fake devices draws the tokens and
 log-probs it draws on one. A bf16 LoRA base's decode gathers one layer's weights at a time
-(``transformer._sharded_stacks``): its temporaries do not grow with the layers."""
+(``transformer._sharded_stacks``): its temporaries do not grow with the layers, and each
+layer's response pool is written and read in the layout it is passed in (no copy)."""
 
+import dataclasses
 import re
 
 import jax
@@ -96,26 +98,28 @@ def _int4_gathers(lines: list[str]) -> set[str]:
           for dims in re.findall(r"= s4\[([\d,]*)\][^ =]* all-gather\(", line)}
 
 
-def _compile_decode(cfg, topology_name: str):
+def _compile_decode(cfg, topology_name: str, M=2, R=32, S=16, pages=None, live=None):
   """The sampler's decode of ``cfg`` (FSDP over the topology's chips) compiled for a TPU
-  topology by XLA:TPU, from abstract parameters and state (4 slots of 2 samples, prefix 16,
-  response 32 in pages of 16)."""
+  topology by XLA:TPU, from abstract parameters and state (4 slots of ``M`` samples, prefix
+  16, response ``R`` in pages of ``S``, a pool of ``pages`` pages (None: every sample's whole
+  budget), ``live`` pages read (None: all))."""
   from rl_jax.train import topology  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh(devices=topology.topology_devices(topology_name))
   ctx = (mesh, sharding.get_rules("fsdp"))
   shapes = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
   params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         shapes, models.param_shardings(cfg, mesh, "fsdp"))
-  G, M, P, R, S = 4, 2, 16, 32, 16
-  state = sampler_lib.init_state.lower(cfg, G, M, P, R, ctx, S=S).compile().out_info
+  G, P = 4, 16
+  state = sampler_lib.init_state.lower(cfg, G, M, P, R, ctx, S=S, pages=pages)
+  state = state.compile().out_info
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                        state)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=rep)
   sp = jax.tree.map(spec, records.sampling_params(cfg, 1.0, 0, 1.0, [3], None)[0])
   i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-  return sampler_lib.decode.lower(cfg, params, state, sp, i32, i32, i32, filtered=False,
-                                  ctx=ctx).compile()
+  return sampler_lib.decode.lower(cfg, params, state, sp, i32, i32, i32, i32, filtered=False,
+                                  ctx=ctx, live=live).compile()
 
 
 def test_int4_values_are_gathered_per_layer_inside_the_decode_loop():
@@ -154,6 +158,60 @@ def test_bf16_decode_gathers_one_layer_at_a_time():
     temp[layers] = _compile_decode(cfg, "v5e:2x2").memory_analysis().temp_size_in_bytes
   layer = 2 * (3 * D * F + 2 * D * N * H + 2 * D * K * H)  # one layer's weights, bf16
   assert (temp[4] - temp[2]) / 2 < 0.25 * layer, (temp, layer)
+
+
+def _relayouts(hlo: str, shapes: set[str]) -> list[str]:
+  """The copies among a compiled program's instructions that change the layout of an array
+  of one of ``shapes`` (e.g. "bf16[256,8,64,128]"), as "shape: from -> to"; copies that only
+  move it between memory spaces (XLA:TPU's prefetches, ``S(n)`` in the layout) are not."""
+  array = r"(\w+\[[\d,]*\])\{([^}]*)\}"
+  layout = lambda text: re.sub(r"S\(\d+\)", "", text)
+  defined, out = {}, []
+  for line in hlo.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
+    if not m:
+      continue
+    name, rest = m.groups()
+    first = re.match(array, rest)
+    if first:
+      defined[name] = first.groups()
+    copy = re.search(r" copy(-start)?\(%([\w.\-]+)\)", rest)
+    if copy is None:
+      continue
+    if copy.group(1):  # copy-start: (destination, source, context)
+      (dst_shape, dst), (_, src) = re.findall(array, rest)[:2]
+    else:
+      (dst_shape, dst), (_, src) = first.groups(), defined.get(copy.group(2), (None, None))
+    if dst_shape in shapes and layout(dst) != layout(src or dst):
+      out.append(f"{dst_shape}: {{{src}}} -> {{{dst}}}")
+  return out
+
+
+def test_decode_updates_each_layers_pool_in_place():
+  """The decode compiled for 4 v5e chips (FSDP, XLA:TPU; bf16, 8 kv heads of 128, pages of
+  64) at 2 and 4 layers: no copy of a layer's response pool anywhere, and the temporaries
+  grow by less than a quarter of one layer's pool per layer. XLA:TPU lays a key pool
+  [Pg,K,H,S] out with H minor (S below the 128 lanes); the paged kernel read [H,S] pages
+  and the token's K/V was scattered as [K,H] slabs, which wanted [Pg,S,K,H]: each layer's
+  pool was carried by the loop in that layout, copied into it before the loop and copied
+  into the kernel's in the body (temporaries 0.14 GiB more per layer for Qwen3-32B on v5e-8
+  with 256 pages). Now the kernel reads the key pages as [S,H] (``keys_by_row``) and the
+  scatter writes one [H] row per kv head (``pages.write``): the pool stays in the layout it
+  is passed in."""
+  pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu")
+  K, H, S, pages = 8, 128, 64, 256
+  temp = {}
+  for layers in (2, 4):
+    cfg = _cfg(layers=layers, hidden=512, inter=512, heads=16, kv_heads=K, head_dim=H,
+               vocab=256, quant="", param_dtype="bfloat16")
+    cfg = dataclasses.replace(cfg, dtype="bfloat16")
+    compiled = _compile_decode(cfg, "v5e:2x2", M=8, R=512, S=S, pages=pages, live=8)
+    pool = {f"bf16[{pages},{K},{H},{S}]", f"bf16[{pages},{K},{S},{H}]"}
+    copies = _relayouts(compiled.as_text(), pool)
+    assert not copies, copies[:2]
+    temp[layers] = compiled.memory_analysis().temp_size_in_bytes
+  pool_bytes = 2 * pages * K * H * S * 2  # one layer's keys and values, bf16
+  assert (temp[4] - temp[2]) / 2 < 0.25 * pool_bytes, (temp, pool_bytes)
 
 
 def test_sharded_layer_weights_are_reread_in_the_decode_loop():

@@ -154,9 +154,11 @@ def _pages_per_shard(scale: float):
   partition a kernel's custom call): rows over the rules' ``batch`` axes, kv heads over
   ``act_kv_heads``; each shard holds the pool's pages of its kv heads (the pool is not split
   over the batch axes: ``kv_cache.CACHE_AXES``)."""
-  attend = functools.partial(pallas_kernels.paged_decode_attention, scale=scale)
-
   def run(q, pool_k, pool_v, table, start, length):
+    # keys read as [S,H] pages where the pool is laid out with H minor (no copy)
+    by_row = pages.h_minor(pages.device_layout(pool_k))
+    attend = functools.partial(pallas_kernels.paged_decode_attention, scale=scale,
+                               keys_by_row=by_row)
     active = sharding.active()
     if active is None or active[0].size == 1 or pallas_kernels.current_platform() == "cpu":
       return attend(q, pool_k, pool_v, table, start, length)

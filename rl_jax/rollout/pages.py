@@ -29,20 +29,32 @@ pages are read page-major ([nb,G,M,..]): each page is one batch entry of the att
 matmuls, so no page is copied into a joined cache. A pool of every sample's whole budget uses
 ``identity_table`` (page-major too) and is read in place, without a gather.
 
+On TPU the pool keeps the layout XLA:TPU gives it by default (``device_layout``): with H a
+multiple of the 128 lanes and S below them, keys [Pg,K,H,S] are laid out with H minor, as
+[Pg,K,S,H], the values' layout. The decode writes a token's K/V one [H] row per kv head
+(``write``) and the paged kernel reads the key pages as [S,H] (``h_minor``), so neither
+copies the pool into another layout.
+
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention".
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Layout
 
-__all__ = ["allocate", "contiguous", "copy_pages", "fork", "grow", "grown_size",
-           "identity_table", "in_place", "live_bucket", "live_pages", "next_token_pages",
-           "pages_from_memory", "pages_needed", "release", "rows_need", "take_entry",
-           "usage_counters", "write", "write_rows"]
+import pallas_kernels
+from rl_jax import sharding
+
+__all__ = ["POOL_AXES", "allocate", "contiguous", "copy_pages", "device_layout", "fork", "grow",
+           "grown_size", "h_minor", "identity_table", "in_place", "live_bucket",
+           "live_pages", "next_token_pages", "pages_from_memory", "pages_needed", "release",
+           "rows_need", "take_entry", "usage_counters", "write", "write_rows"]
 
 
 def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
@@ -211,12 +223,57 @@ def write(pool_k, pool_v, page, offset, k, v):
   """Write token K/V onto pages: ``k``/``v`` [..,K,H] at (page [..], offset [..]).
 
   Tokens whose page is -1 (none) are dropped. Keys are stored [Pg,K,H,S], values [Pg,K,S,H].
+  Each token's K/V goes in as one [H] row per kv head (a scatter whose window is the H
+  axis), which XLA:TPU updates in place in the layout the pool has (``device_layout``: H
+  minor for both). Written as one [K,H] slab per token, the scatter wanted [Pg,S,K,H]
+  (K and H minor), and the decode loop carried every layer's pool in that layout, copied
+  into it before the loop and out of it for the paged kernel in every step.
   """
-  Pg = pool_k.shape[0]
-  page = jnp.where(page < 0, Pg, page)
-  pool_k = pool_k.at[page, :, :, offset].set(k.astype(pool_k.dtype), mode="drop")
-  pool_v = pool_v.at[page, :, offset].set(v.astype(pool_v.dtype), mode="drop")
+  Pg, K = pool_k.shape[:2]
+  page = jnp.where(page < 0, Pg, page)[..., None]
+  head, offset = jnp.arange(K), offset[..., None]
+  pool_k = pool_k.at[page, head, :, offset].set(k.astype(pool_k.dtype), mode="drop")
+  pool_v = pool_v.at[page, head, offset].set(v.astype(pool_v.dtype), mode="drop")
   return pool_k, pool_v
+
+
+# logical axes of each layer's pool (keys and values): pages on every batch shard, kv heads
+# over ``act_kv_heads`` (``kv_cache.CACHE_AXES``)
+POOL_AXES = (None, "act_kv_heads", None, None)
+
+
+def device_layout(x, axes=POOL_AXES) -> Layout | None:
+  """The layout XLA:TPU gives by default to a shard of ``x`` (logical ``axes``, the shard
+  the active mesh's rules give each device; the whole of ``x`` outside a mesh): the layout a
+  program's arguments and results have. None where the program is not traced for TPU."""
+  if pallas_kernels.current_platform() != "tpu":
+    return None
+  active = sharding.active()
+  shape = list(x.shape)
+  if active is None:
+    device = jax.devices()[0]
+  else:
+    mesh, rules = active
+    device = mesh.devices.flat[0]
+    spec = sharding.logical_to_spec(axes, rules, mesh, x.shape)
+    for i, names in enumerate(spec):
+      names = (names,) if isinstance(names, str) else (names or ())
+      shape[i] //= math.prod(mesh.shape[n] for n in names)
+  if device.platform != "tpu":
+    return None
+  try:
+    return Layout.from_pjrt_layout(device.client.get_default_layout(x.dtype, tuple(shape),
+                                                                    device))
+  except jax.errors.JaxRuntimeError:  # a client that does not say
+    return None
+
+
+def h_minor(layout: Layout | None) -> bool:
+  """Whether a key pool [Pg,K,H,S] laid out as ``layout`` has H minor and is otherwise in
+  order: its row-major [Pg,K,S,H] relabelling, the [S,H] key pages that
+  ``pallas_kernels.paged_decode_attention(keys_by_row=True)`` reads without a copy. XLA:TPU
+  lays [..,H,S] out so when S is below the 128 lanes and H a multiple of them."""
+  return layout is not None and tuple(layout.major_to_minor) == (0, 1, 3, 2)
 
 
 def identity_table(G: int, M: int, NP: int) -> jax.Array:
