@@ -168,7 +168,7 @@ class RolloutEngine(HoldsGroups):
         kv_memory_fraction=kv_memory_fraction,
         devices=jax.devices()[:1] if mesh is None else list(mesh.devices.flat),
         budget=f"max_new_tokens={self.max_new_tokens}")
-    self.S, self.NP = self.pool_plan.S, self.pool_plan.NP  # tokens per page, entries per sample
+    self.S = self.pool_plan.S  # tokens per page
     self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
     self.pool_pages = self.pool_plan.pages  # grows with the pool; later calls start there
     self.stats: collections.Counter = collections.Counter()  # page counters, per run() call

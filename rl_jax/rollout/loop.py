@@ -524,7 +524,7 @@ class Loop:
     if not run.any():
       return
     self.room(pages.next_token_pages(run, length, table, e.S))
-    live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.R // e.S)
+    live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.pool_plan.NP)
     self.state, ran = decode(e.cfg, self.params, self.state, e.sp, self.version,
                              jnp.int32(steps), jnp.int32(slots_done), jnp.int32(stop),
                              filtered=e.filtered, ctx=e.ctx, live=live,
@@ -610,7 +610,7 @@ def warmup(e, params) -> int:
         state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,
                           ctx=e.ctx)
   state = kv_cache.release_slots(state, np.ones(e.G, bool), identity=identity, ctx=e.ctx)
-  live = pages.live_bucket(1, e.S, e.R // e.S)
+  live = pages.live_bucket(1, e.S, e.pool_plan.NP)
   state, _ = decode(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
                     jnp.int32(1), filtered=e.filtered, ctx=e.ctx, live=live, identity=identity)
   e.programs.add((live, e.pool_pages))
