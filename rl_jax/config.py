@@ -154,11 +154,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
-  """Router replay against the rollouts that keep no expert records (the model section's own
-  rules are ``settings.ModelSettings``')."""
-  if config.model.router_replay and (config.rollout.speculative or config.env.name):
+  """Router replay against the rollouts that keep no expert records (SPEC-RL's drafts; the
+  model section's own rules are ``settings.ModelSettings``')."""
+  if config.model.router_replay and config.rollout.speculative:
     raise ConfigError("model.router_replay=True needs the sampler's expert records, which "
-                      "rollout.speculative and env.name rollouts do not keep")
+                      "rollout.speculative rollouts do not keep")
 
 
 def _env_source(config: ml_collections.ConfigDict) -> None:

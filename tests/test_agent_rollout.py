@@ -1,5 +1,6 @@
 """Multi-turn rollouts (``rollout.AgentEngine``): exact ids and log-probs, incremental prefill,
-KV time-to-live eviction, environment failures and limits, continuous vs turn-synchronous.
+KV time-to-live eviction, environment failures and limits, continuous vs turn-synchronous,
+a mixture-of-experts policy's expert records (router replay).
 
 The environments and the chat format here are small deterministic test environments over
 the character tokenizer (the engine takes any renderer with ``prompt_ids``, ``delta_ids`` and
@@ -454,23 +455,152 @@ def test_evicted_samples_sharing_their_tokens_are_forked_not_reprefilled():
   _same(base, plain)
 
 
-def test_a_mixture_of_experts_policy_runs_multi_turn():
+# a Qwen3-MoE policy: 2 MoE layers around a dense one, 4 experts, top 2 (float32)
+MOE_CFG = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48,
+                             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                             max_position_embeddings=192, architecture="qwen3_moe",
+                             qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, norm_topk_prob=True,
+                             sparse_layers=(True, False, True), dtype="float32",
+                             param_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def moe_params():
+  return models.init_params(MOE_CFG, jax.random.key(1), std=0.2)
+
+
+def _moe_engine(**kw):
+  """The MoE policy's engine: 2 slots of 2 samples, 64 trajectory tokens (one shape for
+  every test here, so a run of the file compiles its programs once)."""
+  args = dict(n=2, max_slots=2, max_prompt_len=24, max_total_tokens=64, max_turn_tokens=12,
+              max_turns=2, max_obs_tokens=32, stop_ids=STOP, seed=3, ttl=None, workers=4)
+  args.update(kw)
+  return rollout.AgentEngine(MOE_CFG, ChatRenderer(), TOK.decode, **args)
+
+
+def test_a_mixture_of_experts_policy_runs_multi_turn(moe_params):
   """A Qwen3-MoE policy through the multi-turn loop: every layer's experts in the decode
   (the one decode program slices them per layer), log-probs equal to teacher forcing."""
-  cfg = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48,
-                           num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-                           max_position_embeddings=192, architecture="qwen3_moe", qk_norm=True,
-                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                           norm_topk_prob=True, sparse_layers=(True, False, True),
-                           dtype="float32", param_dtype="float32")
-  params = models.init_params(cfg, jax.random.key(1), std=0.2)
-  e = rollout.AgentEngine(cfg, ChatRenderer(), TOK.decode, n=2, max_slots=2, max_prompt_len=24,
-                          max_total_tokens=64, max_turn_tokens=12, max_turns=2,
-                          max_obs_tokens=32, stop_ids=STOP, seed=3, ttl=None, workers=4)
-  out = e.rollout(params, _specs(2))
+  e = _moe_engine()
+  out = e.rollout(moe_params, _specs(2))
   e.close()
   assert out.model_mask.sum() > 0
-  _check_exact(out, 1.0, cfg, params)
+  _check_exact(out, 1.0, MOE_CFG, moe_params)
+
+
+def _check_routing(out, params, cfg=MOE_CFG):
+  """Each row's expert records [R,Y,X] against one teacher-forced pass over prompt +
+  trajectory: every model token but the row's last (never fed) holds the experts the
+  forward pass picks at its position, the rest (observation tokens, the last token,
+  padding) -1."""
+  B, R = out.tokens.shape
+  assert out.routing.shape == (B, R, len(cfg.moe_layers), cfg.num_experts_per_tok)
+  seqs = [out.prompts[out.prompt_index[b]] + out.tokens[b, :out.lengths[b]].tolist()
+          for b in range(B)]
+  batch = np.zeros((B, 32 + R), np.int32)
+  for b, seq in enumerate(seqs):
+    batch[b, :len(seq)] = seq
+  _, route = jax.jit(lambda p, t: models.forward(cfg, p, t, return_routing=True))(
+      params, jnp.asarray(batch))
+  ids = np.moveaxis(np.asarray(route.ids), 0, 2)  # [B,T,Y,X]
+  for b, seq in enumerate(seqs):
+    n = int(out.lengths[b])
+    p = len(seq) - n
+    fed = out.model_mask[b].copy()
+    fed[n - 1:] = False
+    rec = out.routing[b]
+    np.testing.assert_array_equal(np.sort(rec[fed], -1), np.sort(ids[b, p:p + R][fed], -1))
+    assert (rec[~fed] == -1).all()
+
+
+@pytest.fixture(scope="module")
+def moe_multi_turn(moe_params):
+  """Multi-turn episodes of the MoE policy on a fixed pool of one group's pages with a
+  time-to-live of 0 steps: groups are preempted and evicted, and re-prefilled."""
+  e = _moe_engine(page_size=8, kv_pages=2 * 64 // 8, deterministic=True, ttl_steps=0,
+                  result_delay=3)
+  out = e.rollout(moe_params, _specs(4))
+  e.close()
+  return out
+
+
+def test_multi_turn_records_the_experts_of_every_model_token(moe_multi_turn, moe_params):
+  """``AgentRollout.routing``: the experts the sampler chose for each model token at its
+  trajectory index (a turn's last token recorded when ``extend`` feeds it with the
+  observation), -1 on observation tokens; equal to a teacher-forced pass's, also for the
+  samples re-prefilled after a preemption or an eviction (their earlier records kept)."""
+  out = moe_multi_turn
+  assert out.stats["preemptions"] > 0 and out.stats["evictions"] > 0
+  assert out.stats["reprefill_tokens"] > 0
+  assert (out.num_turns == 2).any()
+  _check_routing(out, moe_params)
+
+
+def test_replaying_the_multi_turn_records_gives_the_behaviour_logprobs(moe_multi_turn,
+                                                                       moe_params):
+  """The trainer's grouped log-prob pass (``models.response_logprobs``, packed layout) over
+  prompt + trajectory with the records replayed equals the behaviour log-probs at every
+  model token (float32); the same records one position off change them, so they are
+  replayed where they were recorded."""
+  out = moe_multi_turn
+  B, R = out.tokens.shape
+  G, M = B // 2, 2
+  prompts = np.zeros((G, 24), np.int32)
+  for g, p in enumerate(out.prompts):
+    prompts[g, :len(p)] = p
+  lengths = np.asarray([len(p) for p in out.prompts], np.int32)
+  tokens = out.tokens.reshape(G, M, R)
+  lp = jax.jit(lambda p, r: models.response_logprobs(MOE_CFG, p, prompts, lengths, tokens,
+                                                     routing=r))
+  replayed = np.asarray(lp(moe_params, out.routing.reshape(G, M, R, 2, 2))).reshape(B, R)
+  mask = out.model_mask
+  np.testing.assert_allclose(replayed[mask], out.logprobs[mask], atol=1e-5)
+  shifted = np.roll(out.routing, 1, axis=1).reshape(G, M, R, 2, 2)
+  moved = np.asarray(lp(moe_params, shifted)).reshape(B, R)
+  assert np.abs(moved - out.logprobs)[mask].max() > 1e-3
+
+
+def test_held_multi_turn_groups_keep_their_expert_records(moe_params):
+  """APRIL across turns on the MoE policy: ``export_held`` writes each held sample's
+  records, an engine rebuilt by ``import_held`` holds the same ones, both return the same
+  groups with the same records, and every returned group's records are those of a
+  teacher-forced pass (resumed groups included)."""
+  specs = _specs(10)
+  make = lambda: _moe_engine(over_sampling=3.0, deterministic=True)
+  a, it_a = make(), iter(specs)
+  outs = [a.rollout_groups(moe_params, it_a, k_groups=1, policy_version=v) for v in range(2)]
+  held = a.export_held(capacity=6)
+  assert held["routing"].shape == (6, 2, 64, 2, 2)
+  groups = list(a.ready) + list(a.buffer)
+  partial = 0
+  for h, grp in enumerate(groups):
+    for m, t in enumerate(grp.trajs):
+      n = len(t.tokens)
+      if n:
+        np.testing.assert_array_equal(held["routing"][h, m, :n], t.routing)
+        partial += int(not t.finish)
+      assert (held["routing"][h, m, n:] == -1).all()
+  assert partial and (held["routing"][held["valid"]] >= 0).any()
+  b = make()
+  b.import_held(held, spec_of=lambda meta: specs[meta])
+  for ga, gb in zip(groups, list(b.ready) + list(b.buffer)):
+    for ta, tb in zip(ga.trajs, gb.trajs):
+      assert (ta.routing is None) == (tb.routing is None)
+      if ta.routing is not None:
+        np.testing.assert_array_equal(tb.routing, ta.routing)
+  it_b = iter(specs[int(held["next_uid"]):])
+  for v in range(2, 4):
+    out_a = a.rollout_groups(moe_params, it_a, k_groups=1, policy_version=v)
+    out_b = b.rollout_groups(moe_params, it_b, k_groups=1, policy_version=v)
+    np.testing.assert_array_equal(out_a.tokens, out_b.tokens)
+    np.testing.assert_array_equal(out_a.routing, out_b.routing)
+    outs.append(out_a)
+  a.close()
+  b.close()
+  assert sum(o.stats["resumed_groups"] for o in outs) > 0, "no held group was resumed"
+  for out in outs:
+    _check_routing(out, moe_params)
 
 
 def test_the_page_counters_are_the_single_turn_engines():

@@ -1,9 +1,10 @@
 """Multi-turn training end to end (``env.name``): the agentic producer trains and writes its
 metrics, the learner scores exactly the sampled trajectory ids, observations are masked from
 the loss, the learner's proximal log-probs of every turn are recomputed from its own weights,
-GiGPO trains through the trainer, SIGKILL + rerun of an asynchronous run holding partial
-multi-turn trajectories (APRIL) is bit-exact, the training engine's episodes on 8 devices
-equal those on 1, bad env settings fail in one line.
+GiGPO trains through the trainer, a mixture-of-experts policy trains with router replay,
+SIGKILL + rerun of an asynchronous run holding partial multi-turn trajectories (APRIL) is
+bit-exact, the training engine's episodes on 8 devices equal those on 1, bad env settings
+fail in one line.
 
 The runs use the guess game with 4 targets and 2 turns (the 8-device comparison: the
 quickstart's 5): after a short warm start the policy guesses digits, so groups have reward
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax import checkpoint, config_utils, metrics, models, train
-from rl_jax.errors import ConfigError
+from rl_jax.errors import CheckpointError, ConfigError
 from rl_jax.rollout import kv_cache
 from rl_jax.train import agent_stage, learner, loop, producer, resume, rollouts
 from rl_jax.train import state as state_lib
@@ -136,6 +137,67 @@ def test_learner_scores_the_sampled_trajectory_ids(tmp_path):
     np.testing.assert_allclose(old2[b, :length[b]][m], ref[m], atol=2e-5)
   assert (flat_mask & later).any()  # later turns are in the batch ...
   assert np.abs(old2 - scored.logprobs.reshape(-1, R))[flat_mask & later].max() > 1e-4  # ... moved
+
+
+# a one-layer Qwen3-MoE policy (4 experts, top 2) that trains on the sampler's experts
+MOE_REPLAY = ["model.architecture=qwen3_moe", "model.num_experts=4",
+              "model.moe_intermediate_size=16", "model.router_replay=True", "sft.steps=0",
+              "train.steps=1", "train.old_logp_pass=separate"]
+
+
+def test_router_replay_trains_a_multi_turn_moe_policy():
+  """``model.router_replay=True`` with ``env.name``: the multi-turn batch carries the
+  sampler's expert records (model tokens recorded, observation tokens -1), the learner's
+  proximal log-probs replaying them equal the behaviour log-probs (float32), and an RL step
+  replays them in every pass (no routing mismatch, ratios 1)."""
+  s = build_setup(_config(MOE_REPLAY))
+  assert s.model_cfg.is_moe and s.model.router_replay
+  t = loop.make_trainer(s)
+  try:
+    st = train.begin_rl(s, state_lib.init_state(s))
+    scored, _ = producer.produce(t, t.layout.sampler_params(st.params), st.producer, step=0,
+                                 version=0, lo=0, hi=s.geometry.groups)
+    batch, _ = learner.learner_batch(t, st, scored)
+    G, M, R = s.geometry.groups, s.geometry.samples, s.geometry.new_tokens
+    assert scored.routing.shape == (G * M, R, 1, 2)
+    length = np.asarray([r.max(initial=-1) for r in
+                         np.where(scored.tokens != 0, np.arange(R)[None], -1)]) + 1
+    obs = (np.arange(R)[None] < length[:, None]) & ~scored.mask
+    assert obs.any() and (scored.routing[obs] == -1).all()
+    last = np.arange(R)[None] == length[:, None] - 1  # a row's last token is never fed
+    assert (scored.routing[scored.mask & ~last] >= 0).all()
+    np.testing.assert_array_equal(np.asarray(batch.routing), scored.routing.reshape(
+        G, M, R, 1, 2))
+    mask = scored.mask.reshape(G, M, R)
+    np.testing.assert_allclose(np.asarray(batch.inputs.old_logp)[mask],
+                               scored.logprobs.reshape(G, M, R)[mask], atol=1e-5)
+    _, record, _ = train.rl_step(t, st)
+  finally:
+    for e in t.agent:
+      e.close()
+  assert record["routing_mismatch"] == 0.0 and np.isfinite(record["loss"])
+  assert record["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_held_multi_turn_groups_without_expert_records_are_an_earlier_layout(tmp_path):
+  """A mixture-of-experts policy's held multi-turn groups keep their expert records
+  (``producer/held/routing``); a checkpoint written before they did fails in one line that
+  says so, before any array is read, and a current one restores."""
+  s = build_setup(_config(MOE_REPLAY + ["rollout.partial=True", "train.mode=async"]))
+  state = state_lib.init_state(s)
+  held = dict(state.producer.held)
+  assert held.pop("routing").shape[-2:] == (1, 2)
+  old = state._replace(producer=state.producer._replace(held=held))
+  with checkpoint.Checkpointer(str(tmp_path), save_every=1) as ckpt:
+    ckpt.save(1, old._replace(step=jnp.asarray(1, jnp.int32)))
+    ckpt.save(2, state._replace(step=jnp.asarray(2, jnp.int32)))
+    with pytest.raises(CheckpointError) as err:
+      resume.restore_state(s, ckpt, 1, train.abstract_state(s, 1))
+    restored = resume.restore_state(s, ckpt, 2, train.abstract_state(s, 2))
+  msg = str(err.value)
+  assert "\n" not in msg and "earlier state layout" in msg, msg
+  assert "producer/held/routing" in msg, msg
+  np.testing.assert_array_equal(restored.producer.held["routing"], state.producer.held["routing"])
 
 
 def test_agentic_gigpo_run_trains_and_writes_metrics(tmp_path):

@@ -31,6 +31,13 @@ export/import by environment replay, below). With ``mesh`` and ``rules`` every p
 sharded on the sampler's mesh as the single-turn engine's do (weights as the mesh rules
 say, group slots over the batch axes, kv heads over ``tensor``).
 
+Mixture of experts: every trajectory keeps the experts the sampler chose for each model
+token it fed (``Trajectory.routing``; ``decode`` records them, ``extend`` those of a turn's
+last token), -1 for observation tokens and the final token; ``AgentRollout.routing`` is
+what router replay feeds the trainer. A sample re-prefilled after an eviction or a
+preemption keeps the records of the tokens fed before (``slots.merged_routing``), and held
+groups keep theirs through ``export_held`` / ``import_held``.
+
 Held groups. ``rollout_groups`` returns exactly K complete groups and holds the unfinished rest:
 a sample may be held mid-turn (its partial turn is kept with per-token versions), waiting on its
 environment (the step keeps running; its outcome is applied at the next call) or with an
@@ -377,8 +384,10 @@ class AgentEngine(HoldsGroups):
       (``status`` indexes run/wait/ready/done, ``finish`` "", done, max_turns, max_tokens);
       turn_rewards float32 [capacity,M,U]; turn_ends int32 [capacity,M,U]; timed_out bool
       [capacity,M,U] (the applied step ran past the time-out); env_time float32
-      [capacity,M]; next_uid int32 []. Numbers only (a checkpoint holds them as they are):
-      the actions to replay are the decoded model tokens of each ended turn.
+      [capacity,M]; next_uid int32 []; mixture-of-experts models also routing int32
+      [capacity,M,R,Y,X] (``Trajectory.routing``, -1 where none was recorded). Numbers only
+      (a checkpoint holds them as they are): the actions to replay are the decoded model
+      tokens of each ended turn.
     """
     if self.deterministic:
       self.pool.wait_all()
@@ -395,11 +404,16 @@ class AgentEngine(HoldsGroups):
              **{k: z((C, M), np.int32) for k in ("length", "status", "budget", "turn_start",
                                                  "cut", "n_rewards", "epoch", "finish",
                                                  *_COUNTERS)})
+    if self.cfg.is_moe:
+      d["routing"] = z((C, M, R, len(self.cfg.moe_layers), self.cfg.num_experts_per_tok),
+                       np.int32, -1)
     for h, grp in enumerate(held):
       for m, t in enumerate(grp.trajs):
         n, u = len(t.tokens), len(t.turn_rewards)
         for k in ("tokens", "versions", "turn", "logprobs", "model"):
           d[k][h, m, :n] = getattr(t, k)
+        if "routing" in d and t.routing is not None:
+          d["routing"][h, m, :len(t.routing)] = t.routing
         d["turn_rewards"][h, m, :u] = t.turn_rewards
         d["timed_out"][h, m, :u] = t.turn_timeouts
         d["turn_ends"][h, m, :len(t.turn_ends)] = t.turn_ends
@@ -453,6 +467,8 @@ class AgentEngine(HoldsGroups):
     t.append(d["tokens"][h, m, :n], d["logprobs"][h, m, :n], d["versions"][h, m, :n], False, 0)
     t.model = np.asarray(d["model"][h, m, :n]).tolist()
     t.turn = np.asarray(d["turn"][h, m, :n]).tolist()
+    if "routing" in d and n:
+      t.routing = np.array(d["routing"][h, m, :n], np.int32)
     u = int(np.sum(np.asarray(d["turn_ends"][h, m]) >= 0))
     t.turn_ends = np.asarray(d["turn_ends"][h, m, :u]).tolist()
     t.env_time = float(d["env_time"][h, m])

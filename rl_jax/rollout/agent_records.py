@@ -106,8 +106,8 @@ class Trajectory:
   # "done", "max_turns" or "max_tokens"; a single-turn request's sample (no environment):
   # the sampler's reason, "eos", "stop" or "length"; None while running
   finish: str | None = None
-  # a single-turn request's sample of a mixture-of-experts model: int32 [len(tokens),Y,X]
-  # experts of each token (-1: not recorded), as ``records.Sample.routing``
+  # mixture-of-experts models: int32 [len(tokens),Y,X] the experts of each token the sampler
+  # fed (-1: not recorded: observation tokens, the last token), as ``records.Sample.routing``
   routing: np.ndarray | None = None
 
   def append(self, ids, logprobs, versions, model: bool, turn: int):
@@ -144,6 +144,10 @@ class AgentRollout:
       kind (``StepResult.info["tool_errors"]`` as a dict).
     prompts: the G first prompts (id lists). prompt_index: int32 [B]. group_ids: int [G].
     group_meta: each group's ``EpisodeSpec.meta``. stats: dict of scalars.
+    routing: mixture-of-experts models: int32 [B,R,Y,X] the experts each MoE layer chose for
+      each model token when the sampler fed it (-1 on observation tokens, a trajectory's
+      last token and padding: router replay routes those by the router); None for dense
+      models.
   """
 
   tokens: np.ndarray
@@ -172,6 +176,7 @@ class AgentRollout:
   stats: dict[str, float]
   tool_latency: np.ndarray | None = None
   error_kinds: list | None = None
+  routing: np.ndarray | None = None
 
 
 def assemble_trajectories(groups: Sequence[tuple[int, list[int], list[Trajectory], Any]],
@@ -208,7 +213,19 @@ def assemble_trajectories(groups: Sequence[tuple[int, list[int], list[Trajectory
       error_kinds=[dict(t.error_kinds) for _, t in rows], prompts=[list(g[1]) for g in groups],
       prompt_index=np.asarray([g for g, _ in rows], np.int32),
       group_ids=np.asarray([g[0] for g in groups], np.int64),
-      group_meta=[g[3] for g in groups],
+      group_meta=[g[3] for g in groups], routing=_routing([t for _, t in rows], R),
       stats={"trajectories": B, "groups": len(groups),
              "model_tokens": int(out["model_mask"].sum()),
              "observation_tokens": int(out["lengths"].sum() - out["model_mask"].sum())})
+
+
+def _routing(trajs: Sequence[Trajectory], R: int) -> np.ndarray | None:
+  """The trajectories' expert records as int32 [B,R,Y,X] (-1 padded); None without any."""
+  recorded = [t.routing for t in trajs if t.routing is not None]
+  if not recorded:
+    return None
+  out = np.full((len(trajs), R, *recorded[0].shape[1:]), -1, np.int32)
+  for b, t in enumerate(trajs):
+    if t.routing is not None:
+      out[b, :len(t.routing)] = t.routing
+  return out

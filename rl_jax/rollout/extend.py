@@ -19,6 +19,12 @@ The trajectory's K/V lives on the sample's pages of the response pool (``pages``
 
 Nothing of the history is recomputed: the cost is that of the chunk's tokens attending a
 cached context (an incremental prefill).
+
+Mixture of experts: the chunk's first token is the model's (the turn's last sampled token),
+fed here rather than by a decode step, so the experts every MoE layer chooses for it are
+written into ``DecodeState.routing`` at its index, as ``decode`` writes those of the tokens
+it feeds; the observation tokens' records are -1 (router replay routes them by the router,
+like prompt tokens).
 """
 
 from __future__ import annotations
@@ -90,7 +96,8 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     (state, logits float32 [Be,V] of each chunk's last token). Each listed sample's
     trajectory holds the chunk at ``start ..`` (log-prob 0, version -1 on the observation
     tokens), then the sampled token; ``length = start + count + 1``, ``budget`` is set and
-    the reason is RUNNING unless the new token already ends the turn.
+    the reason is RUNNING unless the new token already ends the turn. Mixture-of-experts
+    models: the chunk's expert records as the module docstring says.
   """
   TRACE_COUNTS["extend"] += 1
   with mesh_context(ctx):
@@ -102,8 +109,10 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     pos = state.prefix_len[slot][:, None] + ext.start[:, None] + j
     cvalid = j[None, :] < ext.count[:, None]
     bmask = (j[:, None] >= j[None, :])[None] & cvalid[:, None, :]
-    h, ck, cv = run_trunk(cfg, params, ext.tokens, pos, Be, 1, bmask[:, None],
-                          prefix=_context(state, slot, ext.sample, ext.start))
+    moe = state.routing is not None
+    h, ck, cv, *ids = run_trunk(cfg, params, ext.tokens, pos, Be, 1, bmask[:, None],
+                                prefix=_context(state, slot, ext.sample, ext.start),
+                                return_routing=moe)
     last = jnp.take_along_axis(h, (ext.count - 1)[:, None, None], axis=1)[:, 0]
     logits = tx.logits_from_hidden(cfg, params, last)  # [Be,V]
 
@@ -143,4 +152,20 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
         tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
         budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason))
+    if moe:
+      new = new._replace(routing=_chunk_routing(state.routing, ext, ids[0]))
     return constrain_state(new), logits
+
+
+def _chunk_routing(routing, ext: Extension, ids):
+  """The rows' expert records [G,M,R,Y,X] with the chunk's: the first (model) token's
+  experts ``ids`` [Y,Be,C,X] at index ``start``, -1 at the observation tokens' indices
+  (padding rows and tokens dropped)."""
+  Be, C = ext.tokens.shape
+  R = routing.shape[2]
+  j = jnp.arange(C, dtype=jnp.int32)
+  chunk = jnp.moveaxis(ids.astype(jnp.int32), 0, 2)  # [Be,C,Y,X]
+  chunk = jnp.where((j == 0)[None, :, None, None], chunk, -1)
+  index = jnp.where(j[None, :] < ext.count[:, None], ext.start[:, None] + j, R)
+  at = (jnp.asarray(ext.slot)[:, None], jnp.asarray(ext.sample)[:, None], index)
+  return routing.at[at].set(chunk, mode="drop")

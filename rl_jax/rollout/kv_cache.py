@@ -70,8 +70,9 @@ class DecodeState(NamedTuple):
     request_id: int32 [G]; sample_id: int32 [G,M] (PRNG stream identifiers).
     stream: uint32 [G,M,2] key words of each sample's random stream.
     routing: mixture-of-experts models: int32 [G,M,R,Y,X] the experts each MoE layer chose
-      for response token j when the decode step fed it (-1 until then, and for the last
-      token, which is never fed); None for dense models.
+      for response token j when the decode step (or, for a turn's last model token,
+      ``extend``) fed it (-1 until then, for the last token, which is never fed, and for a
+      multi-turn trajectory's observation tokens); None for dense models.
     pages: int32 [G,M,NP] page table (NP = R / S; -1 = no page yet).
     free: bool [Pg] pool pages not in any table.
   """

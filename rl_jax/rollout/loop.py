@@ -221,13 +221,15 @@ class Loop:
 
   def take_tokens(self, host, g: int, m: int, grp: Group) -> None:
     """Append sample m's tokens decoded in slot g since its record last grew (``host`` from
-    ``host_tokens``); a single-turn group keeps their expert records too."""
+    ``host_tokens``); a mixture-of-experts model's expert records of the slot's tokens
+    (model tokens fed by decode or ``extend``; observation tokens -1) are merged into the
+    trajectory's (``slots.merged_routing``: those fed before a re-prefill are kept)."""
     tokens, logprobs, versions, length, routing = host
     t, n1 = grp.trajs[m], int(length[g, m])
     n0 = len(t.tokens)
     t.append(tokens[g, m, n0:n1], logprobs[g, m, n0:n1], versions[g, m, n0:n1], True,
              len(t.actions))
-    if routing is not None and grp.spec is None:
+    if routing is not None:
       t.routing = slots.merged_routing(t.routing, routing[g, m, :n1])
 
   def fit(self, need) -> None:

@@ -64,14 +64,16 @@ def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
 
 
 def run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None, block_delta=None,
-              prefix_delta=None):
+              prefix_delta=None, return_routing: bool = False):
   """Prefill trunk over tokens [G·M,T] with grouped attention.
 
   ``prefix`` = (k [L,G,P,K,H], v [L,G,P,K,H], valid bool [G,P]) is scanned with the layers.
   Models with sliding-window layers need the position differences (query minus key) of the
   block, ``block_delta`` int broadcastable to [G,M,T,T], and of the prefix, ``prefix_delta``
   int [G,M,T,P].
-  Returns hidden [G·M,T,D] and the block's new K/V, each [L,G,M,T,K,H].
+  Returns hidden [G·M,T,D] and the block's new K/V, each [L,G,M,T,K,H]; with
+  ``return_routing`` (mixture-of-experts models) also the experts every MoE layer chose for
+  each token, int32 [Y,G·M,T,X].
   """
   T = tokens.shape[1]
   pre_kv = None if prefix is None else (prefix[0], prefix[1])
@@ -88,6 +90,10 @@ def run_trunk(cfg, params, tokens, positions, G, M, block_mask, prefix=None, blo
     return out.reshape(G * M, T, *out.shape[3:]), (split(k), split(v))
 
   x = tx.embed(cfg, params, tokens)
+  if return_routing:
+    h, (k_new, v_new), route = tx.trunk(cfg, params, x, positions, attend, pre_kv,
+                                        return_routing=True)
+    return h, k_new, v_new, route.ids
   h, (k_new, v_new) = tx.trunk(cfg, params, x, positions, attend, pre_kv)
   return h, k_new, v_new
 

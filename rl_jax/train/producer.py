@@ -15,7 +15,8 @@ decided once per run (``source``), never inside a step:
 * ``agentic``: multi-turn episodes (``env.name``): G groups of the env task's train
   split, rolled out by the ``AgentEngine`` (``agent_stage``) to their end; the response
   tokens are the trajectories (model and observation ids as sampled / appended), the loss
-  mask the model tokens, the rewards the trajectory returns, plus the per-turn inputs;
+  mask the model tokens, the rewards the trajectory returns, plus the per-turn inputs (and,
+  for mixture-of-experts models, the experts the sampler chose for the model tokens);
 * ``selected``: the selection stage (``selection_stage.select``: DAPO dynamic sampling,
   GRESO, Beta, adaptive group size) picks the prompts and rolls them out through the
   producer's ``roll`` stage, sampling speculatively from ``ProducerState.drafts`` with
@@ -249,7 +250,8 @@ def _agentic(t: TrainParts, params, p: ProducerState, *, step: int, version: int
                   out.model_mask[:, :R], out.logprobs[:, :R], out.versions[:, :R],
                   out.reward.reshape(G, M).astype(np.float32),
                   np.asarray([out.env_errors.sum(), out.timeouts.sum()], np.int64), rollout_s,
-                  version, stats, turns=turns)
+                  version, stats, turns=turns,
+                  routing=None if out.routing is None else out.routing[:, :R])
   return scored, _placed(t, p._replace(data=data))
 
 

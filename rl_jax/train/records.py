@@ -39,7 +39,8 @@ class Scored(NamedTuple):
   (turn_rewards [g·M,U], turn_ids [g·M,R], turn_states [g·M,U]), else None; their
   ``tokens`` are the trajectories (model and observation ids) and ``mask`` the model tokens.
   routing: mixture-of-experts models: int32 [g·M,R,Y,X] the experts the sampler chose for
-  each response token (``rollout.Rollout.routing``; -1 where none was recorded), else None.
+  each response token (``rollout.Rollout.routing``, multi-turn ``AgentRollout.routing``: -1
+  on observation tokens; -1 where none was recorded), else None.
   components: float32 [g,M,C] the named reward components of each row (``Setup.reward_names``;
   ``rewards`` is their sum), else None.
   g is G with one process, this process's groups with several.

@@ -10,7 +10,8 @@ the checkpoint names, and joins them.
 Checkpoints of an earlier state layout are not read: before ``ProducerState`` the producer's
 fields sat at the top of the state (``data``, ``rollout_buffer``, ``selector``,
 ``spec_drafts``), the queue's ``stats`` had fewer columns, the supervised optimizer state
-was kept all run next to the reference, and a LoRA checkpoint held the full params.
+was kept all run next to the reference, a LoRA checkpoint held the full params, and a
+mixture-of-experts policy's held multi-turn groups kept no expert records.
 ``restore_state`` recognises these from the checkpoint's manifest, before reading any array,
 and raises one ``CheckpointError`` line that names the difference and says to resume with
 the rl_jax version that wrote the checkpoint or to start a new workdir. Converting them on
@@ -65,6 +66,11 @@ def _earlier_layout(s: Setup, target: TrainState, saved: dict) -> str | None:
   if queue and shape and len(shape) == 2 and shape[1] < queue["stats"].shape[1]:
     return (f"its async queue's stats have {shape[1]} columns, where this version keeps "
             f"{queue['stats'].shape[1]}")
+  held = target.producer.held
+  if ("routing" in held and "producer/held/routing" not in saved
+      and any(path.startswith("producer/held/") for path in saved)):
+    return ("its held multi-turn groups keep no expert records (producer/held/routing), "
+            "which this version keeps for a mixture-of-experts policy")
   if set(OPTIONAL_PARTS) <= parts:  # never both at once since rl_layout
     dropped = [name for name in OPTIONAL_PARTS if not jax.tree.leaves(getattr(target, name))]
     return (f"it holds both {' and '.join(OPTIONAL_PARTS)}, and this run no longer keeps "
