@@ -127,15 +127,18 @@ def test_inputs_hold_exactly_what_the_objective_needs(overrides, needed):
   if "reward_components" in needed:
     chex.assert_shape(x.reward_components, (G, M, 1))
     chex.assert_trees_all_close(x.reward_components[..., 0], x.rewards)
-  if "grad_sq_norms" in needed:  # one plain jax.grad per trajectory
-    def row_sq_norm(g, m):
+  if "grad_sq_norms" in needed:  # one plain jax.grad per trajectory (one program for all)
+    @jax.jit
+    def one_grad(p, prompt, plen, tokens, mask):
       def f(p):
-        lp = models.response_logprobs(cfg, p, batch.prompt_tokens[g:g + 1],
-                                      batch.prompt_lengths[g:g + 1],
-                                      batch.tokens[g:g + 1, m:m + 1], x.mask[g:g + 1, m:m + 1],
-                                      shared_prefix=False, temperature=temp)
-        return lp.sum()
-      return sum(float(jnp.sum(l ** 2)) for l in jax.tree.leaves(jax.grad(f)(state.params)))
+        return models.response_logprobs(cfg, p, prompt, plen, tokens, mask,
+                                        shared_prefix=False, temperature=temp).sum()
+      return sum(jnp.sum(l ** 2) for l in jax.tree.leaves(jax.grad(f)(p)))
+
+    def row_sq_norm(g, m):
+      return float(one_grad(state.params, batch.prompt_tokens[g:g + 1],
+                            batch.prompt_lengths[g:g + 1], batch.tokens[g:g + 1, m:m + 1],
+                            x.mask[g:g + 1, m:m + 1]))
     want = np.asarray([[row_sq_norm(g, m) for m in range(M)] for g in range(G)])
     np.testing.assert_allclose(np.asarray(x.grad_sq_norms), want, rtol=1e-4)
 
