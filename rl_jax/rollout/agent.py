@@ -4,8 +4,9 @@ time-to-live.
 A group is one episode's opening messages × M samples; its first prompt is prefilled once
 into the slot's prefix cache (prompt-once). Everything after it (model tokens and observation
 tokens) lives in each sample's response region, so R (the response cache) is the longest
-trajectory. The scheduling loop both engines run (``loop.Loop``) drives the jitted pieces
-of ``kv_cache``, ``prefill``, ``decode`` and ``extend``:
+trajectory. The engine is the multi-turn face of the one rollout engine (``core.EngineCore``,
+as ``RolloutEngine`` is), and the scheduling loop both faces run (``loop.Loop``) drives the
+jitted pieces of ``kv_cache``, ``prefill``, ``decode`` and ``extend``:
 
 * A sample whose turn ends (an end-of-turn id, or its per-turn budget) leaves the decode
   batch; its decoded text goes to ``env.step`` in a worker pool (``env_pool``) while the
@@ -64,20 +65,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 from typing import Any, Callable, Iterable, Sequence
 
-import jax
 import numpy as np
 
 from rl_jax.envs.base import Message, StepResult
-from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import kv_cache, prefill
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.loop import (DONE, READY, RUN, WAIT, Group, Loop, apply_outcome,
                                  poll_outcomes, warmup)
-from rl_jax.rollout.held import HeldGroups, HoldsGroups, lag_stats, rows
-from rl_jax.rollout.records import (RolloutError, check_int, check_power_of_two,
-                                    pool_plan, pow2, sampling_params)
+from rl_jax.rollout.core import EngineCore
+from rl_jax.rollout.held import lag_stats, rows
+from rl_jax.rollout.records import RolloutError, check_int
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 
@@ -88,7 +86,7 @@ _COUNTERS = ("tool_calls", "tool_errors", "timeouts", "env_errors", "truncated_o
              "truncated_turn")
 
 
-class AgentEngine(HoldsGroups):
+class AgentEngine(EngineCore):
   """Multi-turn rollouts over group slots (see the module docstring).
 
   Usage::
@@ -153,17 +151,12 @@ class AgentEngine(HoldsGroups):
                context: int | None = None, mesh=None, rules=None, page_size: int = 64,
                prefill_chunk: int | None = 2048, kv_pages: int | None = None,
                kv_memory_fraction: float | None = None, share_prefixes: bool = True):
-    for name, v in dict(n=n, max_slots=max_slots, max_prompt_len=max_prompt_len,
-                        max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens,
-                        max_turns=max_turns, max_obs_tokens=max_obs_tokens, workers=workers,
+    for name, v in dict(max_turn_tokens=max_turn_tokens, max_turns=max_turns,
+                        max_obs_tokens=max_obs_tokens, workers=workers,
                         poll_steps=poll_steps, result_delay=result_delay).items():
       check_int(name, v, 1)
     if schedule not in SCHEDULES:
       raise RolloutError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if not float(over_sampling) >= 1.0:
-      raise RolloutError(f"over_sampling must be >= 1, got {over_sampling!r}")
-    if max_staleness is not None:
-      check_int("max_staleness", max_staleness, 0)
     if ttl is not None and not float(ttl) >= 0:
       raise RolloutError(f"ttl must be >= 0 seconds or None, got {ttl!r}")
     if ttl_steps is not None:
@@ -171,16 +164,18 @@ class AgentEngine(HoldsGroups):
     stop = list(stop_ids) if stop_ids is not None else list(renderer.end_of_turn_ids[:1])
     if not stop:
       raise RolloutError("no stop id: pass stop_ids or a renderer with end_of_turn_ids")
-    if dtype is not None:
-      cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
-    self.context = int(context or cfg.max_position_embeddings)
-    if max_prompt_len + max_total_tokens > self.context:
-      raise RolloutError(f"max_prompt_len={max_prompt_len} + max_total_tokens="
-                         f"{max_total_tokens} exceeds the context of {self.context} positions")
-    self.cfg, self.renderer, self.detokenize = cfg, renderer, detokenize
-    self.n, self.G, self.M = int(n), int(max_slots), int(n)
-    self.max_prompt_len, self.max_total = int(max_prompt_len), int(max_total_tokens)
+    # the trajectory cache is paged as the single-turn engine's response cache: a pool that
+    # starts with room for 256 tokens per sample and doubles as trajectories need it
+    # (``loop.Loop.room``), up to every whole budget, or a fixed one that preempts
+    # (``loop.Loop.fit``); the stop ids end a turn
+    self._init_core(
+        cfg, n=n, slots=max_slots, samples_per_slot=n, max_prompt_len=max_prompt_len,
+        budget=("max_total_tokens", max_total_tokens), temperature=temperature, top_p=top_p,
+        top_k=top_k, eos_id=stop, stop=None, over_sampling=over_sampling,
+        max_staleness=max_staleness, mesh=mesh, rules=rules, dtype=dtype, context=context,
+        page_size=page_size, kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,
+        prefill_chunk=prefill_chunk, share_prefixes=share_prefixes)
+    self.renderer, self.detokenize = renderer, detokenize
     self.max_turn, self.max_turns = int(max_turn_tokens), int(max_turns)
     self.max_obs, self.seed, self.schedule = int(max_obs_tokens), int(seed), schedule
     self.deterministic, self.result_delay = bool(deterministic), int(result_delay)
@@ -190,43 +185,10 @@ class AgentEngine(HoldsGroups):
     else:
       self.ttl = None if ttl is None else float(ttl)
     self.poll_steps = int(poll_steps)
-    self.P, self.R = pow2(self.max_prompt_len, 8), pow2(self.max_total, 8)
-    if prefill_chunk is not None:
-      check_power_of_two("prefill_chunk", prefill_chunk)
-    # the paged trajectory cache, as the single-turn engine's: a pool that starts with room
-    # for 256 tokens per sample and doubles as trajectories need it (``loop.Loop.room``),
-    # up to every whole budget, or a fixed one that preempts (``loop.Loop.fit``)
-    self.pool_plan = pool_plan(
-        cfg, G=self.G, M=self.M, R=self.R, page_size=page_size, kv_pages=kv_pages,
-        kv_memory_fraction=kv_memory_fraction,
-        devices=jax.devices()[:1] if mesh is None else list(mesh.devices.flat),
-        budget=f"max_total_tokens={self.max_total}")
-    self.S = self.pool_plan.S
-    self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
-    self.pool_pages = self.pool_plan.pages  # grows with the pool; later calls start there
-    self.programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
     self.stop = set(stop)
-    self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, stop, None)
-    if (mesh is None) != (rules is None):
-      raise RolloutError("pass both mesh and rules, or neither")
-    self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
-    self._params = kv_cache.SamplerParams(cfg, self.ctx)
-    # prefill, as the engine's
-    self.admit_fn = prefill.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
-                                      prefill_chunk)
     self.pool = EnvPool(int(workers), step_timeout)
-    self.over_sampling = float(over_sampling)
-    self.max_staleness = None if max_staleness is None else int(max_staleness)
-    self.held = HeldGroups()  # complete extras, the buffer, the uid counter
-    self.live: dict[int, Group] = {}  # every group not yet returned, by uid
-    self.share_prefixes = bool(share_prefixes)
 
   # ---------------------------------------------------------------- requests
-  def prepare_params(self, params):
-    """Trainer parameters -> sampler parameters, on device (``kv_cache.SamplerParams``: the
-    single-turn engine's cast and, with a mesh, its layout)."""
-    return self._params(params)
-
   def new_group(self, spec: EpisodeSpec, uid: int | None = None) -> Group:
     """Reset M fresh environments (seeds ``env_seed(seed, uid, m)``) and render the prompt.
 

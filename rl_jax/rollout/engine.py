@@ -1,8 +1,8 @@
 """Rollout engine: prompt-once groups, continuous batching, active partial rollouts (APRIL).
 
-The single-turn face of the one rollout loop (``loop.Loop``, which the multi-turn engine
-runs too: a request's samples are one-turn records that end with their first turn): this
-module turns requests into the loop's groups and back, and holds the APRIL call and the held
+The single-turn face of the one rollout engine (``core.EngineCore``, run by ``loop.Loop``,
+as the multi-turn engine is: a request's samples are one-turn records that end with their
+first turn): this module turns requests into the loop's groups and back, and holds the APRIL call and the held
 groups' checkpoint arrays (the held groups themselves, the staleness bound and the uid
 counter are ``held.HeldGroups``, shared with the multi-turn engine; records and argument
 checks are ``records``'s):
@@ -44,20 +44,17 @@ import collections
 import itertools
 from typing import Iterable, Iterator, Sequence
 
-import jax
 import numpy as np
 
-from rl_jax import sharding
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import kv_cache, pages, sampler
 from rl_jax.rollout.agent_records import Trajectory
-from rl_jax.rollout.held import HeldGroups, HoldsGroups, lag_stats, rows
+from rl_jax.rollout.core import EngineCore
+from rl_jax.rollout.held import lag_stats, rows
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.loop import DONE, RUN, Group, Loop, warmup
 from rl_jax.rollout.records import (REASON_CODES, GroupRequest, Prompt, Rollout, RolloutError,
-                                    Sample, assemble, check_int, check_power_of_two,
-                                    check_prompt, pool_plan, pow2,
-                                    sampling_params)
+                                    Sample, assemble, check_int, check_prompt)
 
 __all__ = ["APRIL_STATS", "ENGINE_STATS", "FORK_STATS", "PAGE_STATS", "RolloutEngine",
            "kv_bytes"]
@@ -76,7 +73,7 @@ ENGINE_STATS = APRIL_STATS + PAGE_STATS
 
 
 # ------------------------------------------------------------------------------ engine
-class RolloutEngine(HoldsGroups):
+class RolloutEngine(EngineCore):
   """Slot-based sampler with prompt-once groups, continuous batching and APRIL.
 
   Usage::
@@ -129,70 +126,19 @@ class RolloutEngine(HoldsGroups):
                page_size: int = 64, kv_pages: int | None = None,
                kv_memory_fraction: float | None = None, prefill_chunk: int | None = 2048,
                share_prefixes: bool = True):
-    cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token (dropless)
-    self.share_prefixes = bool(share_prefixes)
-    self.context = int(context or cfg.max_position_embeddings)
-    check_int("n", n, 1)
-    check_int("max_slots", max_slots, 1)
-    check_int("max_new_tokens", max_new_tokens, 1)
-    check_int("max_prompt_len", max_prompt_len, 1)
-    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
-      raise RolloutError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if not 0.0 < float(top_p) <= 1.0:
-      raise RolloutError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if not float(temperature) >= 0.0:
-      raise RolloutError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
-    if not float(over_sampling) >= 1.0:
-      raise RolloutError(f"over_sampling must be >= 1, got {over_sampling!r}")
-    if max_staleness is not None:
-      check_int("max_staleness", max_staleness, 0)
-    if max_prompt_len + max_new_tokens > self.context:
-      raise RolloutError(f"max_prompt_len={max_prompt_len} + max_new_tokens={max_new_tokens} "
-                         f"exceeds the context of {self.context} positions")
-    if (mesh is None) != (rules is None):
-      raise RolloutError("pass both mesh and rules, or neither")
-    if prefill_chunk is not None:
-      check_power_of_two("prefill_chunk", prefill_chunk)
-    if dtype is not None:
-      cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    self.cfg, self.n, self.max_new_tokens = cfg, int(n), int(max_new_tokens)
-    self.max_prompt_len, self.prompt_once = int(max_prompt_len), bool(prompt_once)
-    self.over_sampling, self.seed = float(over_sampling), int(seed)
-    self.max_staleness = None if max_staleness is None else int(max_staleness)
-    self.M = self.n if prompt_once else 1
-    self.G = int(max_slots)
-    self.P = pow2(self.max_prompt_len, 8)
-    self.R = pow2(self.max_new_tokens, 8)
-    self.pool_plan = pool_plan(
-        cfg, G=self.G, M=self.M, R=self.R, page_size=page_size, kv_pages=kv_pages,
-        kv_memory_fraction=kv_memory_fraction,
-        devices=jax.devices()[:1] if mesh is None else list(mesh.devices.flat),
-        budget=f"max_new_tokens={self.max_new_tokens}")
-    self.S = self.pool_plan.S  # tokens per page
-    self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
-    self.pool_pages = self.pool_plan.pages  # grows with the pool; later calls start there
+    self._init_core(
+        cfg, n=n, slots=max_slots, samples_per_slot=n if prompt_once else 1,
+        max_prompt_len=max_prompt_len, budget=("max_new_tokens", max_new_tokens),
+        temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id, stop=stop,
+        over_sampling=over_sampling, max_staleness=max_staleness, mesh=mesh, rules=rules,
+        dtype=dtype, context=context, page_size=page_size, kv_pages=kv_pages,
+        kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk,
+        share_prefixes=share_prefixes)
+    self.max_new_tokens, self.prompt_once = int(max_new_tokens), bool(prompt_once)
+    self.seed = int(seed)
     self.stats: collections.Counter = collections.Counter()  # page counters, per run() call
-    self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
-    self.sp, self.filtered = sampling_params(cfg, temperature, top_k, top_p, eos_id, stop)
-    # prefill + first tokens: with the training programs' CPU options when
-    # ``train.cpu_fast_compile`` is on (the decode loop keeps XLA's defaults: compile_options)
-    self.admit_fn = sampler.admit_for(jax.devices()[:1] if mesh is None else mesh.devices.flat,
-                                      prefill_chunk)
-    self.held = HeldGroups()  # complete extras, the buffer, the uid counter
-    self._params = kv_cache.SamplerParams(cfg, self.ctx)
-    self.programs: set[tuple[int, int]] = set()  # (live bucket, pool pages) decoded with
-    # the loop's view of an engine without environments: each sample's one turn has the
-    # whole budget
-    self.max_turn = self.max_total = self.max_new_tokens
-    self.pool, self.live, self.deterministic = None, {}, False
-    self.schedule, self.ttl = "continuous", None
 
-  # ---------------------------------------------------------------- parameters
-  def prepare_params(self, params):
-    """Trainer parameters -> sampler parameters, on device (``kv_cache.SamplerParams``: one
-    jitted cast + reshard on a mesh; a no-op when they already match)."""
-    return self._params(params)
-
+  # ---------------------------------------------------------------- requests
   def new_request(self, prompt: Sequence[int] | Prompt, index: int = 0) -> GroupRequest:
     """A fresh group for ``prompt`` (validated; a ``Prompt`` keeps its tag)."""
     meta = None
