@@ -104,13 +104,22 @@ SLOW_TESTS = (
     "test_xdist_crash.py::test_a_test_that_crashes_its_worker_twice_fails_and_the_run_finishes",
     # a 64-chip slice's dry run in a subprocess (a libtpu abort would take pytest down)
     "test_tpu_compile.py::test_sampler_compiles_on_a_host_whose_chips_are_not_the_first_ids",
+    # more TPU compiles of programs the fast suite compiles once: the largest-batch search
+    # (two more batches of the quickstart's RL programs), a decode's weight gathers at 2 and
+    # 4 layers of 64 MiB weights (test_decode_updates_each_layers_pool_in_place compiles the
+    # same decode and checks its growth per layer), the decode's TPU lowering (compiled with
+    # Mosaic by test_tpu_compile and test_qlora_decode)
+    "test_tpu_compile.py::test_largest_batch_that_fits_is_compiled_and_the_next_is_not",
+    "test_qlora_decode.py::test_bf16_decode_gathers_one_layer_at_a_time",
+    "test_kernel_lowering.py::test_sampler_decode_program_lowers_with_the_paged_kernel[tpu]",
     # learning runs and whole-run equalities beside a faster case of the same code
     "test_train_async.py::test_quickstart_trains_asynchronously",
     "test_distill.py::test_distillation_trains_toward_the_teacher",
     "test_moe_rl.py::test_load_balancing_loss_term_of_the_updates",
     "test_replay.py::test_off_by_default_leaves_the_producer_state_as_it_was",
     "test_group_rewards.py::test_components_round_trip_through_the_checkpointed_queue",
-    "test_memory.py::test_memory_knob_still_learns[model.param_dtype=bfloat16 + optim",
+    "test_memory.py::test_knob_baseline_learns",  # the quickstart's learning, with knobs
+    "test_memory.py::test_memory_knob_still_learns",  # (test_rounding trains bf16 weights)
     "test_compile_options.py::"
     "test_training_programs_compile_with_the_cpu_options_to_the_same_values",
     "test_micro_batches.py::test_micro_batches_on_one_device_equal_the_eight_device_whole_batch",
@@ -119,6 +128,9 @@ SLOW_TESTS = (
     "test_epochs.py::test_two_epochs_equal_a_hand_written_loop",
     "test_profiling.py::test_profile_step_writes_a_trace_and_its_summary",
     "test_bench_scaling.py::test_bench_scaling_small_reports_every_device_count",
+    # the Tunix benchmark's rl_jax side with a long prompt (the served side runs the same)
+    "test_bench_scripts.py::"
+    "test_bench_tunix_prompt_tokens_sets_one_shared_prompt_and_the_rljax_side_runs_it",
     # model variants beside the dense case of the same test
     "test_frozen_slices.py::test_same_values_bit_for_bit[bf16]",
     "test_frozen_slices.py::test_same_values_bit_for_bit[int4]",
