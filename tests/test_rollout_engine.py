@@ -234,3 +234,42 @@ def test_params_in_another_dtype_are_cast_without_recompiling():
   eng.rollout_groups(jax.tree.map(lambda x: x * 1.01, half), iter(PROMPTS), k_groups=1)
   assert dict(sampler.TRACE_COUNTS) == before
   assert out.tokens.shape == (M, MAX_NEW)
+
+
+def test_online_calls_submit_stream_and_abort_while_others_decode():
+  """The loop's online calls on a live batch: submitted groups join it, a running group's
+  tokens grow a few decode steps at a time (each read a prefix of its final response), an
+  aborted group's pages return to the pool at once, a group submitted while others decode
+  takes the freed slot, and the others' responses are what one ``generate`` call gives (each
+  sample draws from its own stream, whatever it is batched with)."""
+  ref = _reference(PROMPTS[:3], eos=None)
+  e = _engine(eos=None, page_size=4, kv_pages=12)  # a fixed pool: pages change hands
+  loop = rollout.Loop(e, e.prepare_params(PARAMS), 0)
+  loop.chunk_steps = 3  # decode steps per ``step`` while nothing else is due
+  a, b, c = [e.groups_of(e.new_request(p, i))[0] for i, p in enumerate(PROMPTS[:3])]
+  loop.submit([a, b])
+  loop.step()
+  first = loop.running_tokens([a, b, c])
+  assert set(first) == {id(a), id(b)}  # c was not submitted
+  loop.step()
+  second = loop.running_tokens([a, b])
+  for g, grp in enumerate((a, b)):
+    for m in range(M):
+      ids, lps = second[id(grp)][m]
+      assert len(first[id(grp)][m][0]) < len(ids) < MAX_NEW
+      assert first[id(grp)][m][0] == ids[:len(first[id(grp)][m][0])]
+      np.testing.assert_array_equal(ids, ref.tokens[g * M + m, :len(ids)])
+      np.testing.assert_allclose(lps, ref.logprobs[g * M + m, :len(ids)], atol=1e-5)
+  held = int((np.asarray(loop.state.pages)[a.slot] >= 0).sum())
+  free = int(np.asarray(loop.state.free).sum())
+  loop.abort(a)
+  assert a.done and a.slot is None and held > 0
+  assert int(np.asarray(loop.state.free).sum()) == free + held
+  loop.submit([c])
+  while not (b.done and c.done):
+    loop.step()
+  assert loop.running_tokens([a, b, c]) == {}
+  for g, grp in ((1, b), (2, c)):
+    for m, t in enumerate(grp.trajs):
+      np.testing.assert_array_equal(t.tokens, ref.tokens[g * M + m])
+      np.testing.assert_allclose(t.logprobs, ref.logprobs[g * M + m], atol=1e-5)

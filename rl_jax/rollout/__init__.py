@@ -8,9 +8,14 @@ Public API::
     out = engine.rollout_groups(params, prompt_iter, k_groups=32, policy_version=step)
     agent = rollout.AgentEngine(cfg, renderer, tok.decode, n=4, max_slots=8, max_turns=4)
     out = agent.rollout(params, [rollout.EpisodeSpec(make_env, example)], policy_version=step)
+    # online: requests come and go while others decode (what the server's lanes do)
+    loop = rollout.Loop(engine, engine.prepare_params(params), policy_version=step)
+    loop.submit(engine.groups_of(engine.new_request(prompt_ids)))
+    loop.step(); loop.running_tokens(groups); loop.abort(group)
 
-Modules: ``loop`` (the one scheduling loop: a single-turn request is the one-turn case of a
-multi-turn episode), ``engine`` (``RolloutEngine``: requests in and out of the loop, APRIL,
+Modules: ``core`` (``EngineCore``: the one engine both faces are), ``loop`` (the one
+scheduling loop: a single-turn request is the one-turn case of a multi-turn episode),
+``engine`` (``RolloutEngine``: requests in and out of the loop, APRIL,
 its checkpoints), ``held`` (both engines' held groups between calls: APRIL, the staleness
 bound, the uid counter), ``generation`` (``generate``), ``records`` (prompts, groups,
 ``Rollout``), ``slots`` (admission arrays, forks, buckets), ``sampler`` (the jitted pieces:
@@ -26,6 +31,7 @@ from rl_jax.rollout.agent import AgentEngine
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Renderer, env_seed
 from rl_jax.rollout.engine import RolloutEngine
 from rl_jax.rollout.generation import generate
+from rl_jax.rollout.loop import Loop
 from rl_jax.rollout.records import (GroupRequest, Prompt, Rollout, RolloutError, Sample,
                                     assemble)
 from rl_jax.rollout.sampler import DecodeState, cast_params, kv_cache_bytes, merge_partials
@@ -37,6 +43,7 @@ __all__ = [
     "DecodeState",
     "EpisodeSpec",
     "GroupRequest",
+    "Loop",
     "Prompt",
     "Renderer",
     "Rollout",

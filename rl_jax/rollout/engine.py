@@ -166,7 +166,7 @@ class RolloutEngine(EngineCore):
       (complete groups in completion order, unfinished groups in submission order; their
       partial samples are kept, not-started groups are returned untouched).
     """
-    groups = [grp for req in requests for grp in self._groups(req)]
+    groups = [grp for req in requests for grp in self.groups_of(req)]
     loop = Loop(self, params, policy_version)
     complete, unfinished = loop.run(groups, min_complete)
     for grp in groups:
@@ -179,9 +179,11 @@ class RolloutEngine(EngineCore):
                                            loop.state.free.shape[0]))
     return complete, unfinished
 
-  def _groups(self, req: GroupRequest) -> list[Group]:
+  def groups_of(self, req: GroupRequest) -> list[Group]:
     """The loop's groups of ``req``: one of its n samples (prompt-once), or one per sample
-    (replicated), each sample a one-turn record of its tokens so far."""
+    (replicated), each sample a one-turn record of its tokens so far. With the loop's
+    online calls (``loop.Loop.submit``, ``step``, ``running_tokens``, ``abort``) a caller
+    serves requests as they come: ``loop.submit(engine.groups_of(engine.new_request(p)))``."""
     units = [list(range(self.n))] if self.prompt_once else [[i] for i in range(self.n)]
     out = []
     for ids in units:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +178,7 @@ class Loop:
     # results an earlier call's steps left first (a deterministic engine applies them all,
     # as ``export_held`` does), so a group they complete is complete before anything runs
     self.collect()
-    self.queue.extend(g for g in groups if not g.done)
+    self.submit(groups)
     complete, seen, done = [], set(), set()
 
     def harvest():
@@ -201,6 +202,44 @@ class Loop:
     self.hold()
     self.stats["seconds"] = time.perf_counter() - t0
     return complete, [o for k, o in owners.items() if k not in seen]
+
+  # ---------------------------------------------------------------- the online calls
+  # ``submit``, ``step``, ``running_tokens`` and ``abort`` serve requests that come and go
+  # while others decode (the server's lanes, ``serve.scheduler``); ``run`` is ``submit``
+  # then ``step`` until enough owners are complete (the trainer's rollouts).
+  def submit(self, groups: Sequence[Group]) -> None:
+    """Queue ``groups``: each joins the batch at the next step with a free slot and pages
+    (admission in queue order), while the resident groups keep decoding."""
+    self.queue.extend(g for g in groups if not g.done)
+
+  def abort(self, grp: Group) -> None:
+    """End ``grp`` now, whatever it is doing: out of the queue, or out of its slot with its
+    pages returned to the pool at once; its samples are done and a late environment
+    outcome of it is dropped. Its records keep what was taken to the host."""
+    if grp in self.queue:
+      self.queue.remove(grp)
+    grp.status = [DONE] * len(grp.status)
+    self.e.live.pop(grp.uid, None)
+    if grp.slot is not None:
+      self.free_slot(grp.slot, grp)
+      self.give_back()
+
+  def running_tokens(self, groups: Sequence[Group]) -> dict[int, list[tuple[list, list]]]:
+    """The response so far of each of ``groups`` decoding in a slot, by ``id(group)``: per
+    sample (token ids, log-probs) on the device (one device read for all), the sample's
+    whole response including tokens taken to its record before (a single-turn group's;
+    multi-turn groups' records are their trajectories)."""
+    resident = [grp for grp in groups if grp.slot is not None and grp.has(RUN)]
+    if not resident:
+      return {}
+    s = self.state
+    tokens, logprobs, length = jax.device_get((s.tokens, s.logprobs, s.length))
+    out = {}
+    for grp in resident:
+      g = grp.slot
+      out[id(grp)] = [(tokens[g, m, :length[g, m]].tolist(),
+                       logprobs[g, m, :length[g, m]].tolist()) for m in range(len(grp.trajs))]
+    return out
 
   def hold(self, only: int | None = None):
     """Copy the partial turns of decoding samples to their records; free every slot (or

@@ -32,11 +32,10 @@ import queue
 import threading
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from rl_jax.rollout.agent import AgentEngine
-from rl_jax.rollout.loop import DONE, RUN, Group, Loop
+from rl_jax.rollout.loop import Group, Loop
 from rl_jax.rollout.agent_records import Trajectory
 
 __all__ = ["Chunk", "Request", "Sampling", "Scheduler", "stream_id"]
@@ -135,21 +134,13 @@ class _Lane:
       grp.stream, grp.max_turn = stream, req.max_tokens
       choice = _Choice(i, grp)
       req.choices.append(choice)
-      self.engine.live[uid] = grp
-      self.loop.queue.append(grp)
+      self.loop.submit([grp])
       self.active[uid] = (req, choice)
 
   def drop(self, uid: int) -> None:
     """Stop choice ``uid``: out of the queue, or out of its slot with its pages returned."""
     _, choice = self.active.pop(uid)
-    grp = choice.group
-    if grp in self.loop.queue:
-      self.loop.queue.remove(grp)
-    grp.status = [DONE] * len(grp.status)
-    self.engine.live.pop(uid, None)  # a late environment outcome is dropped
-    if grp.slot is not None:
-      self.loop.free_slot(grp.slot, grp)
-      self.loop.give_back()
+    self.loop.abort(choice.group)
 
   def close(self) -> None:
     self.engine.close()
@@ -306,11 +297,8 @@ class Scheduler:
   def _report(self, lane: _Lane) -> None:
     """Report every choice's new tokens; end choices that finished or hit a stop string."""
     live = [(uid, req, ch) for uid, (req, ch) in lane.active.items()]
-    state = None
-    if any((req.stream or req.stop) and ch.group.status[0] == RUN and ch.group.slot is not None
-           for _, req, ch in live):
-      s = lane.loop.state
-      state = jax.device_get((s.tokens[:, 0], s.logprobs[:, 0], s.length[:, 0]))
+    running = lane.loop.running_tokens([ch.group for _, req, ch in live
+                                        if (req.stream or req.stop) and not ch.group.done])
     for uid, req, ch in live:
       grp, t = ch.group, ch.group.trajs[0]
       if grp.done:
@@ -319,11 +307,8 @@ class Scheduler:
         ended = bool(ids) and ids[-1] in self.stop_ids
         self._update(lane, uid, req, ch, ids[:-1] if ended else ids,
                      lps[:-1] if ended else lps, "stop" if ended else "length")
-      elif (req.stream or req.stop) and state is not None and grp.status[0] == RUN \
-          and grp.slot is not None:
-        n = int(state[2][grp.slot])
-        ids = state[0][grp.slot, :n].tolist()
-        lps = state[1][grp.slot, :n].tolist()
+      elif id(grp) in running:
+        ids, lps = running[id(grp)][0]
         if ids and ids[-1] in self.stop_ids:
           ids, lps = ids[:-1], lps[:-1]
         self._update(lane, uid, req, ch, ids, lps, None)
