@@ -348,8 +348,9 @@ class Loop:
       due = self.pending_due() if self.e.deterministic else []
       if due:  # nothing to decode: the clock jumps to the next result due
         self.clock = max(self.clock, due[0][0])
-      else:
+      elif self.e.pool is not None or self.queue:
         self.wait()
+      # else: nothing submitted, nothing running (an online loop between requests)
 
   def now(self) -> float:
     """The time the time-to-live counts in: decode steps (deterministic) or seconds."""
@@ -359,8 +360,8 @@ class Loop:
     """Block on the environments (nothing to decode); the time is ``stats["env_wait_s"]``,
     the environment time not hidden behind decoding."""
     if self.e.pool is None:
-      raise RuntimeError("the rollout loop has nothing to decode and no environment step "
-                         "to wait for")
+      raise RuntimeError("the rollout loop cannot admit its queued groups and has nothing "
+                         "to decode")
     t0 = time.perf_counter()
     self.e.pool.wait(0.02)
     self.wait_s += time.perf_counter() - t0

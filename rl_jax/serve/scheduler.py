@@ -1,9 +1,10 @@
 """Continuous batching of concurrent HTTP requests over the rollout engine.
 
 One thread owns the device work. Each distinct sampling setting (temperature, top-p, top-k)
-is a *lane*: an ``AgentEngine`` (one sample per group; each choice a single-turn group,
-which ends with its first turn) and its scheduling loop (``loop.Loop``), kept across requests. A request's n choices are n
-groups queued on its lane; every iteration of the thread admits queued groups into free
+is a *lane*: a ``RolloutEngine`` (one sample per group; each choice a single-turn group)
+and its scheduling loop (``loop.Loop``), kept across requests. A request's n choices are n
+groups submitted to its lane (the loop's online calls: ``submit``, ``step``,
+``running_tokens``, ``abort``); every iteration of the thread admits queued groups into free
 slots (prefill), decodes every running sample a few steps (``poll_steps``) and reports the
 new tokens of each choice, so requests that arrive while others decode join the batch at the
 next iteration and leave it as soon as they end (Orca-style iteration-level scheduling). The
@@ -34,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rl_jax.rollout.agent import AgentEngine
+from rl_jax.rollout.engine import RolloutEngine
 from rl_jax.rollout.loop import Group, Loop
 from rl_jax.rollout.agent_records import Trajectory
 
@@ -113,13 +114,11 @@ class _Lane:
 
   def __init__(self, sched: "Scheduler", sampling: Sampling):
     m = sched.model
-    self.engine = AgentEngine(
-        m.cfg, m.chat, m.tokenizer.decode, n=1, max_slots=sched.max_slots,
-        max_prompt_len=sched.max_prompt_tokens, max_total_tokens=sched.max_tokens,
-        max_turn_tokens=sched.max_tokens, max_turns=1, max_obs_tokens=1,
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        stop_ids=m.stop_ids, seed=sched.seed, ttl=None, step_timeout=None, workers=2,
-        poll_steps=sched.poll_steps, page_size=sched.page_size, context=sched.context)
+    self.engine = RolloutEngine(
+        m.cfg, n=1, max_slots=sched.max_slots, max_new_tokens=sched.max_tokens,
+        max_prompt_len=sched.max_prompt_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, top_k=sampling.top_k, eos_id=list(m.stop_ids), seed=sched.seed,
+        page_size=sched.page_size, context=sched.context)
     self.params = self.engine.prepare_params(m.params)
     self.loop = Loop(self.engine, self.params, 0)
     self.loop.chunk_steps = sched.poll_steps  # new requests join every few decode steps
@@ -143,7 +142,7 @@ class _Lane:
     self.loop.abort(choice.group)
 
   def close(self) -> None:
-    self.engine.close()
+    """Drop the lane (its device state goes with its loop)."""
 
 
 class Scheduler:
