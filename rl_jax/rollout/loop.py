@@ -247,16 +247,27 @@ class Loop:
     resident = [(g, grp) for g, grp in self.resident() if only is None or g == only]
     live = [(g, m, grp) for g, grp in resident for m, s in enumerate(grp.status) if s == RUN]
     if live:
-      host = self.host_tokens()
+      host = self.host_tokens([(g, m) for g, m, _ in live])
       for g, m, grp in live:
         self.take_tokens(host, g, m, grp)
     for g, grp in resident:
       self.free_slot(g, grp)
 
-  def host_tokens(self):
-    """The state's tokens, log-probs, versions, lengths and expert records, on the host."""
+  def host_tokens(self, rows: Sequence[tuple[int, int]]):
+    """The state's tokens, log-probs, versions and lengths on the host, and a
+    mixture-of-experts model's expert records of ``rows`` ((slot, sample) pairs) only:
+    {(g, m): int32 [R,Y,X]} (None for dense models). The whole record array is [G,M,R,Y,X],
+    G·M rows where a call takes a few: one gather of the rows, padded to a power of two (a
+    handful of small programs), is what crosses to the host."""
     s = self.state
-    return jax.device_get((s.tokens, s.logprobs, s.versions, s.length, s.routing))
+    host = jax.device_get((s.tokens, s.logprobs, s.versions, s.length))
+    routing = None
+    if s.routing is not None and rows:
+      pad = [rows[0]] * (pow2(len(rows)) - len(rows))
+      gs, ms = np.asarray(list(rows) + pad, np.int32).T
+      picked = np.asarray(jax.device_get(s.routing[gs, ms]))
+      routing = {row: picked[i] for i, row in enumerate(rows)}
+    return (*host, routing)
 
   def take_tokens(self, host, g: int, m: int, grp: Group) -> None:
     """Append sample m's tokens decoded in slot g since its record last grew (``host`` from
@@ -269,7 +280,7 @@ class Loop:
     t.append(tokens[g, m, n0:n1], logprobs[g, m, n0:n1], versions[g, m, n0:n1], True,
              len(t.actions))
     if routing is not None:
-      t.routing = slots.merged_routing(t.routing, routing[g, m, :n1])
+      t.routing = slots.merged_routing(t.routing, routing[g, m][:n1])
 
   def fit(self, need) -> None:
     """A fixed pool: preempt the most recently admitted resident groups until ``need()``
@@ -598,7 +609,7 @@ class Loop:
     ended = [(g, m, grp) for g, m, grp in live if reason[g, m] != kv_cache.RUNNING]
     if not ended:
       return False
-    host = self.host_tokens()
+    host = self.host_tokens([(g, m) for g, m, _ in ended])
     now = self.now()
     for g, m, grp in ended:
       t = grp.trajs[m]
