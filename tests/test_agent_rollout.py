@@ -300,6 +300,14 @@ def test_bad_arguments():
     _engine(max_total_tokens=400)
   with pytest.raises(rollout.RolloutError, match="max_prompt_len"):
     _engine(max_prompt_len=4).rollout(PARAMS, _specs(1))
+  # the engine core's checks, the single-turn engine's lines
+  for kw, words in ((dict(top_p=0.0), "top_p must lie in (0, 1]"),
+                    (dict(top_k=-1), "top_k must be an integer >= 0"),
+                    (dict(temperature=-0.5), "temperature must be >= 0"),
+                    (dict(n=0), "n must be an integer >= 1")):
+    with pytest.raises(rollout.RolloutError) as e:
+      _engine(**kw)
+    assert words in str(e.value) and "\n" not in str(e.value), kw
   assert rollout.env_seed(3, 1, 0) == rollout.env_seed(3, 1, 0) != rollout.env_seed(3, 1, 1)
 
 
