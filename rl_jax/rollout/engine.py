@@ -2,10 +2,10 @@
 
 The single-turn face of the one rollout engine (``core.EngineCore``, run by ``loop.Loop``,
 as the multi-turn engine is: a request's samples are one-turn records that end with their
-first turn): this module turns requests into the loop's groups and back, and holds the APRIL call and the held
-groups' checkpoint arrays (the held groups themselves, the staleness bound and the uid
-counter are ``held.HeldGroups``, shared with the multi-turn engine; records and argument
-checks are ``records``'s):
+first turn): this module turns requests into the loop's groups and back, and holds the
+APRIL call and the held groups' checkpoint arrays (the held groups themselves, the
+staleness bound and the uid counter are ``held.HeldGroups``, shared with the multi-turn
+engine; records and argument checks are ``records``'s):
 
 * Slots. A fixed number of group slots (``max_slots``), each holding one prompt's prefix
   K/V once and its ``n`` samples' own response K/V (``prompt_once=True``), or one sample per

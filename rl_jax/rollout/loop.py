@@ -225,10 +225,9 @@ class Loop:
       self.give_back()
 
   def running_tokens(self, groups: Sequence[Group]) -> dict[int, list[tuple[list, list]]]:
-    """The response so far of each of ``groups`` decoding in a slot, by ``id(group)``: per
-    sample (token ids, log-probs) on the device (one device read for all), the sample's
-    whole response including tokens taken to its record before (a single-turn group's;
-    multi-turn groups' records are their trajectories)."""
+    """What each of ``groups`` decoding in a slot holds so far, by ``id(group)``: per sample
+    (token ids, log-probs) of its response (a single-turn group) or trajectory (multi-turn)
+    as the device holds it, from its first token (one device read for all groups)."""
     resident = [grp for grp in groups if grp.slot is not None and grp.has(RUN)]
     if not resident:
       return {}
