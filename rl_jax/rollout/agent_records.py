@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from rl_jax.envs.base import Environment, Message
+from rl_jax.rollout.records import padded_routing
 
 __all__ = ["AgentRollout", "EpisodeSpec", "Renderer", "Trajectory", "assemble_trajectories",
            "env_seed", "error_count", "error_kinds"]
@@ -213,19 +214,7 @@ def assemble_trajectories(groups: Sequence[tuple[int, list[int], list[Trajectory
       error_kinds=[dict(t.error_kinds) for _, t in rows], prompts=[list(g[1]) for g in groups],
       prompt_index=np.asarray([g for g, _ in rows], np.int32),
       group_ids=np.asarray([g[0] for g in groups], np.int64),
-      group_meta=[g[3] for g in groups], routing=_routing([t for _, t in rows], R),
+      group_meta=[g[3] for g in groups], routing=padded_routing([t for _, t in rows], R),
       stats={"trajectories": B, "groups": len(groups),
              "model_tokens": int(out["model_mask"].sum()),
              "observation_tokens": int(out["lengths"].sum() - out["model_mask"].sum())})
-
-
-def _routing(trajs: Sequence[Trajectory], R: int) -> np.ndarray | None:
-  """The trajectories' expert records as int32 [B,R,Y,X] (-1 padded); None without any."""
-  recorded = [t.routing for t in trajs if t.routing is not None]
-  if not recorded:
-    return None
-  out = np.full((len(trajs), R, *recorded[0].shape[1:]), -1, np.int32)
-  for b, t in enumerate(trajs):
-    if t.routing is not None:
-      out[b, :len(t.routing)] = t.routing
-  return out

@@ -22,7 +22,8 @@ from rl_jax.rollout.kv_cache import REASON_NAMES
 
 __all__ = ["REASON_CODES", "GroupRequest", "Prompt", "Rollout", "RolloutError", "Sample",
            "as_ids", "assemble", "check_int", "check_power_of_two", "check_prompt",
-           "fixed_pool_pages", "PoolPlan", "pool_plan", "pow2", "sampling_params"]
+           "fixed_pool_pages", "padded_routing", "PoolPlan", "pool_plan", "pow2",
+           "sampling_params"]
 
 REASON_CODES = {name: code for code, name in REASON_NAMES.items()}
 
@@ -284,11 +285,12 @@ def assemble(groups: Sequence[GroupRequest], width: int) -> Rollout:
   return Rollout(tokens, mask, logprobs, versions, lengths, reasons.astype(str), index,
                  [list(r.prompt) for r in groups], np.asarray([r.uid for r in groups], np.int64),
                  {"tokens": int(lengths.sum()), "groups": len(groups)},
-                 [r.meta for r in groups], _routing([s for _, s in rows], width))
+                 [r.meta for r in groups], padded_routing([s for _, s in rows], width))
 
 
-def _routing(samples: Sequence[Sample], width: int) -> np.ndarray | None:
-  """The samples' expert records as int32 [B,width,Y,X] (-1 padded); None without any."""
+def padded_routing(samples: Sequence[Any], width: int) -> np.ndarray | None:
+  """The expert records of ``samples`` (``Sample``s or multi-turn ``Trajectory``s: each's
+  ``routing`` [t,Y,X] or None) as int32 [B,width,Y,X], -1 padded; None without any."""
   recorded = [s.routing for s in samples if s.routing is not None]
   if not recorded:
     return None
