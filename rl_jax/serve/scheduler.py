@@ -141,9 +141,6 @@ class _Lane:
     _, choice = self.active.pop(uid)
     self.loop.abort(choice.group)
 
-  def close(self) -> None:
-    """Drop the lane (its device state goes with its loop)."""
-
 
 class Scheduler:
   """The serving thread (module docstring).
@@ -189,8 +186,6 @@ class Scheduler:
     self._closed = True
     self._inbox.put(("close", None))
     self._thread.join(timeout=30)
-    for lane in self._lanes.values():
-      lane.close()
 
   def active_choices(self) -> int:
     """Choices queued or decoding (read from the HTTP side for /health)."""
@@ -247,7 +242,7 @@ class Scheduler:
           idle = [s for s, l in self._lanes.items() if not l.active]
           if not idle:
             return  # every lane is busy with other settings: wait for one to empty
-          self._lanes.pop(idle[0]).close()
+          self._lanes.pop(idle[0])
         try:
           lane = self._lanes[req.sampling] = _Lane(self, req.sampling)
         except Exception as e:  # pylint: disable=broad-except
@@ -279,7 +274,6 @@ class Scheduler:
     for key, l in list(self._lanes.items()):
       if l is lane:
         del self._lanes[key]
-    lane.close()
     for req in reqs.values():
       req.on_chunk(error)
       req.done.set()
