@@ -38,6 +38,13 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The same cache for the programs tests compile in-process (setups, steps and samplers built
+# by hand, not through ``train.train``), caching every program as ``startup.use_compile_cache``
+# does: the tiny setups of different tests share their init and sampler programs.
+if os.environ["RL_JAX_COMPILE_CACHE"]:
+  jax.config.update("jax_compilation_cache_dir", os.environ["RL_JAX_COMPILE_CACHE"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 # ---------------------------------------------------------------- order of work under xdist
@@ -126,6 +133,10 @@ SLOW_TESTS = (
     "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[ppo]",
     "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[lora]",
     "test_epochs.py::test_two_epochs_equal_a_hand_written_loop",
+    # PPO's critic and VCPO's ESS end to end through train.train; the same presets' steps,
+    # their vf_loss, value params and ess_ratio: test_train_objectives.py::
+    # test_every_preset_and_advantage_trains[preset-ppo] and [preset-vcpo]
+    "test_train.py::test_critic_and_off_policy_presets_train",
     "test_profiling.py::test_profile_step_writes_a_trace_and_its_summary",
     "test_bench_scaling.py::test_bench_scaling_small_reports_every_device_count",
     # the Tunix benchmark's rl_jax side with a long prompt (the served side runs the same)

@@ -55,7 +55,16 @@ def _same_weights(a, b):
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_lag_zero_is_the_sync_trainer_and_lag_one_is_one_version_old(tmp_path):
+LAG_ONE = ["train.mode=async", "train.async_lag=1"]
+
+
+@pytest.fixture(scope="module")
+def lag_one_run(tmp_path_factory):
+  """(RL metrics rows, exported weights) of the tiny run on one device with fixed lag 1."""
+  return _run(tmp_path_factory.mktemp("lag1"), LAG_ONE)
+
+
+def test_lag_zero_is_the_sync_trainer_and_lag_one_is_one_version_old(tmp_path, lag_one_run):
   sync_rows, sync_w = _run(tmp_path / "sync")
   lag0_rows, lag0_w = _run(tmp_path / "lag0", ["train.mode=async", "train.async_lag=0"])
   _same_weights(sync_w, lag0_w)
@@ -63,7 +72,7 @@ def test_lag_zero_is_the_sync_trainer_and_lag_one_is_one_version_old(tmp_path):
   assert [[r[k] for k in keys] for r in lag0_rows] == [[r[k] for k in keys] for r in sync_rows]
   assert all(r["max_token_lag"] == 0 for r in lag0_rows)
 
-  lag1_rows, lag1_w = _run(tmp_path / "lag1", ["train.mode=async", "train.async_lag=1"])
+  lag1_rows, lag1_w = lag_one_run
   # the first RL step trains on the weights RL starts from; every later one on the weights
   # one step older, so the behaviour log-probs differ from the proximal ones
   assert lag1_rows[0]["max_token_lag"] == 0
@@ -128,17 +137,17 @@ def test_fixed_lag_resume_after_sigkill_is_bit_exact(tmp_path):
   assert [r["step"] for r in metrics.read_jsonl(path)] == list(range(1, 8))
 
 
-def test_split_rollout_and_training_meshes_match_one_device(tmp_path):
-  """Producer on 4 devices, learner FSDP over the other 4 == everything on one device."""
-  lag = ["train.mode=async", "train.async_lag=1", "train.steps=2"]
-  one = train.train(_config(lag), str(tmp_path / "one"), progress=False)
-  split = train.train(_config(lag + ["mesh.num_devices=0", "mesh.rollout_devices=4"]),
-                      str(tmp_path / "split"), progress=False)
+def test_split_rollout_and_training_meshes_match_one_device(tmp_path, lag_one_run):
+  """Producer on 4 devices, learner FSDP over the other 4 == everything on one device (the
+  same lag-1 run as ``lag_one_run``, whose exported weights it is compared with)."""
+  split = train.train(_config(LAG_ONE + ["mesh.num_devices=0", "mesh.rollout_devices=4"]),
+                      str(tmp_path), progress=False)
   devices = split.params["layers"]["q"].sharding.device_set
   assert len(devices) == 4 and min(d.id for d in devices) >= 4  # the training half
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                       atol=2e-5, rtol=1e-4),
-               one.params, split.params)
+  one_w, split_w = lag_one_run[1], _weights(tmp_path)
+  assert one_w.keys() == split_w.keys()
+  for k in one_w:
+    np.testing.assert_allclose(split_w[k], one_w[k], atol=2e-5, rtol=1e-4, err_msg=k)
 
 
 def test_queue_round_trips_through_arrays():

@@ -65,10 +65,27 @@ def teacher_dir(tmp_path_factory):
   return str(path)
 
 
+def _check_ppo(state, records):
+  """PPO trains a critic: value params, and its loss in every step's metrics."""
+  assert jax.tree.leaves(state.value_params)
+  assert all(np.isfinite(r["vf_loss"]) for r in records)
+
+
+def _check_vcpo(state, records):
+  """VCPO's OPOB weights give an effective sample size ratio in (0, 1] each step."""
+  del state
+  assert all(0 < r["ess_ratio"] <= 1.0 + 1e-6 for r in records)
+
+
+PRESET_CHECKS = {"ppo": _check_ppo, "vcpo": _check_vcpo}
+
+
 @pytest.mark.parametrize("kind,name", [("preset", p) for p in sorted(losses.PRESETS)] +
                          [("advantage", a) for a in BUILTIN_ADVANTAGES] +
                          [("knob", "entropy_coef=0.01")])
 def test_every_preset_and_advantage_trains(kind, name, teacher_dir):
+  """Two RL steps of each objective: finite losses, no skipped update, the policy moves (and
+  the preset's own metrics and state, ``PRESET_CHECKS``)."""
   overrides = [{"preset": f"loss.preset={name}", "advantage": f"loss.advantage={name}",
                 "knob": f"loss.{name}"}[kind]]
   if name == "on_policy_distill":  # the preset's advantages are the teacher's
@@ -79,6 +96,8 @@ def test_every_preset_and_advantage_trains(kind, name, teacher_dir):
   moved = [not np.array_equal(a, np.asarray(b))
            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params))]
   assert any(moved), "two RL steps left the policy unchanged"
+  if kind == "preset" and name in PRESET_CHECKS:
+    PRESET_CHECKS[name](state, records)
 
 
 def test_objective_needing_what_the_trainer_lacks_is_rejected_in_one_line():
