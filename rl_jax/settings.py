@@ -135,9 +135,10 @@ class RolloutSettings:
       "(>= max_new_tokens: one worst-case page per sample, the unpaged layout)")
   kv_pages: int | None = setting(
       None, cu.optional(cu.positive_int),
-      "Pool pages, fixed: when they run out the newest group is preempted and resumed by "
-      "recompute (the same tokens; multi-turn runs too, partial turns kept). At least one "
-      "group's whole budget. None: from rollout.kv_memory_fraction where the device "
+      "Pool pages per device, fixed: the pool is split over the devices the batch axes split "
+      "the group slots over, each shard serving its own slots; when a shard's pages run out "
+      "its newest group is preempted and resumed by recompute (the same tokens; multi-turn "
+      "runs too, partial turns kept). At least one group's whole budget. None: from rollout.kv_memory_fraction where the device "
       "reports its memory, else the pool grows as the responses need it (never preempts)",
       kind=int)
   kv_memory_fraction: float | None = setting(

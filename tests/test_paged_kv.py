@@ -2,6 +2,8 @@
 across page sizes, pools small enough to preempt, pool growth and meshes; log-probs equal
 teacher forcing; page bookkeeping against a plain Python free list; bad inputs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,16 +76,44 @@ def test_paged_logprobs_equal_teacher_forcing():
 
 
 def test_paged_on_8_devices_equals_1(reference):
+  """8 slots over fsdp=4 (kv heads over tensor=2): the pool is split in 4 shards, each of
+  ``kv_pages`` = one group's budget, and a shard that runs out preempts one of its own two
+  slots' groups; the tokens are one device's."""
   mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
-  out = _gen(page_size=4, kv_pages=2 * M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp")
+  out = _gen(page_size=4, kv_pages=M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp")
   _same(out, reference[1.0])
   assert out.stats["preemptions"] > 0
+  # more pages in use at once than one device holds, at most the four shards' together
+  assert M * MAX_NEW // 4 < out.stats["kv_pages_used_peak"] <= 4 * M * MAX_NEW // 4
   # samples forked from a response prefix, on the mesh
   heads = [[5, 6, 7, 8, 9][:n] for n in (5, 2, 0, 4, 1, 3)]
   kw = dict(page_size=4, kv_pages=2 * M * MAX_NEW // 4, prefixes=heads)
   forked = _gen(mesh=mesh, rules="fsdp_tp", **kw)
   _same(forked, _gen(**kw))
   assert forked.stats["forked_samples"] > 0
+
+
+def test_the_pool_is_split_over_the_slots_devices():
+  """With 8 slots over fsdp=4 each device holds a quarter of the pool's pages (its kv heads
+  over tensor=2), and the compiled decode reads and writes them where they lie: no
+  collective of the program moves as much as one shard of a layer's pool."""
+  mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+  ctx = (mesh, sharding.get_rules("fsdp_tp"))
+  G, P, R, S, Pg = 8, 8, 64, 4, 4 * 256
+  assert rollout.kv_cache.pool_shards(G, ctx) == 4 and rollout.kv_cache.pool_shards(G) == 1
+  state = rollout.kv_cache.init_state(CFG, G, M, P, R, ctx, S=S, pages=Pg)
+  for pool in (state.suffix_k[0], state.suffix_v[0]):
+    assert pool.sharding.shard_shape(pool.shape)[:2] == (Pg // 4, CFG.num_kv_heads // 2)
+  assert state.free.shape == (4, Pg // 4)
+  sp = rollout.records.sampling_params(CFG, 1.0, 0, 1.0, EOS, None)[0]
+  i32 = jnp.int32(4)
+  hlo = rollout.sampler.decode.lower(CFG, PARAMS, state, sp, i32, i32, i32, i32, filtered=False,
+                                     ctx=ctx, live=4).compile().as_text()
+  shard = Pg // 4 * CFG.num_kv_heads // 2 * CFG.head_dim * S  # one layer's keys, per device
+  moved = [(op, dims) for dims, op in re.findall(
+      r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|collective-permute)", hlo)]
+  assert moved  # the program has collectives (kv heads over tensor), none of pool size
+  assert all(np.prod([int(d) for d in dims.split(",") if d]) < shard for _, dims in moved), moved
 
 
 def test_cost_follows_the_tokens_not_the_budget():
@@ -100,15 +130,20 @@ def test_cost_follows_the_tokens_not_the_budget():
 
 def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_attention():
   """The decode query over page-major live pages (``pages.live_pages`` of a shuffled table,
-  and ``pages.in_place`` of the identity table) equals float64 softmax attention over the
+  and ``pages.in_place`` of the identity table; one pool, or two shards each read by its own
+  slot) equals float64 softmax attention over the
   prompt's valid keys then the sample's valid response keys, rebuilt position by position
   from the pool in numpy; unused table entries (-1) and a page read twice are harmless."""
   rng = np.random.default_rng(2)
   G, M, P, N, K, H, S, NP = 2, 3, 5, 4, 2, 8, 4, 4
-  for identity, nb in [(False, 3), (True, 2), (True, 4)]:
-    Pg = G * M * NP + 3
+  for identity, nb, D in [(False, 3, 1), (True, 2, 1), (True, 4, 1), (False, 3, 2),
+                          (True, 2, 2)]:
+    Pg = G * M * NP + (4 if D > 1 and not identity else 0) + (3 if D == 1 else 0)
+    Pl = Pg // D  # D shards: slot g's pages among g·Pl .. (each slot its own shard here)
     pool_k, pool_v = rng.standard_normal((Pg, K, H, S)), rng.standard_normal((Pg, K, S, H))
-    table = (np.asarray(pages.identity_table(G, M, NP)) if identity else
+    table = (np.asarray(pages.identity_table(G, M, NP, D)) if identity else
+             np.stack([g * Pl + rng.permutation(Pl)[:M * NP].reshape(M, NP)
+                       for g in range(G)]).astype(np.int32) if D > 1 else
              rng.permutation(Pg)[:G * M * NP].reshape(G, M, NP).astype(np.int32))
     slen = rng.integers(1, nb * S + 1, (G, M))
     if not identity:  # entries past a sample's length hold no page
@@ -117,8 +152,10 @@ def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_atten
     pk, pv = rng.standard_normal((G, K, H, P)), rng.standard_normal((G, K, P, H))
     plen = rng.integers(1, P + 1, G)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    live = (pages.in_place(f32(pool_k), f32(pool_v), G, M, nb) if identity else
-            pages.live_pages(f32(pool_k), f32(pool_v), jnp.asarray(table[:, :, :nb])))
+    if identity and D > 1:  # every page of a slot's samples in its own shard
+      assert set(table.reshape(G, -1)[G - 1].tolist()) == set(range(Pg - Pl, Pg))
+    live = (pages.in_place(f32(pool_k), f32(pool_v), G, M, nb, D) if identity else
+            pages.live_pages(f32(pool_k), f32(pool_v), jnp.asarray(table[:, :, :nb]), D))
     svalid = np.arange(nb * S)[None, None, :] < slen[..., None]
     got = rollout.sampler.paged_decode_attention(
         f32(q), f32(pk), f32(pv), jnp.asarray(np.arange(P)[None, :] < plen[:, None]),
@@ -152,6 +189,9 @@ def test_the_engines_pool_rules_against_a_direct_count():
   assert pages.grown_size(8, 2, 2, 64) == 8  # enough free: no growth
   assert pages.grown_size(8, 2, 3, 64) == 16 and pages.grown_size(8, 0, 20, 64) == 32
   assert pages.grown_size(8, 0, 500, 40) == 40  # at most the whole budget
+  # two shards of 4 pages: each grows by half of what the pool grows by
+  assert pages.grown_size(8, np.array([4, 0]), np.array([1, 1]), 64) == 16
+  assert pages.grown_size(8, np.array([4, 0]), np.array([0, 5]), 64) == 32
   rng = np.random.default_rng(0)
   G, M, NP, S = 3, 4, 5, 4
   for _ in range(20):
@@ -161,41 +201,56 @@ def test_the_engines_pool_rules_against_a_direct_count():
     want = sum(1 for g in range(G) for m in range(M)
                if run[g, m] and table[g, m, min(max(length[g, m] - 1, 0) // S, NP - 1)] < 0)
     assert pages.next_token_pages(run, length, table, S) == want
+    by_shard = [sum(1 for g in range(G) for m in range(M) if g == d
+                    and run[g, m] and table[g, m, min(max(length[g, m] - 1, 0) // S, NP - 1)] < 0)
+                for d in range(G)]  # one slot per shard
+    np.testing.assert_array_equal(pages.next_token_pages(run, length, table, S, G), by_shard)
 
 
-def test_page_bookkeeping_matches_a_python_free_list():
-  """Random takes and releases on device against a list of free ids handed out lowest
-  first, entries in row-major order."""
-  G, Mm, NP, Pg = 3, 2, 4, 14
+@pytest.mark.parametrize("D", [1, 2])
+def test_page_bookkeeping_matches_a_python_free_list(D):
+  """Random takes and releases on device against a list of free ids per pool shard, handed
+  out lowest first, entries in row-major order; the slots of shard d (``d·G/D ..``) take
+  only its pages ``d·Pl ..``."""
+  G, Mm, NP, Pg = 4, 2, 4, 14
+  Pl = Pg // D
   rng = np.random.default_rng(0)
-  table, free = jnp.full((G, Mm, NP), -1, jnp.int32), jnp.ones(Pg, bool)
-  ref_table, ref_free = -np.ones((G, Mm, NP), int), set(range(Pg))
+  table, free = jnp.full((G, Mm, NP), -1, jnp.int32), jnp.ones((D, Pl), bool)
+  ref_table = -np.ones((G, Mm, NP), int)
+  ref_free = [set(range(d * Pl, (d + 1) * Pl)) for d in range(D)]
+  shard = lambda g: g // (G // D)
   allocate, release = jax.jit(pages.allocate), jax.jit(pages.release)
   for _ in range(30):
     if rng.random() < 0.7:
       need = rng.random((G, Mm, NP)) < 0.3
       want = need & (ref_table < 0)
-      if want.sum() > len(ref_free):
+      if any(want[shard(np.arange(G)) == d].sum() > len(ref_free[d]) for d in range(D)):
         continue  # callers check capacity first
       table, free = allocate(table, free, jnp.asarray(need))
-      ids = sorted(ref_free)
-      for n, at in enumerate(zip(*np.nonzero(want))):
-        ref_table[at] = ids[n]
-        ref_free.discard(ids[n])
+      ids = [sorted(f) for f in ref_free]
+      taken = [0] * D
+      for at in zip(*np.nonzero(want)):
+        d = shard(at[0])
+        ref_table[at] = ids[d][taken[d]]
+        ref_free[d].discard(ids[d][taken[d]])
+        taken[d] += 1
     else:
       rows = rng.random(G) < 0.5
       table, free = release(table, free, jnp.asarray(rows))
-      ref_free |= set(ref_table[rows][ref_table[rows] >= 0].tolist())
+      for g in np.flatnonzero(rows):
+        ref_free[shard(g)] |= set(ref_table[g][ref_table[g] >= 0].tolist())
       ref_table[rows] = -1
     np.testing.assert_array_equal(np.asarray(table), ref_table)
-    assert set(np.flatnonzero(np.asarray(free)).tolist()) == ref_free
+    assert set(np.flatnonzero(np.asarray(free)).tolist()) == set().union(*ref_free)
   # one entry per sample, as the decode step takes them
-  take = jnp.asarray([[True, False], [True, True], [False, True]])
+  take = jnp.asarray([[True, False], [True, True], [False, True], [True, False]])
   table = jnp.full((G, Mm, NP), -1, jnp.int32).at[1, 0, 2].set(5)
-  free = jnp.ones(Pg, bool).at[5].set(False)
+  free = jnp.ones(Pg, bool).at[5].set(False).reshape(D, Pl)
   t2, f2, page = pages.take_entry(table, free, take, jnp.full((G, Mm), 2))
-  np.testing.assert_array_equal(np.asarray(page), [[0, -1], [5, 1], [-1, 2]])
-  assert np.asarray(t2)[2, 1, 2] == 2 and not np.asarray(f2)[:3].any()
+  want = ([[0, -1], [5, 1], [-1, 2], [3, -1]] if D == 1 else
+          [[0, -1], [5, 1], [-1, 7], [8, -1]])
+  np.testing.assert_array_equal(np.asarray(page), want)
+  assert np.asarray(t2)[2, 1, 2] == want[2][1] and not np.asarray(f2).reshape(-1)[want[2][1]]
 
 
 def test_paged_bad_inputs_raise_one_clear_error():
@@ -236,7 +291,8 @@ def test_prompts_prefilled_in_chunks_give_the_whole_prompts_tokens(reference):
 def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   """``pages.fork`` against the definition: entries wholly below the cached length name the
   source's pages, the one holding the cut gets a fresh page holding a copy, later ones none;
-  with an identity table every kept page is copied onto the sample's own."""
+  with an identity table every kept page is copied onto the sample's own; on a pool of two
+  shards the fresh page is one of the slot's shard."""
   G, Ms, NP, S = 2, 3, 4, 4
   rng = np.random.default_rng(0)
   table = np.full((G, Ms, NP), -1, np.int32)
@@ -245,8 +301,10 @@ def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   free[[5, 2, 7]] = False
   slot, src, dst, cached = (np.array(x, np.int32) for x in ([1, 1, 2], [0, 0, 0], [1, 2, 0],
                                                             [6, 8, 3]))
-  t, f, frm, to = pages.fork(jnp.asarray(table), jnp.asarray(free), slot, src, dst, cached, S)
+  t, f, frm, to = pages.fork(jnp.asarray(table), jnp.asarray(free)[None], slot, src, dst,
+                             cached, S)
   t, f, frm, to = map(np.asarray, (t, f, frm, to))
+  f = f.ravel()
   assert t[1, 1].tolist() == [5, 0, -1, -1]  # 6 cached: page 5 shared, 2's copy on page 0
   assert t[1, 2].tolist() == [5, 2, -1, -1]  # 8 cached: two whole pages, nothing copied
   assert (t[0] == -1).all() and (t[1, 0] == table[1, 0]).all()  # row 3 is padding
@@ -256,9 +314,17 @@ def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   moved = np.asarray(pages.copy_pages(pool, jnp.asarray(frm), jnp.asarray(to))[0])
   np.testing.assert_array_equal(moved[0], np.asarray(pool[0])[2])
   np.testing.assert_array_equal(np.delete(moved, 0, 0), np.delete(np.asarray(pool[0]), 0, 0))
+  # two shards of 6 pages: slot 1's fresh page is shard 1's lowest free one (6)
+  split = np.where(table >= 0, [[[11, 8, 7, -1]]], -1).astype(np.int32)
+  free = np.ones((2, 6), bool)
+  free[1, [1, 2, 5]] = False
+  t, f, frm, _ = pages.fork(jnp.asarray(split), jnp.asarray(free), slot[:1], src[:1], dst[:1],
+                            cached[:1], S)
+  assert np.asarray(t)[1, 1].tolist() == [11, 6, -1, -1] and not np.asarray(f)[1, 0]
+  assert np.asarray(f)[0].all() and np.asarray(frm)[0].tolist()[:2] == [12, 8]
   ident = np.asarray(pages.identity_table(G, Ms, NP))
-  *_, frm, to = pages.fork(jnp.asarray(ident), jnp.zeros(G * Ms * NP, bool), slot[:1], src[:1],
-                           dst[:1], cached[:1], S, identity=True)
+  *_, frm, to = pages.fork(jnp.asarray(ident), jnp.zeros((1, G * Ms * NP), bool), slot[:1],
+                           src[:1], dst[:1], cached[:1], S, identity=True)
   assert [(a, b) for a, b in zip(np.ravel(frm), np.ravel(to)) if a < G * Ms * NP] == [
       (ident[1, 0, 0], ident[1, 1, 0]), (ident[1, 0, 1], ident[1, 1, 1])]
 

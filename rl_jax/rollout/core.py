@@ -41,8 +41,9 @@ class EngineCore(HoldsGroups):
   """The engine the loop runs on (module docstring); the two faces call ``_init_core``.
 
   Attributes (besides ``_init_core``'s arguments): cfg, the sampler's model config (its
-  ``dtype``, dropless routing); G, M, P, R; pool_plan, S, fixed_pool, max_pool_pages,
-  pool_pages (grows with a growing pool; later calls start there); programs, the (live
+  ``dtype``, dropless routing); G, M, P, R; D, the pool's shards (``kv_cache.pool_shards``:
+  the devices the slots are split over); pool_plan, S, fixed_pool, max_pool_pages,
+  pool_pages (all D shards together; grows with a growing pool; later calls start there); programs, the (live
   bucket, pool pages) pairs decoded with; sp, filtered; ctx (mesh, rules) or None; admit_fn;
   held; live, every group not yet returned, by uid.
   """
@@ -103,16 +104,17 @@ class EngineCore(HoldsGroups):
     self.max_staleness = None if max_staleness is None else int(max_staleness)
     self.share_prefixes = bool(share_prefixes)
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
+    self.D = kv_cache.pool_shards(self.G, self.ctx)  # the pool's shards (one per slot shard)
     self.pool_plan = pool_plan(
         self.cfg, G=self.G, M=self.M, R=self.R, page_size=page_size, kv_pages=kv_pages,
         kv_memory_fraction=kv_memory_fraction, devices=devices,
-        budget=f"{budget_name}={budget_tokens}")
+        budget=f"{budget_name}={budget_tokens}", shards=self.D)
     self.S = self.pool_plan.S  # tokens per page
     self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
     self.pool_pages = self.pool_plan.pages
     self.programs: set[tuple[int, int]] = set()
     self.sp, self.filtered = sampling_params(self.cfg, temperature, top_k, top_p, eos_id, stop)
-    self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
     self._params = kv_cache.SamplerParams(self.cfg, self.ctx)
     # prefill + first tokens: with the training programs' CPU options when
     # ``train.cpu_fast_compile`` is on (the decode loop keeps XLA's defaults: compile_options)

@@ -115,7 +115,7 @@ def paged_decode_attention(q, prefix_k, prefix_v, prefix_valid, page_k, page_v, 
 
 
 def split_decode_attention(q, prefix_k, prefix_v, prefix_valid, pool_k, pool_v, table,
-                           start, length):
+                           start, length, shards: int = 1):
   """``paged_decode_attention`` as two partial softmaxes merged by log-sum-exp: the prefix in
   jnp (read once per group), the response pages by ``pallas_kernels.paged_decode_attention``
   (the Pallas kernel of the platform the program is compiled for, TPU or GPU; the jnp
@@ -125,6 +125,8 @@ def split_decode_attention(q, prefix_k, prefix_v, prefix_valid, pool_k, pool_v, 
     q: [G,M,N,H]. prefix_k: [G,K,H,P]; prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or
       [G,M,P]. pool_k: [Pg,K,H,S]; pool_v: [Pg,K,S,H]; table: int32 [G,M,nb] (-1: no
       page). start, length: int32 [G,M]: response positions start <= j < length are valid.
+    shards: the pool's D shards (``pages``' "Shards"; pages of shard d only in the tables of
+      slots ``d·G/D ..``).
   Returns:
     [G,M,N,H] in q's dtype.
   """
@@ -141,19 +143,20 @@ def split_decode_attention(q, prefix_k, prefix_v, prefix_valid, pool_k, pool_v, 
   p_pre = jnp.swapaxes(p_pre, 1, 2).reshape(G, K, M * J, P)
   o_pre = jnp.swapaxes(f32("gkap,gkph->gkah", p_pre, prefix_v).reshape(G, K, M, J, H), 1, 2)
   rows = lambda x: x.reshape(G * M, *x.shape[2:])
-  o_pg, lse_pg = _pages_per_shard(scale)(rows(qg), pool_k, pool_v, rows(table), rows(start),
-                                         rows(length))
+  o_pg, lse_pg = _pages_per_shard(scale, G, shards)(rows(qg), pool_k, pool_v, rows(table),
+                                                    rows(start), rows(length))
   out = pallas_kernels.merge_partials([o_pre, o_pg.reshape(G, M, K, J, H)],
                                       [lse_pre, lse_pg.reshape(G, M, K, J)])
   return out.reshape(G, M, N, H).astype(q.dtype)
 
 
-def _pages_per_shard(scale: float):
-  """``pallas_kernels.paged_decode_attention`` (rows [B,..]) run per shard with
+def _pages_per_shard(scale: float, G: int, shards: int):
+  """``pallas_kernels.paged_decode_attention`` (rows [G·M,..], slot-major) run per shard with
   ``shard_map`` on a mesh of several devices when it runs a Pallas kernel (XLA cannot
-  partition a kernel's custom call): rows over the rules' ``batch`` axes, kv heads over
-  ``act_kv_heads``; each shard holds the pool's pages of its kv heads (the pool is not split
-  over the batch axes: ``kv_cache.CACHE_AXES``)."""
+  partition a kernel's custom call): kv heads over ``act_kv_heads``; with a pool of D > 1
+  shards (``kv_cache.pool_shards``), rows and pool pages over the slots' batch axes, each
+  shard's table in its own page ids (``pages.local_ids``); with one, rows over the rules'
+  ``batch`` axes and each shard holding the pool's pages of its kv heads."""
   def run(q, pool_k, pool_v, table, start, length):
     # keys read as [S,H] pages where the pool is laid out with H minor (no copy)
     by_row = pages.h_minor(pages.device_layout(pool_k))
@@ -161,11 +164,23 @@ def _pages_per_shard(scale: float):
                                keys_by_row=by_row)
     active = sharding.active()
     if active is None or active[0].size == 1 or pallas_kernels.current_platform() == "cpu":
+      if shards > 1:  # the jnp reference, each shard reading its own pages
+        return pages.by_shard(lambda pk, pv, *rows: attend(rows[0], pk, pv, *rows[1:]),
+                              shards, (pool_k, pool_v),
+                              (q, pages.local_ids(table, pool_k.shape[0] // shards), start,
+                               length))
       return attend(q, pool_k, pool_v, table, start, length)
     mesh, rules = active
     one = lambda axes, n: sharding.logical_to_spec((axes,), rules, mesh, (n,))[0]
-    rows, heads = one("batch", q.shape[0]), one("act_kv_heads", q.shape[1])
-    q_spec, pool_spec = PartitionSpec(rows, heads), PartitionSpec(None, heads)
+    heads = one("act_kv_heads", q.shape[1])
+    if shards > 1:
+      rows = one("batch", G)
+      table = pages.local_ids(table, pool_k.shape[0] // shards)
+      pool_spec = PartitionSpec(rows, heads)
+    else:
+      rows = one("batch", q.shape[0])
+      pool_spec = PartitionSpec(None, heads)
+    q_spec = PartitionSpec(rows, heads)
     # check_vma=False: a pallas_call's outputs carry no varying-axes type
     fn = jax.shard_map(attend, mesh=mesh, check_vma=False,
                        in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(rows),
@@ -212,8 +227,9 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   page = jnp.where(take, page, -1).reshape(-1)  # rows not fed write nothing
   offset = (cur % S).reshape(-1)
   live_table = table[:, :, :nb]
-  read = ((lambda k, v: pages.in_place(k, v, G, M, nb)) if identity else
-          (lambda k, v: pages.live_pages(k, v, live_table)))
+  D = state.free.shape[0]  # pool shards: each slot reads and writes its own shard's pages
+  read = ((lambda k, v: pages.in_place(k, v, G, M, nb, D)) if identity else
+          (lambda k, v: pages.live_pages(k, v, live_table, D)))
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
   split = grouped.prefix_attention_path(cfg.prefix_attention) == "kernel"
 
@@ -222,7 +238,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   def attend(q, k, v, layer, spec=None):
     l = layer
     caches["sk"][l], caches["sv"][l] = pages.write(caches["sk"][l], caches["sv"][l], page,
-                                                   offset, k[:, 0], v[:, 0])
+                                                   offset, k[:, 0], v[:, 0], D)
     pv, sv = pvalid, svalid
     if spec is not None:
       pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))
@@ -233,7 +249,8 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
       if spec is not None and spec.window is not None and spec.sliding is not False:
         start = jnp.where(spec.sliding, jnp.maximum(cur - spec.window + 1, 0), start)
       out = split_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
-                                   caches["sk"][l], caches["sv"][l], live_table, start, cur + 1)
+                                   caches["sk"][l], caches["sv"][l], live_table, start, cur + 1,
+                                   D)
     else:
       out = paged_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
                                    *read(caches["sk"][l], caches["sv"][l]), sv)
@@ -259,15 +276,17 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
 
 def can_step(state: DecodeState, live: int) -> jax.Array:
   """Whether ``decode_step(.., live)`` can run: every running sample's fed index lies in
-  the first ``live`` pages and the pool holds a page for every sample whose fed index
-  starts a page it has none for."""
+  the first ``live`` pages and each pool shard holds a page for every sample of its slots
+  whose fed index starts a page it has none for."""
   S = state.suffix_v[0].shape[2]
   take = (state.reason == RUNNING) & state.active[:, None]
   cur = jnp.maximum(state.length - 1, 0)
   inside = jnp.all(~take | (cur < live * S))
   entry = jnp.minimum(cur // S, state.pages.shape[-1] - 1)
   has = jnp.take_along_axis(state.pages, entry[..., None], axis=-1)[..., 0] >= 0
-  return inside & (jnp.sum(take & ~has) <= jnp.sum(state.free))
+  D = state.free.shape[0]
+  short = (take & ~has).reshape(D, -1).sum(axis=1)
+  return inside & jnp.all(short <= state.free.sum(axis=1))
 
 
 # ``decode``'s ``min_finished`` or ``stop_count`` when that rule should never stop the loop

@@ -176,7 +176,7 @@ class RolloutEngine(EngineCore):
         {k: loop.stats[k] for k in ("preemptions", "prefix_pages_shared", "pool_growths")
          + FORK_STATS})
     self.stats.update(pages.usage_counters(loop.used, self.programs,
-                                           loop.state.free.shape[0]))
+                                           loop.state.free.size))
     return complete, unfinished
 
   def groups_of(self, req: GroupRequest) -> list[Group]:

@@ -18,8 +18,9 @@ worst-case slot layout.
 
 Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data/fsdp), kv
 heads over ``act_kv_heads`` (tensor), the prompt cache's length over ``kv_length``
-(sequence). The response pool is shared by all slots, so its pages are not split over the
-batch axes (each batch shard holds the pool; kv heads split it over ``tensor``).
+(sequence). The response pool's pages are split over the same devices as the slots
+(``pool_shards``: D shards, each holding the pages of its own slots' samples, ``pages``'
+"Shards"), and its kv heads over ``tensor``, so a device holds 1/D of the pool.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -40,7 +42,7 @@ from rl_jax.rollout import pages, sampling
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
            "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context", "needs_cast",
-           "pool_bytes", "record", "release_slots", "resize_pool", "SamplerParams"]
+           "pool_bytes", "pool_shards", "record", "release_slots", "resize_pool", "SamplerParams"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -74,7 +76,8 @@ class DecodeState(NamedTuple):
       ``extend``) fed it (-1 until then, for the last token, which is never fed, and for a
       multi-turn trajectory's observation tokens); None for dense models.
     pages: int32 [G,M,NP] page table (NP = R / S; -1 = no page yet).
-    free: bool [Pg] pool pages not in any table.
+    free: bool [D,Pl] pool pages not in any table, per pool shard (``pool_shards``; Pg =
+      D·Pl; page ``d·Pl + i`` is entry i of shard d).
   """
 
   prefix_k: jax.Array
@@ -115,7 +118,7 @@ CACHE_AXES = DecodeState(
     stream=("batch", None, None),
     routing=("batch", None, None, None, None),
     pages=("batch", None, None),
-    free=(None,),
+    free=(None, None),
 )
 
 
@@ -132,9 +135,43 @@ def _constrain(x, axes):
   return sharding.constrain(x, axes)
 
 
+def _slot_axes(G: int, active) -> str | tuple[str, ...] | None:
+  """The mesh axes the ``batch`` rule splits G slots over (``sharding.logical_to_spec``)."""
+  mesh, rules = active
+  return sharding.logical_to_spec(("batch",), rules, mesh, (G,))[0]
+
+
+def pool_shards(G: int, ctx=None) -> int:
+  """D, the shards of the response pool: the number of devices the mesh's batch axes split
+  the G slots over (``ctx`` = (mesh, rules), else the active ``sharding.use``; 1 off a mesh)."""
+  active = ctx if ctx is not None else sharding.active()
+  if active is None:
+    return 1
+  axes = _slot_axes(G, (active[0], sharding.get_rules(active[1])))
+  axes = (axes,) if isinstance(axes, str) else (axes or ())
+  return math.prod(active[0].shape[a] for a in axes)
+
+
+def _constrain_pool(pool: tuple, G: int) -> tuple:
+  """Each layer's pool with its pages over the slots' batch axes (shard d's pages on the
+  devices of slots ``d·G/D ..``: ``pool_shards``) and its kv heads over ``act_kv_heads``."""
+  active = sharding.active()
+  if active is None or active[0].size == 1:
+    return pool
+  mesh, rules = active
+  heads = sharding.logical_to_spec(pages.POOL_AXES, rules, mesh, pool[0].shape)[1]
+  spec = jax.sharding.PartitionSpec(_slot_axes(G, active), heads, None, None)
+  return tuple(jax.lax.with_sharding_constraint(p, jax.sharding.NamedSharding(mesh, spec))
+               for p in pool)
+
+
 def constrain_state(state: DecodeState) -> DecodeState:
-  """Every field of ``state`` constrained to its ``CACHE_AXES`` sharding."""
-  return DecodeState(*[_constrain(x, a) for x, a in zip(state, CACHE_AXES)])
+  """Every field of ``state`` constrained to its ``CACHE_AXES`` sharding, the pool's pages
+  to the slots' devices (``_constrain_pool``)."""
+  out = DecodeState(*[_constrain(x, a) for x, a in zip(state, CACHE_AXES)])
+  G = state.tokens.shape[0]
+  return out._replace(suffix_k=_constrain_pool(state.suffix_k, G),
+                      suffix_v=_constrain_pool(state.suffix_v, G))
 
 
 def pool_bytes(cfg: ModelConfig, pages: int, page_size: int) -> int:
@@ -181,16 +218,16 @@ def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPara
 
 
 def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: int,
-                identity: bool) -> DecodeState:
+                identity: bool, D: int) -> DecodeState:
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
   NP = R // S
   layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
-  if identity:  # entry (g, m, p) owns page p·G·M + g·M + m for good
-    table = pages.identity_table(G, M, NP)
-    free = jnp.arange(Pg) >= G * M * NP
+  if identity:  # entry (g, m, p) owns page p·G·M + g·M + m of its shard for good
+    table = pages.identity_table(G, M, NP, D)
+    free = jnp.broadcast_to(jnp.arange(Pg // D) >= G // D * M * NP, (D, Pg // D))
   else:
-    table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((Pg,), bool)
+    table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((D, Pg // D), bool)
   return DecodeState(
       prefix_k=layers((G, K, H, P)), prefix_v=layers((G, K, P, H)),
       prefix_len=jnp.ones((G,), jnp.int32),
@@ -218,7 +255,8 @@ def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
   """Empty state for G slots of M samples, prefix length P, response length R.
 
   S: page size (default R: one page per sample); a power of two dividing R. pages: pool
-  pages Pg (default G·M·R/S, every sample's whole budget). Every table entry starts
+  pages Pg (default G·M·R/S, every sample's whole budget), a multiple of the pool's shards
+  D (``pool_shards``: Pg / D pages per device). Every table entry starts
   without a page and every page free; ``identity``: the table is
   ``pages.identity_table`` (entry (g, m, p) owns page ``p·G·M + g·M + m`` for good): a
   pool of every whole budget read in place, the programs' ``identity`` fast path; needs
@@ -227,8 +265,11 @@ def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
   TRACE_COUNTS["init_state"] += 1
   S = R if S is None else S
   Pg = G * M * (R // S) if pages is None else pages
+  D = pool_shards(G, ctx)
+  if Pg % D:
+    raise ValueError(f"a pool of {Pg} pages does not split over its {D} shards")
   with mesh_context(ctx):
-    return constrain_state(_init_state(cfg, G, M, P, R, S, Pg, identity))
+    return constrain_state(_init_state(cfg, G, M, P, R, S, Pg, identity, D))
 
 
 @functools.partial(jax.jit, static_argnames=("identity", "ctx"), donate_argnames=("state",))
@@ -262,20 +303,23 @@ def fork_samples(state: DecodeState, slot, src, dst, cached, identity: bool = Fa
 
 @functools.partial(jax.jit, static_argnames=("pages_", "ctx"))
 def resize_pool(state: DecodeState, pages_: int, ctx=None) -> DecodeState:
-  """The response pool grown to ``pages_`` pages (new pages free; page ids kept)."""
+  """The response pool grown to ``pages_`` pages, each shard alike (new pages free; the
+  pages in use keep their contents, their ids renumbered per shard: ``pages.regrown_ids``)."""
   TRACE_COUNTS["resize_pool"] += 1
   with mesh_context(ctx):
-    extra = pages_ - state.free.shape[0]
+    D, old = state.free.shape[0], state.free.size
+    free = jnp.pad(state.free, [(0, 0), (0, (pages_ - old) // D)], constant_values=True)
     return constrain_state(state._replace(
-        suffix_k=pages.grow(state.suffix_k, pages_), suffix_v=pages.grow(state.suffix_v, pages_),
-        free=jnp.concatenate([state.free, jnp.ones((extra,), bool)])))
+        suffix_k=pages.grow(state.suffix_k, pages_, D),
+        suffix_v=pages.grow(state.suffix_v, pages_, D), free=free,
+        pages=pages.regrown_ids(state.pages, old, pages_, D)))
 
 
-def grow_pool(state: DecodeState, want: int, most: int, ctx=None) -> DecodeState:
+def grow_pool(state: DecodeState, want, most: int, ctx=None) -> DecodeState:
   """``state`` with its pool doubled (``pages.grown_size``, up to ``most`` pages) until
-  ``want`` pages are free; unchanged when they are."""
-  size = state.free.shape[0]
-  new = pages.grown_size(size, int(np.asarray(state.free).sum()), want, most)
+  ``want`` pages (int, or int [D] per shard) are free; unchanged when they are."""
+  size = state.free.size
+  new = pages.grown_size(size, np.asarray(state.free).sum(-1), want, most)
   return resize_pool(state, new, ctx=ctx) if new > size else state
 
 

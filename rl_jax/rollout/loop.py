@@ -137,6 +137,7 @@ class Loop:
     self.identity = eng.pool_plan.in_place(eng.pool_pages)
     self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, ctx=eng.ctx,
                                      S=eng.S, pages=eng.pool_pages, identity=self.identity)
+    self.shard = pages.slot_shards(eng.G, eng.D)  # each slot's pool shard
     self.released: list[int] = []  # slots freed since their pages were last returned
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
@@ -281,16 +282,30 @@ class Loop:
     if routing is not None:
       t.routing = slots.merged_routing(t.routing, routing[g, m][:n1])
 
+  def per_shard(self, pairs) -> np.ndarray:
+    """int [D]: the pages of (slot, pages) ``pairs`` summed over each pool shard."""
+    out = np.zeros(self.e.D, np.int64)
+    for g, n in pairs:
+      out[self.shard[g]] += n
+    return out
+
   def fit(self, need) -> None:
-    """A fixed pool: preempt the most recently admitted resident groups until ``need()``
-    pages (recomputed after each) are free; the oldest group stays (the pool holds its whole
-    budget). A preempted group keeps its partial turns and goes back to the front of the
-    queue, to resume by recompute."""
+    """A fixed pool: preempt the most recently admitted resident groups of a pool shard
+    until ``need()`` pages (int [D] per shard, recomputed after each) are free on every
+    shard; a shard's oldest group stays (the shard holds its whole budget). A preempted
+    group keeps its partial turns and goes back to the front of the queue, to resume by
+    recompute."""
     if not self.e.fixed_pool:
       return
     self.give_back()
-    while len(self.resident()) > 1 and need() > int(np.asarray(self.state.free).sum()):
-      g, grp = max(self.resident(), key=lambda r: self.order[r[0]])
+    while True:
+      short = need() > np.asarray(self.state.free).sum(-1)
+      resident = [(g, grp) for g, grp in self.resident() if short[self.shard[g]]]
+      counts = collections.Counter(self.shard[g] for g, _ in resident)
+      resident = [(g, grp) for g, grp in resident if counts[self.shard[g]] > 1]
+      if not resident:
+        break
+      g, grp = max(resident, key=lambda r: self.order[r[0]])
       for m, s in enumerate(grp.status):  # an observation will need a re-prefill first
         grp.evicted[m] |= s in (WAIT, READY)
       self.hold(only=g)
@@ -314,15 +329,15 @@ class Loop:
                                           ctx=self.e.ctx)
       self.released = []
 
-  def room(self, pages: int) -> None:
-    """Grow the pool (doubling, up to every sample's whole budget) until ``pages`` are free
-    (a fixed pool does not grow: ``fit``)."""
+  def room(self, pages_: np.ndarray) -> None:
+    """Grow the pool (doubling, up to every sample's whole budget) until ``pages_`` (int [D])
+    are free on each shard (a fixed pool does not grow: ``fit``)."""
     e = self.e
     if e.fixed_pool:
       return
-    grown = kv_cache.grow_pool(self.state, pages, e.max_pool_pages, ctx=e.ctx)
-    if grown.free.shape[0] > self.state.free.shape[0]:
-      e.pool_pages = grown.free.shape[0]  # later calls start at this size
+    grown = kv_cache.grow_pool(self.state, pages_, e.max_pool_pages, ctx=e.ctx)
+    if grown.free.size > self.state.free.size:
+      e.pool_pages = grown.free.size  # later calls start at this size
       self.stats["pool_growths"] += 1
     self.state = grown
 
@@ -334,7 +349,7 @@ class Loop:
     seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
                      env_wait_s=self.wait_s,
-                     **pages.usage_counters(self.used, e.programs, self.state.free.shape[0]),
+                     **pages.usage_counters(self.used, e.programs, self.state.free.size),
                      kv_hit_rate=s["kv_hits"] / max(s["resumes"], 1),
                      trajectories_per_s=len(groups) * e.M / max(seconds, 1e-9))
     return out
@@ -421,9 +436,12 @@ class Loop:
     return True
 
   def admit(self) -> bool:
-    """Fill free slots: groups returning from eviction first, then new groups."""
+    """Fill free slots: groups returning from eviction first, then new groups, each pool
+    shard's slots in turn (the first free slot of every shard, then the second, ...)."""
     e = self.e
-    free = [g for g, grp in enumerate(self.slot_group) if grp is None]
+    Gl = e.G // e.D
+    free = sorted((g for g, grp in enumerate(self.slot_group) if grp is None),
+                  key=lambda g: (g % Gl, g // Gl))
     busy = len(free) < e.G
     if self.closed and busy:
       return False  # a fixed pool preempted a group: none comes in until one leaves
@@ -433,17 +451,17 @@ class Loop:
       free += self.evict(want - len(free))
     if e.fixed_pool:
       self.give_back()
-      left = int(np.asarray(self.state.free).sum())
+      left = np.asarray(self.state.free).sum(-1)
     batch = []
     for g in free:
       nxt = returning[0] if returning else (self.queue[0] if self.queue else None)
       if nxt is None:
         break
-      if e.fixed_pool:  # admit while the pool holds what the group takes at once
+      if e.fixed_pool:  # admit while the slot's shard holds what the group takes at once
         need = group_pages(e, nxt)
-        if need > left and (busy or batch):
-          break
-        left -= need
+        if need > left[self.shard[g]] and (busy or batch):
+          continue
+        left[self.shard[g]] -= need
       if returning:
         grp = returning.pop(0)
         self.evicted.remove(grp)
@@ -454,6 +472,7 @@ class Loop:
       batch.append((g, grp))
     if not batch:
       return False
+    batch.sort(key=lambda r: r[0])  # slot order (shards were filled in turn)
     # the group's prompt is read once for its M samples (pages a per-sample copy would take)
     self.stats["prefix_pages_shared"] += sum((e.M - 1) * pages.pages_needed(len(grp.prompt), e.S)
                                              for _, grp in batch)
@@ -464,10 +483,11 @@ class Loop:
     if e.share_prefixes:
       rebuild, shared = slots.forks(a, rebuild)
     self.give_back()
-    self.room(sum(group_pages(e, grp) for _, grp in batch))
+    self.room(self.per_shard((g, group_pages(e, grp)) for g, grp in batch))
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered,
-                            fresh=not busy and Bn == e.G, ctx=e.ctx)
+                            fresh=not busy and Bn == e.G and batch[-1][0] == len(batch) - 1,
+                            ctx=e.ctx)
     self.reprefill(a, rebuild)
     self.fork(shared)
     return True
@@ -527,7 +547,8 @@ class Loop:
                      for m, s in enumerate(grp.status) if s == READY]
     if not ready():
       return False
-    self.fit(lambda: sum(-(-(len(grp.chunk[m]) + 1) // e.S) + 1 for _, m, grp in ready()))
+    self.fit(lambda: self.per_shard((g, -(-(len(grp.chunk[m]) + 1) // e.S) + 1)
+                                    for g, m, grp in ready()))
     rows = ready()
     if not rows:
       return False
@@ -548,7 +569,8 @@ class Loop:
         self.stats["resumes"] += 1
         self.stats["kv_hits"] += int(not grp.evicted[m])
         grp.evicted[m], grp.chunk[m], grp.status[m] = False, None, RUN
-      self.room(int(sum(-(-c // e.S) + 1 for c in x.count[x.slot < e.G])))
+      self.room(self.per_shard((g, -(-c // e.S) + 1)
+                               for g, c in zip(x.slot, x.count) if g < e.G))
       self.state, _ = extend(e.cfg, self.params, self.state, x, e.sp, self.version,
                              filtered=e.filtered, ctx=e.ctx)
     return True
@@ -575,26 +597,26 @@ class Loop:
     run = (reason == kv_cache.RUNNING) & active[:, None]
     if not run.any():
       return
-    self.room(pages.next_token_pages(run, length, table, e.S))
+    self.room(pages.next_token_pages(run, length, table, e.S, e.D))
     live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.pool_plan.NP)
     self.state, ran = decode(e.cfg, self.params, self.state, e.sp, self.version,
                              jnp.int32(steps), jnp.int32(slots_done), jnp.int32(stop),
                              filtered=e.filtered, ctx=e.ctx, live=live,
                              identity=self.identity)
     self.stats["decode_calls"] += 1
-    pool = int(self.state.free.shape[0])
+    pool = int(self.state.free.size)
     e.programs.add((live, pool))
     self.used.append(pool - int(np.asarray(self.state.free).sum()))
     if e.deterministic:
       self.clock += int(ran)
 
-  def pages_for_next_token(self) -> int:
-    """Pages the running samples take at the next decode step (their fed token's entry
-    has none)."""
+  def pages_for_next_token(self) -> np.ndarray:
+    """Pages the running samples take at the next decode step, per pool shard (int [D]:
+    their fed token's entry has none)."""
     length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
                                                     self.state.active, self.state.pages))
     run = (reason == kv_cache.RUNNING) & active[:, None]
-    return pages.next_token_pages(run, length, table, self.e.S)
+    return pages.next_token_pages(run, length, table, self.e.S, self.e.D)
 
   def turn_ends(self) -> bool:
     """Record the turns that ended on device: a single-turn sample is finished (with the

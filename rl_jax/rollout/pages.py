@@ -29,6 +29,13 @@ pages are read page-major ([nb,G,M,..]): each page is one batch entry of the att
 matmuls, so no page is copied into a joined cache. A pool of every sample's whole budget uses
 ``identity_table`` (page-major too) and is read in place, without a gather.
 
+Shards. On a mesh whose batch axes split the G slots over D devices, the pool is split the
+same way: shard d holds pages ``d·Pl .. (d+1)·Pl - 1`` (Pl = Pg / D pages per device) and
+gives them only to the samples of its slots ``d·G/D .. (d+1)·G/D - 1``, so every read and
+write of a decode step stays on the device that holds the slot (``by_shard``). The free
+list is kept per shard (``free`` bool [D,Pl]); page ids are global, so a table means the same
+pages on one device and on D. D = 1 off a mesh.
+
 On TPU the pool keeps the layout XLA:TPU gives it by default (``device_layout``): with H a
 multiple of the 128 lanes and S below them, keys [Pg,K,H,S] are laid out with H minor, as
 [Pg,K,S,H], the values' layout. The decode writes a token's K/V one [H] row per kv head
@@ -51,10 +58,11 @@ from jax.experimental.layout import Layout
 import pallas_kernels
 from rl_jax import sharding
 
-__all__ = ["POOL_AXES", "allocate", "contiguous", "copy_pages", "device_layout", "fork", "grow",
-           "grown_size", "h_minor", "identity_table", "in_place", "live_bucket",
-           "live_pages", "next_token_pages", "pages_from_memory", "pages_needed", "release",
-           "rows_need", "take_entry", "usage_counters", "write", "write_rows"]
+__all__ = ["POOL_AXES", "allocate", "by_shard", "contiguous", "copy_pages", "device_layout",
+           "fork", "grow", "grown_size", "h_minor", "identity_table", "in_place", "live_bucket",
+           "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
+           "per_shard", "regrown_ids", "release", "rows_need", "shard_of_slot", "slot_shards", "take_entry",
+           "usage_counters", "write", "write_rows"]
 
 
 def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
@@ -85,21 +93,38 @@ def live_bucket(longest: int, page_size: int, entries: int, floor_tokens: int = 
 
 
 # ------------------------------------------------------------ host-side scheduling (both engines)
-def grown_size(size: int, free: int, want: int, most: int) -> int:
+def grown_size(size: int, free, want, most: int) -> int:
   """A growing pool's size: ``size`` pages (``free`` of them free) doubled until ``want``
-  pages are free, at most ``most`` (every sample's whole budget); ``size`` if enough are."""
+  pages are free, at most ``most`` (every sample's whole budget); ``size`` if enough are.
+  ``free`` and ``want`` are ints, or int arrays [D] per shard (each shard grows by the same
+  pages: ``(new - size) / D``)."""
+  free, want = np.atleast_1d(free), np.atleast_1d(want)
+  D = free.shape[0]
   new = size
-  while free + new - size < want and new < most:
+  while np.any(free + (new - size) // D < want) and new < most:
     new = min(2 * new, most)
   return new
 
 
-def next_token_pages(run: np.ndarray, length: np.ndarray, table: np.ndarray, S: int) -> int:
-  """Pages the running samples take at their next decode step: those whose fed token's
-  page-table entry has no page yet. ``run`` bool [G,M] (running samples), ``length`` int32
-  [G,M] (tokens so far), ``table`` int32 [G,M,NP] (host copies)."""
+def slot_shards(G: int, D: int) -> np.ndarray:
+  """int [G]: the pool shard of each slot (slots ``d·G/D .. (d+1)·G/D - 1`` on shard d)."""
+  return np.arange(G) // (G // D)
+
+
+def per_shard(by_slot, D: int) -> np.ndarray:
+  """int64 [D]: the sums of ``by_slot`` [G, ...] over each shard's slots."""
+  by_slot = np.asarray(by_slot)
+  G = by_slot.shape[0]
+  return by_slot.reshape(D, G // D, -1).sum(axis=(1, 2)).astype(np.int64)
+
+
+def next_token_pages(run: np.ndarray, length: np.ndarray, table: np.ndarray, S: int,
+                     D: int = 1) -> np.ndarray:
+  """Pages the running samples take at their next decode step, per pool shard (int [D]):
+  those whose fed token's page-table entry has no page yet. ``run`` bool [G,M] (running
+  samples), ``length`` int32 [G,M] (tokens so far), ``table`` int32 [G,M,NP] (host copies)."""
   entry = np.minimum(np.maximum(length - 1, 0) // S, table.shape[-1] - 1)
-  return int((run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0)).sum())
+  return per_shard(run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0), D)
 
 
 def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str, float]:
@@ -112,31 +137,49 @@ def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str,
 
 
 # ------------------------------------------------------------ device side
-def _take(free: jax.Array, want: jax.Array):
-  """Free page ids for the True entries of ``want`` (any shape), lowest ids first in
-  row-major order; Pg where not wanted or where the pool ran out. Returns (ids, free)."""
-  flat = want.reshape(-1)
-  Pg = free.shape[0]
-  rank = jnp.cumsum(flat.astype(jnp.int32)) - 1
-  n = min(flat.shape[0], Pg)
-  cand = jnp.nonzero(free, size=n, fill_value=Pg)[0]
-  ids = jnp.where(flat & (rank < n), cand[jnp.clip(rank, 0, n - 1)], Pg)
-  return ids.reshape(want.shape), free.at[ids.reshape(-1)].set(False, mode="drop")
+def _take(free: jax.Array, want: jax.Array, shard: jax.Array):
+  """Free page ids for the True entries of ``want`` (any shape), each from its ``shard``
+  (int, ``want``'s shape; ``free`` bool [D,Pl]), lowest ids first in row-major order within
+  a shard; Pg = D·Pl where not wanted or where the shard ran out. Page ids are global
+  (shard d's pages are ``d·Pl ..``). Returns (ids, free)."""
+  D, Pl = free.shape
+  flat, sh = want.reshape(-1), shard.reshape(-1)
+  n = min(flat.shape[0], Pl)
+  if D == 1:
+    rank = jnp.cumsum(flat.astype(jnp.int32)) - 1
+    cand = jnp.nonzero(free[0], size=n, fill_value=Pl)[0][None]
+  else:  # the rank of each wanted entry among its shard's
+    mine = flat[:, None] & (sh[:, None] == jnp.arange(D)[None, :])  # [N,D]
+    rank = jnp.take_along_axis(jnp.cumsum(mine.astype(jnp.int32), axis=0), sh[:, None],
+                               axis=1)[:, 0] - 1
+    cand = jax.vmap(lambda f: jnp.nonzero(f, size=n, fill_value=Pl)[0])(free)  # [D,n]
+  local = jnp.where(flat & (rank < n), cand[sh, jnp.clip(rank, 0, n - 1)], Pl)
+  ids = jnp.where(local < Pl, sh * Pl + local, D * Pl)
+  free = free.reshape(-1).at[ids].set(False, mode="drop").reshape(D, Pl)
+  return ids.reshape(want.shape), free
+
+
+def shard_of_slot(slot, G: int, D: int):
+  """The pool shard of slots ``slot`` (int array; padding slots >= G count as the last)."""
+  return jnp.minimum(slot, G - 1) // (G // D)
 
 
 def allocate(table: jax.Array, free: jax.Array, need: jax.Array):
   """Give a free page to every entry of ``need`` that has none.
 
   Args:
-    table: int32 [..., NP] page table (-1 = no page). free: bool [Pg] free pages.
-    need: bool [..., NP] entries that must hold a page after the call.
+    table: int32 [G,M,NP] page table (-1 = no page). free: bool [D,Pl] free pages per shard.
+    need: bool [G,M,NP] entries that must hold a page after the call.
   Returns:
     (table, free). Entries the pool could not serve keep -1 (callers check capacity first:
     ``entries_short``).
   """
   want = need & (table < 0)
-  ids, free = _take(free, want)
-  table = jnp.where(want & (ids < free.shape[0]), ids, table)
+  G = table.shape[0]
+  shard = jnp.broadcast_to(shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None, None],
+                           table.shape)
+  ids, free = _take(free, want, shard)
+  table = jnp.where(want & (ids < free.size), ids, table)
   return table.astype(jnp.int32), free
 
 
@@ -152,8 +195,9 @@ def take_entry(table: jax.Array, free: jax.Array, take: jax.Array, entry: jax.Ar
   at = (jnp.arange(G)[:, None], jnp.arange(M)[None, :], entry)
   page = table[at]
   want = take & (page < 0)
-  ids, free = _take(free, want)
-  page = jnp.where(want & (ids < free.shape[0]), ids, page)
+  shard = jnp.broadcast_to(shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None], (G, M))
+  ids, free = _take(free, want, shard)
+  page = jnp.where(want & (ids < free.size), ids, page)
   return table.at[at].set(page), free, page
 
 
@@ -161,13 +205,12 @@ def release(table: jax.Array, free: jax.Array, rows: jax.Array):
   """Return the pages of the slots where ``rows`` (bool [G]) is True to the pool.
 
   Args:
-    table: int32 [G,M,NP]. free: bool [Pg]. rows: bool [G].
+    table: int32 [G,M,NP]. free: bool [D,Pl]. rows: bool [G].
   Returns:
     (table with those slots' entries -1, free).
   """
-  Pg = free.shape[0]
-  ids = jnp.where(rows[:, None, None] & (table >= 0), table, Pg)
-  free = free.at[ids.reshape(-1)].set(True, mode="drop")
+  ids = jnp.where(rows[:, None, None] & (table >= 0), table, free.size)
+  free = free.reshape(-1).at[ids.reshape(-1)].set(True, mode="drop").reshape(free.shape)
   return jnp.where(rows[:, None, None], -1, table), free
 
 
@@ -182,7 +225,7 @@ def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
   every entry holding a kept position is copied.
 
   Args:
-    table: int32 [G,M,NP]. free: bool [Pg]. slot, src, dst, cached: int32 [F] (src holds at
+    table: int32 [G,M,NP]. free: bool [D,Pl]. slot, src, dst, cached: int32 [F] (src holds at
       least ``cached`` positions; dst's row holds no page: a freshly admitted slot).
     S: page size.
   Returns:
@@ -190,7 +233,7 @@ def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
     nothing is copied).
   """
   G, _, NP = table.shape
-  Pg = free.shape[0]
+  Pg = free.size
   e = jnp.arange(NP)[None, :]
   valid = (slot < G)[:, None]
   g = jnp.minimum(slot, G - 1)
@@ -201,7 +244,8 @@ def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
   if identity:
     frm = jnp.where((full | partial) & valid, src_pages, Pg)
     return table, free, frm, jnp.where(frm < Pg, table[g, dst], Pg)
-  ids, free = _take(free, partial & valid)
+  shard = jnp.broadcast_to(shard_of_slot(slot, G, free.shape[0])[:, None], partial.shape)
+  ids, free = _take(free, partial & valid, shard)
   got = partial & valid & (ids < Pg)
   row = jnp.where(full, src_pages, jnp.where(got, ids, -1))
   table = table.at[jnp.where(valid[:, 0], slot, G), dst].set(row, mode="drop")
@@ -219,22 +263,45 @@ def copy_pages(pool: tuple, frm: jax.Array, to: jax.Array) -> tuple:
   return tuple(p.at[to].set(p[src], mode="drop") for p in pool)
 
 
-def write(pool_k, pool_v, page, offset, k, v):
-  """Write token K/V onto pages: ``k``/``v`` [..,K,H] at (page [..], offset [..]).
+def write(pool_k, pool_v, page, offset, k, v, shards: int = 1):
+  """Write token K/V onto pages: ``k``/``v`` [N,K,H] at (page [N], offset [N]).
 
   Tokens whose page is -1 (none) are dropped. Keys are stored [Pg,K,H,S], values [Pg,K,S,H].
   Each token's K/V goes in as one [H] row per kv head (a scatter whose window is the H
   axis), which XLA:TPU updates in place in the layout the pool has (``device_layout``: H
   minor for both). Written as one [K,H] slab per token, the scatter wanted [Pg,S,K,H]
   (K and H minor), and the decode loop carried every layer's pool in that layout, copied
-  into it before the loop and out of it for the paged kernel in every step.
+  into it before the loop and out of it for the paged kernel in every step. ``shards`` D:
+  the N rows are slot-major over the pool's D shards (N / D rows per shard, each writing
+  only its shard's pages), and each shard writes its own pages (``by_shard``).
   """
+  if shards > 1:
+    return by_shard(lambda pk, pv, pg, off, kk, vv: write(pk, pv, pg, off, kk, vv),
+                    shards, (pool_k, pool_v), (local_ids(page, pool_k.shape[0] // shards),
+                                                offset, k, v))
   Pg, K = pool_k.shape[:2]
   page = jnp.where(page < 0, Pg, page)[..., None]
   head, offset = jnp.arange(K), offset[..., None]
   pool_k = pool_k.at[page, head, :, offset].set(k.astype(pool_k.dtype), mode="drop")
   pool_v = pool_v.at[page, head, offset].set(v.astype(pool_v.dtype), mode="drop")
   return pool_k, pool_v
+
+
+def local_ids(table, Pl: int):
+  """Global page ids -> their shard's own (``id mod Pl``; -1 stays -1)."""
+  return jnp.where(table < 0, table, table % Pl)
+
+
+def by_shard(fn, D: int, pool: tuple, rows: tuple):
+  """``fn(*pool_shard, *rows_shard)`` on each of the pool's D shards: every array of
+  ``pool`` [D·Pl,..] as [D,Pl,..] and of ``rows`` [N,..] (slot-major, ids local:
+  ``local_ids``) as [D,N/D,..], mapped over D, results [D,..] joined back to [D·X,..].
+  Each shard's pages and rows sit on the same devices (``kv_cache``: the pool's pages and
+  the slots over the same batch axes), so XLA partitions the mapped gathers and scatters
+  along D, with no collective."""
+  split = lambda x: x.reshape(D, x.shape[0] // D, *x.shape[1:])
+  out = jax.vmap(fn)(*[split(x) for x in pool], *[split(x) for x in rows])
+  return jax.tree.map(lambda x: x.reshape(D * x.shape[1], *x.shape[2:]), out)
 
 
 # logical axes of each layer's pool (keys and values): pages on every batch shard, kv heads
@@ -276,27 +343,42 @@ def h_minor(layout: Layout | None) -> bool:
   return layout is not None and tuple(layout.major_to_minor) == (0, 1, 3, 2)
 
 
-def identity_table(G: int, M: int, NP: int) -> jax.Array:
+def identity_table(G: int, M: int, NP: int, D: int = 1) -> jax.Array:
   """int32 [G,M,NP]: entry (g, m, p) on page ``p·G·M + g·M + m`` for good (page-major), so
-  the first nb pages of every sample are the pool's first nb·G·M pages (``in_place``)."""
-  return (jnp.arange(NP, dtype=jnp.int32)[None, None, :] * (G * M)
-          + jnp.arange(G * M, dtype=jnp.int32).reshape(G, M, 1))
+  the first nb pages of every sample are the pool's first nb·G·M pages (``in_place``). With
+  D shards, the same within each shard: slot g = d·G/D + g' on page ``d·Pl + p·(G/D)·M +
+  g'·M + m`` (Pl = G·M·NP / D)."""
+  Gl = G // D
+  local = (jnp.arange(NP, dtype=jnp.int32)[None, None, :] * (Gl * M)
+           + jnp.arange(Gl * M, dtype=jnp.int32).reshape(Gl, M, 1))
+  shard = jnp.arange(D, dtype=jnp.int32)[:, None, None, None] * (Gl * M * NP)
+  return (shard + local[None]).reshape(G, M, NP)
 
 
-def live_pages(pool_k, pool_v, table_live):
+def live_pages(pool_k, pool_v, table_live, shards: int = 1):
   """The live pages of every sample, page-major: keys [nb,G,M,K,H,S], values [nb,G,M,K,S,H]
   (``table_live`` int32 [G,M,nb]); entries without a page read page 0 (their positions are
-  masked by the caller's validity mask)."""
+  masked by the caller's validity mask). ``shards``: the pool's D shards, each read by its
+  own slots (``by_shard``)."""
+  if shards > 1:
+    pages_ = by_shard(lambda pk, pv, t: tuple(jnp.moveaxis(x, 0, 1) for x in
+                                              live_pages(pk, pv, t)),
+                      shards, (pool_k, pool_v),
+                      (local_ids(table_live, pool_k.shape[0] // shards),))
+    return tuple(jnp.moveaxis(x, 1, 0) for x in pages_)
   idx = jnp.maximum(jnp.moveaxis(table_live, -1, 0), 0)
   return pool_k[idx], pool_v[idx]
 
 
-def in_place(pool_k, pool_v, G: int, M: int, nb: int):
-  """``live_pages`` for ``identity_table``: the pool's first nb·G·M pages reshaped, no
-  gather and no copy (a leading slice of a row-major array is contiguous)."""
+def in_place(pool_k, pool_v, G: int, M: int, nb: int, shards: int = 1):
+  """``live_pages`` for ``identity_table``: the pool's first nb·G·M pages (of each shard)
+  reshaped, no gather and no copy (a leading slice of a row-major array is contiguous)."""
   _, K, H, S = pool_k.shape
-  return (pool_k[:nb * G * M].reshape(nb, G, M, K, H, S),
-          pool_v[:nb * G * M].reshape(nb, G, M, K, S, H))
+  D, Gl = shards, G // shards
+  first = lambda x: x.reshape(D, -1, *x.shape[1:])[:, :nb * Gl * M].reshape(
+      D, nb, Gl, M, *x.shape[1:])
+  join = lambda x: jnp.moveaxis(x, 0, 1).reshape(nb, G, M, *x.shape[4:])
+  return join(first(pool_k)), join(first(pool_v))
 
 
 def contiguous(pool_k, pool_v, table_live):
@@ -333,7 +415,22 @@ def write_rows(pool_k, pool_v, table, slot, sample, index, valid, k, v):
   return write(pool_k, pool_v, page, index % S, k, v)
 
 
-def grow(pool: tuple, pages: int) -> tuple:
-  """Each layer's pool padded with zero pages to ``pages`` pages (the page ids in use keep
-  their meaning)."""
-  return tuple(jnp.pad(p, [(0, pages - p.shape[0])] + [(0, 0)] * (p.ndim - 1)) for p in pool)
+def grow(pool: tuple, pages: int, shards: int = 1) -> tuple:
+  """Each layer's pool padded with zero pages to ``pages`` pages, each of its ``shards``
+  shards alike (at the end of each shard: ``regrown_ids`` gives the pages in use their new
+  ids)."""
+  D = shards
+  def pad(p):
+    q = p.reshape(D, p.shape[0] // D, *p.shape[1:])
+    q = jnp.pad(q, [(0, 0), (0, pages // D - q.shape[1])] + [(0, 0)] * (p.ndim - 1))
+    return q.reshape(pages, *p.shape[1:])
+  return tuple(pad(p) for p in pool)
+
+
+def regrown_ids(table, old: int, new: int, shards: int = 1):
+  """Page ids of ``table`` in a pool grown from ``old`` to ``new`` pages (``grow``): page
+  ``d·Pl + i`` of shard d becomes ``d·Pl' + i``; the same ids on one shard."""
+  if shards == 1:
+    return table
+  Pl, Pl_new = old // shards, new // shards
+  return jnp.where(table < 0, table, (table // Pl) * Pl_new + table % Pl)

@@ -176,11 +176,13 @@ class PoolPlan(NamedTuple):
 
 
 def pool_plan(cfg: ModelConfig, *, G: int, M: int, R: int, page_size: int, kv_pages,
-              kv_memory_fraction, devices, budget: str) -> PoolPlan:
+              kv_memory_fraction, devices, budget: str, shards: int = 1) -> PoolPlan:
   """The response pool of an engine of G slots x M samples with an R-token response cache:
-  pages of ``page_size`` tokens (a power of two; at most R), fixed (``kv_pages``, or
-  ``kv_memory_fraction`` of the devices' free memory: ``fixed_pool_pages``) or growing from
-  room for 256 tokens per sample. ``budget`` names the response budget in errors.
+  pages of ``page_size`` tokens (a power of two; at most R), fixed (``kv_pages`` per device,
+  or ``kv_memory_fraction`` of the devices' free memory: ``fixed_pool_pages``) or growing
+  from room for 256 tokens per sample. ``budget`` names the response budget in errors. The
+  plan's page counts are the whole pool's: ``shards`` (``kv_cache.pool_shards``) devices
+  hold one shard each, so a fixed pool has ``shards`` x the pages per device.
 
   Raises:
     RolloutError: one line, for a page size that is not a power of two, a value out of
@@ -191,19 +193,20 @@ def pool_plan(cfg: ModelConfig, *, G: int, M: int, R: int, page_size: int, kv_pa
   NP = R // S
   whole = G * M * NP
   fixed = fixed_pool_pages(cfg, kv_pages, kv_memory_fraction, devices, M=M, NP=NP, S=S,
-                           whole=whole, budget=budget)
+                           whole=whole // shards, budget=budget)
   if fixed is not None:
-    return PoolPlan(S, NP, fixed, fixed, True)
+    return PoolPlan(S, NP, fixed * shards, fixed * shards, True)
   return PoolPlan(S, NP, min(whole, G * M * pages.pages_needed(min(R, 256), S)), whole, False)
 
 
 def fixed_pool_pages(cfg: ModelConfig, kv_pages, kv_memory_fraction, devices, *, M: int,
                      NP: int, S: int, whole: int, budget: str) -> int | None:
-  """The pages of an engine's fixed response pool, or None for a growing one.
+  """The pages per device of an engine's fixed response pool, or None for a growing one.
 
   ``kv_pages`` as given; else ``kv_memory_fraction`` of the free memory ``devices`` report
   (``pages.pages_from_memory``; None where they report none, e.g. CPU), at most ``whole``
-  (every sample's budget). Either must hold one group: M samples x NP pages of S tokens.
+  (every budget of a device's samples). Either must hold one group: M samples x NP pages of S
+  tokens.
   ``budget`` names the response budget in the error (e.g. "max_new_tokens=512").
 
   Raises:

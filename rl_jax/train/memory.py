@@ -369,8 +369,9 @@ def _sampler_copy_bytes(s, params) -> int:
 
 
 def pool_page_bytes(s, page_size: int) -> int:
-  """Bytes of one response-pool page per device of the sampler's mesh: the pool is not split
-  over the batch axes, its kv heads over ``tensor`` (when they divide)."""
+  """Bytes of one response-pool page on a device of the sampler's mesh that holds it: the
+  pool's pages are split over the batch axes with the slots (``kv_cache.pool_shards``), a
+  page's kv heads over ``tensor`` (when they divide)."""
   tensor = s.sampler_mesh.shape.get("tensor", 1)
   heads = tensor if s.model_cfg.num_kv_heads % tensor == 0 else 1
   return math.ceil(kv_cache.pool_bytes(s.model_cfg, 1, page_size) / heads)
@@ -379,9 +380,9 @@ def pool_page_bytes(s, page_size: int) -> int:
 def kv_pool(t: TrainParts) -> dict[str, int]:
   """The sampler's paged KV cache per device, as ``sampler_engine`` holds it: ``prompts``
   bytes (one prompt cache per group slot, slots over the batch axes), ``pool`` bytes (the
-  response pool it starts with), ``pages`` and ``page_size`` (S), ``tokens`` (the most
-  response tokens in flight: pages x S) and ``max_pages`` (what a growing pool reaches at
-  most: every sample's whole budget)."""
+  response pool it starts with: its ``pages`` over ``shards`` devices), ``page_size`` (S),
+  ``tokens`` (the most response tokens in flight: pages x S) and ``max_pages`` (what a
+  growing pool reaches at most: every sample's whole budget)."""
   s = t.setup
   engine, _ = sampler_engine(t)
   mesh = s.sampler_mesh.shape
@@ -389,8 +390,9 @@ def kv_pool(t: TrainParts) -> dict[str, int]:
   prompts = rollout.kv_cache_bytes(engine.cfg, engine.G, engine.M, engine.P, 0)
   pages = engine.pool_pages
   return dict(prompts=math.ceil(prompts / max(1, min(split, engine.G))),
-              pool=pages * pool_page_bytes(s, engine.S), pages=pages, page_size=engine.S,
-              tokens=pages * engine.S, max_pages=engine.max_pool_pages)
+              pool=pages // engine.D * pool_page_bytes(s, engine.S), pages=pages,
+              shards=engine.D, page_size=engine.S, tokens=pages * engine.S,
+              max_pages=engine.max_pool_pages)
 
 
 def state_plan(t: TrainParts, sft_state: TrainState | None,

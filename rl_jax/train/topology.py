@@ -472,7 +472,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
           f"rollout.kv_memory_fraction={kv_fraction} of the {free / GiB:.2f} GiB per chip the "
           f"state leaves free holds {fit} pages of {engine.S} tokens; one group needs "
           f"{engine.M * NP}")
-    engine, groups = memory.sampler_engine(t, min(fit, engine.max_pool_pages))
+    engine, groups = memory.sampler_engine(t, min(fit, engine.max_pool_pages // engine.D))
   mesh, _ = engine.ctx
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params = _sampler_params(t, rl_state, engine)
@@ -531,7 +531,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                                   f"{NP} live pages"}
   kv = dict(pages=pool, max_pages=engine.max_pool_pages, page_size=engine.S,
             page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool,
-            slots=G)
+            slots=G, shards=engine.D)
   return programs, kv
 
 
@@ -893,8 +893,9 @@ def _grown_pool(kv: dict, decode_peak: int, chip: Chip) -> dict:
   out = dict(kv)
   if kv["fixed"] or kv["max_pages"] <= kv["pages"]:
     return out
-  grown = decode_peak + (kv["max_pages"] - kv["pages"]) * kv["page_bytes"]
-  room = kv["pages"] + max(0, chip.hbm - decode_peak) // kv["page_bytes"]
+  D = kv.get("shards", 1)  # a chip holds one shard's pages: 1/D of the pool
+  grown = decode_peak + (kv["max_pages"] - kv["pages"]) // D * kv["page_bytes"]
+  room = kv["pages"] // D + max(0, chip.hbm - decode_peak) // kv["page_bytes"]
   out.update(grown_peak=grown, fits_grown=grown <= chip.hbm, pages_that_fit=int(room))
   out["note"] = (
       f"the KV pool starts at {kv['pages']} pages of {kv['page_size']} tokens and grows as "
