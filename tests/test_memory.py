@@ -4,7 +4,6 @@ run reads no weights, and a run that cannot fit fails in one line."""
 
 import functools
 import json
-import os
 import shutil
 import subprocess
 import sys
