@@ -374,6 +374,9 @@ def in_place(pool_k, pool_v, G: int, M: int, nb: int, shards: int = 1):
   """``live_pages`` for ``identity_table``: the pool's first nb·G·M pages (of each shard)
   reshaped, no gather and no copy (a leading slice of a row-major array is contiguous)."""
   _, K, H, S = pool_k.shape
+  if shards == 1:
+    return (pool_k[:nb * G * M].reshape(nb, G, M, K, H, S),
+            pool_v[:nb * G * M].reshape(nb, G, M, K, S, H))
   D, Gl = shards, G // shards
   first = lambda x: x.reshape(D, -1, *x.shape[1:])[:, :nb * Gl * M].reshape(
       D, nb, Gl, M, *x.shape[1:])
