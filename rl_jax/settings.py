@@ -138,8 +138,9 @@ class RolloutSettings:
       "Pool pages per device, fixed: the pool is split over the devices the batch axes split "
       "the group slots over, each shard serving its own slots; when a shard's pages run out "
       "its newest group is preempted and resumed by recompute (the same tokens; multi-turn "
-      "runs too, partial turns kept). At least one group's whole budget. None: from rollout.kv_memory_fraction where the device "
-      "reports its memory, else the pool grows as the responses need it (never preempts)",
+      "runs too, partial turns kept). At least one group's whole budget. None: from "
+      "rollout.kv_memory_fraction where the device reports its memory, else the pool grows "
+      "as the responses need it (never preempts)",
       kind=int)
   kv_memory_fraction: float | None = setting(
       None, cu.optional(cu.in_range(0.0, 1.0, low_inclusive=False)),

@@ -43,8 +43,8 @@ class EngineCore(HoldsGroups):
   Attributes (besides ``_init_core``'s arguments): cfg, the sampler's model config (its
   ``dtype``, dropless routing); G, M, P, R; D, the pool's shards (``kv_cache.pool_shards``:
   the devices the slots are split over); pool_plan, S, fixed_pool, max_pool_pages,
-  pool_pages (all D shards together; grows with a growing pool; later calls start there); programs, the (live
-  bucket, pool pages) pairs decoded with; sp, filtered; ctx (mesh, rules) or None; admit_fn;
+  pool_pages (all D shards together; grows with a growing pool; later calls start there);
+  programs, the (live bucket, pool pages) pairs decoded with; sp, filtered; ctx (mesh, rules) or None; admit_fn;
   held; live, every group not yet returned, by uid.
   """
 

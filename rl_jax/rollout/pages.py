@@ -61,8 +61,8 @@ from rl_jax import sharding
 __all__ = ["POOL_AXES", "allocate", "by_shard", "contiguous", "copy_pages", "device_layout",
            "fork", "grow", "grown_size", "h_minor", "identity_table", "in_place", "live_bucket",
            "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
-           "per_shard", "regrown_ids", "release", "rows_need", "shard_of_slot", "slot_shards", "take_entry",
-           "usage_counters", "write", "write_rows"]
+           "per_shard", "regrown_ids", "release", "rows_need", "shard_of_slot", "slot_shards",
+           "take_entry", "usage_counters", "write", "write_rows"]
 
 
 def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
