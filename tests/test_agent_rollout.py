@@ -425,8 +425,11 @@ def test_deterministic_decode_batches_do_not_depend_on_tool_timing(ttl_steps):
 def test_a_fixed_pool_preempts_and_resumes_by_recompute(deterministic):
   """A fixed pool of one group's whole budget (3 slots would need 3): the newest group is
   preempted when the residents need more pages, keeps its partial turns and resumes by
-  recompute; the trajectories are the growing pool's and the log-probs teacher forcing's."""
-  specs = _specs(5, sleep="random")
+  recompute; the trajectories are the growing pool's and the log-probs teacher forcing's.
+  Tools of random latency with the deterministic schedule; without it, tools that answer at
+  once (with random latency the wall-clock schedule may keep fewer groups resident at a time,
+  and then the pool need not run out)."""
+  specs = _specs(5, sleep="random" if deterministic else 0.0)
   kw = dict(max_slots=3, page_size=8, deterministic=deterministic)
   e = _engine(kv_pages=2 * 128 // 8, **kw)  # n x R/S (R: 96 rounded up)
   fixed = e.rollout(PARAMS, specs)
