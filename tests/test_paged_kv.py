@@ -80,8 +80,12 @@ def test_paged_on_8_devices_equals_1(reference):
   ``kv_pages`` = one group's budget, and a shard that runs out preempts one of its own two
   slots' groups; the tokens are one device's."""
   mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
-  out = _gen(page_size=4, kv_pages=M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp")
-  _same(out, reference[1.0])
+  _same(_gen(page_size=4, kv_pages=M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp"),
+        reference[1.0])
+  # one rare end id: most samples run to the budget, so a shard's two groups need more
+  # pages than it holds
+  out = _gen(page_size=4, kv_pages=M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp", eos_id=[60])
+  _same(out, _gen(page_size=MAX_NEW, eos_id=[60]))
   assert out.stats["preemptions"] > 0
   # more pages in use at once than one device holds, at most the four shards' together
   assert M * MAX_NEW // 4 < out.stats["kv_pages_used_peak"] <= 4 * M * MAX_NEW // 4

@@ -436,12 +436,11 @@ class Loop:
     return True
 
   def admit(self) -> bool:
-    """Fill free slots: groups returning from eviction first, then new groups, each pool
-    shard's slots in turn (the first free slot of every shard, then the second, ...)."""
+    """Fill free slots in slot order (on every mesh alike, so which groups a call completes
+    does not depend on how the pool is split): groups returning from eviction first, then
+    new groups."""
     e = self.e
-    Gl = e.G // e.D
-    free = sorted((g for g, grp in enumerate(self.slot_group) if grp is None),
-                  key=lambda g: (g % Gl, g // Gl))
+    free = [g for g, grp in enumerate(self.slot_group) if grp is None]
     busy = len(free) < e.G
     if self.closed and busy:
       return False  # a fixed pool preempted a group: none comes in until one leaves
@@ -472,7 +471,6 @@ class Loop:
       batch.append((g, grp))
     if not batch:
       return False
-    batch.sort(key=lambda r: r[0])  # slot order (shards were filled in turn)
     # the group's prompt is read once for its M samples (pages a per-sample copy would take)
     self.stats["prefix_pages_shared"] += sum((e.M - 1) * pages.pages_needed(len(grp.prompt), e.S)
                                              for _, grp in batch)
@@ -486,8 +484,7 @@ class Loop:
     self.room(self.per_shard((g, group_pages(e, grp)) for g, grp in batch))
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered,
-                            fresh=not busy and Bn == e.G and batch[-1][0] == len(batch) - 1,
-                            ctx=e.ctx)
+                            fresh=not busy and Bn == e.G, ctx=e.ctx)
     self.reprefill(a, rebuild)
     self.fork(shared)
     return True
