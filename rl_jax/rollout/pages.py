@@ -139,11 +139,12 @@ def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str,
 # ------------------------------------------------------------ device side
 def _take(free: jax.Array, want: jax.Array, shard: jax.Array):
   """Free page ids for the True entries of ``want`` (any shape), each from its ``shard``
-  (int, ``want``'s shape; ``free`` bool [D,Pl]), lowest ids first in row-major order within
-  a shard; Pg = D·Pl where not wanted or where the shard ran out. Page ids are global
+  (int, broadcast to ``want``'s shape; ``free`` bool [D,Pl]), lowest ids first in row-major
+  order within a shard; Pg = D·Pl where not wanted or where the shard ran out. Page ids are global
   (shard d's pages are ``d·Pl ..``). Returns (ids, free)."""
   D, Pl = free.shape
-  flat, sh = want.reshape(-1), shard.reshape(-1)
+  flat = want.reshape(-1)
+  sh = jnp.broadcast_to(shard, want.shape).reshape(-1)
   n = min(flat.shape[0], Pl)
   if D == 1:
     rank = jnp.cumsum(flat.astype(jnp.int32)) - 1
@@ -176,9 +177,7 @@ def allocate(table: jax.Array, free: jax.Array, need: jax.Array):
   """
   want = need & (table < 0)
   G = table.shape[0]
-  shard = jnp.broadcast_to(shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None, None],
-                           table.shape)
-  ids, free = _take(free, want, shard)
+  ids, free = _take(free, want, shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None, None])
   table = jnp.where(want & (ids < free.size), ids, table)
   return table.astype(jnp.int32), free
 
@@ -195,8 +194,7 @@ def take_entry(table: jax.Array, free: jax.Array, take: jax.Array, entry: jax.Ar
   at = (jnp.arange(G)[:, None], jnp.arange(M)[None, :], entry)
   page = table[at]
   want = take & (page < 0)
-  shard = jnp.broadcast_to(shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None], (G, M))
-  ids, free = _take(free, want, shard)
+  ids, free = _take(free, want, shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None])
   page = jnp.where(want & (ids < free.size), ids, page)
   return table.at[at].set(page), free, page
 
@@ -244,8 +242,7 @@ def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
   if identity:
     frm = jnp.where((full | partial) & valid, src_pages, Pg)
     return table, free, frm, jnp.where(frm < Pg, table[g, dst], Pg)
-  shard = jnp.broadcast_to(shard_of_slot(slot, G, free.shape[0])[:, None], partial.shape)
-  ids, free = _take(free, partial & valid, shard)
+  ids, free = _take(free, partial & valid, shard_of_slot(slot, G, free.shape[0])[:, None])
   got = partial & valid & (ids < Pg)
   row = jnp.where(full, src_pages, jnp.where(got, ids, -1))
   table = table.at[jnp.where(valid[:, 0], slot, G), dst].set(row, mode="drop")
@@ -276,9 +273,8 @@ def write(pool_k, pool_v, page, offset, k, v, shards: int = 1):
   only its shard's pages), and each shard writes its own pages (``by_shard``).
   """
   if shards > 1:
-    return by_shard(lambda pk, pv, pg, off, kk, vv: write(pk, pv, pg, off, kk, vv),
-                    shards, (pool_k, pool_v), (local_ids(page, pool_k.shape[0] // shards),
-                                                offset, k, v))
+    return by_shard(write, shards, (pool_k, pool_v),
+                    (local_ids(page, pool_k.shape[0] // shards), offset, k, v))
   Pg, K = pool_k.shape[:2]
   page = jnp.where(page < 0, Pg, page)[..., None]
   head, offset = jnp.arange(K), offset[..., None]

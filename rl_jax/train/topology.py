@@ -893,7 +893,7 @@ def _grown_pool(kv: dict, decode_peak: int, chip: Chip) -> dict:
   out = dict(kv)
   if kv["fixed"] or kv["max_pages"] <= kv["pages"]:
     return out
-  D = kv.get("shards", 1)  # a chip holds one shard's pages: 1/D of the pool
+  D = kv["shards"]  # a chip holds one shard's pages: 1/D of the pool
   grown = decode_peak + (kv["max_pages"] - kv["pages"]) // D * kv["page_bytes"]
   room = kv["pages"] // D + max(0, chip.hbm - decode_peak) // kv["page_bytes"]
   out.update(grown_peak=grown, fits_grown=grown <= chip.hbm, pages_that_fit=int(room))
