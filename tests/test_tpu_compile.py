@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -334,3 +335,34 @@ def test_sampler_compiles_on_a_host_whose_chips_are_not_the_first_ids(tmp_path):
   assert sorted(d.id for d in host.devices.flat) == [0, 1, 2, 3]
   place = lambda m: [tuple(d.coords) for d in m.devices.flat]
   assert place(host) == place(s.sampler_mesh)  # host 0's 2x2 block is at the grid's origin
+
+
+def test_moe_decode_layer_moves_tokens_not_experts_on_tpu():
+  """XLA's TPU partitioner all-gathers every expert weight of a grouped matmul whose experts
+  are split over the chips; the sampler's small batches move their tokens to the experts
+  instead (``moe._local_experts_mlp``): compiled for v5e:2x2, no collective of the decode's
+  expert layer moves as much as one chip's experts."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  from rl_jax.models import moe  # pylint: disable=import-outside-toplevel
+  from tests.test_moe_sharding import _collectives  # pylint: disable=import-outside-toplevel
+  B, D, E, X, F = 16, 256, 16, 2, 128
+  mesh = sharding.make_mesh({"fsdp": 4}, topology.topology_devices("v5e:2x2"))
+  shapes = [(B, 1, D), (D, E), (E, D, F), (E, D, F), (E, F, D)]
+  axes = [("batch", "length", None), (None, None)] + [("expert", None, None)] * 3
+
+  def layer(x, w_router, w_gate, w_up, w_down):
+    with sharding.use(mesh, "fsdp"):
+      weights, ids, _ = moe.route(x, w_router, X, True)
+      return moe.expert_mlp(x, weights, ids, w_gate, w_up, w_down)
+  args = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes]
+  shardings = [NamedSharding(mesh, sharding.logical_to_spec(a, "fsdp", mesh, s))
+               for a, s in zip(axes, shapes)]
+  hlo = jax.jit(layer, in_shardings=shardings).lower(*args).compile().as_text()
+  ops = _collectives(hlo)
+  assert ops["all-gather"], ops  # the tokens and their routing
+  one_chip = E // 4 * D * F
+  for types in ops.values():
+    for t in types:
+      for dims in re.findall(r"\[([\d,]*)\]", t):
+        assert math.prod(int(n) for n in dims.split(",") if n) < one_chip, ops

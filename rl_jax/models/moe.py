@@ -24,16 +24,33 @@ lowers it to one masked dense matmul per expert over all A rows, E times the act
 the numbers are equal, only the cost differs (``tests/test_moe_sharding.py`` measures it).
 
 Sharding (expert parallelism): the ``expert`` logical axis of the weights [Y,E,D,F] maps to
-the ``fsdp`` mesh axis (``rl_jax/sharding.py``), so n devices hold E/n experts each and the
-weights are never gathered; tokens stay batch-sharded outside the layer. As compiled on 8
-fake CPU devices (``tests/test_moe_sharding.py``), XLA partitions the grouped matmuls along
-the expert axis: the routing (ids, probabilities, group sizes) is all-gathered, the
-dispatched rows [A,D] are all-reduced (each device sees every assignment), each device runs
-its own experts, and the partial matmul outputs ([A,F] gate/up, [A,D] down) are summed with
-all-reduces. No all-to-all: exact and simple, at A·(2D + 2F) words per device per layer. The
-capacity path below moves only ~capacity_factor·A/n rows per device by all-to-all, at the
-price of dropping overflow. The TPU/GPU partitioning of the native grouped matmul is not
-checked on hardware.
+the ``fsdp`` mesh axis (``rl_jax/sharding.py``), so n devices hold E/n experts each; tokens
+stay batch-sharded outside the layer. Which of the two moves, tokens or weights, follows the
+batch's size (``_moves_tokens``):
+
+* A small batch (the sampler's decode and prefill: the step's A rows and activations,
+  A·(D + 2F) words, fewer than the layer's 3·E·D·F expert weights) moves its tokens to the
+  experts inside ``jax.shard_map`` (``_local_experts_mlp``): the tokens of the n devices
+  that together hold every expert are all-gathered with their routing, each device runs
+  its own E/n experts over the assignments that chose them (sorted ahead of the others,
+  which are masked to zero), and each token's weighted sum is reduce-scattered back to the
+  device that holds it. Per layer and device that moves N·D words in and out (N: the
+  expert group's tokens). XLA's TPU partitioner, left to itself, all-gathers every expert
+  weight of the grouped matmuls instead (compiled for v5e, ``tests/test_tpu_compile.py``):
+  at Qwen3-30B-A3B's shape, the whole model's experts on every chip at every decode step.
+* A large batch (a learner's micro-batch of long sequences) is left to XLA's partitioner.
+  As compiled on 8 fake CPU devices (``tests/test_moe_sharding.py``), it partitions the
+  grouped matmuls along the expert axis: the routing (ids, probabilities, group sizes) is
+  all-gathered, the dispatched rows [A,D] are all-reduced (each device sees every
+  assignment), each device runs its own experts, and the partial matmul outputs ([A,F]
+  gate/up, [A,D] down) are summed with all-reduces, at A·(2D + 2F) words per device per
+  layer. The token path would hold every assignment's [A,F] activations on every device
+  there, n times a device's share. On TPU this is the weight-gathering partition above, as
+  an FSDP learner gathers its other weights.
+
+Neither drops a token or changes a number beyond float rounding (the order of the sum over
+a token's experts). The capacity path below moves only ~capacity_factor·A/n rows per device
+by all-to-all, at the price of dropping overflow.
 
 Capacity and expert-parallel dispatch (``capacity_factor`` > 0, config field
 ``model.moe_capacity_factor``): the tokens are cut into shards (on a mesh, the shards of the
@@ -137,6 +154,9 @@ def expert_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Arr
   Returns:
     [B,T,D] = sum over the X chosen experts of weight · down(silu(gate(x)) · up(x)).
   """
+  y = _expert_parallel_mlp(x, weights, ids, w_gate, w_up, w_down)
+  if y is not None:
+    return y
   B, T, D = x.shape
   X = ids.shape[-1]
   with jax.named_scope("dispatch"):
@@ -150,6 +170,91 @@ def expert_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Arr
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     out = jnp.take(out, inverse, axis=0).reshape(B, T, X, D)
     return jnp.einsum("btxd,btx->btd", out, weights)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def _local_experts_mlp(x, weights, ids, w_gate, w_up, w_down, gather_axes, ep_axes,
+                       sum_axes):
+  """One device's share of the dropless MLP when the tokens move to the experts (inside
+  ``jax.shard_map``).
+
+  The tokens of the devices that together hold all E experts are all-gathered over
+  ``gather_axes`` (whose order does not matter: the reduce-scatter below returns every
+  device its own rows). This device runs its E/n experts (``ep_axes``: the mesh axes of the
+  expert dim, in the weights' order) over the (token, expert) assignments that chose them,
+  with the other assignments sorted behind its groups and masked to zero; each token's
+  weighted sum over its local experts is then summed over the expert group and the expert
+  width's axes (``sum_axes``) and scattered back over ``gather_axes``.
+
+  Args (local shards): x [..,D]; weights, ids [..,X]; w_gate, w_up [E/n,D,F']; w_down
+    [E/n,F',D] (F' = F over the width's mesh axes).
+  Returns:
+    [..,D] this device's tokens' MLP output.
+  """
+  D, X = x.shape[-1], ids.shape[-1]
+  lead = x.shape[:-1]
+  x, weights, ids = x.reshape(-1, D), weights.reshape(-1, X), ids.reshape(-1, X)
+  if gather_axes:
+    x, weights, ids = (jax.lax.all_gather(a, gather_axes, axis=0, tiled=True)
+                       for a in (x, weights, ids))
+  E_local = w_gate.shape[0]
+  local = ids - jax.lax.axis_index(ep_axes) * E_local
+  mine = (local >= 0) & (local < E_local)  # [N,X]
+  with jax.named_scope("dispatch"):
+    order, token, sizes = _sort_by_expert(jnp.where(mine, local, E_local), E_local + 1)
+    rows = jnp.take(x, token, axis=0)  # [A,D]: this device's assignments first, by expert
+  with jax.named_scope("experts"):
+    sizes = sizes[:E_local]
+    gate = jax.lax.ragged_dot(rows, w_gate, sizes)
+    up = jax.lax.ragged_dot(rows, w_up, sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)  # [A,D]
+  with jax.named_scope("combine"):
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    out = jnp.take(out, inverse, axis=0).reshape(*ids.shape, D)
+    out = jnp.where(mine[..., None], out, jnp.zeros((), out.dtype))
+    y = jnp.einsum("nxd,nx->nd", out, weights)
+    if sum_axes:
+      y = jax.lax.psum(y, sum_axes)
+    if gather_axes:
+      y = jax.lax.psum_scatter(y, gather_axes, scatter_dimension=0, tiled=True)
+  return y.reshape(*lead, D)
+
+
+def _moves_tokens(tokens: int, top_k: int, w_gate: jax.Array) -> bool:
+  """Whether the dropless MLP moves the tokens to the experts rather than leaving the layer
+  to XLA: when the rows and activations a device holds for every assignment of the step
+  (A·(D + 2F) for A = tokens·X) are fewer than the layer's expert weights (3·E·D·F), as in
+  the sampler's decode and prefill; a learner's batch of long sequences stays with XLA."""
+  E, D, F = w_gate.shape
+  return tokens * top_k * (D + 2 * F) < 3 * E * D * F
+
+
+def _expert_parallel_mlp(x, weights, ids, w_gate, w_up, w_down):
+  """``_local_experts_mlp`` under ``jax.shard_map`` on the active mesh, or None where it does
+  not apply: no mesh, experts not split over it, a batch too large (``_moves_tokens``), or
+  the expert width on a mesh axis that also splits the tokens."""
+  active = sharding.active()
+  if active is None or active[0].size == 1:
+    return None
+  mesh, rules = active
+  x_spec = sharding.logical_to_spec(("batch", "length", None), rules, mesh, x.shape)
+  w_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
+  ep_axes, mlp_axes = _axes(w_spec[0]), _axes(w_spec[2])
+  token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
+  if (not ep_axes or set(mlp_axes) & set(token_axes)
+      or not _moves_tokens(math.prod(x.shape[:-1]), ids.shape[-1], w_gate)):
+    return None
+  gather_axes = tuple(a for a in token_axes if a in ep_axes)
+  sum_axes = tuple(a for a in ep_axes if a not in token_axes) + mlp_axes
+  body = lambda *a: _local_experts_mlp(*a, gather_axes=gather_axes, ep_axes=ep_axes,
+                                       sum_axes=sum_axes)
+  return jax.shard_map(body, mesh=mesh,
+                       in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec,
+                                 P(w_spec[0], w_spec[2], None)),
+                       out_specs=x_spec)(x, weights, ids, w_gate, w_up, w_down)
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -237,10 +342,6 @@ def _shard_mlp(x, weights, ids, w_gate, w_up, w_down, capacity_factor, ep_axes=N
       out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True).reshape(E, cap, D)
     y = _combine(out, ids, rank, weights)
   return y.reshape(*lead, D), jnp.sum(rank >= cap).astype(jnp.int32)
-
-
-def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 def capacity_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
