@@ -115,13 +115,12 @@ def _sharded_layer(mesh_shape, args, top_k):
   return layer_on_mesh, shardings
 
 
-@pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"data": 2, "fsdp": 4}])
-def test_a_decode_batch_moves_its_tokens_to_the_experts(mesh_shape):
-  """At the decode's shape the tokens go to the experts' devices: every collective of the
-  forward and of the gradient moves less than one device's expert weights (the tokens and
-  routing gathered, the outputs reduce-scattered), and outputs and gradients equal one
-  device's."""
-  c = DECODE
+def test_a_decode_batch_moves_its_tokens_to_the_experts():
+  """At the decode's shape on data=2 x fsdp=4 the tokens go to the experts' devices: every
+  collective of the forward and of the gradient moves less than one device's expert
+  weights (the tokens and routing gathered over fsdp, the outputs reduce-scattered, the
+  weight gradients reduced over data), and outputs and gradients equal one device's."""
+  c, mesh_shape = DECODE, {"data": 2, "fsdp": 4}
   rng = np.random.default_rng(1)
   shapes = [(c["B"], 1, c["D"]), (c["D"], c["E"]), (c["E"], c["D"], c["F"]),
             (c["E"], c["D"], c["F"]), (c["E"], c["F"], c["D"])]
