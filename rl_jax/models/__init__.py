@@ -35,7 +35,8 @@ from rl_jax.models import lora, quant
 from rl_jax.models.hf import (check_hf_adapter, hf_adapter_state_dict, hf_state_dict, load_hf,
                               load_hf_adapter, read_hf_config, save_hf, save_hf_adapter)
 from rl_jax.models.moe import Routing, load_balancing_loss
-from rl_jax.models.transformer import (AttnSpec, apply_rope, causal_mask, dense_attention,
+from rl_jax.models.transformer import (AttnSpec, apply_rope, cast_projections, causal_mask,
+                                       dense_attention,
                                        embed, forward,
                                        hidden_states, init_params, init_sharded, lm_head_weight,
                                        logits_from_hidden, mask_attend, param_axes, param_shapes,
@@ -48,6 +49,7 @@ __all__ = [
     "ModelConfig",
     "Routing",
     "apply_rope",
+    "cast_projections",
     "causal_mask",
     "check_hf_adapter",
     "dense_attention",

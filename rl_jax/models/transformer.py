@@ -41,7 +41,8 @@ from rl_jax.models import lora, moe, quant
 from rl_jax.models.config import ModelConfig, rope_frequencies
 import pallas_kernels
 
-__all__ = ["AttendFn", "AttnSpec", "Params", "apply_rope", "causal_mask", "dense_attention",
+__all__ = ["AttendFn", "AttnSpec", "PROJECTIONS", "Params", "apply_rope", "cast_projections",
+           "causal_mask", "dense_attention",
            "embed", "gemma_rms_norm", "softcap", "window_mask",
            "forward", "hidden_states", "init_params", "init_sharded", "lm_head_weight",
            "logits_from_hidden", "mask_attend", "param_axes", "param_shapes", "param_shardings",
@@ -159,6 +160,35 @@ def param_shapes(cfg: ModelConfig) -> Params:
   if cfg.lora_rank:
     layer[lora.KEY] = lora.adapter_shapes(cfg)
   return shapes
+
+
+# the projection matrices, which every use casts to the compute dtype before its product
+# (``lora.project``, ``_mlp``'s ``w``)
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up",
+               "expert_down")
+
+
+def cast_projections(cfg: ModelConfig, params: Params) -> Params:
+  """``params`` with their projection matrices (``PROJECTIONS`` of ``params["layers"]``,
+  ``["mlp"]`` and ``["moe"]``) in the compute dtype ``cfg.dtype`` where they are a wider
+  float; norms, embeddings, the LM head, the router, biases, adapters and quantised weights
+  as they are. The model computes the same numbers bit for bit from either (each use casts
+  its matrix to that dtype first); a copy kept for sampling in a narrower compute dtype
+  holds, and every decode step reads, that dtype's bytes instead of the stored ones."""
+  dt = jnp.dtype(cfg.dtype)
+
+  def narrow(x):
+    if (isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
+        and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dt.itemsize):
+      return x.astype(dt) if not isinstance(x, jax.ShapeDtypeStruct) else \
+          jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
+    return x
+
+  out = dict(params)
+  for group in ("layers", "mlp", "moe"):
+    if group in params:
+      out[group] = {k: narrow(v) if k in PROJECTIONS else v for k, v in params[group].items()}
+  return out
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02,

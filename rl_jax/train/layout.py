@@ -30,6 +30,7 @@ import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rl_jax import compile_options
@@ -96,8 +97,22 @@ class Layout(NamedTuple):
 
   def sampler_params(self, params: Any, quantized: bool = True) -> Any:
     """``sampler_weights(params, quantized)`` placed for the sampler (``local_params``);
-    ``quantized=False``: the policy as the trainer holds it (the held-out evaluation)."""
-    return self.local_params(self.sampler_weights(params, quantized))
+    ``quantized=False``: the policy as the trainer holds it (the held-out evaluation). On a
+    sampler mesh of its own the placed copy is ``narrowed``."""
+    weights = self.sampler_weights(params, quantized)
+    if self.sampler_mesh is not self.mesh:
+      weights = self.narrowed(weights)
+    return self.local_params(weights)
+
+  def narrowed(self, weights: Any) -> Any:
+    """``weights`` for a copy the sampler decodes from: the projection matrices in the
+    sampler's compute dtype (``models.cast_projections``, a jitted cast laid out like
+    ``weights``). The sampler's numbers are the same bit for bit; with float32 weights and
+    a bfloat16 compute dtype the copy is half the bytes, and a decode step reads half
+    (a third for the experts' grouped matmuls, whose cast XLA:TPU does not fuse)."""
+    if self.sampler_cfg is None or jnp.dtype(self.sampler_cfg.dtype).itemsize >= 4:
+      return weights  # nothing is narrower than float32
+    return _narrow(self.sampler_cfg)(weights)
 
   def local_params(self, params: Any) -> Any:
     """``params`` as they are, placed on ``Setup.sampler_mesh`` (the final export reads
@@ -130,6 +145,11 @@ class Layout(NamedTuple):
     """Trace-time context: ``sharding.constrain`` in the model and losses pins activations."""
     with sharding.use(self.mesh, self.rules):
       yield
+
+
+@functools.lru_cache(maxsize=None)
+def _narrow(cfg) -> Callable:
+  return jax.jit(functools.partial(models.cast_projections, cfg))
 
 
 def _local_replica(x: jax.Array, local: jax.sharding.NamedSharding) -> jax.Array:

@@ -355,10 +355,12 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
 
 
 def _sampler_copy_bytes(s, params) -> int:
-  """Bytes per device of the sampler's own copy of ``params`` (``Layout.local_params``):
+  """Bytes per device of the sampler's own copy of ``params`` (``Layout.local_params``, its
+  projections in the compute dtype: ``Layout.narrowed``):
   its share of a copy laid out over this process's devices by the sampler's rules when the
   sampler runs on the training devices (``layout.per_process_shardings``), else a whole
   replica (the asynchronous trainer's rollout devices)."""
+  params = models.cast_projections(s.sampler_cfg, jax.eval_shape(lambda p: p, params))
   whole = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
               for x in jax.tree.leaves(params))
   if not set(s.sampler_mesh.devices.flat) <= set(s.mesh.devices.flat):

@@ -71,9 +71,10 @@ def queue_from_arrays(arrays: dict) -> list[Scored]:
 
 def publish(t: TrainParts, params) -> Any:
   """The policy for a producer that runs beside the learner: a device-to-device copy on the
-  rollout mesh that never aliases the learner's buffers (the update donates them)."""
+  rollout mesh that never aliases the learner's buffers (the update donates them), its
+  projections in the sampler's compute dtype (``Layout.narrowed``)."""
   layout = t.layout
-  params = layout.sampler_weights(params)
+  params = layout.narrowed(layout.sampler_weights(params))
   if layout.sampler_mesh is layout.mesh:  # shared devices: a copy laid out like the weights
     target = jax.tree.map(lambda x: x.sharding, params)
     return jax.device_put(params, target, may_alias=False)

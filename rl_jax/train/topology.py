@@ -390,7 +390,8 @@ def _spec(x, sharding) -> jax.ShapeDtypeStruct:
 
 def _sampler_params(t: TrainParts, rl_state, engine) -> Any:
   """ShapeDtypeStructs of the weights the sampler decodes with, as ``prepare_params``
-  lays them out on the sampler's mesh (LoRA with ``rollout.lora_merge``: the merged base)."""
+  lays them out on the sampler's mesh (LoRA with ``rollout.lora_merge``: the merged base;
+  on a sampler mesh of its own, the projections in the compute dtype)."""
   params = rl_state.params
   if t.layout.merge is not None:
     params = models.lora.strip(params)
@@ -402,8 +403,11 @@ def _sampler_params(t: TrainParts, rl_state, engine) -> Any:
     target = models.lora.strip(target)
   want = jnp.dtype(engine.cfg.param_dtype)
   cast = lambda x: want if x.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else x.dtype
-  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=sh),
-                      params, target)
+  params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=sh),
+                        params, target)
+  if t.layout.sampler_mesh is not t.layout.mesh:  # a copy of its own (``Layout.narrowed``)
+    params = models.cast_projections(engine.cfg, params)
+  return params
 
 
 def _compile(name: str, lowered):

@@ -1,0 +1,63 @@
+"""The sampler's own copy of the policy holds its projection matrices in the compute dtype
+(``models.cast_projections``, ``Layout.narrowed``): the same tokens, log-probs and expert
+records bit for bit as the stored weights, in half the bytes of float32 weights; the memory
+plan counts the copy so."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax import models, rollout, train
+from rl_jax.train import layout as layout_lib
+from rl_jax.train import memory, rollouts, runner
+from tests.test_moe_rl import CFG as MOE_CFG
+from tests.test_train_async import LAG_ONE, _config
+
+DENSE = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
+                           max_position_embeddings=128)
+PROMPTS = [[(7 * i + j) % 30 + 1 for j in range(1 + i % 6)] for i in range(6)]
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE_CFG], ids=["dense", "moe"])
+def test_projections_in_the_compute_dtype_sample_the_same_tokens(cfg):
+  cfg = cfg.replace(dtype="bfloat16")
+  params = models.init_params(cfg, jax.random.key(0), std=0.3)
+  cast = models.cast_projections(cfg, params)
+  for group in ("layers", "mlp", "moe"):
+    for name, x in cast.get(group, {}).items():
+      want = jnp.bfloat16 if name in models.transformer.PROJECTIONS else params[group][name].dtype
+      assert x.dtype == want, (group, name, x.dtype)
+  assert cast["embed"].dtype == jnp.float32
+  kw = dict(n=3, max_new_tokens=16, temperature=1.0, seed=3)
+  stored, narrowed = (rollout.generate(cfg, p, PROMPTS, **kw) for p in (params, cast))
+  np.testing.assert_array_equal(narrowed.tokens, stored.tokens)
+  np.testing.assert_array_equal(narrowed.logprobs, stored.logprobs)
+  if cfg.is_moe:
+    np.testing.assert_array_equal(narrowed.routing, stored.routing)
+
+
+def test_the_rollout_devices_copy_is_in_the_compute_dtype():
+  """The asynchronous trainer's producer on 4 devices of its own, bfloat16 compute: its copy
+  of the float32 policy holds bfloat16 projections (norms and embeddings float32) on its
+  devices, and the memory plan's ``sampler_copy`` is that copy's bytes."""
+  config = _config(LAG_ONE + ["mesh.num_devices=0", "mesh.rollout_devices=4",
+                              "model.dtype=bfloat16"])
+  s = train.build_setup(config)
+  layout = layout_lib.make_layout(s)
+  params = models.init_sharded(s.model_cfg, jax.random.key(0), s.mesh, s.rules)
+  t = rollouts.TrainParts(setup=s, layout=layout, steps=None, engine=None)
+  for copy in (runner.publish(t, params), layout.sampler_params(params)):
+    assert copy["layers"]["q"].dtype == jnp.bfloat16
+    assert copy["layers"]["attn_norm"].dtype == copy["embed"].dtype == jnp.float32
+    assert copy["layers"]["q"].sharding.device_set == set(s.sampler_mesh.devices.flat)
+    np.testing.assert_array_equal(np.asarray(copy["layers"]["q"], np.float32),
+                                  np.asarray(params["layers"]["q"].astype(jnp.bfloat16),
+                                             np.float32))
+  copy_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(copy))
+  assert memory._sampler_copy_bytes(s, params) == copy_bytes  # pylint: disable=protected-access
+  whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+  assert copy_bytes < 0.75 * whole
