@@ -244,7 +244,7 @@ def _expert_parallel_mlp(x, weights, ids, w_gate, w_up, w_down):
   w_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
   ep_axes, mlp_axes = _axes(w_spec[0]), _axes(w_spec[2])
   token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
-  if (not ep_axes or set(mlp_axes) & set(token_axes)
+  if (all(mesh.shape[a] == 1 for a in ep_axes) or set(mlp_axes) & set(token_axes)
       or not _moves_tokens(math.prod(x.shape[:-1]), ids.shape[-1], w_gate)):
     return None
   gather_axes = tuple(a for a in token_axes if a in ep_axes)
