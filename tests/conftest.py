@@ -67,6 +67,7 @@ LONG_FILES_FIRST = [
     "test_moe_capacity.py", "test_serve.py", "test_agent_hf.py", "test_losses_objective.py",
     "test_offload.py", "test_api.py", "test_rollout_engine.py", "test_hf_streaming.py",
     "test_prefix_attention.py", "test_losses_vcpo.py", "test_moe_sharding.py",
+    "test_sampler_copy.py",
     "test_profiling.py", "test_losses_formulas.py", "test_train_sharding.py", "test_optim.py",
     "test_epochs.py", "test_mismatch_corrections.py", "test_bench_scaling.py",
 ]
