@@ -151,6 +151,33 @@ SLOW_TESTS = (
     # the MoE sampler on 8 devices end to end; its expert layer at the decode's shape on
     # data x fsdp, forward and gradient: test_a_decode_batch_moves_its_tokens_to_the_experts
     "test_moe_sharding.py::test_moe_sampler_on_8_devices_equals_1",
+    "test_frozen_slices.py::test_same_values_bit_for_bit[moe]",
+    # the other case of the same parametrized test runs the same code
+    "test_paged_kv.py::"
+    "test_pages_of_any_size_and_a_preempting_pool_give_the_slot_layouts_tokens[0.0]",
+    "test_sequence_parallel.py::test_sequence_split_matches_one_shard[2-packed]",
+    "test_serve_train.py::"
+    "test_a_failing_agent_fails_its_episodes_not_the_run[crashing_agent-agent_errors]",
+    # engines and runs on a mesh beside a faster check of the same: the multi-turn engine on
+    # 8 devices (test_agent_rollout.py::test_multi_turn_on_8_devices_equals_1), its TPU
+    # programs (the one engine's prefill and decode: test_quickstart_compiles_for_v5e_...),
+    # the rollout devices' copy (test_sampler_copy.py) beside the 8-device learner
+    # (test_train.py::test_eight_devices_match_one), GiGPO's run (its advantages:
+    # test_agent_train.py's other runs and the loss tests)
+    "test_agent_train.py::test_agent_quickstart_episodes_on_8_devices_equal_1",
+    "test_tpu_compile.py::test_multi_turn_run_compiles_the_agent_engines_programs",
+    "test_train_async.py::test_split_rollout_and_training_meshes_match_one_device",
+    "test_agent_train.py::test_agentic_gigpo_run_trains_and_writes_metrics",
+    # the reductions option's values (its programs' make-up: test_xla_reductions_leave_...)
+    "test_compile_options.py::test_training_programs_sum_in_xla_to_the_same_values",
+    # benchmark scripts end to end at toy size (their parts have fast tests in the file)
+    "test_bench_scripts.py::test_bench_update_runs_at_toy_size",
+    "test_bench_scripts.py::"
+    "test_bench_tunix_served_rljax_side_answers_sampler_calls_and_grpo_steps",
+    "test_bench_scripts.py::test_bench_shared_prefix_quick_reports_both_layouts",
+    "test_bench_scripts.py::test_bench_micro_batches_reports_each_k_at_toy_size",
+    "test_bench_scripts.py::test_bench_rollout_april_section_runs_at_toy_size",
+    "test_bench_scripts.py::test_accelerator_report_reduced_mode_on_cpu",
 )
 
 
