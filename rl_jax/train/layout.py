@@ -108,8 +108,8 @@ class Layout(NamedTuple):
     """``weights`` for a copy the sampler decodes from: the projection matrices in the
     sampler's compute dtype (``models.cast_projections``, a jitted cast laid out like
     ``weights``). The sampler's numbers are the same bit for bit; with float32 weights and
-    a bfloat16 compute dtype the copy is half the bytes, and a decode step reads half
-    (a third for the experts' grouped matmuls, whose cast XLA:TPU does not fuse)."""
+    a bfloat16 compute dtype the copy is half the bytes, and a decode step reads less
+    (the experts' grouped matmuls most: XLA:TPU does not fuse their weights' cast)."""
     if self.sampler_cfg is None or jnp.dtype(self.sampler_cfg.dtype).itemsize >= 4:
       return weights  # nothing is narrower than float32
     return _narrow(self.sampler_cfg)(weights)
