@@ -152,16 +152,22 @@ def test_a_decode_batch_moves_its_tokens_to_the_experts():
                                atol=1e-5 * np.abs(np.asarray(a)).max())
 
 
-def test_moe_sampler_on_8_devices_equals_1():
-  """``rollout.generate`` of a MoE policy with its experts over fsdp=8 (the decode and the
-  prompts' prefill move tokens to the experts): one device's tokens, log-probs and expert
-  records."""
+def test_moe_sampler_on_8_devices_equals_1(monkeypatch):
+  """``rollout.generate`` of a MoE policy with its experts over fsdp=8 (its programs trace
+  the token path, counted by a pass-through wrapper): one device's tokens, log-probs and
+  expert records."""
   from tests.test_moe_rl import CFG, PROMPTS  # pylint: disable=import-outside-toplevel
+  traced = []
+  real = moe._local_experts_mlp  # pylint: disable=protected-access
+  monkeypatch.setattr(moe, "_local_experts_mlp", lambda *a, **kw: traced.append(1) or real(
+      *a, **kw))
   params = models.init_params(CFG, jax.random.key(0), std=0.3)
   kw = dict(n=2, max_new_tokens=6, temperature=1.0, seed=3)
   one = rollout.generate(CFG, params, PROMPTS, **kw)
+  assert not traced  # one device: the plain grouped matmuls
   eight = rollout.generate(CFG, params, PROMPTS, mesh=sharding.make_mesh({"fsdp": 8}),
                            rules="fsdp", **kw)
+  assert traced
   np.testing.assert_array_equal(eight.tokens, one.tokens)
   np.testing.assert_array_equal(eight.mask, one.mask)
   np.testing.assert_array_equal(eight.routing, one.routing)

@@ -178,11 +178,12 @@ def cast_projections(cfg: ModelConfig, params: Params) -> Params:
   dt = jnp.dtype(cfg.dtype)
 
   def narrow(x):
-    if (isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
-        and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dt.itemsize):
-      return x.astype(dt) if not isinstance(x, jax.ShapeDtypeStruct) else \
-          jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
-    return x
+    if not (isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
+            and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dt.itemsize):
+      return x  # a quantised weight, or no wider than the compute dtype
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
+    return x.astype(dt)
 
   out = dict(params)
   for group in ("layers", "mlp", "moe"):
