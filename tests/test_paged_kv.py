@@ -2,6 +2,8 @@
 across page sizes, pools small enough to preempt, pool growth and meshes; log-probs equal
 teacher forcing; page bookkeeping against a plain Python free list; bad inputs."""
 
+import functools
+import math
 import re
 
 import jax
@@ -10,7 +12,9 @@ import numpy as np
 import pytest
 import scipy.special
 
+import pallas_kernels
 from rl_jax import models, rollout, sharding
+from rl_jax.rollout import decode as decode_lib
 from rl_jax.rollout import pages
 from tests.test_rollout import _teacher_forced_logits
 
@@ -75,26 +79,77 @@ def test_paged_logprobs_equal_teacher_forcing():
                              atol=1e-5, rtol=0)
 
 
-def test_paged_on_8_devices_equals_1(reference):
+@pytest.fixture(scope="module")
+def rare_end():
+  """One device's rollout with one rare end id: most samples run to the budget."""
+  return _gen(page_size=MAX_NEW, eos_id=[60])
+
+
+def test_paged_on_8_devices_equals_1(reference, rare_end):
   """8 slots over fsdp=4 (kv heads over tensor=2): the pool is split in 4 shards, each of
   ``kv_pages`` = one group's budget, and a shard that runs out preempts one of its own two
   slots' groups; the tokens are one device's."""
   mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
   _same(_gen(page_size=4, kv_pages=M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp"),
         reference[1.0])
-  # one rare end id: most samples run to the budget, so a shard's two groups need more
-  # pages than it holds
+  # a shard's two groups need more pages than it holds
   out = _gen(page_size=4, kv_pages=M * MAX_NEW // 4, mesh=mesh, rules="fsdp_tp", eos_id=[60])
-  _same(out, _gen(page_size=MAX_NEW, eos_id=[60]))
+  _same(out, rare_end)
   assert out.stats["preemptions"] > 0
   # more pages in use at once than one device holds, at most the four shards' together
   assert M * MAX_NEW // 4 < out.stats["kv_pages_used_peak"] <= 4 * M * MAX_NEW // 4
-  # samples forked from a response prefix, on the mesh
+
+
+def test_paged_on_a_sequence_mesh_equals_1(rare_end):
+  """8 slots over fsdp=2, each slot shard's pages over sequence=4 (a sample's table entries
+  round-robin over the four): every device holds an eighth of the pool, and a fixed pool of
+  ``kv_pages`` = one group's share per device preempts; the tokens are one device's, and
+  the compiled decode moves no page between devices (only the partial softmaxes are merged
+  across the sequence devices)."""
+  mesh = sharding.make_mesh({"fsdp": 2, "sequence": 4})
+  ctx = (mesh, sharding.get_rules("fsdp_tp"))
+  assert rollout.kv_cache.pool_shards(8, ctx) == 2
+  assert rollout.kv_cache.sequence_shards(8, ctx) == 4
+  assert rollout.kv_cache.sequence_shards(8) == 1  # off a mesh
+  per_device = M * MAX_NEW // 4 // 4  # one group: 3 samples x 8 entries over 4 devices
+  out = _gen(page_size=4, kv_pages=per_device, mesh=mesh, rules="fsdp_tp", eos_id=[60])
+  _same(out, rare_end)
+  assert out.stats["preemptions"] > 0
+  assert 2 * per_device < out.stats["kv_pages_used_peak"] <= 8 * per_device
+  G, P, R, S, Pg = 8, 8, 64, 4, 8 * 128
+  state = rollout.kv_cache.init_state(CFG, G, M, P, R, ctx, S=S, pages=Pg)
+  pool = state.suffix_k[0]
+  assert pool.sharding.shard_shape(pool.shape)[0] == Pg // 8 and state.free.shape == (8, Pg // 8)
+  sp = rollout.records.sampling_params(CFG, 1.0, 0, 1.0, EOS, None)[0]
+  i32 = jnp.int32(4)
+  hlo = rollout.sampler.decode.lower(CFG, PARAMS, state, sp, i32, i32, i32, i32, filtered=False,
+                                     ctx=ctx, live=8).compile().as_text()
+  shard = math.prod(pool.sharding.shard_shape(pool.shape))  # one layer's keys, per device
+  moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|"
+                     r"collective-permute)", hlo)
+  assert moved  # the merge of the sequence devices' partial softmaxes
+  assert all(math.prod(int(d) for d in dims.split(",") if d) < shard for dims in moved), moved
+
+
+def test_forks_growing_pools_and_short_budgets_on_meshes(reference):
+  """Samples forked from response prefixes on fsdp=4 x tensor=2 and on fsdp=2 x sequence=4
+  sample one device's tokens; a growing pool split over the sequence devices too; and one
+  page per sample, which does not split over four sequence devices, keeps the pool whole
+  on them with the same tokens."""
   heads = [[5, 6, 7, 8, 9][:n] for n in (5, 2, 0, 4, 1, 3)]
   kw = dict(page_size=4, kv_pages=2 * M * MAX_NEW // 4, prefixes=heads)
-  forked = _gen(mesh=mesh, rules="fsdp_tp", **kw)
-  _same(forked, _gen(**kw))
+  want = _gen(**kw)
+  forked = _gen(mesh=sharding.make_mesh({"fsdp": 4, "tensor": 2}), rules="fsdp_tp", **kw)
+  _same(forked, want)
   assert forked.stats["forked_samples"] > 0
+  mesh = sharding.make_mesh({"fsdp": 2, "sequence": 4})
+  forked = _gen(mesh=mesh, rules="fsdp_tp", **dict(kw, kv_pages=kw["kv_pages"] // 4))
+  _same(forked, want)
+  assert forked.stats["forked_samples"] > 0
+  _same(_gen(page_size=4, mesh=mesh, rules="fsdp_tp"), reference[1.0])
+  assert rollout.kv_cache.sequence_shards(8, (mesh, sharding.get_rules("fsdp_tp")),
+                                          entries=1) == 1
+  _same(_gen(page_size=MAX_NEW, mesh=mesh, rules="fsdp_tp"), reference[1.0])
 
 
 def test_the_pool_is_split_over_the_slots_devices():
@@ -179,6 +234,63 @@ def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_atten
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_a_pool_split_over_sequence_shards_attends_as_plain_attention(on_mesh, monkeypatch):
+  """Pages of 2 slot shards x 2 sequence shards taken by ``pages.allocate`` (entry e of a
+  slot of slot shard d from shard 2d + e mod 2), read by ``split_decode_attention`` with
+  each shard attending its own entries (``pages.by_sequence``) and the parts merged by
+  log-sum-exp, equal float64 softmax attention over the prompt's valid keys and the
+  sample's valid response keys (sliding starts included; short rows have keys on one
+  sequence shard only). Off a mesh the shards are mapped (the jnp reference); on fsdp 2 x
+  sequence 2 x tensor 2 under a TPU target every device runs the Pallas TPU kernel
+  (interpreted) on its own pages under ``shard_map``."""
+  rng = np.random.default_rng(5)
+  G, Mm, P, N, K, H, S, NP, D, Q = 4, 2, 5, 4, 2, 8, 4, 4, 2, 2
+  Pg = D * Q * (G // D * Mm * NP // Q + 2)
+  length = rng.integers(1, NP * S + 1, (G, Mm))
+  length[0, 0], length[1, 1] = 3, NP * S  # keys on sequence shard 0 only; every entry
+  start = np.where(rng.random((G, Mm)) < 0.5, rng.integers(0, length), 0)
+  need = np.arange(NP)[None, None, :] * S < length[..., None]
+  table, _ = pages.allocate(jnp.full((G, Mm, NP), -1, jnp.int32),
+                            jnp.ones((D * Q, Pg // (D * Q)), bool), jnp.asarray(need), Q)
+  table = np.asarray(table)
+  Pl = Pg // (D * Q)
+  for (g, m, e) in zip(*np.nonzero(need)):  # each entry on its own shard's pages
+    assert table[g, m, e] // Pl == g // (G // D) * Q + e % Q
+  pool_k, pool_v = rng.standard_normal((Pg, K, H, S)), rng.standard_normal((Pg, K, S, H))
+  q = rng.standard_normal((G, Mm, N, H))
+  pk, pv = rng.standard_normal((G, K, H, P)), rng.standard_normal((G, K, P, H))
+  plen = rng.integers(1, P + 1, G)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  args = (f32(q), f32(pk), f32(pv), jnp.asarray(np.arange(P)[None, :] < plen[:, None]),
+          f32(pool_k), f32(pool_v), jnp.asarray(table), jnp.asarray(start, jnp.int32),
+          jnp.asarray(length, jnp.int32))
+  attend = jax.jit(lambda *a: decode_lib.split_decode_attention(*a, shards=D, seq=Q))
+  if on_mesh:
+    kernel = pallas_kernels.paged_decode_attention
+    monkeypatch.setattr(pallas_kernels, "paged_decode_attention",
+                        functools.partial(kernel, interpret=True))
+    mesh = sharding.make_mesh({"fsdp": 2, "sequence": 2, "tensor": 2})
+    with sharding.use(mesh, "fsdp_tp"), pallas_kernels.target_platform("tpu"):
+      assert "pallas_call" in str(jax.make_jaxpr(attend)(*args))
+      got = attend(*args)
+  else:
+    got = attend(*args)
+  want = np.zeros((G, Mm, N, H))
+  for g in range(G):
+    for m in range(Mm):
+      pos = range(start[g, m], length[g, m])
+      for n in range(N):
+        kv = n // (N // K)
+        keys = np.concatenate([pk[g, kv, :, :plen[g]].T,
+                               [pool_k[table[g, m, j // S], kv, :, j % S] for j in pos]])
+        vals = np.concatenate([pv[g, kv, :plen[g]],
+                               [pool_v[table[g, m, j // S], kv, j % S] for j in pos]])
+        w = scipy.special.softmax(keys @ q[g, m, n] / np.sqrt(H))
+        want[g, m, n] = w @ vals
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_live_bucket_is_a_power_of_two_of_pages():
   assert pages.live_bucket(1, 16, 512) == 8  # the 128-token floor
   assert pages.live_bucket(129, 16, 512) == 16
@@ -209,32 +321,44 @@ def test_the_engines_pool_rules_against_a_direct_count():
                     and run[g, m] and table[g, m, min(max(length[g, m] - 1, 0) // S, NP - 1)] < 0)
                 for d in range(G)]  # one slot per shard
     np.testing.assert_array_equal(pages.next_token_pages(run, length, table, S, G), by_shard)
+    # one slot shard of two sequence shards: entry e on shard e mod 2
+    by_seq = [sum(1 for g in range(G) for m in range(M) if run[g, m]
+                  and min(max(length[g, m] - 1, 0) // S, NP - 1) % 2 == q
+                  and table[g, m, min(max(length[g, m] - 1, 0) // S, NP - 1)] < 0)
+              for q in range(2)]
+    np.testing.assert_array_equal(pages.next_token_pages(run, length, table, S, 1, 2), by_seq)
+  assert [pages.spread(n, 4) for n in (0, 1, 4, 5, 9)] == [0, 1, 1, 2, 3]
 
 
-@pytest.mark.parametrize("D", [1, 2])
-def test_page_bookkeeping_matches_a_python_free_list(D):
+@pytest.mark.parametrize("D,Q", [(1, 1), (2, 1), (2, 2)])
+def test_page_bookkeeping_matches_a_python_free_list(D, Q):
   """Random takes and releases on device against a list of free ids per pool shard, handed
-  out lowest first, entries in row-major order; the slots of shard d (``d·G/D ..``) take
-  only its pages ``d·Pl ..``."""
-  G, Mm, NP, Pg = 4, 2, 4, 14
-  Pl = Pg // D
+  out lowest first, entries in row-major order; the slots of slot shard d (``d·G/D ..``)
+  take only pages of its shards, and with Q sequence shards entry e only of shard
+  ``d·Q + e mod Q`` (pages ``(d·Q + e mod Q)·Pl ..``)."""
+  G, Mm, NP = 4, 2, 4
+  Pg = 14 if Q == 1 else 16
+  Pl = Pg // (D * Q)
   rng = np.random.default_rng(0)
-  table, free = jnp.full((G, Mm, NP), -1, jnp.int32), jnp.ones((D, Pl), bool)
+  table, free = jnp.full((G, Mm, NP), -1, jnp.int32), jnp.ones((D * Q, Pl), bool)
   ref_table = -np.ones((G, Mm, NP), int)
-  ref_free = [set(range(d * Pl, (d + 1) * Pl)) for d in range(D)]
-  shard = lambda g: g // (G // D)
-  allocate, release = jax.jit(pages.allocate), jax.jit(pages.release)
+  ref_free = [set(range(d * Pl, (d + 1) * Pl)) for d in range(D * Q)]
+  shard = lambda g, e: g // (G // D) * Q + e % Q
+  of = np.vectorize(shard)(*np.meshgrid(np.arange(G), np.arange(Mm), np.arange(NP),
+                                        indexing="ij")[::2])
+  allocate = jax.jit(functools.partial(pages.allocate, seq=Q))
+  release = jax.jit(pages.release)
   for _ in range(30):
     if rng.random() < 0.7:
       need = rng.random((G, Mm, NP)) < 0.3
       want = need & (ref_table < 0)
-      if any(want[shard(np.arange(G)) == d].sum() > len(ref_free[d]) for d in range(D)):
+      if any(want[of == d].sum() > len(ref_free[d]) for d in range(D * Q)):
         continue  # callers check capacity first
       table, free = allocate(table, free, jnp.asarray(need))
       ids = [sorted(f) for f in ref_free]
-      taken = [0] * D
+      taken = [0] * (D * Q)
       for at in zip(*np.nonzero(want)):
-        d = shard(at[0])
+        d = shard(at[0], at[2])
         ref_table[at] = ids[d][taken[d]]
         ref_free[d].discard(ids[d][taken[d]])
         taken[d] += 1
@@ -242,17 +366,19 @@ def test_page_bookkeeping_matches_a_python_free_list(D):
       rows = rng.random(G) < 0.5
       table, free = release(table, free, jnp.asarray(rows))
       for g in np.flatnonzero(rows):
-        ref_free[shard(g)] |= set(ref_table[g][ref_table[g] >= 0].tolist())
+        for e in range(NP):
+          ref_free[shard(g, e)] |= set(ref_table[g, :, e][ref_table[g, :, e] >= 0].tolist())
       ref_table[rows] = -1
     np.testing.assert_array_equal(np.asarray(table), ref_table)
     assert set(np.flatnonzero(np.asarray(free)).tolist()) == set().union(*ref_free)
   # one entry per sample, as the decode step takes them
   take = jnp.asarray([[True, False], [True, True], [False, True], [True, False]])
   table = jnp.full((G, Mm, NP), -1, jnp.int32).at[1, 0, 2].set(5)
-  free = jnp.ones(Pg, bool).at[5].set(False).reshape(D, Pl)
-  t2, f2, page = pages.take_entry(table, free, take, jnp.full((G, Mm), 2))
-  want = ([[0, -1], [5, 1], [-1, 2], [3, -1]] if D == 1 else
-          [[0, -1], [5, 1], [-1, 7], [8, -1]])
+  free = jnp.ones(Pg, bool).at[5].set(False).reshape(D * Q, Pl)
+  t2, f2, page = pages.take_entry(table, free, take, jnp.full((G, Mm), 2), Q)
+  want = {(1, 1): [[0, -1], [5, 1], [-1, 2], [3, -1]],
+          (2, 1): [[0, -1], [5, 1], [-1, 7], [8, -1]],
+          (2, 2): [[0, -1], [5, 1], [-1, 8], [9, -1]]}[D, Q]  # entry 2: sequence shard 0
   np.testing.assert_array_equal(np.asarray(page), want)
   assert np.asarray(t2)[2, 1, 2] == want[2][1] and not np.asarray(f2).reshape(-1)[want[2][1]]
 

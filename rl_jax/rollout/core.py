@@ -41,9 +41,10 @@ class EngineCore(HoldsGroups):
   """The engine the loop runs on (module docstring); the two faces call ``_init_core``.
 
   Attributes (besides ``_init_core``'s arguments): cfg, the sampler's model config (its
-  ``dtype``, dropless routing); G, M, P, R; D, the pool's shards (``kv_cache.pool_shards``:
-  the devices the slots are split over); pool_plan, S, fixed_pool, max_pool_pages,
-  pool_pages (all D shards together; grows with a growing pool; later calls start there);
+  ``dtype``, dropless routing); G, M, P, R; D, the pool's slot shards
+  (``kv_cache.pool_shards``: the devices the slots are split over); Q, the sequence shards
+  of each (``kv_cache.sequence_shards``); pool_plan, S, fixed_pool, max_pool_pages,
+  pool_pages (all D·Q shards together; grows with a growing pool; later calls start there);
   programs, the (live bucket, pool pages) pairs decoded with; sp, filtered; ctx (mesh, rules) or None; admit_fn;
   held; live, every group not yet returned, by uid.
   """
@@ -105,11 +106,14 @@ class EngineCore(HoldsGroups):
     self.share_prefixes = bool(share_prefixes)
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
     self.ctx = None if mesh is None else (mesh, sharding.get_rules(rules))
-    self.D = kv_cache.pool_shards(self.G, self.ctx)  # the pool's shards (one per slot shard)
+    self.D = kv_cache.pool_shards(self.G, self.ctx)  # the pool's slot shards
+    # the sequence devices (the plan keeps them where they divide a sample's page entries)
+    Q = kv_cache.sequence_shards(self.G, self.ctx)
     self.pool_plan = pool_plan(
         self.cfg, G=self.G, M=self.M, R=self.R, page_size=page_size, kv_pages=kv_pages,
         kv_memory_fraction=kv_memory_fraction, devices=devices,
-        budget=f"{budget_name}={budget_tokens}", shards=self.D)
+        budget=f"{budget_name}={budget_tokens}", shards=self.D, sequence=Q)
+    self.Q = self.pool_plan.sequence  # sequence shards of each slot shard
     self.S = self.pool_plan.S  # tokens per page
     self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
     self.pool_pages = self.pool_plan.pages

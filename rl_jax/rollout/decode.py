@@ -39,7 +39,7 @@ from rl_jax import sharding
 from rl_jax.models import grouped
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
-from rl_jax.rollout import pages, sampling
+from rl_jax.rollout import kv_cache, pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
@@ -115,7 +115,7 @@ def paged_decode_attention(q, prefix_k, prefix_v, prefix_valid, page_k, page_v, 
 
 
 def split_decode_attention(q, prefix_k, prefix_v, prefix_valid, pool_k, pool_v, table,
-                           start, length, shards: int = 1):
+                           start, length, shards: int = 1, seq: int = 1):
   """``paged_decode_attention`` as two partial softmaxes merged by log-sum-exp: the prefix in
   jnp (read once per group), the response pages by ``pallas_kernels.paged_decode_attention``
   (the Pallas kernel of the platform the program is compiled for, TPU or GPU; the jnp
@@ -125,8 +125,10 @@ def split_decode_attention(q, prefix_k, prefix_v, prefix_valid, pool_k, pool_v, 
     q: [G,M,N,H]. prefix_k: [G,K,H,P]; prefix_v: [G,K,P,H]; prefix_valid: bool [G,P] or
       [G,M,P]. pool_k: [Pg,K,H,S]; pool_v: [Pg,K,S,H]; table: int32 [G,M,nb] (-1: no
       page). start, length: int32 [G,M]: response positions start <= j < length are valid.
-    shards: the pool's D shards (``pages``' "Shards"; pages of shard d only in the tables of
-      slots ``d·G/D ..``).
+    shards: the pool's D slot shards (``pages``' "Shards"; pages of shard d only in the
+      tables of slots ``d·G/D ..``). seq: Q sequence shards per slot shard (entry e's page
+      on sequence shard e mod Q: ``pages.entry_shard``; nb a multiple of Q); each attends
+      its own entries (``pages.by_sequence``) and the Q partial softmaxes are merged.
   Returns:
     [G,M,N,H] in q's dtype.
   """
@@ -143,20 +145,24 @@ def split_decode_attention(q, prefix_k, prefix_v, prefix_valid, pool_k, pool_v, 
   p_pre = jnp.swapaxes(p_pre, 1, 2).reshape(G, K, M * J, P)
   o_pre = jnp.swapaxes(f32("gkap,gkph->gkah", p_pre, prefix_v).reshape(G, K, M, J, H), 1, 2)
   rows = lambda x: x.reshape(G * M, *x.shape[2:])
-  o_pg, lse_pg = _pages_per_shard(scale, G, shards)(rows(qg), pool_k, pool_v, rows(table),
-                                                    rows(start), rows(length))
+  o_pg, lse_pg = _pages_per_shard(scale, G, shards, seq)(rows(qg), pool_k, pool_v, rows(table),
+                                                         rows(start), rows(length))
   out = pallas_kernels.merge_partials([o_pre, o_pg.reshape(G, M, K, J, H)],
                                       [lse_pre, lse_pg.reshape(G, M, K, J)])
   return out.reshape(G, M, N, H).astype(q.dtype)
 
 
-def _pages_per_shard(scale: float, G: int, shards: int):
+def _pages_per_shard(scale: float, G: int, shards: int, seq: int = 1):
   """``pallas_kernels.paged_decode_attention`` (rows [G·M,..], slot-major) run per shard with
   ``shard_map`` on a mesh of several devices when it runs a Pallas kernel (XLA cannot
   partition a kernel's custom call): kv heads over ``act_kv_heads``; with a pool of D > 1
   shards (``kv_cache.pool_shards``), rows and pool pages over the slots' batch axes, each
   shard's table in its own page ids (``pages.local_ids``); with one, rows over the rules'
-  ``batch`` axes and each shard holding the pool's pages of its kv heads."""
+  ``batch`` axes and each shard holding the pool's pages of its kv heads. With Q = ``seq``
+  > 1 sequence shards: ``_pages_by_sequence``."""
+  if seq > 1:
+    return functools.partial(_pages_by_sequence, scale, G, shards, seq)
+
   def run(q, pool_k, pool_v, table, start, length):
     # keys read as [S,H] pages where the pool is laid out with H minor (no copy)
     by_row = pages.h_minor(pages.device_layout(pool_k))
@@ -191,6 +197,51 @@ def _pages_per_shard(scale: float, G: int, shards: int):
   return run
 
 
+def _pages_by_sequence(scale: float, G: int, shards: int, seq: int, q, pool_k, pool_v, table,
+                       start, length):
+  """``_pages_per_shard`` over a pool of D slot shards x Q = ``seq`` sequence shards: each
+  of the D·Q shards attends the rows of its slot shard over its own entries
+  (``pages.by_sequence``: entries q, q + Q, .. compacted, with the positions valid on them),
+  and the Q partial results of a row are merged by log-sum-exp (``merge_partials``). A
+  shard that holds none of a row's valid positions gives lse -inf, out 0: weight 0.
+
+  Args: as the ``run`` of ``_pages_per_shard`` (q [B,K,J,H] rows slot-major; pool [Pg,..]).
+  Returns:
+    (out float32 [B,K,J,H], lse float32 [B,K,J]).
+  """
+  D, Q = shards, seq
+  S = pool_v.shape[2]
+  Pl = pool_k.shape[0] // (D * Q)
+  tq, sq, lq = pages.by_sequence(table, start, length, S, Q)  # [Q,B,nb/Q], [Q,B]
+  tq = pages.local_ids(tq, Pl)
+  by_row = pages.h_minor(pages.device_layout(pool_k))
+  attend = functools.partial(pallas_kernels.paged_decode_attention, scale=scale,
+                             keys_by_row=by_row)
+  active = sharding.active()
+  if active is None or active[0].size == 1 or pallas_kernels.current_platform() == "cpu":
+    wide = lambda x: pages.rows_by_sequence(jnp.broadcast_to(x, (Q, *x.shape)), D, Q)
+    out = pages.by_shard(lambda pk, pv, *rows: attend(rows[0], pk, pv, *rows[1:]), D * Q,
+                         (pool_k, pool_v), (wide(q), *(pages.rows_by_sequence(x, D, Q)
+                                                       for x in (tq, sq, lq))))
+    o, lse = (pages.rows_from_sequence(x, D, Q) for x in out)  # [Q,B,..]
+  else:
+    mesh, rules = active
+    page_axes, seq_axes = kv_cache.pool_page_axes(G, active, Q), kv_cache.sequence_axes(G, active)
+    heads = sharding.logical_to_spec(("act_kv_heads",), rules, mesh, (q.shape[1],))[0]
+    rows = sharding.logical_to_spec(("batch",), rules, mesh, (G,))[0]
+
+    def own(q, pk, pv, t, first, end):  # a device's sequence shard: [1,..] in and out
+      return tuple(x[None] for x in attend(q, pk, pv, t[0], first[0], end[0]))
+
+    fn = jax.shard_map(own, mesh=mesh, check_vma=False,
+                       in_specs=(PartitionSpec(rows, heads), PartitionSpec(page_axes, heads),
+                                 PartitionSpec(page_axes, heads), PartitionSpec(seq_axes, rows),
+                                 PartitionSpec(seq_axes, rows), PartitionSpec(seq_axes, rows)),
+                       out_specs=(PartitionSpec(seq_axes, rows, heads),) * 2)
+    o, lse = fn(q, pool_k, pool_v, tq, sq, lq)
+  return pallas_kernels.merge_partials(list(o), list(lse), return_lse=True)
+
+
 def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
                 filtered: bool, live: int | None = None, identity: bool = False) -> DecodeState:
   """Feed every running sample's last token, append one sampled token.
@@ -218,27 +269,30 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   pvalid = jnp.arange(P)[None, :] < state.prefix_len[:, None]
   svalid = jnp.arange(nb * S)[None, None, :] <= cur[..., None]
   NP = state.pages.shape[-1]
+  # pool shards: D slot shards (each slot reads and writes its own shard's pages) of Q
+  # sequence shards each (entry e of a sample's table on sequence shard e mod Q)
+  D, Q = kv_cache.state_shards(state)
   if identity:
     table, free = state.pages, state.free
     entry = jnp.minimum(cur // S, NP - 1)
     page = jnp.take_along_axis(table, entry[..., None], axis=-1)[..., 0]
   else:
-    table, free, page = pages.take_entry(state.pages, state.free, take, cur // S)
+    table, free, page = pages.take_entry(state.pages, state.free, take, cur // S, Q)
   page = jnp.where(take, page, -1).reshape(-1)  # rows not fed write nothing
   offset = (cur % S).reshape(-1)
   live_table = table[:, :, :nb]
-  D = state.free.shape[0]  # pool shards: each slot reads and writes its own shard's pages
   read = ((lambda k, v: pages.in_place(k, v, G, M, nb, D)) if identity else
           (lambda k, v: pages.live_pages(k, v, live_table, D)))
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
-  split = grouped.prefix_attention_path(cfg.prefix_attention) == "kernel"
+  # a pool split over sequence devices is read shard by shard and merged (split path)
+  split = grouped.prefix_attention_path(cfg.prefix_attention) == "kernel" or Q > 1
 
   qpos = state.prefix_len[:, None] + cur  # [G,M]
 
   def attend(q, k, v, layer, spec=None):
     l = layer
     caches["sk"][l], caches["sv"][l] = pages.write(caches["sk"][l], caches["sv"][l], page,
-                                                   offset, k[:, 0], v[:, 0], D)
+                                                   offset, k[:, 0], v[:, 0], D, Q)
     pv, sv = pvalid, svalid
     if spec is not None:
       pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))
@@ -250,7 +304,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
         start = jnp.where(spec.sliding, jnp.maximum(cur - spec.window + 1, 0), start)
       out = split_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
                                    caches["sk"][l], caches["sv"][l], live_table, start, cur + 1,
-                                   D)
+                                   D, Q)
     else:
       out = paged_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
                                    *read(caches["sk"][l], caches["sv"][l]), sv)
@@ -284,8 +338,10 @@ def can_step(state: DecodeState, live: int) -> jax.Array:
   inside = jnp.all(~take | (cur < live * S))
   entry = jnp.minimum(cur // S, state.pages.shape[-1] - 1)
   has = jnp.take_along_axis(state.pages, entry[..., None], axis=-1)[..., 0] >= 0
-  D = state.free.shape[0]
-  short = (take & ~has).reshape(D, -1).sum(axis=1)
+  G = state.pages.shape[0]
+  D, Q = kv_cache.state_shards(state)  # D·Q shards: a slot's entry e on shard d·Q + e mod Q
+  shard = pages.entry_shard(pages.shard_of_slot(jnp.arange(G), G, D)[:, None], entry, Q)
+  short = jnp.zeros(D * Q, jnp.int32).at[shard].add((take & ~has).astype(jnp.int32))
   return inside & jnp.all(short <= state.free.sum(axis=1))
 
 

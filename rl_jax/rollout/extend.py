@@ -39,7 +39,7 @@ from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
-                                     mesh_context, record)
+                                     mesh_context, record, state_shards)
 from rl_jax.rollout.prefill import run_trunk
 
 __all__ = ["Extension", "extend"]
@@ -120,9 +120,8 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     M, NP = state.pages.shape[1:]
     S = state.suffix_v[0].shape[2]
     count = jnp.where(ext.slot < G, ext.count, 0)
-    table, free = pages.allocate(state.pages, state.free,
-                                 pages.rows_need(ext.slot, ext.sample, ext.start, count,
-                                                 G, M, NP, S))
+    need = pages.rows_need(ext.slot, ext.sample, ext.start, count, G, M, NP, S)
+    table, free = pages.allocate(state.pages, state.free, need, state_shards(state)[1])
     index = ext.start[:, None] + j
     written = [pages.write_rows(k, v, table, ext.slot, ext.sample, index, cvalid,
                                 ck[l, :, 0], cv[l, :, 0])

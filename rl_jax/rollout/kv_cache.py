@@ -20,7 +20,9 @@ Sharding: caches carry logical axes (``CACHE_AXES``): slots over ``batch`` (data
 heads over ``act_kv_heads`` (tensor), the prompt cache's length over ``kv_length``
 (sequence). The response pool's pages are split over the same devices as the slots
 (``pool_shards``: D shards, each holding the pages of its own slots' samples, ``pages``'
-"Shards"), and its kv heads over ``tensor``, so a device holds 1/D of the pool.
+"Shards"), and each slot shard's pages over the ``kv_length`` (sequence) axis as well
+(``sequence_shards``: Q, a sample's table entries round-robin over them), and its kv heads
+over ``tensor``, so a device holds 1/(D·Q) of the pool.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from rl_jax.rollout import pages, sampling
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
            "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context", "needs_cast",
-           "pool_bytes", "pool_shards", "record", "release_slots", "resize_pool", "SamplerParams"]
+           "pool_bytes", "pool_page_axes", "pool_shards", "record", "sequence_axes",
+           "sequence_shards", "state_shards", "release_slots", "resize_pool", "SamplerParams"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -76,8 +79,8 @@ class DecodeState(NamedTuple):
       ``extend``) fed it (-1 until then, for the last token, which is never fed, and for a
       multi-turn trajectory's observation tokens); None for dense models.
     pages: int32 [G,M,NP] page table (NP = R / S; -1 = no page yet).
-    free: bool [D,Pl] pool pages not in any table, per pool shard (``pool_shards``; Pg =
-      D·Pl; page ``d·Pl + i`` is entry i of shard d).
+    free: bool [D·Q,Pl] pool pages not in any table, per pool shard (``pool_shards`` D
+      times ``sequence_shards`` Q; Pg = D·Q·Pl; page ``s·Pl + i`` is entry i of shard s).
   """
 
   prefix_k: jax.Array
@@ -152,15 +155,54 @@ def pool_shards(G: int, ctx=None) -> int:
   return math.prod(active[0].shape[a] for a in axes)
 
 
-def _constrain_pool(pool: tuple, G: int) -> tuple:
-  """Each layer's pool with its pages over the slots' batch axes (shard d's pages on the
-  devices of slots ``d·G/D ..``: ``pool_shards``) and its kv heads over ``act_kv_heads``."""
+def sequence_axes(G: int, active) -> tuple[str, ...]:
+  """The mesh axes of the ``kv_length`` rule that the slots' batch axes leave free."""
+  mesh, rules = active
+  axes = sharding.logical_to_spec(("batch", "kv_length"), rules, mesh, (G, mesh.size))[1]
+  return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def sequence_shards(G: int, ctx=None, entries: int | None = None) -> int:
+  """Q, the sequence shards of each slot shard of the response pool: the devices of the
+  mesh's ``kv_length`` (sequence) axes (``ctx`` = (mesh, rules), else the active
+  ``sharding.use``; 1 off a mesh), when they divide a sample's ``entries`` if given (NP =
+  R / S page-table entries; else 1: a budget of fewer pages than sequence devices is not
+  split, and the pool is replicated over them). A sample's table entry e is served by
+  sequence shard e mod Q (``pages.entry_shard``)."""
+  active = ctx if ctx is not None else sharding.active()
+  if active is None:
+    return 1
+  mesh = active[0]
+  Q = math.prod(mesh.shape[a] for a in sequence_axes(G, (mesh, sharding.get_rules(active[1]))))
+  return Q if entries is None or entries % Q == 0 else 1
+
+
+def state_shards(state: DecodeState) -> tuple[int, int]:
+  """(D, Q) of ``state``'s pool: its slot shards (``pool_shards`` of the active mesh) and
+  the sequence shards of each (its free list has D·Q rows)."""
+  D = pool_shards(state.tokens.shape[0])
+  return D, state.free.shape[0] // D
+
+
+def pool_page_axes(G: int, active, seq: int = 1) -> tuple[str, ...]:
+  """The mesh axes of the pool's page axis: the slots' batch axes, then, with ``seq`` Q > 1
+  sequence shards, the sequence axes (shard ``d·Q + q`` on slot shard d's q-th sequence
+  device)."""
+  slot = _slot_axes(G, active)
+  slot = (slot,) if isinstance(slot, str) else tuple(slot or ())
+  return slot + (sequence_axes(G, active) if seq > 1 else ())
+
+
+def _constrain_pool(pool: tuple, G: int, seq: int) -> tuple:
+  """Each layer's pool with its pages over the slots' batch axes and, with ``seq`` Q > 1,
+  the sequence axes (shard d·Q + q's pages on the q-th sequence device of slots ``d·G/D
+  ..``: ``pool_shards``, ``sequence_shards``) and its kv heads over ``act_kv_heads``."""
   active = sharding.active()
   if active is None or active[0].size == 1:
     return pool
   mesh, rules = active
   heads = sharding.logical_to_spec(pages.POOL_AXES, rules, mesh, pool[0].shape)[1]
-  spec = jax.sharding.PartitionSpec(_slot_axes(G, active), heads, None, None)
+  spec = jax.sharding.PartitionSpec(pool_page_axes(G, active, seq) or None, heads, None, None)
   return tuple(jax.lax.with_sharding_constraint(p, jax.sharding.NamedSharding(mesh, spec))
                for p in pool)
 
@@ -170,8 +212,9 @@ def constrain_state(state: DecodeState) -> DecodeState:
   to the slots' devices (``_constrain_pool``)."""
   out = DecodeState(*[_constrain(x, a) for x, a in zip(state, CACHE_AXES)])
   G = state.tokens.shape[0]
-  return out._replace(suffix_k=_constrain_pool(state.suffix_k, G),
-                      suffix_v=_constrain_pool(state.suffix_v, G))
+  Q = state_shards(state)[1]
+  return out._replace(suffix_k=_constrain_pool(state.suffix_k, G, Q),
+                      suffix_v=_constrain_pool(state.suffix_v, G, Q))
 
 
 def pool_bytes(cfg: ModelConfig, pages: int, page_size: int) -> int:
@@ -256,8 +299,8 @@ def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
 
   S: page size (default R: one page per sample); a power of two dividing R. pages: pool
   pages Pg (default G·M·R/S, every sample's whole budget), a multiple of the pool's shards
-  D (``pool_shards``: Pg / D pages per device). Every table entry starts
-  without a page and every page free; ``identity``: the table is
+  D·Q (``pool_shards``, ``sequence_shards``: Pg / (D·Q) pages per device). Every table
+  entry starts without a page and every page free; ``identity``: the table is
   ``pages.identity_table`` (entry (g, m, p) owns page ``p·G·M + g·M + m`` for good): a
   pool of every whole budget read in place, the programs' ``identity`` fast path; needs
   Pg >= G·M·NP.
@@ -265,9 +308,13 @@ def init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, ctx=None, *,
   TRACE_COUNTS["init_state"] += 1
   S = R if S is None else S
   Pg = G * M * (R // S) if pages is None else pages
-  D = pool_shards(G, ctx)
+  Q = sequence_shards(G, ctx, R // S)
+  D = pool_shards(G, ctx) * Q
   if Pg % D:
     raise ValueError(f"a pool of {Pg} pages does not split over its {D} shards")
+  if identity and Q > 1:
+    raise ValueError("the identity page table keeps a sample's pages on one shard; a pool "
+                     f"split over {Q} sequence shards takes them round-robin")
   with mesh_context(ctx):
     return constrain_state(_init_state(cfg, G, M, P, R, S, Pg, identity, D))
 
@@ -295,7 +342,7 @@ def fork_samples(state: DecodeState, slot, src, dst, cached, identity: bool = Fa
   with mesh_context(ctx):
     S = state.suffix_v[0].shape[2]
     table, free, frm, to = pages.fork(state.pages, state.free, slot, src, dst, cached, S,
-                                      identity)
+                                      identity, state_shards(state)[1])
     return constrain_state(state._replace(
         suffix_k=pages.copy_pages(state.suffix_k, frm, to),
         suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table, free=free))

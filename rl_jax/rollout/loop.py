@@ -283,23 +283,26 @@ class Loop:
       t.routing = slots.merged_routing(t.routing, routing[g, m][:n1])
 
   def per_shard(self, pairs) -> np.ndarray:
-    """int [D]: the pages of (slot, pages) ``pairs`` summed over each pool shard."""
-    out = np.zeros(self.e.D, np.int64)
+    """int [D·Q]: the pages of (slot, pages) ``pairs``, each one sample's run of consecutive
+    table entries, summed over each pool shard; a run of n entries takes at most ceil(n / Q)
+    of each of its slot shard's Q sequence shards (``pages.spread``; exactly n with Q = 1)."""
+    Q = self.e.Q
+    out = np.zeros(self.e.D * Q, np.int64)
     for g, n in pairs:
-      out[self.shard[g]] += n
+      out[self.shard[g] * Q:(self.shard[g] + 1) * Q] += pages.spread(n, Q)
     return out
 
   def fit(self, need) -> None:
     """A fixed pool: preempt the most recently admitted resident groups of a pool shard
-    until ``need()`` pages (int [D] per shard, recomputed after each) are free on every
-    shard; a shard's oldest group stays (the shard holds its whole budget). A preempted
-    group keeps its partial turns and goes back to the front of the queue, to resume by
-    recompute."""
+    until ``need()`` pages (int [D·Q] per shard, recomputed after each) are free on every
+    shard; a slot shard's oldest group stays (its shards hold its whole budget). A
+    preempted group keeps its partial turns and goes back to the front of the queue, to
+    resume by recompute."""
     if not self.e.fixed_pool:
       return
     self.give_back()
-    while True:
-      short = need() > np.asarray(self.state.free).sum(-1)
+    while True:  # a slot shard is short when one of its Q sequence shards is
+      short = (need() > np.asarray(self.state.free).sum(-1)).reshape(self.e.D, -1).any(-1)
       resident = [(g, grp) for g, grp in self.resident() if short[self.shard[g]]]
       counts = collections.Counter(self.shard[g] for g, _ in resident)
       resident = [(g, grp) for g, grp in resident if counts[self.shard[g]] > 1]
@@ -330,8 +333,8 @@ class Loop:
       self.released = []
 
   def room(self, pages_: np.ndarray) -> None:
-    """Grow the pool (doubling, up to every sample's whole budget) until ``pages_`` (int [D])
-    are free on each shard (a fixed pool does not grow: ``fit``)."""
+    """Grow the pool (doubling, up to every sample's whole budget) until ``pages_`` (int
+    [D·Q]) are free on each shard (a fixed pool does not grow: ``fit``)."""
     e = self.e
     if e.fixed_pool:
       return
@@ -448,17 +451,17 @@ class Loop:
     want = len(returning) + len(self.queue)
     if want > len(free) and not self.sync and e.ttl is not None:
       free += self.evict(want - len(free))
-    if e.fixed_pool:
+    if e.fixed_pool:  # free pages of each slot shard's Q sequence shards
       self.give_back()
-      left = np.asarray(self.state.free).sum(-1)
+      left = np.asarray(self.state.free).sum(-1).reshape(e.D, e.Q)
     batch = []
     for g in free:
       nxt = returning[0] if returning else (self.queue[0] if self.queue else None)
       if nxt is None:
         break
-      if e.fixed_pool:  # admit while the slot's shard holds what the group takes at once
-        need = group_pages(e, nxt)
-        if need > left[self.shard[g]] and (busy or batch):
+      if e.fixed_pool:  # admit while the slot's shards hold what the group takes at once
+        need = sum(pages.spread(n, e.Q) for n in group_pages(e, nxt))
+        if need > left[self.shard[g]].min() and (busy or batch):
           continue
         left[self.shard[g]] -= need
       if returning:
@@ -481,7 +484,7 @@ class Loop:
     if e.share_prefixes:
       rebuild, shared = slots.forks(a, rebuild)
     self.give_back()
-    self.room(self.per_shard((g, group_pages(e, grp)) for g, grp in batch))
+    self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)))
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered,
                             fresh=not busy and Bn == e.G, ctx=e.ctx)
@@ -594,8 +597,8 @@ class Loop:
     run = (reason == kv_cache.RUNNING) & active[:, None]
     if not run.any():
       return
-    self.room(pages.next_token_pages(run, length, table, e.S, e.D))
-    live = pages.live_bucket(int(length[run].max(initial=1)), e.S, e.pool_plan.NP)
+    self.room(pages.next_token_pages(run, length, table, e.S, e.D, e.Q))
+    live = live_bucket(e, int(length[run].max(initial=1)))
     self.state, ran = decode(e.cfg, self.params, self.state, e.sp, self.version,
                              jnp.int32(steps), jnp.int32(slots_done), jnp.int32(stop),
                              filtered=e.filtered, ctx=e.ctx, live=live,
@@ -608,12 +611,12 @@ class Loop:
       self.clock += int(ran)
 
   def pages_for_next_token(self) -> np.ndarray:
-    """Pages the running samples take at the next decode step, per pool shard (int [D]:
+    """Pages the running samples take at the next decode step, per pool shard (int [D·Q]:
     their fed token's entry has none)."""
     length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
                                                     self.state.active, self.state.pages))
     run = (reason == kv_cache.RUNNING) & active[:, None]
-    return pages.next_token_pages(run, length, table, self.e.S, self.e.D)
+    return pages.next_token_pages(run, length, table, self.e.S, self.e.D, self.e.Q)
 
   def turn_ends(self) -> bool:
     """Record the turns that ended on device: a single-turn sample is finished (with the
@@ -681,7 +684,7 @@ def warmup(e, params) -> int:
         state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,
                           ctx=e.ctx)
   state = kv_cache.release_slots(state, np.ones(e.G, bool), identity=identity, ctx=e.ctx)
-  live = pages.live_bucket(1, e.S, e.pool_plan.NP)
+  live = live_bucket(e, 1)
   state, _ = decode(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
                     jnp.int32(1), filtered=e.filtered, ctx=e.ctx, live=live, identity=identity)
   e.programs.add((live, e.pool_pages))
@@ -689,16 +692,23 @@ def warmup(e, params) -> int:
   return sum(kv_cache.TRACE_COUNTS.values()) - before
 
 
-def group_pages(e, grp: Group) -> int:
-  """Pages ``grp`` takes as soon as it is admitted: its samples' tokens so far (a fresh
-  sample's first token: one), an observation waiting to be appended, none for a finished
-  sample."""
-  total = 0
+def live_bucket(e, longest: int) -> int:
+  """The live-page bucket of engine ``e``'s decode for a longest response of ``longest``
+  tokens (``pages.live_bucket``), at least one entry per sequence shard (nb a multiple of
+  Q: ``decode.split_decode_attention``)."""
+  return max(pages.live_bucket(longest, e.S, e.pool_plan.NP), e.Q)
+
+
+def group_pages(e, grp: Group) -> list[int]:
+  """Pages each sample of ``grp`` takes as soon as it is admitted (its table entries from
+  the first): its tokens so far (a fresh sample's first token: one), an observation waiting
+  to be appended; none for a finished sample."""
+  out = []
   for m, t in enumerate(grp.trajs):
     if grp.status[m] != DONE:
       extra = len(grp.chunk[m]) if grp.chunk[m] is not None else 0
-      total += -(-(max(len(t.tokens), 1) + extra) // e.S)
-  return total
+      out.append(-(-(max(len(t.tokens), 1) + extra) // e.S))
+  return out
 
 
 def turn_tokens(e, grp: Group) -> int:

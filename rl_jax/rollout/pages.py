@@ -36,6 +36,14 @@ write of a decode step stays on the device that holds the slot (``by_shard``). T
 list is kept per shard (``free`` bool [D,Pl]); page ids are global, so a table means the same
 pages on one device and on D. D = 1 off a mesh.
 
+A mesh whose ``sequence`` axis (the ``kv_length`` rule) has Q > 1 devices splits each slot
+shard's pages Q ways as well (sequence-parallel rollouts): entry e of a sample's table takes
+its page from shard ``d·Q + e mod Q`` (``entry_shard``), so a long response's pages are spread
+round-robin over the Q devices and each holds 1/Q of them. The decode attends each device's
+pages where they lie (``by_sequence`` gives each device its entries, compacted, and the
+positions valid on them) and merges the Q partial softmaxes by log-sum-exp. The free list has
+D·Q rows then, shard ``d·Q + q`` at row ``d·Q + q``.
+
 On TPU the pool keeps the layout XLA:TPU gives it by default (``device_layout``): with H a
 multiple of the 128 lanes and S below them, keys [Pg,K,H,S] are laid out with H minor, as
 [Pg,K,S,H], the values' layout. The decode writes a token's K/V one [H] row per kv head
@@ -58,10 +66,12 @@ from jax.experimental.layout import Layout
 import pallas_kernels
 from rl_jax import sharding
 
-__all__ = ["POOL_AXES", "allocate", "by_shard", "contiguous", "copy_pages", "device_layout",
-           "fork", "grow", "grown_size", "h_minor", "identity_table", "in_place", "live_bucket",
+__all__ = ["POOL_AXES", "allocate", "by_sequence", "by_shard", "contiguous", "copy_pages",
+           "device_layout", "entry_shard", "fork", "grow", "grown_size", "h_minor",
+           "identity_table", "in_place", "live_bucket",
            "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
-           "per_shard", "regrown_ids", "release", "rows_need", "shard_of_slot", "slot_shards",
+           "per_shard", "regrown_ids", "release", "rows_by_sequence", "rows_from_sequence",
+           "rows_need", "spread", "shard_of_slot", "slot_shards",
            "take_entry", "usage_counters", "write", "write_rows"]
 
 
@@ -119,12 +129,21 @@ def per_shard(by_slot, D: int) -> np.ndarray:
 
 
 def next_token_pages(run: np.ndarray, length: np.ndarray, table: np.ndarray, S: int,
-                     D: int = 1) -> np.ndarray:
-  """Pages the running samples take at their next decode step, per pool shard (int [D]):
-  those whose fed token's page-table entry has no page yet. ``run`` bool [G,M] (running
-  samples), ``length`` int32 [G,M] (tokens so far), ``table`` int32 [G,M,NP] (host copies)."""
+                     D: int = 1, seq: int = 1) -> np.ndarray:
+  """Pages the running samples take at their next decode step, per pool shard (int [D·Q],
+  Q = ``seq``: ``entry_shard``): those whose fed token's page-table entry has no page yet.
+  ``run`` bool [G,M] (running samples), ``length`` int32 [G,M] (tokens so far), ``table``
+  int32 [G,M,NP] (host copies)."""
   entry = np.minimum(np.maximum(length - 1, 0) // S, table.shape[-1] - 1)
-  return per_shard(run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0), D)
+  need = run & (np.take_along_axis(table, entry[..., None], -1)[..., 0] < 0)
+  shard = slot_shards(table.shape[0], D)[:, None] * seq + entry % seq
+  return np.bincount(shard[need], minlength=D * seq).astype(np.int64)
+
+
+def spread(pages_: int, seq: int) -> int:
+  """The most of ``pages_`` consecutive table entries that one of Q = ``seq`` sequence
+  shards serves (``entry_shard``: entries go round-robin): ceil(pages / Q)."""
+  return -(-int(pages_) // seq)
 
 
 def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str, float]:
@@ -161,30 +180,42 @@ def _take(free: jax.Array, want: jax.Array, shard: jax.Array):
 
 
 def shard_of_slot(slot, G: int, D: int):
-  """The pool shard of slots ``slot`` (int array; padding slots >= G count as the last)."""
+  """The slot shard (of D) of slots ``slot`` (int array; padding slots >= G count as the
+  last)."""
   return jnp.minimum(slot, G - 1) // (G // D)
 
 
-def allocate(table: jax.Array, free: jax.Array, need: jax.Array):
+def entry_shard(slot_shard, entry, seq: int):
+  """The pool shard that serves table entry ``entry`` of a slot in slot shard ``slot_shard``
+  (int arrays, broadcast): ``d·Q + entry mod Q`` with Q = ``seq`` sequence shards (d with
+  Q = 1)."""
+  return slot_shard * seq + entry % seq
+
+
+def allocate(table: jax.Array, free: jax.Array, need: jax.Array, seq: int = 1):
   """Give a free page to every entry of ``need`` that has none.
 
   Args:
-    table: int32 [G,M,NP] page table (-1 = no page). free: bool [D,Pl] free pages per shard.
+    table: int32 [G,M,NP] page table (-1 = no page). free: bool [D·Q,Pl] free pages per shard.
     need: bool [G,M,NP] entries that must hold a page after the call.
+    seq: Q, the sequence shards of each slot shard (``entry_shard``).
   Returns:
     (table, free). Entries the pool could not serve keep -1 (callers check capacity first:
     ``entries_short``).
   """
   want = need & (table < 0)
-  G = table.shape[0]
-  ids, free = _take(free, want, shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None, None])
+  G, _, NP = table.shape
+  shard = entry_shard(shard_of_slot(jnp.arange(G), G, free.shape[0] // seq)[:, None, None],
+                      jnp.arange(NP)[None, None, :], seq)
+  ids, free = _take(free, want, shard)
   table = jnp.where(want & (ids < free.size), ids, table)
   return table.astype(jnp.int32), free
 
 
-def take_entry(table: jax.Array, free: jax.Array, take: jax.Array, entry: jax.Array):
+def take_entry(table: jax.Array, free: jax.Array, take: jax.Array, entry: jax.Array,
+               seq: int = 1):
   """One table entry per sample: a page for entry ``entry`` [G,M] of every sample where
-  ``take`` [G,M] and it has none.
+  ``take`` [G,M] and it has none (from the entry's shard: ``entry_shard`` with Q = ``seq``).
 
   Returns:
     (table, free, page int32 [G,M]: the page of that entry, -1 where none).
@@ -194,7 +225,8 @@ def take_entry(table: jax.Array, free: jax.Array, take: jax.Array, entry: jax.Ar
   at = (jnp.arange(G)[:, None], jnp.arange(M)[None, :], entry)
   page = table[at]
   want = take & (page < 0)
-  ids, free = _take(free, want, shard_of_slot(jnp.arange(G), G, free.shape[0])[:, None])
+  shard = entry_shard(shard_of_slot(jnp.arange(G), G, free.shape[0] // seq)[:, None], entry, seq)
+  ids, free = _take(free, want, shard)
   page = jnp.where(want & (ids < free.size), ids, page)
   return table.at[at].set(page), free, page
 
@@ -213,7 +245,7 @@ def release(table: jax.Array, free: jax.Array, rows: jax.Array):
 
 
 def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
-         identity: bool = False):
+         identity: bool = False, seq: int = 1):
   """Sample ``dst`` of slot ``slot`` starts as a copy of sample ``src``'s first ``cached``
   response positions (rows [F]; padding rows have slot >= G).
 
@@ -225,7 +257,8 @@ def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
   Args:
     table: int32 [G,M,NP]. free: bool [D,Pl]. slot, src, dst, cached: int32 [F] (src holds at
       least ``cached`` positions; dst's row holds no page: a freshly admitted slot).
-    S: page size.
+    S: page size. seq: Q (``entry_shard``: the copy's page is on its entry's shard, where
+      src's page of that entry is).
   Returns:
     (table, free, frm, to): frm, to int32 [F,NP] the pages to copy from and onto (Pg where
     nothing is copied).
@@ -242,7 +275,8 @@ def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
   if identity:
     frm = jnp.where((full | partial) & valid, src_pages, Pg)
     return table, free, frm, jnp.where(frm < Pg, table[g, dst], Pg)
-  ids, free = _take(free, partial & valid, shard_of_slot(slot, G, free.shape[0])[:, None])
+  shard = entry_shard(shard_of_slot(slot, G, free.shape[0] // seq)[:, None], e, seq)
+  ids, free = _take(free, partial & valid, shard)
   got = partial & valid & (ids < Pg)
   row = jnp.where(full, src_pages, jnp.where(got, ids, -1))
   table = table.at[jnp.where(valid[:, 0], slot, G), dst].set(row, mode="drop")
@@ -260,7 +294,7 @@ def copy_pages(pool: tuple, frm: jax.Array, to: jax.Array) -> tuple:
   return tuple(p.at[to].set(p[src], mode="drop") for p in pool)
 
 
-def write(pool_k, pool_v, page, offset, k, v, shards: int = 1):
+def write(pool_k, pool_v, page, offset, k, v, shards: int = 1, seq: int = 1):
   """Write token K/V onto pages: ``k``/``v`` [N,K,H] at (page [N], offset [N]).
 
   Tokens whose page is -1 (none) are dropped. Keys are stored [Pg,K,H,S], values [Pg,K,S,H].
@@ -270,17 +304,59 @@ def write(pool_k, pool_v, page, offset, k, v, shards: int = 1):
   (K and H minor), and the decode loop carried every layer's pool in that layout, copied
   into it before the loop and out of it for the paged kernel in every step. ``shards`` D:
   the N rows are slot-major over the pool's D shards (N / D rows per shard, each writing
-  only its shard's pages), and each shard writes its own pages (``by_shard``).
+  only its shard's pages), and each shard writes its own pages (``by_shard``). ``seq`` Q:
+  each slot shard's pages are split over Q sequence shards (``entry_shard``); every row goes
+  to the Q shards of its slot shard and is written by the one that holds its page.
   """
-  if shards > 1:
-    return by_shard(write, shards, (pool_k, pool_v),
-                    (local_ids(page, pool_k.shape[0] // shards), offset, k, v))
+  if shards * seq > 1:
+    T, Pl = shards * seq, pool_k.shape[0] // (shards * seq)
+    if seq > 1:
+      d = jnp.arange(page.shape[0]) // (page.shape[0] // shards)  # each row's slot shard
+      mine = page[None] // Pl == d[None] * seq + jnp.arange(seq)[:, None]  # [Q,N]
+      page = jnp.where(mine & (page[None] >= 0), page[None], -1)
+      page, offset, k, v = (rows_by_sequence(x, shards, seq) for x in
+                            (page, *(jnp.broadcast_to(y, (seq, *y.shape)) for y in (offset, k, v))))
+    return by_shard(write, T, (pool_k, pool_v), (local_ids(page, Pl), offset, k, v))
   Pg, K = pool_k.shape[:2]
   page = jnp.where(page < 0, Pg, page)[..., None]
   head, offset = jnp.arange(K), offset[..., None]
   pool_k = pool_k.at[page, head, :, offset].set(k.astype(pool_k.dtype), mode="drop")
   pool_v = pool_v.at[page, head, offset].set(v.astype(pool_v.dtype), mode="drop")
   return pool_k, pool_v
+
+
+def rows_by_sequence(x, shards: int, seq: int):
+  """[Q,N,..] (row-major over N: D slot shards of N/D rows) -> [D·Q·N/D,..], shard
+  ``d·Q + q``'s rows (its slot shard's, in sequence shard q's copy) in a block of their own
+  (``by_shard``'s order)."""
+  N = x.shape[1]
+  x = jnp.swapaxes(x.reshape(seq, shards, N // shards, *x.shape[2:]), 0, 1)
+  return x.reshape(shards * seq * (N // shards), *x.shape[3:])
+
+
+def rows_from_sequence(x, shards: int, seq: int):
+  """``rows_by_sequence``'s inverse for results: [D·Q·N/D,..] -> [Q,N,..]."""
+  n = x.shape[0] // (shards * seq)
+  x = jnp.swapaxes(x.reshape(shards, seq, n, *x.shape[1:]), 0, 1)
+  return x.reshape(seq, shards * n, *x.shape[3:])
+
+
+def by_sequence(table, start, length, S: int, seq: int):
+  """Each sequence shard's part of rows' pages (``entry_shard``): shard q holds entries q,
+  q + Q, .. of every row; read in that order they are a row of nb / Q entries whose valid
+  positions are again one range (positions below ``start`` come first, those below
+  ``length`` form a prefix), so paged attention over them is the plain one.
+
+  Args:
+    table: int32 [B,nb] (nb a multiple of Q = ``seq``). start, length: int32 [B]: positions
+      start <= j < length valid. S: page size.
+  Returns:
+    (table [Q,B,nb/Q], start [Q,B], length [Q,B]) in each shard's compacted positions.
+  """
+  B, nb = table.shape
+  entries = jnp.arange(nb).reshape(nb // seq, seq).T  # [Q,nb/Q]: entry i·Q + q
+  below = lambda n: jnp.sum(jnp.clip(n[None, :, None] - entries[:, None, :] * S, 0, S), -1)
+  return jnp.moveaxis(table.reshape(B, nb // seq, seq), 2, 0), below(start), below(length)
 
 
 def local_ids(table, Pl: int):

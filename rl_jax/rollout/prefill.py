@@ -34,7 +34,7 @@ from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
-                                     mesh_context, record)
+                                     mesh_context, record, state_shards)
 
 __all__ = ["Admission", "Resume", "admit", "admit_for", "admit_with", "grouped_attention",
            "prefill_prompts", "resume", "run_trunk"]
@@ -317,9 +317,8 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
     M, NP = state.pages.shape[1:]
     S = state.suffix_v[0].shape[2]
     count = jnp.where(res.slot < G, res.length - 1, 0)
-    table, free = pages.allocate(state.pages, state.free,
-                                 pages.rows_need(res.slot, res.sample, jnp.zeros_like(count),
-                                                 count, G, M, NP, S))
+    need = pages.rows_need(res.slot, res.sample, jnp.zeros_like(count), count, G, M, NP, S)
+    table, free = pages.allocate(state.pages, state.free, need, state_shards(state)[1])
     index = jnp.broadcast_to(j, (Br, T))
     written = [pages.write_rows(ck, cv, table, res.slot, res.sample, index, rvalid,
                                 rk[l, :, 0], rv[l, :, 0])

@@ -160,29 +160,36 @@ def check_int(name: str, value, lo: int):
 class PoolPlan(NamedTuple):
   """An engine's response pool (``pool_plan``): ``S`` tokens per page, ``NP`` = R / S
   page-table entries per sample, ``pages`` its first size, ``most`` its largest (a fixed
-  pool's size, or every sample's whole budget for a growing one) and whether it is
-  ``fixed`` (preempts when it runs out) or grows (doubling, never preempts)."""
+  pool's size, or every sample's whole budget for a growing one), whether it is ``fixed``
+  (preempts when it runs out) or grows (doubling, never preempts), and its ``sequence``
+  shards Q (``kv_cache.sequence_shards``)."""
 
   S: int
   NP: int
   pages: int
   most: int
   fixed: bool
+  sequence: int = 1
 
   def in_place(self, pool_pages: int) -> bool:
     """Whether a pool of ``pool_pages`` gets the identity page table, its pages read in
-    place (``pages.identity_table``): a growing pool at every sample's whole budget."""
-    return not self.fixed and pool_pages == self.most
+    place (``pages.identity_table``): a growing pool at every sample's whole budget, not
+    split over sequence shards (there a sample's pages go round-robin)."""
+    return not self.fixed and pool_pages == self.most and self.sequence == 1
 
 
 def pool_plan(cfg: ModelConfig, *, G: int, M: int, R: int, page_size: int, kv_pages,
-              kv_memory_fraction, devices, budget: str, shards: int = 1) -> PoolPlan:
+              kv_memory_fraction, devices, budget: str, shards: int = 1,
+              sequence: int = 1) -> PoolPlan:
   """The response pool of an engine of G slots x M samples with an R-token response cache:
   pages of ``page_size`` tokens (a power of two; at most R), fixed (``kv_pages`` per device,
   or ``kv_memory_fraction`` of the devices' free memory: ``fixed_pool_pages``) or growing
   from room for 256 tokens per sample. ``budget`` names the response budget in errors. The
-  plan's page counts are the whole pool's: ``shards`` (``kv_cache.pool_shards``) devices
-  hold one shard each, so a fixed pool has ``shards`` x the pages per device.
+  plan's page counts are the whole pool's: its ``shards`` (``kv_cache.pool_shards``) x Q
+  devices hold one shard each, so a fixed pool has ``shards`` x Q x the pages per device.
+  Q is ``sequence`` (the devices of the mesh's sequence axes) when it divides the NP
+  entries of a sample's table, else 1 (``kv_cache.sequence_shards``); with Q > 1 a
+  sample's entries go round-robin over Q devices, so one group needs M·NP/Q pages of each.
 
   Raises:
     RolloutError: one line, for a page size that is not a power of two, a value out of
@@ -191,12 +198,15 @@ def pool_plan(cfg: ModelConfig, *, G: int, M: int, R: int, page_size: int, kv_pa
   check_power_of_two("page_size", page_size)
   S = min(int(page_size), R)
   NP = R // S
+  sequence = sequence if NP % sequence == 0 else 1
+  shards *= sequence
   whole = G * M * NP
-  fixed = fixed_pool_pages(cfg, kv_pages, kv_memory_fraction, devices, M=M, NP=NP, S=S,
-                           whole=whole // shards, budget=budget)
+  fixed = fixed_pool_pages(cfg, kv_pages, kv_memory_fraction, devices, M=M, NP=NP // sequence,
+                           S=S, whole=whole // shards, budget=budget)
   if fixed is not None:
-    return PoolPlan(S, NP, fixed * shards, fixed * shards, True)
-  return PoolPlan(S, NP, min(whole, G * M * pages.pages_needed(min(R, 256), S)), whole, False)
+    return PoolPlan(S, NP, fixed * shards, fixed * shards, True, sequence)
+  return PoolPlan(S, NP, min(whole, G * M * pages.pages_needed(min(R, 256), S)), whole, False,
+                  sequence)
 
 
 def fixed_pool_pages(cfg: ModelConfig, kv_pages, kv_memory_fraction, devices, *, M: int,

@@ -372,8 +372,9 @@ def _sampler_copy_bytes(s, params) -> int:
 
 def pool_page_bytes(s, page_size: int) -> int:
   """Bytes of one response-pool page on a device of the sampler's mesh that holds it: the
-  pool's pages are split over the batch axes with the slots (``kv_cache.pool_shards``), a
-  page's kv heads over ``tensor`` (when they divide)."""
+  pool's pages are split over the batch axes with the slots (``kv_cache.pool_shards``) and
+  over the sequence axis (``kv_cache.sequence_shards``), a page's kv heads over ``tensor``
+  (when they divide)."""
   tensor = s.sampler_mesh.shape.get("tensor", 1)
   heads = tensor if s.model_cfg.num_kv_heads % tensor == 0 else 1
   return math.ceil(kv_cache.pool_bytes(s.model_cfg, 1, page_size) / heads)
@@ -390,10 +391,10 @@ def kv_pool(t: TrainParts) -> dict[str, int]:
   mesh = s.sampler_mesh.shape
   split = math.prod(mesh[a] for a in ("data", "fsdp") if a in mesh)
   prompts = rollout.kv_cache_bytes(engine.cfg, engine.G, engine.M, engine.P, 0)
-  pages = engine.pool_pages
+  pages, shards = engine.pool_pages, engine.D * engine.Q
   return dict(prompts=math.ceil(prompts / max(1, min(split, engine.G))),
-              pool=pages // engine.D * pool_page_bytes(s, engine.S), pages=pages,
-              shards=engine.D, page_size=engine.S, tokens=pages * engine.S,
+              pool=pages // shards * pool_page_bytes(s, engine.S), pages=pages,
+              shards=shards, page_size=engine.S, tokens=pages * engine.S,
               max_pages=engine.max_pool_pages)
 
 

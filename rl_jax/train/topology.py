@@ -469,14 +469,15 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
     t = t._replace(setup=dataclasses.replace(t.setup, sampler_mesh=mesh))
   engine, groups = memory.sampler_engine(t, None)
   NP = engine.R // engine.S  # pages of one sample's whole budget
+  shards = engine.D * engine.Q  # a chip holds one shard of the pool
   if kv_fraction is not None and not t.setup.rollout.kv_pages:
     fit = int(kv_fraction * max(free, 0) // kv_cache.pool_bytes(engine.cfg, 1, engine.S))
-    if fit < engine.M * NP:
+    if fit < engine.M * NP // engine.Q:
       raise TopologyPlanError(
           f"rollout.kv_memory_fraction={kv_fraction} of the {free / GiB:.2f} GiB per chip the "
           f"state leaves free holds {fit} pages of {engine.S} tokens; one group needs "
-          f"{engine.M * NP}")
-    engine, groups = memory.sampler_engine(t, min(fit, engine.max_pool_pages // engine.D))
+          f"{engine.M * NP // engine.Q}")
+    engine, groups = memory.sampler_engine(t, min(fit, engine.max_pool_pages // shards))
   mesh, _ = engine.ctx
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params = _sampler_params(t, rl_state, engine)
@@ -535,7 +536,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                                   f"{NP} live pages"}
   kv = dict(pages=pool, max_pages=engine.max_pool_pages, page_size=engine.S,
             page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool,
-            slots=G, shards=engine.D)
+            slots=G, shards=shards)
   return programs, kv
 
 
