@@ -159,6 +159,10 @@ SLOW_TESTS = (
     # forks, a growing pool and a short budget on meshes; the fixed pool that preempts on
     # both meshes: test_paged_on_8_devices_equals_1, test_paged_on_a_sequence_mesh_equals_1
     "test_paged_kv.py::test_forks_growing_pools_and_short_budgets_on_meshes",
+    # the sequence-pool script end to end; its decode on a sequence axis, compiled for TPU:
+    # test_paged_decode_over_a_sequence_axis_compiles_with_mosaic
+    "test_tpu_compile.py::"
+    "test_sequence_pool_script_splits_one_groups_pool_over_the_sequence_chips",
     "test_serve_train.py::"
     "test_a_failing_agent_fails_its_episodes_not_the_run[crashing_agent-agent_errors]",
     # engines and runs on a mesh beside a faster check of the same: the multi-turn engine on

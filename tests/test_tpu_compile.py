@@ -403,3 +403,37 @@ def test_paged_decode_over_a_sequence_axis_compiles_with_mosaic():
   moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|"
                      r"collective-permute|reduce-scatter)", hlo)
   assert all(math.prod(int(d) for d in dims.split(",") if d) < share for dims in moved), moved
+
+
+def test_sequence_pool_script_splits_one_groups_pool_over_the_sequence_chips():
+  """scripts/tpu_sequence_pool.py on a small model for v5e:2x2: one group's pool cannot be
+  split over fsdp=4 (one slot), so every chip holds all of it; over sequence=4 a chip holds a
+  quarter, and the decode's collectives shrink to the merge of the partial softmaxes. With
+  the weights replicated over sequence=4, the decode re-reads each layer's weights from its
+  stack in the loop (``transformer._sharded_stacks`` on an accelerator): the temporaries
+  grow by less than a quarter of a layer's weights per layer (before, each layer's slice
+  was a copy held for the whole decode: a layer's weights per layer)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  from rl_jax import models  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      "tpu_sequence_pool", os.path.join(ROOT, "scripts", "tpu_sequence_pool.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  # layers of Qwen3-1.7B's width (smaller weights would sit in the chips' VMEM)
+  cfg = models.ModelConfig(vocab_size=256, hidden_size=2048, intermediate_size=4096,
+                           num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
+                           max_position_embeddings=2048, dtype="bfloat16",
+                           param_dtype="bfloat16", prefix_attention="kernel")
+  devices = topology.topology_devices("v5e:2x2")
+  measure = lambda c, m: script.measure(c, devices, script.parse_mesh(m), 1, 4, 128, 1024, 64,
+                                        1024)
+  rows = [measure(cfg, m) for m in ("fsdp=4", "sequence=4")]
+  whole = 2 * cfg.num_layers * 4 * 1024 * cfg.num_kv_heads * cfg.head_dim * 2 / (1 << 30)
+  assert rows[0]["pool_gib"] == pytest.approx(whole)
+  assert rows[1]["pool_gib"] == pytest.approx(whole / 4)
+  assert all(r["kernels"] == "paged_decode_attention" for r in rows), rows
+  assert rows[1]["collective_mib"] < rows[0]["collective_mib"]
+  four = measure(dataclasses.replace(cfg, num_layers=4), "sequence=4")
+  layer = (2048 * 6144 + 3 * 2048 * 4096) * 2 / (1 << 30)  # one layer's weights, bf16
+  assert (four["temporaries_gib"] - rows[1]["temporaries_gib"]) / 2 < 0.25 * layer, (
+      four, rows[1], layer)

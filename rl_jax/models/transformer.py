@@ -781,7 +781,12 @@ def _sharded_stacks(cfg: ModelConfig, stack: Params) -> list | None:
   LoRA of Qwen3-32B on 8 v5e chips: 0.78 GiB more temporaries per layer).
   ``_reread_frozen`` reads each from its stack at an index computed from the layer's input
   instead, so a layer's weights are gathered once the layer before has run (the index
-  costs a scalar all-reduce per layer: the element of ``x`` it reads is on one device)."""
+  costs a scalar all-reduce per layer: the element of ``x`` it reads is on one device).
+
+  In a program compiled for TPU or GPU every leaf is re-read, replicated ones too: there
+  each layer's slice of a replicated stack was a copy made before the loop and held through
+  it (a copy of every layer's weights: 2.7 GiB per chip for Qwen3-1.7B's decode on a mesh of
+  ``sequence`` alone; ``scripts/tpu_sequence_pool.py``)."""
   active = sharding.active()
   if active is None or active[0].size == 1:
     return None
@@ -798,7 +803,9 @@ def _sharded_stacks(cfg: ModelConfig, stack: Params) -> list | None:
   except (KeyError, TypeError, ValueError):  # not the tree of cfg's layers: left as they are
     return None
   specs = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-  out = [a if any(p is not None for p in s.spec[1:]) else None
+  # on an accelerator a replicated stack's layer slices would be held as copies too
+  every = pallas_kernels.current_platform() != "cpu"
+  out = [a if every or any(p is not None for p in s.spec[1:]) else None
          for a, s in zip(jax.tree.leaves(stack), specs)]
   return out if any(a is not None for a in out) else None
 
