@@ -159,6 +159,29 @@ SLOW_TESTS = (
     # forks, a growing pool and a short budget on meshes; the fixed pool that preempts on
     # both meshes: test_paged_on_8_devices_equals_1, test_paged_on_a_sequence_mesh_equals_1
     "test_paged_kv.py::test_forks_growing_pools_and_short_budgets_on_meshes",
+    "test_paged_kv.py::test_paged_on_a_sequence_mesh_equals_1",
+    # cases of parametrized end-to-end checks whose other cases run the same code: the
+    # micro-batched update (its grpo, ppo and lora cases stay), a prefix's forks (page sizes),
+    # the own-pass update (its other objectives), the multi-turn fixed pool (lockstep case),
+    # the GPU lowering of the decode (its TPU case; the TPU compile of the same program)
+    "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[dapo-entropy]",
+    "test_micro_batches.py::test_micro_batched_update_equals_the_whole_minibatch[vcpo]",
+    "test_micro_batches.py::"
+    "test_micro_batched_update_equals_the_whole_minibatch[grpo-kl-offloaded-reference]",
+    "test_paged_kv.py::test_samples_continuing_one_prefix_fork_it_and_sample_as_if_prefilled[2-48]",
+    "test_on_policy.py::test_own_pass_update_equals_separate_pass_update[m2po]",
+    "test_agent_rollout.py::test_a_fixed_pool_preempts_and_resumes_by_recompute[False]",
+    "test_kernel_lowering.py::test_sampler_decode_program_lowers_with_the_paged_kernel[cuda]",
+    # end-to-end runs whose parts have faster tests in the same file: the group-size
+    # allocation (its allocation tests), an objective registered outside rl_jax (the
+    # registry and every-preset tests), a supervised stage's checkpoints with KL (the rerun
+    # and resume tests), a task file beside the config (the resolver and gymnasium tests),
+    # the temporaries in blocks (the option's choice per device; the CPU options' values)
+    "test_group_size.py::test_allocation_changes_without_recompiling",
+    "test_train_objectives.py::test_estimator_registered_outside_rl_jax_trains_end_to_end",
+    "test_train.py::test_kl_run_checkpoints_during_the_supervised_stage",
+    "test_env_import.py::test_a_task_from_a_file_beside_the_config_trains",
+    "test_compile_options.py::test_temp_blocks_split_the_temporaries_to_bit_identical_values",
     # the sequence-pool script end to end; its decode on a sequence axis, compiled for TPU:
     # test_paged_decode_over_a_sequence_axis_compiles_with_mosaic
     "test_tpu_compile.py::"
