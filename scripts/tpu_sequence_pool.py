@@ -49,12 +49,12 @@ def parse_mesh(text: str) -> dict[str, int]:
   return out
 
 
-def measure(cfg, devices, shape: dict[str, int], G: int, M: int, P: int, R: int, S: int,
-            live: int) -> dict:
-  """One decode call compiled on ``shape`` over ``devices``: the per-chip figures."""
-  mesh = sharding.make_mesh(shape, devices)
+def compile_decode(cfg, mesh, G: int, M: int, P: int, R: int, S: int, pages: int,
+                   live: int):
+  """``rollout.sampler.decode`` of ``cfg`` compiled on ``mesh`` (rules ``fsdp_tp``) from
+  abstract weights and an abstract state of G slots x M samples (prompt P, response R in
+  pages of S, a pool of ``pages``), reading ``live`` pages. Returns (compiled, state)."""
   ctx = (mesh, sharding.get_rules("fsdp_tp"))
-  pages = G * M * (R // S)  # every sample's whole budget
   init = rollout.kv_cache.init_state.lower(cfg, G, M, P, R, ctx, S=S, pages=pages).compile()
   abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
   state = jax.tree.map(lambda x: abstract(x, x.sharding), init.out_info)
@@ -65,10 +65,18 @@ def measure(cfg, devices, shape: dict[str, int], G: int, M: int, P: int, R: int,
   sp = rollout.records.sampling_params(cfg, 1.0, 0, 1.0, [0], None)[0]
   sp = jax.tree.map(lambda x: abstract(np.asarray(x), rep), sp)
   i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-  t0 = time.perf_counter()
   compiled = rollout.sampler.decode.lower(cfg, params, state, sp, i32, i32, i32, i32,
-                                          filtered=False, ctx=ctx,
-                                          live=min(R // S, live // S)).compile()
+                                          filtered=False, ctx=ctx, live=live).compile()
+  return compiled, state
+
+
+def measure(cfg, devices, shape: dict[str, int], G: int, M: int, P: int, R: int, S: int,
+            live: int) -> dict:
+  """One decode call compiled on ``shape`` over ``devices``, a pool of every sample's whole
+  budget, every sample's first ``live`` tokens read: the per-chip figures."""
+  t0 = time.perf_counter()
+  compiled, state = compile_decode(cfg, sharding.make_mesh(shape, devices), G, M, P, R, S,
+                                   G * M * (R // S), min(R // S, live // S))
   seconds = time.perf_counter() - t0
   mem, cost = compiled.memory_analysis(), topology.program_cost(compiled)
   pool = state.suffix_k[0]

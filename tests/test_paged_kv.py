@@ -187,6 +187,28 @@ def test_cost_follows_the_tokens_not_the_budget():
   assert long.stats["kv_bytes_replicated"] > 10 * long.stats["kv_bytes"]
 
 
+def _plain_attention(q, pk, pv, plen, pool_k, pool_v, table, start, length):
+  """float64 softmax attention of each sample's query heads q [G,M,N,H] over its prompt's
+  first ``plen`` [G] keys (pk [G,K,H,P], pv [G,K,P,H]) and its response positions
+  start <= j < length ([G,M]), rebuilt position by position from the pool through
+  ``table`` [G,M,NP] (pages of S = pool_v.shape[2])."""
+  G, M, N, H = q.shape
+  K, S = pk.shape[1], pool_v.shape[2]
+  want = np.zeros((G, M, N, H))
+  for g in range(G):
+    for m in range(M):
+      pos = range(start[g, m], length[g, m])
+      for n in range(N):
+        kv = n // (N // K)
+        keys = np.concatenate([pk[g, kv, :, :plen[g]].T,
+                               [pool_k[table[g, m, j // S], kv, :, j % S] for j in pos]])
+        vals = np.concatenate([pv[g, kv, :plen[g]],
+                               [pool_v[table[g, m, j // S], kv, j % S] for j in pos]])
+        w = scipy.special.softmax(keys @ q[g, m, n] / np.sqrt(H))
+        want[g, m, n] = w @ vals
+  return want
+
+
 def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_attention():
   """The decode query over page-major live pages (``pages.live_pages`` of a shuffled table,
   and ``pages.in_place`` of the identity table; one pool, or two shards each read by its own
@@ -219,18 +241,7 @@ def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_atten
     got = rollout.sampler.paged_decode_attention(
         f32(q), f32(pk), f32(pv), jnp.asarray(np.arange(P)[None, :] < plen[:, None]),
         *live, jnp.asarray(svalid))
-    want = np.zeros((G, M, N, H))
-    for g in range(G):
-      for m in range(M):
-        pos = range(slen[g, m])
-        for n in range(N):
-          kv = n // (N // K)
-          keys = np.concatenate([pk[g, kv, :, :plen[g]].T,
-                                 [pool_k[table[g, m, j // S], kv, :, j % S] for j in pos]])
-          vals = np.concatenate([pv[g, kv, :plen[g]],
-                                 [pool_v[table[g, m, j // S], kv, j % S] for j in pos]])
-          w = scipy.special.softmax(keys @ q[g, m, n] / np.sqrt(H))
-          want[g, m, n] = w @ vals
+    want = _plain_attention(q, pk, pv, plen, pool_k, pool_v, table, np.zeros_like(slen), slen)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -276,18 +287,7 @@ def test_a_pool_split_over_sequence_shards_attends_as_plain_attention(on_mesh, m
       got = attend(*args)
   else:
     got = attend(*args)
-  want = np.zeros((G, Mm, N, H))
-  for g in range(G):
-    for m in range(Mm):
-      pos = range(start[g, m], length[g, m])
-      for n in range(N):
-        kv = n // (N // K)
-        keys = np.concatenate([pk[g, kv, :, :plen[g]].T,
-                               [pool_k[table[g, m, j // S], kv, :, j % S] for j in pos]])
-        vals = np.concatenate([pv[g, kv, :plen[g]],
-                               [pool_v[table[g, m, j // S], kv, j % S] for j in pos]])
-        w = scipy.special.softmax(keys @ q[g, m, n] / np.sqrt(H))
-        want[g, m, n] = w @ vals
+  want = _plain_attention(q, pk, pv, plen, pool_k, pool_v, table, start, length)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -368,36 +368,33 @@ def test_moe_decode_layer_moves_tokens_not_experts_on_tpu():
         assert math.prod(int(n) for n in dims.split(",") if n) < one_chip, ops
 
 
+def _sequence_pool_script():
+  """scripts/tpu_sequence_pool.py as a module."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      "tpu_sequence_pool", os.path.join(ROOT, "scripts", "tpu_sequence_pool.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  return script
+
+
 def test_paged_decode_over_a_sequence_axis_compiles_with_mosaic():
   """The sampler's decode on v5e:2x2 as fsdp 2 x sequence 2, the pool's pages split over both
   (``kv_cache.sequence_shards``: a sample's entries round-robin over the sequence chips):
   Mosaic compiles the paged kernel (one call per layer, each chip on its own pages under
   ``shard_map``), a chip holds a quarter of the pool, and no collective moves as much as
   one chip's share of a layer's pool."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from rl_jax import models, rollout  # pylint: disable=import-outside-toplevel
+  from rl_jax import models  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh({"fsdp": 2, "sequence": 2}, topology.topology_devices("v5e:2x2"))
-  ctx = (mesh, sharding.get_rules("fsdp_tp"))
   cfg = models.ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
                            max_position_embeddings=1024, dtype="bfloat16",
                            prefix_attention="kernel")
-  G, M, P, R, S, Pg = 8, 3, 128, 256, 16, 8 * 64
-  init = rollout.kv_cache.init_state.lower(cfg, G, M, P, R, ctx, S=S, pages=Pg).compile()
-  abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  state = jax.tree.map(lambda x: abstract(x, x.sharding), init.out_info)
+  Pg = 8 * 64
+  compiled, state = _sequence_pool_script().compile_decode(cfg, mesh, 8, 3, 128, 256, 16, Pg, 8)
   pool = state.suffix_k[0]
   assert pool.sharding.shard_shape(pool.shape)[0] == Pg // 4
-  params = jax.tree.map(abstract, jax.eval_shape(lambda: models.init_params(cfg,
-                                                                           jax.random.key(0))),
-                        models.param_shardings(cfg, mesh, ctx[1]))
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  sp = rollout.records.sampling_params(cfg, 1.0, 0, 1.0, [1], None)[0]
-  sp = jax.tree.map(lambda x: abstract(np.asarray(x), rep), sp)
-  i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-  hlo = rollout.sampler.decode.lower(cfg, params, state, sp, i32, i32, i32, i32,
-                                     filtered=False, ctx=ctx, live=8).compile().as_text()
+  hlo = compiled.as_text()
   assert hlo.count("tpu_custom_call") == cfg.num_layers
   share = math.prod(pool.sharding.shard_shape(pool.shape))
   moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|"
@@ -413,12 +410,8 @@ def test_sequence_pool_script_splits_one_groups_pool_over_the_sequence_chips():
   stack in the loop (``transformer._sharded_stacks`` on an accelerator): the temporaries
   grow by less than a quarter of a layer's weights per layer (before, each layer's slice
   was a copy held for the whole decode: a layer's weights per layer)."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
   from rl_jax import models  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location(
-      "tpu_sequence_pool", os.path.join(ROOT, "scripts", "tpu_sequence_pool.py"))
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
+  script = _sequence_pool_script()
   # layers of Qwen3-1.7B's width (smaller weights would sit in the chips' VMEM)
   cfg = models.ModelConfig(vocab_size=256, hidden_size=2048, intermediate_size=4096,
                            num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
