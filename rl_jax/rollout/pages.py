@@ -70,7 +70,7 @@ __all__ = ["POOL_AXES", "allocate", "by_sequence", "by_shard", "contiguous", "co
            "device_layout", "entry_shard", "fork", "grow", "grown_size", "h_minor",
            "identity_table", "in_place", "live_bucket",
            "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
-           "per_shard", "regrown_ids", "release", "rows_by_sequence", "rows_from_sequence",
+           "regrown_ids", "release", "rows_by_sequence", "rows_from_sequence",
            "rows_need", "spread", "shard_of_slot", "slot_shards",
            "take_entry", "usage_counters", "write", "write_rows"]
 
@@ -119,13 +119,6 @@ def grown_size(size: int, free, want, most: int) -> int:
 def slot_shards(G: int, D: int) -> np.ndarray:
   """int [G]: the pool shard of each slot (slots ``d·G/D .. (d+1)·G/D - 1`` on shard d)."""
   return np.arange(G) // (G // D)
-
-
-def per_shard(by_slot, D: int) -> np.ndarray:
-  """int64 [D]: the sums of ``by_slot`` [G, ...] over each shard's slots."""
-  by_slot = np.asarray(by_slot)
-  G = by_slot.shape[0]
-  return by_slot.reshape(D, G // D, -1).sum(axis=(1, 2)).astype(np.int64)
 
 
 def next_token_pages(run: np.ndarray, length: np.ndarray, table: np.ndarray, S: int,
