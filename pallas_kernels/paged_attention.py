@@ -38,17 +38,19 @@ Implementations (``platform``; None follows ``shared_prefix_attention.current_pl
          of the pages outside the live range repeat a live page's block, so no copy is issued
          for them.
   "gpu"  Triton: grid (B, K); each program loops (``lax.fori_loop``) over the row's live
-         pages, loading page ``table[b,p]`` from the pool by dynamic indexing and keeping the
-         online softmax in registers.
+         key blocks, loading block c of page ``table[b,p]`` from the pool by dynamic
+         indexing and keeping the online softmax in registers. A block is 64 keys, or the
+         whole page where pages are shorter (``gpu_key_block``), so the tiles do not grow
+         with the page size and any page size of 64 or more gives the same bits.
   "cpu"  the jnp reference (``paged_decode_reference``), or with ``interpret=True`` the TPU
          kernel in the Pallas interpreter.
 
 Limits. TPU: blocks are whole [J,H], [H,S] and [S,H] tiles (the arrays' own last two dims),
 so any J, H and S are legal block shapes; the table (B·nb int32, flattened) with start and
 length is held in SMEM, which bounds B·nb; an entry of -1 inside a row's live range is
-skipped but still copies page 0. GPU: H and S must be powers of two; with H, S >= 16 the
-products are dots with J padded to a power of two >= 16 (Triton's smallest dot), below that
-broadcast products summed over [J,H,S] (small tiles only). Scores and softmax are float32;
+skipped but still copies page 0. GPU: H and S must be powers of two; with H and the key
+block Sb >= 16 the products are dots with J padded to a power of two >= 16 (Triton's
+smallest dot), below that broadcast products summed over [J,H,Sb] (small tiles only). Scores and softmax are float32;
 16-bit pages are multiplied natively (probabilities rounded to the values' dtype for p·V),
 float32 ones at ``jax_default_matmul_precision``: the online softmax and its products are
 the shared-prefix kernels' (``_tiles``).
@@ -78,6 +80,7 @@ __all__ = ["paged_decode_attention", "paged_decode_reference"]
 PLATFORMS = ("tpu", "gpu", "cuda", "rocm", "cpu")
 _LANES = 128
 _GPU_DOT_MIN = 16  # Triton's dot: every side at least 16
+_GPU_KEY_BLOCK = 64  # keys the GPU kernel reads per loop step (pages of more are split)
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,46 +315,59 @@ def _tpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpre
 
 
 def _gpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                scale, dtype, use_dot):
+                scale, dtype, use_dot, block):
   j_, h_ = q_ref.shape
   nb, s_ = table_ref.shape[0], k_ref.shape[-1]
+  sub = s_ // block  # key blocks per page
   start, length = start_ref[...], length_ref[...]
   q = q_ref[...].astype(dtype)
 
   if use_dot:
-    qk = lambda k: _tiles.matmul(q, k)  # [J,H] @ [H,S]
+    qk = lambda k: _tiles.matmul(q, k)  # [J,H] @ [H,Sb]
     pv = None  # the matmul
   else:  # too small for a dot: broadcast products summed
     qf = q.astype(jnp.float32)
     qk = lambda k: jnp.sum(qf[:, :, None] * k.astype(jnp.float32)[None, :, :], axis=1)
     pv = lambda e, v: jnp.sum(e[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
 
-  def step(p, carry):
-    page = table_ref[p]
-    k = k_ref[jnp.maximum(page, 0)].astype(dtype)  # [H,S]
-    v = v_ref[jnp.maximum(page, 0)].astype(dtype)  # [S,H]
+  def step(i, carry):  # key block i: positions i·Sb .. i·Sb+Sb-1 (part i % sub of entry i // sub)
+    page = table_ref[i // sub]
+    at, cols = jnp.maximum(page, 0), pl.ds((i % sub) * block, block)
+    k = k_ref[at, :, cols].astype(dtype)  # [H,Sb]
+    v = v_ref[at, cols, :].astype(dtype)  # [Sb,H]
     s = qk(k) * scale
-    pos = p * s_ + lax.broadcasted_iota(jnp.int32, (j_, s_), 1)
+    pos = i * block + lax.broadcasted_iota(jnp.int32, (j_, block), 1)
     mask = (pos >= start) & (pos < length) & (page >= 0)
     return _tiles.online_softmax_step(*carry, s, mask, v, pv)
 
-  first = lax.div(jnp.maximum(start, 0), s_)
-  end = jnp.minimum(lax.div(jnp.maximum(length, 0) + s_ - 1, s_), nb)
+  first = lax.div(jnp.maximum(start, 0), block)
+  end = jnp.minimum(lax.div(jnp.maximum(length, 0) + block - 1, block), nb * sub)
   m, l, acc = lax.fori_loop(first, jnp.maximum(end, first), step, _tiles.init_carry(j_, h_))
   out, lse = _tiles.finalize(m, l, acc)
   o_ref[...] = out
   lse_ref[...] = lse[:, 0]
 
 
+def gpu_key_block(s: int) -> int:
+  """Keys the Triton kernel reads per loop step: ``_GPU_KEY_BLOCK`` (64) positions, or the
+  whole page when it is shorter. A long page (one worst-case page per sample, say) is read
+  in parts, so the program's tiles do not grow with the page size, and the online softmax
+  folds the same blocks in the same order for any page size of at least 64: the result does
+  not depend on how the response is paged."""
+  return min(s, _GPU_KEY_BLOCK)
+
+
 def _pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _gpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block"))
+def _gpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret,
+                   block=None):
   b_, k_, j_, h_ = q.shape
   pg, nb, s_ = k_pages.shape[0], table.shape[1], k_pages.shape[-1]
-  use_dot = min(h_, s_) >= _GPU_DOT_MIN
+  block = gpu_key_block(s_) if block is None else block
+  use_dot = min(h_, block) >= _GPU_DOT_MIN
   # Triton tiles have power-of-two sides and a dot at least 16 rows: pad the query heads
   # (H and S are powers of two already).
   jp = max(_pow2(j_), _GPU_DOT_MIN) if use_dot else _pow2(j_)
@@ -362,7 +378,7 @@ def _gpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpre
   qo_spec = pl.BlockSpec((None, None, jp, h_), lambda b, h: (b, h, 0, 0))
   out, lse = pl.pallas_call(
       functools.partial(_gpu_kernel, scale=scale, dtype=_compute_dtype(q, k_pages, v_pages),
-                        use_dot=use_dot),
+                        use_dot=use_dot, block=block),
       grid=(b_, k_),
       in_specs=[pl.BlockSpec((None, nbp), lambda b, h: (b, 0)),
                 pl.BlockSpec((None,), row), pl.BlockSpec((None,), row), qo_spec,

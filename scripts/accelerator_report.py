@@ -13,7 +13,13 @@ quickstart wall time.
    median step time, as a fraction of the device's peak (table below).
 3. Decode: the bytes one decode step reads (weights + KV cache) over its time (slope between
    two generation lengths: prefill cancels), as a fraction of the device's HBM bandwidth.
-4. The quickstart command's wall time into a fresh workdir (a subprocess; compiles included).
+4. Paged decode attention: the Pallas paged kernel (``pallas_kernels.paged_decode_attention``,
+   Triton on a GPU, Mosaic on a TPU) against its jnp reference (which gathers every row's
+   pages), bf16 pools with random lengths and shuffled page tables, including one page per
+   row of 8192 tokens (the worst-case slot layout): max abs difference of the output and the
+   log-sum-exp, median ms of each, and the live K/V bytes the kernel must read over its time
+   as a fraction of the HBM bandwidth.
+5. The quickstart command's wall time into a fresh workdir (a subprocess; compiles included).
 
 On a GPU or TPU it runs the full sizes. Without one (CPU) it runs every check in a reduced
 mode — toy sizes, the kernel in the Pallas interpreter, a 2-step quickstart — so a test or a
@@ -24,6 +30,7 @@ Usage::
 
     python scripts/accelerator_report.py [--out rows.md]        # on the accelerator host
     python scripts/accelerator_report.py --reduced --skip-quickstart   # CPU smoke run
+    python scripts/accelerator_report.py --sections paged,decode        # some sections only
 """
 
 from __future__ import annotations
@@ -58,6 +65,10 @@ PEAKS = {
     "TPU v4": (275e12, 1.2e12), "TPU v5 lite": (197e12, 0.82e12), "TPU v5e": (197e12, 0.82e12),
     "TPU v5p": (459e12, 2.76e12), "TPU v5": (459e12, 2.76e12), "TPU v6": (918e12, 1.64e12),
 }
+# (rows B, kv heads K, query heads per kv head J, head dim H, page size S, longest length)
+PAGED_SIZES = {"full": [(64, 8, 4, 128, 64, 2048), (64, 8, 4, 128, 64, 8192),
+                        (16, 8, 4, 128, 8192, 8192)],
+               "reduced": [(3, 2, 2, 16, 16, 40), (2, 1, 2, 16, 64, 64)]}
 KERNEL_SIZES = {"full": [(16, 1024, 256), (16, 2048, 512), (32, 4096, 512)],
                 "reduced": [(2, 8, 4), (3, 16, 8), (4, 32, 8)]}
 
@@ -106,6 +117,49 @@ def kernel_rows(reduced: bool, repeats: int, sizes=None) -> list[dict]:
     ms = {k: _median_ms(lambda fn=fn: fn(args, w), repeats) for k, fn in grads.items()}
     rows.append(dict(n=n, p=p, r=r, fwd_diff=fwd, grad_diff=bwd, ms=ms,
                      dtype=jnp.dtype(dtype).name))
+  return rows
+
+
+def _paged_inputs(b, k, j, h, s, longest, dtype, seed=0):
+  """q [B,K,J,H], pools [Pg,K,H,S] / [Pg,K,S,H] of exactly the pages the rows need, a
+  shuffled table [B,nb], start 0 and lengths uniform in [longest/8, longest]."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(max(longest // 8, 1), longest + 1, b)
+  need = -(-lengths // s)
+  nb, pg = int(-(-longest // s)), int(need.sum())
+  table = np.full((b, nb), -1, np.int32)
+  ids = rng.permutation(pg)
+  at = np.concatenate([[0], np.cumsum(need)])
+  for r in range(b):
+    table[r, :need[r]] = ids[at[r]:at[r + 1]]
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, k, j, h), dtype)
+  pk = jax.random.normal(keys[1], (pg, k, h, s), dtype)
+  pv = jax.random.normal(keys[2], (pg, k, s, h), dtype)
+  return (q, pk, pv, jnp.asarray(table), jnp.zeros(b, jnp.int32),
+          jnp.asarray(lengths, jnp.int32)), int(lengths.sum())
+
+
+def paged_rows(reduced: bool, repeats: int, peak_bw: float | None) -> list[dict]:
+  """The paged decode kernel vs its jnp reference: max differences, ms, live bytes/s."""
+  interpret = jax.default_backend() == "cpu"
+  dtype = jnp.float32 if reduced else jnp.bfloat16
+  rows = []
+  for b, k, j, h, s, longest in PAGED_SIZES["reduced" if reduced else "full"]:
+    args, tokens = _paged_inputs(b, k, j, h, s, longest, dtype)
+    scale = h ** -0.5
+    kernel = jax.jit(lambda *a: pallas_kernels.paged_decode_attention(
+        *a, scale=scale, interpret=interpret))
+    reference = jax.jit(lambda *a: pallas_kernels.paged_decode_reference(*a, scale=scale))
+    (o, lse), (eo, else_) = kernel(*args), reference(*args)
+    ms = {"kernel": _median_ms(lambda: kernel(*args), repeats),
+          "reference": _median_ms(lambda: reference(*args), repeats)}
+    live = 2 * tokens * k * h * jnp.dtype(dtype).itemsize  # keys + values of valid positions
+    rows.append(dict(b=b, k=k, j=j, h=h, s=s, longest=longest, dtype=jnp.dtype(dtype).name,
+                     out_diff=float(jnp.max(jnp.abs(o - eo))),
+                     lse_diff=float(jnp.max(jnp.abs(lse - else_))), ms=ms, live=live,
+                     achieved=live / (ms["kernel"] / 1e3),
+                     fraction=None if peak_bw is None else live / (ms["kernel"] / 1e3) / peak_bw))
   return rows
 
 
@@ -216,6 +270,8 @@ def main(argv=None) -> dict:
                   help="toy sizes (automatic without a GPU/TPU)")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--skip-quickstart", action="store_true")
+  ap.add_argument("--sections", default="kernel,update,decode,paged,quickstart",
+                  help="comma-separated sections to run, in the report's order")
   ap.add_argument("--out", default=None, help="also write the rows to this markdown file")
   ap.add_argument("--flops-worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -233,9 +289,17 @@ def main(argv=None) -> dict:
   sections = [("kernel", lambda: kernel_rows(reduced, repeats)),
               ("update", lambda: update_mfu(reduced, repeats, peak_flops)),
               ("decode", lambda: decode_roofline(reduced, repeats, peak_bw)),
+              ("paged", lambda: paged_rows(reduced, repeats, peak_bw)),
               ("quickstart", lambda: None if args.skip_quickstart else quickstart_wall(reduced))]
+  chosen = args.sections.split(",")
+  unknown = sorted(set(chosen) - {name for name, _ in sections})
+  if unknown:
+    ap.error(f"--sections: unknown {unknown}; choose from kernel,update,decode,paged,quickstart")
   errors = {}
   for name, fn in sections:
+    if name not in chosen:
+      out[name] = None
+      continue
     # A section that fails on a new device (a kernel the backend cannot lower, memory) is
     # reported and the others still run: one lease of an accelerator gives every figure it can.
     try:
@@ -273,6 +337,15 @@ def main(argv=None) -> dict:
             "|---|---|---|---|---|---|---|",
             f"| greedy | {dec['batch']} | {dec['step_ms']:.2f} | {dec['weights'] / 2**20:.1f} | "
             f"{dec['kv'] / 2**20:.1f} | {dec['achieved'] / 1e9:.1f} | {pct(dec['fraction'])} |"]
+  lines += ["", "| paged decode | rows | K x J x H | page | longest | dtype | kernel ms | "
+            "reference ms | live K/V MiB | GB/s | of HBM peak | max diff out | max diff lse |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in out["paged"] or []:
+    lines.append(f"| {'one page per row' if r['s'] >= r['longest'] else 'pages'} | {r['b']} | "
+                 f"{r['k']} x {r['j']} x {r['h']} | {r['s']} | {r['longest']} | {r['dtype']} | "
+                 f"{r['ms']['kernel']:.3f} | {r['ms']['reference']:.3f} | "
+                 f"{r['live'] / 2**20:.1f} | {r['achieved'] / 1e9:.1f} | {pct(r['fraction'])} | "
+                 f"{r['out_diff']:.1e} | {r['lse_diff']:.1e} |")
   if out["quickstart"]:
     q = out["quickstart"]
     acc = ("" if q.get("last") is None else

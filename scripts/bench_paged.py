@@ -11,7 +11,9 @@ is the process's ``ru_maxrss``), the processes alternating round by round. Three
   worst-case slot and every decode step reads all of it (the former layout; the baseline).
 
 Each child times ``generate`` after one untimed call (compile excluded) and prints the
-tokens' hash, so the three settings are checked to draw identical tokens.
+tokens' hash, so the three settings are checked to draw identical tokens. The children run
+on the CPU unless ``--accelerator`` is given: then on JAX's default backend (a GPU or TPU),
+and each also reports its device's peak bytes in use (``memory_stats``).
 
 ``--fixed-budget``: one memory budget for the K/V of responses, 8 x 8192 tokens, spent as
 8 worst-case slots of 8192 tokens (``page_size`` 8192, ``kv_pages`` 8: one group of 8
@@ -36,6 +38,7 @@ calls alternating; time and peak pages, same tokens.
 Usage::
 
     python scripts/bench_paged.py --rounds 3       # about 5 minutes on 2 CPU cores
+    python scripts/bench_paged.py --rounds 1 --accelerator   # on a GPU / TPU host
     python scripts/bench_paged.py --fork --repeats 3
     python scripts/bench_paged.py --fixed-budget --repeats 1   # about 20 minutes
     python scripts/bench_paged.py --bandwidth
@@ -95,7 +98,11 @@ def child(max_new: int, page_size: int, repeats: int) -> dict:
     out = run()
     best = min(best, time.perf_counter() - t)
   toks = np.where(out.mask, out.tokens, -1)[:, :int(out.lengths.max())]
+  import jax  # pylint: disable=import-outside-toplevel
+  stats = jax.devices()[0].memory_stats() or {}
   return dict(seconds=best, rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              device=jax.devices()[0].device_kind,
+              device_peak_mib=stats.get("peak_bytes_in_use", 0) / 2**20,
               tokens_sha=hashlib.sha256(np.ascontiguousarray(toks).tobytes()).hexdigest()[:16],
               mean_len=float(out.lengths.mean()), max_len=int(out.lengths.max()),
               peak_pages=out.stats["kv_pages_used_peak"], kv_bytes=int(out.stats["kv_bytes"]),
@@ -208,6 +215,8 @@ def main() -> None:
   ap.add_argument("--fixed-budget", action="store_true", help="pages vs slots in one budget")
   ap.add_argument("--bandwidth", action="store_true", help="decode vs copy bandwidth")
   ap.add_argument("--fork", action="store_true", help="forked vs re-prefilled prefixes")
+  ap.add_argument("--accelerator", action="store_true",
+                  help="run the children on JAX's default backend, not the CPU")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.fixed_budget:
@@ -221,29 +230,35 @@ def main() -> None:
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)
     return
   runs = {name: [] for name in SETTINGS}
+  env = dict(os.environ) if args.accelerator else dict(os.environ, JAX_PLATFORMS="cpu")
   for r in range(args.rounds):
     for name, (max_new, page) in SETTINGS.items():
       p = subprocess.run([sys.executable, __file__, "--child", f"{max_new},{page}",
                           "--repeats", str(args.repeats)], capture_output=True, text=True,
-                         check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                         check=False, env=env)
+      if p.returncode:
+        raise SystemExit(f"{name} exited {p.returncode}:\n{p.stderr[-3000:]}")
       line = next(l for l in p.stdout.splitlines() if l.startswith("@@"))
       runs[name].append(json.loads(line[3:]))
       print(f"round {r} {name}: {runs[name][-1]}", flush=True)
   med = lambda name, k: sorted(x[k] for x in runs[name])[len(runs[name]) // 2]
   shas = {x["tokens_sha"] for v in runs.values() for x in v}
-  print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-        f"{args.rounds} rounds, best of {args.repeats} calls each, medians over rounds")
+  print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"device {runs['paged 512'][0]['device']}; {args.rounds} rounds, best of "
+        f"{args.repeats} calls each, medians over rounds")
   first = runs["paged 512"][0]
   print(f"64 samples, mean length {first['mean_len']:.0f}, longest {first['max_len']}; "
         f"tokens identical across settings: {len(shas) == 1}")
-  print("| setting | time (s) | peak RSS (MiB) | KV bytes held | decode programs |")
+  mem = "device_peak_mib" if args.accelerator else "rss_mib"
+  label = "peak device MiB" if args.accelerator else "peak RSS (MiB)"
+  print(f"| setting | time (s) | {label} | KV bytes held | decode programs |")
   print("|---|---|---|---|---|")
   for name in SETTINGS:
-    print(f"| {name} | {med(name, 'seconds'):.3f} | {med(name, 'rss_mib'):.0f} | "
+    print(f"| {name} | {med(name, 'seconds'):.3f} | {med(name, mem):.0f} | "
           f"{med(name, 'kv_bytes')} | {med(name, 'decode_buckets'):.0f} |")
   for name in ("paged 8192", "slot 8192"):
     print(f"{name} / paged 512: time {med(name, 'seconds') / med('paged 512', 'seconds'):.2f}x, "
-          f"peak RSS {med(name, 'rss_mib') / med('paged 512', 'rss_mib'):.2f}x")
+          f"{label} {med(name, mem) / med('paged 512', mem):.2f}x")
 
 
 if __name__ == "__main__":

@@ -160,6 +160,13 @@ def test_accelerator_report_reduced_mode_on_cpu(monkeypatch):
   tokens = 8 + 4 * 8
   assert rows[0]["flops"] >= 6 * (cfg.num_layers * layer) * tokens
   assert all(r["flops"] == rows[0]["flops"] and r["ms"] > 0 for r in rows)
+  # the paged section: the kernel (Pallas interpreter here) agrees with its reference; the
+  # live bytes are the valid positions' keys and values
+  (args, tokens), = [report._paged_inputs(3, 2, 2, 16, 16, 40, jnp.float32)]  # pylint: disable=protected-access
+  assert tokens == int(args[5].sum()) and int((args[3] >= 0).sum()) == args[1].shape[0]
+  paged = report.paged_rows(reduced=True, repeats=1, peak_bw=None)
+  assert len(paged) == 2 and all(r["out_diff"] < 1e-5 and r["lse_diff"] < 1e-5 for r in paged)
+  assert paged[0]["live"] == 2 * tokens * 2 * 16 * 4 and paged[0]["fraction"] is None
 
 
 def test_bench_memory_lora_checkpoint_writer_and_plan_verdict(tmp_path):

@@ -142,6 +142,42 @@ def test_gpu_kernel_dot_path_matches_reference():
   _close(_kernel("gpu")(*args), [np.asarray(x, np.float64) for x in expected], 1e-5)
 
 
+@pytest.mark.parametrize("h_,s_,block", [(8, 16, 4), (16, 64, 16)], ids=["sum", "dot"])
+def test_gpu_kernel_reads_a_long_page_in_key_blocks(h_, s_, block):
+  """Pages longer than the Triton kernel's key block (one worst-case page per sample) are
+  read a block at a time: rows starting and ending mid-block and mid-page, a sliding window
+  that skips whole blocks, an empty row, a -1 entry."""
+  args = _case(9, 4, 2, 3, h_, s_, 3, 9, [0, s_ + block + 1, 0, 2], [3 * s_, 2 * s_ + 3, 0,
+                                                                       s_ - 1], holes=[(0, 1)])
+  expected = _plain(*args, 0.25)
+  got = paged_attention._gpu_attention(*args, scale=0.25, interpret=True, block=block)  # pylint: disable=protected-access
+  _close(got, expected, 1e-5)
+  assert paged_attention.gpu_key_block(8192) == 64 and paged_attention.gpu_key_block(16) == 16
+
+
+def test_gpu_kernel_gives_the_same_bits_for_any_page_size_of_64_or_more():
+  """The same rows' keys paged by 64 and held as one page of 256 per row (the worst-case
+  slot layout): the Triton kernel folds the same 64-key blocks in the same order, so the
+  outputs are bit-identical (sampling draws the same tokens whatever ``page_size``)."""
+  b_, k_, j_, h_, n = 3, 2, 2, 16, 256
+  rng = np.random.default_rng(10)
+  q = jnp.asarray(rng.standard_normal((b_, k_, j_, h_), np.float32))
+  keys = rng.standard_normal((b_, k_, h_, n), np.float32)
+  values = rng.standard_normal((b_, k_, n, h_), np.float32)
+  start, length = jnp.asarray([0, 70, 5], jnp.int32), jnp.asarray([256, 200, 64], jnp.int32)
+  outs = []
+  for s_ in (64, 256):
+    per = n // s_  # pages per row, rows' pages interleaved in the pool
+    pk = keys.reshape(b_, k_, h_, per, s_).transpose(3, 0, 1, 2, 4).reshape(-1, k_, h_, s_)
+    pv = values.reshape(b_, k_, per, s_, h_).transpose(2, 0, 1, 3, 4).reshape(-1, k_, s_, h_)
+    table = jnp.asarray(np.arange(per)[None, :] * b_ + np.arange(b_)[:, None], jnp.int32)
+    outs.append(paged_attention._gpu_attention(q, jnp.asarray(pk), jnp.asarray(pv), table,  # pylint: disable=protected-access
+                                               start, length, scale=0.25, interpret=True))
+  assert all(np.array_equal(a, b) for a, b in zip(*outs))
+  one_page_each = np.arange(b_, dtype=np.int32)[:, None]
+  _close(outs[0], _plain(q, keys, values, one_page_each, start, length, 0.25), 1e-5)
+
+
 def test_tpu_kernel_bf16_and_mixed_dtypes():
   args = _case(7, 2, 2, 2, 16, 8, 3, 8, [0, 5], [24, 17], dtype=jnp.bfloat16)
   expected = _plain(*args, 0.25)
