@@ -129,6 +129,14 @@ class RolloutSettings:
       "(float8_e4m3fn) quantises every dense projection, a scale per head_dim entries, "
       "while the trainer keeps its dtype (rl_jax.train.layout; mismatch_* metrics show the "
       "gap)")
+  sampler_copy: bool | None = setting(
+      None, cu.optional(_BOOL),
+      "The sampler decodes from a copy of the policy whose projection matrices are cast to "
+      "the compute dtype (model.dtype) once per policy version: the same samples bit for "
+      "bit, and with float32 weights decoded in bfloat16 half the weight bytes each decode "
+      "step reads, for the copy's memory. None: auto (on for TPU and GPU programs, where "
+      "decode is bound by memory bandwidth; off for CPU ones). A sampler on devices or "
+      "processes of its own always decodes from such a copy", kind=bool)
   page_size: int = setting(
       64, cu.power_of_two,
       "The paged response cache (rl_jax/rollout/pages.py): tokens per page, a power of two "

@@ -61,3 +61,34 @@ def test_the_rollout_devices_copy_is_in_the_compute_dtype():
   assert memory._sampler_copy_bytes(s, params) == copy_bytes  # pylint: disable=protected-access
   whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
   assert copy_bytes < 0.75 * whole
+
+
+def test_one_process_decodes_from_a_copy_with_sampler_copy():
+  """``rollout.sampler_copy=True`` on one process (auto is off for CPU programs): the
+  sampler's weights are the policy's projections in bfloat16 beside the float32 policy,
+  the engine decodes them as they are (``prepare_params`` no longer casts them back to the
+  stored dtype), and the memory plan's ``sampler_copy`` is the copy's bytes."""
+  from rl_jax.rollout import kv_cache  # pylint: disable=import-outside-toplevel
+  from rl_jax.train import state as state_lib  # pylint: disable=import-outside-toplevel
+  bf16 = ["model.dtype=bfloat16"]
+  assert not layout_lib.make_layout(train.build_setup(_config(bf16))).narrow  # auto on a CPU
+  s = train.build_setup(_config(bf16 + ["rollout.sampler_copy=True"]))
+  layout = layout_lib.make_layout(s)
+  assert layout.narrow and layout.sampler_mesh is layout.mesh
+  params = models.init_sharded(s.model_cfg, jax.random.key(0), s.mesh, s.rules)
+  copy = layout.sampler_params(params)
+  assert copy["layers"]["q"].dtype == copy["layers"]["down"].dtype == jnp.bfloat16
+  assert copy["layers"]["attn_norm"].dtype == copy["embed"].dtype == jnp.float32
+  for ctx in (None, (s.sampler_mesh, s.rules)):
+    held = kv_cache.SamplerParams(s.sampler_cfg, ctx)(copy)
+    assert held["layers"]["q"].dtype == jnp.bfloat16 and held["embed"].dtype == jnp.float32
+    widened = kv_cache.SamplerParams(s.sampler_cfg, ctx)(params)  # the stored weights stay
+    assert widened["layers"]["q"].dtype == jnp.float32
+  projections = sum(x.size * 2 for k, x in params["layers"].items()
+                    if k in models.transformer.PROJECTIONS)
+  assert memory.narrowed_bytes(s.sampler_cfg, params) == projections
+  t = rollouts.TrainParts(setup=s, layout=layout, steps=None, engine=None)
+  plan = memory.state_plan(t, None, state_lib.abstract_state(s, rl=True))
+  assert plan["state"]["rl"]["sampler_copy"] == projections
+  off = layout_lib.make_layout(train.build_setup(_config(bf16 + ["rollout.sampler_copy=False"])))
+  assert off.sampler_params(params) is params

@@ -43,8 +43,9 @@ from rl_jax.rollout import pages, sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
-           "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context", "needs_cast",
-           "pool_bytes", "pool_page_axes", "pool_shards", "record", "sequence_axes",
+           "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context",
+           "needs_cast", "pool_bytes", "pool_page_axes", "pool_shards", "record",
+           "sampler_storage", "sequence_axes",
            "sequence_shards", "state_shards", "release_slots", "resize_pool", "SamplerParams"]
 
 # Number of times each jitted entry point was traced (a retrace means a recompile).
@@ -388,10 +389,27 @@ def cast_params(params, dtype: str):
   return jax.tree.map(lambda x: cast_leaf(x, dtype), params)
 
 
+def sampler_storage(cfg: ModelConfig, params):
+  """``params`` in the sampler's storage dtypes: floats in ``cfg.param_dtype``
+  (``cast_leaf``), except projection matrices that arrive in the narrower compute dtype
+  ``cfg.dtype`` (a copy made for the sampler by ``models.cast_projections``), which stay
+  in it. The model casts each projection to ``cfg.dtype`` before its product, so the
+  numbers are the same either way, and a decode step reads the narrow bytes."""
+  want = jnp.dtype(cfg.param_dtype)
+  cast = jax.tree.map(lambda x: cast_leaf(x, want), params)
+  narrow = models.cast_projections(cfg, cast)
+  return jax.tree.map(lambda x, c, n: n if x.dtype == n.dtype != c.dtype else c,
+                      params, cast, narrow)
+
+
+_storage = jax.jit(sampler_storage, static_argnums=0)
+
+
 class SamplerParams:
   """Trainer parameters -> sampler parameters on device, for one engine (its
-  ``prepare_params``): cast to ``cfg.param_dtype`` and, with a mesh (``ctx`` = (mesh,
-  rules)), placed in the sampler's layout.
+  ``prepare_params``): cast to ``cfg.param_dtype`` (a copy's projections in the compute
+  dtype kept so: ``sampler_storage``) and, with a mesh (``ctx`` = (mesh, rules)), placed in
+  the sampler's layout.
 
   With a mesh, one jitted program casts and reshards (``out_shardings``), so XLA moves shards
   device to device (collectives), never through host memory; compiled once per input layout.
@@ -404,21 +422,34 @@ class SamplerParams:
   def __init__(self, cfg: ModelConfig, ctx=None):
     self.cfg, self.ctx = cfg, ctx
     self._target = self._sync = None  # the sampler's layout and its jitted cast + reshard
+    self._checked = {}  # (tree, shapes and dtypes) -> whether already in storage dtypes
+
+  def _stored(self, params) -> bool:
+    """Whether ``params`` are in the sampler's storage dtypes already (cached per tree of
+    shapes and dtypes: the check traces ``sampler_storage``)."""
+    leaves, tree = jax.tree.flatten(params)
+    key = (tree, tuple((np.shape(x), x.dtype) for x in leaves))
+    if key not in self._checked:
+      stored = jax.eval_shape(functools.partial(sampler_storage, self.cfg), params)
+      self._checked[key] = all(x.dtype == y.dtype for x, y in zip(leaves,
+                                                                   jax.tree.leaves(stored)))
+    return self._checked[key]
 
   def __call__(self, params):
-    want = jnp.dtype(self.cfg.param_dtype)
+    leaves = jax.tree.leaves(params)
+    same_dtypes = self._stored(params)
     if self.ctx is None:
-      return cast_params(params, str(want)) if needs_cast(params, want) else params
+      return params if same_dtypes else _storage(self.cfg, params)
     mesh, rules = self.ctx
     if self._target is None:
       self._target = models.param_shardings(self.cfg, mesh, rules)
       if not models.lora.split(params)[1]:  # LoRA weights merged for the sampler
         self._target = models.lora.strip(self._target)
-      self._sync = jax.jit(lambda p: jax.tree.map(lambda x: cast_leaf(x, want), p),
+      self._sync = jax.jit(functools.partial(sampler_storage, self.cfg),
                            out_shardings=self._target)
-    leaves, targets = jax.tree.leaves(params), jax.tree.leaves(self._target)
-    if all(cast_leaf(leaf, want).dtype == leaf.dtype and isinstance(leaf, jax.Array)
-           and leaf.sharding.is_equivalent_to(t, leaf.ndim) for leaf, t in zip(leaves, targets)):
+    targets = jax.tree.leaves(self._target)
+    if same_dtypes and all(isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(
+        t, leaf.ndim) for leaf, t in zip(leaves, targets)):
       return params
     devices = set(mesh.devices.flat)
     if not all(isinstance(leaf, jax.Array) and leaf.sharding.device_set <= devices

@@ -53,6 +53,7 @@ class Layout(NamedTuple):
   merge: Callable | None = None  # LoRA with rollout.lora_merge: params -> merged weights
   quantize: Callable | None = None  # rollout.weight_dtype: weights -> the sampler's quantised
   sampler_cfg: Any = None  # the ModelConfig the sampler decodes with (its weights' layout)
+  narrow: bool = False  # rollout.sampler_copy on the training mesh: decode from ``narrowed``
 
   @property
   def replicated(self) -> jax.sharding.NamedSharding:
@@ -98,9 +99,10 @@ class Layout(NamedTuple):
   def sampler_params(self, params: Any, quantized: bool = True) -> Any:
     """``sampler_weights(params, quantized)`` placed for the sampler (``local_params``);
     ``quantized=False``: the policy as the trainer holds it (the held-out evaluation). On a
-    sampler mesh of its own the placed copy is ``narrowed``."""
+    sampler mesh of its own, or with ``narrow`` (``rollout.sampler_copy``), the sampler
+    decodes from a ``narrowed`` copy."""
     weights = self.sampler_weights(params, quantized)
-    if self.sampler_mesh is not self.mesh:
+    if self.sampler_mesh is not self.mesh or self.narrow:
       weights = self.narrowed(weights)
     return self.local_params(weights)
 
@@ -234,7 +236,26 @@ def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
     quantize = jax.jit(functools.partial(models.quant.quantize_base, cfg),
                        out_shardings=models.param_shardings(cfg, s.mesh, s.rules))
   return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings,
-                merge=merge, quantize=quantize, sampler_cfg=s.sampler_cfg)
+                merge=merge, quantize=quantize, sampler_cfg=s.sampler_cfg,
+                narrow=narrow_copy(s))
+
+
+def narrow_copy(s: Setup) -> bool:
+  """``rollout.sampler_copy`` on the training mesh: whether the sampler decodes from a copy
+  with its projections in the compute dtype (``Layout.narrowed``). None (auto) is on for
+  TPU and GPU programs (the sampler mesh's platform), where a decode step is bound by the
+  bytes it reads, and off for CPU ones (host memory is the CPU's limit; its programs are
+  unchanged). Only where a copy is narrower than the weights (``narrows``)."""
+  own = s.rollout.sampler_copy
+  if own is None:
+    own = s.sampler_mesh.devices.flat[0].platform != "cpu"
+  return bool(own) and narrows(s.sampler_cfg, s.model_cfg)
+
+
+def narrows(sampler_cfg, model_cfg) -> bool:
+  """Whether ``models.cast_projections`` makes a copy narrower than the stored weights: the
+  compute dtype is narrower than ``param_dtype`` (with LoRA the frozen base's dtype)."""
+  return jnp.dtype(sampler_cfg.dtype).itemsize < jnp.dtype(model_cfg.param_dtype).itemsize
 
 
 def merge_weight_by_weight(cfg, base_shardings: Any) -> Callable:

@@ -15,8 +15,10 @@ Per device (the busiest one; FSDP shards split evenly):
   a KL term, in ``train.ref_dtype``), ``critic`` (PPO value params + their optimizer state),
   ``sampler_copy`` (with several processes: this device's share of the process's own copy
   of the policy, laid out over its devices by the sampler's rules; on the asynchronous
-  trainer's rollout devices a whole replica; one process samples from the trainer's weights in place, or with LoRA and
-  ``rollout.lora_merge`` from merged copies of the adapted weights), ``rollout_buffer`` (APRIL's
+  trainer's rollout devices a whole replica; one process samples from the trainer's weights
+  in place, or with LoRA and ``rollout.lora_merge`` from merged copies of the adapted
+  weights, and with ``rollout.sampler_copy`` from a copy of the projections in the compute
+  dtype laid out like the policy), ``rollout_buffer`` (APRIL's
   held groups), ``rollout_queue`` (a runner with a lag: the scored batches sampled ahead of
   the learner), ``selector`` / ``spec_drafts`` (prompt selection, speculative rollouts), and
   ``other`` (step, data position). Bytes = shard shape size x itemsize, summed over the part's leaves.
@@ -85,7 +87,7 @@ KNOBS = {
     "teacher": "train.offload=teacher, model.dtype=bfloat16, a larger mesh.shape.fsdp",
     "critic": "a larger mesh.shape.fsdp",
     "sampler_copy": "more devices per process, rollout.lora_merge=False (LoRA), "
-                    "rollout.weight_dtype=''",
+                    "rollout.weight_dtype='', rollout.sampler_copy=False",
     "rollout_buffer": "rollout.over_sampling",
     "rollout_queue": "train.async_lag",
     "spec_drafts": "rollout.speculative=False",
@@ -370,6 +372,16 @@ def _sampler_copy_bytes(s, params) -> int:
              for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets)))
 
 
+def narrowed_bytes(sampler_cfg, params) -> int:
+  """Bytes per device of the projections ``Layout.narrowed`` casts to the compute dtype,
+  laid out like ``params`` (``rollout.sampler_copy`` on the training mesh: the sampler's
+  copy beside the policy; the other weights it shares with the policy)."""
+  narrowed = models.cast_projections(sampler_cfg, jax.eval_shape(lambda p: p, params))
+  return sum(leaf_bytes(jax.ShapeDtypeStruct(x.shape, y.dtype, sharding=x.sharding))
+             for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(narrowed))
+             if y.dtype != x.dtype)
+
+
 def pool_page_bytes(s, page_size: int) -> int:
   """Bytes of one response-pool page on a device of the sampler's mesh that holds it: the
   pool's pages are split over the batch axes with the slots (``kv_cache.pool_shards``) and
@@ -415,6 +427,8 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
     base = models.lora.strip(rl_state.params) if t.layout.merge is not None else rl_state.params
     layers = jax.eval_shape(t.layout.quantize, base)["layers"]
     sampler += sum(tree_bytes(layers[k]) for k in models.quant.targets(s.sampler_cfg))
+  if t.layout.narrow and s.sampler_mesh is s.mesh:  # rollout.sampler_copy
+    sampler += narrowed_bytes(s.sampler_cfg, rl_state.params)
   phases["rl"]["sampler_copy"] = sampler
   host = {"rl": host_parts(rl_state)}
   if s.teacher_cfg is not None:  # on-policy distillation: the frozen teacher (not checkpointed)
