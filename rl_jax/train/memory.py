@@ -428,7 +428,11 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
     layers = jax.eval_shape(t.layout.quantize, base)["layers"]
     sampler += sum(tree_bytes(layers[k]) for k in models.quant.targets(s.sampler_cfg))
   if t.layout.narrow and s.sampler_mesh is s.mesh:  # rollout.sampler_copy
-    sampler += narrowed_bytes(s.sampler_cfg, rl_state.params)
+    weights = rl_state.params
+    if t.layout.quantize is not None:  # quantised projections stay as they are
+      base = models.lora.strip(weights) if t.layout.merge is not None else weights
+      weights = jax.eval_shape(t.layout.quantize, base)
+    sampler += narrowed_bytes(s.sampler_cfg, weights)
   phases["rl"]["sampler_copy"] = sampler
   host = {"rl": host_parts(rl_state)}
   if s.teacher_cfg is not None:  # on-policy distillation: the frozen teacher (not checkpointed)
