@@ -50,10 +50,10 @@ so any J, H and S are legal block shapes; the table (B·nb int32, flattened) wit
 length is held in SMEM, which bounds B·nb; an entry of -1 inside a row's live range is
 skipped but still copies page 0. GPU: H and S must be powers of two; with H and the key
 block Sb >= 16 the products are dots with J padded to a power of two >= 16 (Triton's
-smallest dot), below that broadcast products summed over [J,H,Sb] (small tiles only). Scores and softmax are float32;
-16-bit pages are multiplied natively (probabilities rounded to the values' dtype for p·V),
-float32 ones at ``jax_default_matmul_precision``: the online softmax and its products are
-the shared-prefix kernels' (``_tiles``).
+smallest dot), below that broadcast products summed over [J,H,Sb] (small tiles only).
+Scores and softmax are float32; 16-bit pages are multiplied natively (probabilities rounded
+to the values' dtype for p·V), float32 ones at ``jax_default_matmul_precision``: the online
+softmax and its products are the shared-prefix kernels' (``_tiles``).
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention"; Milakov & Gimelshein 2018, "Online normalizer calculation for
@@ -330,7 +330,7 @@ def _gpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, ls
     qk = lambda k: jnp.sum(qf[:, :, None] * k.astype(jnp.float32)[None, :, :], axis=1)
     pv = lambda e, v: jnp.sum(e[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
 
-  def step(i, carry):  # key block i: positions i·Sb .. i·Sb+Sb-1 (part i % sub of entry i // sub)
+  def step(i, carry):  # key block i: positions i·Sb ..; part i % sub of entry i // sub
     page = table_ref[i // sub]
     at, cols = jnp.maximum(page, 0), pl.ds((i % sub) * block, block)
     k = k_ref[at, :, cols].astype(dtype)  # [H,Sb]

@@ -20,6 +20,7 @@ from pallas_kernels import paged_attention
 from rl_jax.train import topology
 
 A = jax.ShapeDtypeStruct
+_gpu_attention = paged_attention._gpu_attention  # pylint: disable=protected-access
 
 
 def _plain(q, k_pages, v_pages, table, start, length, scale):
@@ -150,7 +151,7 @@ def test_gpu_kernel_reads_a_long_page_in_key_blocks(h_, s_, block):
   args = _case(9, 4, 2, 3, h_, s_, 3, 9, [0, s_ + block + 1, 0, 2], [3 * s_, 2 * s_ + 3, 0,
                                                                        s_ - 1], holes=[(0, 1)])
   expected = _plain(*args, 0.25)
-  got = paged_attention._gpu_attention(*args, scale=0.25, interpret=True, block=block)  # pylint: disable=protected-access
+  got = _gpu_attention(*args, scale=0.25, interpret=True, block=block)
   _close(got, expected, 1e-5)
   assert paged_attention.gpu_key_block(8192) == 64 and paged_attention.gpu_key_block(16) == 16
 
@@ -171,8 +172,8 @@ def test_gpu_kernel_gives_the_same_bits_for_any_page_size_of_64_or_more():
     pk = keys.reshape(b_, k_, h_, per, s_).transpose(3, 0, 1, 2, 4).reshape(-1, k_, h_, s_)
     pv = values.reshape(b_, k_, per, s_, h_).transpose(2, 0, 1, 3, 4).reshape(-1, k_, s_, h_)
     table = jnp.asarray(np.arange(per)[None, :] * b_ + np.arange(b_)[:, None], jnp.int32)
-    outs.append(paged_attention._gpu_attention(q, jnp.asarray(pk), jnp.asarray(pv), table,  # pylint: disable=protected-access
-                                               start, length, scale=0.25, interpret=True))
+    outs.append(_gpu_attention(q, jnp.asarray(pk), jnp.asarray(pv), table, start, length,
+                               scale=0.25, interpret=True))
   assert all(np.array_equal(a, b) for a, b in zip(*outs))
   one_page_each = np.arange(b_, dtype=np.int32)[:, None]
   _close(outs[0], _plain(q, keys, values, one_page_each, start, length, 0.25), 1e-5)
