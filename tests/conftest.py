@@ -208,6 +208,22 @@ SLOW_TESTS = (
     "test_bench_scripts.py::test_bench_micro_batches_reports_each_k_at_toy_size",
     "test_bench_scripts.py::test_bench_rollout_april_section_runs_at_toy_size",
     "test_bench_scripts.py::test_accelerator_report_reduced_mode_on_cpu",
+    # second cases of a parametrised check whose first case stays fast: int8 beside fp8
+    # sampler weights, the MoE sampler copy beside the dense one, greedy beside sampled
+    # preemption, Gemma 3's frozen slices beside the dense, int4 and MoE ones
+    "test_sampler_weights.py::test_sampler_decodes_the_quantised_weights[int8]",
+    "test_sampler_copy.py::test_projections_in_the_compute_dtype_sample_the_same_tokens[moe]",
+    "test_paged_kv.py::"
+    "test_pages_of_any_size_and_a_preempting_pool_give_the_slot_layouts_tokens[0.0]",
+    "test_frozen_slices.py::test_same_values_bit_for_bit[gemma3]",
+    # the int4 decode on 8 devices (one device's int4 decode: test_decode_updates_each_
+    # layers_pool_in_place; the paged decode on 8 devices: test_paged_kv.py), the multi-
+    # turn pool growing with small pages (its fixed pool preempting: test_a_fixed_pool_
+    # preempts_and_resumes_by_recompute[True]), multi-turn router replay's run (its records:
+    # test_agent_rollout.py::test_a_mixture_of_experts_policy_runs_multi_turn, test_moe_rl)
+    "test_qlora_decode.py::test_int4_decode_on_8_devices_equals_1",
+    "test_agent_rollout.py::test_small_pages_and_a_growing_pool_give_the_same_trajectories",
+    "test_agent_train.py::test_router_replay_trains_a_multi_turn_moe_policy",
 )
 
 
