@@ -405,6 +405,16 @@ def sampler_storage(cfg: ModelConfig, params):
 _storage = jax.jit(sampler_storage, static_argnums=0)
 
 
+@functools.lru_cache(maxsize=64)
+def _in_storage(cfg: ModelConfig, tree, avals: tuple) -> bool:
+  """Whether parameters of this tree and these (shape, dtype) leaves are in the sampler's
+  storage dtypes already. Cached per process: the check traces ``sampler_storage``, and a
+  trace after the first steps would count as a compile (a new engine asks again)."""
+  specs = jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(shape, dt) for shape, dt in avals])
+  stored = jax.tree.leaves(jax.eval_shape(functools.partial(sampler_storage, cfg), specs))
+  return all(dt == y.dtype for (_, dt), y in zip(avals, stored))
+
+
 class SamplerParams:
   """Trainer parameters -> sampler parameters on device, for one engine (its
   ``prepare_params``): cast to ``cfg.param_dtype`` (a copy's projections in the compute
@@ -422,22 +432,11 @@ class SamplerParams:
   def __init__(self, cfg: ModelConfig, ctx=None):
     self.cfg, self.ctx = cfg, ctx
     self._target = self._sync = None  # the sampler's layout and its jitted cast + reshard
-    self._checked = {}  # (tree, shapes and dtypes) -> whether already in storage dtypes
-
-  def _stored(self, params) -> bool:
-    """Whether ``params`` are in the sampler's storage dtypes already (cached per tree of
-    shapes and dtypes: the check traces ``sampler_storage``)."""
-    leaves, tree = jax.tree.flatten(params)
-    key = (tree, tuple((np.shape(x), x.dtype) for x in leaves))
-    if key not in self._checked:
-      stored = jax.eval_shape(functools.partial(sampler_storage, self.cfg), params)
-      self._checked[key] = all(x.dtype == y.dtype for x, y in zip(leaves,
-                                                                   jax.tree.leaves(stored)))
-    return self._checked[key]
 
   def __call__(self, params):
-    leaves = jax.tree.leaves(params)
-    same_dtypes = self._stored(params)
+    leaves, tree = jax.tree.flatten(params)
+    same_dtypes = _in_storage(self.cfg, tree, tuple((np.shape(x), jnp.dtype(x.dtype))
+                                                    for x in leaves))
     if self.ctx is None:
       return params if same_dtypes else _storage(self.cfg, params)
     mesh, rules = self.ctx
