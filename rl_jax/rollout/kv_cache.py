@@ -44,7 +44,7 @@ from rl_jax.rollout import pages, sampling
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
            "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context",
-           "needs_cast", "pool_bytes", "pool_page_axes", "pool_shards", "record",
+           "pool_bytes", "pool_page_axes", "pool_shards", "record",
            "sampler_storage", "sequence_axes",
            "sequence_shards", "state_shards", "release_slots", "resize_pool", "SamplerParams"]
 
@@ -376,11 +376,6 @@ def cast_leaf(x, dtype):
   float ones (a quantised base's values, ``rl_jax.models.quant``) kept."""
   floating = jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 1
   return x.astype(dtype) if floating else x
-
-
-def needs_cast(params, dtype) -> bool:
-  """Whether ``cast_params`` would change any leaf of ``params``."""
-  return any(cast_leaf(x, dtype).dtype != x.dtype for x in jax.tree.leaves(params))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

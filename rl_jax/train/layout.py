@@ -102,9 +102,15 @@ class Layout(NamedTuple):
     sampler mesh of its own, or with ``narrow`` (``rollout.sampler_copy``), the sampler
     decodes from a ``narrowed`` copy."""
     weights = self.sampler_weights(params, quantized)
-    if self.sampler_mesh is not self.mesh or self.narrow:
+    if self.decodes_copy:
       weights = self.narrowed(weights)
     return self.local_params(weights)
+
+  @property
+  def decodes_copy(self) -> bool:
+    """Whether the sampler decodes from a ``narrowed`` copy: on a sampler mesh of its own,
+    or with ``narrow`` (``rollout.sampler_copy``) on the training mesh."""
+    return self.sampler_mesh is not self.mesh or self.narrow
 
   def narrowed(self, weights: Any) -> Any:
     """``weights`` for a copy the sampler decodes from: the projection matrices in the

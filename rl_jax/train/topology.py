@@ -405,7 +405,7 @@ def _sampler_params(t: TrainParts, rl_state, engine) -> Any:
   cast = lambda x: want if x.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else x.dtype
   params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=sh),
                         params, target)
-  if t.layout.sampler_mesh is not t.layout.mesh or t.layout.narrow:  # ``Layout.narrowed``
+  if t.layout.decodes_copy:  # ``Layout.narrowed``
     params = models.cast_projections(engine.cfg, params)
   return params
 
