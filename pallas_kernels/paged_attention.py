@@ -30,13 +30,15 @@ kv head, H head dim; here also Pg pool pages, S page size (tokens per page, a po
 nb page-table entries of a row.
 
 Implementations (``platform``; None follows ``shared_prefix_attention.current_platform``):
-  "tpu"  Mosaic: grid (B, K, nb) with the page table, start and length scalar-prefetched
-         into SMEM; the K/V block index maps read the page id from the table, so the
-         pipeline copies only the row's own pages into VMEM. The page axis is sequential
-         ("arbitrary") and carries the online softmax in VMEM scratch; pages wholly outside
-         [start, length) (or without a page) are skipped with ``pl.when``, and the index maps
-         of the pages outside the live range repeat a live page's block, so no copy is issued
-         for them.
+  "tpu"  Mosaic: grid (B, K, nb·S/Sb) over key blocks of Sb keys (512, or the whole page
+         where pages are shorter: ``tpu_key_block``), with the page table, start and length
+         scalar-prefetched into SMEM; the K/V block index maps read the page id from the
+         table, so the pipeline copies only the row's own pages into VMEM. The block axis is
+         sequential ("arbitrary") and carries the online softmax in VMEM scratch; blocks
+         wholly outside [start, length) (or without a page) are skipped with ``pl.when``, and
+         the index maps of the blocks outside the live range repeat a live block, so no copy
+         is issued for them. The blocks do not grow with the page size, and any page size
+         of 512 or more gives the same bits.
   "gpu"  Triton: grid (B, K); each program loops (``lax.fori_loop``) over the row's live
          key blocks, loading block c of page ``table[b,p]`` from the pool by dynamic
          indexing and keeping the online softmax in registers. A block is 64 keys, or the
@@ -45,10 +47,10 @@ Implementations (``platform``; None follows ``shared_prefix_attention.current_pl
   "cpu"  the jnp reference (``paged_decode_reference``), or with ``interpret=True`` the TPU
          kernel in the Pallas interpreter.
 
-Limits. TPU: blocks are whole [J,H], [H,S] and [S,H] tiles (the arrays' own last two dims),
-so any J, H and S are legal block shapes; the table (B·nb int32, flattened) with start and
-length is held in SMEM, which bounds B·nb; an entry of -1 inside a row's live range is
-skipped but still copies page 0. GPU: H and S must be powers of two; with H and the key
+Limits. TPU: blocks are whole [J,H] tiles and [H,Sb], [Sb,H] key blocks (Sb the whole page
+below 512 keys, else 512: a multiple of the 128 lanes), so any J, H and S are legal block
+shapes; the table (B·nb int32, flattened) with start and length is held in SMEM, which
+bounds B·nb; an entry of -1 inside a row's live range is skipped but still copies page 0. GPU: H and S must be powers of two; with H and the key
 block Sb >= 16 the products are dots with J padded to a power of two >= 16 (Triton's
 smallest dot), below that broadcast products summed over [J,H,Sb] (small tiles only).
 Scores and softmax are float32; 16-bit pages are multiplied natively (probabilities rounded
@@ -81,6 +83,7 @@ PLATFORMS = ("tpu", "gpu", "cuda", "rocm", "cpu")
 _LANES = 128
 _GPU_DOT_MIN = 16  # Triton's dot: every side at least 16
 _GPU_KEY_BLOCK = 64  # keys the GPU kernel reads per loop step (pages of more are split)
+_TPU_KEY_BLOCK = 512  # keys the TPU kernel reads per grid step (pages of more are split)
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,73 +228,97 @@ def _compute_dtype(q, k_pages, v_pages):
 # TPU (Mosaic): pages walked by the grid.
 
 
-def _page_entry(p, start, length, nb: int, s_: int):
-  """Table entry whose page the K/V blocks of grid step p hold, in [0, nb): p itself inside
-  the row's live range (the entries with a position in [start, length)), the first live
-  entry before it and the last one after it, so steps outside the range repeat a block the
-  pipeline already holds (no copy). A row with no valid position stays on one entry."""
-  last = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), s_), nb - 1)
-  first = jnp.minimum(lax.div(jnp.maximum(start, 0), s_), last)
-  return jnp.minimum(jnp.maximum(p, first), last)
+def _block_entry(i, start, length, blocks: int, sb: int):
+  """Key block whose K/V grid step i holds, in [0, blocks): i itself inside the row's live
+  range (the blocks with a position in [start, length)), the first live block before it and
+  the last one after it, so steps outside the range repeat a block the pipeline already
+  holds (no copy). A row with no valid position stays on one block. Block i covers
+  positions i·sb .. i·sb+sb-1: part i % (S/sb) of table entry i // (S/sb)."""
+  last = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), sb), blocks - 1)
+  first = jnp.minimum(lax.div(jnp.maximum(start, 0), sb), last)
+  return jnp.minimum(jnp.maximum(i, first), last)
 
 
 def _tpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                m_sc, l_sc, acc_sc, *, scale, nb, dtype, keys_by_row):
-  b, p = pl.program_id(0), pl.program_id(2)
-  j_, s_ = q_ref.shape[0], v_ref.shape[0]
+                m_sc, l_sc, acc_sc, *, scale, nb, sub, dtype, keys_by_row):
+  b, i = pl.program_id(0), pl.program_id(2)
+  j_, sb = q_ref.shape[0], v_ref.shape[0]
   start, length = start_ref[b], length_ref[b]
-  page = table_ref[b * nb + p]
+  page = table_ref[b * nb + lax.div(i, sub)]
   # m and l live lane-broadcast in [J,128] scratch (lane-dense VMEM); [J,1] values.
   lanes = lambda x: jnp.broadcast_to(x, (j_, _LANES))
   column = lambda ref: ref[...][:, :1]
 
-  @pl.when(p == 0)
+  @pl.when(i == 0)
   def _init():
     m, l, acc = _tiles.init_carry(j_, q_ref.shape[1])
     m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
 
-  @pl.when((p * s_ < length) & ((p + 1) * s_ > start) & (page >= 0))
-  def _page():
+  @pl.when((i * sb < length) & ((i + 1) * sb > start) & (page >= 0))
+  def _block():
     qk = _tiles.scores if keys_by_row else lambda q, k, c: _tiles.matmul(q, k) * c
-    s = qk(q_ref[...].astype(dtype), k_ref[...].astype(dtype), scale)  # [J,S]
-    pos = p * s_ + lax.broadcasted_iota(jnp.int32, (j_, s_), 1)
+    s = qk(q_ref[...].astype(dtype), k_ref[...].astype(dtype), scale)  # [J,Sb]
+    pos = i * sb + lax.broadcasted_iota(jnp.int32, (j_, sb), 1)
     mask = (pos >= start) & (pos < length)
     m, l, acc = _tiles.online_softmax_step(column(m_sc), column(l_sc), acc_sc[...], s, mask,
                                            v_ref[...].astype(dtype))
     m_sc[...], l_sc[...], acc_sc[...] = lanes(m), lanes(l), acc
 
-  @pl.when(p == nb - 1)
+  @pl.when(i == nb * sub - 1)
   def _finalize():
     out, lse = _tiles.finalize(column(m_sc), column(l_sc), acc_sc[...])
     o_ref[...] = out
     lse_ref[...] = lanes(lse)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "keys_by_row"))
+def tpu_key_block(s: int) -> int:
+  """Keys the Mosaic kernel reads per grid step: ``_TPU_KEY_BLOCK`` (512) positions, or the
+  whole page when it is shorter. A long page (one worst-case page per sample, say) is read
+  in parts: the blocks in VMEM do not grow with the page size (a page of 32K keys of 128
+  dims overflowed a v5e's scoped VMEM when read whole), and the online softmax folds the
+  same blocks in the same order for any page size of at least 512."""
+  return min(s, _TPU_KEY_BLOCK)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "keys_by_row", "block"))
 def _tpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret,
-                   keys_by_row=False):
+                   keys_by_row=False, block=None):
   b_, k_, j_, h_ = q.shape
   nb, s_ = table.shape[1], k_pages.shape[-1]
+  sb = tpu_key_block(s_) if block is None else block
+  sub = s_ // sb  # key blocks per page
   dtype = _compute_dtype(q, k_pages, v_pages)
   if keys_by_row:  # [Pg,K,S,H]: a relabelling of a pool laid out with H minor
     k_pages = jnp.swapaxes(k_pages, -1, -2)
 
-  def q_map(b, h, p, table_ref, start_ref, length_ref):
+  def q_map(b, h, i, table_ref, start_ref, length_ref):
     return b, h, 0, 0
 
-  def page_map(b, h, p, table_ref, start_ref, length_ref):
-    entry = _page_entry(p, start_ref[b], length_ref[b], nb, s_)
-    return jnp.maximum(table_ref[b * nb + entry], 0), h, 0, 0
+  def pool_block(b, i, table_ref, start_ref, length_ref):
+    """(page, part) of the key block grid step i reads."""
+    at = _block_entry(i, start_ref[b], length_ref[b], nb * sub, sb)
+    # lax.div / lax.rem: truncating, as Mosaic lowers them (i >= 0)
+    return jnp.maximum(table_ref[b * nb + lax.div(at, sub)], 0), lax.rem(at, sub)
 
+  def by_row_map(b, h, i, *refs):  # [Sb,H] blocks
+    page, part = pool_block(b, i, *refs)
+    return page, h, part, 0
+
+  def by_column_map(b, h, i, *refs):  # [H,Sb] blocks
+    page, part = pool_block(b, i, *refs)
+    return page, h, 0, part
+
+  k_block = (sb, h_) if keys_by_row else (h_, sb)
   out, lse = pl.pallas_call(
-      functools.partial(_tpu_kernel, scale=scale, nb=nb, dtype=dtype,
+      functools.partial(_tpu_kernel, scale=scale, nb=nb, sub=sub, dtype=dtype,
                         keys_by_row=keys_by_row),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3,
-          grid=(b_, k_, nb),
+          grid=(b_, k_, nb * sub),
           in_specs=[pl.BlockSpec((None, None, j_, h_), q_map),
-                    pl.BlockSpec((None, None) + k_pages.shape[2:], page_map),
-                    pl.BlockSpec((None, None, s_, h_), page_map)],
+                    pl.BlockSpec((None, None) + k_block,
+                                 by_row_map if keys_by_row else by_column_map),
+                    pl.BlockSpec((None, None, sb, h_), by_row_map)],
           out_specs=[pl.BlockSpec((None, None, j_, h_), q_map),
                      pl.BlockSpec((None, None, j_, _LANES), q_map)],
           scratch_shapes=[pltpu.VMEM((j_, _LANES), jnp.float32),

@@ -143,37 +143,47 @@ def test_gpu_kernel_dot_path_matches_reference():
   _close(_kernel("gpu")(*args), [np.asarray(x, np.float64) for x in expected], 1e-5)
 
 
+_KERNELS = {"gpu": _gpu_attention, "tpu": paged_attention._tpu_attention}  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("h_,s_,block", [(8, 16, 4), (16, 64, 16)], ids=["sum", "dot"])
-def test_gpu_kernel_reads_a_long_page_in_key_blocks(h_, s_, block):
-  """Pages longer than the Triton kernel's key block (one worst-case page per sample) are
-  read a block at a time: rows starting and ending mid-block and mid-page, a sliding window
-  that skips whole blocks, an empty row, a -1 entry."""
+def test_kernel_reads_a_long_page_in_key_blocks(platform, h_, s_, block):
+  """Pages longer than the kernel's key block (one worst-case page per sample) are read a
+  block at a time (the Triton kernel's loop steps, the Mosaic kernel's grid steps): rows
+  starting and ending mid-block and mid-page, a sliding window that skips whole blocks, an
+  empty row, a -1 entry."""
   args = _case(9, 4, 2, 3, h_, s_, 3, 9, [0, s_ + block + 1, 0, 2], [3 * s_, 2 * s_ + 3, 0,
                                                                        s_ - 1], holes=[(0, 1)])
   expected = _plain(*args, 0.25)
-  got = _gpu_attention(*args, scale=0.25, interpret=True, block=block)
+  got = _KERNELS[platform](*args, scale=0.25, interpret=True, block=block)
   _close(got, expected, 1e-5)
   assert paged_attention.gpu_key_block(8192) == 64 and paged_attention.gpu_key_block(16) == 16
+  assert paged_attention.tpu_key_block(32768) == 512 and paged_attention.tpu_key_block(64) == 64
 
 
-def test_gpu_kernel_gives_the_same_bits_for_any_page_size_of_64_or_more():
-  """The same rows' keys paged by 64 and held as one page of 256 per row (the worst-case
-  slot layout): the Triton kernel folds the same 64-key blocks in the same order, so the
-  outputs are bit-identical (sampling draws the same tokens whatever ``page_size``)."""
-  b_, k_, j_, h_, n = 3, 2, 2, 16, 256
+@pytest.mark.parametrize("platform,block", [("gpu", 64), ("tpu", 512)])
+def test_kernel_gives_the_same_bits_for_any_page_size_of_its_key_block_or_more(platform,
+                                                                                block):
+  """The same rows' keys paged by the kernel's key block (64 keys on GPU, 512 on TPU) and
+  held as one page of 4 blocks per row (the worst-case slot layout): the kernel folds the
+  same key blocks in the same order, so the outputs are bit-identical (sampling draws the
+  same tokens whatever ``page_size`` of at least one block)."""
+  b_, k_, j_, h_, n = 3, 2, 2, 16, 4 * block
   rng = np.random.default_rng(10)
   q = jnp.asarray(rng.standard_normal((b_, k_, j_, h_), np.float32))
   keys = rng.standard_normal((b_, k_, h_, n), np.float32)
   values = rng.standard_normal((b_, k_, n, h_), np.float32)
-  start, length = jnp.asarray([0, 70, 5], jnp.int32), jnp.asarray([256, 200, 64], jnp.int32)
+  start = jnp.asarray([0, block + 6, 5], jnp.int32)
+  length = jnp.asarray([n, 3 * block + 8, block], jnp.int32)
   outs = []
-  for s_ in (64, 256):
+  for s_ in (block, n):
     per = n // s_  # pages per row, rows' pages interleaved in the pool
     pk = keys.reshape(b_, k_, h_, per, s_).transpose(3, 0, 1, 2, 4).reshape(-1, k_, h_, s_)
     pv = values.reshape(b_, k_, per, s_, h_).transpose(2, 0, 1, 3, 4).reshape(-1, k_, s_, h_)
     table = jnp.asarray(np.arange(per)[None, :] * b_ + np.arange(b_)[:, None], jnp.int32)
-    outs.append(_gpu_attention(q, jnp.asarray(pk), jnp.asarray(pv), table, start, length,
-                               scale=0.25, interpret=True))
+    outs.append(_KERNELS[platform](q, jnp.asarray(pk), jnp.asarray(pv), table, start, length,
+                                   scale=0.25, interpret=True))
   assert all(np.array_equal(a, b) for a, b in zip(*outs))
   one_page_each = np.arange(b_, dtype=np.int32)[:, None]
   _close(outs[0], _plain(q, keys, values, one_page_each, start, length, 0.25), 1e-5)
@@ -265,15 +275,22 @@ def _attention_for(platform, h_, keys_by_row=False):
   return attn
 
 
-@pytest.mark.parametrize("keys_by_row", [False, True])
-def test_tpu_kernel_compiles_with_mosaic_for_a_v5e_chip(keys_by_row):
+# one page of 32K tokens per row (the worst-case slot layout at 32K new tokens): read whole,
+# its K/V blocks overflowed the v5e's scoped VMEM; read in key blocks it compiles
+LONG_PAGE = (16, 8, 4, 128, 32768, 1, 8)
+
+
+@pytest.mark.parametrize("shape,keys_by_row", [(REAL, False), (REAL, True),
+                                               (LONG_PAGE, False)],
+                         ids=["pages", "pages-keys-by-row", "one-32k-page"])
+def test_tpu_kernel_compiles_with_mosaic_for_a_v5e_chip(shape, keys_by_row):
   pytest.importorskip("libtpu", reason="libtpu is part of the test extra")
   device = topology.topology_devices("v5e:1x1")[0]
-  args = _abstract(*REAL, sharding=jax.sharding.SingleDeviceSharding(device))
-  compiled = jax.jit(_attention_for("tpu", REAL[3], keys_by_row)).lower(*args).compile()
+  args = _abstract(*shape, sharding=jax.sharding.SingleDeviceSharding(device))
+  compiled = jax.jit(_attention_for("tpu", shape[3], keys_by_row)).lower(*args).compile()
   assert topology.mosaic_kernels(compiled.as_text()) == ["paged_decode_attention"]
   out, lse = compiled.out_info
-  assert out.shape == REAL[:4] and lse.shape == REAL[:3]
+  assert out.shape == shape[:4] and lse.shape == shape[:3]
   assert out.dtype == lse.dtype == jnp.float32
 
 
@@ -302,12 +319,12 @@ def test_gpu_kernel_lowers_for_cuda(shape, monkeypatch):
   assert [a.shape for a in exported.out_avals] == [shape[:4], shape[:3]]
 
 
-def test_page_index_map_skips_pages_outside_the_window():
-  """The table entry the TPU kernel's K/V blocks hold at each grid step: entries before the
-  live range repeat the first live one, entries past it the last one (no copy), an empty
-  row stays on one entry."""
-  entry = paged_attention._page_entry  # pylint: disable=protected-access
-  # (start, length) with S = 8, nb = 4
+def test_block_index_map_skips_blocks_outside_the_window():
+  """The key block the TPU kernel's K/V blocks hold at each grid step: blocks before the
+  live range repeat the first live one, blocks past it the last one (no copy), an empty
+  row stays on one block."""
+  entry = paged_attention._block_entry  # pylint: disable=protected-access
+  # (start, length) with blocks of 8 keys, 4 of them
   for (start, length), expect in [((9, 27), [1, 1, 2, 3]), ((0, 5), [0, 0, 0, 0]),
                                    ((0, 0), [0, 0, 0, 0]), ((16, 16), [1, 1, 1, 1]),
                                    ((0, 99), [0, 1, 2, 3]), ((40, 50), [3, 3, 3, 3])]:
