@@ -50,9 +50,10 @@ Implementations (``platform``; None follows ``shared_prefix_attention.current_pl
 Limits. TPU: blocks are whole [J,H] tiles and [H,Sb], [Sb,H] key blocks (Sb the whole page
 below 512 keys, else 512: a multiple of the 128 lanes), so any J, H and S are legal block
 shapes; the table (B·nb int32, flattened) with start and length is held in SMEM, which
-bounds B·nb; an entry of -1 inside a row's live range is skipped but still copies page 0. GPU: H and S must be powers of two; with H and the key
-block Sb >= 16 the products are dots with J padded to a power of two >= 16 (Triton's
-smallest dot), below that broadcast products summed over [J,H,Sb] (small tiles only).
+bounds B·nb; an entry of -1 inside a row's live range is skipped but still copies page 0.
+GPU: H and S must be powers of two; with H and the key block Sb >= 16 the products are
+dots with J padded to a power of two >= 16 (Triton's smallest dot), below that broadcast
+products summed over [J,H,Sb] (small tiles only).
 Scores and softmax are float32; 16-bit pages are multiplied natively (probabilities rounded
 to the values' dtype for p·V), float32 ones at ``jax_default_matmul_precision``: the online
 softmax and its products are the shared-prefix kernels' (``_tiles``).
@@ -225,7 +226,7 @@ def _compute_dtype(q, k_pages, v_pages):
 
 
 # ---------------------------------------------------------------------------------------
-# TPU (Mosaic): pages walked by the grid.
+# TPU (Mosaic): key blocks walked by the grid.
 
 
 def _block_entry(i, start, length, blocks: int, sb: int):

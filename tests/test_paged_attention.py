@@ -21,6 +21,7 @@ from rl_jax.train import topology
 
 A = jax.ShapeDtypeStruct
 _gpu_attention = paged_attention._gpu_attention  # pylint: disable=protected-access
+_tpu_attention = paged_attention._tpu_attention  # pylint: disable=protected-access
 
 
 def _plain(q, k_pages, v_pages, table, start, length, scale):
@@ -143,7 +144,7 @@ def test_gpu_kernel_dot_path_matches_reference():
   _close(_kernel("gpu")(*args), [np.asarray(x, np.float64) for x in expected], 1e-5)
 
 
-_KERNELS = {"gpu": _gpu_attention, "tpu": paged_attention._tpu_attention}  # pylint: disable=protected-access
+_KERNELS = {"gpu": _gpu_attention, "tpu": _tpu_attention}
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
