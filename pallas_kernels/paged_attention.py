@@ -39,11 +39,15 @@ Implementations (``platform``; None follows ``shared_prefix_attention.current_pl
          the index maps of the blocks outside the live range repeat a live block, so no copy
          is issued for them. The blocks do not grow with the page size, and any page size
          of 512 or more gives the same bits.
-  "gpu"  Triton: grid (B, K); each program loops (``lax.fori_loop``) over the row's live
-         key blocks, loading block c of page ``table[b,p]`` from the pool by dynamic
-         indexing and keeping the online softmax in registers. A block is 64 keys, or the
-         whole page where pages are shorter (``gpu_key_block``), so the tiles do not grow
-         with the page size and any page size of 64 or more gives the same bits.
+  "gpu"  Triton: grid (B, K, C); each program loops (``lax.fori_loop``) over its share of
+         the row's live key blocks, loading block c of page ``table[b,p]`` from the pool by
+         dynamic indexing and keeping the online softmax in registers. A block is 64 keys,
+         or the whole page where pages are shorter (``gpu_key_block``), so the tiles do not
+         grow with the page size and any page size of 64 or more gives the same bits. With
+         ``splits`` C = 1 (the default) one program walks the whole row; with C > 1 the
+         row's live blocks are cut into C consecutive runs, one program each, and their C
+         partial softmaxes are merged by log-sum-exp after the kernel (split-K decoding:
+         a few long rows then occupy C times as many multiprocessors; ``gpu_splits``).
   "cpu"  the jnp reference (``paged_decode_reference``), or with ``interpret=True`` the TPU
          kernel in the Pallas interpreter.
 
@@ -75,16 +79,18 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _tiles
-from pallas_kernels.lse_attention import partial_softmax
+from pallas_kernels.lse_attention import merge_partials, partial_softmax
 from pallas_kernels.shared_prefix_attention import current_platform
 
-__all__ = ["paged_decode_attention", "paged_decode_reference"]
+__all__ = ["auto_splits", "gpu_splits", "paged_decode_attention", "paged_decode_reference"]
 
 PLATFORMS = ("tpu", "gpu", "cuda", "rocm", "cpu")
 _LANES = 128
 _GPU_DOT_MIN = 16  # Triton's dot: every side at least 16
 _GPU_KEY_BLOCK = 64  # keys the GPU kernel reads per loop step (pages of more are split)
 _TPU_KEY_BLOCK = 512  # keys the TPU kernel reads per grid step (pages of more are split)
+_GPU_SPLIT_MIN_BLOCKS = 8  # "auto" splits: at least this many key blocks of a row per program
+_GPU_CORES = 132  # "auto" splits without a GPU to ask (an H100/H200's multiprocessors)
 
 
 # ---------------------------------------------------------------------------------------
@@ -159,7 +165,7 @@ def paged_decode_reference(q, k_pages, v_pages, table, start, length, *, scale):
 
 def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
                            platform: str | None = None, interpret: bool = False,
-                           keys_by_row: bool = False):
+                           keys_by_row: bool = False, splits: int | str = 1):
   """Paged decode attention and its log-sum-exp, by a Pallas kernel or the reference.
 
   Args:
@@ -176,6 +182,10 @@ def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
       XLA:TPU's default layout for [..,H,S] when S is below the 128 lanes and H a multiple
       of them) and saves the copy of the whole pool into the [H,S] layout that the kernel
       would need per call. The same values either way; the other implementations ignore it.
+    splits: GPU kernel: programs per (row, kv head), each walking one consecutive run of the
+      row's live key blocks, merged by log-sum-exp (1: one program walks the row); "auto":
+      ``gpu_splits`` of the shapes and the GPU's multiprocessors. Changes float rounding,
+      not the result; the other implementations ignore it.
 
   Returns:
     out float32 [B,K,J,H] normalised over the row's valid positions (0 where a row has
@@ -183,9 +193,13 @@ def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
 
   Raises:
     ValueError: on inconsistent shapes or dtypes, a page size that is not a power of two,
-      an unknown platform, or (GPU) a head dim that is not a power of two.
+      an unknown platform, ``splits`` not a positive int or "auto", or (GPU) a head dim that
+      is not a power of two.
   """
   _check_inputs(q, k_pages, v_pages, table, start, length)
+  if splits != "auto" and (isinstance(splits, bool) or not isinstance(splits, int)
+                           or splits < 1):
+    raise ValueError(f"splits must be a positive int or 'auto', got {splits!r}")
   impl = _resolve(platform, interpret)
   h = q.shape[-1]
   if impl == "gpu" and h & (h - 1):
@@ -194,7 +208,9 @@ def paged_decode_attention(q, k_pages, v_pages, table, start, length, *, scale,
   if impl == "reference":
     return _reference(*args, scale=float(scale))
   if impl == "gpu":
-    return _gpu_attention(*args, scale=float(scale), interpret=interpret)
+    if splits == "auto":
+      splits = auto_splits(q.shape[0], q.shape[1], table.shape[1], k_pages.shape[-1])
+    return _gpu_attention(*args, scale=float(scale), interpret=interpret, splits=splits)
   return _tpu_attention(*args, scale=float(scale), interpret=interpret,
                         keys_by_row=bool(keys_by_row))
 
@@ -343,7 +359,7 @@ def _tpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpre
 
 
 def _gpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                scale, dtype, use_dot, block):
+                scale, dtype, use_dot, block, splits):
   j_, h_ = q_ref.shape
   nb, s_ = table_ref.shape[0], k_ref.shape[-1]
   sub = s_ // block  # key blocks per page
@@ -369,8 +385,13 @@ def _gpu_kernel(table_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, ls
     return _tiles.online_softmax_step(*carry, s, mask, v, pv)
 
   first = lax.div(jnp.maximum(start, 0), block)
-  end = jnp.minimum(lax.div(jnp.maximum(length, 0) + block - 1, block), nb * sub)
-  m, l, acc = lax.fori_loop(first, jnp.maximum(end, first), step, _tiles.init_carry(j_, h_))
+  end = jnp.maximum(jnp.minimum(lax.div(jnp.maximum(length, 0) + block - 1, block), nb * sub),
+                    first)
+  if splits > 1:  # this program's run of the live blocks: ceil((end - first) / C) of them
+    per = lax.div(end - first + splits - 1, splits)
+    first = jnp.minimum(first + pl.program_id(2) * per, end)
+    end = jnp.minimum(first + per, end)
+  m, l, acc = lax.fori_loop(first, end, step, _tiles.init_carry(j_, h_))
   out, lse = _tiles.finalize(m, l, acc)
   o_ref[...] = out
   lse_ref[...] = lse[:, 0]
@@ -385,13 +406,47 @@ def gpu_key_block(s: int) -> int:
   return min(s, _GPU_KEY_BLOCK)
 
 
+def gpu_splits(programs: int, blocks: int, cores: int) -> int:
+  """``splits="auto"``: the smallest power of two C that gives ``programs`` (rows x kv heads)
+  x C at least two programs per multiprocessor (``cores``), while each program keeps at
+  least ``_GPU_SPLIT_MIN_BLOCKS`` (8) of the ``blocks`` key blocks a row's table can hold.
+  Shapes only (static): the number of compiled programs does not change."""
+  c = 1
+  while programs * c < 2 * cores and blocks // (2 * c) >= _GPU_SPLIT_MIN_BLOCKS:
+    c *= 2
+  return c
+
+
+def auto_splits(rows: int, kv_heads: int, entries: int, page: int) -> int:
+  """``splits="auto"`` for B = ``rows`` rows, K kv heads and tables of nb = ``entries``
+  pages of S = ``page`` keys: ``gpu_splits`` on this host's GPU (or ``_GPU_CORES``)."""
+  return gpu_splits(rows * kv_heads, entries * (page // gpu_key_block(page)), _gpu_cores())
+
+
+def _gpu_cores() -> int:
+  """Multiprocessors of the first GPU, or ``_GPU_CORES`` where there is none to ask (an
+  export for CUDA from a CPU host)."""
+  try:
+    return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or _GPU_CORES
+  except RuntimeError:
+    return _GPU_CORES
+
+
+def _merge_splits(out, lse):
+  """[B,K,C,J,H], [B,K,C,J] partials of C disjoint key runs -> [B,K,J,H], [B,K,J]."""
+  if out.shape[2] == 1:
+    return out[:, :, 0], lse[:, :, 0]
+  return merge_partials(list(jnp.moveaxis(out, 2, 0)), list(jnp.moveaxis(lse, 2, 0)),
+                        return_lse=True)
+
+
 def _pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block", "splits"))
 def _gpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpret,
-                   block=None):
+                   block=None, splits=1):
   b_, k_, j_, h_ = q.shape
   pg, nb, s_ = k_pages.shape[0], table.shape[1], k_pages.shape[-1]
   block = gpu_key_block(s_) if block is None else block
@@ -402,21 +457,23 @@ def _gpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpre
   q = jnp.pad(q, [(0, 0), (0, 0), (0, jp - j_), (0, 0)])
   nbp = _pow2(nb)
   table = jnp.pad(table, [(0, 0), (0, nbp - nb)], constant_values=-1)
-  row = lambda b, h: (b,)
-  qo_spec = pl.BlockSpec((None, None, jp, h_), lambda b, h: (b, h, 0, 0))
+  row = lambda b, h, c: (b,)
   out, lse = pl.pallas_call(
       functools.partial(_gpu_kernel, scale=scale, dtype=_compute_dtype(q, k_pages, v_pages),
-                        use_dot=use_dot, block=block),
-      grid=(b_, k_),
-      in_specs=[pl.BlockSpec((None, nbp), lambda b, h: (b, 0)),
-                pl.BlockSpec((None,), row), pl.BlockSpec((None,), row), qo_spec,
-                pl.BlockSpec((pg, None, h_, s_), lambda b, h: (0, h, 0, 0)),
-                pl.BlockSpec((pg, None, s_, h_), lambda b, h: (0, h, 0, 0))],
-      out_specs=[qo_spec, pl.BlockSpec((None, None, jp), lambda b, h: (b, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct((b_, k_, jp, h_), jnp.float32),
-                 jax.ShapeDtypeStruct((b_, k_, jp), jnp.float32)],
+                        use_dot=use_dot, block=block, splits=splits),
+      grid=(b_, k_, splits),
+      in_specs=[pl.BlockSpec((None, nbp), lambda b, h, c: (b, 0)),
+                pl.BlockSpec((None,), row), pl.BlockSpec((None,), row),
+                pl.BlockSpec((None, None, jp, h_), lambda b, h, c: (b, h, 0, 0)),
+                pl.BlockSpec((pg, None, h_, s_), lambda b, h, c: (0, h, 0, 0)),
+                pl.BlockSpec((pg, None, s_, h_), lambda b, h, c: (0, h, 0, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, jp, h_), lambda b, h, c: (b, h, c, 0, 0)),
+                 pl.BlockSpec((None, None, None, jp), lambda b, h, c: (b, h, c, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b_, k_, splits, jp, h_), jnp.float32),
+                 jax.ShapeDtypeStruct((b_, k_, splits, jp), jnp.float32)],
       compiler_params=pltriton.CompilerParams(num_warps=4 if h_ <= 64 else 8, num_stages=2),
       interpret=interpret,
       name="paged_decode_attention",
   )(table, start, length, q, k_pages, v_pages)
-  return out[:, :, :j_], lse[:, :, :j_]
+  out, lse = _merge_splits(out[:, :, :, :j_], lse[:, :, :, :j_])
+  return out, lse

@@ -18,7 +18,10 @@ quickstart wall time.
    pages), bf16 pools with random lengths and shuffled page tables, including one page per
    row of 8192 tokens (the worst-case slot layout): max abs difference of the output and the
    log-sum-exp, median ms of each, and the live K/V bytes the kernel must read over its time
-   as a fraction of the HBM bandwidth.
+   as a fraction of the HBM bandwidth. Beside it the GPU kernel with each row's key blocks
+   split over several programs (``splits="auto"``, merged by log-sum-exp), timed in the same
+   run, with its difference from the reference (on a TPU or CPU, the Triton kernel in the
+   Pallas interpreter at the reduced sizes only).
 5. The quickstart command's wall time into a fresh workdir (a subprocess; compiles included).
 
 On a GPU or TPU it runs the full sizes. Without one (CPU) it runs every check in a reduced
@@ -56,6 +59,7 @@ import optax  # noqa: E402
 import bench_rollout  # noqa: E402
 import bench_shared_prefix as bsp  # noqa: E402
 import pallas_kernels  # noqa: E402
+from pallas_kernels import paged_attention  # noqa: E402
 from rl_jax import models  # noqa: E402
 
 # Dense peak (bfloat16 matmul FLOP/s, HBM bytes/s) by a substring of device_kind, from the
@@ -67,8 +71,9 @@ PEAKS = {
 }
 # (rows B, kv heads K, query heads per kv head J, head dim H, page size S, longest length)
 PAGED_SIZES = {"full": [(64, 8, 4, 128, 64, 2048), (64, 8, 4, 128, 64, 8192),
-                        (16, 8, 4, 128, 8192, 8192)],
-               "reduced": [(3, 2, 2, 16, 16, 40), (2, 1, 2, 16, 64, 64)]}
+                        (16, 8, 4, 128, 8192, 8192), (4, 8, 4, 128, 64, 32768)],
+               "reduced": [(3, 2, 2, 16, 16, 40), (2, 1, 2, 16, 64, 64),
+                           (2, 1, 2, 16, 16, 512)]}
 KERNEL_SIZES = {"full": [(16, 1024, 256), (16, 2048, 512), (32, 4096, 512)],
                 "reduced": [(2, 8, 4), (3, 16, 8), (4, 32, 8)]}
 
@@ -152,14 +157,34 @@ def paged_rows(reduced: bool, repeats: int, peak_bw: float | None) -> list[dict]
         *a, scale=scale, interpret=interpret))
     reference = jax.jit(lambda *a: pallas_kernels.paged_decode_reference(*a, scale=scale))
     (o, lse), (eo, else_) = kernel(*args), reference(*args)
-    ms = {"kernel": _median_ms(lambda: kernel(*args), repeats),
-          "reference": _median_ms(lambda: reference(*args), repeats)}
+    fns = {"kernel": kernel, "reference": reference}
+    on_gpu = jax.default_backend() == "gpu"
+    splits = None
+    if on_gpu or reduced:  # the Triton kernel, each row's key blocks over several programs
+      splits = paged_attention.auto_splits(b, k, args[3].shape[1], s)
+      fns["split"] = jax.jit(lambda *a: pallas_kernels.paged_decode_attention(
+          *a, scale=scale, platform="gpu", interpret=not on_gpu, splits="auto"))
+      so, slse = fns["split"](*args)
+    ms = {name: [] for name in fns}
+    for _ in range(repeats):  # interleaved: one call of each per round (all compiled above)
+      for name, fn in fns.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ms[name].append((time.perf_counter() - t0) * 1e3)
+    ms = {name: float(np.median(t)) for name, t in ms.items()}
     live = 2 * tokens * k * h * jnp.dtype(dtype).itemsize  # keys + values of valid positions
+    bw = lambda name: live / (ms[name] / 1e3)
     rows.append(dict(b=b, k=k, j=j, h=h, s=s, longest=longest, dtype=jnp.dtype(dtype).name,
                      out_diff=float(jnp.max(jnp.abs(o - eo))),
                      lse_diff=float(jnp.max(jnp.abs(lse - else_))), ms=ms, live=live,
-                     achieved=live / (ms["kernel"] / 1e3),
-                     fraction=None if peak_bw is None else live / (ms["kernel"] / 1e3) / peak_bw))
+                     achieved=bw("kernel"),
+                     fraction=None if peak_bw is None else bw("kernel") / peak_bw,
+                     splits=splits,
+                     split_out_diff=None if splits is None else float(jnp.max(jnp.abs(so - eo))),
+                     split_lse_diff=None if splits is None else float(
+                         jnp.max(jnp.abs(jnp.where(jnp.isfinite(else_), slse - else_, 0)))),
+                     split_fraction=(None if peak_bw is None or splits is None
+                                     else bw("split") / peak_bw)))
   return rows
 
 
@@ -338,14 +363,19 @@ def main(argv=None) -> dict:
             f"| greedy | {dec['batch']} | {dec['step_ms']:.2f} | {dec['weights'] / 2**20:.1f} | "
             f"{dec['kv'] / 2**20:.1f} | {dec['achieved'] / 1e9:.1f} | {pct(dec['fraction'])} |"]
   lines += ["", "| paged decode | rows | K x J x H | page | longest | dtype | kernel ms | "
-            "reference ms | live K/V MiB | GB/s | of HBM peak | max diff out | max diff lse |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "reference ms | live K/V MiB | GB/s | of HBM peak | max diff out | max diff lse | "
+            "split: programs per row and kv head | split ms | split, of HBM peak | "
+            "split, max diff out |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in out["paged"] or []:
+    split = ("| | | | " if r.get("splits") is None else
+             f"{r['splits']} | {r['ms']['split']:.3f} | {pct(r['split_fraction'])} | "
+             f"{r['split_out_diff']:.1e} |")
     lines.append(f"| {'one page per row' if r['s'] >= r['longest'] else 'pages'} | {r['b']} | "
                  f"{r['k']} x {r['j']} x {r['h']} | {r['s']} | {r['longest']} | {r['dtype']} | "
                  f"{r['ms']['kernel']:.3f} | {r['ms']['reference']:.3f} | "
                  f"{r['live'] / 2**20:.1f} | {r['achieved'] / 1e9:.1f} | {pct(r['fraction'])} | "
-                 f"{r['out_diff']:.1e} | {r['lse_diff']:.1e} |")
+                 f"{r['out_diff']:.1e} | {r['lse_diff']:.1e} | {split}")
   if out["quickstart"]:
     q = out["quickstart"]
     acc = ("" if q.get("last") is None else

@@ -165,8 +165,11 @@ def test_accelerator_report_reduced_mode_on_cpu(monkeypatch):
   (args, tokens), = [report._paged_inputs(3, 2, 2, 16, 16, 40, jnp.float32)]  # pylint: disable=protected-access
   assert tokens == int(args[5].sum()) and int((args[3] >= 0).sum()) == args[1].shape[0]
   paged = report.paged_rows(reduced=True, repeats=1, peak_bw=None)
-  assert len(paged) == 2 and all(r["out_diff"] < 1e-5 and r["lse_diff"] < 1e-5 for r in paged)
+  assert len(paged) == 3 and all(r["out_diff"] < 1e-5 and r["lse_diff"] < 1e-5 for r in paged)
   assert paged[0]["live"] == 2 * tokens * 2 * 16 * 4 and paged[0]["fraction"] is None
+  # the split GPU kernel beside it (interpreted): 2 rows of up to 32 key blocks, 4 programs
+  assert [r["splits"] for r in paged] == [1, 1, 4]
+  assert all(r["split_out_diff"] < 1e-5 and r["split_lse_diff"] < 1e-5 for r in paged)
 
 
 def test_bench_memory_lora_checkpoint_writer_and_plan_verdict(tmp_path):

@@ -190,6 +190,34 @@ def test_kernel_gives_the_same_bits_for_any_page_size_of_its_key_block_or_more(p
   _close(outs[0], _plain(q, keys, values, one_page_each, start, length, 0.25), 1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("h_,s_,block", [(8, 16, 4), (16, 64, 16)], ids=["sum", "dot"])
+def test_gpu_kernel_splits_a_row_over_programs(h_, s_, block, splits):
+  """``splits`` C > 1: each row's live key blocks cut into C consecutive runs, one program
+  each, merged by log-sum-exp. Rows: the whole table (12 blocks), a window starting and
+  ending mid-block, a row of fewer live blocks than programs (some programs empty), an empty
+  row, a -1 entry inside a row."""
+  args = _case(11, 5, 2, 3, h_, s_, 3, 15, [0, block + 3, 2, 0, 0],
+               [3 * s_, 2 * s_ + block + 5, 2 * block, 0, 2 * s_ + 1], holes=[(4, 1)])
+  expected = _plain(*args, 0.25)
+  got = _gpu_attention(*args, scale=0.25, interpret=True, block=block, splits=splits)
+  _close(got, expected, 1e-5)
+  via_api = pallas_kernels.paged_decode_attention(*args, scale=0.25, platform="gpu",
+                                                  interpret=True, splits=splits)
+  _close(via_api, expected, 1e-5)
+
+
+def test_gpu_splits_fill_the_multiprocessors_with_enough_blocks_each():
+  """``splits="auto"``: the smallest power of two giving two programs per multiprocessor,
+  while every program keeps 8 of the table's key blocks."""
+  cases = [((16 * 8, 128, 132), 4),  # 16 rows of one 8192-key page, 8 kv heads, an H200
+           ((64 * 8, 128, 132), 1),  # already 512 programs
+           ((16 * 8, 8, 132), 1),  # 8 blocks: too few to share
+           ((1, 1024, 132), 128),  # one row, one kv head: 128 programs of 8 blocks
+           ((4, 1 << 20, 108), 64)]
+  assert [paged_attention.gpu_splits(*a) for a, _ in cases] == [c for _, c in cases]
+
+
 def test_tpu_kernel_bf16_and_mixed_dtypes():
   args = _case(7, 2, 2, 2, 16, 8, 3, 8, [0, 5], [24, 17], dtype=jnp.bfloat16)
   expected = _plain(*args, 0.25)
@@ -243,13 +271,15 @@ def test_platform_dispatch_and_merge_with_a_prompt_part():
     (dict(start=jnp.zeros((3,), jnp.int32)), "B=2 rows"),
     (dict(table=jnp.zeros((2, 2))), "table must be integers"),
     (dict(platform="metal"), "platform must be one of"),
+    (dict(splits=0), "splits must be a positive int or 'auto'"),
+    (dict(splits="many"), "splits must be a positive int or 'auto'"),
     (dict(platform="gpu", q=jnp.zeros((2, 1, 2, 12)), k_pages=jnp.zeros((6, 1, 12, 4)),
           v_pages=jnp.zeros((6, 1, 4, 12))), "power-of-two head dim"),
 ])
 def test_bad_inputs_raise(changes, message):
   args = dict(zip(("q", "k_pages", "v_pages", "table", "start", "length"),
                   _case(10, 2, 1, 2, 8, 4, 2, 6, [0, 0], [8, 3])))
-  kwargs = {"platform": changes.pop("platform")} if "platform" in changes else {}
+  kwargs = {k: changes.pop(k) for k in ("platform", "splits") if k in changes}
   args.update(changes)
   with pytest.raises(ValueError, match=message):
     pallas_kernels.paged_decode_attention(*args.values(), scale=1.0, **kwargs)
@@ -269,10 +299,10 @@ def _abstract(b_, k_, j_, h_, s_, nb, pg, dtype=jnp.bfloat16, sharding=None):
           spec((b_,), jnp.int32))
 
 
-def _attention_for(platform, h_, keys_by_row=False):
+def _attention_for(platform, h_, keys_by_row=False, splits=1):
   def attn(*args):
     return pallas_kernels.paged_decode_attention(*args, scale=h_ ** -0.5, platform=platform,
-                                                 keys_by_row=keys_by_row)
+                                                 keys_by_row=keys_by_row, splits=splits)
   return attn
 
 
@@ -298,9 +328,12 @@ def test_tpu_kernel_compiles_with_mosaic_for_a_v5e_chip(shape, keys_by_row):
 _TRITON = "__gpu$xla.gpu.triton"
 
 
-@pytest.mark.parametrize("shape", [REAL, (4, 2, 3, 64, 8, 4, 16)], ids=["dot", "small"])
-def test_gpu_kernel_lowers_for_cuda(shape, monkeypatch):
-  """jax.export for CUDA, with MLIR's verifier run on the Triton module Pallas builds."""
+@pytest.mark.parametrize("shape,splits", [(REAL, 1), ((4, 2, 3, 64, 8, 4, 16), 1),
+                                          (LONG_PAGE, "auto")],
+                         ids=["dot", "small", "one-32k-page-split"])
+def test_gpu_kernel_lowers_for_cuda(shape, splits, monkeypatch):
+  """jax.export for CUDA, with MLIR's verifier run on the Triton module Pallas builds (the
+  long rows split over programs: 16 rows x 8 kv heads x 4 programs)."""
   lowering = triton_registration.lowering
   lower = lowering.lower_jaxpr_to_triton_module
   verified = []
@@ -313,7 +346,7 @@ def test_gpu_kernel_lowers_for_cuda(shape, monkeypatch):
 
   monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
   exported = jax.export.export(
-      jax.jit(_attention_for("gpu", shape[3])), platforms=["cuda"],
+      jax.jit(_attention_for("gpu", shape[3], splits=splits)), platforms=["cuda"],
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON)])(
           *_abstract(*shape))
   assert exported.mlir_module().count(_TRITON) == 1 and verified == [True]
