@@ -408,9 +408,10 @@ def gpu_key_block(s: int) -> int:
 
 def gpu_splits(programs: int, blocks: int, cores: int) -> int:
   """``splits="auto"``: the smallest power of two C that gives ``programs`` (rows x kv heads)
-  x C at least two programs per multiprocessor (``cores``), while each program keeps at
-  least ``_GPU_SPLIT_MIN_BLOCKS`` (8) of the ``blocks`` key blocks a row's table can hold.
-  Shapes only (static): the number of compiled programs does not change."""
+  x C at least two programs per multiprocessor (``cores``), or, where that C would leave a
+  program fewer than ``_GPU_SPLIT_MIN_BLOCKS`` (8) of the ``blocks`` key blocks a row's
+  table can hold, the largest C that does not. Shapes only (static): the number of compiled
+  programs does not change."""
   c = 1
   while programs * c < 2 * cores and blocks // (2 * c) >= _GPU_SPLIT_MIN_BLOCKS:
     c *= 2
