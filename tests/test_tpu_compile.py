@@ -8,6 +8,7 @@ skip below is only a guard for an install without it. ``tests/conftest.py`` sets
 ``JAX_PLATFORMS=cpu`` and ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` before jax is imported.
 """
 
+import copy
 import dataclasses
 import json
 import math
@@ -71,6 +72,30 @@ def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
   assert progs["decode"]["calls"] == 5  # one step of the loop per new token
   est = p["estimate"]
   assert est["fits"] and est["rl_step"]["seconds"] > 0 and 0 < est["rl_step"]["mfu"] < 1
+
+
+def test_a_decode_that_gathers_the_model_every_step_gets_a_note(quick_plan):
+  """The quickstart's decode on 4 v5e chips split FSDP-style all-gathers every projection
+  at each step (at least half the policy's bytes): the plan's notes say so and name the
+  tensor size that splits the projections instead (2: the model's kv heads). No note with a
+  tensor axis, with rollout devices (their sampler mesh is FSDP only), with few bytes
+  gathered, or when no power of two divides the kv heads."""
+  p = quick_plan
+  gathered = p["programs"]["decode"]["collectives"]["all-gather"]["bytes"]
+  assert gathered >= p["state"]["rl"]["policy"] * 4 / 2
+  note = topology.decode_gather_note(p, kv_heads=2)
+  assert note in p["notes"] and "--config.mesh.shape.tensor=2 " in note
+  # 8 kv heads on the 4 chips: tensor 4 (the chips bound it), and on 8 chips still 4
+  assert "--config.mesh.shape.tensor=4 " in topology.decode_gather_note(p, kv_heads=8)
+  eight = dict(p, sampler_mesh=dict(p["sampler_mesh"], fsdp=8))
+  assert "--config.mesh.shape.tensor=4 " in topology.decode_gather_note(eight, kv_heads=8)
+  tensor = dict(p, sampler_mesh=dict(p["sampler_mesh"], fsdp=2, tensor=2))
+  assert topology.decode_gather_note(tensor, kv_heads=2) is None
+  assert topology.decode_gather_note(p, kv_heads=2, rollout_devices=2) is None
+  few = copy.deepcopy(p)
+  few["programs"]["decode"]["collectives"]["all-gather"]["bytes"] = 1000
+  assert topology.decode_gather_note(few, kv_heads=2) is None
+  assert topology.decode_gather_note(p, kv_heads=1) is None
 
 
 def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path):

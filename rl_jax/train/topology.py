@@ -100,7 +100,7 @@ __all__ = ["CHIPS", "Built", "Chip", "TopologyPlanError", "PLAN_FILE", "TPU_INST
            "parse_topology", "topology_devices", "collectives", "mosaic_kernels",
            "program_cost", "build", "batch_peaks", "batch_step", "max_batch",
            "sampler_programs", "requested", "check_requested", "use_host_platform",
-           "plan_topology", "format_plan"]
+           "plan_topology", "format_plan", "decode_gather_note"]
 
 GiB = 1 << 30
 PLAN_FILE = "topology_plan.json"
@@ -683,6 +683,9 @@ def plan_topology(config: ml_collections.ConfigDict, workdir: str | None = None,
              sampler_mesh={k: int(v) for k, v in s.sampler_mesh.shape.items()},
              rules=s.rules, programs=programs, notes=notes,
              compile_s=round(time.perf_counter() - t0, 1))
+  gather = decode_gather_note(out, s.model_cfg.num_kv_heads, config.mesh.rollout_devices)
+  if gather:
+    notes.append(gather)
   out["estimate"] = _estimate(s, out)
   if echo:  # the table first: the search below compiles the RL programs again
     print(format_plan(out), flush=True)
@@ -910,6 +913,36 @@ def _grown_pool(kv: dict, decode_peak: int, chip: Chip) -> dict:
           f", over the {_gib(chip.hbm)}; set rollout.kv_pages={int(room)} (the most that "
           "fit; the engine preempts beyond) or rollout.kv_memory_fraction"))
   return out
+
+
+def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> str | None:
+  """A note when the sampler's decode all-gathers its weights every step: its all-gather
+  bytes per step (``plan["programs"]["decode"]``) at least half the sampler's weights (its
+  own copy per chip, else the policy per chip, times the sampler mesh's chips), on a sampler
+  mesh of several chips and no ``tensor`` axis. Each chip then gathers and reads the whole
+  model per token; splitting the projections over ``tensor`` chips reads a share of them and
+  moves activations instead (docs/SCALING.md, "The mesh that does best on v5p-16"). The
+  suggested ``tensor`` size is the largest power of two up to 4 (the size compiled there)
+  that divides the sampler mesh's chips and ``kv_heads``. None otherwise, and with ``mesh.rollout_devices`` (that sampler
+  mesh is FSDP only, whatever the training mesh)."""
+  mesh = plan["sampler_mesh"]
+  chips = math.prod(mesh.values())
+  state = plan["state"]["rl"]
+  weights = (state.get("sampler_copy") or state["policy"]) * chips
+  gathered = plan["programs"]["decode"]["collectives"].get("all-gather", {}).get("bytes", 0)
+  if (rollout_devices or mesh.get("tensor", 1) > 1 or chips < 2 or not weights
+      or gathered < weights / 2):
+    return None
+  tensor = 1
+  while tensor < 4 and chips % (2 * tensor) == 0 and kv_heads % (2 * tensor) == 0:
+    tensor *= 2
+  if tensor < 2:
+    return None
+  return (f"the decode all-gathers {_gib(gathered)} of weights per chip per step (its "
+          f"{chips} chips split every projection as FSDP does); with "
+          f"--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor={tensor} "
+          f"--config.mesh.shape.fsdp=-1 each chip keeps 1/{tensor} of every projection and "
+          "the decode moves activations instead")
 
 
 def _time(prog: dict, chip: Chip) -> None:
