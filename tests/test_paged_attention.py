@@ -209,7 +209,7 @@ def test_gpu_kernel_splits_a_row_over_programs(h_, s_, block, splits):
 
 def test_gpu_splits_fill_the_multiprocessors_with_enough_blocks_each():
   """``splits="auto"``: the smallest power of two giving two programs per multiprocessor,
-  while every program keeps 8 of the table's key blocks."""
+  or the largest that leaves every program 8 of the table's key blocks."""
   cases = [((16 * 8, 128, 132), 4),  # 16 rows of one 8192-key page, 8 kv heads, an H200
            ((64 * 8, 128, 132), 1),  # already 512 programs
            ((16 * 8, 8, 132), 1),  # 8 blocks: too few to share

@@ -923,8 +923,8 @@ def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> s
   model per token; splitting the projections over ``tensor`` chips reads a share of them and
   moves activations instead (docs/SCALING.md, "The mesh that does best on v5p-16"). The
   suggested ``tensor`` size is the largest power of two up to 4 (the size compiled there)
-  that divides the sampler mesh's chips and ``kv_heads``. None otherwise, and with ``mesh.rollout_devices`` (that sampler
-  mesh is FSDP only, whatever the training mesh)."""
+  that divides the sampler mesh's chips and ``kv_heads``. None otherwise, and with
+  ``mesh.rollout_devices`` (that sampler mesh is FSDP only, whatever the training mesh)."""
   mesh = plan["sampler_mesh"]
   chips = math.prod(mesh.values())
   state = plan["state"]["rl"]
