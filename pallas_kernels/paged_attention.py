@@ -476,5 +476,4 @@ def _gpu_attention(q, k_pages, v_pages, table, start, length, *, scale, interpre
       interpret=interpret,
       name="paged_decode_attention",
   )(table, start, length, q, k_pages, v_pages)
-  out, lse = _merge_splits(out[:, :, :, :j_], lse[:, :, :, :j_])
-  return out, lse
+  return _merge_splits(out[:, :, :, :j_], lse[:, :, :, :j_])

@@ -161,9 +161,9 @@ def paged_rows(reduced: bool, repeats: int, peak_bw: float | None) -> list[dict]
     on_gpu = jax.default_backend() == "gpu"
     splits = None
     if on_gpu or reduced:  # the Triton kernel, each row's key blocks over several programs
-      splits = paged_attention.auto_splits(b, k, args[3].shape[1], s)
-      fns["split"] = jax.jit(lambda *a: pallas_kernels.paged_decode_attention(
-          *a, scale=scale, platform="gpu", interpret=not on_gpu, splits="auto"))
+      splits = paged_attention.auto_splits(b, k, args[3].shape[1], s)  # what "auto" picks
+      fns["split"] = jax.jit(lambda *a, c=splits: pallas_kernels.paged_decode_attention(
+          *a, scale=scale, platform="gpu", interpret=not on_gpu, splits=c))
       so, slse = fns["split"](*args)
     ms = {name: [] for name in fns}
     for _ in range(repeats):  # interleaved: one call of each per round (all compiled above)
