@@ -162,7 +162,7 @@ class Trainer:
         n=pick(n, s.geometry.samples), max_new_tokens=pick(max_new_tokens, r.max_new_tokens),
         temperature=pick(temperature, r.temperature), top_p=pick(top_p, r.top_p),
         top_k=pick(top_k, r.top_k), eos_id=s.eos_id, seed=seed, first_index=first_index,
-        mesh=s.sampler_mesh, rules=s.rules)
+        mesh=s.sampler_mesh, rules=s.sampler_rules)
 
   def batch(self, prompts: Sequence[Sequence[int] | str], out, rewards=None, *,
             advantages=None) -> Batch:

@@ -677,6 +677,11 @@ class MeshSettings:
       0, cu.nonnegative_int,
       'train.mode="async": the first k devices form the rollout mesh and the training mesh '
       "(shape) takes the rest; 0: the producer samples on the training devices")
+  sampler_tensor: int = setting(
+      0, cu.nonnegative_int,
+      "the sampler's own tensor-parallel size: its mesh splits heads, MLP and vocab over "
+      "this many of its devices (rules fsdp_tp) while training keeps mesh.shape and "
+      "mesh.rules; 0: the training mesh's tensor size and rules")
 
 
 @dataclasses.dataclass(frozen=True)

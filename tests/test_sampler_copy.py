@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax import models, rollout, train
+from rl_jax import models, rollout, sharding, train
 from rl_jax.train import layout as layout_lib
 from rl_jax.train import memory, rollouts, runner
 from tests.test_moe_rl import CFG as MOE_CFG
@@ -92,3 +92,54 @@ def test_one_process_decodes_from_a_copy_with_sampler_copy():
   assert plan["state"]["rl"]["sampler_copy"] == projections
   off = layout_lib.make_layout(train.build_setup(_config(bf16 + ["rollout.sampler_copy=False"])))
   assert off.sampler_params(params) is params
+
+
+def test_sampler_tensor_gives_the_sampler_a_tensor_parallel_copy():
+  """``mesh.sampler_tensor=2`` beside FSDP training over 8 devices: the sampler's mesh is
+  fsdp 4 x tensor 2 over the same devices with the fsdp_tp rules, its copy of the policy
+  splits heads and MLP over ``tensor`` (the same numbers, the policy still FSDP), the engines
+  are built for that mesh and rules, and the memory plan counts the copy's bytes per device.
+  The rollout devices of the asynchronous trainer take it too; a size that does not divide
+  the sampler's devices is one error line; the training mesh's own size and rules share the
+  weights as before."""
+  from rl_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from rl_jax.train import state as state_lib  # pylint: disable=import-outside-toplevel
+  s = train.build_setup(_config(["mesh.num_devices=8", "mesh.sampler_tensor=2"]))
+  assert dict(s.sampler_mesh.shape) == dict(data=1, fsdp=4, sequence=1, tensor=2)
+  assert set(s.sampler_mesh.devices.flat) == set(s.mesh.devices.flat)
+  assert s.sampler_rules == "fsdp_tp" and s.rules == "fsdp" and not s.shared_sampler
+  layout = layout_lib.make_layout(s)
+  assert layout.decodes_copy and not layout.shared_sampler
+  params = models.init_sharded(s.model_cfg, jax.random.key(0), s.mesh, s.rules)
+  copy = layout.sampler_params(params)
+  P = jax.sharding.PartitionSpec
+  assert params["layers"]["q"].sharding.spec == P(None, "fsdp", None, None)
+  assert copy["layers"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+  assert copy["layers"]["up"].sharding.spec == P(None, "fsdp", "tensor")
+  assert copy["layers"]["q"].sharding.mesh == s.sampler_mesh
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(copy)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                    for x in jax.tree.leaves(copy))
+  assert memory._sampler_copy_bytes(s, params) == shard_bytes  # pylint: disable=protected-access
+  t = rollouts.TrainParts(setup=s, layout=layout, steps=None, engine=None)
+  plan = memory.state_plan(t, None, state_lib.abstract_state(s, rl=True))
+  assert plan["state"]["rl"]["sampler_copy"] == shard_bytes
+  engine, _ = memory.sampler_engine(t)
+  assert engine.ctx == (s.sampler_mesh, sharding.RULES["fsdp_tp"])
+  partial = train.build_setup(_config(["mesh.num_devices=8", "mesh.sampler_tensor=2",
+                                       "rollout.partial=True"]))
+  assert state_lib.make_engine(partial).ctx == (partial.sampler_mesh, sharding.RULES["fsdp_tp"])
+
+  split = train.build_setup(_config(LAG_ONE + ["mesh.num_devices=0", "mesh.rollout_devices=4",
+                                               "mesh.sampler_tensor=2"]))
+  assert dict(split.sampler_mesh.shape) == dict(data=1, fsdp=2, sequence=1, tensor=2)
+  assert sorted(d.id for d in split.sampler_mesh.devices.flat) == [0, 1, 2, 3]
+  with pytest.raises(ConfigError, match="mesh.sampler_tensor=3 does not divide the sampler's "
+                     "8 devices"):
+    train.build_setup(_config(["mesh.num_devices=8", "mesh.sampler_tensor=3"]))
+  same = train.build_setup(_config(["mesh.num_devices=8", "mesh.rules=fsdp_tp",
+                                    "mesh.shape.tensor=2", "mesh.shape.fsdp=-1",
+                                    "mesh.sampler_tensor=2"]))
+  assert same.shared_sampler and same.sampler_mesh is same.mesh
+  assert layout_lib.make_layout(same).sampler_params(params) is params  # no copy

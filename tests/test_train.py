@@ -127,16 +127,29 @@ def test_rerun_of_finished_run_changes_nothing(tmp_path, tiny_run):
   assert len(metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))) == n_rows
 
 
-def test_eight_devices_match_one(tmp_path):
-  # 8 groups: each device computes one in the update; only the final weights are compared
-  split = ["train.batch_groups=8", "train.checkpoint_every=0"]
-  one = _config(["mesh.num_devices=1"] + split)
-  eight = _config(["mesh.num_devices=8", "mesh.rules=fsdp"] + split)
-  s1 = train.train(one, str(tmp_path / "one"), progress=False)
+# 8 groups: each device computes one in the update; only the final weights are compared
+EIGHT_GROUPS = ["train.batch_groups=8", "train.checkpoint_every=0"]
+
+
+@pytest.fixture(scope="module")
+def one_device_params(tmp_path_factory):
+  """The final weights of the 8-group run on one device."""
+  state = train.train(_config(["mesh.num_devices=1"] + EIGHT_GROUPS),
+                      str(tmp_path_factory.mktemp("one")), progress=False)
+  return jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.parametrize("sampler", [[], ["mesh.sampler_tensor=2"]],
+                         ids=["fsdp", "tensor-parallel-sampler"])
+def test_eight_devices_match_one(tmp_path, one_device_params, sampler):
+  """FSDP over 8 devices == one device; also with the sampler on a mesh of its own that
+  splits heads and MLP over 2 of them (``mesh.sampler_tensor``) while training stays FSDP."""
+  eight = _config(["mesh.num_devices=8", "mesh.rules=fsdp"] + EIGHT_GROUPS + sampler)
   s8 = train.train(eight, str(tmp_path / "eight"), progress=False)
   assert len(s8.params["layers"]["q"].sharding.device_set) == 8
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                       atol=2e-5, rtol=1e-4), s1.params, s8.params)
+  assert [a for a in s8.params["layers"]["q"].sharding.spec if a] == ["fsdp"]  # still FSDP
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, atol=2e-5, rtol=1e-4),
+               s8.params, one_device_params)
 
 
 def test_partial_rollouts_train_and_resume_exactly(tmp_path):

@@ -136,11 +136,14 @@ def test_fixed_lag_resume_after_sigkill_is_bit_exact(tmp_path):
   assert [r["step"] for r in metrics.read_jsonl(path)] == list(range(1, 8))
 
 
-def test_split_rollout_and_training_meshes_match_one_device(tmp_path, lag_one_run):
-  """Producer on 4 devices, learner FSDP over the other 4 == everything on one device (the
-  same lag-1 run as ``lag_one_run``, whose exported weights it is compared with)."""
-  split = train.train(_config(LAG_ONE + ["mesh.num_devices=0", "mesh.rollout_devices=4"]),
-                      str(tmp_path), progress=False)
+@pytest.mark.parametrize("sampler", [[], ["mesh.sampler_tensor=2"]],
+                         ids=["fsdp", "tensor-parallel-sampler"])
+def test_split_rollout_and_training_meshes_match_one_device(tmp_path, lag_one_run, sampler):
+  """Producer on 4 devices (FSDP, or fsdp 2 x tensor 2: ``mesh.sampler_tensor``), learner
+  FSDP over the other 4 == everything on one device (the same lag-1 run as
+  ``lag_one_run``, whose exported weights it is compared with)."""
+  split = train.train(_config(LAG_ONE + ["mesh.num_devices=0", "mesh.rollout_devices=4"]
+                              + sampler), str(tmp_path), progress=False)
   devices = split.params["layers"]["q"].sharding.device_set
   assert len(devices) == 4 and min(d.id for d in devices) >= 4  # the training half
   one_w, split_w = lag_one_run[1], _weights(tmp_path)

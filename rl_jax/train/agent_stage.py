@@ -372,7 +372,7 @@ def make_engine(s, temperature: float, kv_pages: int | None = None):
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
       deterministic=True, result_delay=e.result_delay_steps,
       ttl_steps=None if e.kv_ttl_steps < 0 else e.kv_ttl_steps, mesh=s.sampler_mesh,
-      rules=s.rules, page_size=r.page_size, kv_pages=kv_pages or r.kv_pages,
+      rules=s.sampler_rules, page_size=r.page_size, kv_pages=kv_pages or r.kv_pages,
       kv_memory_fraction=r.kv_memory_fraction,
       prefill_chunk=r.prefill_chunk)
 

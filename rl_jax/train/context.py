@@ -57,7 +57,8 @@ class Setup:
   job (but the rollout devices of ``train.mode="async"``); ``sampler_mesh`` is the mesh the
   sampler runs on: the same with one process, this process's own devices with several (each
   process samples on its own devices; the asynchronous trainer's on its share of the rollout
-  devices, ``split_devices``).
+  devices, ``split_devices``), its ``tensor`` axis ``mesh.sampler_tensor`` when set;
+  ``sampler_rules`` the rule set it lays its weights out by.
   With ``env.name`` set, ``task`` is the environment task (``rl_jax.envs.spec.EnvSpec``)
   and the splits are ``agent_stage.EnvExample``s (the rendered first prompt of each).
   The config's sections arrive as their typed settings (``rollout``, ``train``, ``sft``,
@@ -76,6 +77,7 @@ class Setup:
   mesh: jax.sharding.Mesh
   sampler_mesh: jax.sharding.Mesh
   rules: str
+  sampler_rules: str  # the sampler's rule set: rules, or "fsdp_tp" with mesh.sampler_tensor
   objective: losses.Objective
   optimizers: Optimizers
   prompt_len: int
@@ -115,6 +117,13 @@ class Setup:
     if not wd:
       return self.model_cfg
     return self.model_cfg.replace(quant=wd, quant_block=self.model_cfg.head_dim)
+
+  @property
+  def shared_sampler(self) -> bool:
+    """Whether the sampler decodes from the training weights where they lie (the training
+    mesh and rules); else it keeps a copy laid out for its own mesh or rules
+    (``mesh.sampler_tensor``, several processes, rollout devices)."""
+    return self.sampler_mesh is self.mesh and self.sampler_rules == self.rules
 
   def __post_init__(self):  # the settings have the config sections' fields
     object.__setattr__(self, "geometry", config_lib.geometry(self))
@@ -451,6 +460,12 @@ def _device_rules(config, j: Job) -> None:
                       + (f" besides mesh.rollout_devices={n}" if n else ""))
   if P > 1 and n_dev % P:
     raise ConfigError(f"mesh.num_devices={n_dev} does not split evenly over {P} processes")
+  t = c.mesh.sampler_tensor
+  per = n // P if n else (len(j.local) if P > 1 else n_dev)
+  if t and per % t:
+    where = " in each process" if P > 1 else ""
+    raise ConfigError(f"mesh.sampler_tensor={t} does not divide the sampler's {per} "
+                      f"devices{where}")
 
 
 def split_devices(devices: Sequence[Any], rollout: int,
@@ -491,20 +506,40 @@ def _sampler_mesh(config, mesh: jax.sharding.Mesh, j: Job) -> jax.sharding.Mesh:
   groups over ``fsdp``: with several processes this process's share of them); with several
   processes and no rollout devices, this process's devices with the training mesh's
   ``sequence`` and ``tensor`` sizes (KV cache along sequence, heads along tensor) when they
-  fit, groups over ``fsdp``."""
-  n = config.mesh.rollout_devices
+  fit, groups over ``fsdp``. ``mesh.sampler_tensor`` = t > 0 sets the sampler's ``tensor``
+  size to t instead (and with one process gives the sampler a mesh of its own over the
+  training devices, ``sampler_rules``)."""
+  n, t = config.mesh.rollout_devices, config.mesh.sampler_tensor
   if n:
     roll, _ = split_devices(j.devices, n)
     local = [d for d in roll if d.process_index == j.index]
-    return sharding.make_mesh({"fsdp": len(local)}, local)
-  if j.processes == 1:
+    return sharding.make_mesh({"fsdp": len(local) // max(t, 1), "tensor": max(t, 1)}, local)
+  if j.processes == 1 and not _own_sampler_layout(config, mesh):
     return mesh
-  local = j.local
+  local = j.local if j.processes > 1 else list(mesh.devices.flat)
   inner = {a: mesh.shape[a] for a in ("sequence", "tensor")}
+  if t:
+    inner["tensor"] = t
   if len(local) % (inner["sequence"] * inner["tensor"]):
-    inner = {"sequence": 1, "tensor": 1}
+    inner["sequence"] = 1
+  if len(local) % inner["tensor"]:
+    inner["tensor"] = 1
   fsdp = len(local) // (inner["sequence"] * inner["tensor"])
   return sharding.make_mesh({"fsdp": fsdp, **inner}, local)
+
+
+def sampler_rules(config) -> str:
+  """The rule set the sampler lays out its weights and KV cache by: ``mesh.rules``, or
+  with ``mesh.sampler_tensor`` > 1 ``"fsdp_tp"`` (heads, MLP and vocab over the sampler's
+  ``tensor`` axis), whatever the training rules."""
+  return "fsdp_tp" if config.mesh.sampler_tensor > 1 else config.mesh.rules
+
+
+def _own_sampler_layout(config, mesh: jax.sharding.Mesh) -> bool:
+  """Whether ``mesh.sampler_tensor`` lays the sampler out otherwise than the training mesh
+  (another ``tensor`` size or other rules)."""
+  t = config.mesh.sampler_tensor
+  return bool(t) and (t != mesh.shape["tensor"] or sampler_rules(config) != config.mesh.rules)
 
 
 def _optimizers(config, objective: losses.Objective) -> Optimizers:
@@ -551,6 +586,7 @@ def build_setup(config: ml_collections.ConfigDict,
   return Setup(tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
+               sampler_rules=sampler_rules(config),
                objective=objective, optimizers=_optimizers(config, objective),
                prompt_len=prompt_len, eos_id=tokenizer.eos_id if eos is None else eos,
                chat=fmt, teacher_cfg=teacher_cfg, group_fn=group_fn, judge=judge,

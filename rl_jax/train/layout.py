@@ -15,7 +15,9 @@ from the host copy.
 ``Layout.sampler_params`` hands the sampler the policy (with LoRA and ``rollout.lora_merge``
 the merged weights; with ``rollout.weight_dtype`` quantised) on ``Setup.sampler_mesh``: the
 weights themselves with one process (a device-to-device copy when the asynchronous trainer
-samples on devices of its own); with several processes sampling on the training devices,
+samples on devices of its own; with ``mesh.sampler_tensor`` a jitted reshard to the
+sampler's own layout over the training devices, e.g. tensor-parallel decoding beside FSDP
+training); with several processes sampling on the training devices,
 one jitted reshard to a copy per process laid out over that process's devices by the
 sampler's rules (``per_process_shardings``: sharded within the process, replicated across
 processes), whose shards on this process's devices form the local copy; with the
@@ -54,6 +56,13 @@ class Layout(NamedTuple):
   quantize: Callable | None = None  # rollout.weight_dtype: weights -> the sampler's quantised
   sampler_cfg: Any = None  # the ModelConfig the sampler decodes with (its weights' layout)
   narrow: bool = False  # rollout.sampler_copy on the training mesh: decode from ``narrowed``
+  sampler_rules: str | None = None  # the sampler's rule set (Setup.sampler_rules); None: rules
+
+  @property
+  def shared_sampler(self) -> bool:
+    """Whether the sampler decodes from the weights where they lie (``Setup.shared_sampler``):
+    the training mesh and rules."""
+    return self.sampler_mesh is self.mesh and (self.sampler_rules or self.rules) == self.rules
 
   @property
   def replicated(self) -> jax.sharding.NamedSharding:
@@ -108,9 +117,9 @@ class Layout(NamedTuple):
 
   @property
   def decodes_copy(self) -> bool:
-    """Whether the sampler decodes from a ``narrowed`` copy: on a sampler mesh of its own,
-    or with ``narrow`` (``rollout.sampler_copy``) on the training mesh."""
-    return self.sampler_mesh is not self.mesh or self.narrow
+    """Whether the sampler decodes from a ``narrowed`` copy: on a sampler mesh (or rules)
+    of its own, or with ``narrow`` (``rollout.sampler_copy``) on the training mesh."""
+    return not self.shared_sampler or self.narrow
 
   def narrowed(self, weights: Any) -> Any:
     """``weights`` for a copy the sampler decodes from: the projection matrices in the
@@ -125,22 +134,28 @@ class Layout(NamedTuple):
   def local_params(self, params: Any) -> Any:
     """``params`` as they are, placed on ``Setup.sampler_mesh`` (the final export reads
     them there): with one process the weights themselves, or a device-to-device copy on the
-    asynchronous trainer's rollout devices; with several processes sampling on the
+    asynchronous trainer's rollout devices, or with ``mesh.sampler_tensor`` a jitted reshard
+    to the sampler's layout over the training devices; with several processes sampling on the
     training devices, one jitted reshard to a copy per process laid out by the sampler's
     rules over that process's devices (``per_process_shardings``; every process runs it,
     in the same order), whose shards here are the local copy: a device holds its share of
     the weights, not all of them; otherwise a jitted all-gather to a replica on every
     training device, then this process's shards of it (``_local_replica``)."""
-    if self.sampler_mesh is self.mesh:
+    if self.shared_sampler:
       return params
     local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
-    if jax.process_count() == 1:  # the asynchronous trainer's own rollout devices
+    on_training = self.sampler_cfg is not None and set(self.sampler_mesh.devices.flat) <= set(
+        self.mesh.devices.flat)
+    adapters = bool(models.lora.split(params)[1])
+    rules = self.sampler_rules or self.rules
+    if jax.process_count() == 1 and not on_training:  # the asynchronous trainer's own devices
       return jax.device_put(params, local, may_alias=False)
+    if jax.process_count() == 1:  # a layout of its own on the training devices
+      return _reshard(self.sampler_cfg, self.sampler_mesh, rules, adapters)(params)
     per_process = None
-    if self.sampler_cfg is not None and set(self.sampler_mesh.devices.flat) <= set(
-        self.mesh.devices.flat):  # sampling on the training devices: shard per process
-      per_process = _per_process(self.sampler_cfg, self.mesh, self.sampler_mesh, self.rules,
-                                 bool(models.lora.split(params)[1]))
+    if on_training:  # sampling on the training devices: shard per process
+      per_process = _per_process(self.sampler_cfg, self.mesh, self.sampler_mesh, rules,
+                                 adapters)
     if per_process is not None:
       targets, reshard = per_process
       return jax.tree.map(lambda x, t: jax.make_array_from_single_device_arrays(
@@ -184,6 +199,14 @@ def sampler_shardings(cfg, mesh: jax.sharding.Mesh, rules, params: Any) -> Any:
 def _sampler_targets(cfg, mesh: jax.sharding.Mesh, rules, adapters: bool) -> Any:
   targets = models.param_shardings(cfg, mesh, rules)
   return targets if adapters else models.lora.strip(targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _reshard(cfg, sampler_mesh: jax.sharding.Mesh, rules, adapters: bool) -> Callable:
+  """A jitted copy of the policy into the sampler's layout on ``sampler_mesh`` (its
+  devices the training mesh's: XLA moves the shards device to device)."""
+  return jax.jit(lambda tree: tree,
+                 out_shardings=_sampler_targets(cfg, sampler_mesh, rules, adapters))
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,7 +266,7 @@ def make_layout(s: Setup, abstract: TrainState | None = None) -> Layout:
                        out_shardings=models.param_shardings(cfg, s.mesh, s.rules))
   return Layout(mesh=s.mesh, sampler_mesh=s.sampler_mesh, rules=s.rules, state=shardings,
                 merge=merge, quantize=quantize, sampler_cfg=s.sampler_cfg,
-                narrow=narrow_copy(s))
+                narrow=narrow_copy(s), sampler_rules=s.sampler_rules)
 
 
 def narrow_copy(s: Setup) -> bool:

@@ -343,7 +343,7 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
     return agent_stage.make_engine(s, r.temperature, kv_pages), groups
   kw = dict(n=geo.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id, mesh=s.sampler_mesh,
-            rules=s.rules, context=s.model_cfg.max_position_embeddings,
+            rules=s.sampler_rules, context=s.model_cfg.max_position_embeddings,
             page_size=r.page_size, kv_pages=kv_pages or r.kv_pages,
             prefill_chunk=r.prefill_chunk)
   if r.partial:
@@ -367,7 +367,8 @@ def _sampler_copy_bytes(s, params) -> int:
               for x in jax.tree.leaves(params))
   if not set(s.sampler_mesh.devices.flat) <= set(s.mesh.devices.flat):
     return whole
-  targets = layout_lib.sampler_shardings(s.sampler_cfg, s.sampler_mesh, s.rules, params)
+  targets = layout_lib.sampler_shardings(s.sampler_cfg, s.sampler_mesh, s.sampler_rules,
+                                         params)
   return sum(math.prod(t.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
              for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets)))
 
@@ -418,7 +419,7 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
   if sft_state is not None:
     phases = {"sft": state_parts(sft_state), **phases}
   sampler = 0
-  if s.sampler_mesh is not s.mesh:  # a copy of the policy for this process's sampler
+  if not s.shared_sampler:  # a copy of the policy laid out for the sampler
     sampler = _sampler_copy_bytes(s, rl_state.params)
   elif t.layout.merge is not None:  # LoRA merged for the sampler: new adapted weights
     base = models.lora.split(rl_state.params)[0]["layers"]
@@ -427,7 +428,7 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
     base = models.lora.strip(rl_state.params) if t.layout.merge is not None else rl_state.params
     layers = jax.eval_shape(t.layout.quantize, base)["layers"]
     sampler += sum(tree_bytes(layers[k]) for k in models.quant.targets(s.sampler_cfg))
-  if t.layout.narrow and s.sampler_mesh is s.mesh:  # rollout.sampler_copy
+  if t.layout.narrow and s.shared_sampler:  # rollout.sampler_copy
     weights = rl_state.params
     if t.layout.quantize is not None:  # quantised projections stay as they are
       base = models.lora.strip(weights) if t.layout.merge is not None else weights

@@ -140,7 +140,7 @@ def generate(s: Setup, params, prompts, cfg=None, **kw):
   ``cfg``: the model config they are decoded with (default ``Setup.sampler_cfg``)."""
   r = s.rollout
   return rollout.generate(cfg or s.sampler_cfg, params, prompts, max_new_tokens=r.max_new_tokens,
-                          eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.rules,
+                          eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.sampler_rules,
                           page_size=r.page_size, kv_pages=r.kv_pages,
                           kv_memory_fraction=r.kv_memory_fraction,
                           prefill_chunk=r.prefill_chunk, **kw)

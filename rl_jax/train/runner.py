@@ -75,7 +75,7 @@ def publish(t: TrainParts, params) -> Any:
   projections in the sampler's compute dtype (``Layout.narrowed``)."""
   layout = t.layout
   params = layout.narrowed(layout.sampler_weights(params))
-  if layout.sampler_mesh is layout.mesh:  # shared devices: a copy laid out like the weights
+  if layout.shared_sampler:  # the weights' own layout: a copy laid out like them
     target = jax.tree.map(lambda x: x.sharding, params)
     return jax.device_put(params, target, may_alias=False)
   # the producer's own devices: a replica on each (with several processes each process's

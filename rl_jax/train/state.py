@@ -123,7 +123,7 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
       max_prompt_len=s.prompt_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       eos_id=s.eos_id, over_sampling=r.over_sampling,
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
-      seed=seed_for(s.train.seed, 0, Stream.ENGINE), mesh=s.sampler_mesh, rules=s.rules,
+      seed=seed_for(s.train.seed, 0, Stream.ENGINE), mesh=s.sampler_mesh, rules=s.sampler_rules,
       context=s.model_cfg.max_position_embeddings, page_size=r.page_size, kv_pages=r.kv_pages,
       kv_memory_fraction=r.kv_memory_fraction, prefill_chunk=r.prefill_chunk)
 

@@ -681,7 +681,7 @@ def plan_topology(config: ml_collections.ConfigDict, workdir: str | None = None,
              device_kind=devices[0].device_kind,
              hosts=len({d.process_index for d in devices}),
              sampler_mesh={k: int(v) for k, v in s.sampler_mesh.shape.items()},
-             rules=s.rules, programs=programs, notes=notes,
+             rules=s.rules, sampler_rules=s.sampler_rules, programs=programs, notes=notes,
              compile_s=round(time.perf_counter() - t0, 1))
   gather = decode_gather_note(out, s.model_cfg.num_kv_heads, config.mesh.rollout_devices)
   if gather:
@@ -1067,8 +1067,10 @@ def format_plan(plan: dict) -> str:
       + f": {plan['chips']} chips ({plan['device_kind']}: {_gib(chip['hbm'])} HBM, "
       f"{_si(chip['flops'], 'FLOP/s')} bf16, {_si(chip['hbm_bandwidth'], 'B/s')}), "
       f"{plan['hosts']} host(s); mesh {plan['mesh']}, rules {plan['rules']}"
-      + (f"; sampler mesh per host {plan['sampler_mesh']}"
+      + (f"; sampler mesh{' per host' if plan['hosts'] > 1 else ''} {plan['sampler_mesh']}"
          if plan["sampler_mesh"] != plan["mesh"] else "")
+      + (f", rules {plan['sampler_rules']}"
+         if plan.get("sampler_rules", plan["rules"]) != plan["rules"] else "")
       + f"; compiled in {plan['compile_s']} s",
       "  state per chip: " + "; ".join(
           f"{phase} {_gib(sum(parts.values()))}" for phase, parts in plan["state"].items()),
