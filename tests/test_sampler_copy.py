@@ -131,6 +131,23 @@ def test_sampler_tensor_gives_the_sampler_a_tensor_parallel_copy():
                                        "rollout.partial=True"]))
   assert state_lib.make_engine(partial).ctx == (partial.sampler_mesh, sharding.RULES["fsdp_tp"])
 
+  # int8 sampler weights: the copy is the quantised policy in the sampler's layout (the
+  # policy as stored, for the held-out evaluation and the export, is laid out so too)
+  quant = train.build_setup(_config(["mesh.num_devices=8", "mesh.sampler_tensor=2",
+                                     "rollout.weight_dtype=int8", "loss.tis_level=token"]))
+  qlayout = layout_lib.make_layout(quant)
+  qcopy = qlayout.sampler_params(params)
+  assert all(x.sharding.mesh == quant.sampler_mesh for x in jax.tree.leaves(qcopy))
+  qbytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(qcopy))
+  assert memory._sampler_copy_bytes(  # pylint: disable=protected-access
+      quant, params, qlayout.quantize) == qbytes < shard_bytes
+  plain = qlayout.sampler_params(params, quantized=False)  # the evaluation's, the export's
+  assert plain["layers"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+  qt = rollouts.TrainParts(setup=quant, layout=qlayout, steps=None, engine=None)
+  assert memory.state_plan(qt, None, state_lib.abstract_state(quant, rl=True))[
+      "state"]["rl"]["sampler_copy"] >= qbytes
+
   split = train.build_setup(_config(LAG_ONE + ["mesh.num_devices=0", "mesh.rollout_devices=4",
                                                "mesh.sampler_tensor=2"]))
   assert dict(split.sampler_mesh.shape) == dict(data=1, fsdp=2, sequence=1, tensor=2)

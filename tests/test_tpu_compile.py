@@ -77,21 +77,24 @@ def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
 def test_a_decode_that_gathers_the_model_every_step_gets_a_note(quick_plan):
   """The quickstart's decode on 4 v5e chips split FSDP-style all-gathers every projection
   at each step (at least half the policy's bytes): the plan's notes say so and name the
-  tensor size that splits the projections instead (2: the model's kv heads). No note with a
-  tensor axis, with rollout devices (their sampler mesh is FSDP only), with few bytes
-  gathered, or when no power of two divides the kv heads."""
+  tensor size that splits the projections instead (2: the model's kv heads), for the
+  sampler alone and for training too (with rollout devices only the sampler's, the training
+  mesh being another). No note with a tensor axis, with few bytes gathered, or when no power
+  of two divides the kv heads."""
   p = quick_plan
   gathered = p["programs"]["decode"]["collectives"]["all-gather"]["bytes"]
   assert gathered >= p["state"]["rl"]["policy"] * 4 / 2
   note = topology.decode_gather_note(p, kv_heads=2)
-  assert note in p["notes"] and "--config.mesh.shape.tensor=2 " in note
+  assert note in p["notes"] and "--config.mesh.sampler_tensor=2 " in note
+  assert "--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor=2 " in note
   # 8 kv heads on the 4 chips: tensor 4 (the chips bound it), and on 8 chips still 4
   assert "--config.mesh.shape.tensor=4 " in topology.decode_gather_note(p, kv_heads=8)
   eight = dict(p, sampler_mesh=dict(p["sampler_mesh"], fsdp=8))
-  assert "--config.mesh.shape.tensor=4 " in topology.decode_gather_note(eight, kv_heads=8)
+  assert "--config.mesh.sampler_tensor=4 " in topology.decode_gather_note(eight, kv_heads=8)
   tensor = dict(p, sampler_mesh=dict(p["sampler_mesh"], fsdp=2, tensor=2))
   assert topology.decode_gather_note(tensor, kv_heads=2) is None
-  assert topology.decode_gather_note(p, kv_heads=2, rollout_devices=2) is None
+  split = topology.decode_gather_note(p, kv_heads=2, rollout_devices=2)
+  assert "--config.mesh.sampler_tensor=2 " in split and "fsdp_tp" not in split
   few = copy.deepcopy(p)
   few["programs"]["decode"]["collectives"]["all-gather"]["bytes"] = 1000
   assert topology.decode_gather_note(few, kv_heads=2) is None

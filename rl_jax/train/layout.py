@@ -146,16 +146,16 @@ class Layout(NamedTuple):
     local = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
     on_training = self.sampler_cfg is not None and set(self.sampler_mesh.devices.flat) <= set(
         self.mesh.devices.flat)
-    adapters = bool(models.lora.split(params)[1])
-    rules = self.sampler_rules or self.rules
     if jax.process_count() == 1 and not on_training:  # the asynchronous trainer's own devices
       return jax.device_put(params, local, may_alias=False)
+    cfg = _stored_config(self.sampler_cfg, params) if on_training else None
+    adapters = bool(models.lora.split(params)[1])
+    rules = self.sampler_rules or self.rules
     if jax.process_count() == 1:  # a layout of its own on the training devices
-      return _reshard(self.sampler_cfg, self.sampler_mesh, rules, adapters)(params)
+      return _reshard(cfg, self.sampler_mesh, rules, adapters)(params)
     per_process = None
     if on_training:  # sampling on the training devices: shard per process
-      per_process = _per_process(self.sampler_cfg, self.mesh, self.sampler_mesh, rules,
-                                 adapters)
+      per_process = _per_process(cfg, self.mesh, self.sampler_mesh, rules, adapters)
     if per_process is not None:
       targets, reshard = per_process
       return jax.tree.map(lambda x, t: jax.make_array_from_single_device_arrays(
@@ -199,6 +199,15 @@ def sampler_shardings(cfg, mesh: jax.sharding.Mesh, rules, params: Any) -> Any:
 def _sampler_targets(cfg, mesh: jax.sharding.Mesh, rules, adapters: bool) -> Any:
   targets = models.param_shardings(cfg, mesh, rules)
   return targets if adapters else models.lora.strip(targets)
+
+
+def _stored_config(cfg, params: Any):
+  """``cfg`` (the sampler's) as ``params`` are stored: without its quantisation where they
+  hold no quantised weight (with ``rollout.weight_dtype``, the policy as the trainer keeps
+  it: the held-out evaluation's weights, the final export)."""
+  quantized = any(models.quant.is_quantized(x) for x in jax.tree.leaves(
+      params, is_leaf=models.quant.is_quantized))
+  return cfg if quantized or not cfg.quant else cfg.replace(quant="")
 
 
 @functools.lru_cache(maxsize=None)

@@ -356,19 +356,23 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
   return engine, groups
 
 
-def _sampler_copy_bytes(s, params) -> int:
+def _sampler_copy_bytes(s, params, quantize=None) -> int:
   """Bytes per device of the sampler's own copy of ``params`` (``Layout.local_params``, its
-  projections in the compute dtype: ``Layout.narrowed``):
-  its share of a copy laid out over this process's devices by the sampler's rules when the
-  sampler runs on the training devices (``layout.per_process_shardings``), else a whole
-  replica (the asynchronous trainer's rollout devices)."""
-  params = models.cast_projections(s.sampler_cfg, jax.eval_shape(lambda p: p, params))
+  projections in the compute dtype: ``Layout.narrowed``; with ``rollout.weight_dtype``,
+  ``quantize`` = ``Layout.quantize``, the quantised weights):
+  its share of a copy laid out over the sampler's devices by the sampler's rules when the
+  sampler runs on the training devices (``layout.per_process_shardings``, or one process's
+  ``mesh.sampler_tensor`` mesh), else a whole replica (the asynchronous trainer's rollout
+  devices)."""
+  params, cfg = jax.eval_shape(lambda p: p, params), s.model_cfg
+  if quantize is not None:
+    params, cfg = jax.eval_shape(quantize, params), s.sampler_cfg
+  params = models.cast_projections(cfg, params)
   whole = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
               for x in jax.tree.leaves(params))
   if not set(s.sampler_mesh.devices.flat) <= set(s.mesh.devices.flat):
     return whole
-  targets = layout_lib.sampler_shardings(s.sampler_cfg, s.sampler_mesh, s.sampler_rules,
-                                         params)
+  targets = layout_lib.sampler_shardings(cfg, s.sampler_mesh, s.sampler_rules, params)
   return sum(math.prod(t.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
              for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets)))
 
@@ -420,7 +424,10 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
     phases = {"sft": state_parts(sft_state), **phases}
   sampler = 0
   if not s.shared_sampler:  # a copy of the policy laid out for the sampler
-    sampler = _sampler_copy_bytes(s, rl_state.params)
+    quantize, weights = t.layout.quantize, rl_state.params
+    if quantize is not None and t.layout.merge is not None:
+      weights = models.lora.strip(weights)  # quantize_base reads the merged base's layout
+    sampler = _sampler_copy_bytes(s, weights, quantize)
   elif t.layout.merge is not None:  # LoRA merged for the sampler: new adapted weights
     base = models.lora.split(rl_state.params)[0]["layers"]
     sampler = sum(leaf_bytes(base[k]) for k in s.model_cfg.lora_targets)

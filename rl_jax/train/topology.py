@@ -922,27 +922,31 @@ def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> s
   mesh of several chips and no ``tensor`` axis. Each chip then gathers and reads the whole
   model per token; splitting the projections over ``tensor`` chips reads a share of them and
   moves activations instead (docs/SCALING.md, "The mesh that does best on v5p-16"). The
-  suggested ``tensor`` size is the largest power of two up to 4 (the size compiled there)
-  that divides the sampler mesh's chips and ``kv_heads``. None otherwise, and with
-  ``mesh.rollout_devices`` (that sampler mesh is FSDP only, whatever the training mesh)."""
+  note names the two ways: the sampler alone (``mesh.sampler_tensor``, training keeps its
+  mesh) and, without ``mesh.rollout_devices`` (whose sampler mesh only that setting
+  changes), the training mesh too (``fsdp_tp``). The suggested ``tensor`` size is the
+  largest power of two up to 4 (the size compiled there) that divides the sampler mesh's
+  chips and ``kv_heads``. None otherwise."""
   mesh = plan["sampler_mesh"]
   chips = math.prod(mesh.values())
   state = plan["state"]["rl"]
   weights = (state.get("sampler_copy") or state["policy"]) * chips
   gathered = plan["programs"]["decode"]["collectives"].get("all-gather", {}).get("bytes", 0)
-  if (rollout_devices or mesh.get("tensor", 1) > 1 or chips < 2 or not weights
-      or gathered < weights / 2):
+  if mesh.get("tensor", 1) > 1 or chips < 2 or not weights or gathered < weights / 2:
     return None
   tensor = 1
   while tensor < 4 and chips % (2 * tensor) == 0 and kv_heads % (2 * tensor) == 0:
     tensor *= 2
   if tensor < 2:
     return None
+  both = "" if rollout_devices else (
+      f"; or train that way too: --config.mesh.rules=fsdp_tp --config.mesh.shape.tensor="
+      f"{tensor} --config.mesh.shape.fsdp=-1 (docs/SCALING.md: which is faster where)")
   return (f"the decode all-gathers {_gib(gathered)} of weights per chip per step (its "
           f"{chips} chips split every projection as FSDP does); with "
-          f"--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor={tensor} "
-          f"--config.mesh.shape.fsdp=-1 each chip keeps 1/{tensor} of every projection and "
-          "the decode moves activations instead")
+          f"--config.mesh.sampler_tensor={tensor} each chip keeps 1/{tensor} of every "
+          f"projection and the decode moves activations instead, training on its own "
+          f"mesh{both}")
 
 
 def _time(prog: dict, chip: Chip) -> None:
