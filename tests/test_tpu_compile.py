@@ -87,10 +87,12 @@ def test_a_decode_that_gathers_the_model_every_step_gets_a_note(quick_plan):
   note = topology.decode_gather_note(p, kv_heads=2)
   assert note in p["notes"] and "--config.mesh.sampler_tensor=2 " in note
   assert "--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor=2 " in note
-  # 8 kv heads on the 4 chips: tensor 4 (the chips bound it), and on 8 chips still 4
+  # 8 kv heads on the 4 chips: tensor 4 (the chips bound it); on 8 chips 8, and 4 kv heads
+  # bound it there
   assert "--config.mesh.shape.tensor=4 " in topology.decode_gather_note(p, kv_heads=8)
   eight = dict(p, sampler_mesh=dict(p["sampler_mesh"], fsdp=8))
-  assert "--config.mesh.sampler_tensor=4 " in topology.decode_gather_note(eight, kv_heads=8)
+  assert "--config.mesh.sampler_tensor=8 " in topology.decode_gather_note(eight, kv_heads=8)
+  assert "--config.mesh.sampler_tensor=4 " in topology.decode_gather_note(eight, kv_heads=4)
   tensor = dict(p, sampler_mesh=dict(p["sampler_mesh"], fsdp=2, tensor=2))
   assert topology.decode_gather_note(tensor, kv_heads=2) is None
   split = topology.decode_gather_note(p, kv_heads=2, rollout_devices=2)
@@ -99,6 +101,29 @@ def test_a_decode_that_gathers_the_model_every_step_gets_a_note(quick_plan):
   few["programs"]["decode"]["collectives"]["all-gather"]["bytes"] = 1000
   assert topology.decode_gather_note(few, kv_heads=2) is None
   assert topology.decode_gather_note(p, kv_heads=1) is None
+
+
+def test_a_tensor_parallel_sampler_gathers_no_weights_on_tpu(tmp_path, quick_plan):
+  """``mesh.sampler_tensor=4`` on the same 4 v5e chips: training keeps FSDP over 4 (the
+  same update), the sampler's programs compile for tensor 4 with the fsdp_tp rules, its
+  decode still runs the paged kernel and all-gathers under a fifth of the FSDP decode's
+  bytes per step (no gather note), and the memory plan counts its copy. (With
+  ``sampler_tensor=2`` the mesh's fsdp 2 still gathers half of them.)"""
+  assert train.train(_config("v5e:2x2", ["mesh.sampler_tensor=4"]), str(tmp_path),
+                     progress=False) is None
+  with open(tmp_path / topology.PLAN_FILE) as f:
+    p = json.load(f)
+  assert p["mesh"] == quick_plan["mesh"] and p["rules"] == "fsdp"
+  assert p["sampler_mesh"] == {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 4}
+  assert p["sampler_rules"] == "fsdp_tp"
+  decode, fsdp = p["programs"]["decode"], quick_plan["programs"]["decode"]
+  assert decode["kernels"] == ["paged_decode_attention"]
+  gathered = lambda prog: prog["collectives"].get("all-gather", {}).get("bytes", 0)
+  assert gathered(decode) < gathered(fsdp) / 5, (gathered(decode), gathered(fsdp))
+  assert p["programs"]["rl_update"]["collectives"] == quick_plan["programs"]["rl_update"][
+      "collectives"]
+  assert p["state"]["rl"]["sampler_copy"] > 0 and p["estimate"]["fits"]
+  assert not any("all-gathers" in note for note in p["notes"])
 
 
 def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path):

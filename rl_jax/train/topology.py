@@ -925,8 +925,8 @@ def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> s
   note names the two ways: the sampler alone (``mesh.sampler_tensor``, training keeps its
   mesh) and, without ``mesh.rollout_devices`` (whose sampler mesh only that setting
   changes), the training mesh too (``fsdp_tp``). The suggested ``tensor`` size is the
-  largest power of two up to 4 (the size compiled there) that divides the sampler mesh's
-  chips and ``kv_heads``. None otherwise."""
+  largest power of two that divides the sampler mesh's chips and ``kv_heads`` (4 on a v5p
+  host, 8 on v6e-8 for 8 kv heads). None otherwise."""
   mesh = plan["sampler_mesh"]
   chips = math.prod(mesh.values())
   state = plan["state"]["rl"]
@@ -935,7 +935,7 @@ def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> s
   if mesh.get("tensor", 1) > 1 or chips < 2 or not weights or gathered < weights / 2:
     return None
   tensor = 1
-  while tensor < 4 and chips % (2 * tensor) == 0 and kv_heads % (2 * tensor) == 0:
+  while chips % (2 * tensor) == 0 and kv_heads % (2 * tensor) == 0:
     tensor *= 2
   if tensor < 2:
     return None
