@@ -1,6 +1,7 @@
 """Multi-process training through jax.distributed: 2 processes x 4 CPU devices (gloo) give the
-run of 1 process x 8 devices, synchronous and fixed-lag asynchronous with partial rollouts
-(in the same processes, after the synchronous run), only process 0 writes files, a rerun
+run of 1 process x 8 devices, synchronous (also with a tensor-parallel sampler per process)
+and fixed-lag asynchronous with partial rollouts (in the same processes, after the
+synchronous run), only process 0 writes files, a rerun
 resumes from the collective checkpoint (after a clean finish, and after both processes were
 SIGKILLed: bit-exact), and a killed process takes the job down within a bounded time."""
 
@@ -113,7 +114,7 @@ def _kill_after_checkpoint(procs, ckpts, step, logs):
 def test_two_processes_equal_one_and_resume(tmp_path):
   one, two = tmp_path / "one", tmp_path / "two"
   one_async, two_async = tmp_path / "one_async", tmp_path / "two_async"
-  killed = tmp_path / "killed"
+  killed, two_tp = tmp_path / "killed", tmp_path / "two_tp"
   run_async = ASYNC + ["train.steps=3"]
   # the same asynchronous run with a checkpoint at every step, both processes SIGKILLed once
   # the checkpoint of step 2 (a queued batch, both engine shares' held groups) is committed
@@ -121,13 +122,19 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   train.train(config_utils.load_config(QUICKSTART, RUN + ["train.steps=2"]), str(one),
               progress=False)
   logs = tmp_path / "stderr"
-  procs = _launch(two, ["train.steps=2"], then=[(two_async, run_async), (killed, run_killed)],
-                  logs=logs)
+  # two_tp: each process's sampler on its 4 devices as fsdp 2 x tensor 2 (the per-process
+  # copy laid out by the fsdp_tp rules; its held-out evaluation too), training FSDP over 8
+  procs = _launch(two, ["train.steps=2"], then=[
+      (two_async, run_async), (two_tp, ["train.steps=2", "mesh.sampler_tensor=2"]),
+      (killed, run_killed)], logs=logs)
   _kill_after_checkpoint(procs, str(killed / "checkpoints"), 2, logs)
-  assert (two_async / "hf" / "model.safetensors").exists()  # the first two runs finished
+  assert (two_tp / "hf" / "model.safetensors").exists()  # the first three runs finished
   _same_weights(one, two)
+  _same_weights(one, two_tp)
   rows_one = metrics.read_jsonl(str(one / "metrics.jsonl"))
   rows_two = metrics.read_jsonl(str(two / "metrics.jsonl"))
+  rows_tp = metrics.read_jsonl(str(two_tp / "metrics.jsonl"))
+  assert [r.get("eval_accuracy") for r in rows_tp] == [r.get("eval_accuracy") for r in rows_one]
   assert [r["step"] for r in rows_two] == [1, 2, 3, 4]  # written once, by process 0
   # each process sampled and scored its own half of the groups
   assert [r.get("local_groups") for r in rows_one] == [None, None, 8, 8]
