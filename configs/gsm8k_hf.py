@@ -8,11 +8,13 @@ The checkpoint directory holds config.json, *.safetensors and tokenizer.json; th
 is JSONL (or Parquet) with ``question`` and ``answer`` ("... #### 72") fields; rewards come
 from math-verify on the completion's final answer. The same command runs on a CPU, a GPU or
 a TPU slice: the mesh takes every visible device (FSDP over all of them by default; on a
-large slice use ``--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor=4``). Prompts start
-with the tokenizer's bos where it prepends one (Gemma, Llama). Mixture-of-experts
-checkpoints: add ``--config.model.router_replay=True`` (train on the sampler's experts) and,
-for the load-balancing loss, ``--config.model.router_aux_loss_coef=0.001`` (off by default;
-the checkpoint's own ``router_aux_loss_coef`` is not applied).
+large slice use ``--config.mesh.rules=fsdp_tp --config.mesh.shape.tensor=4``; on one host
+``--config.mesh.sampler_tensor`` = its chips, 4 on v5p, 8 on v6e-8: docs/SCALING.md).
+Prompts start with the tokenizer's bos where it prepends one (Gemma, Llama).
+Mixture-of-experts checkpoints: add ``--config.model.router_replay=True`` (train on the
+sampler's experts) and, for the load-balancing loss,
+``--config.model.router_aux_loss_coef=0.001`` (off by default; the checkpoint's own
+``router_aux_loss_coef`` is not applied).
 
 Recipe (DeepSeekMath GRPO): N = 8 samples per prompt (rollout.n), ε = 0.2, k3 KL with
 β = 0.001 (loss.kl_beta), seq-mean-token-mean aggregation, bf16 compute with float32 master
