@@ -519,11 +519,9 @@ def _sampler_mesh(config, mesh: jax.sharding.Mesh, j: Job) -> jax.sharding.Mesh:
   local = j.local if j.processes > 1 else list(mesh.devices.flat)
   inner = {a: mesh.shape[a] for a in ("sequence", "tensor")}
   if t:
-    inner["tensor"] = t
+    inner["tensor"] = t  # divides len(local): _device_rules
   if len(local) % (inner["sequence"] * inner["tensor"]):
-    inner["sequence"] = 1
-  if len(local) % inner["tensor"]:
-    inner["tensor"] = 1
+    inner = {"sequence": 1, "tensor": t or 1}
   fsdp = len(local) // (inner["sequence"] * inner["tensor"])
   return sharding.make_mesh({"fsdp": fsdp, **inner}, local)
 
