@@ -103,7 +103,7 @@ def test_a_decode_that_gathers_the_model_every_step_gets_a_note(quick_plan):
   assert topology.decode_gather_note(p, kv_heads=1) is None
 
 
-def test_a_tensor_parallel_sampler_gathers_no_weights_on_tpu(tmp_path, quick_plan):
+def test_a_tensor_parallel_sampler_gathers_a_fifth_of_the_bytes_on_tpu(tmp_path, quick_plan):
   """``mesh.sampler_tensor=4`` on the same 4 v5e chips: training keeps FSDP over 4 (the
   same update), the sampler's programs compile for tensor 4 with the fsdp_tp rules, its
   decode still runs the paged kernel and all-gathers under a fifth of the FSDP decode's
