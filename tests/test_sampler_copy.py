@@ -94,11 +94,12 @@ def test_one_process_decodes_from_a_copy_with_sampler_copy():
   assert off.sampler_params(params) is params
 
 
-def test_sampler_tensor_gives_the_sampler_a_tensor_parallel_copy():
+def test_sampler_tensor_gives_the_sampler_a_tensor_parallel_copy(monkeypatch):
   """``mesh.sampler_tensor=2`` beside FSDP training over 8 devices: the sampler's mesh is
   fsdp 4 x tensor 2 over the same devices with the fsdp_tp rules, its copy of the policy
   splits heads and MLP over ``tensor`` (the same numbers, the policy still FSDP), the engines
-  are built for that mesh and rules, and the memory plan counts the copy's bytes per device.
+  and the trainer's sampling call are built for that mesh and rules, and the memory plan
+  counts the copy's bytes per device.
   The rollout devices of the asynchronous trainer take it too; a size that does not divide
   the sampler's devices is one error line; the training mesh's own size and rules share the
   weights as before."""
@@ -127,6 +128,12 @@ def test_sampler_tensor_gives_the_sampler_a_tensor_parallel_copy():
   assert plan["state"]["rl"]["sampler_copy"] == shard_bytes
   engine, _ = memory.sampler_engine(t)
   assert engine.ctx == (s.sampler_mesh, sharding.RULES["fsdp_tp"])
+  asked = {}  # the trainer's sampling call (rollouts.generate) passes the same mesh and rules
+  real = rollout.generate
+  monkeypatch.setattr(rollout, "generate", lambda *a, **kw: asked.update(kw) or real(*a, **kw))
+  out = rollouts.generate(s, copy, PROMPTS[:2], n=2, temperature=1.0, seed=0)
+  assert (asked["mesh"], asked["rules"]) == (s.sampler_mesh, "fsdp_tp")
+  assert out.tokens.shape[0] == 4  # 2 prompts x 2 samples
   partial = train.build_setup(_config(["mesh.num_devices=8", "mesh.sampler_tensor=2",
                                        "rollout.partial=True"]))
   assert state_lib.make_engine(partial).ctx == (partial.sampler_mesh, sharding.RULES["fsdp_tp"])

@@ -422,25 +422,22 @@ def state_plan(t: TrainParts, sft_state: TrainState | None,
   phases = {"rl": state_parts(rl_state)}
   if sft_state is not None:
     phases = {"sft": state_parts(sft_state), **phases}
+  merged, quantize = t.layout.merge is not None, t.layout.quantize
+  base = models.lora.strip(rl_state.params) if merged else rl_state.params  # quantize's input
   sampler = 0
-  if not s.shared_sampler:  # a copy of the policy laid out for the sampler
-    quantize, weights = t.layout.quantize, rl_state.params
-    if quantize is not None and t.layout.merge is not None:
-      weights = models.lora.strip(weights)  # quantize_base reads the merged base's layout
-    sampler = _sampler_copy_bytes(s, weights, quantize)
-  elif t.layout.merge is not None:  # LoRA merged for the sampler: new adapted weights
-    base = models.lora.split(rl_state.params)[0]["layers"]
-    sampler = sum(leaf_bytes(base[k]) for k in s.model_cfg.lora_targets)
-  if t.layout.quantize is not None:  # rollout.weight_dtype: the quantised projections
-    base = models.lora.strip(rl_state.params) if t.layout.merge is not None else rl_state.params
-    layers = jax.eval_shape(t.layout.quantize, base)["layers"]
-    sampler += sum(tree_bytes(layers[k]) for k in models.quant.targets(s.sampler_cfg))
-  if t.layout.narrow and s.shared_sampler:  # rollout.sampler_copy
-    weights = rl_state.params
-    if t.layout.quantize is not None:  # quantised projections stay as they are
-      base = models.lora.strip(weights) if t.layout.merge is not None else weights
-      weights = jax.eval_shape(t.layout.quantize, base)
-    sampler += narrowed_bytes(s.sampler_cfg, weights)
+  if not s.shared_sampler:  # a copy laid out for the sampler: the (quantised) policy whole
+    sampler = _sampler_copy_bytes(s, rl_state.params if quantize is None else base, quantize)
+  else:  # beside the policy: what the sampler decodes and the policy does not hold
+    quantized = None if quantize is None else jax.eval_shape(quantize, base)
+    if merged:  # LoRA merged for the sampler: new adapted weights
+      layers = models.lora.split(rl_state.params)[0]["layers"]
+      sampler = sum(leaf_bytes(layers[k]) for k in s.model_cfg.lora_targets)
+    if quantized is not None:  # rollout.weight_dtype: the quantised projections
+      sampler += sum(tree_bytes(quantized["layers"][k])
+                     for k in models.quant.targets(s.sampler_cfg))
+    if t.layout.narrow:  # rollout.sampler_copy (quantised projections stay as they are)
+      sampler += narrowed_bytes(s.sampler_cfg,
+                                rl_state.params if quantized is None else quantized)
   phases["rl"]["sampler_copy"] = sampler
   host = {"rl": host_parts(rl_state)}
   if s.teacher_cfg is not None:  # on-policy distillation: the frozen teacher (not checkpointed)
