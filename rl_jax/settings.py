@@ -220,6 +220,13 @@ class TrainSettings:
       "another inside the update (the same update to float rounding, less activation memory)")
   shared_prefix: bool = setting(True, _BOOL,
                                 "packed prompt-once layout for grouped log-probs")
+  trim_floor: int = setting(
+      1024, cu.nonnegative_int,
+      "the learner's passes run on each step's responses cut to the smallest power of two "
+      "of tokens, at least this many, that holds the step's longest response (at most the "
+      "response budget): what follows every response is padding, so the update's cost "
+      "follows the tokens generated; one program per length (rl_jax.train.learner). 0: "
+      "every step at the full budget")
   max_bad_steps: int = setting(
       3, cu.positive_int,
       "consecutive skipped updates (non-finite loss or grad norm), then the run stops")

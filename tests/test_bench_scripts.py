@@ -345,3 +345,15 @@ def test_bench_rounds_alternate_the_sides_and_remove_the_weights(tmp_path, monke
   with pytest.raises(RuntimeError, match="peer failed"):
     bench.alternate_sides(1, ("rljax", "peer"), 8, lambda s, w: command(s, w, fail="peer"))
   assert not os.listdir(tmp_path)
+
+
+def test_bench_trim_times_the_cut_and_the_whole_budget_at_toy_size(tmp_path, monkeypatch):
+  bench = _load("bench_trim")
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the script writes its weights
+  out = bench.main(["--samples", "4", "--budget", "32", "--mean-length", "3", "--floor", "4",
+                    "--repeats", "1"])
+  assert not os.listdir(tmp_path)  # the weights are removed when it ends
+  rows = out["rows"]
+  assert rows["whole budget"]["length"] == 32
+  assert rows["cut"]["length"] == max(4, 1 << (out["longest"] - 1).bit_length()) < 32
+  assert out["max_abs_diff"] < 1e-5 and all(r["median_s"] > 0 for r in rows.values())

@@ -152,6 +152,9 @@ def mesh_shape(shape_cfg, n_devices: int) -> dict[str, int]:
 def make_objective(config) -> losses.Objective:
   """The configured preset with every knob that is set; rejects what the trainer cannot feed."""
   knobs = {k: v for k, v in config.loss.to_dict().items() if k != "preset" and v is not None}
+  # C of ...-token-sum-norm: the response budget, also when the learner's batch is cut
+  # shorter (train.trim_floor), so the loss does not depend on the step's longest response
+  knobs.setdefault("agg_norm", float(config_lib.geometry(config).new_tokens))
   if config.distill.teacher_path:  # the teacher's per-token term (alone or beside the task's)
     knobs["distill_coef"] = float(config.distill.coef)
   try:

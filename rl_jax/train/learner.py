@@ -31,8 +31,9 @@ from rl_jax.train.rollouts import TrainParts
 from rl_jax.train.state import TrainState
 from rl_jax.train.steps import UpdateBatch
 
-__all__ = ["objective_inputs", "staleness_metrics", "learner_batch", "apply_update",
-           "pass_orders", "trims_host_memory", "PASS_METRICS", "TRIM_MIN_PARAM_BYTES"]
+__all__ = ["objective_inputs", "staleness_metrics", "trained_length", "learner_batch",
+           "apply_update", "pass_orders", "trims_host_memory", "PASS_METRICS",
+           "TRIM_MIN_PARAM_BYTES"]
 
 # metrics also reported per pass (``<name>_pass<p>``, p = 1..μ) when ``train.epochs`` = μ > 1
 PASS_METRICS = ("loss", "clip_frac", "approx_kl", "ratio_mean", "grad_norm", "masked_frac",
@@ -78,6 +79,27 @@ def staleness_metrics(versions: np.ndarray, mask: np.ndarray, step: int) -> dict
   return out
 
 
+def trained_length(longest: int, budget: int, floor: int) -> int:
+  """The response length R' the learner's passes run at (``train.trim_floor``): the smallest
+  power of two that is at least ``longest`` (the step's longest response, in tokens) and
+  ``floor``, at most ``budget`` (R, the response budget); ``budget`` with ``floor`` 0.
+
+  Tokens past every response are padding: masked out of every loss term, and, as attention
+  is causal, never read by a token that counts, so cutting them changes no loss, gradient or
+  metric beyond float rounding. Powers of two keep the programs few: at most
+  log2(R / floor) + 1 lengths."""
+  if floor <= 0 or budget <= floor:
+    return budget
+  need = max(int(longest), int(floor), 1)
+  return min(budget, 1 << (need - 1).bit_length())
+
+
+def _extent(mask: np.ndarray) -> np.ndarray:
+  """int [rows]: one past the last True of each row of ``mask`` bool [rows, R] (0 if none)."""
+  R = mask.shape[-1]
+  return np.where(mask.any(axis=-1), R - np.argmax(mask[..., ::-1], axis=-1), 0)
+
+
 def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int = -1,
                   staleness: bool = False) -> tuple[UpdateBatch, dict[str, Any]]:
   """Scored groups -> objective inputs -> advantages, on the training mesh.
@@ -100,14 +122,20 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
     loss_mask = loss_mask & (scored.versions >= int(state.step) - max_lag)
   mine = slice(0, g) if g == hi - lo else slice(lo, hi)  # this process's groups of ``scored``
   put = lambda a: t.layout.put(a[mine], G)  # host rows -> global arrays split along batch
-  pt, pl = put(scored.prompts), put(scored.prompt_lens)  # as the producer encoded them
-  rt = put(scored.tokens.reshape(g, M, R))
+  local = g < G
   turns = None
   if scored.turns is not None and s.objective.needs & set(losses.TURN_FIELDS):
     turns = {k: put(v.reshape(g, M, -1)) for k, v in scored.turns.items()}
+  # the passes' response length (train.trim_floor), the same on every process; a batch with
+  # per-turn inputs keeps the whole budget
+  longest = int(_everyone(_extent(scored.mask.reshape(g * M, R)), local).max(initial=0))
+  Rt = R if turns is not None else trained_length(longest, R, s.train.trim_floor)
+  cut = lambda a: a.reshape(g, M, R, *a.shape[2:])[:, :, :Rt]  # [g,M·R,..] -> [g,M,Rt,..]
+  pt, pl = put(scored.prompts), put(scored.prompt_lens)  # as the producer encoded them
+  rt = put(cut(scored.tokens))
   routing = None  # mixture of experts: the sampler's expert records
   if scored.routing is not None:
-    routing = put(scored.routing.reshape(g, M, R, *scored.routing.shape[2:]))
+    routing = put(cut(scored.routing))
   elif s.model.router_replay:
     raise RLJaxError("model.router_replay=True: this batch has no expert records")
   replay = routing if s.model.router_replay else None
@@ -115,10 +143,9 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   if scored.components is not None and "reward_components" in s.objective.needs:
     components = put(scored.components)
   inputs = objective_inputs(
-      t, state, pt, pl, rt, mask=put(loss_mask.reshape(g, M, R)),
-      generated_mask=put(scored.mask.reshape(g, M, R)), rewards=put(scored.rewards),
-      behaviour_logp=put(scored.logprobs.reshape(g, M, R)), turns=turns, routing=replay,
-      components=components)
+      t, state, pt, pl, rt, mask=put(cut(loss_mask)), generated_mask=put(cut(scored.mask)),
+      rewards=put(scored.rewards), behaviour_logp=put(cut(scored.logprobs)), turns=turns,
+      routing=replay, components=components)
   estimate = t.steps.advantages  # the objective's estimator, jitted
   if estimate is None:
     raise RLJaxError("the objective has no advantage estimator: chain one (losses.chain) to "
@@ -126,7 +153,6 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   advantages = (estimate(inputs) if scored.groups is None else
                 group_size.per_prompt_advantages(estimate, inputs, scored.groups, geo.groups,
                                                  geo.max_chunks))
-  local = g < G
   rewards = _everyone(scored.rewards, local)
   n_tok = int(_everyone(scored.mask.reshape(g, -1).sum(axis=1), local).sum())
   faults = _everyone(scored.faults[None], local).sum(axis=0)
@@ -139,6 +165,7 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
       "reward_timeouts": int(faults[1]),
       "zero_variance_groups": group_size.zero_variance_fraction(rewards, scored.groups),
       "local_groups": g,  # groups this process sampled and scored (G with one process)
+      "update_length": Rt,  # the response length the learner's passes ran at (trim_floor)
   }
   if scored.components is not None:  # each named component's mean, as reward/<name>
     means = _everyone(scored.components, local).reshape(-1, len(s.reward_names)).mean(axis=0)

@@ -1,0 +1,100 @@
+"""The learner's batch cut to the step's longest response (``train.trim_floor``): the length
+rule, and that one RL update on the cut batch equals the update on the whole budget (params,
+optimizer state, loss and metrics) for objectives that read the reference, a critic and the
+budget itself (Dr.GRPO's constant)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax import config_utils, train
+from rl_jax.errors import ConfigError
+from rl_jax.train.learner import learner_batch, trained_length
+from rl_jax.train.producer import produce
+from tests.tiny import QUICKSTART, TINY_MODEL
+
+R = 16  # the response budget of these runs
+
+
+@pytest.mark.parametrize("longest,budget,floor,expected", [
+    (5, 16, 4, 8), (8, 16, 4, 8), (9, 16, 4, 16), (1, 16, 4, 4), (0, 16, 4, 4),
+    (3000, 8192, 1024, 4096), (200, 8192, 1024, 1024), (1500, 1500, 1024, 1500),
+    (1100, 1500, 1024, 1500), (700, 1500, 1024, 1024),
+    (5, 16, 0, 16),  # 0: off
+    (100, 512, 1024, 512),  # a budget at or under the floor is never cut
+])
+def test_trained_length_is_a_power_of_two_over_the_longest_within_the_budget(
+    longest, budget, floor, expected):
+  assert trained_length(longest, budget, floor) == expected
+
+
+def test_trim_floor_is_checked_in_one_line():
+  with pytest.raises(ConfigError, match="train.trim_floor") as e:
+    train.build_setup(config_utils.load_config(QUICKSTART, ["train.trim_floor=-1"]))
+  assert "\n" not in str(e.value)
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _ended_early(scored, lengths: np.ndarray, pad: int):
+  """``scored`` whose row i ends after ``lengths[i]`` tokens: what a sampler that drew EOS
+  there returns (the tokens after it padding, masked, with zero log-probs)."""
+  keep = np.arange(scored.tokens.shape[1])[None, :] < lengths[:, None]
+  return scored._replace(tokens=np.where(keep, scored.tokens, pad).astype(np.int32),
+                         mask=scored.mask & keep,
+                         logprobs=np.where(keep, scored.logprobs, 0.0).astype(np.float32))
+
+
+@pytest.mark.parametrize("preset,extra", [
+    # seq-mean-token-sum-norm (C = the budget), old_logp from the update's own pass, and a
+    # reference pass
+    ("dr_grpo", ["loss.kl_beta=0.05"]),
+    ("ppo", []),  # a critic (values, GAE over the tokens) and a separate old_logp pass
+])
+def test_update_on_the_cut_batch_equals_the_whole_budget(preset, extra):
+  config = config_utils.load_config(QUICKSTART, TINY_MODEL + [
+      "sft.steps=0", "train.steps=2", "train.batch_groups=2", "rollout.n=4",
+      f"rollout.max_new_tokens={R}", "rollout.temperature=1.0", "train.eval_every=0",
+      "log.tensorboard=False", "train.trim_floor=4", f"loss.preset={preset}", *extra])
+  s = train.build_setup(config)
+  t = train.make_trainer(s)
+  state = train.begin_rl(s, train.init_state(s))
+  scored, _ = produce(t, t.layout.sampler_params(state.params), state.producer, step=0,
+                      version=0, lo=0, hi=s.geometry.rows)
+  sampled = scored.mask.sum(axis=1)  # a random policy: most samples run to the budget
+  lengths = np.minimum(np.random.default_rng(0).integers(1, 8, size=sampled.shape), sampled)
+  lengths[int(np.argmax(sampled))] = 7  # the longest: the passes run on 8 tokens
+  assert sampled.max() > 8
+  early = _ended_early(scored, lengths, s.tokenizer.pad_id)._replace(  # rewards to learn from
+      rewards=np.random.default_rng(1).normal(size=scored.rewards.shape).astype(np.float32))
+  whole = t._replace(setup=dataclasses.replace(s, train=dataclasses.replace(s.train,
+                                                                             trim_floor=0)))
+  b_cut, info_cut = learner_batch(t, state, early)
+  b_all, info_all = learner_batch(whole, state, early)
+  assert b_cut.tokens.shape == (2, 4, 8) and b_all.tokens.shape == (2, 4, R)
+  assert info_cut.pop("update_length") == 8 and info_all.pop("update_length") == R
+  assert info_cut == info_all
+
+  carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
+  out_cut = t.steps.rl_update(*_copy(carry), b_cut)
+  out_all = t.steps.rl_update(*_copy(carry), b_all)
+  moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(out_all[0]), jax.tree.leaves(state.params)))
+  assert moved > 1e-5, "the update did not move the policy; the comparison would be empty"
+  # Adam's first step moves a weight by about lr·sign(g): where g is tiny, the two programs'
+  # last-bit differences reach the weight, so a few elements may differ by up to 1e-5
+  for a, b in zip(jax.tree.leaves(out_cut[:4]), jax.tree.leaves(out_all[:4])):
+    a, b = np.asarray(a), np.asarray(b)
+    off = ~np.isclose(a, b, rtol=1e-5, atol=1e-7)
+    assert off.mean() <= 1e-3, (off.sum(), off.size)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=max(1e-5, 1e-4 * float(np.abs(b).max())))
+  m_cut, m_all = jax.device_get(out_cut[4]), jax.device_get(out_all[4])
+  assert m_cut.keys() == m_all.keys()
+  for k in m_all:
+    np.testing.assert_allclose(m_cut[k], m_all[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert np.isfinite(m_cut["loss"]) and m_cut["update_skipped"] == 0
