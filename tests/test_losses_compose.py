@@ -116,16 +116,22 @@ def test_no_recompile_when_values_change():
        hnp.arrays(np.float32, (4,), elements=st.floats(-2.0, 2.0, width=32)))
 def test_decoupled_equals_ppo_when_behaviour_is_proximal(old, delta, adv):
   mask = jnp.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], bool)
-  batch = losses.LossBatch(mask=mask, advantages=jnp.asarray(adv), old_logp=jnp.asarray(old),
-                       behaviour_logp=jnp.asarray(old))
-  logp = jnp.asarray(old + delta)
+  a, b, c = _decoupled_ppo_and_plain(jnp.asarray(old + delta), jnp.asarray(old),
+                                     jnp.asarray(adv), mask)
+  close(a, b)
+  close(a, c)
+
+
+@jax.jit
+def _decoupled_ppo_and_plain(logp, old, adv, mask):
+  """The decoupled PPO preset's loss with behaviour = proximal = ``old``, the chained PPO
+  clip's and ``policy_loss``'s (one program for every example)."""
+  batch = losses.LossBatch(mask=mask, advantages=adv, old_logp=old, behaviour_logp=old)
   dec = losses.get_objective("decoupled_ppo")
   ppo = losses.chain(losses.grpo(), losses.ppo_clip(0.2, 0.2), losses.aggregation("token-mean"))
-  f = jax.jit(lambda lp: (losses.finalize(*dec.loss(lp, batch)[:2]),
-                          losses.finalize(*ppo.loss(lp, batch)[:2])))
-  a, b = f(logp)
-  close(a, b)
-  close(a, losses.policy_loss(logp, jnp.asarray(old), jnp.asarray(adv), mask)[0])
+  return (losses.finalize(*dec.loss(logp, batch)[:2]),
+          losses.finalize(*ppo.loss(logp, batch)[:2]),
+          losses.policy_loss(logp, old, adv, mask)[0])
 
 
 def test_chain_metrics_and_flags():

@@ -1,5 +1,6 @@
 """Hand-computed cases and property tests for the plain formulas in rl_jax.losses."""
 
+import functools
 import math
 
 import hypothesis.extra.numpy as hnp
@@ -218,13 +219,18 @@ def test_policy_loss_gspo_hand_case():
        st.sampled_from(list(losses.AGG_MODES)))
 def test_clip_equals_unclipped_when_old_is_current(adv, logp, agg):
   m = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
-  a, lp = jnp.asarray(adv), jnp.asarray(logp)
-  f = jax.jit(lambda lp, old: losses.policy_loss(lp, old, a, m, 0.2, 0.28, dual_clip=3.0,
-                                                 agg=agg)[0])
-  g = jax.grad(f)(lp, lp)
-  close(f(lp, lp), losses.aggregate(-a, m, agg), tol=1e-5)
-  g_ref = jax.grad(lambda lp: losses.aggregate(-a * lp, m, agg))(lp)
+  value, g, value_ref, g_ref = _clip_at_current(jnp.asarray(logp), jnp.asarray(adv), m, agg)
+  close(value, value_ref, tol=1e-5)
   close(g, g_ref, tol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnames="agg")
+def _clip_at_current(lp, a, m, agg):
+  """The clipped loss at old = logp and its gradient in logp; the unclipped -A·logp's (one
+  program per aggregation mode for every example)."""
+  f = lambda lp, old: losses.policy_loss(lp, old, a, m, 0.2, 0.28, dual_clip=3.0, agg=agg)[0]
+  unclipped = lambda lp: losses.aggregate(-a * lp, m, agg)
+  return f(lp, lp), jax.grad(f)(lp, lp), losses.aggregate(-a, m, agg), jax.grad(unclipped)(lp)
 
 
 def test_truncated_is_and_decoupled_weights():
