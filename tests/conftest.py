@@ -156,6 +156,7 @@ SLOW_TESTS = (
     "test_paged_kv.py::"
     "test_pages_of_any_size_and_a_preempting_pool_give_the_slot_layouts_tokens[0.0]",
     "test_sequence_parallel.py::test_sequence_split_matches_one_shard[2-packed]",
+    "test_sequence_parallel.py::test_sequence_split_matches_one_shard[2-replicated]",
     # forks, a growing pool and a short budget on meshes; the fixed pool that preempts on
     # both meshes: test_paged_on_8_devices_equals_1, test_paged_on_a_sequence_mesh_equals_1
     "test_paged_kv.py::test_forks_growing_pools_and_short_budgets_on_meshes",

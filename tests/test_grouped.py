@@ -33,10 +33,11 @@ def _plain_logprobs(cfg, params, prompts, lengths, resp, mask, temperature=1.0):
   """Independent computation: one unpadded sequence at a time through models.forward."""
   G, M, R = resp.shape
   out = np.zeros((G, M, R), np.float32)
+  forward = jax.jit(models.forward, static_argnums=0)  # one program per sequence length
   for g in range(G):
     for i in range(M):
       seq = np.concatenate([prompts[g, :lengths[g]], resp[g, i]])[None]
-      logits = np.asarray(models.forward(cfg, params, jnp.asarray(seq)))[0] / temperature
+      logits = np.asarray(forward(cfg, params, jnp.asarray(seq)))[0] / temperature
       lp = jax.nn.log_softmax(logits[lengths[g] - 1:-1])
       out[g, i] = np.take_along_axis(np.asarray(lp), resp[g, i][:, None], -1)[:, 0]
   return np.where(mask, out, 0.0)
@@ -80,8 +81,9 @@ def test_value_head_packed_equals_replicated():
   vparams = models.init_value_params(cfg, jax.random.key(0))
   vparams["head"] = jax.random.normal(jax.random.key(5), vparams["head"].shape)
   prompts, lengths, resp, mask = (jnp.asarray(a) for a in _batch(seed=5))
-  a = models.response_values(cfg, vparams, prompts, lengths, resp, mask, shared_prefix=True)
-  b = models.response_values(cfg, vparams, prompts, lengths, resp, mask, shared_prefix=False)
+  fn = jax.jit(models.response_values, static_argnums=0, static_argnames="shared_prefix")
+  a = fn(cfg, vparams, prompts, lengths, resp, mask, shared_prefix=True)
+  b = fn(cfg, vparams, prompts, lengths, resp, mask, shared_prefix=False)
   np.testing.assert_allclose(a, b, atol=1e-5)
 
 
