@@ -1,7 +1,8 @@
 """The learner's batch cut to the step's longest response (``train.trim_floor``): the length
 rule, and that one RL update on the cut batch equals the update on the whole budget (params,
 optimizer state, loss and metrics) for objectives that read the reference, a critic and the
-budget itself (Dr.GRPO's constant)."""
+budget itself (Dr.GRPO's constant), and for multi-turn trajectories; per-turn inputs keep
+the budget."""
 
 import dataclasses
 
@@ -14,9 +15,9 @@ from rl_jax import config_utils, train
 from rl_jax.errors import ConfigError
 from rl_jax.train.learner import learner_batch, trained_length
 from rl_jax.train.producer import produce
-from tests.tiny import QUICKSTART, TINY_MODEL
+from tests.tiny import QUICKSTART, ROOT, TINY_MODEL
 
-R = 16  # the response budget of these runs
+R = 16  # the response budget of the single-turn runs
 
 
 @pytest.mark.parametrize("longest,budget,floor,expected", [
@@ -50,35 +51,54 @@ def _ended_early(scored, lengths: np.ndarray, pad: int):
                          logprobs=np.where(keep, scored.logprobs, 0.0).astype(np.float32))
 
 
-@pytest.mark.parametrize("preset,extra", [
+# multi-turn: the guess game of configs/agent_quickstart.py, two turns in a 24-token budget
+AGENT = [f"{ROOT}/configs/agent_quickstart.py:guess", "env.guess_n=4", "env.max_turns=2",
+         "env.max_total_tokens=24", "env.max_turn_tokens=3", "env.max_obs_tokens=12",
+         "env.n_train=64", "data.eval_size=4"]
+
+
+@pytest.mark.parametrize("config,extra,cut", [
     # seq-mean-token-sum-norm (C = the budget), old_logp from the update's own pass, and a
     # reference pass
-    ("dr_grpo", ["loss.kl_beta=0.05"]),
-    ("ppo", []),  # a critic (values, GAE over the tokens) and a separate old_logp pass
-])
-def test_update_on_the_cut_batch_equals_the_whole_budget(preset, extra):
-  config = config_utils.load_config(QUICKSTART, TINY_MODEL + [
+    (QUICKSTART, ["loss.preset=dr_grpo", "loss.kl_beta=0.05", f"rollout.max_new_tokens={R}"],
+     8),
+    # a critic (values, GAE over the tokens) and a separate old_logp pass
+    (QUICKSTART, ["loss.preset=ppo", f"rollout.max_new_tokens={R}"], 8),
+    # trajectories of model and observation tokens: cut after the last model token
+    (AGENT[0], AGENT[1:], None),
+    # GiGPO reads per-turn inputs, whose token ids index the whole trajectory: never cut
+    (AGENT[0], AGENT[1:] + ["loss.advantage=gigpo"], 24),
+], ids=["dr_grpo-kl", "ppo", "multi-turn", "gigpo"])
+def test_update_on_the_cut_batch_equals_the_whole_budget(config, extra, cut):
+  config = config_utils.load_config(config, TINY_MODEL + [
       "sft.steps=0", "train.steps=2", "train.batch_groups=2", "rollout.n=4",
-      f"rollout.max_new_tokens={R}", "rollout.temperature=1.0", "train.eval_every=0",
-      "log.tensorboard=False", "train.trim_floor=4", f"loss.preset={preset}", *extra])
+      "rollout.temperature=1.0", "train.eval_every=0", "log.tensorboard=False",
+      "train.trim_floor=4", *extra])
   s = train.build_setup(config)
   t = train.make_trainer(s)
+  budget = s.geometry.new_tokens
   state = train.begin_rl(s, train.init_state(s))
   scored, _ = produce(t, t.layout.sampler_params(state.params), state.producer, step=0,
                       version=0, lo=0, hi=s.geometry.rows)
-  sampled = scored.mask.sum(axis=1)  # a random policy: most samples run to the budget
+  sampled = budget - np.argmax(scored.mask[:, ::-1], axis=1)  # each row's extent
+  assert sampled.max() > 8  # a random policy: most samples run long
   lengths = np.minimum(np.random.default_rng(0).integers(1, 8, size=sampled.shape), sampled)
   lengths[int(np.argmax(sampled))] = 7  # the longest: the passes run on 8 tokens
-  assert sampled.max() > 8
   early = _ended_early(scored, lengths, s.tokenizer.pad_id)._replace(  # rewards to learn from
       rewards=np.random.default_rng(1).normal(size=scored.rewards.shape).astype(np.float32))
   whole = t._replace(setup=dataclasses.replace(s, train=dataclasses.replace(s.train,
                                                                              trim_floor=0)))
+  if cut is None:  # the power of two (at least 4) over the last model token of any row
+    last = max(int(np.nonzero(row)[0].max()) + 1 for row in early.mask if row.any())
+    cut = max(4, 2 ** int(np.ceil(np.log2(last))))
+    assert cut < budget
   b_cut, info_cut = learner_batch(t, state, early)
   b_all, info_all = learner_batch(whole, state, early)
-  assert b_cut.tokens.shape == (2, 4, 8) and b_all.tokens.shape == (2, 4, R)
-  assert info_cut.pop("update_length") == 8 and info_all.pop("update_length") == R
+  assert b_cut.tokens.shape == (2, 4, cut) and b_all.tokens.shape == (2, 4, budget)
+  assert info_cut.pop("update_length") == cut and info_all.pop("update_length") == budget
   assert info_cut == info_all
+  if cut == budget:
+    return
 
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   out_cut = t.steps.rl_update(*_copy(carry), b_cut)
