@@ -230,14 +230,15 @@ def last_prompt_state(h, prompt_lengths, P: int):
   """The hidden state at each row's last valid prompt position: h [rows,T,D] (T >= P, the
   prompt in the first P positions), prompt_lengths int [rows] in [1, P] -> [rows,1,D].
 
-  A one-hot contraction over the P prompt positions rather than a gather: the same values
-  (each is x·1 plus exact zeros, h being finite), and a transpose that XLA's SPMD partitioner
-  gets right where the rows do not divide the batch devices. There the gather's transpose (a
-  scatter-add) came out wrong: the packed layout's gradient for 2 groups x 4 samples x 8
-  tokens on 8 devices (fsdp) was off by 0.25% in norm
+  A masked sum over the P prompt positions rather than a gather: the same values on every
+  backend (one x plus exact zeros; no matmul, whose default precision on TPU would round
+  float32 to bf16), and a transpose that XLA's SPMD partitioner gets right where the rows do
+  not divide the batch devices. There the gather's transpose (a scatter-add) came out wrong:
+  the packed layout's gradient for 2 groups x 4 samples x 8 tokens on 8 devices (fsdp) was
+  off by 0.25% in norm
   (``tests/test_grouped.py::test_packed_gradient_on_eight_devices_with_two_groups``)."""
   at = jnp.arange(P)[None, :] == (prompt_lengths - 1)[:, None]  # [rows,P]
-  return jnp.einsum("rp,rpd->rd", at.astype(h.dtype), h[:, :P])[:, None]
+  return jnp.sum(jnp.where(at[..., None], h[:, :P], 0), axis=1, keepdims=True)
 
 
 def packed_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
