@@ -24,6 +24,7 @@ import numpy as np
 from rl_jax import losses
 from rl_jax.errors import RLJaxError
 from rl_jax.models.hf import release_host_memory
+from rl_jax.rollout.records import pow2
 from rl_jax.train import agent_stage, group_size, replay_stage
 from rl_jax.train.inputs import Source, make_inputs
 from rl_jax.train.records import STATS, Scored
@@ -90,8 +91,7 @@ def trained_length(longest: int, budget: int, floor: int) -> int:
   log2(R / floor) + 1 lengths."""
   if floor <= 0 or budget <= floor:
     return budget
-  need = max(int(longest), int(floor), 1)
-  return min(budget, 1 << (need - 1).bit_length())
+  return min(budget, pow2(max(int(longest), int(floor))))
 
 
 def _extent(mask: np.ndarray) -> np.ndarray:
