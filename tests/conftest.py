@@ -226,6 +226,25 @@ SLOW_TESTS = (
     "test_qlora_decode.py::test_int4_decode_on_8_devices_equals_1",
     "test_agent_rollout.py::test_small_pages_and_a_growing_pool_give_the_same_trajectories",
     "test_agent_train.py::test_router_replay_trains_a_multi_turn_moe_policy",
+    # the learner's cut for a critic and for multi-turn trajectories (the Dr.GRPO case, with
+    # its reference pass and the budget's constant, and GiGPO's uncut batch stay fast), the
+    # tensor-parallel sampler's TPU collectives (its mesh, copy and plan: test_sampler_copy;
+    # its training run: test_train.py::test_eight_devices_match_one), an int4 base's frozen
+    # slices in the update (the dense case stays), the fused MLP of an MoE checkpoint's
+    # dense layer (the dense and Gemma 3 cases stay), LoRA with asynchronous partial
+    # rollouts (adapters-only training: test_lora_run_trains_adapters_only_...; partial
+    # rollouts: test_train.py::test_partial_rollouts_...; the asynchronous trainer:
+    # test_train_async.py), held multi-turn MoE
+    # groups' expert records (the records themselves: test_a_mixture_of_experts_policy_runs_
+    # multi_turn), the MoE family's shared-prefix layout (Gemma 3's sliding windows stay)
+    "test_trim.py::test_update_on_the_cut_batch_equals_the_whole_budget[ppo]",
+    "test_trim.py::test_update_on_the_cut_batch_equals_the_whole_budget[multi-turn]",
+    "test_tpu_compile.py::test_a_tensor_parallel_sampler_gathers_a_fifth_of_the_bytes_on_tpu",
+    "test_frozen_slices.py::test_no_whole_stack_copy_in_the_update[int4]",
+    "test_fused_layers.py::test_fused_mlp_and_unrolled_layers_match_plain[qwen3_moe]",
+    "test_lora.py::test_async_partial_rollouts_train_the_adapters_only_and_dry_run_plans_them",
+    "test_agent_rollout.py::test_held_multi_turn_groups_keep_their_expert_records",
+    "test_models_moe_gemma.py::test_shared_prefix_equals_replicated_and_forward[qwen3_moe]",
 )
 
 
