@@ -103,6 +103,30 @@ def test_a_decode_that_gathers_the_model_every_step_gets_a_note(quick_plan):
   assert topology.decode_gather_note(p, kv_heads=1) is None
 
 
+def test_update_calls_whose_groups_do_not_split_over_the_batch_chips_get_a_note(quick_plan):
+  """An update call's groups that the mesh's batch chips do not divide (the rows then stay
+  whole on every chip and the update all-reduces activations: Qwen3-8B on v6e-16 in
+  docs/SCALING.md): a note naming ``train.minibatches`` where one splits them and the
+  multiple of ``train.batch_groups`` that does; none when they split. The quickstart's 8
+  groups over 4 chips split (its plan has no such note)."""
+  assert not any("do not split over" in n for n in quick_plan["notes"])
+  note = lambda overrides: topology.update_split_note(
+      topology.build(_config("v5e:2x2", overrides)).trainer.setup)
+  assert topology.batch_chips(topology.build(_config("v5e:2x2")).trainer.setup) == 4
+  assert note([]) is None  # 8 groups, one call
+  assert note(["train.minibatches=2"]) is None  # 4 a call
+  two = note(["train.minibatches=4"])  # 2 a call over 4 chips
+  assert two.startswith("each update call's 2 groups do not split over the 4 chips")
+  assert "--config.train.minibatches=2 splits them (fewer, larger optimizer steps; or a " \
+         "train.batch_groups that is a multiple of 16)" in two, two
+  odd = note(["train.batch_groups=6", "train.minibatches=1"])  # no minibatches splits 6
+  assert odd.endswith("a train.batch_groups that is a multiple of 4 splits them"), odd
+  assert note(["train.batch_groups=2", "train.minibatches=1", "mesh.shape.fsdp=2",
+               "mesh.shape.data=2"]) is not None  # batch axes data x fsdp: 4 chips
+  assert note(["train.batch_groups=2", "train.minibatches=1", "mesh.shape.fsdp=1",
+               "mesh.shape.tensor=4", "mesh.rules=fsdp_tp"]) is None  # one batch chip
+
+
 def test_a_tensor_parallel_sampler_gathers_a_fifth_of_the_bytes_on_tpu(tmp_path, quick_plan):
   """``mesh.sampler_tensor=4`` on the same 4 v5e chips: training keeps FSDP over 4 (the
   same update), the sampler's programs compile for tensor 4 with the fsdp_tp rules, its

@@ -100,7 +100,8 @@ __all__ = ["CHIPS", "Built", "Chip", "TopologyPlanError", "PLAN_FILE", "TPU_INST
            "parse_topology", "topology_devices", "collectives", "mosaic_kernels",
            "program_cost", "build", "batch_peaks", "batch_step", "max_batch",
            "sampler_programs", "requested", "check_requested", "use_host_platform",
-           "plan_topology", "format_plan", "decode_gather_note"]
+           "plan_topology", "format_plan", "decode_gather_note", "update_split_note",
+           "batch_chips"]
 
 GiB = 1 << 30
 PLAN_FILE = "topology_plan.json"
@@ -684,8 +685,7 @@ def plan_topology(config: ml_collections.ConfigDict, workdir: str | None = None,
              rules=s.rules, sampler_rules=s.sampler_rules, programs=programs, notes=notes,
              compile_s=round(time.perf_counter() - t0, 1))
   gather = decode_gather_note(out, s.model_cfg.num_kv_heads, config.mesh.rollout_devices)
-  if gather:
-    notes.append(gather)
+  notes.extend(n for n in (gather, update_split_note(s)) if n)
   out["estimate"] = _estimate(s, out)
   if echo:  # the table first: the search below compiles the RL programs again
     print(format_plan(out), flush=True)
@@ -740,14 +740,41 @@ MAX_BATCH_FACTOR = 64
 _MAX_BATCH_COMPILES = 4  # plans compiled by the search beyond the configured one
 
 
+def batch_chips(s: Setup) -> int:
+  """The chips the training mesh's ``batch`` rule splits a batch's rows over."""
+  axes = sharding.logical_to_spec(("batch",), s.rules, s.mesh, (s.mesh.size << 12,))[0] or ()
+  return math.prod(s.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def update_split_note(s: Setup) -> str | None:
+  """A note when an update call's groups (``train.batch_groups`` / ``train.minibatches``
+  / ``train.micro_batches``, each group one row) do not split evenly over the mesh's
+  ``batch_chips``: the ``batch`` rule then leaves the rows whole on every chip, so each chip
+  computes every row's activations and XLA splits the layers' matmuls over their contraction
+  instead, all-reducing activations (Qwen3-8B on v6e-16 with the GSM8K config's 8 groups
+  per call over 16 chips: 5.55 GB per call, against a gradient reduce-scatter). Names a
+  ``train.minibatches`` that splits them, where one does, and the multiple of
+  ``train.batch_groups`` that does. None when they split (or ``data.group_size=adaptive``,
+  whose rows follow the groups' sizes)."""
+  split, micro, mb = batch_chips(s), s.train.micro_batches, s.train.minibatches
+  groups = s.train.batch_groups
+  if s.data.group_size == "adaptive" or split < 2 or (groups // mb // micro) % split == 0:
+    return None
+  fits = [m for m in range(mb, 0, -1) if groups % m == 0 and (groups // m // micro) % split == 0]
+  way = (f"--config.train.minibatches={fits[0]} splits them (fewer, larger optimizer steps; "
+         f"or a train.batch_groups that is a multiple of {batch_step(s)})" if fits else
+         f"a train.batch_groups that is a multiple of {batch_step(s)} splits them")
+  return (f"each update call's {groups // mb // micro} groups do not split over the "
+          f"{split} chips of the mesh's batch axes: every chip computes all of their "
+          f"activations and the update all-reduces activations besides the gradients; {way}")
+
+
 def batch_step(s: Setup) -> int:
   """The multiple of groups ``train.batch_groups`` is searched in: whole micro-batches in
   every minibatch (``train.minibatches`` x ``train.micro_batches``), every minibatch's rows
   split evenly over the mesh's batch axes (rows they do not divide are replicated on every
   chip: another program), and whole engine shares with ``rollout.partial``."""
-  axes = sharding.logical_to_spec(("batch",), s.rules, s.mesh, (s.mesh.size << 12,))[0] or ()
-  split = math.prod(s.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-  step = s.train.minibatches * math.lcm(s.train.micro_batches, split)
+  step = s.train.minibatches * math.lcm(s.train.micro_batches, batch_chips(s))
   if s.rollout.partial:
     step = math.lcm(step, state_lib.engine_shares(s))
   return step
@@ -921,7 +948,8 @@ def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> s
   own copy per chip, else the policy per chip, times the sampler mesh's chips), on a sampler
   mesh of several chips and no ``tensor`` axis. Each chip then gathers and reads the whole
   model per token; splitting the projections over ``tensor`` chips reads a share of them and
-  moves activations instead (docs/SCALING.md, "The mesh that does best on v5p-16"). The
+  moves activations instead (docs/SCALING.md, "The mesh that does best on several
+  hosts"). The
   note names the two ways: the sampler alone (``mesh.sampler_tensor``, training keeps its
   mesh) and, without ``mesh.rollout_devices`` (whose sampler mesh only that setting
   changes), the training mesh too (``fsdp_tp``). The suggested ``tensor`` size is the
