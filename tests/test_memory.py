@@ -16,7 +16,7 @@ import pytest
 
 from rl_jax import checkpoint, config_utils, metrics, train
 from rl_jax.errors import CheckpointError
-from rl_jax.train import memory, resume
+from rl_jax.train import memory, resume, topology
 from tests.hf_utils import tiny_hf_model
 from tests.test_train_hf import QUESTIONS, _write_tokenizer
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, env_with_devices
@@ -300,3 +300,18 @@ def test_lora_checkpoint_with_full_params_fails_in_one_line(tmp_path):
       resume.restore_state(s, ckpt, 1, train.abstract_state(s, 1))
   msg = _one_line(err, 1)
   assert EARLIER in msg and ADVICE in msg and "frozen LoRA base besides the adapters" in msg
+
+
+def test_a_run_whose_update_calls_do_not_split_over_the_batch_devices_says_so(tmp_path,
+                                                                              capsys):
+  """4 groups per update call on the 8-device FSDP mesh: the run's start prints one note
+  (``topology.update_split_note``) naming a batch that splits; 8 groups make none."""
+  config = lambda groups: config_utils.load_config(QUICKSTART, TINY_MODEL + [
+      "mesh.num_devices=8", "mesh.rules=fsdp", "sft.steps=0", f"train.batch_groups={groups}",
+      "train.dry_run=True", "log.tensorboard=False"])
+  assert topology.update_split_note(train.build_setup(config(8))) is None
+  assert train.train(config(4), str(tmp_path), progress=False) is None
+  notes = [line for line in capsys.readouterr().err.splitlines() if "do not split over" in line]
+  assert len(notes) == 1 and notes[0].startswith(
+      "note: each update call's 4 groups do not split over the 8 chips"), notes
+  assert notes[0].endswith("a train.batch_groups that is a multiple of 8 splits them")

@@ -159,7 +159,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       topology.plan_topology(config, workdir)
       return None
     s = build_setup(config)
-    for line in config_lib.notices(config) if distributed.is_lead() else ():
+    split = topology.update_split_note(s)  # the mesh is the setup's: a note of the run's
+    for line in (config_lib.notices(config) + ([f"note: {split}"] if split else [])
+                 if distributed.is_lead() else ()):
       print(line, file=sys.stderr)
     sinks = lambda: wandb_log.sinks(config, workdir)  # W&B records the whole config
     return _train(s, workdir, progress, sinks)
