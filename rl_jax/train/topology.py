@@ -949,10 +949,10 @@ def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> s
   mesh of several chips and no ``tensor`` axis. Each chip then gathers and reads the whole
   model per token; splitting the projections over ``tensor`` chips reads a share of them and
   moves activations instead (docs/SCALING.md, "The mesh that does best on several
-  hosts"). The
-  note names the two ways: the sampler alone (``mesh.sampler_tensor``, training keeps its
-  mesh) and, without ``mesh.rollout_devices`` (whose sampler mesh only that setting
-  changes), the training mesh too (``fsdp_tp``). The suggested ``tensor`` size is the
+  hosts"). The note names the two ways: the sampler alone (``mesh.sampler_tensor``,
+  training keeps its mesh) and, without ``mesh.rollout_devices`` (whose sampler mesh only
+  that setting changes), the training mesh too (``fsdp_tp``). The suggested ``tensor`` size
+  is the
   largest power of two that divides the sampler mesh's chips and ``kv_heads`` (4 on a v5p
   host, 8 on v6e-8 for 8 kv heads). None otherwise."""
   mesh = plan["sampler_mesh"]
