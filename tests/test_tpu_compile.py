@@ -107,8 +107,8 @@ def test_update_calls_whose_groups_do_not_split_over_the_batch_chips_get_a_note(
   """An update call's groups that the mesh's batch chips do not divide (the rows then stay
   whole on every chip and the update all-reduces activations: Qwen3-8B on v6e-16 in
   docs/SCALING.md): a note naming ``train.minibatches`` where one splits them and the
-  multiple of ``train.batch_groups`` that does; none when they split. The quickstart's 8
-  groups over 4 chips split (its plan has no such note)."""
+  multiple of ``train.batch_groups`` that does; none when they split, nor for a mixture of
+  experts. The quickstart's 8 groups over 4 chips split (its plan has no such note)."""
   assert not any("do not split over" in n for n in quick_plan["notes"])
   note = lambda overrides: topology.update_split_note(
       topology.build(_config("v5e:2x2", overrides)).trainer.setup)
@@ -125,6 +125,8 @@ def test_update_calls_whose_groups_do_not_split_over_the_batch_chips_get_a_note(
                "mesh.shape.data=2"]) is not None  # batch axes data x fsdp: 4 chips
   assert note(["train.batch_groups=2", "train.minibatches=1", "mesh.shape.fsdp=1",
                "mesh.shape.tensor=4", "mesh.rules=fsdp_tp"]) is None  # one batch chip
+  assert note(["train.minibatches=4", "model.architecture=qwen3_moe", "model.num_experts=4",
+               "model.moe_intermediate_size=16"]) is None
 
 
 def test_a_tensor_parallel_sampler_gathers_a_fifth_of_the_bytes_on_tpu(tmp_path, quick_plan):

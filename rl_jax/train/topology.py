@@ -754,11 +754,15 @@ def update_split_note(s: Setup) -> str | None:
   instead, all-reducing activations (Qwen3-8B on v6e-16 with the GSM8K config's 8 groups
   per call over 16 chips: 5.55 GB per call, against a gradient reduce-scatter). Names a
   ``train.minibatches`` that splits them, where one does, and the multiple of
-  ``train.batch_groups`` that does. None when they split (or ``data.group_size=adaptive``,
-  whose rows follow the groups' sizes)."""
+  ``train.batch_groups`` that does. None when they split, for ``data.group_size=adaptive``
+  (its rows follow the groups' sizes), and for a mixture of experts, whose expert layer's
+  dispatch sets the update's cost: Qwen3-30B-A3B on v5p-32, split over its 16 chips by
+  two minibatches, was estimated 2.2x slower in the learner, with 5.3x XLA's FLOPs per call
+  for twice the groups (docs/SCALING.md)."""
   split, micro, mb = batch_chips(s), s.train.micro_batches, s.train.minibatches
   groups = s.train.batch_groups
-  if s.data.group_size == "adaptive" or split < 2 or (groups // mb // micro) % split == 0:
+  if (s.data.group_size == "adaptive" or s.model_cfg.num_experts or split < 2
+      or (groups // mb // micro) % split == 0):
     return None
   fits = [m for m in range(mb, 0, -1) if groups % m == 0 and (groups // m // micro) % split == 0]
   way = (f"--config.train.minibatches={fits[0]} splits them (fewer, larger optimizer steps; "
