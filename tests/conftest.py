@@ -234,9 +234,9 @@ SLOW_TESTS = (
     # dense layer (the dense and Gemma 3 cases stay), LoRA with asynchronous partial
     # rollouts (adapters-only training: test_lora_run_trains_adapters_only_...; partial
     # rollouts: test_train.py::test_partial_rollouts_...; the asynchronous trainer:
-    # test_train_async.py), held multi-turn MoE
-    # groups' expert records (the records themselves: test_a_mixture_of_experts_policy_runs_
-    # multi_turn), the MoE family's shared-prefix layout (Gemma 3's sliding windows stay)
+    # test_train_async.py), held multi-turn MoE groups' expert records (the records
+    # themselves: test_a_mixture_of_experts_policy_runs_multi_turn), the MoE family's
+    # shared-prefix layout (Gemma 3's sliding windows stay)
     "test_trim.py::test_update_on_the_cut_batch_equals_the_whole_budget[ppo]",
     "test_trim.py::test_update_on_the_cut_batch_equals_the_whole_budget[multi-turn]",
     "test_tpu_compile.py::test_a_tensor_parallel_sampler_gathers_a_fifth_of_the_bytes_on_tpu",
