@@ -159,9 +159,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       topology.plan_topology(config, workdir)
       return None
     s = build_setup(config)
-    split = topology.update_split_note(s)  # the mesh is the setup's: a note of the run's
-    for line in (config_lib.notices(config) + ([f"note: {split}"] if split else [])
-                 if distributed.is_lead() else ()):
+    notes = config_lib.notices(config)  # and the one note that needs the run's mesh
+    notes += [f"note: {n}" for n in (topology.update_split_note(s),) if n]
+    for line in notes if distributed.is_lead() else ():
       print(line, file=sys.stderr)
     sinks = lambda: wandb_log.sinks(config, workdir)  # W&B records the whole config
     return _train(s, workdir, progress, sinks)

@@ -761,14 +761,16 @@ def update_split_note(s: Setup) -> str | None:
   for twice the groups (docs/SCALING.md)."""
   split, micro, mb = batch_chips(s), s.train.micro_batches, s.train.minibatches
   groups = s.train.batch_groups
+  per_call = lambda m: groups // m // micro  # an update call's groups with m minibatches
   if (s.data.group_size == "adaptive" or s.model_cfg.num_experts or split < 2
-      or (groups // mb // micro) % split == 0):
+      or per_call(mb) % split == 0):
     return None
-  fits = [m for m in range(mb, 0, -1) if groups % m == 0 and (groups // m // micro) % split == 0]
-  way = (f"--config.train.minibatches={fits[0]} splits them (fewer, larger optimizer steps; "
+  fits = next((m for m in range(mb, 0, -1) if groups % m == 0 and per_call(m) % split == 0),
+              None)
+  way = (f"--config.train.minibatches={fits} splits them (fewer, larger optimizer steps; "
          f"or a train.batch_groups that is a multiple of {batch_step(s)})" if fits else
          f"a train.batch_groups that is a multiple of {batch_step(s)} splits them")
-  return (f"each update call's {groups // mb // micro} groups do not split over the "
+  return (f"each update call's {per_call(mb)} groups do not split over the "
           f"{split} chips of the mesh's batch axes: every chip computes all of their "
           f"activations and the update all-reduces activations besides the gradients; {way}")
 
@@ -956,9 +958,8 @@ def decode_gather_note(plan: dict, kv_heads: int, rollout_devices: int = 0) -> s
   hosts"). The note names the two ways: the sampler alone (``mesh.sampler_tensor``,
   training keeps its mesh) and, without ``mesh.rollout_devices`` (whose sampler mesh only
   that setting changes), the training mesh too (``fsdp_tp``). The suggested ``tensor`` size
-  is the
-  largest power of two that divides the sampler mesh's chips and ``kv_heads`` (4 on a v5p
-  host, 8 on v6e-8 for 8 kv heads). None otherwise."""
+  is the largest power of two that divides the sampler mesh's chips and ``kv_heads`` (4 on
+  a v5p host, 8 on v6e-8 for 8 kv heads). None otherwise."""
   mesh = plan["sampler_mesh"]
   chips = math.prod(mesh.values())
   state = plan["state"]["rl"]
