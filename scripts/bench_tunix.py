@@ -20,7 +20,8 @@ cache are 128, or the prompt's positions (N, at least 16) + ``--new-tokens`` whe
   ``--prefix-attention`` ``model.prefix_attention``, ``--[no-]fast-compile``
   ``train.cpu_fast_compile``, ``--[no-]xla-reductions`` ``train.cpu_xla_reductions`` (both on
   by default, as in rl_jax), ``--temp-block-mib`` ``train.cpu_temp_block_mib`` (0, off, by
-  default, as in rl_jax), ``--remat`` ``model.remat``; the same
+  default, as in rl_jax), ``--remat`` ``model.remat``, ``--pack-floor``
+  ``train.pack_floor``; the same
   prompt every step and the peers' learning rate, 1e-5) vs Tunix's
   ``GRPOLearner`` (num_generations 16, beta 0, one minibatch); wall time per step from the
   reward function's call times.
@@ -279,7 +280,8 @@ def lockstep(pairs: int, sides: tuple[str, str], new_tokens: int,
 def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool | None = None, n: int = N,
               new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
               fast_compile: bool = True, remat: str = "none",
-              xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
+              xla_reductions: bool = True, temp_block_mib: int = 0,
+              pack_floor: int | None = None) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
   gen = _rljax_sampler(weights, n, new_tokens, fast_compile)
   t0 = time.perf_counter()
@@ -293,7 +295,7 @@ def run_rljax(weights: str, steps: int, repeats: int, fused_mlp: bool | None = N
   return {"sampler_first_s": first, "sampler_tokens_per_s": float(np.median(rates)),
           "sampler_tokens": n_tok,
           **_rljax_grpo(weights, steps, fused_mlp, n, new_tokens, prefix_attention,
-                        fast_compile, remat, xla_reductions, temp_block_mib)}
+                        fast_compile, remat, xla_reductions, temp_block_mib, pack_floor)}
 
 
 def _rljax_sampler(weights: str, n: int = N, new_tokens: int = NEW_TOKENS,
@@ -320,7 +322,8 @@ def _rljax_sampler(weights: str, n: int = N, new_tokens: int = NEW_TOKENS,
 def _rljax_trainer(weights: str, fused_mlp: bool | None = None, n: int = N,
                    new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
                    fast_compile: bool = True, remat: str = "none",
-                   xla_reductions: bool = True, temp_block_mib: int = 0) -> Callable[[], dict]:
+                   xla_reductions: bool = True, temp_block_mib: int = 0,
+                   pack_floor: int | None = None) -> Callable[[], dict]:
   """rl_jax's GRPO trainer on the prompt: a function that runs one ``train.rl_step`` (to
   the updated parameters) and returns the step's record."""
   sys.path.insert(0, ROOT)
@@ -339,7 +342,8 @@ def _rljax_trainer(weights: str, fused_mlp: bool | None = None, n: int = N,
       *([] if fused_mlp is None else [f"model.fused_mlp={fused_mlp}"]),
       f"train.cpu_fast_compile={fast_compile}", f"train.cpu_xla_reductions={xla_reductions}",
       f"train.cpu_temp_block_mib={temp_block_mib}", "optim.lr=1e-5",  # the peers' learning rate
-      *([f"model.remat={remat}"] if remat != "none" else [])])
+      *([f"model.remat={remat}"] if remat != "none" else []),
+      *([] if pack_floor is None else [f"train.pack_floor={pack_floor}"])])
   s = train.build_setup(config)
   task = type("Task", (), {"split": lambda self, w, n=None: s.task.split(w, n),
                            "verify": lambda self, c, a: _reward(c)})()
@@ -362,11 +366,12 @@ def _rljax_trainer(weights: str, fused_mlp: bool | None = None, n: int = N,
 def _rljax_grpo(weights: str, steps: int, fused_mlp: bool | None = None, n: int = N,
                 new_tokens: int = NEW_TOKENS, prefix_attention: str = "auto",
                 fast_compile: bool = True, remat: str = "none",
-                xla_reductions: bool = True, temp_block_mib: int = 0) -> dict:
+                xla_reductions: bool = True, temp_block_mib: int = 0,
+                pack_floor: int | None = None) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   step = _rljax_trainer(weights, fused_mlp, n, new_tokens, prefix_attention, fast_compile,
-                        remat, xla_reductions, temp_block_mib)
+                        remat, xla_reductions, temp_block_mib, pack_floor)
   times, sampled, compiles = [], [], {}
 
   def compiled(event, duration, fun_name=None, **_):  # the first step's programs
@@ -566,6 +571,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--host-heap-reuse", choices=("none", "rljax", "both"), default="none",
                   help="reuse_large_blocks() first in these sides' processes")
   ap.add_argument("--reuse-heap", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--pack-floor", type=int, default=None,
+                  help="rl_jax's train.pack_floor (default: rl_jax's)")
   ap.add_argument("--remat", choices=("none", "full", "dots"), default="none",
                   help="rl_jax trainer: model.remat")
   ap.add_argument("--samples", type=int, default=N, help="samples of the one prompt")
@@ -590,14 +597,14 @@ def main(argv=None) -> dict:
       serve_rljax(args.weights, args.samples, args.new_tokens, args.fast_compile,
                   fused_mlp=args.fused_mlp, prefix_attention=args.prefix_attention,
                   remat=args.remat, xla_reductions=args.xla_reductions,
-                  temp_block_mib=args.temp_block_mib)
+                  temp_block_mib=args.temp_block_mib, pack_floor=args.pack_floor)
     elif args.serve:
       serve_tunix(args.weights, args.samples, args.new_tokens)
     elif args.side == "rljax":
       print(json.dumps(run_rljax(args.weights, args.steps, args.repeats, args.fused_mlp,
                                  args.samples, args.new_tokens, args.prefix_attention,
                                  args.fast_compile, args.remat, args.xla_reductions,
-                                 args.temp_block_mib)))
+                                 args.temp_block_mib, args.pack_floor)))
     else:
       print(json.dumps(run_tunix(args.weights, args.steps, args.repeats, args.samples,
                                  args.new_tokens)))
@@ -614,6 +621,7 @@ def main(argv=None) -> dict:
       cmd += ["--fast-compile" if args.fast_compile else "--no-fast-compile",
               "--xla-reductions" if args.xla_reductions else "--no-xla-reductions",
               "--temp-block-mib", str(args.temp_block_mib)]
+      cmd += [] if args.pack_floor is None else ["--pack-floor", str(args.pack_floor)]
     cmd += ["--reuse-heap"] if args.host_heap_reuse in ("both", side) else []
     cmd += ["--prefix-attention", args.prefix_attention, "--remat", args.remat
             ] if side == "rljax" else []
@@ -629,7 +637,8 @@ def main(argv=None) -> dict:
         f"{'default' if args.fused_mlp is None else args.fused_mlp}, "
         f"prefix_attention={args.prefix_attention}, cpu_fast_compile={args.fast_compile}, "
         f"remat={args.remat}, cpu_xla_reductions={args.xla_reductions}, "
-        f"cpu_temp_block_mib={args.temp_block_mib}, host_heap_reuse={args.host_heap_reuse}")
+        f"cpu_temp_block_mib={args.temp_block_mib}, host_heap_reuse={args.host_heap_reuse}, "
+        f"pack_floor={'default' if args.pack_floor is None else args.pack_floor}")
   med = lambda side, k: float(np.median([x[k] for x in results[side]]))
   keys = ("sampler_tokens_per_s", "sampler_first_s", "grpo_step_s", "grpo_worst_s",
           "grpo_first_s")

@@ -207,7 +207,7 @@ SLOW_TESTS = (
     "test_bench_tunix_served_rljax_side_answers_sampler_calls_and_grpo_steps",
     "test_bench_scripts.py::test_bench_shared_prefix_quick_reports_both_layouts",
     "test_bench_scripts.py::test_bench_micro_batches_reports_each_k_at_toy_size",
-    "test_bench_scripts.py::test_bench_trim_times_the_cut_and_the_whole_budget_at_toy_size",
+    "test_bench_scripts.py::test_bench_trim_times_the_cut_the_whole_budget_and_packed_rows_at_toy_size",
     "test_bench_scripts.py::test_bench_rollout_april_section_runs_at_toy_size",
     "test_bench_scripts.py::test_accelerator_report_reduced_mode_on_cpu",
     # second cases of a parametrised check whose first case stays fast: int8 beside fp8

@@ -347,13 +347,16 @@ def test_bench_rounds_alternate_the_sides_and_remove_the_weights(tmp_path, monke
   assert not os.listdir(tmp_path)
 
 
-def test_bench_trim_times_the_cut_and_the_whole_budget_at_toy_size(tmp_path, monkeypatch):
+def test_bench_trim_times_the_cut_the_whole_budget_and_packed_rows_at_toy_size(tmp_path, monkeypatch):
   bench = _load("bench_trim")
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the script writes its weights
   out = bench.main(["--samples", "4", "--budget", "32", "--mean-length", "3", "--floor", "4",
-                    "--repeats", "1"])
+                    "--pack-floor", "4", "--repeats", "1"])
   assert not os.listdir(tmp_path)  # the weights are removed when it ends
   rows = out["rows"]
   assert rows["whole budget"]["length"] == 32
   assert rows["cut"]["length"] == max(4, 1 << (out["longest"] - 1).bit_length()) < 32
-  assert out["max_abs_diff"] < 1e-5 and all(r["median_s"] > 0 for r in rows.values())
+  assert rows["cut, rows packed"]["length"] == rows["cut"]["length"]
+  assert rows["cut, rows packed"]["rows"] < rows["cut"]["rows"] == 4
+  assert max(out["max_abs_diff"].values()) < 1e-5
+  assert all(r["median_s"] > 0 for r in rows.values())

@@ -29,9 +29,9 @@ Axis letters: the legend in the docstring of ``rl_jax/__init__.py``.
 """
 
 from rl_jax.models.config import ModelConfig, from_hf_dict, rope_frequencies, to_hf_dict
-from rl_jax.models.grouped import (packed_hidden, replicated_hidden, response_hidden,
-                                   response_logprobs, token_reduction)
-from rl_jax.models import lora, quant
+from rl_jax.models.grouped import (packed_hidden, packs_rows, replicated_hidden,
+                                   response_hidden, response_logprobs, token_reduction)
+from rl_jax.models import lora, packing, quant
 from rl_jax.models.hf import (check_hf_adapter, hf_adapter_state_dict, hf_state_dict, load_hf,
                               load_hf_adapter, read_hf_config, save_hf, save_hf_adapter)
 from rl_jax.models.moe import Routing, load_balancing_loss
@@ -70,6 +70,8 @@ __all__ = [
     "lora",
     "mask_attend",
     "packed_hidden",
+    "packing",
+    "packs_rows",
     "param_axes",
     "param_shapes",
     "param_shardings",

@@ -48,6 +48,8 @@ References: DualKV (shared-prompt flash attention for RL training, 2025).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -62,8 +64,8 @@ from rl_jax.models.config import ModelConfig
 import pallas_kernels
 from pallas_kernels.lse_attention import two_region_attention
 
-__all__ = ["last_prompt_state", "packed_hidden", "replicated_hidden", "response_hidden",
-           "response_logprobs", "token_reduction"]
+__all__ = ["last_prompt_state", "packed_hidden", "packs_rows", "replicated_hidden",
+           "response_hidden", "response_logprobs", "token_reduction"]
 
 
 def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask):
@@ -96,17 +98,21 @@ def prefix_attention_path(prefix_attention: str) -> str:
 
 
 def _packed_attend(prompt_lengths: jax.Array, P: int, M: int, R: int,
-                   prefix_attention: str = "auto"):
+                   prefix_attention: str = "auto", segments: jax.Array | None = None):
   """AttendFn for the packed layout: causal prompt + shared-prefix responses.
 
   q [G,P+M·R,N,H], k and v [G,P+M·R,K,H] -> [G,P+M·R,N,H]. ``prefix_attention``
   (``ModelConfig.prefix_attention``, resolved by ``prefix_attention_path``): "kernel" runs
   the responses through ``pallas_kernels.shared_prefix_attention``, "concat" through
-  ``tx.concat_prefix_attention`` (layers without a window).
+  ``tx.concat_prefix_attention`` (layers without a window). ``segments`` int [G,M,R]: rows
+  of several responses (``models.packing``; "concat", no windows), each attending its own.
   """
-  responses = (_per_shard(pallas_kernels.shared_prefix_attention)
-               if prefix_attention_path(prefix_attention) == "kernel"
-               else tx.concat_prefix_attention)
+  if segments is not None:
+    responses = functools.partial(tx.concat_prefix_attention, segments=segments)
+  elif prefix_attention_path(prefix_attention) == "kernel":
+    responses = _per_shard(pallas_kernels.shared_prefix_attention)
+  else:
+    responses = tx.concat_prefix_attention
 
   def attend(q, k, v, state, spec=None):
     G = q.shape[0]
@@ -332,6 +338,54 @@ def replicated_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   return _with_routing(cfg, pred, out, G, M, R, P, return_routing, return_dropped, balance)
 
 
+def packs_rows(cfg: ModelConfig, prefix_attention: str | None = None) -> bool:
+  """Whether the packed layout can take several responses per row (``models.packing``) for
+  ``cfg``: the "concat" response attention (``prefix_attention``, default
+  ``cfg.prefix_attention``, resolved for the current platform), a dense model without
+  sliding-window layers. Sequence-parallel meshes are checked when the pass runs."""
+  path = prefix_attention_path(cfg.prefix_attention if prefix_attention is None
+                               else prefix_attention)
+  return path == "concat" and not cfg.is_moe and not cfg.per_layer_attention
+
+
+def _row_targets(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
+                 src):
+  """The trunk on the rows of ``src`` (``packing.Packing.src`` int [G,M',R]); returns the
+  hidden states [G,M+M'·R,D] whose logits are wanted and their targets int [G,M+M'·R]:
+  first the last prompt state M times (each response's token 0), then every row position
+  (predicting the next position of its segment; target 0 where none follows)."""
+  G, P = prompt_tokens.shape
+  _, M, R = response_tokens.shape
+  Mp = src.shape[1]
+  held = src.reshape(G, Mp * R)
+  pad = held < 0
+  at = jnp.maximum(held, 0)
+  toks = jnp.where(pad, 0, jnp.take_along_axis(response_tokens.reshape(G, M * R), at, axis=1))
+  segments = jnp.where(pad, -1, at // R)
+  tokens = jnp.concatenate([prompt_tokens, toks], axis=1)
+  positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(P), (G, P)),
+                               prompt_lengths[:, None] + at % R], axis=1).astype(jnp.int32)
+  attend = _packed_attend(prompt_lengths, P, Mp, R, "concat",
+                          segments.reshape(G, Mp, R))
+  h, _ = tx.trunk(cfg, params, tx.embed(cfg, params, tokens), positions, attend)
+  first = jnp.broadcast_to(last_prompt_state(h, prompt_lengths, P), (G, M, h.shape[-1]))
+  follows = (segments[:, 1:] == segments[:, :-1]) & ~pad[:, 1:]
+  nxt = jnp.concatenate([jnp.where(follows, toks[:, 1:], 0), jnp.zeros((G, 1), toks.dtype)],
+                        axis=1)
+  return (jnp.concatenate([first, h[:, P:]], axis=1),
+          jnp.concatenate([response_tokens[:, :, 0], nxt], axis=1))
+
+
+def _from_rows(out, dst):
+  """Per-position values [G,M+M'·R] of ``_row_targets``' order -> [G,M,R] response order:
+  token 0 of response i from entry i, token j > 0 from the row position before it
+  (``packing.Packing.dst`` int [G,M,R])."""
+  G, M, R = dst.shape
+  j = jnp.arange(R)[None, None, :]
+  idx = jnp.where(j == 0, jnp.arange(M)[None, :, None], M + dst - 1)
+  return jnp.take_along_axis(out, idx.reshape(G, M * R), axis=1).reshape(G, M, R)
+
+
 def response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
                     shared_prefix: bool = True, routing=None, return_routing: bool = False,
                     return_dropped: bool = False, balance_mask=None):
@@ -348,7 +402,7 @@ def response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
 def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
                       response_mask=None, shared_prefix: bool = True, temperature: float = 1.0,
                       with_entropy: bool = False, *, routing=None, return_routing: bool = False,
-                      return_dropped: bool = False, balance_mask=None):
+                      return_dropped: bool = False, balance_mask=None, packing=None):
   """Per-token log-probs of grouped responses.
 
   Args:
@@ -361,6 +415,10 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
     return_dropped: MoE only: also return each layer's dropped fraction float32 [Y].
     balance_mask: MoE only: bool [G,M,R] response tokens that count (with every valid prompt
       token) in the returned load-balancing loss (module docstring).
+    packing: None, or ``(src, dst)`` of a ``models.packing.plan`` over the responses'
+      lengths: the packed layout runs on those rows of several responses each, with the same
+      log-probs to float rounding. Ignored (the usual rows) where ``packs_rows`` does not
+      hold, with ``shared_prefix=False``, on a sequence-parallel mesh and with MoE outputs.
   Returns:
     float32 [G,M,R], zero where response_mask is False (and entropy [G,M,R] if asked; then
     the response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``, then the
@@ -369,6 +427,16 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   """
   _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask)
   G, M, R = response_tokens.shape
+  mask = jnp.ones((G, M, R), bool) if response_mask is None else response_mask
+  routed = routing is not None or return_routing or return_dropped or balance_mask is not None
+  if (packing is not None and shared_prefix and not routed and packs_rows(cfg)
+      and sp.plan(prompt_tokens.shape[1] + packing[0].shape[1] * R) is None):
+    h, targets = _row_targets(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
+                              packing[0])
+    out = tx.token_logprobs(cfg, params, h, targets, temperature, with_entropy)
+    out = tuple(_from_rows(o, packing[1]) for o in (out if with_entropy else (out,)))
+    res = tuple(jnp.where(mask, o, 0.0) for o in out)
+    return res if with_entropy else res[0]
   h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix,
                       routing, return_routing, return_dropped, balance_mask)
   h, *extra = h if (return_routing or return_dropped or balance_mask is not None) else (h,)
@@ -378,7 +446,6 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   else:  # one row per (group, sequence shard): the LM head stays on each shard's responses
     h, targets = sp.token_rows(pl, h, response_tokens)
   out = tx.token_logprobs(cfg, params, h, targets, temperature, with_entropy)
-  mask = jnp.ones((G, M, R), bool) if response_mask is None else response_mask
   if with_entropy:
     lp, ent = out
     res = (jnp.where(mask, lp.reshape(G, M, R), 0.0), jnp.where(mask, ent.reshape(G, M, R), 0.0))

@@ -297,11 +297,14 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
 
 def concat_prefix_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array,
                             k_resp: jax.Array, v_resp: jax.Array,
-                            ctx_lengths: jax.Array) -> jax.Array:
+                            ctx_lengths: jax.Array,
+                            segments: jax.Array | None = None) -> jax.Array:
   """Shared-prefix attention as one masked softmax over [context | own] keys.
 
   Response query j of response i in group g sees context keys 0..ctx_lengths[g]-1 and keys
-  0..j of response i (the contract of ``pallas_kernels.shared_prefix_attention``). The
+  0..j of response i (the contract of ``pallas_kernels.shared_prefix_attention``). With
+  ``segments`` int [G,M,R] each row holds several responses (``models.packing``): query j then
+  sees the row's keys 0..j of its own segment only. The
   group's P context keys are placed in front of each response's R own keys and the scores
   are laid out head-major, [G,M,K,J,R,P+R], so both score products and the softmax run on
   the scores without transposing them; the mask is an additive 0 / -1e30 bias (every query
@@ -309,7 +312,8 @@ def concat_prefix_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array,
   two-region reference to float rounding (``tests/test_prefix_attention.py``).
 
   Args:
-    q [G,M,R,N,H]; k_ctx, v_ctx [G,P,K,H]; k_resp, v_resp [G,M,R,K,H]; ctx_lengths int [G].
+    q [G,M,R,N,H]; k_ctx, v_ctx [G,P,K,H]; k_resp, v_resp [G,M,R,K,H]; ctx_lengths int [G];
+    segments: None, or int [G,M,R] the segment of each row position.
   Returns:
     [G,M,R,N,H] in the dtype of q.
   """
@@ -322,9 +326,14 @@ def concat_prefix_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array,
   qg = f32(q).reshape(G, M, R, K, N // K, H) / np.float32(np.sqrt(H))
   ctx = jnp.arange(P)[None, None, :] < ctx_lengths[:, None, None]  # [G,1,P]
   own = jnp.arange(R)[None, :] <= jnp.arange(R)[:, None]  # [R,R]
-  mask = jnp.concatenate([jnp.broadcast_to(ctx, (G, R, P)),
-                          jnp.broadcast_to(own, (G, R, R))], axis=-1)  # [G,R,P+R]
-  bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, None, None, None]
+  if segments is None:
+    mask = jnp.concatenate([jnp.broadcast_to(ctx, (G, R, P)),
+                            jnp.broadcast_to(own, (G, R, R))], axis=-1)  # [G,R,P+R]
+    bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, None, None, None]
+  else:  # [G,M,R,P+R]: the context, then the row's keys of the query's own segment
+    own = own & (segments[..., :, None] == segments[..., None, :])
+    mask = jnp.concatenate([jnp.broadcast_to(ctx[:, None], (G, M, R, P)), own], axis=-1)
+    bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, :, None, None]
   scores = jnp.einsum("gmtkjh,gmskh->gmkjts", qg, k) + bias
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("gmkjts,gmskh->gmtkjh", probs, v)

@@ -23,6 +23,7 @@ import numpy as np
 
 from rl_jax import losses
 from rl_jax.errors import RLJaxError
+from rl_jax.models import grouped, packing as packing_lib
 from rl_jax.models.hf import release_host_memory
 from rl_jax.rollout.records import pow2
 from rl_jax.train import agent_stage, group_size, replay_stage
@@ -100,6 +101,21 @@ def _extent(mask: np.ndarray) -> np.ndarray:
   return np.where(mask.any(axis=-1), R - np.argmax(mask[..., ::-1], axis=-1), 0)
 
 
+def update_packing(t: TrainParts, lengths: np.ndarray, every: np.ndarray, R: int):
+  """The update's rows of several responses (``train.pack_floor``, ``models.packing``) for
+  this process's groups' ``lengths`` int [g,M] (each response's tokens to its end, at most
+  the trained length ``R``), ``every`` the job's [G,M]: the plan, or None where the usual
+  one-response rows stay (off, under the floor, a layout or model that cannot take
+  several, or fewer than a quarter of the rows saved)."""
+  s, M = t.setup, lengths.shape[1]
+  floor = s.train.pack_floor
+  if (floor <= 0 or R < floor or not s.train.shared_prefix or not grouped.packs_rows(s.model_cfg)
+      or t.layout.mesh.shape.get("sequence", 1) > 1):
+    return None
+  rows = packing_lib.row_count(every, R)
+  return packing_lib.plan(lengths, R, rows) if 4 * rows <= 3 * M else None
+
+
 def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int = -1,
                   staleness: bool = False) -> tuple[UpdateBatch, dict[str, Any]]:
   """Scored groups -> objective inputs -> advantages, on the training mesh.
@@ -139,6 +155,11 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   elif s.model.router_replay:
     raise RLJaxError("model.router_replay=True: this batch has no expert records")
   replay = routing if s.model.router_replay else None
+  pack = None  # the update's rows of several responses each (train.pack_floor)
+  if turns is None:
+    ends = _extent(cut(scored.mask).reshape(g * M, Rt)).reshape(g, M)
+    pack = update_packing(t, ends, _everyone(ends, local), Rt)
+    pack = None if pack is None else tuple(put(a) for a in pack)
   components = None  # named reward components, for an objective that reads them
   if scored.components is not None and "reward_components" in s.objective.needs:
     components = put(scored.components)
@@ -166,6 +187,7 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
       "zero_variance_groups": group_size.zero_variance_fraction(rewards, scored.groups),
       "local_groups": g,  # groups this process sampled and scored (G with one process)
       "update_length": Rt,  # the response length the learner's passes ran at (trim_floor)
+      "update_rows": M if pack is None else pack[0].shape[1],  # per group (pack_floor)
   }
   if scored.components is not None:  # each named component's mean, as reward/<name>
     means = _everyone(scored.components, local).reshape(-1, len(s.reward_names)).mean(axis=0)
@@ -180,7 +202,7 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   if staleness:
     info.update(staleness_metrics(_everyone(scored.versions, local),  # the job's tokens
                                   _everyone(scored.mask, local), int(state.step)))
-  return UpdateBatch(pt, pl, rt, inputs, advantages, routing), info
+  return UpdateBatch(pt, pl, rt, inputs, advantages, routing, pack), info
 
 
 def pass_orders(seed: int, step: int, groups: int, epochs: int) -> list[np.ndarray | None]:

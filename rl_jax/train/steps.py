@@ -45,6 +45,8 @@ class UpdateBatch(NamedTuple):
   advantages: what the objective's estimator returned for ``inputs``.
   routing: mixture-of-experts models: int32 [G,M,R,Y,X] the sampler's experts of each
   response token (-1: none recorded), or None (dense models, rollouts without records).
+  packing: ``(src [G,M',R], dst [G,M,R])`` of ``models.packing.plan``: the update's policy
+  pass runs on M' < M rows of several responses each (``train.pack_floor``), or None.
   """
 
   prompt_tokens: jax.Array
@@ -53,6 +55,7 @@ class UpdateBatch(NamedTuple):
   inputs: losses.ObjectiveInputs
   advantages: losses.Advantages
   routing: jax.Array | None = None
+  packing: tuple[jax.Array, jax.Array] | None = None
 
 
 class StepFns(NamedTuple):
@@ -354,7 +357,7 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
         routed["balance_mask"] = mask if gen is None else gen
       out = models.response_logprobs(cfg, p, b.prompt_tokens, b.prompt_lengths, b.tokens,
                                      mask, shared_prefix=shared, temperature=temp,
-                                     with_entropy=with_entropy, **routed)
+                                     with_entropy=with_entropy, packing=b.packing, **routed)
       out = list(out) if isinstance(out, tuple) else [out]
       lp = out.pop(0)
       entropy = out.pop(0) if with_entropy else None
