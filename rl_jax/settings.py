@@ -229,11 +229,11 @@ class TrainSettings:
       "every step at the full budget")
   pack_floor: int = setting(
       128, cu.nonnegative_int,
-      "from this trained length on, the update packs several short responses into one row "
-      "of the prompt-once layout (first-fit decreasing; each attends only to its prompt and "
-      "itself) when that saves a quarter of the rows: the update's rows follow the tokens "
-      "generated (rl_jax.models.packing; the \"concat\" response attention, so CPUs, dense "
-      "models without sliding windows). 0: off")
+      "from this trained length on, the learner's log-prob passes and update pack several "
+      "short responses into one row of the prompt-once layout (first-fit decreasing; each "
+      "attends only to its prompt and itself) when that saves a quarter of the rows: their "
+      "rows follow the tokens generated (rl_jax.models.packing; the \"concat\" response "
+      "attention, so CPUs, dense models without sliding windows). 0: off")
   max_bad_steps: int = setting(
       3, cu.positive_int,
       "consecutive skipped updates (non-finite loss or grad norm), then the run stops")

@@ -126,14 +126,16 @@ def _trainer(extra, floor):
   return s, train.make_trainer(s)
 
 
-@pytest.mark.parametrize("extra", [
-    # a KL reference pass (one response per row) beside the update's packed policy pass,
-    # the old log-probs from the update's own pass
-    ["loss.preset=dr_grpo", "loss.kl_beta=0.05"],
-    # a critic (its own rows) and a separate old-log-prob pass
-    ["loss.preset=ppo"],
+@pytest.mark.parametrize("extra,passes", [
+    # a KL reference pass beside the update's policy pass, the old log-probs from the
+    # update's own pass; the passes and the update in two micro-batches of one group
+    (["loss.preset=dr_grpo", "loss.kl_beta=0.05", "train.micro_batches=2"], ("ref_logp",)),
+    # a critic (one response per row) and a separate old-log-prob pass
+    (["loss.preset=ppo"], ("old_logp",)),
 ], ids=["dr_grpo-kl", "ppo"])
-def test_the_update_on_rows_of_several_responses_equals_one_response_per_row(extra):
+def test_the_update_on_rows_of_several_responses_equals_one_response_per_row(extra, passes):
+  """The step's log-prob passes and its update on rows of several responses (the packed
+  twins of the passes, ``on_rows`` of ``steps._group_pass``) against one response per row."""
   from rl_jax import train  # pylint: disable=import-outside-toplevel
   from rl_jax.train.learner import learner_batch  # pylint: disable=import-outside-toplevel
   from rl_jax.train.producer import produce  # pylint: disable=import-outside-toplevel
@@ -152,6 +154,12 @@ def test_the_update_on_rows_of_several_responses_equals_one_response_per_row(ext
   assert b_one.packing is None and info_one.pop("update_rows") == 4
   assert b_pack.packing[0].shape == (2, info_pack.pop("update_rows"), R)
   assert b_pack.packing[0].shape[1] <= 3 and info_pack == info_one
+  for name in passes:  # the pass ran on the packed rows and gave the same log-probs
+    got, want = getattr(b_pack.inputs, name), getattr(b_one.inputs, name)
+    assert float(np.abs(np.asarray(want)).max()) > 0.5
+    np.testing.assert_allclose(got, want, atol=2e-5, err_msg=name)
+  assert t.steps.logprobs.on_rows._cache_size() == 1  # pylint: disable=protected-access
+  assert one.steps.logprobs.on_rows._cache_size() == 0  # pylint: disable=protected-access
 
   carry = (state.params, state.opt_state, state.value_params, state.value_opt_state)
   out_pack = t.steps.rl_update(*_copy(carry), b_pack)

@@ -44,11 +44,20 @@ class Source(NamedTuple):
   routing: Any = None  # model.router_replay: the sampler's experts [G,M,R,Y,X]
   teacher: Any = None  # distill.teacher_path: the teacher's params (train.teacher)
   components: Any = None  # named reward components [G,M,C] (Setup.reward_names), else None
+  packing: Any = None  # (src, dst) of models.packing for the log-prob passes, else None
 
 
 def _replayed(x: "Source") -> tuple:
   """The log-prob passes' routing argument under ``model.router_replay`` (else none)."""
   return () if x.routing is None else (x.routing,)
+
+
+def _run(x: "Source", fn: Callable, weights, *extra):
+  """The log-prob pass ``fn`` on the step's batch: on its rows of several responses
+  (``fn.on_rows``, ``steps._group_pass``) when the step packs them."""
+  if x.packing is None or not hasattr(fn, "on_rows"):
+    return fn(weights, *x.args, *extra)
+  return fn.on_rows(weights, *x.args, *x.packing, *extra)
 
 
 class Input(NamedTuple):
@@ -63,7 +72,7 @@ class Input(NamedTuple):
 def _old_logp(x: Source):
   if x.steps.old_logp_in_update:  # on-policy: the update's own pass gives old_logp
     return None
-  return x.steps.logprobs(x.state.params, *x.args, *_replayed(x))
+  return _run(x, x.steps.logprobs, x.state.params, *_replayed(x))
 
 
 def _grad_sq_norms(x: Source):
@@ -81,10 +90,9 @@ INPUTS: dict[str, Input] = {
     "grad_sq_norms": Input("rows", jnp.float32, False, _grad_sq_norms),
     "lengths": Input("rows", jnp.float32, False,
                      lambda x: jnp.sum(x.args[3], axis=-1).astype(jnp.float32)),
-    "ref_logp": Input("tokens", jnp.float32, False, lambda x: (
-        x.steps.ref_logprobs or x.steps.logprobs)(
-            x.state.params if x.steps.ref_from_policy else x.state.ref_params, *x.args,
-            *_replayed(x))),
+    "ref_logp": Input("tokens", jnp.float32, False, lambda x: _run(
+        x, x.steps.ref_logprobs or x.steps.logprobs,
+        x.state.params if x.steps.ref_from_policy else x.state.ref_params, *_replayed(x))),
     # the named components (Setup.reward_names), else the reward as the one component
     "reward_components": Input("components", jnp.float32, False, lambda x: (
         x.rewards[..., None] if x.components is None else x.components)),
@@ -96,7 +104,7 @@ INPUTS: dict[str, Input] = {
     "turn_states": Input("turns", jnp.int32, False, lambda x: x.turns["turn_states"]),
     # on-policy distillation: the frozen teacher's pass (train.teacher)
     "teacher_logp": Input("tokens", jnp.float32, False,
-                          lambda x: x.steps.teacher_logprobs(x.teacher, *x.args)),
+                          lambda x: _run(x, x.steps.teacher_logprobs, x.teacher)),
 }
 assert set(INPUTS) == set(losses.INPUT_FIELDS), "every ObjectiveInputs field has one entry"
 

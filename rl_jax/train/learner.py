@@ -44,16 +44,18 @@ PASS_METRICS = ("loss", "clip_frac", "approx_kl", "ratio_mean", "grad_norm", "ma
 
 def objective_inputs(t: TrainParts, state: TrainState, prompt_tokens, prompt_lengths, tokens,
                      mask, generated_mask, rewards, behaviour_logp,
-                     turns=None, routing=None, components=None) -> losses.ObjectiveInputs:
+                     turns=None, routing=None, components=None,
+                     packing=None) -> losses.ObjectiveInputs:
   """The objective's input record with every field ``Objective.needs`` names, each made as
   ``inputs.INPUTS`` declares (``old_logp`` is None when the update takes it from its own
   policy pass, ``StepFns.old_logp_in_update``); ``turns``: the per-turn arrays of a
   multi-turn batch; ``routing``: the sampler's experts [G,M,R,Y,X] that the log-prob passes
   replay (``model.router_replay``); ``components``: the named reward components [G,M,C]
-  (``Setup.reward_names``), the objective's ``reward_components``."""
+  (``Setup.reward_names``), the objective's ``reward_components``; ``packing``: the step's
+  rows of several responses (``update_packing``), which the log-prob passes run on."""
   src = Source(t.steps, state, (prompt_tokens, prompt_lengths, tokens, mask), rewards,
                generated_mask, behaviour_logp, t.setup.train.seed, turns, routing,
-               t.teacher, components=components)
+               t.teacher, components=components, packing=packing)
   return make_inputs(t.setup.objective.needs, src)
 
 
@@ -166,7 +168,7 @@ def learner_batch(t: TrainParts, state: TrainState, scored: Scored, max_lag: int
   inputs = objective_inputs(
       t, state, pt, pl, rt, mask=put(cut(loss_mask)), generated_mask=put(cut(scored.mask)),
       rewards=put(scored.rewards), behaviour_logp=put(cut(scored.logprobs)), turns=turns,
-      routing=replay, components=components)
+      routing=replay, components=components, packing=pack)
   estimate = t.steps.advantages  # the objective's estimator, jitted
   if estimate is None:
     raise RLJaxError("the objective has no advantage estimator: chain one (losses.chain) to "

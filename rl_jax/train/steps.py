@@ -46,7 +46,8 @@ class UpdateBatch(NamedTuple):
   routing: mixture-of-experts models: int32 [G,M,R,Y,X] the sampler's experts of each
   response token (-1: none recorded), or None (dense models, rollouts without records).
   packing: ``(src [G,M',R], dst [G,M,R])`` of ``models.packing.plan``: the update's policy
-  pass runs on M' < M rows of several responses each (``train.pack_floor``), or None.
+  pass (and the step's log-prob passes) ran on M' < M rows of several responses each
+  (``train.pack_floor``), or None.
   """
 
   prompt_tokens: jax.Array
@@ -189,13 +190,17 @@ def _temperature(s: Setup) -> float:
 
 
 def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=(),
-                micro_batches: int = 1, load: Callable = lambda w: w) -> Callable:
+                micro_batches: int = 1, load: Callable = lambda w: w,
+                packs: bool = False) -> Callable:
   """A jitted pass ``fn(load(weights), prompt_tokens, prompt_lengths, tokens, mask, *extra)``
   over ``groups`` groups: batch inputs and the output split along ``batch``; ``load`` brings
   the weights where ``fn`` reads them (once per call). ``micro_batches`` = k > 1
   (``train.micro_batches``) runs ``fn`` on k micro-batches of the groups one after another
   (``lax.map``; the extras laid out like the batch are split with it) and puts the rows back
-  in order: the same values for the activations of one micro-batch."""
+  in order: the same values for the activations of one micro-batch. ``packs``: ``fn`` also
+  takes ``packing=(src, dst)`` (``UpdateBatch.packing``), and the jitted pass carries a twin,
+  ``.on_rows(weights, prompt_tokens, prompt_lengths, tokens, mask, src, dst, *extra)``: the
+  same pass on rows of several responses each (``models.packing``), compiled on first use."""
   rows = layout.rows(groups)
   body = fn if micro_batches == 1 else _in_micro_batches(
       fn, micro_batches, [True] * 4 + [e == rows for e in extra])
@@ -204,8 +209,24 @@ def _group_pass(layout: Layout, weights, groups: int, fn: Callable, extra=(),
   def run(w, *args):
     return body(load(w), *args)
 
-  return jit_on_mesh(run, layout, in_shardings=(weights, rows, rows, rows, rows, *extra),
-                     out_shardings=rows)
+  plain = jit_on_mesh(run, layout, in_shardings=(weights, rows, rows, rows, rows, *extra),
+                      out_shardings=rows)
+  if not packs:
+    return plain
+
+  def on_rows(w, pt, pl, rt, rm, src, dst, *more):
+    return fn(w, pt, pl, rt, rm, *more, packing=(src, dst))
+
+  body_rows = on_rows if micro_batches == 1 else _in_micro_batches(
+      on_rows, micro_batches, [True] * 6 + [e == rows for e in extra])
+
+  @functools.wraps(fn)
+  def run_rows(w, *args):
+    return body_rows(load(w), *args)
+
+  plain.on_rows = jit_on_mesh(run_rows, layout, out_shardings=rows, in_shardings=(
+      weights, rows, rows, rows, rows, rows, rows, *extra))
+  return plain
 
 
 def _in_micro_batches(fn: Callable, k: int, is_batch: list[bool]) -> Callable:
@@ -251,10 +272,11 @@ def make_logprob_fn(s: Setup, layout: Layout) -> Callable:
   temp, shared = _temperature(s), s.train.shared_prefix
   rows = layout.rows(_groups(s))
   return _group_pass(layout, layout.state.params, _groups(s),
-                     lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
+                     lambda p, pt, pl, rt, rm, *routing, packing=None: models.response_logprobs(
                          s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared,
-                         temperature=temp, routing=routing[0] if routing else None),
-                     extra=(rows,) if _replay(s) else (), micro_batches=_micro(s))
+                         temperature=temp, routing=routing[0] if routing else None,
+                         packing=packing),
+                     extra=(rows,) if _replay(s) else (), micro_batches=_micro(s), packs=True)
 
 
 def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
@@ -266,21 +288,23 @@ def make_ref_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
   temp, shared = _temperature(s), s.train.shared_prefix
   if s.model_cfg.lora_rank:  # with router replay it takes the records like the others
     return _group_pass(layout, layout.state.params, _groups(s),
-                       lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
+                       lambda p, pt, pl, rt, rm, *routing, packing=None: models.response_logprobs(
                            s.model_cfg, models.lora.strip(p), pt, pl, rt, rm,
                            shared_prefix=shared, temperature=temp,
-                           routing=routing[0] if routing else None),
+                           routing=routing[0] if routing else None, packing=packing),
                        extra=(layout.rows(_groups(s)),) if _replay(s) else (),
-                       micro_batches=_micro(s))
+                       micro_batches=_micro(s), packs=True)
   if "ref_params" not in offload.offloaded_fields(s):
     return None
   weights = jax.tree.map(offload.host_sharding, layout.state.params)  # laid out like the policy
   return _group_pass(layout, weights, _groups(s),
-                     lambda p, pt, pl, rt, rm, *routing: models.response_logprobs(
+                     lambda p, pt, pl, rt, rm, *routing, packing=None: models.response_logprobs(
                          s.model_cfg, p, pt, pl, rt, rm, shared_prefix=shared,
-                         temperature=temp, routing=routing[0] if routing else None),
+                         temperature=temp, routing=routing[0] if routing else None,
+                         packing=packing),
                      extra=(layout.rows(_groups(s)),) if _replay(s) else (),
-                     micro_batches=_micro(s), load=lambda p: offload.to_device(p, True))
+                     micro_batches=_micro(s), load=lambda p: offload.to_device(p, True),
+                     packs=True)
 
 
 def make_teacher_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
@@ -295,9 +319,11 @@ def make_teacher_logprob_fn(s: Setup, layout: Layout) -> Callable | None:
   cfg, temp, shared = s.teacher_cfg, _temperature(s), s.train.shared_prefix
   host = teacher_lib.offloaded(s)
   return _group_pass(layout, teacher_lib.teacher_shardings(s), _groups(s),
-                     lambda p, pt, pl, rt, rm: models.response_logprobs(
-                         cfg, p, pt, pl, rt, rm, shared_prefix=shared, temperature=temp),
-                     micro_batches=_micro(s), load=lambda p: offload.to_device(p, host))
+                     lambda p, pt, pl, rt, rm, packing=None: models.response_logprobs(
+                         cfg, p, pt, pl, rt, rm, shared_prefix=shared, temperature=temp,
+                         packing=packing),
+                     micro_batches=_micro(s), load=lambda p: offload.to_device(p, host),
+                     packs=True)
 
 
 def make_value_fn(s: Setup, layout: Layout) -> Callable:
