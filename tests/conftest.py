@@ -245,6 +245,15 @@ SLOW_TESTS = (
     "test_lora.py::test_async_partial_rollouts_train_the_adapters_only_and_dry_run_plans_them",
     "test_agent_rollout.py::test_held_multi_turn_groups_keep_their_expert_records",
     "test_models_moe_gemma.py::test_shared_prefix_equals_replicated_and_forward[qwen3_moe]",
+    # rows of several responses: PPO's critic and old-log-prob pass beside the KL reference
+    # case, multi-turn trajectories (the segment rule they use: the same extent as
+    # test_trim's cut), and the second architectures of the model-level checks (llama stays)
+    "test_packing.py::test_the_update_on_rows_of_several_responses_equals_one_response_per_row"
+    "[ppo]",
+    "test_packing.py::test_multi_turn_trajectories_on_rows_of_several_equal_one_per_row",
+    "test_packing.py::test_rows_of_several_responses_give_the_gradients_of_one_per_row[qwen3]",
+    "test_packing.py::"
+    "test_rows_of_several_responses_give_the_log_probs_and_entropies_of_one_per_row[qwen2]",
 )
 
 
