@@ -244,3 +244,12 @@ def test_rows_of_several_responses_on_eight_devices_with_two_groups():
                                        batch._replace(packing=pack))[3]
   assert float(optax.tree.norm(one)) > 0.1
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4), eight, one)
+
+
+def test_pack_floor_is_checked_in_one_line():
+  from rl_jax import config_utils, train  # pylint: disable=import-outside-toplevel
+  from rl_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from tests.tiny import QUICKSTART  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match="train.pack_floor") as e:
+    train.build_setup(config_utils.load_config(QUICKSTART, ["train.pack_floor=-1"]))
+  assert "\n" not in str(e.value)
