@@ -229,7 +229,7 @@ class TrainSettings:
       "every step at the full budget")
   pack_floor: int = setting(
       128, cu.nonnegative_int,
-      "from this trained length on, the learner's log-prob passes and update pack several "
+      "from this trained length on, the learner's passes and update pack several "
       "short responses into one row of the prompt-once layout (first-fit decreasing; each "
       "attends only to its prompt and itself) when that saves a quarter of the rows: their "
       "rows follow the tokens generated (rl_jax.models.packing; the \"concat\" response "

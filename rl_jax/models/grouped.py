@@ -64,8 +64,9 @@ from rl_jax.models.config import ModelConfig
 import pallas_kernels
 from pallas_kernels.lse_attention import two_region_attention
 
-__all__ = ["last_prompt_state", "packed_hidden", "packs_rows", "replicated_hidden",
-           "response_hidden", "response_logprobs", "token_reduction"]
+__all__ = ["from_rows", "last_prompt_state", "packed_hidden", "packs_rows", "replicated_hidden",
+           "response_hidden", "response_logprobs", "row_states", "runs_on_rows",
+           "token_reduction"]
 
 
 def _check_group_inputs(prompt_tokens, prompt_lengths, response_tokens, response_mask):
@@ -348,8 +349,17 @@ def packs_rows(cfg: ModelConfig, prefix_attention: str | None = None) -> bool:
   return path == "concat" and not cfg.is_moe and not cfg.per_layer_attention
 
 
-def _row_targets(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
-                 src):
+def runs_on_rows(cfg: ModelConfig, packing, P: int, R: int, shared_prefix: bool = True,
+                 routed: bool = False) -> bool:
+  """Whether a pass given ``packing`` (``models.packing``) runs on its rows: the packed
+  layout (``shared_prefix``), ``packs_rows(cfg)``, no MoE outputs (``routed``), and no
+  sequence-parallel split of the rows' length P + M'·R."""
+  return (packing is not None and shared_prefix and not routed and packs_rows(cfg)
+          and sp.plan(P + packing[0].shape[1] * R) is None)
+
+
+def row_states(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, response_tokens,
+               src):
   """The trunk on the rows of ``src`` (``packing.Packing.src`` int [G,M',R]); returns the
   hidden states [G,M+M'·R,D] whose logits are wanted and their targets int [G,M+M'·R]:
   first the last prompt state M times (each response's token 0), then every row position
@@ -376,8 +386,8 @@ def _row_targets(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, respon
           jnp.concatenate([response_tokens[:, :, 0], nxt], axis=1))
 
 
-def _from_rows(out, dst):
-  """Per-position values [G,M+M'·R] of ``_row_targets``' order -> [G,M,R] response order:
+def from_rows(out, dst):
+  """Per-position values [G,M+M'·R] of ``row_states``' order -> [G,M,R] response order:
   token 0 of response i from entry i, token j > 0 from the row position before it
   (``packing.Packing.dst`` int [G,M,R])."""
   G, M, R = dst.shape
@@ -417,8 +427,9 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
       token) in the returned load-balancing loss (module docstring).
     packing: None, or ``(src, dst)`` of a ``models.packing.plan`` over the responses'
       lengths: the packed layout runs on those rows of several responses each, with the same
-      log-probs to float rounding. Ignored (the usual rows) where ``packs_rows`` does not
-      hold, with ``shared_prefix=False``, on a sequence-parallel mesh and with MoE outputs.
+      log-probs to float rounding. Ignored (the usual rows) where ``runs_on_rows`` does not
+      hold: ``packs_rows`` false, ``shared_prefix=False``, a sequence-parallel mesh, MoE
+      outputs.
   Returns:
     float32 [G,M,R], zero where response_mask is False (and entropy [G,M,R] if asked; then
     the response tokens' expert ids int32 [G,M,R,Y,X] if ``return_routing``, then the
@@ -429,12 +440,11 @@ def response_logprobs(cfg: ModelConfig, params, prompt_tokens, prompt_lengths, r
   G, M, R = response_tokens.shape
   mask = jnp.ones((G, M, R), bool) if response_mask is None else response_mask
   routed = routing is not None or return_routing or return_dropped or balance_mask is not None
-  if (packing is not None and shared_prefix and not routed and packs_rows(cfg)
-      and sp.plan(prompt_tokens.shape[1] + packing[0].shape[1] * R) is None):
-    h, targets = _row_targets(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
-                              packing[0])
+  if runs_on_rows(cfg, packing, prompt_tokens.shape[1], R, shared_prefix, routed):
+    h, targets = row_states(cfg, params, prompt_tokens, prompt_lengths, response_tokens,
+                            packing[0])
     out = tx.token_logprobs(cfg, params, h, targets, temperature, with_entropy)
-    out = tuple(_from_rows(o, packing[1]) for o in (out if with_entropy else (out,)))
+    out = tuple(from_rows(o, packing[1]) for o in (out if with_entropy else (out,)))
     res = tuple(jnp.where(mask, o, 0.0) for o in out)
     return res if with_entropy else res[0]
   h = response_hidden(cfg, params, prompt_tokens, prompt_lengths, response_tokens, shared_prefix,

@@ -43,9 +43,16 @@ def values(cfg: ModelConfig, vparams, tokens, positions=None, attention_mask=Non
 
 
 def response_values(cfg: ModelConfig, vparams, prompt_tokens, prompt_lengths, response_tokens,
-                    response_mask=None, shared_prefix: bool = True):
-  """Value of the state before each response token: [G,M,R] float32 (0 where masked)."""
-  h = grouped.response_hidden(cfg, vparams["trunk"], prompt_tokens, prompt_lengths,
-                              response_tokens, shared_prefix)
-  v = _head(vparams, h)
+                    response_mask=None, shared_prefix: bool = True, packing=None):
+  """Value of the state before each response token: [G,M,R] float32 (0 where masked).
+  ``packing``: rows of several responses, as in ``grouped.response_logprobs``."""
+  if grouped.runs_on_rows(cfg, packing, prompt_tokens.shape[1], response_tokens.shape[2],
+                          shared_prefix):
+    h, _ = grouped.row_states(cfg, vparams["trunk"], prompt_tokens, prompt_lengths,
+                              response_tokens, packing[0])
+    v = grouped.from_rows(_head(vparams, h), packing[1])
+  else:
+    h = grouped.response_hidden(cfg, vparams["trunk"], prompt_tokens, prompt_lengths,
+                                response_tokens, shared_prefix)
+    v = _head(vparams, h)
   return v if response_mask is None else jnp.where(response_mask, v, 0.0)

@@ -44,7 +44,7 @@ class Source(NamedTuple):
   routing: Any = None  # model.router_replay: the sampler's experts [G,M,R,Y,X]
   teacher: Any = None  # distill.teacher_path: the teacher's params (train.teacher)
   components: Any = None  # named reward components [G,M,C] (Setup.reward_names), else None
-  packing: Any = None  # (src, dst) of models.packing for the log-prob passes, else None
+  packing: Any = None  # (src, dst) of models.packing for the passes, else None
 
 
 def _replayed(x: "Source") -> tuple:
@@ -53,8 +53,8 @@ def _replayed(x: "Source") -> tuple:
 
 
 def _run(x: "Source", fn: Callable, weights, *extra):
-  """The log-prob pass ``fn`` on the step's batch: on its rows of several responses
-  (``fn.on_rows``, ``steps._group_pass``) when the step packs them."""
+  """The pass ``fn`` (log-probs or values) on the step's batch: on its rows of several
+  responses (``fn.on_rows``, ``steps._group_pass``) when the step packs them."""
   if x.packing is None or not hasattr(fn, "on_rows"):
     return fn(weights, *x.args, *extra)
   return fn.on_rows(weights, *x.args, *x.packing, *extra)
@@ -97,7 +97,7 @@ INPUTS: dict[str, Input] = {
     "reward_components": Input("components", jnp.float32, False, lambda x: (
         x.rewards[..., None] if x.components is None else x.components)),
     "values": Input("tokens", jnp.float32, False,
-                    lambda x: x.steps.values(x.state.value_params, *x.args)),
+                    lambda x: _run(x, x.steps.values, x.state.value_params)),
     # per-turn fields of multi-turn trajectories (only an agentic producer has them)
     "turn_rewards": Input("turns", jnp.float32, False, lambda x: x.turns["turn_rewards"]),
     "turn_ids": Input("tokens", jnp.int32, False, lambda x: x.turns["turn_ids"]),

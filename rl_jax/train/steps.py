@@ -46,8 +46,8 @@ class UpdateBatch(NamedTuple):
   routing: mixture-of-experts models: int32 [G,M,R,Y,X] the sampler's experts of each
   response token (-1: none recorded), or None (dense models, rollouts without records).
   packing: ``(src [G,M',R], dst [G,M,R])`` of ``models.packing.plan``: the update's policy
-  pass (and the step's log-prob passes) ran on M' < M rows of several responses each
-  (``train.pack_floor``), or None.
+  and critic passes (and the step's other passes) run on M' < M rows of several responses
+  each (``train.pack_floor``), or None.
   """
 
   prompt_tokens: jax.Array
@@ -330,9 +330,10 @@ def make_value_fn(s: Setup, layout: Layout) -> Callable:
   """``values(value_params, prompt_tokens, prompt_lengths, tokens, mask) -> [G,M,R]``."""
   shared = s.train.shared_prefix
   return _group_pass(layout, layout.state.value_params, _groups(s),
-                     lambda v, pt, pl, rt, rm: models.response_values(
-                         s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared),
-                     micro_batches=_micro(s))
+                     lambda v, pt, pl, rt, rm, packing=None: models.response_values(
+                         s.model_cfg, v, pt, pl, rt, rm, shared_prefix=shared,
+                         packing=packing),
+                     micro_batches=_micro(s), packs=True)
 
 
 def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
@@ -398,7 +399,8 @@ def rl_grads(s: Setup, obj: losses.Objective | None = None) -> Callable:
       values = None
       if with_critic:
         values = models.response_values(cfg, v, b.prompt_tokens, b.prompt_lengths, b.tokens,
-                                        mask, shared_prefix=shared).reshape(G * M, R)
+                                        mask, shared_prefix=shared,
+                                        packing=b.packing).reshape(G * M, R)
       rows = lambda a: None if a is None else a.reshape(G * M, R)
       loss_sum, denom, mets = obj.loss(rows(lp), batch, values=values, entropy=rows(entropy))
       if b.routing is not None:
