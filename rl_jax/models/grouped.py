@@ -16,6 +16,13 @@ of M times: the whole-model token reduction is rho = M(P+R)/(P+M·R).
 Replicated layout: G·M rows of [prompt_g (P)][resp_i (R)] with the prompt padding masked out.
 Both give identical log-probs and gradients (tests/test_grouped.py).
 
+Rows of several responses (``packing=`` of ``response_logprobs``; the host's plan in
+``models.packing``): the packed row holds M' < M rows of R positions, each with several whole
+responses, every one at its own positions len_g + j and attending to the prompt and its own
+segment (``row_states``, the "concat" response attention with segments). The logits come
+out in row order and ``from_rows`` puts them back in [G,M,R] order; the same log-probs and
+gradients to float rounding (tests/test_packing.py).
+
 Inside ``sharding.use`` on a mesh with ``sequence`` > 1 both layouts split along length
 (``sequence_parallel.py``): the packed row is laid out shard-major (each shard a slice of
 the prompt and M/S whole responses) and attends per shard against the all-gathered prompt

@@ -1,10 +1,10 @@
 """Responses packed into fewer rows: the host's plan of which response goes where.
 
-The packed prompt-once layout (``grouped.py``) gives every response of a group its own
-R positions, R the step's trained length (``train.trim_floor``). When responses end at different lengths,
-most of those positions are padding that the learner still runs through every layer. Here
-a group's M responses are packed, whole and in order of decreasing length (first-fit
-decreasing), into M' rows of R positions each, several short responses sharing a row:
+The packed prompt-once layout (``grouped.py``) gives every response of a group its own R
+positions, R the step's trained length (``train.trim_floor``). When responses end at
+different lengths, most of those positions are padding that the learner still runs through
+every layer. Here a group's M responses are packed, whole and in order of decreasing length
+(first-fit decreasing), into M' rows of R positions each, several short ones sharing a row:
 
     [prompt_g (P)][row_1: resp_a | resp_b | pad][row_2: resp_c | pad]...
 

@@ -52,7 +52,8 @@ def objective_inputs(t: TrainParts, state: TrainState, prompt_tokens, prompt_len
   multi-turn batch; ``routing``: the sampler's experts [G,M,R,Y,X] that the log-prob passes
   replay (``model.router_replay``); ``components``: the named reward components [G,M,C]
   (``Setup.reward_names``), the objective's ``reward_components``; ``packing``: the step's
-  rows of several responses (``update_packing``), which the log-prob passes run on."""
+  rows of several responses (``update_packing``), which the passes (log-probs, values) run
+  on."""
   src = Source(t.steps, state, (prompt_tokens, prompt_lengths, tokens, mask), rewards,
                generated_mask, behaviour_logp, t.setup.train.seed, turns, routing,
                t.teacher, components=components, packing=packing)
