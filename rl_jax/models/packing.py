@@ -21,8 +21,8 @@ arrays computed on the host from the lengths, so the programs see only static sh
 M' is the most rows any group needs, rounded up to a multiple of ``ceil(M / 8)`` so that a run
 compiles few shapes: as the trainer packs only when that saves a quarter of the rows, at most
 6 row counts per response length beside one response per row (each compiles the passes once).
-A multiple of M/4 would compile fewer but cost more: at 16 x 256 the update took 1.55 s on
-12 rows against 1.22 s on 8–12 (``docs/BENCHMARKS.md``).
+Multiples of M/4 would compile fewer but cost more: at 16 x 256 the update took 1.55 s with
+them against 1.22 s (``docs/BENCHMARKS.md``).
 
 References: sequence packing without cross-contamination (Krell et al., 2021): several
 sequences per row, attention kept within each.
