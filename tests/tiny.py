@@ -98,3 +98,25 @@ def stopped_at(ref_dir, resumed_dir, step: int) -> None:
     if k > step:
       shutil.rmtree(resumed_dir / "checkpoints" / str(k))
   shutil.copy(ref_dir / "metrics.jsonl", resumed_dir / "metrics.jsonl")
+
+
+def assert_same_update(got, want, params) -> None:
+  """Two ``rl_update`` outputs (params, optimizer state, value params and state, metrics) of
+  the same step from ``params``, computed two ways, agree: the update moved the policy (or the
+  comparison would be empty), and every array and metric is equal to float rounding."""
+  import jax  # pylint: disable=import-outside-toplevel
+  moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(params)))
+  assert moved > 1e-5, "the update did not move the policy; the comparison would be empty"
+  # Adam's first step moves a weight by about lr·sign(g): where g is tiny, the two programs'
+  # last-bit differences reach the weight, so a few elements may differ by up to 1e-5
+  for a, b in zip(jax.tree.leaves(got[:4]), jax.tree.leaves(want[:4])):
+    a, b = np.asarray(a), np.asarray(b)
+    off = ~np.isclose(a, b, rtol=1e-5, atol=1e-7)
+    assert off.mean() <= 1e-3, (off.sum(), off.size)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=max(1e-5, 1e-4 * float(np.abs(b).max())))
+  m_got, m_want = jax.device_get(got[4]), jax.device_get(want[4])
+  assert m_got.keys() == m_want.keys()
+  for k in m_want:
+    np.testing.assert_allclose(m_got[k], m_want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert np.isfinite(m_got["loss"]) and m_got["update_skipped"] == 0
