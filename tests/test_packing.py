@@ -151,7 +151,8 @@ def test_the_update_on_rows_of_several_responses_equals_one_response_per_row(ext
   """The step's log-prob passes and its update on rows of several responses (the packed
   twins of the passes, ``on_rows`` of ``steps._group_pass``) against one response per row."""
   from rl_jax import train  # pylint: disable=import-outside-toplevel
-  from rl_jax.train.learner import learner_batch  # pylint: disable=import-outside-toplevel
+  from rl_jax.train.learner import (  # pylint: disable=import-outside-toplevel
+      learner_batch, update_packing)
   from rl_jax.train.producer import produce  # pylint: disable=import-outside-toplevel
   from tests.test_trim import _ended_early  # pylint: disable=import-outside-toplevel
   s, t = _trainer(extra, floor=4)
@@ -172,6 +173,13 @@ def test_the_update_on_rows_of_several_responses_equals_one_response_per_row(ext
   assert b_one.packing is None and info_one.pop("update_rows") == 4
   assert b_pack.packing[0].shape == (2, info_pack.pop("update_rows"), R)
   assert b_pack.packing[0].shape[1] <= 3 and info_pack == info_one
+  # the rule (train.pack_floor=4 in t, 0 in one): a quarter of the rows saved, at or over
+  # the floor
+  rows = lambda tr, lengths, r=R: update_packing(tr, np.array([lengths]), np.array([lengths]), r)
+  assert rows(t, [3, 2, 4, 1]).src.shape == (1, 1, R) and rows(one, [3, 2, 4, 1]) is None
+  assert rows(t, [3, 2, 3, 1], 3) is None  # a trained length under the floor
+  assert rows(t, [R, R, 9, 6]).src.shape == (1, 3, R)  # 3 rows of 4: a quarter saved
+  assert rows(t, [R, R, 9, 8]) is None  # 4 rows: nothing saved
   for name in passes:  # the pass ran on the packed rows and gave the same log-probs
     got, want = getattr(b_pack.inputs, name), getattr(b_one.inputs, name)
     assert float(np.abs(np.asarray(want)).max()) > 0.01

@@ -105,7 +105,7 @@ def _extent(mask: np.ndarray) -> np.ndarray:
 
 
 def update_packing(t: TrainParts, lengths: np.ndarray, every: np.ndarray, R: int):
-  """The update's rows of several responses (``train.pack_floor``, ``models.packing``) for
+  """The step's rows of several responses (``train.pack_floor``, ``models.packing``) for
   this process's groups' ``lengths`` int [g,M] (each response's tokens to its end, at most
   the trained length ``R``), ``every`` the job's [G,M]: the plan, or None where the usual
   one-response rows stay (off, under the floor, a layout or model that cannot take
