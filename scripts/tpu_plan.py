@@ -154,7 +154,7 @@ def run_one(workdir: str, model: str, topology: str, variant: str, extra: list[s
                peak_program=est["peak_program"], fits=est["fits"],
                state=sum(plan["state"]["rl"].values()), step_s=rl.get("seconds"),
                rollout_s=rl.get("rollout_s"), learner_s=rl.get("learner_s"),
-               mfu=rl.get("mfu"), kernels=sorted({k for p in plan["programs"].values()
+               mfu=rl.get("mfu"), model_mfu=rl.get("model_mfu"), kernels=sorted({k for p in plan["programs"].values()
                                                   for k in p["kernels"]}),
                grown_peak=plan.get("kv_pool_plan", {}).get("grown_peak"),
                max_batch_groups=plan.get("max_batch_groups"),
@@ -185,6 +185,8 @@ def table(rows: list[dict]) -> str:
     step = ("" if r["step_s"] is None else
             f"{r['step_s']:.1f} ({r['rollout_s']:.1f} + {r['learner_s']:.1f})")
     mfu = "" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    model = "" if r.get("model_mfu") is None else f"{100 * r['model_mfu']:.1f}%"
+    mfu = mfu if model in ("", mfu) else f"{mfu} (model FLOPs: {model})"
     out.append(f"| {r['model']} | {r['topology']} | {r['variant']} | "
                f"{'yes' if r['fits'] else 'no'} | {_gib(r['peak'])} of {_gib(r['capacity'])} "
                f"({r['peak_program']}) | {_gib(r['state'])} | {step} | {mfu} | {largest} |")

@@ -72,6 +72,11 @@ def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
   assert progs["decode"]["calls"] == 5  # one step of the loop per new token
   est = p["estimate"]
   assert est["fits"] and est["rl_step"]["seconds"] > 0 and 0 < est["rl_step"]["mfu"] < 1
+  # the model's FLOPs alone: each program's model count, never above its larger count
+  rl = est["rl_step"]
+  model = sum(prog["model_flops"] * prog["calls"] for n, prog in progs.items()
+              if n != "sft") / (rl["seconds"] * p["chip"]["flops"])
+  assert rl["model_mfu"] == pytest.approx(model) and 0 < rl["model_mfu"] <= rl["mfu"]
 
 
 def test_a_decode_that_gathers_the_model_every_step_gets_a_note(quick_plan):
@@ -312,6 +317,22 @@ def test_host_platform_is_cpu_only_when_unset(monkeypatch):
   topology.use_host_platform()
   assert os.environ["JAX_PLATFORMS"] == "cpu" == jax.config.jax_platforms
   assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
+
+
+def test_mfu_of_the_model_flops_alone_where_xla_counts_more():
+  """Two programs of one second each on a chip of 100 FLOP/s: one where XLA counted a loop
+  body once (40 of the model's 80 FLOPs), one where it counts 3x the model's (an MoE
+  update's padded expert matmuls). ``mfu`` takes each program's larger count (80 + 60),
+  ``model_mfu`` the model's (80 + 20); the printed line gives both."""
+  prog = lambda flops, model: dict(time_s=1.0, calls=1, flops=flops, model_flops=model,
+                                   peak=1, time_source="xla")
+  plan = {"programs": {"decode": prog(40.0, 80.0), "rl_update": prog(60.0, 20.0)},
+          "chip": {"flops": 100.0}, "peak": {"state": 0}, "capacity": 2}
+  rl = topology._estimate(None, plan)["rl_step"]
+  assert rl["mfu"] == pytest.approx(140 / 200) and rl["model_mfu"] == pytest.approx(100 / 200)
+  assert topology._mfu(rl) == "70.0% (model FLOPs alone: 50.0%)"
+  assert topology._mfu(dict(rl, model_mfu=0.7)) == "70.0%"
+  assert topology._mfu(dict(mfu=None, model_mfu=None)) == "n/a"
 
 
 def test_collectives_of_hlo_text():

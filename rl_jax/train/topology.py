@@ -36,7 +36,8 @@ XLA's cost analysis also counts a loop body once: where its FLOPs fall below the
 scaled up by that ratio; where XLA gives no time (``optimal_seconds`` < 0, large programs
 with loops), the roofline of its counts stands in. Then, for one RL step: the estimated
 time (prefill + R decode steps + the log-prob passes + the updates), the estimated MFU
-(model FLOPs over that time, against the chip's peak bf16 FLOP/s), and whether the peak
+(each program's larger FLOPs count, XLA's or the model's, over that time, against the
+chip's peak bf16 FLOP/s; and ``model_mfu``, the model's FLOPs alone), and whether the peak
 fits. The times are estimates from XLA's analysis for that chip, not measurements.
 
 The largest batch (``--config.dry_run.max_batch=True``): the largest ``train.batch_groups``
@@ -1004,32 +1005,52 @@ def _calls(s: Setup, prog: str) -> int:
 
 def _estimate(s: Setup, plan: dict) -> dict[str, Any]:
   """One RL step (and one supervised step) from XLA's per-program estimates: seconds,
-  FLOPs per chip, MFU against the chip's peak, and the peak against the HBM."""
+  FLOPs per chip, MFU against the chip's peak, and the peak against the HBM.
+
+  ``mfu`` counts each program's larger FLOPs, XLA's or the model's (XLA's count takes a loop
+  body once; the model's leaves out attention scores). ``model_mfu`` counts the model's
+  alone (2 x matmul weights x tokens, PaLM's MFU): the useful work, lower where XLA computes
+  more than the model needs, e.g. an MoE update split into minibatches whose expert matmuls
+  run on capacity-padded buffers."""
   progs, chip = plan["programs"], plan["chip"]
 
-  def total(names):  # seconds, FLOPs (the larger of the model's and XLA's count)
-    return (sum(progs[n]["time_s"] * progs[n]["calls"] for n in names if n in progs),
+  def total(names):  # seconds; FLOPs (the larger of the model's and XLA's count); model's
+    names = [n for n in names if n in progs]
+    return (sum(progs[n]["time_s"] * progs[n]["calls"] for n in names),
             sum(max(progs[n]["flops"], progs[n]["model_flops"]) * progs[n]["calls"]
-                for n in names if n in progs))
+                for n in names),
+            sum(progs[n]["model_flops"] * progs[n]["calls"] for n in names))
+
+  def utilisation(flops, seconds):
+    return flops / (seconds * chip["flops"]) if seconds else None
 
   rollout_names = ("prefill", "decode")
   learner = tuple(n for n in progs if n not in SAMPLER + ("sft",))
   out = {}
-  r_s, r_f = total(rollout_names)
-  l_s, l_f = total(learner)
+  r_s, r_f, r_m = total(rollout_names)
+  l_s, l_f, l_m = total(learner)
   step = r_s + l_s
   out["rl_step"] = {"seconds": step, "rollout_s": r_s, "learner_s": l_s, "flops": r_f + l_f,
-                    "mfu": (r_f + l_f) / (step * chip["flops"]) if step else None,
+                    "mfu": utilisation(r_f + l_f, step),
+                    "model_mfu": utilisation(r_m + l_m, step),
                     "roofline_only": sorted(n for n in progs if n != "sft"
                                             and progs[n]["time_source"] == "roofline")}
   if "sft" in progs:
-    sec, flops = total(("sft",))
-    out["sft_step"] = {"seconds": sec, "flops": flops,
-                       "mfu": flops / (sec * chip["flops"]) if sec else None}
+    sec, flops, model = total(("sft",))
+    out["sft_step"] = {"seconds": sec, "flops": flops, "mfu": utilisation(flops, sec),
+                       "model_mfu": utilisation(model, sec)}
   worst = max(progs, key=lambda n: progs[n]["peak"])
   peak = max(progs[worst]["peak"], max(plan["peak"].values()))
   out.update(peak=peak, peak_program=worst, fits=peak <= plan["capacity"])
   return out
+
+
+def _mfu(step: dict) -> str:
+  """A step's MFU, and the model FLOPs' alone where they give another tenth of a percent."""
+  if step["mfu"] is None:
+    return "n/a"
+  mfu, model = f"{100 * step['mfu']:.1f}%", f"{100 * step['model_mfu']:.1f}%"
+  return mfu if model == mfu else f"{mfu} (model FLOPs alone: {model})"
 
 
 def _check_fits(plan: dict) -> None:
@@ -1129,7 +1150,7 @@ def format_plan(plan: dict) -> str:
   est = plan["estimate"]
   rl = est.get("rl_step")
   if rl:
-    mfu = f"{100 * rl['mfu']:.1f}%" if rl["mfu"] is not None else "n/a"
+    mfu = _mfu(rl)
     if rl["roofline_only"]:
       lines.append(f"  * XLA gave no time for {', '.join(rl['roofline_only'])}: the roofline "
                    "max(FLOPs / peak, bytes / HBM bandwidth), collectives not counted")
@@ -1142,8 +1163,7 @@ def format_plan(plan: dict) -> str:
                  f"{_si(chip['flops'], 'FLOP/s')}")
   sft = est.get("sft_step")
   if sft:
-    mfu = f"{100 * sft['mfu']:.1f}%" if sft["mfu"] is not None else "n/a"
-    lines.append(f"  supervised step: {_seconds(sft['seconds'])}, MFU {mfu}")
+    lines.append(f"  supervised step: {_seconds(sft['seconds'])}, MFU {_mfu(sft)}")
   kernels = sorted({k for p in plan["programs"].values() for k in p["kernels"]})
   if kernels:
     lines.append(f"  Mosaic kernels compiled: {', '.join(kernels)} (in "
