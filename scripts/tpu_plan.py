@@ -154,8 +154,8 @@ def run_one(workdir: str, model: str, topology: str, variant: str, extra: list[s
                peak_program=est["peak_program"], fits=est["fits"],
                state=sum(plan["state"]["rl"].values()), step_s=rl.get("seconds"),
                rollout_s=rl.get("rollout_s"), learner_s=rl.get("learner_s"),
-               mfu=rl.get("mfu"), model_mfu=rl.get("model_mfu"), kernels=sorted({k for p in plan["programs"].values()
-                                                  for k in p["kernels"]}),
+               mfu=rl.get("mfu"), model_mfu=rl.get("model_mfu"),
+               kernels=sorted({k for p in plan["programs"].values() for k in p["kernels"]}),
                grown_peak=plan.get("kv_pool_plan", {}).get("grown_peak"),
                max_batch_groups=plan.get("max_batch_groups"),
                max_batch_verified=plan.get("max_batch", {}).get("verified"))

@@ -332,6 +332,7 @@ def test_mfu_of_the_model_flops_alone_where_xla_counts_more():
   assert rl["mfu"] == pytest.approx(140 / 200) and rl["model_mfu"] == pytest.approx(100 / 200)
   assert topology._mfu(rl) == "70.0% (model FLOPs alone: 50.0%)"
   assert topology._mfu(dict(rl, model_mfu=0.7)) == "70.0%"
+  assert topology._mfu(dict(mfu=0.7)) == "70.0%"  # a plan written before model_mfu
   assert topology._mfu(dict(mfu=None, model_mfu=None)) == "n/a"
 
 
@@ -362,7 +363,8 @@ def test_collectives_of_hlo_text():
 
 def test_sweep_script_writes_models_that_parse(tmp_path):
   """scripts/tpu_plan.py's hand-written configs read as the published shapes (parameter
-  counts), its stand-in tokenizer loads, and its data file's prompts have the set length."""
+  counts), its stand-in tokenizer loads, and its data file's prompts have the set length;
+  its table gives the model FLOPs' MFU in brackets where it differs."""
   import importlib.util  # pylint: disable=import-outside-toplevel
   from rl_jax import models  # pylint: disable=import-outside-toplevel
   from rl_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
@@ -385,6 +387,12 @@ def test_sweep_script_writes_models_that_parse(tmp_path):
   with open(tmp_path / "data.jsonl") as f:
     question = json.loads(f.readline())["question"]
   assert len(tok.encode(question)) == 200
+  gib = 1 << 30
+  row = dict(model="m", topology="v5p:2x2x1", variant="full", peak=gib, capacity=2 * gib,
+             peak_program="rl_update", fits=True, state=gib, step_s=2.0, rollout_s=1.0,
+             learner_s=1.0, mfu=0.24, model_mfu=0.054)
+  assert "| 24.0% (model FLOPs: 5.4%) |" in script.table([row])
+  assert "| 24.0% |" in script.table([dict(row, model_mfu=None)])  # a row from before it
 
 
 def test_sampler_copy_is_one_per_host_split_over_its_chips():

@@ -1049,8 +1049,9 @@ def _mfu(step: dict) -> str:
   """A step's MFU, and the model FLOPs' alone where they give another tenth of a percent."""
   if step["mfu"] is None:
     return "n/a"
-  mfu, model = f"{100 * step['mfu']:.1f}%", f"{100 * step['model_mfu']:.1f}%"
-  return mfu if model == mfu else f"{mfu} (model FLOPs alone: {model})"
+  mfu = f"{100 * step['mfu']:.1f}%"
+  model = "" if step.get("model_mfu") is None else f"{100 * step['model_mfu']:.1f}%"
+  return mfu if model in ("", mfu) else f"{mfu} (model FLOPs alone: {model})"
 
 
 def _check_fits(plan: dict) -> None:
