@@ -203,6 +203,11 @@ def test_bad_completion_prompts_and_routes(server):
   url = server[0]
   r = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": [5, 10_000]})
   assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+  assert r.json()["error"]["param"] == "prompt"
+  r = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": [5] * 80})
+  err = r.json()["error"]
+  assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+  assert err["param"] == "prompt"  # the field of this route ("messages" on the chat route)
   r = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": ["a", "b"]})
   assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
   r = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": "a", "echo": True})

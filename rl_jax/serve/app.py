@@ -80,18 +80,20 @@ class _Service:
                         int(body.top_k or 0))
     return sampling, body.n, max_tokens, body.stops()
 
-  def check_prompt(self, ids: list[int]) -> None:
+  def check_prompt(self, ids: list[int], param: str) -> None:
+    """The prompt's ids against the server's limits; errors name ``param``, the request's
+    field that carried the prompt ("messages" or "prompt")."""
     if not ids:
-      raise ApiError(400, "the prompt is empty", param="prompt")
+      raise ApiError(400, "the prompt is empty", param=param)
     limit = self.sched.max_prompt_tokens
     if len(ids) > limit:
       raise ApiError(400, f"the prompt has {len(ids)} tokens, over this server's limit of "
-                     f"{limit} (--max-prompt-tokens)", param="messages",
+                     f"{limit} (--max-prompt-tokens)", param=param,
                      code="context_length_exceeded")
     vocab = self.model.cfg.vocab_size
     if any(not 0 <= t < vocab for t in ids):
       raise ApiError(400, f"a prompt token id is outside the vocabulary [0, {vocab})",
-                     param="prompt")
+                     param=param)
 
   # ---------------------------------------------------------------- chat rendering
   def render_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -271,7 +273,7 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
     max_tokens = body.max_completion_tokens or body.max_tokens
     sampling, n, max_tokens, stops = service.settings(body, max_tokens, sched.max_tokens)
     prompt = service.chat_prompt(body)
-    service.check_prompt(prompt)
+    service.check_prompt(prompt, "messages")
     parse = (tool_calls.get_parser(model.parser)
              if body.tools and body.tool_choice != "none" else None)
     k = (body.top_logprobs or 0) if body.logprobs else 0
@@ -344,7 +346,7 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
       raise ApiError(400, "suffix is not supported", param="suffix")
     sampling, n, max_tokens, stops = service.settings(body, body.max_tokens, 16)
     prompt = _completion_prompt(model.tokenizer, body.prompt)
-    service.check_prompt(prompt)
+    service.check_prompt(prompt, "prompt")
     k = body.logprobs
     req = Request(prompt, n, max_tokens, sampling, seed=body.seed, stop=stops,
                   stream=body.stream)
