@@ -174,6 +174,10 @@ class Trainer:
     prompts = [encode_prompt(s.tokenizer, p) if isinstance(p, str) else list(p)
                for p in prompts]
     G = len(prompts)
+    for i, p in enumerate(prompts):
+      if len(p) > s.prompt_len:
+        raise RLJaxError(f"api: prompt {i} has {len(p)} tokens; the run's programs take "
+                         f"prompts of at most {s.prompt_len} (its data's longest prompt + 1)")
     tokens = np.asarray(out.tokens)
     M, R = tokens.shape[0] // G, tokens.shape[1]
     pt, pl = pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id)

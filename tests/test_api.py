@@ -102,6 +102,11 @@ def test_accumulating_two_half_batches_equals_the_full_batch(runs):
     run.forward_backward(b._replace(mask=np.asarray(b.mask)[:, :1]))
   with pytest.raises(RLJaxError, match="rewards or advantages"):
     run.forward_backward(b._replace(rewards=None))
+  # a prompt longer than the run's compiled prompt length is one error, not a numpy one
+  P = run.setup.prompt_len
+  with pytest.raises(RLJaxError, match=f"prompt 1 has {P + 1} tokens; the run's programs take "
+                                       f"prompts of at most {P}"):
+    run.batch([[1]] + [[1] * (P + 1)] * (G - 1), b, np.zeros(b.mask.shape[:2]))
   assert run.gradients is None
 
 

@@ -395,7 +395,8 @@ def test_paged_bad_inputs_raise_one_clear_error():
     _gen(max_new_tokens=CFG.max_position_embeddings)
   for bad, needle in (([[1]] * 2, "one token-id list per prompt"),
                       ([[1]] * 5 + [[CFG.vocab_size]], "outside the vocabulary"),
-                      ([[1]] * 5 + [["a"]], "not a list of token ids"),
+                      ([[1]] * 5 + [["a"]], "prefix 5 must be a sequence of integer token ids"),
+                      ([[1]] * 5 + [[0.5]], "prefix 5 has token id 0.5, which is not an"),
                       ([[1]] * 5 + [[1] * MAX_NEW], "leaves no room")):
     with pytest.raises(rollout.RolloutError, match=needle):
       _gen(prefixes=bad)

@@ -237,6 +237,23 @@ def test_bad_inputs_raise_one_clear_error(hf):
     gen([[1]], top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     gen([[1]], temperature=-1.0)
+  # token ids must be integers: a fractional or non-finite one is not rounded or truncated
+  with pytest.raises(rollout.RolloutError, match="prompt 0 has token id 1.5, which is not an"):
+    gen([[1.5, 2]])
+  with pytest.raises(rollout.RolloutError, match="prompt 0 has token id nan"):
+    gen([np.array([np.nan])])
+  with pytest.raises(rollout.RolloutError, match="prompt 0 must be a sequence of integer"):
+    gen([[True, False]])
+  with pytest.raises(rollout.RolloutError, match="prefix 0 has token id 2.5"):
+    gen([[1]], prefixes=[[2.5]])
+  with pytest.raises(rollout.RolloutError, match="stop must be a list of stop sequences"):
+    gen([[1]], stop=5)
+  with pytest.raises(rollout.RolloutError, match="seed must be an integer"):
+    gen([[1]], seed="7")
+  # whole-valued floats and arrays of ids are ids: the same tokens as Python ints
+  ref = gen([[1, 2, 3]], seed=4)
+  np.testing.assert_array_equal(gen([np.array([1.0, 2.0, 3.0])], seed=np.int64(4)).tokens,
+                                ref.tokens)
 
 
 def test_prefill_attention_is_the_kernel_reference_computation():

@@ -239,6 +239,8 @@ def test_cli_errors_are_one_line(tmp_path, char_dir):
   assert code == 2 and lines[-1].startswith("error: --model=") and "not a directory" in lines[-1]
   code, lines = run(f"--model={char_dir}", "--host=0.0.0.0")
   assert code == 2 and "--api-key" in lines[-1]
+  code, lines = run(f"--model={char_dir}", f"--seed={2**64}")
+  assert code == 2 and lines[-1] == f"error: --seed={2**64} must lie in [-2**63, 2**63)"
   models.save_hf(CHAR_CFG, models.init_params(CHAR_CFG, jax.random.key(1)), str(tmp_path / "b"))
   code, lines = run(f"--model={tmp_path}/b")
   assert code == 2 and "has no tokenizer" in lines[-1] and "--tokenizer" in lines[-1]

@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, losses, metrics, train
+from rl_jax.errors import ConfigError
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, stopped_at
 
 
@@ -289,6 +290,21 @@ def test_missing_data_file_fails_before_compiling(tmp_path):
   config = _config(["data.task=file", f"data.path={tmp_path / 'missing.jsonl'}"])
   with pytest.raises(Exception, match="missing.jsonl"):
     train.build_setup(config)
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["data.path=/data/train.jsonl"], "data.path='/data/train.jsonl' is read only by "
+     "data.task='file', not by data.task='sorting': set --config.data.task=file"),
+    (["data.eval_path=/data/eval.jsonl"], "data.eval_path='/data/eval.jsonl' is read only by"),
+    (["rollout.eos_id=100000"], "config.rollout.eos_id=100000 is outside the model's "
+     "vocabulary [0, "),
+])
+def test_settings_the_run_would_ignore_or_break_on_are_one_error(overrides, line):
+  """A data file given to a built-in task would be silently unused; an EOS id outside the
+  vocabulary would fail inside the sampler without naming the setting."""
+  with pytest.raises(ConfigError) as e:
+    train.build_setup(_config(overrides))
+  assert str(e.value).startswith(line) and "\n" not in str(e.value)
 
 
 def test_turn_level_estimator_is_rejected_without_multi_turn_rollouts():

@@ -135,6 +135,9 @@ class RolloutEngine(EngineCore):
         kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk,
         share_prefixes=share_prefixes)
     self.max_new_tokens, self.prompt_once = int(max_new_tokens), bool(prompt_once)
+    if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+        or not -2**63 <= seed < 2**63):
+      raise RolloutError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     self.seed = int(seed)
     self.stats: collections.Counter = collections.Counter()  # page counters, per run() call
 

@@ -11,8 +11,8 @@ from typing import Sequence
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import sampler
 from rl_jax.rollout.engine import RolloutEngine, kv_bytes
-from rl_jax.rollout.records import (GroupRequest, Rollout, RolloutError, Sample, assemble,
-                                    check_int, check_prompt, pow2)
+from rl_jax.rollout.records import (GroupRequest, Rollout, RolloutError, Sample, as_ids,
+                                    assemble, check_int, check_prompt, pow2)
 
 __all__ = ["check_prefixes", "generate"]
 
@@ -27,12 +27,9 @@ def check_prefixes(prefixes, groups: int, cfg: ModelConfig, max_new_tokens: int)
     raise RolloutError(f"prefixes must be one token-id list per prompt ({groups})")
   out = []
   for i, p in enumerate(prefixes):
-    try:
-      ids = [int(t) for t in p]
-    except (TypeError, ValueError):
-      raise RolloutError(f"prefix {i} is not a list of token ids") from None
-    if any(not 0 <= t < cfg.vocab_size for t in ids):
-      raise RolloutError(f"prefix {i} has an id outside the vocabulary of {cfg.vocab_size}")
+    if isinstance(p, (str, bytes)):
+      raise RolloutError(f"prefix {i} must be a sequence of integer token ids")
+    ids = as_ids(p, f"prefix {i}", cfg.vocab_size)
     if len(ids) >= max_new_tokens:
       raise RolloutError(f"prefix {i} has {len(ids)} tokens; max_new_tokens="
                          f"{max_new_tokens} leaves no room to continue it")

@@ -111,11 +111,27 @@ def pow2(x: int, lo: int = 1) -> int:
 
 
 def as_ids(values, what: str, vocab: int) -> list[int]:
-  """``values`` as a list of token ids in [0, vocab); raises RolloutError naming ``what``."""
+  """``values`` (a list or 1-D array of integers; whole-valued floats pass) as a list of
+  token ids in [0, vocab); raises RolloutError naming ``what``."""
   try:
-    ids = [int(t) for t in values]
+    arr = np.asarray(values)
   except (TypeError, ValueError):
-    raise RolloutError(f"{what} must be a sequence of integer token ids") from None
+    arr = None
+  if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iuf" and arr.size:
+    if arr is not None and arr.dtype == object and arr.ndim == 1 and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr):
+      arr = None  # Python ints beyond int64: the range check below names them
+    else:
+      raise RolloutError(f"{what} must be a sequence of integer token ids")
+  if arr is None:
+    ids = [int(t) for t in values]
+  elif arr.dtype.kind == "f":
+    whole = np.isfinite(arr) & (arr == np.floor(arr))
+    if not whole.all():
+      raise RolloutError(f"{what} has token id {float(arr[~whole][0])}, which is not an integer")
+    ids = arr.astype(np.int64).tolist()
+  else:
+    ids = arr.tolist()
   bad = [t for t in ids if not 0 <= t < vocab]
   if bad:
     raise RolloutError(f"{what} has token id {bad[0]} outside the vocabulary [0, {vocab})")
@@ -256,6 +272,8 @@ def sampling_params(cfg: ModelConfig, temperature, top_k, top_p, eos_id, stop):
     eos = as_ids([eos_id], "eos_id", cfg.vocab_size)
   else:
     eos = as_ids(eos_id, "eos_id", cfg.vocab_size) or [-1]
+  if stop is not None and (isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__")):
+    raise RolloutError(f"stop must be a list of stop sequences (token-id lists), got {stop!r}")
   seqs = []
   for i, seq in enumerate(stop or []):
     if isinstance(seq, (int, np.integer)):

@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
                      "(or RL_JAX_API_KEY)")
   for name in ("max_slots", "max_n", "page_size", "port"):
     _positive(name.replace("_", "-"), getattr(args, name))
+  if not -2**63 <= args.seed < 2**63:
+    raise RLJaxError(f"--seed={args.seed} must lie in [-2**63, 2**63)")
   try:
     import uvicorn  # pylint: disable=import-outside-toplevel
     from rl_jax.serve.app import create_app  # pylint: disable=import-outside-toplevel

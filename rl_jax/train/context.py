@@ -210,6 +210,10 @@ def _task(sections: dict, hf_path: str | None):
       task = tasks_lib.get_task("file", path=d.path or "", format=d.format,
                                 eval_path=d.eval_path, template=d.template, seed=d.seed)
     else:
+      given = [f"data.{k}={getattr(d, k)!r}" for k in ("path", "eval_path") if getattr(d, k)]
+      if given:
+        raise ConfigError(f"{given[0]} is read only by data.task='file', not by data.task="
+                          f"{d.task!r}: set --config.data.task=file to train on the file")
       task = tasks_lib.get_task(d.task, difficulty=d.difficulty, seed=d.seed)
     if fmt is None:
       train = task.split("train")
@@ -584,6 +588,9 @@ def build_setup(config: ml_collections.ConfigDict,
   group_fn, reward_names = _rewards(config, task, train)
   judge = judge_stage.make_judge(sections["reward"], config.model.dtype)  # weights: first use
   eos = config.rollout.eos_id
+  if eos is not None and not 0 <= eos < model_cfg.vocab_size:
+    raise ConfigError(f"config.rollout.eos_id={eos} is outside the model's vocabulary "
+                      f"[0, {model_cfg.vocab_size})")
   return Setup(tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
