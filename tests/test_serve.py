@@ -214,6 +214,35 @@ def test_bad_completion_prompts_and_routes(server):
   assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
   r = _post(f"{url}/v1/nothing", {})
   assert r.status_code == 404 and "error" in r.json()
+  # fields that would change the answer and are not implemented are refused, not ignored;
+  # each error names its field
+  hi = [{"role": "user", "content": "hi"}]
+  for route, body, param, message in [
+      ("completions", {"prompt": "a", "best_of": 3}, "best_of",
+       "best_of=3 is not supported (only best_of = n)"),
+      ("completions", {"prompt": [1.5, 2]}, "prompt",
+       "prompt: must be a string or a list of integer token ids"),
+      ("chat/completions", {"messages": hi, "response_format": {"type": "json_object"}},
+       "response_format", "response_format of type 'json_object' is not supported (text only)"),
+      ("chat/completions", {"messages": hi, "top_logprobs": 2}, "top_logprobs",
+       "top_logprobs needs logprobs=true"),
+      ("chat/completions", {"messages": [{"role": "user", "content": [
+          {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+       "messages.0.content",
+       "messages.0.content: content parts of type 'image_url' are not supported (text only)"),
+      ("chat/completions", None, None, "the request body is not valid JSON"),
+  ]:
+    r = _post(f"{url}/v1/{route}", body and {"model": "tiny", **body},
+              raw=None if body else b"{1")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"] == message
+  # what these fields allow is served: best_of = n, a text response_format, text parts
+  assert _post(f"{url}/v1/completions", {"model": "tiny", "prompt": "a", "best_of": 1,
+                                         "max_tokens": 2}).status_code == 200
+  r = _post(f"{url}/v1/chat/completions", {
+      "model": "tiny", "max_tokens": 2, "response_format": {"type": "text"},
+      "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+  assert r.status_code == 200, r.text
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, client):

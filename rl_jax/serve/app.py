@@ -240,9 +240,9 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
     err = e.errors()[0] if e.errors() else {}
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     where = ".".join(loc)
-    msg = err.get("msg", "invalid request")
-    if err.get("type") == "json_invalid":
-      msg = "the request body is not valid JSON"
+    msg = err.get("msg", "invalid request").removeprefix("Value error, ")
+    if err.get("type") == "json_invalid":  # its loc is a character offset, not a field
+      where, msg = "", "the request body is not valid JSON"
     return JSONResponse(error_body(f"{where}: {msg}" if where else msg, param=where or None),
                         status_code=400)
 
@@ -272,6 +272,9 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
     service.check_model(body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens
     sampling, n, max_tokens, stops = service.settings(body, max_tokens, sched.max_tokens)
+    _check_response_format(body)
+    if body.top_logprobs is not None and not body.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     prompt = service.chat_prompt(body)
     service.check_prompt(prompt, "messages")
     parse = (tool_calls.get_parser(model.parser)
@@ -344,6 +347,9 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
       raise ApiError(400, "echo is not supported", param="echo")
     if body.suffix:
       raise ApiError(400, "suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+      raise ApiError(400, f"best_of={body.best_of} is not supported (only best_of = n)",
+                     param="best_of")
     sampling, n, max_tokens, stops = service.settings(body, body.max_tokens, 16)
     prompt = _completion_prompt(model.tokenizer, body.prompt)
     service.check_prompt(prompt, "prompt")
@@ -425,6 +431,7 @@ def _session_routes(app: FastAPI, service: _Service, hub) -> None:
     service.check_key(http)
     env = hub.get(session)
     service.check_model(body.model)
+    _check_response_format(body)
     for name in _SESSION_REFUSED:
       if getattr(body, name):
         raise ApiError(400, f"{name}: a training session samples with the run's rollout "
@@ -447,6 +454,14 @@ def _session_routes(app: FastAPI, service: _Service, hub) -> None:
             "created": int(time.time()), "model": model.name,
             "choices": [{"index": 0, "message": msg, "finish_reason": finish,
                          "logprobs": None}]}
+
+
+def _check_response_format(body: ChatRequest) -> None:
+  """A 400 for a ``response_format`` other than plain text (no constrained decoding)."""
+  kind = (body.response_format or {}).get("type", "text")
+  if kind != "text":
+    raise ApiError(400, f"response_format of type {kind!r} is not supported (text only)",
+                   param="response_format")
 
 
 def _completion_prompt(tokenizer, prompt) -> list[int]:

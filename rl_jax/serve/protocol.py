@@ -2,8 +2,9 @@
 
 Fields follow OpenAI's chat-completions and completions APIs. Unknown fields are ignored (as
 OpenAI's own clients send fields a server may not use); fields that would change the output
-and are not implemented (penalties, ``logit_bias``, ``echo``, forced tool choice) are refused
-with a 400 rather than ignored. ``top_k`` is accepted as an extension.
+and are not implemented (penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of`` other
+than ``n``, a ``response_format`` other than text, forced tool choice, content parts other
+than text) are refused with a 400 rather than ignored. ``top_k`` is accepted as an extension.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ class ChatMessage(_Body):
   tool_calls: list[ToolCallIn] | None = None
   tool_call_id: str | None = None
 
+  @pydantic.field_validator("content", mode="before")
+  @classmethod
+  def _text_only(cls, v):
+    if isinstance(v, list):
+      for part in v:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+          raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+    elif v is not None and not isinstance(v, str):
+      raise ValueError("content must be a string or a list of text parts")
+    return v
+
   def text(self) -> str:
     if self.content is None:
       return ""
@@ -123,6 +136,7 @@ class ChatRequest(_Sampled):
   logprobs: bool = False
   top_logprobs: int | None = Field(None, ge=0, le=20)
   max_completion_tokens: int | None = Field(None, ge=1)
+  response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampled):
@@ -130,3 +144,14 @@ class CompletionRequest(_Sampled):
   logprobs: int | None = Field(None, ge=0, le=20)
   echo: bool = False
   suffix: str | None = None
+  best_of: int | None = None
+
+  @pydantic.field_validator("prompt", mode="before")
+  @classmethod
+  def _prompt_kind(cls, v):
+    ids = lambda x: isinstance(x, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+    if not (isinstance(v, str) or ids(v) or isinstance(v, list) and (
+        all(isinstance(x, str) for x in v) or all(ids(x) for x in v))):
+      raise ValueError("must be a string or a list of integer token ids")
+    return v
