@@ -18,6 +18,7 @@ import pytest
 from rl_jax import models, rollout, sharding
 from rl_jax.data.tokenizers import CharTokenizer
 from rl_jax.envs import Message, StepResult
+from rl_jax.envs import base as env_base
 from rl_jax.rollout import extend as ext_lib
 from rl_jax.rollout import sampler, slots
 from rl_jax.rollout.engine import PAGE_STATS
@@ -52,14 +53,16 @@ class ChatRenderer:
 class CounterEnv:
   """Answers each turn with its length and a running count; reward = length mod 3. Optional
   per-step sleeps (``sleep``: fixed seconds, or "random" for 0-30 ms), a step that raises
-  (``raise_at``), a step that hangs (``hang_at``) and long observations (``long``)."""
+  (``raise_at``), a step that hangs (``hang_at``), a step whose reward is NaN (``nan_at``)
+  and long observations (``long``)."""
 
   tools = ()
 
-  def __init__(self, sleep=0.0, raise_at=None, hang_at=None, long=False, turns=3, hang_s=1.0):
+  def __init__(self, sleep=0.0, raise_at=None, hang_at=None, long=False, turns=3, hang_s=1.0,
+               nan_at=None):
     self.sleep, self.raise_at, self.hang_at, self.long, self.turns = (
         sleep, raise_at, hang_at, long, turns)
-    self.hang_s = hang_s
+    self.hang_s, self.nan_at = hang_s, nan_at
 
   def reset(self, example, seed):
     self.k, self.seed = 0, seed
@@ -74,8 +77,9 @@ class CounterEnv:
     if self.k == self.hang_at:
       time.sleep(self.hang_s)
     text = f"n={self.k} len={len(action)} s={self.seed % 7}" + (" x" * 40 if self.long else "")
-    return StepResult((Message("tool", text),), reward=float(len(action) % 3),
-                      done=self.k >= self.turns, info={"tool_calls": 1})
+    reward = float("nan") if self.k == self.nan_at else float(len(action) % 3)
+    return StepResult((Message("tool", text),), reward=reward, done=self.k >= self.turns,
+                      info={"tool_calls": 1})
 
 
 def _specs(k, **env):
@@ -289,6 +293,31 @@ def test_timeouts_errors_and_limits_are_flagged():
   assert (tight.finish_reason == "max_tokens").all() and (tight.lengths <= 66).all()
   assert tight.truncated_obs.all()
   _check_exact(tight, 1.0)
+
+
+def test_a_malformed_step_result_is_an_error_observation(capsys):
+  """A step returning a NaN reward fails like a step that raises: an error observation the
+  model reads, counted in env_errors, the reward 0, and one note on stderr per distinct
+  failure (not one per step)."""
+  out = _engine().rollout(PARAMS, _specs(2, nan_at=2))
+  assert (out.env_errors == 1).all() and out.stats["env_errors"] == 4
+  assert np.isfinite(out.turn_rewards).all() and (out.turn_rewards[:, 1] == 0).all()
+  assert (out.num_turns == 3).all()
+  _check_exact(out, 1.0)
+  notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("note:")]
+  assert notes == ["note: an environment step failed; the model sees the error as its "
+                   "observation and reward_exceptions counts it: TypeError: step returned "
+                   "reward nan, not a finite number"]
+  # the checks themselves: what reset and step may return
+  assert env_base.step_problem(StepResult(reward=1)) is None
+  assert env_base.step_problem({"reward": 1.0}) == "step returned a dict, not a StepResult"
+  assert env_base.step_problem(StepResult(reward="1")) == (
+      "step returned reward '1', not a finite number")
+  assert env_base.step_problem(StepResult(("ok",))) == (
+      "step returned messages that are a list holding str, not Message")
+  with pytest.raises(TypeError, match="reset returned a Message, not a list of Message"):
+    env_base.opening_messages(type("E", (), {"reset": lambda s, e, k: Message("user", "x")})(),
+                             {}, 0)
 
 
 def test_bad_arguments():

@@ -82,6 +82,13 @@ def bad_reset(config):
   return EnvSpec("broken", lambda ex: Broken(1), [{"id": 0}])
 
 
+def text_reset(config):
+  class Texting(Count):
+    def reset(self, example, seed):
+      return "go"
+  return EnvSpec("text_reset", lambda ex: Texting(1), [{"id": 0}])
+
+
 def bad_key(config):
   class Keyed(Count):
     def state_key(self):
@@ -237,6 +244,8 @@ def test_verifiers_taskset_by_import_path(user_dir):
     (["env.name=my_env:wrong_type"], "returned a dict, not an rl_jax.envs.EnvSpec"),
     (["env.name=my_env:empty"], "has no train examples"),
     (["env.name=my_env:bad_reset"], "starting its first train example raised KeyError"),
+    (["env.name=my_env:text_reset"], "starting its first train example raised TypeError: "
+                                     "reset returned a str, not a list of Message"),
     (["env.name=my_env:bad_key"], "state key ['a', 'list'] is a list"),
     (["env.name=broken_env:make"], "importing 'broken_env'"),
     (["sft.steps=2"], "has no expert trajectories"),

@@ -24,9 +24,10 @@ every process); a turn without one is keyed by its token history.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Hashable, Mapping, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Environment", "Message", "StepResult", "Tool"]
+__all__ = ["Environment", "Message", "StepResult", "Tool", "opening_messages", "step_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +97,36 @@ class Environment(Protocol):
   def step(self, action: str) -> StepResult:
     """Apply the model's decoded assistant turn; returns the environment's answer."""
     ...
+
+
+def _messages_problem(messages: Any) -> str | None:
+  """Why ``messages`` is not a sequence of ``Message``, or None."""
+  if isinstance(messages, (str, bytes, Message)) or not hasattr(messages, "__iter__"):
+    return f"a {type(messages).__name__}, not a list of Message"
+  bad = [m for m in messages if not isinstance(m, Message)]
+  return f"a list holding {type(bad[0]).__name__}, not Message" if bad else None
+
+
+def opening_messages(env: Environment, example: Mapping[str, Any], seed: int) -> list[Message]:
+  """``env.reset(example, seed)`` as a list; TypeError naming what ``reset`` returned when
+  it is not a sequence of ``Message``."""
+  messages = env.reset(example, seed)
+  problem = _messages_problem(messages)
+  if problem:
+    raise TypeError(f"reset returned {problem}")
+  return list(messages)
+
+
+def step_problem(result: Any) -> str | None:
+  """Why ``step``'s return cannot be used (not a ``StepResult``, a reward that is not a
+  finite number, observations that are not ``Message``), or None."""
+  if not isinstance(result, StepResult):
+    return f"step returned a {type(result).__name__}, not a StepResult"
+  try:
+    reward = float(result.reward) if not isinstance(result.reward, (str, bytes)) else None
+  except (TypeError, ValueError):
+    reward = None
+  if reward is None or not math.isfinite(reward):
+    return f"step returned reward {result.reward!r}, not a finite number"
+  problem = _messages_problem(result.messages)
+  return f"step returned messages that are {problem}" if problem else None

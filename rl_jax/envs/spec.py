@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-from rl_jax.envs.base import Environment, Message, StepResult
+from rl_jax.envs.base import Environment, Message, StepResult, opening_messages
 
 __all__ = ["EnvSpec", "Episode", "Policy", "run_episode"]
 
@@ -54,7 +54,7 @@ class EnvSpec:
             ) -> tuple[Environment, list[Message]]:
     """A fresh environment for ``example`` and its opening messages."""
     env = self.make_env(example)
-    return env, list(env.reset(example, seed))
+    return env, opening_messages(env, example, seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Episode:
 def run_episode(env: Environment, example: Mapping[str, Any], policy: Policy, seed: int = 0,
                 max_turns: int = 32) -> Episode:
   """Play ``policy`` against ``env`` until done or ``max_turns`` assistant turns."""
-  messages = list(env.reset(example, seed))
+  messages = opening_messages(env, example, seed)
   steps = []
   for _ in range(max_turns):
     action = policy(messages)

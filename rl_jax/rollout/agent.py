@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from rl_jax.envs.base import Message, StepResult
+from rl_jax.envs.base import Message, StepResult, opening_messages
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
@@ -207,7 +207,7 @@ class AgentEngine(EngineCore):
 
     def reset(job):
       spec, uid, m, env = job
-      return env, list(env.reset(spec.example, env_seed(self.seed, uid, m)))
+      return env, opening_messages(env, spec.example, env_seed(self.seed, uid, m))
 
     if len(jobs) > 1 and any(getattr(env, "concurrent_reset", False) for *_, env in jobs):
       with cf.ThreadPoolExecutor(min(len(jobs), 64), thread_name_prefix="reset") as pool:
@@ -313,7 +313,7 @@ class AgentEngine(EngineCore):
   def _restart(self, grp, m: int) -> None:
     """Start sample m of ``grp`` over: a fresh environment reset with the same seed."""
     env = grp.spec.make_env()
-    messages = list(env.reset(grp.spec.example, env_seed(self.seed, grp.uid, m)))
+    messages = opening_messages(env, grp.spec.example, env_seed(self.seed, grp.uid, m))
     grp.trajs[m] = Trajectory(env, messages)
     grp.status[m], grp.chunk[m], grp.cut[m], grp.evicted[m] = RUN, None, False, False
     grp.epoch[m] += 1  # a step still running for the old episode is discarded

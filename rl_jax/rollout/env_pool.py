@@ -3,7 +3,9 @@ rendering of observations into token ids (with the per-turn observation limit).
 
 A step runs ``env.step(action)`` then renders the environment's messages with the
 renderer's ``delta_ids`` in a worker thread, so the host loop keeps the device decoding.
-An exception raised by the environment, or a step running longer than the time-out (counted
+An exception raised by the environment, a result ``envs.base.step_problem`` refuses (not a
+``StepResult``, a reward that is not a finite number), or a step running longer than the
+time-out (counted
 from when the worker starts it, not from submission; also one that finished late before the
 loop looked), becomes an error observation
 (``error_message``) that is flagged in the outcome; the loop never crashes or stalls on it.
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Sequence
 
-from rl_jax.envs.base import Message, StepResult
+from rl_jax.envs.base import Message, StepResult, step_problem
 
 __all__ = ["EnvPool", "StepOutcome", "error_message", "observation_ids"]
 
@@ -93,6 +96,15 @@ class EnvPool:
     self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
     self.timeout = timeout
     self._pending: dict[Any, tuple[cf.Future, dict, Callable]] = {}
+    self.reported: set[str] = set()  # the failures ``_note`` has printed
+
+  def _note(self, error: str) -> None:
+    """One stderr line for each of the first few distinct failures of the environment, which
+    the metrics only count (``reward_exceptions``)."""
+    if error not in self.reported and len(self.reported) < 3:
+      self.reported.add(error)
+      print(f"note: an environment step failed; the model sees the error as its observation "
+            f"and reward_exceptions counts it: {error[:300]}", file=sys.stderr, flush=True)
 
   def __len__(self) -> int:
     return len(self._pending)
@@ -107,6 +119,10 @@ class EnvPool:
         result, error = env.step(action), None
       except Exception as e:  # the environment failed: an error observation, not a crash
         result, error = None, f"{type(e).__name__}: {e}"
+      else:
+        problem = step_problem(result)  # a malformed result fails the same way
+        if problem:
+          result, error = None, f"TypeError: {problem}"
       box["elapsed"] = time.monotonic() - box["start"]
       if error is not None:
         return None, error, render((error_message(error),))
@@ -127,6 +143,7 @@ class EnvPool:
       result, error, (ids, msgs, cut) = fut.result()  # a renderer error propagates
       if result is None:
         result = StepResult(msgs)
+        self._note(error)
       return StepOutcome(result, ids, msgs, cut, box["elapsed"], error=error)
     if late:  # also a step that finished past the time-out before anyone looked
       text = self.timeout_text()
