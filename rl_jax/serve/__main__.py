@@ -5,7 +5,7 @@ directory), ``--tokenizer`` (default: the checkpoint's), ``--served-model-name``
 the directory's name), ``--host`` (default 127.0.0.1), ``--port`` (8000), ``--api-key``
 (required when the host is not a loopback address; also read from ``RL_JAX_API_KEY``),
 ``--max-slots``, ``--max-prompt-tokens``, ``--max-tokens``, ``--max-n``, ``--page-size``,
-``--seed``, ``--dtype``, ``--tool-parser``. A wrong flag or directory prints one
+``--prompt-pages``, ``--seed``, ``--dtype``, ``--tool-parser``. A wrong flag or directory prints one
 ``error:`` line and exits with status 2.
 """
 
@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="most tokens per choice (default: min(512, the rest of the context))")
   p.add_argument("--max-n", type=int, default=8, help="most choices per request")
   p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+  p.add_argument("--prompt-pages", action="store_true",
+                 help="write each prompt onto KV pages: memory follows the prompts' lengths "
+                      "instead of --max-prompt-tokens per slot (slower decode on CPU)")
   p.add_argument("--seed", type=int, default=0, help="base seed of every random stream")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--tool-parser", default="auto", help="auto, hermes, llama3 or compact")
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
   for note in model.notes:
     print(f"note: {note}", file=sys.stderr, flush=True)
   sched = Scheduler(model, max_slots=args.max_slots, max_prompt_tokens=prompt,
-                    max_tokens=tokens, page_size=args.page_size, seed=args.seed)
+                    max_tokens=tokens, page_size=args.page_size, seed=args.seed,
+                    prompt_pages=args.prompt_pages)
   app = create_app(sched, api_key=args.api_key, max_n=args.max_n)
   print(f"serving {model.name!r} on http://{args.host}:{args.port}/v1 "
         f"(prompts <= {prompt} tokens, <= {tokens} new tokens, {args.max_slots} slots)",

@@ -72,10 +72,11 @@ def stream_id(*words: int) -> int:
 
 
 class _Choice:
-  """One choice's progress: ids and text reported so far."""
+  """One choice's progress: ids and text reported so far; ``skip`` leading ids of its
+  sample are the prompt's, not output (``Scheduler.prompt_pages``)."""
 
-  def __init__(self, index: int, group: Group):
-    self.index, self.group = index, group
+  def __init__(self, index: int, group: Group, skip: int = 0):
+    self.index, self.group, self.skip = index, group, skip
     self.ids: list[int] = []
     self.logprobs: list[float] = []
     self.text, self.sent = "", 0  # the whole text so far, characters reported
@@ -114,9 +115,12 @@ class _Lane:
 
   def __init__(self, sched: "Scheduler", sampling: Sampling):
     m = sched.model
+    self.on_pages = sched.prompt_pages
+    head = 1 if self.on_pages else sched.max_prompt_tokens  # prompt ids in the slot's cache
     self.engine = RolloutEngine(
-        m.cfg, n=1, max_slots=sched.max_slots, max_new_tokens=sched.max_tokens,
-        max_prompt_len=sched.max_prompt_tokens, temperature=sampling.temperature,
+        m.cfg, n=1, max_slots=sched.max_slots,
+        max_new_tokens=sched.max_tokens + sched.max_prompt_tokens - head,
+        max_prompt_len=head, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, eos_id=list(m.stop_ids), seed=sched.seed,
         page_size=sched.page_size, context=sched.context)
     self.params = self.engine.prepare_params(m.params)
@@ -126,12 +130,20 @@ class _Lane:
     self.uids = itertools.count()
 
   def add(self, req: Request, streams: Sequence[int]) -> None:
+    head = 1 if self.on_pages else len(req.prompt)
+    rest = req.prompt[head:]
     for i, stream in enumerate(streams):
       uid = next(self.uids)
-      # a one-turn group without an episode: the choice ends with its first turn
-      grp = Group(uid, list(req.prompt), [Trajectory(None, [])], None)
+      # a one-turn group without an episode: the choice ends with its first turn. The
+      # prompt's ids after ``head`` open its sample as ids it did not sample (written onto
+      # its pages when it is admitted, as a resumed sample's are), so its KV takes pages
+      # as long as the prompt is, not the slot's worst case.
+      t = Trajectory(None, [], list(rest), [0.0] * len(rest), [-1] * len(rest),
+                     [False] * len(rest), [0] * len(rest))
+      grp = Group(uid, req.prompt[:head], [t], None)
       grp.stream, grp.max_turn = stream, req.max_tokens
-      choice = _Choice(i, grp)
+      grp.budget = [len(rest) + req.max_tokens]
+      choice = _Choice(i, grp, skip=len(rest))
       req.choices.append(choice)
       self.loop.submit([grp])
       self.active[uid] = (req, choice)
@@ -150,12 +162,17 @@ class Scheduler:
     max_prompt_tokens: longest prompt. max_tokens: most model tokens per choice.
     page_size: tokens per KV page. seed: base seed of every random stream.
     max_lanes: sampling settings served at once. poll_steps: decode steps between reports.
+    prompt_pages: a choice's prompt goes onto pool pages after its first id, so its KV
+      takes pages as long as the prompt is (``--prompt-pages``); off: every slot holds
+      ``max_prompt_tokens`` positions of prompt cache whatever the prompt's length, read in
+      place by the decode, which on CPU is faster than gathering the prompt's pages
+      (``scripts/bench_serve_prompts.py``).
   """
 
   def __init__(self, model, *, max_slots: int = 8, max_prompt_tokens: int = 1024,
                max_tokens: int = 512, page_size: int = 64, seed: int = 0, max_lanes: int = 4,
-               poll_steps: int = 8):
-    self.model = model
+               poll_steps: int = 8, prompt_pages: bool = False):
+    self.model, self.prompt_pages = model, bool(prompt_pages)
     self.context = int(model.cfg.max_position_embeddings)
     self.max_slots, self.max_prompt_tokens = int(max_slots), int(max_prompt_tokens)
     self.max_tokens, self.page_size, self.seed = int(max_tokens), int(page_size), int(seed)
@@ -301,7 +318,7 @@ class Scheduler:
         self._update(lane, uid, req, ch, ids[:-1] if ended else ids,
                      lps[:-1] if ended else lps, "stop" if ended else "length")
       elif id(grp) in running:
-        ids, lps = running[id(grp)][0]
+        ids, lps = (x[ch.skip:] for x in running[id(grp)][0])
         if ids and ids[-1] in self.stop_ids:
           ids, lps = ids[:-1], lps[:-1]
         self._update(lane, uid, req, ch, ids, lps, None)
