@@ -115,16 +115,13 @@ def as_ids(values, what: str, vocab: int) -> list[int]:
   token ids in [0, vocab); raises RolloutError naming ``what``."""
   try:
     arr = np.asarray(values)
-  except (TypeError, ValueError):
-    arr = None
-  if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iuf" and arr.size:
-    if arr is not None and arr.dtype == object and arr.ndim == 1 and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr):
-      arr = None  # Python ints beyond int64: the range check below names them
-    else:
-      raise RolloutError(f"{what} must be a sequence of integer token ids")
-  if arr is None:
-    ids = [int(t) for t in values]
+  except (TypeError, ValueError):  # ragged
+    arr = np.asarray(None)  # 0-d: refused below
+  if arr.ndim == 1 and arr.dtype == object and all(
+      isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr):
+    ids = [int(t) for t in arr]  # Python ints past int64: the range check below names them
+  elif arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iuf"):
+    raise RolloutError(f"{what} must be a sequence of integer token ids")
   elif arr.dtype.kind == "f":
     whole = np.isfinite(arr) & (arr == np.floor(arr))
     if not whole.all():

@@ -5,8 +5,8 @@ directory), ``--tokenizer`` (default: the checkpoint's), ``--served-model-name``
 the directory's name), ``--host`` (default 127.0.0.1), ``--port`` (8000), ``--api-key``
 (required when the host is not a loopback address; also read from ``RL_JAX_API_KEY``),
 ``--max-slots``, ``--max-prompt-tokens``, ``--max-tokens``, ``--max-n``, ``--page-size``,
-``--prompt-pages``, ``--seed``, ``--dtype``, ``--tool-parser``. A wrong flag or directory prints one
-``error:`` line and exits with status 2.
+``--prompt-pages``, ``--seed``, ``--dtype``, ``--tool-parser``. A wrong flag or directory
+prints one ``error:`` line and exits with status 2.
 """
 
 from __future__ import annotations
