@@ -316,47 +316,41 @@ def test_greedy_equals_argmax_decoding_with_forward(char_scheduler):
   assert out.ids == ids[0, len(prompt):len(prompt) + len(out.ids)].tolist()
 
 
-def test_prompts_on_pages_take_pages_for_their_length(char_dir):
+def test_prompts_on_pages_take_pages_for_their_length(char_dir, char_scheduler):
   """``prompt_pages`` (``--prompt-pages``): a choice's prompt after its first id is written
   onto pool pages, so the slot's own prompt cache holds 8 positions instead of
   ``max_prompt_tokens`` and a choice holds pages for its prompt and output only; greedy
-  choices are those of the layout with the prompt in the slot, and sampled log-probs those
-  of an independent forward pass."""
+  choices are those of the layout with the prompt in the slot (``char_scheduler``), and
+  sampled log-probs those of an independent forward pass."""
   model = load_served(char_dir)
   model.cfg = model.cfg.replace(max_position_embeddings=1024)
   short, long = TOK.encode("U:hi\nA:"), TOK.encode("U:" + "x" * 48 + "\nA:")
-  got = {}
-  for on_pages in (True, False):  # budgets over 256 tokens: a pool that grows as needed
-    sched = Scheduler(model, max_slots=2, max_prompt_tokens=256, max_tokens=256, page_size=16,
-                      prompt_pages=on_pages)
-    try:
-      ids, peaks = [], []
-      for prompt in (short, long):
-        lane = sched._lanes.get(Sampling(temperature=0.0))
-        before = len(lane.loop.used) if lane else 0
-        ids.append(_submit(sched, prompt, sampling=Sampling(temperature=0.0), max_tokens=8,
-                           stop=["\u0000"])[0].ids)
-        lane = sched._lanes[Sampling(temperature=0.0)]
-        peaks.append(max(lane.loop.used[before:]))
-      got[on_pages] = ids, peaks, lane.loop.state.prefix_k[0].shape[-1]
-      if on_pages:
-        sampling, chunks = Sampling(temperature=0.7, top_p=0.9), []
-        out = _submit(sched, long, sampling=sampling, seed=5, max_tokens=12, stream=True,
-                      on_chunk=lambda c: chunks.append(c) if c is not None else None)[0]
-        scored, _ = scoring.top_logprobs(model.cfg, model.params, long, out.ids, sampling, 1)
-        assert out.ids and np.allclose(out.logprobs, scored, atol=2e-5)
-        # streamed as it decodes: the output's ids and text only, never the prompt's
-        assert [i for c in chunks for i in c.ids] == out.ids
-        assert "".join(c.text for c in chunks) == out.text
-    finally:
-      sched.close()
-  assert got[True][0] == got[False][0] and all(len(x) == 8 for x in got[True][0])
-  # pages of 16 tokens: (prompt - 1 + 8 output) tokens on pages, against the output alone
-  assert got[True][1] == [-(-(len(p) - 1 + 8) // 16) for p in (short, long)] == [1, 4]
-  # the prompt in the slot: a budget of 256 is the growing pool's first size, so the pool
-  # holds both slots' whole budgets (read in place) from the start
-  assert got[False][1] == [32, 32]
-  assert got[True][2] == 8 and got[False][2] == 256  # the slot's prompt cache (8 at least)
+  greedy = Sampling(temperature=0.0)
+  # budgets over 256 tokens: a pool that grows as the choices need it
+  sched = Scheduler(model, max_slots=2, max_prompt_tokens=256, max_tokens=256, page_size=16,
+                    prompt_pages=True)
+  try:
+    for prompt in (short, long):
+      lane = sched._lanes.get(greedy)
+      before = len(lane.loop.used) if lane else 0
+      ids = _submit(sched, prompt, sampling=greedy, max_tokens=8, stop=["\u0000"])[0].ids
+      assert ids == _submit(char_scheduler, prompt, sampling=greedy, max_tokens=8)[0].ids
+      assert len(ids) == 8
+      # pages of 16 tokens: the prompt's ids after the first and the 8 output tokens
+      lane = sched._lanes[greedy]
+      assert max(lane.loop.used[before:]) == -(-(len(prompt) - 1 + 8) // 16)
+    assert [-(-(len(p) - 1 + 8) // 16) for p in (short, long)] == [1, 4]
+    assert lane.loop.state.prefix_k[0].shape[-1] == 8  # the slot's prompt cache: 8 at least
+    sampling, chunks = Sampling(temperature=0.7), []
+    out = _submit(sched, long, sampling=sampling, seed=5, max_tokens=12, stream=True,
+                  on_chunk=lambda c: chunks.append(c) if c is not None else None)[0]
+    scored, _ = scoring.top_logprobs(model.cfg, model.params, long, out.ids, sampling, 1)
+    assert out.ids and np.allclose(out.logprobs, scored, atol=2e-5)
+    # streamed as it decodes: the output's ids and text only, never the prompt's
+    assert [i for c in chunks for i in c.ids] == out.ids
+    assert "".join(c.text for c in chunks) == out.text
+  finally:
+    sched.close()
 
 
 def test_cancel_stops_decoding_and_returns_the_pages(char_dir):
