@@ -168,8 +168,9 @@ class Trainer:
             advantages=None) -> Batch:
     """A ``Batch`` from G prompts and ``sample``'s output for them (M = rows / G): prompts
     padded to the run's prompt bucket, the sampled mask as the loss mask, the sampled
-    log-probs as behaviour log-probs; ``rewards`` [G·M] or [G,M]; ``advantages`` likewise
-    (or [G,M,R])."""
+    log-probs as behaviour log-probs; ``rewards`` [G·M] or [G,M] (NaN marks a missing
+    sample: the built-in estimators leave it out of its group's statistics and give it
+    advantage 0); ``advantages`` likewise (or [G,M,R])."""
     s = self.setup
     prompts = [encode_prompt(s.tokenizer, p) if isinstance(p, str) else list(p)
                for p in prompts]
