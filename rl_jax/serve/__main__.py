@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
   p.add_argument("--prompt-pages", action="store_true",
                  help="write each prompt onto KV pages: memory follows the prompts' lengths "
-                      "instead of --max-prompt-tokens per slot (slower decode on CPU)")
+                      "instead of --max-prompt-tokens per slot (slower on CPU)")
   p.add_argument("--seed", type=int, default=0, help="base seed of every random stream")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--tool-parser", default="auto", help="auto, hermes, llama3 or compact")
