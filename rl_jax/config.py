@@ -30,7 +30,7 @@ so an estimator registered by a user config file is accepted too.
 from __future__ import annotations
 
 import importlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ml_collections
 from ml_collections import config_dict
@@ -42,7 +42,7 @@ from rl_jax.errors import ConfigError
 
 __all__ = ["DISTILL_KNOBS", "check_objective",
            "check_wandb", "Geometry", "Schedule", "base_config", "checks", "geometry",
-           "notices", "schedule", "validate"]
+           "notices", "schedule", "stage_updates", "validate"]
 
 # preset knobs set from the distill section (distill.coef), not from config.loss
 DISTILL_KNOBS = ("distill_coef",)
@@ -79,7 +79,7 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
       "loss.preset": cu.one_of(losses.PRESETS),
       # each knob's range is declared with it (losses.KNOBS), as get_objective applies it
       **{f"loss.{name}": opt(knob.check) for name, knob in losses.KNOBS.items()
-         if knob.check is not None},
+         if knob.check is not None and name not in DISTILL_KNOBS},
   }
 
 
@@ -132,6 +132,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"optim.stochastic_rounding=True needs model.param_dtype=bfloat16 (got "
                       f"{config.model.param_dtype}: its updates already add exactly enough)")
   _check_group_size(config)
+  _check_schedule(config)
   _check_env(config)
   _check_distill(config)
   _check_sampler_weights(config)
@@ -151,6 +152,28 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"train.micro_batches={config.train.micro_batches} does not divide the "
                       f"{per_minibatch} groups of a minibatch (train.batch_groups / "
                       "train.minibatches); micro-batches hold whole groups")
+
+
+def stage_updates(config: ml_collections.ConfigDict) -> tuple[tuple[str, int], ...]:
+  """Optimizer updates of each stage, what the schedules count (``optim.warmup_steps``, the
+  cosine's length): ("RL", ``train.steps`` x ``train.minibatches`` x ``train.epochs``) and
+  ("supervised", ``sft.steps``, one update each; 0 when there is no supervised stage)."""
+  t = config.train
+  return (("RL", t.steps * t.minibatches * t.epochs), ("supervised", config.sft.steps))
+
+
+def _check_schedule(config: ml_collections.ConfigDict) -> None:
+  """A cosine schedule decays after its warm-up: the warm-up must end before each stage that
+  runs does."""
+  o = config.optim
+  if o.schedule != "cosine":
+    return
+  for stage, updates in stage_updates(config):
+    if updates and o.warmup_steps >= updates:
+      raise ConfigError(f"optim.warmup_steps={o.warmup_steps} leaves nothing of the {stage} "
+                        f"stage's {updates} optimizer updates for optim.schedule=cosine to "
+                        "decay over (warm-up counts updates: train.minibatches x "
+                        "train.epochs per RL step, one per supervised step)")
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
@@ -218,6 +241,68 @@ def notices(config: ml_collections.ConfigDict) -> list[str]:
         "can reach, so training is likely to stall; start from a checkpoint (model.hf_path), "
         "or raise model.init_std to 0.1 and optim.lr to 5e-4 as configs/quickstart.py:lora "
         "does")
+  out += _unread(config)
+  o = config.optim
+  for stage, updates in stage_updates(config):
+    if updates and o.schedule == "constant" and o.warmup_steps > updates:
+      out.append(f"note: optim.warmup_steps={o.warmup_steps} is longer than the {stage} "
+                 f"stage's {updates} optimizer updates: its learning rate reaches only "
+                 f"{updates / o.warmup_steps:.2g} of its peak")
+  return out
+
+
+# loss knobs read only by a part another knob turns on: (knob, that knob, is the part on)
+_PART_KNOBS = (
+    ("tis_cap", "tis_level", lambda k: k["tis_level"] is not None),
+    ("mis_low", "mis_level", lambda k: k["mis_level"] is not None),
+    ("mis_high", "mis_level", lambda k: k["mis_level"] is not None),
+    ("mis_mode", "mis_level", lambda k: k["mis_level"] is not None),
+    ("icepop_alpha", "icepop_beta", lambda k: k["icepop_beta"] is not None),
+    ("geo_mean_cap", "geo_mean_is", lambda k: bool(k["geo_mean_is"])),
+    ("decoupled_mode", "decoupled_cap", lambda k: k["decoupled_cap"] is not None),
+    ("ess_rho_base", "ess_scaling", lambda k: bool(k["ess_scaling"])),
+    ("ess_rule", "ess_scaling", lambda k: bool(k["ess_scaling"])),
+    ("value_clip", "value_coef", lambda k: bool(k["value_coef"])),
+    ("kl_kind", "kl_beta", lambda k: bool(k["kl_beta"])),
+)
+# built-in estimators whose advantages compare a group's samples with each other
+_GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "mc_grpo", "reinforce_pp_baseline")
+
+
+def _knobs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The objective's knobs as the run resolves them: the preset's, then the config's."""
+  given = {k: v for k, v in config.loss.items() if k != "preset" and v is not None}
+  return {**losses.PRESET_KNOB_DEFAULTS, **losses.PRESETS[config.loss.preset], **given}
+
+
+def _unread(config: ml_collections.ConfigDict) -> list[str]:
+  """``note:`` lines for settings that are given but that nothing in this run reads, or that
+  leave the policy where it is (a greedy group, a critic nothing trains)."""
+  k, loss, preset = _knobs(config), config.loss, config.loss.preset
+  out = [f"note: loss.{knob}={loss[knob]!r} is read only with loss.{on} on, and this run "
+         f"has loss.{on}={k[on]!r}: it has no effect"
+         for knob, on, part_on in _PART_KNOBS if loss[knob] is not None and not part_on(k)]
+  critic = k["advantage"] == "gae" or bool(k["value_coef"])
+  if k["advantage"] == "gae" and not k["value_coef"]:
+    out.append("note: loss.advantage='gae' reads a critic's values, but loss.value_coef=0 "
+               "never trains it: the advantages come from the critic as initialised (the ppo "
+               "preset sets loss.value_coef=0.5)")
+  if config.optim.value_lr is not None and not critic and k["advantage"] in losses.NO_RETURNS:
+    out.append(f"note: optim.value_lr={config.optim.value_lr} is the critic's learning rate, "
+               f"and loss.preset={preset} trains no critic: it has no effect")
+  if (config.rollout.temperature == 0 and config.rollout.n > 1 and not config.env.name
+      and k["advantage"] in _GROUP_RELATIVE):
+    out.append(f"note: rollout.temperature=0 samples a group's rollout.n={config.rollout.n} "
+               f"responses alike, so {k['advantage']}'s advantages, which compare them, are 0 "
+               "and the policy does not move")
+  unused = (("distill.coef", config.distill.coef != 1.0 and not config.distill.teacher_path,
+             "distill.teacher_path"),
+            ("reward.judge_verdict", config.reward.judge_verdict != "yes_no"
+             and not config.reward.judge_path, "reward.judge_path"),
+            ("train.replay.fraction", config.train.replay.fraction != 0.25
+             and not config.train.replay.capacity, "train.replay.capacity"))
+  out += [f"note: {key}={cu.get_value(config, key)!r} is read only with {on} set: it has "
+          "no effect" for key, bad, on in unused if bad]
   return out
 
 

@@ -5,7 +5,9 @@ supervised warm start, the RL policy update and the PPO critic) from the ``optim
 of the config; only the learning rate and the number of steps differ between stages.
 
 Schedules (``optim.schedule``): ``constant`` (linear warm-up over ``optim.warmup_steps``, then
-``lr``) and ``cosine`` (warm-up, then cosine decay to 0 at ``steps``).
+``lr``) and ``cosine`` (warm-up, then cosine decay to 0 at ``steps``). Both count optimizer
+updates: the trainer passes a stage's updates as ``steps`` (``config.stage_updates``: an RL
+step makes ``train.minibatches`` x ``train.epochs`` of them).
 
 The clip (``clip_by_global_norm``) reads the global norm from the ``grad_norm=`` keyword when
 the caller has it: the trainer reduces its gradients once per update, for the skip check, the
@@ -32,7 +34,7 @@ def make_optimizer(o: Any, lr: float, steps: int) -> optax.GradientTransformatio
   Args:
     o: the ``optim`` config section (``schedule``, ``warmup_steps``, ``grad_clip`` ...).
     lr: peak learning rate (η).
-    steps: optimizer steps of the stage (the cosine schedule decays over them).
+    steps: optimizer updates of the stage (the cosine schedule decays over them).
 
   ``o.mu_dtype`` (None: the parameters' dtype) stores Adam's first moment in that dtype
   (``bfloat16`` halves it); the second moment stays in the parameters' dtype, since its
@@ -41,8 +43,9 @@ def make_optimizer(o: Any, lr: float, steps: int) -> optax.GradientTransformatio
   Returns:
     An optax transformation; ``grad_clip == 0`` drops the clip.
   """
-  if o.schedule == "cosine":
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(o.warmup_steps, 1), max(steps, 2))
+  if o.schedule == "cosine":  # (a stage that never runs has steps 0: any decay will do)
+    decay = max(steps, o.warmup_steps + 1, 2)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(o.warmup_steps, 1), decay)
   elif o.warmup_steps:
     sched = optax.join_schedules(
         [optax.linear_schedule(0.0, lr, o.warmup_steps), optax.constant_schedule(lr)],

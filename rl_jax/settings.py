@@ -376,18 +376,26 @@ class LogSettings:
   wandb_name: str | None = setting(None, None, "None: W&B picks a run name", kind=str)
 
 
+_MOMENT = cu.in_range(0.0, 1.0, high_inclusive=False)  # Adam's decay rates β1, β2
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimSettings:
   """AdamW with linear warm-up then constant or cosine decay (``rl_jax.optim``):
-  ``config.optim``. η = ``lr``."""
+  ``config.optim``. η = ``lr``. Schedules count optimizer updates: a stage of S steps takes
+  S x ``train.minibatches`` x ``train.epochs`` of them (RL), or S (supervised), and the
+  cosine decays to 0 over them."""
 
   lr: float = setting(1e-5, cu.positive, "η, the policy's learning rate")
   schedule: str = setting("constant", cu.one_of(optim.SCHEDULES),
                           "one of rl_jax.optim.SCHEDULES")
-  warmup_steps: int = setting(0, cu.nonnegative_int, "linear warm-up steps")
-  b1: float = setting(0.9, None, "Adam's β1")
-  b2: float = setting(0.999, None, "Adam's β2")
-  eps: float = setting(1e-8, None, "Adam's ε")
+  warmup_steps: int = setting(
+      0, cu.nonnegative_int,
+      "linear warm-up, in optimizer updates (train.minibatches x train.epochs per RL step, "
+      "one per supervised step)")
+  b1: float = setting(0.9, _MOMENT, "Adam's β1")
+  b2: float = setting(0.999, _MOMENT, "Adam's β2")
+  eps: float = setting(1e-8, cu.positive, "Adam's ε (> 0: an all-zero gradient divides by it)")
   weight_decay: float = setting(0.0, cu.nonnegative, "decoupled weight decay")
   grad_clip: float = setting(1.0, cu.nonnegative, "global-norm clip; 0 disables it")
   value_lr: float | None = setting(None, cu.optional(cu.positive),

@@ -23,6 +23,7 @@ STR_SAMPLES = {"dual_clip": "3.0", "advantage": "rloo", "policy": "reinforce", "
 
 
 LOSS_KNOBS = [k for k in losses.PRESET_KNOBS if k not in base.DISTILL_KNOBS]
+COMPANIONS = {"value_coef": ["loss.advantage=gae"]}  # a value loss fits GAE's returns
 
 
 def test_every_preset_knob_is_a_field():
@@ -35,7 +36,8 @@ def test_every_preset_knob_is_a_field():
 def test_every_preset_knob_is_settable_from_the_command_line(knob):
   kind = losses.PRESET_KNOB_TYPES[knob]
   raw = STR_SAMPLES.get(knob, SAMPLE[kind])
-  config = config_utils.load_config(QUICKSTART, [f"loss.{knob}={raw}"])
+  config = config_utils.load_config(QUICKSTART,
+                                    [f"loss.{knob}={raw}", *COMPANIONS.get(knob, ())])
   value = config.loss[knob]
   assert isinstance(value, kind), (knob, value)
   base.validate(config)
@@ -45,7 +47,8 @@ def test_every_preset_knob_is_settable_from_the_command_line(knob):
 # a value each knob's declared range rejects: the config and get_objective say the same
 BAD_KNOB_VALUES = {"eps_low": -0.1, "kl_beta": -1.0, "gamma": 1.5, "mis_low": 1.0,
                    "mis_high": 0.5, "icepop_beta": 1.0, "icepop_alpha": 1.0, "tis_cap": 0.0,
-                   "agg": "mean", "kl_kind": "k9", "value_clip": 0.0, "ess_rho_base": -2.0}
+                   "agg": "mean", "kl_kind": "k9", "value_clip": 0.0, "ess_rho_base": -2.0,
+                   "adv_eps": 0.0, "ace_alpha": -1.0}
 
 
 @pytest.mark.parametrize("knob", sorted(BAD_KNOB_VALUES))
@@ -144,3 +147,44 @@ def test_bad_selection_settings_fail_in_one_line(overrides, word):
   with pytest.raises(ConfigError, match=word) as e:
     base.validate(config)
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,note", [
+    (["loss.tis_cap=3.0"], "note: loss.tis_cap=3.0 is read only with loss.tis_level on, and "
+     "this run has loss.tis_level=None: it has no effect"),
+    (["loss.mis_high=1.5"], "loss.mis_high=1.5 is read only with loss.mis_level on"),
+    (["loss.icepop_alpha=0.5"], "loss.icepop_alpha=0.5 is read only with loss.icepop_beta on"),
+    (["loss.kl_kind=k1", "loss.kl_beta=0.0"], "loss.kl_kind='k1' is read only with "
+     "loss.kl_beta on, and this run has loss.kl_beta=0.0"),
+    (["loss.value_clip=0.3"], "loss.value_clip=0.3 is read only with loss.value_coef on"),
+    (["loss.preset=ppo", "loss.value_coef=0.0"], "loss.value_coef=0 never trains it"),
+    (["optim.value_lr=0.001"], "optim.value_lr=0.001 is the critic's learning rate, and "
+     "loss.preset=grpo trains no critic"),
+    (["rollout.temperature=0"], "rollout.temperature=0 samples a group's rollout.n=8 responses "
+     "alike, so grpo's advantages"),
+    (["distill.coef=5.0"], "distill.coef=5.0 is read only with distill.teacher_path set"),
+    (["reward.judge_verdict=score"], "reward.judge_verdict='score' is read only with "
+     "reward.judge_path set"),
+    (["train.replay.fraction=0.5"], "train.replay.fraction=0.5 is read only with "
+     "train.replay.capacity set"),
+])
+def test_a_setting_nothing_reads_gets_a_note(overrides, note):
+  """A value given for a part the run does not have is not silently dropped: one ``note:``
+  line names it and what would read it; the same part turned on reads it, without a note."""
+  notes = base.notices(config_utils.load_config(QUICKSTART, overrides))
+  assert len(notes) == 1 and note in notes[0], notes
+
+
+@pytest.mark.parametrize("overrides", [
+    ["loss.tis_cap=3.0", "loss.tis_level=token"], ["loss.preset=vcpo", "loss.tis_cap=3.0"],
+    ["loss.preset=ppo", "optim.value_lr=0.001"], ["rollout.temperature=0", "rollout.n=1"],
+    ["loss.kl_kind=k1", "loss.kl_beta=0.01"], ["rollout.temperature=0", "loss.preset=ppo"],
+])
+def test_a_setting_its_part_reads_gets_no_note(overrides):
+  assert base.notices(config_utils.load_config(QUICKSTART, overrides)) == []
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "configs"))
+                                        if f.endswith(".py")))
+def test_the_shipped_configs_get_no_note(name):
+  assert base.notices(config_utils.load_config(os.path.join(ROOT, "configs", name), [])) == []

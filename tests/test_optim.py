@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+from rl_jax import config as config_lib
 from rl_jax import config_utils, losses, optim, train
 from rl_jax.train import steps
 from tests.tiny import QUICKSTART, TINY_MODEL
@@ -131,3 +132,31 @@ def test_rl_update_lowers_to_one_gradient_norm():
   assert len(re.findall(r"stablehlo\.sqrt %\S+ : tensor<f32>", text)) == 1
   leaves = len(jax.tree.leaves(state.params))
   assert text.count("is_finite") < leaves, (text.count("is_finite"), leaves)
+
+
+def _cosine(t: int, lr: float, warmup: int, length: int) -> float:
+  """Linear warm-up from 0, then half a cosine down to 0 at update ``length``
+  (Loshchilov & Hutter 2017, SGDR, one cycle)."""
+  if t < warmup:
+    return lr * t / warmup
+  return lr * 0.5 * (1.0 + np.cos(np.pi * (t - warmup) / (length - warmup)))
+
+
+def test_the_cosine_schedule_decays_over_the_runs_optimizer_updates():
+  """An RL step makes ``train.minibatches`` x ``train.epochs`` updates: the cosine reaches 0
+  at the run's last update, not after ``train.steps`` updates (which left the rest of the run
+  at learning rate 0 when there were several minibatches)."""
+  from rl_jax.train import context
+  config = config_utils.load_config(QUICKSTART, list(TINY_MODEL) + [
+      "optim.schedule=cosine", "optim.warmup_steps=2", "optim.weight_decay=0.0",
+      "train.steps=3", "train.minibatches=2", "train.epochs=2", "train.batch_groups=4"])
+  assert config_lib.stage_updates(config) == (("RL", 12), ("supervised", config.sft.steps))
+  tx = context._optimizers(config, losses.get_objective("dapo")).rl
+  params = {"w": jnp.zeros((3,))}
+  state, lrs = tx.init(params), []
+  for _ in range(12):  # Adam's step on a constant gradient is the learning rate itself
+    update, state = tx.update({"w": jnp.ones((3,))}, state, params)
+    lrs.append(-float(update["w"][0]))
+  want = [_cosine(t, config.optim.lr, 2, 12) for t in range(12)]
+  np.testing.assert_allclose(lrs, want, rtol=1e-4, atol=1e-12)
+  assert lrs[-1] > 0  # before, updates 3..11 ran at learning rate 0

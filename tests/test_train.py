@@ -15,7 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, losses, metrics, train
-from rl_jax.errors import ConfigError
+from rl_jax import config as config_lib
+from rl_jax.errors import ConfigError, RLJaxError
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, stopped_at
 
 
@@ -251,6 +252,21 @@ def test_non_finite_loss_skips_update():
   assert not np.array_equal(before["embed"], np.asarray(params["embed"]))
 
 
+@pytest.mark.slow  # a training run; the skip itself: test_non_finite_loss_skips_update
+def test_consecutive_skipped_updates_stop_the_run_with_every_row_written(tmp_path):
+  """A learning rate that blows the weights up after the first update: the next updates are
+  skipped, and after ``train.max_bad_steps`` of them the run stops in one line that names the
+  last step as metrics.jsonl numbers it, with that step's row written too."""
+  config = _config(["sft.steps=0", "train.steps=6", "optim.lr=1e30", "loss.entropy_coef=0.1",
+                    "train.max_bad_steps=2", "train.checkpoint_every=0"])
+  with pytest.raises(RLJaxError) as e:
+    train.train(config, str(tmp_path), progress=False)
+  assert str(e.value).startswith("2 consecutive steps had a non-finite loss or gradient norm "
+                                 "(the last is step 3 of metrics.jsonl); stopping")
+  rows = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [(r["step"], r["update_skipped"]) for r in rows] == [(1, 0.0), (2, 1.0), (3, 1.0)]
+
+
 @pytest.mark.parametrize("override,message", [
     ("--config.loss.preset=grpoo", "loss.preset"),
     ("--config.rollout.nn=3", "rollout.nn"),
@@ -262,6 +278,12 @@ def test_non_finite_loss_skips_update():
     ("--config.loss.m2po_tau=-1", "loss.m2po_tau"),
     ("--config.train.minibatches=3", "minibatches"),
     ("--config.rollout.max_new_tokens=5000", "max_new_tokens"),
+    # values that trained on NaN or silently flipped a term before they were checked
+    ("--config.optim.b1=nan", "optim.b1"),
+    ("--config.optim.eps=0.0", "optim.eps"),
+    ("--config.loss.adv_eps=0.0", "loss.adv_eps"),
+    ("--config.loss.ace_alpha=-5.0", "loss.ace_alpha"),
+    ("--config.loss.value_coef=0.5", "value_coef=0.5 trains a critic on the returns of GAE"),
 ])
 def test_bad_config_fails_in_one_line(tmp_path, override, message, capsys):
   """The command's entry point (run in this process; the subprocess test below runs the
@@ -298,6 +320,11 @@ def test_missing_data_file_fails_before_compiling(tmp_path):
     (["data.eval_path=/data/eval.jsonl"], "data.eval_path='/data/eval.jsonl' is read only by"),
     (["rollout.eos_id=100000"], "config.rollout.eos_id=100000 is outside the model's "
      "vocabulary [0, "),
+    (["loss.preset=mc_grpo", "rollout.n=1"], "rollout.n=1: MC-GRPO's advantages"),
+    (["optim.schedule=cosine", "optim.warmup_steps=6", "train.minibatches=2"],
+     "optim.warmup_steps=6 leaves nothing of the RL stage's 6 optimizer updates"),
+    (["optim.schedule=cosine", "optim.warmup_steps=3", "train.steps=4"],
+     "optim.warmup_steps=3 leaves nothing of the supervised stage's 3 optimizer updates"),
 ])
 def test_settings_the_run_would_ignore_or_break_on_are_one_error(overrides, line):
   """A data file given to a built-in task would be silently unused; an EOS id outside the
@@ -305,6 +332,16 @@ def test_settings_the_run_would_ignore_or_break_on_are_one_error(overrides, line
   with pytest.raises(ConfigError) as e:
     train.build_setup(_config(overrides))
   assert str(e.value).startswith(line) and "\n" not in str(e.value)
+
+
+def test_a_warm_up_longer_than_its_stage_gets_a_note():
+  """A constant schedule whose warm-up outlasts the stage never reaches ``optim.lr``."""
+  notes = config_lib.notices(_config(["optim.warmup_steps=8", "train.minibatches=2"]))
+  assert notes == ["note: optim.warmup_steps=8 is longer than the RL stage's 6 optimizer "
+                   "updates: its learning rate reaches only 0.75 of its peak",
+                   "note: optim.warmup_steps=8 is longer than the supervised stage's 3 "
+                   "optimizer updates: its learning rate reaches only 0.38 of its peak"]
+  assert config_lib.notices(_config(["optim.warmup_steps=3"])) == []
 
 
 def test_turn_level_estimator_is_rejected_without_multi_turn_rollouts():

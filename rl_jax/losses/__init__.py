@@ -19,7 +19,7 @@ from rl_jax.losses.advantages import (gae_advantages, gdpo_advantages, grpo_adva
 from rl_jax.losses.aggregation import (AGG_MODES, Aggregation, aggregate, aggregate_parts,
                                        aggregation)
 from rl_jax.losses.compose import Objective, chain, finalize, policy_loss
-from rl_jax.losses.estimators import (ADVANTAGES, DISTILL_NEEDS, TURN_FIELDS,
+from rl_jax.losses.estimators import (ADVANTAGES, DISTILL_NEEDS, NO_RETURNS, TURN_FIELDS,
                                       AdvantageEstimator, advantage_names, distill, dr_grpo,
                                       gae, gdpo, gigpo, grpo, mc_grpo, opob,
                                       register_advantage, reinforce_pp,
@@ -60,7 +60,8 @@ __all__ = [
     # advantage estimators and their registry
     "ADVANTAGES", "TURN_FIELDS", "AdvantageEstimator", "advantage_names", "dr_grpo", "gae",
     "gdpo", "gigpo", "grpo", "mc_grpo", "opob", "register_advantage", "reinforce_pp",
-    "reinforce_pp_baseline", "rloo", "DISTILL_NEEDS", "distill", "sampled_reverse_kl",
+    "reinforce_pp_baseline", "rloo", "DISTILL_NEEDS", "NO_RETURNS", "distill",
+    "sampled_reverse_kl",
     "with_distillation",
     # policy-loss formulas
     "DECOUPLED_MODES", "MIS_LEVELS", "MIS_MODES", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale",

@@ -38,7 +38,7 @@ __all__ = ["ADVANTAGES", "AdvantageEstimator", "GRPO_SCALES", "MC_GRPO_SCALES",
            "TURN_FIELDS", "advantage_names", "dr_grpo", "gae", "gdpo", "gigpo", "grpo",
            "make_advantage", "mc_grpo", "opob", "register_advantage", "reinforce_pp",
            "reinforce_pp_baseline", "rloo", "distill", "with_distillation",
-           "DISTILL_NEEDS", "sampled_reverse_kl"]
+           "DISTILL_NEEDS", "NO_RETURNS", "sampled_reverse_kl"]
 
 GRPO_SCALES = ("std", "none")
 MC_GRPO_SCALES = ("mad", "none")
@@ -370,3 +370,6 @@ for _name, _factory in (
 ):
   register_advantage(_name, _factory)
 del _name, _factory
+
+# the built-in estimators without returns for a value loss to fit (GAE's are A + V)
+NO_RETURNS = frozenset(name for name in advantage_names() if name != "gae")

@@ -52,7 +52,8 @@ from rl_jax.losses import stages as st
 from rl_jax.losses import vcpo as vcpo_lib
 from rl_jax.losses.aggregation import AGG_MODES, aggregation
 from rl_jax.losses.compose import Objective, chain
-from rl_jax.losses.estimators import ADVANTAGES, make_advantage, with_distillation
+from rl_jax.losses.estimators import (ADVANTAGES, NO_RETURNS, make_advantage,
+                                      with_distillation)
 from rl_jax.losses.kl import KL_KINDS
 from rl_jax.losses.policy import DECOUPLED_MODES, MIS_LEVELS, MIS_MODES, TIS_LEVELS
 from rl_jax.losses.stages import POLICIES
@@ -88,7 +89,8 @@ _ABOVE_ONE = vc.in_range(1.0, None)
 KNOBS: Mapping[str, Knob] = MappingProxyType(dict(
     advantage=Knob(str, "grpo", "one of ADVANTAGES (estimators.py), or a registered name",
                    vc.one_of(ADVANTAGES)),
-    adv_eps=Knob(float, 1e-6, "GRPO std epsilon", vc.nonnegative),
+    adv_eps=Knob(float, 1e-6, "GRPO std epsilon (> 0: a group of equal rewards has std 0)",
+                 vc.positive),
     adv_kl_beta=Knob(float, 0.01, "REINFORCE++: KL coefficient folded into the reward",
                      vc.nonnegative),
     gamma=Knob(float, 1.0, "GAE / REINFORCE++ discount", vc.probability),
@@ -129,7 +131,7 @@ KNOBS: Mapping[str, Knob] = MappingProxyType(dict(
     decoupled_cap=Knob(float, None, "AReaL behaviour-weight cap (None = off)", vc.positive),
     decoupled_mode=Knob(str, "mask", "one of DECOUPLED_MODES", vc.one_of(DECOUPLED_MODES)),
     m2po_tau=Knob(float, None, "M2PO second-moment threshold tau (None = off)", vc.positive),
-    ace_alpha=Knob(float, None, "ACE strength (None = off)"),
+    ace_alpha=Knob(float, None, "ACE strength (None = off)", vc.nonnegative),
     value_coef=Knob(float, 0.0, "PPO value loss coefficient", vc.nonnegative),
     value_clip=Knob(float, 0.2, "PPO value loss clip", vc.positive),
     agg=Knob(str, "token-mean", "aggregation mode (AGG_MODES)", vc.one_of(AGG_MODES)),
@@ -137,7 +139,8 @@ KNOBS: Mapping[str, Knob] = MappingProxyType(dict(
     ess_scaling=Knob(bool, False, "VCPO ESS learning-rate multiplier", _BOOL),
     ess_rho_base=Knob(float, 1.0, "its base rho", vc.positive),
     ess_rule=Knob(str, "sqrt", "its rule (ESS_RULES)", vc.one_of(ESS_RULES)),
-    distill_coef=Knob(float, None, "on-policy distillation: weight of the reverse-KL advantage"),
+    distill_coef=Knob(float, None, "on-policy distillation: weight of the reverse-KL advantage",
+                      vc.nonnegative),
 ))
 _BASE = {name: knob.default for name, knob in KNOBS.items()}
 
@@ -176,6 +179,10 @@ def _objective(name: str, knobs: Mapping[str, Any]) -> Objective:
     if problem:
       raise ValueError(f"objective option {key}={value!r} {problem}")
   k = {**_BASE, **knobs}
+  if k["value_coef"] and k["advantage"] in NO_RETURNS:
+    raise ValueError(f"objective option value_coef={k['value_coef']!r} trains a critic on the "
+                     f"returns of GAE (advantage='gae', the ppo preset); advantage="
+                     f"{k['advantage']!r} computes none")
   est = make_advantage(k["advantage"], k)
   if k["distill_coef"] is not None and k["advantage"] != "distill":
     est = with_distillation(est, k["distill_coef"])  # the teacher's term beside the task's

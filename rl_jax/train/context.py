@@ -181,6 +181,11 @@ def make_objective(config) -> losses.Objective:
                       "importance ratio to correct the passes after the first, which run on "
                       "updated weights; use loss.policy=ppo_clip or reinforce_ratio, or "
                       "train.epochs=1")
+  if (obj.estimator == "mc_grpo" and config.data.group_size != "adaptive"
+      and config.rollout.n < 2):
+    raise ConfigError(f"rollout.n={config.rollout.n}: MC-GRPO's advantages (loss.preset="
+                      f"{config.loss.preset}) centre each group on the median of its other "
+                      "samples; it needs rollout.n >= 2")
   return obj
 
 
@@ -548,10 +553,11 @@ def _own_sampler_layout(config, mesh: jax.sharding.Mesh) -> bool:
 
 
 def _optimizers(config, objective: losses.Objective) -> Optimizers:
-  o, steps = config.optim, config.train.steps
-  rl = optax.chain(optim.make_optimizer(o, o.lr, steps), objective.update_transform)
-  return Optimizers(rl=rl, sft=optim.make_optimizer(o, config.sft.lr, config.sft.steps),
-                    value=optim.make_optimizer(o, o.value_lr or o.lr, steps))
+  """The stages' optimizers; their schedules count updates (``config_lib.stage_updates``)."""
+  o, updates = config.optim, dict(config_lib.stage_updates(config))
+  rl = optax.chain(optim.make_optimizer(o, o.lr, updates["RL"]), objective.update_transform)
+  return Optimizers(rl=rl, sft=optim.make_optimizer(o, config.sft.lr, updates["supervised"]),
+                    value=optim.make_optimizer(o, o.value_lr or o.lr, updates["RL"]))
 
 
 def build_setup(config: ml_collections.ConfigDict,

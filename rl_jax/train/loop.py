@@ -232,8 +232,11 @@ def _train(s: Setup, workdir: str, progress: bool,
         record = {"phase": "rl", **record}
       bad_steps = bad_steps + 1 if int(record.get("update_skipped", 0)) else 0
       if bad_steps >= tr.max_bad_steps:
+        if writer is not None:  # the last skipped step's row too, numbered as the others
+          writer.write(step + 1, record)
         raise RLJaxError(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm "
-                         f"(last at step {step}); stopping. Lower optim.lr or check the data.")
+                         f"(the last is step {step + 1} of metrics.jsonl); stopping. Lower "
+                         "optim.lr, or check the data and the loss.* and optim.* settings")
       state = state._replace(step=state.step + 1)
       step += 1
       if profiling:
