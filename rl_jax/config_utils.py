@@ -394,6 +394,8 @@ def parse_cli(argv: Sequence[str], *, require_workdir: bool = True,
     raise ConfigError("missing --config=FILE[:ARG], e.g. --config=configs/quickstart.py")
   if require_workdir and not workdir:
     raise ConfigError("missing --workdir=DIR (where metrics, checkpoints and exports go)")
+  # a shell expands ~ at the start of a word, not after --workdir=
+  spec, workdir = os.path.expanduser(spec), workdir and os.path.expanduser(workdir)
   _parse_absl_flags(rest)
   return load_config(spec, overrides, lock=lock), workdir
 

@@ -18,7 +18,8 @@ import pytest
 
 from rl_jax import checkpoint
 from rl_jax import sharding
-from rl_jax.errors import CheckpointError, CheckpointNotFoundError
+from rl_jax.checkpoint import integrity
+from rl_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 
 def _train_state(seed=0):
@@ -233,6 +234,7 @@ def test_partial_checkpoints_are_ignored(tmp_path):
 
   ckpt = checkpoint.Checkpointer(tmp_path)
   assert ckpt.all_steps() == [3] and ckpt.latest_step() == 3
+  assert ckpt.incomplete_steps() == [9]  # what a resume sets aside before it trains
   assert ckpt.save(4, state)  # The incomplete 9/ is not a step, so 4 is the newest.
   ckpt.wait()
   assert not tmp_save.exists()  # Unfinished saves are deleted once a manager opens the dir.
@@ -243,6 +245,22 @@ def test_partial_checkpoints_are_ignored(tmp_path):
   assert ckpt.save(9, state)
   ckpt.close()
   assert checkpoint.all_steps(tmp_path) == [3, 4, 9]
+
+
+@pytest.mark.parametrize("listing", ["[]", '{"files": []}', '{"files": {"x": {}}}',
+                                     '{"files": {"x": {"size": "many"}}}', "{"])
+def test_a_checksum_list_of_the_wrong_shape_is_a_damaged_step(tmp_path, listing):
+  """``checksums.json`` that parses to something else than the list ``seal`` writes marks the
+  step damaged (the resume sets it aside), not a TypeError from inside ``verify``."""
+  with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, {"w": jnp.arange(4.0)})
+  step_dir = tmp_path / "1"
+  integrity.seal(step_dir)
+  assert integrity.verify(step_dir)
+  (step_dir / integrity.CHECKSUMS).write_text(listing)
+  with pytest.raises(CheckpointCorruptError, match=r"checksums.json is unreadable \(") as e:
+    integrity.verify(step_dir)
+  assert "\n" not in str(e.value)
 
 
 _KILLED_SAVE = """

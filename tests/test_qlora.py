@@ -246,6 +246,10 @@ def test_qlora_run_keeps_an_int4_base_and_exports_it(tmp_path):
   with checkpoint.Checkpointer(ckpts) as ckpt:
     assert int(resume.restore_newest(s, ckpt, train.abstract_state(s)).step) == 1
   assert checkpoint.all_steps(ckpts) == [1]
+  # the base is set aside too, so the next checkpoint that needs one stores it afresh
+  # instead of naming the damaged one again
+  assert checkpoint.all_steps(os.path.join(ckpts, "base")) == []
+  assert os.path.isdir(os.path.join(ckpts, "base", "0.damaged"))
 
   cfg, exported = models.load_hf(os.path.join(workdir, "hf"), dtype=jnp.float32)
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))

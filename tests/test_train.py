@@ -16,7 +16,8 @@ from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, losses, metrics, train
 from rl_jax import config as config_lib
-from rl_jax.errors import ConfigError, RLJaxError
+from rl_jax.errors import CheckpointCorruptError, ConfigError, RLJaxError
+from rl_jax.train import loop
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, stopped_at
 
 
@@ -131,6 +132,45 @@ def test_rerun_of_finished_run_changes_nothing(tmp_path, tiny_run):
 
 # 8 groups: each device computes one in the update; only the final weights are compared
 EIGHT_GROUPS = ["train.batch_groups=8", "train.checkpoint_every=0"]
+
+
+def _flip_a_byte(step_dir):
+  """Flips one byte in the middle of the step's largest file."""
+  files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs]
+  big = max(files, key=os.path.getsize)
+  data = bytearray(open(big, "rb").read())
+  data[len(data) // 2] ^= 0xFF
+  open(big, "wb").write(bytes(data))
+
+
+def test_a_workdir_with_no_whole_checkpoint_stops_and_keeps_its_metrics(tmp_path, tiny_run,
+                                                                         capsys):
+  """The newest save cut short, the others damaged: each is set aside with one line, and the
+  run stops instead of training from step 0 over metrics.jsonl. With no checkpoint at all,
+  the rows a fresh start replaces are named in a note."""
+  workdir = tmp_path / "run"
+  shutil.copytree(tiny_run, workdir)
+  ckpts = workdir / "checkpoints"
+  steps = checkpoint.all_steps(ckpts)
+  os.remove(ckpts / str(steps[-1]) / "commit_success.txt")
+  for step in steps[:-1]:
+    _flip_a_byte(ckpts / str(step))
+  before = (workdir / "metrics.jsonl").read_bytes()
+  with pytest.raises(CheckpointCorruptError) as e:
+    train.train(_config(), str(workdir), progress=False)
+  assert str(e.value).startswith(f"no checkpoint in {ckpts} reads back whole (steps "
+                                 f"{steps[-2::-1]} are set aside as <step>.damaged)")
+  err = capsys.readouterr().err
+  assert (f"checkpoint of step {steps[-1]} is incomplete (its save did not finish); kept as "
+          f"{ckpts / str(steps[-1])}.damaged") in err
+  assert (workdir / "metrics.jsonl").read_bytes() == before
+  assert sorted(os.listdir(ckpts)) == sorted(f"{s}.damaged" for s in steps)
+  s = train.build_setup(_config())
+  with checkpoint.Checkpointer(ckpts) as ckpt:
+    loop._start(s, ckpt, str(workdir / "metrics.jsonl"), train.abstract_state(s))
+  rows = before.decode().count("\n")
+  assert (f"note: no checkpoint in {ckpts}: training from step 0, in place of the {rows} rows "
+          "metrics.jsonl holds") in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -231,6 +231,21 @@ def test_workdir_without_write_permission_is_one_error_line(tmp_path, sub, messa
   assert _tree(readonly) == before
 
 
+@pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"),
+                    reason="as root this needs setpriv to drop CAP_DAC_OVERRIDE")
+def test_a_read_only_checkpoint_directory_is_one_error_line_before_any_step(tmp_path):
+  """A writable workdir whose ``checkpoints/`` is mode 0500: one line at start-up, not a
+  stack of orbax errors at the first save after hours of steps."""
+  workdir = tmp_path / "run"
+  ckpts = workdir / "checkpoints"
+  ckpts.mkdir(parents=True)
+  ckpts.chmod(0o500)
+  line, _ = _bad_input([f"--workdir={workdir}"], prefix=_NO_DAC if os.geteuid() == 0 else ())
+  assert line.startswith(f"error: the checkpoint directory {ckpts} is not writable "
+                         "(Permission denied)"), line
+  assert not (workdir / "metrics.jsonl").exists()
+
+
 def test_unreachable_bucket_is_one_error_line_within_the_probe_timeout(tmp_path):
   """``gs://`` with the storage clients pointed at a closed port: gcsfs alone would retry for
   about 30 s; the write probe gives up after ``RL_JAX_STORAGE_TIMEOUT_S=3``."""

@@ -75,19 +75,21 @@ def verify(step_dir: str | os.PathLike) -> bool:
   listing = step_dir / CHECKSUMS
   if not listing.exists():
     return False
-  try:
+  try:  # {"files": {relative path: {"size": int, "sha256": str (local only)}}}
     table = json.loads(listing.read_text())["files"]
-  except (ValueError, KeyError) as e:
-    raise CheckpointCorruptError(f"{listing} is unreadable: {e}") from e
+    wanted = sorted((str(rel), int(want["size"]), want.get("sha256"))
+                    for rel, want in table.items())
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise CheckpointCorruptError(f"{listing} is unreadable ({type(e).__name__}: {e})") from e
   remote = storage.is_remote(step_dir)
-  for rel, want in sorted(table.items()):
+  for rel, size, sha in wanted:
     path = step_dir / rel
     if not path.exists():
       raise CheckpointCorruptError(f"{path} is missing")
     got = _digest(path, remote)
-    if got["size"] != want["size"]:
-      raise CheckpointCorruptError(f"{path} has {got['size']} bytes, {want['size']} were saved")
-    if "sha256" in want and "sha256" in got and got["sha256"] != want["sha256"]:
+    if got["size"] != size:
+      raise CheckpointCorruptError(f"{path} has {got['size']} bytes, {size} were saved")
+    if sha is not None and "sha256" in got and got["sha256"] != sha:
       raise CheckpointCorruptError(f"{path} differs from what was saved (sha256)")
   return True
 

@@ -262,6 +262,15 @@ class Checkpointer:
     self._unsealed.append(step)
     return True
 
+  def incomplete_steps(self) -> list[int]:
+    """Step directories without a finished save (no commit marker: a save cut short, or
+    the marker lost since), ascending; ``save`` refuses to write over one."""
+    self.wait()
+    done = set(self._manager.all_steps())
+    names = [p.name for p in self.directory.iterdir() if p.is_dir()]
+    return sorted(int(n) for n in names if n.isdigit() and STEP_NAMES.build_name(int(n)) == n
+                  and int(n) not in done)
+
   def all_steps(self) -> list[int]:
     """Saved steps, ascending, including a save still in flight (``wait()`` to finish it)."""
     return sorted(self._manager.all_steps())

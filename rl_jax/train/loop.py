@@ -131,6 +131,10 @@ def _start(s: Setup, ckpt, metrics_path: str, abstract: TrainState) -> TrainStat
   if state is None:
     state = init_state(s)
   if distributed.is_lead() and epath.Path(metrics_path).exists():
+    rows = len(metrics_lib.read_jsonl(metrics_path))
+    if latest is None and rows:
+      print(f"note: no checkpoint in {ckpt.directory}: training from step 0, in place of the "
+            f"{rows} rows metrics.jsonl holds", file=sys.stderr)
     metrics_lib.truncate_after(metrics_path, latest or 0)
   return state
 
@@ -180,8 +184,10 @@ def _train(s: Setup, workdir: str, progress: bool,
   clock = startup.compile_clock()
   clock.take()
   sft_steps, total = s.sft.steps, s.sft.steps + tr.steps
-  ckpt = ckpt_lib.Checkpointer(storage.join(workdir, "checkpoints"), keep=tr.keep,
-                               save_every=tr.checkpoint_every or total)
+  ckpt_dir = storage.join(workdir, "checkpoints")
+  if not storage.is_remote(ckpt_dir):  # (a bucket's workdir probe covers its prefix)
+    storage.check_writable(ckpt_dir, "the checkpoint directory")  # not at the first save
+  ckpt = ckpt_lib.Checkpointer(ckpt_dir, keep=tr.keep, save_every=tr.checkpoint_every or total)
   metrics_path = storage.join(workdir, "metrics.jsonl")
   abstract = abstract_state(s)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export

@@ -19,8 +19,9 @@ checkpoint's metadata names (``metadata["lora_base"]["source"]``):
 Either way the metadata records a fingerprint of the base's bits (``fingerprint``), and
 restore checks the base it rebuilt or read against it: a changed ``model.hf_path`` or a base
 of another run fails in one line instead of resuming on other weights. A stored base that is
-missing or damaged makes its checkpoints unreadable (``CheckpointCorruptError``: the resume
-sets them aside and falls back to an older one). LoRA checkpoints written before adapter-only
+missing or damaged makes its checkpoints unreadable (``BaseCorruptError``: the resume sets
+the base aside, then the checkpoints that read it, and falls back to an older one; the next
+checkpoint that needs a stored base writes a fresh one, as nothing is left to reuse). LoRA checkpoints written before adapter-only
 checkpoints (full ``params``, no ``lora_base``) are not read: ``resume.restore_state`` refuses
 them in one line, as every earlier state layout.
 """
@@ -41,11 +42,21 @@ from rl_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointNot
 from rl_jax.train.context import Setup
 from rl_jax.train.state import init_params
 
-__all__ = ["KEY", "BASE_DIR", "base_dir", "config_base", "adapters_only", "fingerprint",
-           "for_checkpoint", "base_info", "restore_base", "rejoin"]
+__all__ = ["KEY", "BASE_DIR", "BaseCorruptError", "base_dir", "config_base", "adapters_only",
+           "fingerprint", "for_checkpoint", "base_info", "restore_base", "rejoin",
+           "set_aside_base"]
 
 KEY = "lora_base"  # the checkpoint metadata's entry
 BASE_DIR = "base"  # <checkpoint directory>/base/<step>/: a stored base
+
+
+class BaseCorruptError(CheckpointCorruptError):
+  """The stored base a checkpoint reads is missing, damaged or not the one it was saved
+  with; ``step``: its step in ``base_dir``."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
 
 
 def base_dir(directory) -> str:
@@ -212,12 +223,24 @@ def restore_base(s: Setup, directory, step: int, info: dict, abstract_params: di
   try:
     base, _ = ckpt_lib.restore(path, models.lora.strip(abstract_params), step=info["step"])
   except CheckpointNotFoundError as e:
-    raise CheckpointCorruptError(f"the frozen LoRA base of the checkpoint of step {step} is "
-                                 f"missing: {e}") from e
+    raise BaseCorruptError(f"the frozen LoRA base of the checkpoint of step {step} is "
+                           f"missing: {e}", info["step"]) from e
+  except CheckpointCorruptError as e:
+    raise BaseCorruptError(str(e), info["step"]) from e
   if fingerprint(base) != info.get("fingerprint"):
-    raise CheckpointCorruptError(f"the frozen LoRA base in {path} is not the one the "
-                                 f"checkpoint of step {step} was saved with")
+    raise BaseCorruptError(f"the frozen LoRA base in {path} is not the one the checkpoint of "
+                           f"step {step} was saved with", info["step"])
   return base
+
+
+def set_aside_base(directory, step: int) -> str | None:
+  """Renames the stored base ``step`` of the checkpoints in ``directory`` to
+  ``<step>.damaged`` (kept, no longer a stored base); returns the new path, None if it is
+  not there (set aside already, or never written). Every process calls this."""
+  with ckpt_lib.Checkpointer(base_dir(directory), keep=None, save_every=0) as base:
+    if step not in base.all_steps():
+      return None
+    return base.set_aside(step)
 
 
 def rejoin(base: dict, saved_params: dict) -> dict:

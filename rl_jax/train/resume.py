@@ -22,7 +22,7 @@ one line, which names the first differing leaf (``rl_jax.checkpoint.restore``).
 A newest checkpoint that does not read back whole (a file missing or changed since the save,
 ``rl_jax.checkpoint.integrity``) is no dead end: ``restore_newest`` renames it to
 ``<step>.damaged`` (kept for inspection), says so in one line, and restores the newest step
-that does read back.
+that does read back; when none does, the run stops in one line instead of starting over.
 """
 
 from __future__ import annotations
@@ -138,14 +138,37 @@ def restore_newest(s: Setup, ckpt: ckpt_lib.Checkpointer,
 
   Args:
     abstract: ``abstract_state(s)``, the target of a checkpoint of the current layout.
+
+  Raises:
+    CheckpointCorruptError: every checkpoint was damaged and is now set aside: rather than
+      train again from step 0 over the run's metrics, the run stops in one line.
   """
+  for step in ckpt.incomplete_steps():  # the run would redo its steps, then fail to save
+    aside = ckpt.set_aside(step)
+    print(f"checkpoint of step {step} is incomplete (its save did not finish); kept as "
+          f"{aside}", file=sys.stderr)
+  damaged = []
   while (step := ckpt.latest_step()) is not None:
+    damaged.append(step)
     # the parts the run holds at that step (state.rl_layout)
     target = abstract if rl_layout(s, step) == rl_layout(s, 0) else abstract_state(s, step)
     try:
       return restore_state(s, ckpt, step, target)
+    except lora_checkpoint.BaseCorruptError as e:  # the base, not the adapters, is damaged
+      base = lora_checkpoint.set_aside_base(ckpt.directory, e.step)
+      if base:  # the first checkpoint to find it: later ones find it missing
+        print(f"the stored LoRA base of step {step}'s checkpoint does not read back whole "
+              f"({e}); kept as {base}", file=sys.stderr)
+      aside = ckpt.set_aside(step)
+      print(f"checkpoint of step {step} skipped, its stored LoRA base is damaged; kept as "
+            f"{aside}", file=sys.stderr)
     except CheckpointCorruptError as e:
       aside = ckpt.set_aside(step)
       print(f"checkpoint of step {step} skipped, it does not read back whole ({e}); kept as "
             f"{aside}", file=sys.stderr)
+  if damaged:
+    raise CheckpointCorruptError(
+        f"no checkpoint in {ckpt.directory} reads back whole (steps {damaged} are set aside "
+        "as <step>.damaged), so there is nothing to resume; start a new workdir, or move "
+        "checkpoints/ and metrics.jsonl away to train this one again from step 0")
   return None
