@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import shutil
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +303,14 @@ def test_lora_run_trains_adapters_only_and_exports_peft(lora_run):
   ours = np.asarray(models.forward(s.model_cfg, jax.device_get(state.params), tokens))
   np.testing.assert_allclose(hf_logits(with_peft.eval(), tokens), ours, atol=1e-4)
   np.testing.assert_allclose(hf_logits(merged, tokens), ours, atol=1e-4)
+  # each export readable as the workdir's other files are (the umask's modes, not 0700/0600)
+  mask = os.umask(0)
+  os.umask(mask)
+  for name in ("hf", "hf_adapter", "hf_base"):
+    root = os.path.join(workdir, name)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o777 & ~mask, name
+    for f in os.listdir(root):
+      assert stat.S_IMODE(os.stat(os.path.join(root, f)).st_mode) == 0o666 & ~mask, (name, f)
 
 
 def test_every_export_serves_with_its_tokenizer(lora_run):

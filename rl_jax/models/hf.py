@@ -742,6 +742,20 @@ def load_hf_adapter(cfg: ModelConfig, path: str, hf_path: str | None = None,
   return out
 
 
+def _umask_modes(root: str) -> None:
+  """Gives ``root`` and everything under it the modes a new directory or file gets from the
+  process's umask (``mkdtemp`` makes its directory 0700, and some writers their files 0600),
+  so another user who may read the workdir may read an export too."""
+  mask = os.umask(0)
+  os.umask(mask)
+  os.chmod(root, 0o777 & ~mask)
+  for parent, dirs, files in os.walk(root):
+    for name in dirs:
+      os.chmod(os.path.join(parent, name), 0o777 & ~mask)
+    for name in files:
+      os.chmod(os.path.join(parent, name), 0o666 & ~mask)
+
+
 class _atomic_dir:  # pylint: disable=invalid-name
   """``with _atomic_dir(path) as tmp``: fill ``tmp``; it replaces ``path`` on success."""
 
@@ -758,6 +772,7 @@ class _atomic_dir:  # pylint: disable=invalid-name
     if kind is not None:
       shutil.rmtree(self.tmp, ignore_errors=True)
       return False
+    _umask_modes(self.tmp)
     path = self.path
     if os.path.exists(path):
       old = path + ".old"
