@@ -300,7 +300,11 @@ def _unread(config: ml_collections.ConfigDict) -> list[str]:
             ("reward.judge_verdict", config.reward.judge_verdict != "yes_no"
              and not config.reward.judge_path, "reward.judge_path"),
             ("train.replay.fraction", config.train.replay.fraction != 0.25
-             and not config.train.replay.capacity, "train.replay.capacity"))
+             and not config.train.replay.capacity, "train.replay.capacity"),
+            ("rollout.over_sampling", config.rollout.over_sampling != 2.0
+             and not config.rollout.partial, "rollout.partial"),
+            ("rollout.spec_lenience", config.rollout.spec_lenience != 0.0
+             and not config.rollout.speculative, "rollout.speculative"))
   out += [f"note: {key}={cu.get_value(config, key)!r} is read only with {on} set: it has "
           "no effect" for key, bad, on in unused if bad]
   return out

@@ -167,6 +167,10 @@ def test_bad_selection_settings_fail_in_one_line(overrides, word):
      "reward.judge_path set"),
     (["train.replay.fraction=0.5"], "train.replay.fraction=0.5 is read only with "
      "train.replay.capacity set"),
+    (["rollout.over_sampling=3.0"], "rollout.over_sampling=3.0 is read only with "
+     "rollout.partial set"),
+    (["rollout.spec_lenience=0.5"], "rollout.spec_lenience=0.5 is read only with "
+     "rollout.speculative set"),
 ])
 def test_a_setting_nothing_reads_gets_a_note(overrides, note):
   """A value given for a part the run does not have is not silently dropped: one ``note:``
@@ -179,6 +183,7 @@ def test_a_setting_nothing_reads_gets_a_note(overrides, note):
     ["loss.tis_cap=3.0", "loss.tis_level=token"], ["loss.preset=vcpo", "loss.tis_cap=3.0"],
     ["loss.preset=ppo", "optim.value_lr=0.001"], ["rollout.temperature=0", "rollout.n=1"],
     ["loss.kl_kind=k1", "loss.kl_beta=0.01"], ["rollout.temperature=0", "loss.preset=ppo"],
+    ["rollout.over_sampling=3.0", "rollout.partial=True"],
 ])
 def test_a_setting_its_part_reads_gets_no_note(overrides):
   assert base.notices(config_utils.load_config(QUICKSTART, overrides)) == []
