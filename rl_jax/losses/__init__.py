@@ -61,8 +61,7 @@ __all__ = [
     "ADVANTAGES", "TURN_FIELDS", "AdvantageEstimator", "advantage_names", "dr_grpo", "gae",
     "gdpo", "gigpo", "grpo", "mc_grpo", "opob", "register_advantage", "reinforce_pp",
     "reinforce_pp_baseline", "rloo", "DISTILL_NEEDS", "NO_RETURNS", "distill",
-    "sampled_reverse_kl",
-    "with_distillation",
+    "sampled_reverse_kl", "with_distillation",
     # policy-loss formulas
     "DECOUPLED_MODES", "MIS_LEVELS", "MIS_MODES", "RATIO_LEVELS", "TIS_LEVELS", "ace_scale",
     "decoupled_weights", "geo_mean_is_weights", "gspo_log_ratio", "icepop_weights",
