@@ -11,6 +11,7 @@ against argmax decoding with ``models.forward``.
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +27,9 @@ import pytest
 
 from rl_jax import models
 from rl_jax.data.tokenizers import CharTokenizer, save_tokenizer
+from rl_jax.envs import tool_calls
+from rl_jax.errors import RLJaxError
+from rl_jax.serve import __main__ as serve_cli
 from rl_jax.serve import scoring
 from rl_jax.serve.app import create_app
 from rl_jax.serve.checkpoint import ServeError, load_served
@@ -275,6 +279,42 @@ def test_cli_errors_are_one_line(tmp_path, char_dir):
   assert code == 2 and "has no tokenizer" in lines[-1] and "--tokenizer" in lines[-1]
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--port=70000"], "--port=70000 must lie in [1, 65535]"),
+    (["--port={busy}"], "cannot listen on 127.0.0.1:{busy} (Address already in use)"),
+    (["--max-prompt-tokens=0"], "--max-prompt-tokens=0 must be at least 1"),
+    (["--max-tokens=0"], "--max-tokens=0 must be at least 1"),
+    (["--max-prompt-tokens=300"], "--max-prompt-tokens=300 leaves no room for new tokens in "
+                                  "the model's context of 256 positions"),
+    (["--served-model-name="], "--served-model-name='' must not be empty (unset: the "
+                               "directory's name)"),
+    (["--model={plain}", "--tool-parser=foo"],  # no chat template: no parser is chosen
+     "--tool-parser='foo': choose auto or one of ['compact', 'hermes', 'llama3', 'qwen']"),
+], ids=["port_range", "port_busy", "prompt_0", "tokens_0", "prompt_fills_context", "empty_name",
+        "tool_parser"])
+def test_cli_flag_errors_come_before_serving(monkeypatch, tmp_path, char_dir, tool_dir, flags,
+                                             message):
+  """Each wrong flag stops ``main`` with its own line before it serves ({busy}: a port that
+  another socket listens on; {plain}: a checkpoint without a chat template)."""
+  monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+  plain = shutil.copytree(tool_dir, tmp_path / "plain",
+                          ignore=shutil.ignore_patterns("chat_template.jinja"))
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    names = dict(busy=busy.getsockname()[1], plain=plain)
+    with pytest.raises(RLJaxError) as err:
+      serve_cli.main([f"--model={char_dir}", f"--port={_port()}",
+                      *(f.format(**names) for f in flags)])
+  assert str(err.value) == message.format(**names)
+
+
+def test_tool_parser_help_names_every_parser():
+  (action,) = [a for a in serve_cli._parser()._actions if a.dest == "tool_parser"]
+  assert sorted(action.help.replace(" or ", ", ").split(", ")) == sorted(
+      ["auto", *tool_calls.PARSERS])
+
+
 # ---------------------------------------------------------------- in-process: exact numbers
 @pytest.fixture(scope="module")
 def char_scheduler(char_dir):
@@ -494,3 +534,67 @@ def test_loading_errors_are_one_line(tmp_path, char_dir):
     load_served(str(tmp_path))
   with pytest.raises(ServeError, match="--tool-parser='xml'"):
     load_served(char_dir, tool_parser="xml")
+
+
+@pytest.fixture(scope="module")
+def char_adapter(char_dir, tmp_path_factory):
+  """A PEFT adapter directory (r=2 on q and v) whose base is ``char_dir``."""
+  cfg = CHAR_CFG.replace(lora_rank=2, lora_alpha=4.0, lora_targets=("q", "v"))
+  params = models.lora.combine(models.init_params(CHAR_CFG, jax.random.key(0)),
+                               models.lora.init_adapters(cfg, jax.random.key(1)))
+  d = str(tmp_path_factory.mktemp("char_adapter"))
+  models.save_hf_adapter(cfg, params, d, base_model_name_or_path=char_dir)
+  return d
+
+
+def _without(key):
+  return lambda c: {k: v for k, v in c.items() if k != key}
+
+
+@pytest.mark.parametrize("adapter,fname,edit,message", [
+    (False, "config.json", lambda c: {**c, "rope_scaling": {"rope_type": "yarn", "factor": "x"}},
+     "config.json RoPE scaling factor='x' must be a positive number"),
+    (False, "config.json", lambda c: {**c, "rope_scaling": ["yarn", 4]},
+     "config.json rope_scaling=['yarn', 4] must be a JSON object or null"),
+    (False, "config.json", lambda c: {**c, "rope_theta": "1e4"},
+     "config.json rope_theta='1e4' must be a positive number"),
+    (False, "config.json", lambda c: [c], "config.json must hold a JSON object, not a list"),
+    (True, "adapter_config.json", lambda c: {**c, "lora_alpha": "4"},
+     "adapter_config.json lora_alpha='4' must be a number"),
+    (True, "adapter_config.json", lambda c: {**c, "r": "2"},
+     "adapter_config.json r='2' must be a positive integer"),
+], ids=["rope_factor", "rope_scaling_list", "rope_theta", "config_list", "string_alpha",
+        "string_r"])
+def test_bad_checkpoint_files_fail_at_load_in_one_line(tmp_path, char_dir, char_adapter,
+                                                       adapter, fname, edit, message):
+  path = str(shutil.copytree(char_adapter if adapter else char_dir, tmp_path / "m"))
+  with open(os.path.join(path, fname)) as f:
+    data = json.load(f)
+  with open(os.path.join(path, fname), "w") as f:
+    json.dump(edit(data), f)
+  with pytest.raises(ServeError) as err:
+    load_served(path)
+  assert str(err.value) == f"--model={path}: {message}"
+
+
+def test_an_adapter_without_lora_alpha_takes_pefts(tmp_path, char_adapter):
+  """PEFT reads an adapter_config.json without lora_alpha as alpha 8; so does the server."""
+  import peft  # pylint: disable=import-outside-toplevel  (torch: only this test needs it)
+  path = str(shutil.copytree(char_adapter, tmp_path / "m"))
+  with open(os.path.join(path, "adapter_config.json")) as f:
+    data = json.load(f)
+  with open(os.path.join(path, "adapter_config.json"), "w") as f:
+    json.dump(_without("lora_alpha")(data), f)
+  assert peft.LoraConfig.from_pretrained(path).lora_alpha == 8
+  assert load_served(path).cfg.lora_alpha == 8.0
+
+
+def test_a_tensor_in_two_weight_files_is_one_line(tmp_path, char_dir):
+  """Two safetensors files without an index that both hold a tensor (a stale shard beside a
+  newer export): one line naming both, not the alphabetically last silently."""
+  path = str(shutil.copytree(char_dir, tmp_path / "m"))
+  shutil.copy(os.path.join(path, "model.safetensors"), os.path.join(path, "old.safetensors"))
+  with pytest.raises(ServeError) as err:
+    load_served(path)
+  assert " is in both " in str(err.value) and "old.safetensors" in str(err.value)
+  assert "\n" not in str(err.value)

@@ -399,8 +399,40 @@ def _first_id(value):
   return None if value is None else int(value)
 
 
+# RoPE scaling fields that ``rope_frequencies`` reads as numbers: name -> must be positive
+_ROPE_NUMBERS = {"factor": True, "original_max_position_embeddings": True,
+                 "low_freq_factor": True, "high_freq_factor": True, "beta_fast": True,
+                 "beta_slow": True, "attention_factor": True, "mscale": False,
+                 "mscale_all_dim": False}
+_ROPE_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim")  # null: computed / unset
+
+
+def _rope_number(field: str, value: Any, positive: bool) -> None:
+  """ModelError (one line) unless ``value`` is a finite number (> 0 if ``positive``)."""
+  number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+  if number and math.isfinite(value) and (value > 0 or not positive):
+    return
+  raise ModelError(f"config.json {field}={value!r} must be a "
+                   f"{'positive ' if positive else ''}number")
+
+
+def _check_rope_numbers(theta: Any, scaling: Mapping[str, Any]) -> None:
+  """The RoPE base and the numeric scaling fields of a config.json, checked at load (not
+  when the first forward pass reads them)."""
+  _rope_number("rope_theta", theta, True)
+  optional = _ROPE_OPTIONAL
+  if scaling.get("rope_type") == "yarn":  # null: max_position_embeddings
+    optional += ("original_max_position_embeddings",)
+  for name, positive in _ROPE_NUMBERS.items():
+    if name in scaling and not (scaling[name] is None and name in optional):
+      _rope_number(f"RoPE scaling {name}", scaling[name], positive)
+
+
 def _rope_fields(params: Mapping[str, Any], legacy: Mapping[str, Any], default_theta: float):
   """(theta, scaling pairs or None) from a ``rope_parameters`` dict plus legacy fields."""
+  if not isinstance(legacy.get("rope_scaling") or {}, Mapping):
+    raise ModelError(f"config.json rope_scaling={legacy['rope_scaling']!r} must be a JSON "
+                     "object or null")
   scaling = dict(legacy.get("rope_scaling") or {})
   scaling.update({k: v for k, v in params.items() if k != "rope_theta"})
   if "type" in scaling and "rope_type" not in scaling:
@@ -409,6 +441,7 @@ def _rope_fields(params: Mapping[str, Any], legacy: Mapping[str, Any], default_t
   theta = params.get("rope_theta", legacy.get("rope_theta", default_theta))
   if scaling.get("rope_type", "default") == "default":
     scaling = {}
+  _check_rope_numbers(theta, scaling)
   return float(theta), tuple(sorted(scaling.items())) or None
 
 
@@ -473,6 +506,8 @@ def _gemma_fields(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
 
 def from_hf_dict(hf: Mapping[str, Any], **overrides) -> ModelConfig:
   """Build a ModelConfig from a parsed HF ``config.json``. Raises ModelError if unsupported."""
+  if not isinstance(hf, Mapping):
+    raise ModelError(f"config.json must hold a JSON object, not a {type(hf).__name__}")
   model_type = hf.get("model_type")
   if model_type not in _HF_MODEL_TYPES:
     raise ModelError(f"config.json model_type {model_type!r} is not supported; supported: "

@@ -36,8 +36,8 @@ from rl_jax.models import lora, quant
 from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig, from_hf_dict, to_hf_dict
 
-__all__ = ["check_hf_adapter", "hf_adapter_state_dict", "hf_state_dict", "load_hf",
-           "load_hf_adapter", "read_hf_config", "save_hf", "save_hf_adapter",
+__all__ = ["PEFT_LORA_ALPHA", "check_hf_adapter", "hf_adapter_state_dict", "hf_state_dict",
+           "load_hf", "load_hf_adapter", "read_hf_config", "save_hf", "save_hf_adapter",
            "release_host_memory"]
 
 # (our layer key, HF suffix, kind) kind: how to turn the HF tensor into ours.
@@ -191,6 +191,9 @@ class _TensorIndex:
       self.files: dict[str, str] = {}
       for fname in files:
         for name in self._header(os.path.join(path, fname)):
+          if name in self.files:  # e.g. a stale shard beside a newer file: no silent winner
+            raise ModelError(f"tensor {name!r} is in both {self.files[name]} and "
+                             f"{os.path.join(path, fname)} (and no index names one)")
           self.files[name] = os.path.join(path, fname)
 
   def _header(self, fname: str) -> dict:
@@ -579,6 +582,8 @@ def save_hf_adapter(cfg: ModelConfig, params, path: str,
 _PEFT_TARGETS = {m.split(".")[1]: t for t, m in _PEFT_MODULES.items()}
 _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
                        r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# what PEFT's LoraConfig takes for an adapter_config.json without lora_alpha
+PEFT_LORA_ALPHA = 8
 # adapter_config.json fields rl_jax's plain LoRA cannot represent -> their neutral values
 _PEFT_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False,
                      "bias": "none", "lora_bias": False, "rank_pattern": {}, "alpha_pattern": {},
@@ -665,11 +670,15 @@ def check_hf_adapter(cfg: ModelConfig, path: str, hf_path: str | None = None) ->
       raise ModelError(f"adapter_config.json {key}={config[key]!r} is not supported (rl_jax "
                        f"adapters are plain LoRA: {key}={neutral!r})")
   r = config.get("r")
+  if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    raise ModelError(f"adapter_config.json r={r!r} must be a positive integer")
   if r != cfg.lora_rank:
     raise ModelError(f"adapter_config.json r={r!r} but model.lora.rank={cfg.lora_rank}; set "
                      f"model.lora.rank={r}")
-  alpha = config.get("lora_alpha")
-  if not isinstance(alpha, (int, float)) or not np.isclose(alpha, cfg.lora_alpha):
+  alpha = config.get("lora_alpha", PEFT_LORA_ALPHA)
+  if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+    raise ModelError(f"adapter_config.json lora_alpha={alpha!r} must be a number")
+  if not np.isclose(alpha, cfg.lora_alpha):
     raise ModelError(f"adapter_config.json lora_alpha={alpha!r} but model.lora.alpha="
                      f"{cfg.lora_alpha:g}; set model.lora.alpha={alpha}")
   handle = _open_adapter(fname)

@@ -30,6 +30,7 @@ from rl_jax.envs import chat as chat_lib
 from rl_jax.envs import tool_calls
 from rl_jax.errors import RLJaxError
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.hf import PEFT_LORA_ALPHA
 
 __all__ = ["ServeError", "ServedModel", "load_served"]
 
@@ -79,6 +80,17 @@ def _adapter_base(path: str) -> str | None:
   return base
 
 
+def _lora_scale(acfg: dict) -> tuple[int, float]:
+  """(r, lora_alpha) of an adapter_config.json (PEFT's alpha where it has none), one line if
+  either is not a number."""
+  r, alpha = acfg.get("r"), acfg.get("lora_alpha", PEFT_LORA_ALPHA)
+  if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    raise ServeError(f"adapter_config.json r={r!r} must be a positive integer")
+  if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+    raise ServeError(f"adapter_config.json lora_alpha={alpha!r} must be a number")
+  return r, float(alpha)
+
+
 def _load_weights(path: str, dtype: str):
   """(cfg, params) of a checkpoint or adapter directory (adapters merged)."""
   base = _adapter_base(path)
@@ -91,8 +103,9 @@ def _load_weights(path: str, dtype: str):
   if unknown:
     raise ServeError(f"{path}: adapter target_modules {unknown} are not supported "
                      f"(supported: {sorted(_PEFT_TARGETS)})")
+  rank, alpha = _lora_scale(acfg)
   cfg, base_params = models.load_hf(base, dtype=jnp.dtype(dtype))
-  cfg = cfg.replace(lora_rank=int(acfg["r"]), lora_alpha=float(acfg["lora_alpha"]),
+  cfg = cfg.replace(lora_rank=rank, lora_alpha=alpha,
                     lora_targets=tuple(t for t in models.lora.LORA_TARGETS
                                        if t in {_PEFT_TARGETS[x] for x in targets}))
   adapters = models.load_hf_adapter(cfg, path, base)
@@ -129,11 +142,22 @@ def _chat_format(spec: str, tokenizer) -> tuple[chat_lib.ChatFormat | None, str 
     return None, " ".join(str(e).split())
 
 
+def _check_names(name: str | None, tool_parser: str) -> None:
+  """One line for an empty model id or an unknown tool-call format (before loading)."""
+  if name is not None and not name.strip():
+    raise ServeError(f"--served-model-name={name!r} must not be empty (unset: the "
+                     "directory's name)")
+  if tool_parser != "auto" and tool_parser not in tool_calls.PARSERS:
+    raise ServeError(f"--tool-parser={tool_parser!r}: choose auto or one of "
+                     f"{sorted(tool_calls.PARSERS)}")
+
+
 def load_served(path: str, *, tokenizer: str | None = None, name: str | None = None,
                 dtype: str = "float32", tool_parser: str = "auto") -> ServedModel:
   """Load what ``path`` serves (module docstring); ServeError (one line) when it cannot."""
   if not os.path.isdir(path):
     raise ServeError(f"--model={path} is not a directory")
+  _check_names(name, tool_parser)
   if not (os.path.isfile(os.path.join(path, "config.json"))
           or os.path.isfile(os.path.join(path, "adapter_config.json"))):
     raise ServeError(f"--model={path} has no config.json (nor adapter_config.json): pass a "
@@ -155,9 +179,6 @@ def load_served(path: str, *, tokenizer: str | None = None, name: str | None = N
     if tool_parser == "auto":
       parser = ("compact" if fmt.name == "builtin"
                 else tool_calls.template_format(fmt.source))
-    if parser is not None and parser not in tool_calls.PARSERS:
-      raise ServeError(f"--tool-parser={tool_parser!r}: choose auto or one of "
-                       f"{sorted(tool_calls.PARSERS)}")
     if parser is None:
       notes.append(f"the chat template of {spec} shows no tool-call format: requests with "
                    "tools answer 400 (set --tool-parser=hermes or llama3)")
