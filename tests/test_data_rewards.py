@@ -25,10 +25,27 @@ def test_rewards_and_exceptions():
   chex.assert_shape(out, (4,))  # [B]
   chex.assert_type(out, np.float32)
   assert out.tolist() == [1.0, 0.0, 0.0, 1.0]
-  assert stats == {"exceptions": 1, "timeouts": 0}
+  assert stats == {"exceptions": 1, "timeouts": 0, "errors": ["RuntimeError: verifier bug"]}
   out, stats = rewards.compute_rewards(lambda c, r: float("nan") if c else "x", ["a", ""],
                                        [None, None])
   assert out.tolist() == [0.0, 0.0] and stats["exceptions"] == 2
+  assert stats["errors"] == ["it returned nan, not a finite number",
+                             "it returned 'x', not a finite number"]
+
+
+def test_the_first_distinct_failures_are_printed_once(capsys):
+  """A verifier failing on every row is not only counted: its first three distinct
+  failures are printed, each once per process, however many steps repeat them."""
+  who = "the verifier of test_the_first_distinct_failures_are_printed_once"
+  for _ in range(2):  # two steps with the same failures
+    _, stats = rewards.verify_rows(lambda c, r: {"a": 1.0}[c], ["a", "b", "b", "c", "d", "e"],
+                                   [None] * 6)
+    assert stats["exceptions"] == 5 and stats["errors"] == ["KeyError: 'b'", "KeyError: 'c'",
+                                                            "KeyError: 'd'"]
+    rewards.note_failures(who, stats["errors"])
+  lines = capsys.readouterr().err.splitlines()
+  assert lines == [f"note: {who} failed on a row, which scores 0 (counted in reward_exceptions "
+                   f"or reward_timeouts): KeyError: '{k}'" for k in "bcd"]
 
 
 def _spin_swallowing(c, r):
@@ -47,7 +64,9 @@ def test_signal_timeout_interrupts_pure_python_loop():
   out, stats = rewards.compute_rewards(_spin_swallowing, ["ok", "hang", "ok"], [0, 0, 0],
                                        timeout_s=0.05, isolation="signal")
   assert time.perf_counter() - start < 2.0
-  assert out.tolist() == [1.0, 0.0, 1.0] and stats == {"exceptions": 0, "timeouts": 1}
+  assert out.tolist() == [1.0, 0.0, 1.0] and stats == {
+      "exceptions": 0, "timeouts": 1,
+      "errors": ["a call took longer than data.reward_timeout_s=0.05 s"]}
   # The timer is disarmed afterwards: a later slow-ish call is not hit by a stale alarm.
   time.sleep(0.1)
 

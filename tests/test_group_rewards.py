@@ -111,6 +111,19 @@ def test_group_values_are_checked():
     assert what in str(e.value)
 
 
+def test_a_failing_group_call_scores_zero_and_keeps_its_error():
+  """A call that raises scores its group 0, is counted, and its text is kept for the note
+  the run prints (``rewards.note_failures``); the other groups score as returned."""
+  def fn(group, example):
+    if example == "bad":
+      raise ValueError(f"cannot score {example}")
+    return [1.0] * len(group)
+
+  values, stats = group_rewards.score_groups(fn, ["a", "b", "c", "d"], ["ok", "bad"], 2, "f")
+  assert values == [1.0, 1.0, None, None]
+  assert stats == {"exceptions": 1, "timeouts": 0, "errors": ["ValueError: cannot score bad"]}
+
+
 def test_mismatched_component_names_fail_in_one_line():
   """A verifier whose rows name their components differently stops the step in one line."""
   s = train.build_setup(_config(["data.task=sorting_parts_mismatch"]))

@@ -5,6 +5,7 @@ are the judge's, and the one-line setup errors."""
 import json
 import os
 import re
+import shutil
 
 import jinja2
 import numpy as np
@@ -131,6 +132,10 @@ def test_parse_score_reads_the_first_number(text, value):
 def test_rows_without_a_verdict_score_zero_and_are_counted():
   values, faults = judge_stage.as_values(np.asarray([0.5, np.nan, 3.0], np.float32))
   assert values == [0.5, None, 3.0] and faults == {"exceptions": 1, "timeouts": 0}
+  _, faults = judge_stage.as_values(np.asarray([np.nan], np.float32), why="no number")
+  assert faults["errors"] == ["no number"]  # what the run's note prints
+  _, faults = judge_stage.as_values(np.asarray([1.0], np.float32), why="no number")
+  assert "errors" not in faults
 
 
 def test_training_rewards_are_the_judges_verdicts(judge_dir, tmp_path, monkeypatch):
@@ -171,6 +176,32 @@ def test_a_template_that_does_not_render_is_one_line(judge_dir, tmp_path, source
   (tmp_path / "bad.jinja").write_text(source)
   msg = _error(_config(path, [f"reward.judge_template={tmp_path}/bad.jinja"]))
   assert "does not render" in msg and "bad.jinja" in msg
+
+
+@pytest.mark.parametrize("source,words", [
+    (b"Question : {question} Answer : {answer} Is the answer correct ?",
+     "never shows the judge the answer, so every row would get the same verdict: write it as "
+     "{{ answer }} (jinja2)"),
+    (b"Question : {{ question }} \xe9 Answer : {{ answer }}", "is not UTF-8 text"),
+])
+def test_a_template_that_cannot_judge_is_one_line(judge_dir, tmp_path, source, words):
+  """A format string's ``{answer}`` renders as the text "{answer}": every row would get the
+  judge's verdict on the same prompt. A Latin-1 file is not read as garbage."""
+  path, _ = judge_dir
+  (tmp_path / "bad.jinja").write_bytes(source)
+  msg = _error(_config(path, [f"reward.judge_template={tmp_path}/bad.jinja"]))
+  assert msg.startswith(f"reward.judge_template={tmp_path}/bad.jinja ") and words in msg
+
+
+def test_a_tokenizer_larger_than_the_judge_is_one_line(judge_dir, tmp_path):
+  """Token ids past the judge's embedding would read no verdict on any row."""
+  path, _ = judge_dir
+  small = tmp_path / "small"
+  shutil.copytree(path, small)
+  cfg = json.loads((small / "config.json").read_text())
+  (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 20}))
+  msg = _error(_config(str(small), [f"reward.judge_template={path}/yes_no.jinja"]))
+  assert "its tokenizer has" in msg and "tokens but the model only 20" in msg
 
 
 def test_missing_files_are_one_line(judge_dir, tmp_path):

@@ -128,7 +128,8 @@ def score_groups(fn: GroupFn, completions: Sequence[str], examples: Sequence[Any
                  ) -> tuple[list[float | dict[str, float] | None], dict[str, int]]:
   """The row values of ``len(examples)`` groups of M completions each ([G·M], group-major),
   ``fn`` called once per group, isolated and time-limited; a group whose call raises or
-  times out is None on each row (reward 0), counted in ``{"exceptions", "timeouts"}``.
+  times out is None on each row (reward 0), counted in ``{"exceptions", "timeouts"}`` (the
+  first distinct failures' texts in ``"errors"``, ``rewards.failure``).
 
   Raises:
     RLJaxError: a call returned the wrong number of values or a bad value
@@ -144,12 +145,15 @@ def score_groups(fn: GroupFn, completions: Sequence[str], examples: Sequence[Any
       values = rewards_lib.call_isolated(lambda: fn(group, example), timeout_s, isolation)
     except rewards_lib.VerifierTimeout:
       stats["timeouts"] += 1
+      rewards_lib.failure(stats, f"a call took longer than data.reward_timeout_s="
+                                 f"{timeout_s:g} s")
       out += [None] * M
       continue
     except RLJaxError:
       raise
-    except Exception:  # noqa: BLE001 -- a failing call is reward 0, counted
+    except Exception as e:  # noqa: BLE001 -- a failing call is reward 0, counted
       stats["exceptions"] += 1
+      rewards_lib.failure(stats, f"{type(e).__name__}: {e}")
       out += [None] * M
       continue
     out += check_group_values(values, M, who)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import numbers
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -40,8 +41,10 @@ import numpy as np
 from rl_jax.errors import RLJaxError
 
 __all__ = ["RewardValue", "VerifierTimeout", "VerifyFn", "call_isolated", "component_names",
-           "compute_rewards", "overlong_penalty", "reward_value", "stack_components",
-           "verify_rows"]
+           "compute_rewards", "failure", "note_failures", "overlong_penalty", "reward_value",
+           "stack_components", "verify_rows"]
+
+NOTED_FAILURES = 3  # distinct failures of one reward source printed per process
 
 # one row's reward: a number, or named components {name: number} that sum to it
 RewardValue = Union[float, Mapping[str, float]]
@@ -140,11 +143,36 @@ def component_names(value: Any) -> tuple[str, ...]:
   return tuple(value) if isinstance(value, Mapping) else ()
 
 
+def failure(stats: dict, text: str) -> None:
+  """Keeps ``text`` in ``stats["errors"]``, the first ``NOTED_FAILURES`` distinct failures of
+  a scoring call (``note_failures`` prints them)."""
+  errors = stats.setdefault("errors", [])
+  if text not in errors and len(errors) < NOTED_FAILURES:
+    errors.append(text)
+
+
+_noted: dict[str, set[str]] = {}  # who -> the failures printed so far in this process
+
+
+def note_failures(who: str, errors: Sequence[str]) -> None:
+  """One stderr ``note:`` line for each of the first ``NOTED_FAILURES`` distinct failures of
+  the reward source ``who`` in this process: the metrics only count them
+  (``reward_exceptions``, ``reward_timeouts``), and a reward function that fails on every
+  row otherwise trains on zeros without a word."""
+  seen = _noted.setdefault(who, set())
+  for text in errors:
+    if text not in seen and len(seen) < NOTED_FAILURES:
+      seen.add(text)
+      print(f"note: {who} failed on a row, which scores 0 (counted in reward_exceptions or "
+            f"reward_timeouts): {text[:300]}", file=sys.stderr, flush=True)
+
+
 def verify_rows(verify_fn: VerifyFn, completions: Sequence[str], references: Sequence[Any],
                 timeout_s: float = 5.0, isolation: str = "auto"
                 ) -> tuple[list[float | dict[str, float] | None], dict[str, int]]:
   """Each row's verifier value (a float or ``{name: float}``; None where the call failed),
-  each call isolated and time-limited, and the counters ``{"exceptions", "timeouts"}``.
+  each call isolated and time-limited, and the counters ``{"exceptions", "timeouts"}`` (with
+  ``"errors"``, the first distinct failures' texts, when a call failed: ``failure``).
 
   Raises:
     ValueError: mismatched lengths, non-positive timeout, unknown isolation.
@@ -158,16 +186,20 @@ def verify_rows(verify_fn: VerifyFn, completions: Sequence[str], references: Seq
   stats = {"exceptions": 0, "timeouts": 0}
   for c, r in zip(completions, references):
     try:
-      value = reward_value(call_isolated(lambda c=c, r=r: verify_fn(c, r), timeout_s,
-                                         isolation))
+      raw = call_isolated(lambda c=c, r=r: verify_fn(c, r), timeout_s, isolation)
+      value = reward_value(raw)
     except VerifierTimeout:
       stats["timeouts"] += 1
+      failure(stats, f"a call took longer than data.reward_timeout_s={timeout_s:g} s")
       value = None
-    except Exception:  # noqa: BLE001 -- any verifier failure is reward 0, counted
+    except Exception as e:  # noqa: BLE001 -- any verifier failure is reward 0, counted
       stats["exceptions"] += 1
+      failure(stats, f"{type(e).__name__}: {e}")
       value = None
     else:
-      stats["exceptions"] += value is None  # non-numeric or non-finite
+      if value is None:  # non-numeric or non-finite
+        stats["exceptions"] += 1
+        failure(stats, f"it returned {raw!r:.80}, not a finite number")
     values.append(value)
   return values, stats
 

@@ -45,13 +45,16 @@ from rl_jax.data import tokenizers as tok_lib
 from rl_jax.errors import ConfigError, ModelError, RLJaxError
 
 __all__ = ["Judge", "make_judge", "compile_template", "verdict_ids", "parse_score",
-           "as_values", "yes_no_verdicts", "TOKENS_PER_CALL", "DUMMY"]
+           "as_values", "yes_no_verdicts", "NO_VERDICT", "TOKENS_PER_CALL", "DUMMY"]
 
 # rows x padded length of one ``yes_no`` forward call (fewer rows for longer prompts)
 TOKENS_PER_CALL = 1 << 14
 # the values the template is rendered with once at setup
 DUMMY = dict(question="What is 2 + 2?", answer="2 + 2 = 4", reference="4")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
+# why a row gets no verdict, per reward.judge_verdict (the note a failing judge prints)
+NO_VERDICT = {"yes_no": "P(yes) + P(no) of the judge's next token is 0 or not finite",
+              "score": "the judge's greedy continuation holds no number"}
 
 
 def _pow2(x: int, lo: int = 1) -> int:
@@ -78,15 +81,22 @@ def _read_template(path: str) -> jinja2.Template:
   where = f"reward.judge_template={path}"
   if not os.path.isfile(path):
     raise ConfigError(f"{where}: no such file")
-  with open(path, encoding="utf-8") as f:
-    source = f.read()
+  try:
+    with open(path, encoding="utf-8") as f:
+      source = f.read()
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
   try:
     template = compile_template(source)
     text = template.render(**DUMMY)
+    other = template.render(**{**DUMMY, "answer": DUMMY["answer"] + " (another answer)"})
   except Exception as e:  # noqa: BLE001 -- any template failure is the user's one line
     raise ConfigError(f"{where} does not render: {_jinja_line(e)}") from None
   if not text.strip():
     raise ConfigError(f"{where} renders an empty prompt")
+  if other == text:  # e.g. {answer}, a format string's field, which jinja2 prints as it is
+    raise ConfigError(f"{where} never shows the judge the answer, so every row would get the "
+                      "same verdict: write it as {{ answer }} (jinja2)")
   return template
 
 
@@ -112,11 +122,15 @@ def parse_score(text: str) -> float:
   return float(m.group()) if m else float("nan")
 
 
-def as_values(verdicts: np.ndarray) -> tuple[list[float | None], dict[str, int]]:
+def as_values(verdicts: np.ndarray, why: str = "") -> tuple[list[float | None], dict[str, int]]:
   """Verdicts float [B] as reward values (None where NaN: reward 0) and the counters
-  ``{"exceptions": rows without a verdict, "timeouts": 0}``, as ``rewards.verify_rows``."""
+  ``{"exceptions": rows without a verdict, "timeouts": 0}``, as ``rewards.verify_rows``
+  (``why``, the reason a row has none, in ``"errors"`` when one has none)."""
   values = [None if math.isnan(float(v)) else float(v) for v in verdicts]
-  return values, {"exceptions": sum(v is None for v in values), "timeouts": 0}
+  stats = {"exceptions": sum(v is None for v in values), "timeouts": 0}
+  if stats["exceptions"] and why:
+    stats["errors"] = [why]
+  return values, stats
 
 
 def yes_no_verdicts(cfg, params, tokens: jax.Array, lengths: jax.Array,
@@ -249,6 +263,10 @@ def make_judge(rc: settings.RewardSettings, dtype: str) -> Judge | None:
     tokenizer = tok_lib.load_tokenizer(path)
   except (OSError, ValueError) as e:
     raise ConfigError(f"{where}: cannot read its tokenizer: {' '.join(str(e).split())}") from None
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise ConfigError(f"{where}: its tokenizer has {tokenizer.vocab_size} tokens but the model "
+                      f"only {cfg.vocab_size} (config.json vocab_size): not the judge's own "
+                      "tokenizer?")
   template = _read_template(rc.judge_template)
   verdict = rc.judge_verdict or "yes_no"
   yes = no = ()

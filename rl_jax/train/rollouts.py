@@ -110,12 +110,14 @@ def score_groups(s: Setup, completions: list[str], examples: Sequence,
     who = f"reward.judge_path={s.reward.judge_path}"
     rows = [e for e in examples for _ in range(M)]
     values, faults = judge_stage.as_values(s.judge.verdicts(
-        [e.prompt for e in rows], completions, [e.answer for e in rows]))
+        [e.prompt for e in rows], completions, [e.answer for e in rows]),
+        why=judge_stage.NO_VERDICT[s.reward.judge_verdict])
   else:
     who = "the task's verifier"
     values, faults = rewards_lib.verify_rows(s.task.verify, completions,
                                              [e.answer for e in examples for _ in range(M)],
                                              timeout_s=s.data.reward_timeout_s)
+  rewards_lib.note_failures(who, faults.get("errors", ()))
   rewards, components = rewards_lib.stack_components(values, names, who)
   return rewards, components, faults
 
