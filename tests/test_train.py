@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from safetensors.numpy import load_file
 
 from rl_jax import checkpoint, config_utils, losses, metrics, train
 from rl_jax import config as config_lib
+from rl_jax.data.base import split_of
 from rl_jax.errors import CheckpointCorruptError, ConfigError, RLJaxError
 from rl_jax.train import loop
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, stopped_at
@@ -360,6 +362,9 @@ def test_missing_data_file_fails_before_compiling(tmp_path):
     (["data.eval_path=/data/eval.jsonl"], "data.eval_path='/data/eval.jsonl' is read only by"),
     (["rollout.eos_id=100000"], "config.rollout.eos_id=100000 is outside the model's "
      "vocabulary [0, "),
+    (["data.template=Q: {question}"], "data.template='Q: {question}' is read only by "
+     "data.task='file', not by data.task='sorting'"),
+    (["data.format=math"], "data.format='math' is read only by data.task='file'"),
     (["loss.preset=mc_grpo", "rollout.n=1"], "rollout.n=1: MC-GRPO's advantages"),
     (["optim.schedule=cosine", "optim.warmup_steps=6", "train.minibatches=2"],
      "optim.warmup_steps=6 leaves nothing of the RL stage's 6 optimizer updates"),
@@ -372,6 +377,35 @@ def test_settings_the_run_would_ignore_or_break_on_are_one_error(overrides, line
   with pytest.raises(ConfigError) as e:
     train.build_setup(_config(overrides))
   assert str(e.value).startswith(line) and "\n" not in str(e.value)
+
+
+def test_the_longest_prompt_allowed_is_data_max_prompt_len():
+  """A prompt of exactly ``data.max_prompt_len`` tokens is allowed (its doc's word); one
+  more is an error naming the prompt."""
+  longest = train.build_setup(_config()).prompt_len - 1  # P: the longest prompt + 1
+  assert train.build_setup(_config([f"data.max_prompt_len={longest}"])).prompt_len == longest + 1
+  with pytest.raises(ConfigError) as e:
+    train.build_setup(_config([f"data.max_prompt_len={longest - 1}"]))
+  assert re.fullmatch(rf"data: (train|eval) prompt \d+ has {longest} tokens > "
+                      rf"data.max_prompt_len={longest - 1} \(the longest prompt allowed\)",
+                      str(e.value))
+
+
+def test_a_file_without_held_out_prompts_needs_them_only_to_evaluate(tmp_path):
+  """A file whose few questions all hash into the train split trains without evaluation;
+  with evaluation it is one line that says what to set."""
+  questions = [q for q in (f"What is {i} plus 1?" for i in range(40))
+               if split_of(q, 0.05) == "train"][:3]
+  path = tmp_path / "few.jsonl"
+  path.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n"
+                          for q in questions))
+  data = ["data.task=file", f"data.path={path}", "data.format=gsm8k"]
+  assert len(train.build_setup(_config(data)).train_examples) == 3  # train.eval_every=0
+  with pytest.raises(ConfigError) as e:
+    train.build_setup(_config(data + ["train.eval_every=1"]))
+  assert str(e.value) == (f"data: {path} leaves no held-out prompts (a hash of each prompt "
+                          "puts about 1 in 20 in the eval split): set data.eval_path to a "
+                          "held-out file, or train.eval_every=0")
 
 
 def test_a_warm_up_longer_than_its_stage_gets_a_note():

@@ -9,7 +9,6 @@ optimizers). Every mistake a user can make in the config or the data fails here,
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 from typing import Any, NamedTuple, Sequence
@@ -215,17 +214,12 @@ def _task(sections: dict, hf_path: str | None):
       task = tasks_lib.get_task("file", path=d.path or "", format=d.format,
                                 eval_path=d.eval_path, template=d.template, seed=d.seed)
     else:
-      given = [f"data.{k}={getattr(d, k)!r}" for k in ("path", "eval_path") if getattr(d, k)]
-      if given:
-        raise ConfigError(f"{given[0]} is read only by data.task='file', not by data.task="
-                          f"{d.task!r}: set --config.data.task=file to train on the file")
+      _file_settings_unread(d)
       task = tasks_lib.get_task(d.task, difficulty=d.difficulty, seed=d.seed)
     if fmt is None:
       train = task.split("train")
-      evals = task.split("eval")
-      evals = [evals[i] for i in range(min(d.eval_size, len(evals)))]
-    prompt_len = max((len(tok_lib.encode_prompt(tokenizer, e.prompt))
-                      for e in itertools.chain(train, evals)), default=0) + 1
+      evals = _eval_split(task, d, evaluates=bool(sections["train"].eval_every))
+    longest = _longest_prompt(tokenizer, train, evals)
   except (ValueError, FileNotFoundError, OSError) as e:
     if isinstance(e, RLJaxError):
       raise
@@ -234,10 +228,49 @@ def _task(sections: dict, hf_path: str | None):
     raise ConfigError(f"data: the train split of {d.task!r} is empty")
   if sections["train"].eval_every and not evals:
     raise ConfigError(f"data: the eval split of {d.task!r} is empty")
-  if prompt_len > d.max_prompt_len:
-    raise ConfigError(f"data: a prompt has {prompt_len} tokens > data.max_prompt_len="
-                      f"{d.max_prompt_len}")
-  return tokenizer, task, train, evals, prompt_len, fmt
+  if longest[0] > d.max_prompt_len:
+    n, split, i = longest
+    raise ConfigError(f"data: {split} prompt {i} has {n} tokens > data.max_prompt_len="
+                      f"{d.max_prompt_len} (the longest prompt allowed)")
+  return tokenizer, task, train, evals, longest[0] + 1, fmt
+
+
+def _file_settings_unread(d: settings.DataSettings) -> None:
+  """One line for a setting only a file task reads, given to a built-in task."""
+  defaults = {f.name: f.default for f in dataclasses.fields(settings.DataSettings)}
+  given = [f"data.{k}={getattr(d, k)!r}" for k in ("path", "eval_path", "format", "template")
+           if getattr(d, k) != defaults[k]]
+  if given:
+    raise ConfigError(f"{given[0]} is read only by data.task='file', not by data.task="
+                      f"{d.task!r}: set --config.data.task=file to train on a file")
+
+
+def _eval_split(task, d: settings.DataSettings, *, evaluates: bool) -> list:
+  """The first ``data.eval_size`` held-out examples; a file whose prompts all hash into the
+  train split has none: one line when the run evaluates, else no eval split."""
+  try:
+    evals = task.split("eval")
+  except ValueError as e:
+    if "split 'eval' is empty" not in str(e):
+      raise
+    if evaluates:
+      raise ConfigError(f"data: {d.path} leaves no held-out prompts (a hash of each prompt "
+                        "puts about 1 in 20 in the eval split): set data.eval_path to a "
+                        "held-out file, or train.eval_every=0") from None
+    return []
+  return [evals[i] for i in range(min(d.eval_size, len(evals)))]
+
+
+def _longest_prompt(tokenizer, train, evals) -> tuple[int, str, int]:
+  """(tokens, split, index) of the longest tokenized prompt of the two splits ((0, "train",
+  0) when there is none)."""
+  out = (0, "train", 0)
+  for split, examples in (("train", train), ("eval", evals)):
+    for i, e in enumerate(examples):
+      n = len(tok_lib.encode_prompt(tokenizer, e.prompt))
+      if n > out[0]:
+        out = (n, split, i)
+  return out
 
 
 def _rewards(config, task, train) -> tuple[Any, tuple[str, ...]]:
