@@ -59,6 +59,23 @@ def test_template_file_takes_precedence(tmp_path):
   assert fmt.render([Message("user", "x")]).startswith("<|im_start|>system")
 
 
+@pytest.mark.parametrize("source,words", [
+    ("{% for m in messages %}{{ m['content'] }}}{% endfor %", "TemplateSyntaxError"),
+    ("{{ messages[0]['content'] | nosuchfilter }}", "TemplateAssertionError"),
+    ("{{ raise_exception('this template takes no system turn') }}",
+     "TemplateError: this template takes no system turn"),
+])
+def test_a_chat_template_that_does_not_render_is_one_line(tmp_path, source, words):
+  """A template that does not compile or render: one ValueError line naming its directory
+  (the trainer and the server print it as their one error line), not jinja2's traceback."""
+  path = envs_fixtures.write_checkpoint(tmp_path / "qwen", "qwen")
+  (path / "chat_template.jinja").write_text(source)
+  with pytest.raises(ValueError) as e:
+    ChatFormat.from_pretrained(str(path), HFTokenizer(str(path)))
+  assert str(e.value).startswith(f"the chat template of {str(path)!r} does not render")
+  assert words in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("style,eot", [("qwen", "<|im_end|>"), ("llama3", "<|eot_id|>")])
 def test_end_of_turn(tmp_path, style, eot):
   fmt, path = _fmt(tmp_path, style)

@@ -208,6 +208,9 @@ class ChatFormat:
     ``tokenizer_config.json`` (with named templates, "tool_use" if ``with_tools`` else
     "default"); special-token strings come from ``tokenizer_config.json``;
     ``template_vars`` as in the constructor.
+
+    Raises:
+      ValueError: no template, or one that does not compile or render (one line).
     """
     cfg_path = os.path.join(dirpath, "tokenizer_config.json")
     cfg = {}
@@ -216,8 +219,13 @@ class ChatFormat:
         cfg = json.load(f)
     template = _read_template(dirpath, cfg, with_tools)
     name = os.path.basename(os.path.normpath(dirpath))
-    return cls(template, tokenizer, _special_strings(cfg), name=name, end_of_turn=end_of_turn,
-               template_vars=template_vars)
+    try:  # the constructor compiles the template and renders probe conversations with it
+      return cls(template, tokenizer, _special_strings(cfg), name=name,
+                 end_of_turn=end_of_turn, template_vars=template_vars)
+    except jinja2.TemplateError as e:
+      where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+      raise ValueError(f"the chat template of {dirpath!r} does not render{where}: "
+                       f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
   @classmethod
   def builtin(cls, tokenizer: Any | None = None) -> "ChatFormat":
