@@ -45,6 +45,19 @@ def test_read_parquet(tmp_path):
   assert [r["reference"] for r in files.read_qa(path)][0] == "\\frac{1}{2}"
 
 
+def test_a_final_answer_given_as_a_number_is_read(tmp_path):
+  """JSON numbers as final answers: the text of the number, in both formats (a math
+  record's number was skipped for its solution's \\boxed{})."""
+  path = _jsonl(tmp_path / "n.jsonl", [{"question": "2+2?", "answer": 4},
+                                        {"question": "7/2?", "answer": 3.5}])
+  assert [qa["reference"] for qa in files.read_qa(path)] == ["4", "3.5"]
+  path = _jsonl(tmp_path / "m.jsonl", [{"problem": "x?", "solution": "so \\boxed{5}",
+                                        "answer": 7}])
+  assert [qa["reference"] for qa in files.read_qa(path)] == ["7"]
+  with pytest.raises(ValueError, match="line 1 has no gsm8k question"):
+    files.read_qa(_jsonl(tmp_path / "b.jsonl", [{"question": "x?", "answer": True}]))
+
+
 def test_file_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="data file not found"):
     files.read_qa(str(tmp_path / "missing.jsonl"))
@@ -58,12 +71,18 @@ def test_file_errors(tmp_path):
   with pytest.raises(ValueError, match="no records"):
     files.read_qa(str(tmp_path / "empty.jsonl"))
   noans = _jsonl(tmp_path / "noans.jsonl", GSM8K[:2] + [{"question": "q", "answer": "no"}])
-  with pytest.raises(ValueError, match="line 3 has no gsm8k question and final answer"):
+  with pytest.raises(ValueError, match="line 3 has no gsm8k question and final answer") as e:
     files.read_qa(noans)
+  assert "gsm8k needs a 'question' string and an 'answer' that ends in '#### " in str(e.value)
   with pytest.raises(ValueError, match="unknown data format"):
     files.read_qa(noans, "csv")
-  with pytest.raises(ValueError, match="cannot detect the format"):
-    files.read_qa(_jsonl(tmp_path / "odd.jsonl", [{"text": "x"}]))
+  odd = _jsonl(tmp_path / "odd.jsonl", [{"text": "x"}])
+  with pytest.raises(ValueError, match=f"^{odd}: line 1: cannot detect the format"):
+    files.read_qa(odd)
+  (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "caf\xe9?", "answer": "#### 1"}\n')
+  with pytest.raises(ValueError, match=r"latin1.jsonl: line 1 is not UTF-8 text \(invalid "
+                                       r"continuation byte at byte 17\)"):
+    files.read_qa(str(tmp_path / "latin1.jsonl"))
   (tmp_path / "x.csv").write_text("a,b\n")
   with pytest.raises(ValueError, match="unsupported file type"):
     files.read_qa(str(tmp_path / "x.csv"))

@@ -193,7 +193,7 @@ def test_file_hash_split_via_tfds_matches_memory(tmp_path):
   # Both splits live in one prepared TFDS dataset (one builder config).
   configs = list((tmp_path / "tfds" / "rl_jax_qa").iterdir())
   assert len(configs) == 1
-  written = sorted(p.name.split(".")[0] for p in (configs[0] / "1.0.0").glob("*.array_record*"))
+  written = sorted(p.name.split(".")[0] for p in (configs[0] / "1.1.0").glob("*.array_record*"))
   assert written == ["rl_jax_qa-eval", "rl_jax_qa-train"]
   with pytest.raises(ValueError, match="empty"):
     files.FileTask(path=path, eval_fraction=0.0, data_dir=str(tmp_path / "tfds")).split("eval")

@@ -19,7 +19,7 @@ Neither step imports TensorFlow. The TFDS cache lives under ``data_dir``: by def
 always for the trainer) ``~/.cache/rl_jax/tfds`` (``DEFAULT_DATA_DIR``); in code, pass
 ``FileTask(data_dir=...)`` or ``get_task("file", data_dir=...)``::
 
-    <data_dir>/rl_jax_qa/h<hash>/1.0.0/rl_jax_qa-train.array_record-00000-of-00001
+    <data_dir>/rl_jax_qa/h<hash>/1.1.0/rl_jax_qa-train.array_record-00000-of-00001
                                       rl_jax_qa-eval.array_record-00000-of-00001
                                       dataset_info.json, features.json
 
@@ -92,7 +92,8 @@ def _builder_class():
     file is ``train``). An empty split is not written (TFDS cannot write one).
     """
 
-    VERSION = tfds.core.Version("1.0.0")
+    # 1.1.0: a final answer given as a JSON number is read (1.0.0 skipped it)
+    VERSION = tfds.core.Version("1.1.0")
     # No checksums file beside this class; also avoids TFDS probing the package with
     # importlib_resources, which is not a dependency here.
     code_path = None

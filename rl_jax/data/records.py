@@ -51,8 +51,14 @@ def iter_records(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     for i, row in enumerate(table.to_pylist(), start=1):
       yield i, row
   elif ext in (".jsonl", ".json"):
-    with storage.open_file(path, encoding="utf-8") as f:
-      for i, line in enumerate(f, start=1):
+    with storage.open_file(path, "rb") as f:
+      for i, raw in enumerate(f, start=1):
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          raise ValueError(f"{path}: line {i} is not UTF-8 text ({e.reason} at byte "
+                           f"{e.start}); a data file is UTF-8 JSONL (not compressed) or "
+                           "Parquet") from None
         if not line.strip():
           continue
         try:
@@ -84,8 +90,23 @@ def gsm8k_reference(answer: str) -> str | None:
   return value.replace(",", "") if value.replace(",", "").lstrip("-").isdigit() else value
 
 
+def _number_text(value: Any) -> str | None:
+  """A JSON number (not a bool) as the text of a final answer ("7", "3.5"); None otherwise."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  return str(value)
+
+
+# what a record of each format needs (the error for a record without it)
+NEEDS = {"gsm8k": "a 'question' string and an 'answer' that ends in '#### <final answer>' "
+                  "(or is a number)",
+         "math": "a 'problem' string and a final answer: an 'answer' string or number, or a "
+                 "\\boxed{} in 'solution'"}
+
+
 def to_qa(record: dict[str, Any], fmt: str) -> dict[str, str] | None:
-  """Map a raw record to ``{question, reference, solution}``; None if no final answer.
+  """Map a raw record to ``{question, reference, solution}``; None if no final answer. A
+  final answer given as a JSON number is its text.
 
   Args:
     record: one raw record.
@@ -96,10 +117,12 @@ def to_qa(record: dict[str, Any], fmt: str) -> dict[str, str] | None:
   """
   if fmt == "gsm8k":
     question, solution = record.get("question"), record.get("answer")
-    reference = gsm8k_reference(solution) if isinstance(solution, str) else None
+    reference = (gsm8k_reference(solution) if isinstance(solution, str) else
+                 _number_text(solution))
   else:
     question, solution = record.get("problem"), record.get("solution") or ""
     given = record.get("answer")
+    given = _number_text(given) or given
     reference = given if isinstance(given, str) and given.strip() else (
         verifiers.last_boxed(solution) if isinstance(solution, str) else None)
   if not isinstance(question, str) or not reference:
@@ -127,11 +150,14 @@ def iter_qa(path: str, fmt: str = "auto") -> Iterator[dict[str, str]]:
   empty = True
   for i, record in iter_records(path):
     if fmt == "auto":
-      fmt = detect_format(record)
+      try:
+        fmt = detect_format(record)
+      except ValueError as e:
+        raise ValueError(f"{path}: line {i}: {e}") from None
     qa = to_qa(record, fmt)
     if qa is None:
       raise ValueError(f"{path}: line {i} has no {fmt} question and final answer "
-                       f"(keys {sorted(record)})")
+                       f"(keys {sorted(record)}; {fmt} needs {NEEDS[fmt]})")
     empty = False
     yield qa
   if empty:
