@@ -498,7 +498,8 @@ class DataSettings:
   format: str = setting("auto", None, "file tasks: gsm8k | math | auto")
   eval_path: str | None = setting(None, None, "file tasks: held-out file (None: hash split)",
                                   kind=str)
-  template: str = setting("{question}", None, "file tasks: prompt template")
+  template: str = setting("{question}", None,
+                          "file tasks: prompt template; its one field is {question}")
   max_prompt_len: int = setting(64, cu.positive_int,
                                 "the longest prompt allowed, in tokens (a longer one is an error)")
   eval_size: int = setting(128, cu.nonnegative_int, "held-out prompts evaluated")

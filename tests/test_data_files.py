@@ -1,6 +1,7 @@
 """GSM8K/MATH files through TFDS (no TensorFlow) and math answer checking."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -125,6 +126,22 @@ def test_file_task_splits(tmp_path):
   boxed = tasks.get_task("file", path=train_path, eval_path=test_path, backend="memory",
                          template="{question} Put the answer in \\boxed{}.")
   assert boxed.split("train")[5].prompt == "What is 5 plus 5? Put the answer in \\boxed{}."
+  named = tasks.get_task("file", path=train_path, eval_path=test_path, backend="memory",
+                         template="{question} Answer in \\boxed{answer}.")
+  assert named.split("train")[5].prompt == "What is 5 plus 5? Answer in \\boxed{answer}."
+
+
+@pytest.mark.parametrize("template,words", [
+    ("Q: {question} A: {answer}", "has the field {answer}, which nothing fills"),
+    ("{{question}}", "write the field as {question}, in one pair of braces"),
+    ("{{ question }}", "write the field as {question}, in one pair of braces"),
+])
+def test_a_template_field_nothing_fills_is_one_line(tmp_path, template, words):
+  """``{answer}`` would reach the model as the text "{answer}", and ``{{question}}`` wraps
+  every question in braces: each is a mistake, not a prompt."""
+  path = _jsonl(tmp_path / "t.jsonl", GSM8K)
+  with pytest.raises(ValueError, match=re.escape(words)):
+    tasks.get_task("file", path=path, template=template, backend="memory")
 
 
 @pytest.mark.parametrize("text,answer", [

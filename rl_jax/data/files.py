@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import re
 from typing import Any, Iterable, Sequence
 
 from rl_jax import storage
@@ -281,8 +282,16 @@ class FileTask:
       raise ValueError("file task needs data.path (a .jsonl or .parquet file)")
     if self.format not in FORMATS:
       raise ValueError(f"unknown data format {self.format!r}; choose from {FORMATS}")
+    if "{{question}}" in self.template.replace(" ", ""):  # jinja2's way, not this one
+      raise ValueError(f"prompt template {self.template!r}: write the field as {{question}}, "
+                       "in one pair of braces (other braces stay as written)")
     if "{question}" not in self.template:
       raise ValueError(f"prompt template {self.template!r} has no {{question}} field")
+    fields = re.findall(r"(?<!\w)\{(\w+)\}", self.template)  # not \boxed{x}'s braces
+    unfilled = sorted(set(fields) - {"question"})
+    if unfilled:
+      raise ValueError(f"prompt template {self.template!r} has the field {{{unfilled[0]}}}, "
+                       "which nothing fills: {question} is the only field")
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
