@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from rl_jax import checkpoint, config_utils, losses, metrics, train
 from rl_jax import config as config_lib
 from rl_jax.data.base import split_of
-from rl_jax.errors import CheckpointCorruptError, ConfigError, RLJaxError
+from rl_jax.errors import CheckpointCorruptError, ConfigError, DataError, RLJaxError
 from rl_jax.train import loop
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, stopped_at
 
@@ -406,6 +406,17 @@ def test_a_file_without_held_out_prompts_needs_them_only_to_evaluate(tmp_path):
   assert str(e.value) == (f"data: {path} leaves no held-out prompts (a hash of each prompt "
                           "puts about 1 in 20 in the eval split): set data.eval_path to a "
                           "held-out file, or train.eval_every=0")
+
+
+def test_a_character_the_char_tokenizer_lacks_names_the_prompt_and_the_tokenizer(tmp_path):
+  path = tmp_path / "cafe.jsonl"
+  path.write_text(json.dumps({"question": "1 café plus 1?", "answer": "#### 2"}) + "\n")
+  with pytest.raises(DataError) as e:
+    train.build_setup(_config(["data.task=file", f"data.path={path}", f"data.eval_path={path}",
+                               "data.format=gsm8k"]))
+  assert str(e.value) == ("data: train prompt 0: character 'é' at position 5 is not in the "
+                          "char tokenizer vocabulary (the character tokenizer: model.hf_path "
+                          "and data.tokenizer are unset)")
 
 
 def test_a_warm_up_longer_than_its_stage_gets_a_note():

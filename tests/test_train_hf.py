@@ -108,3 +108,29 @@ def test_gsm8k_config_with_hf_checkpoint(tmp_path, arch):
   state = train.train(config, str(tmp_path / "run"), progress=False)
   assert int(state.step) == 2
   assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
+
+
+def test_an_end_of_sequence_id_outside_the_vocabulary_is_one_line(tmp_path):
+  """A checkpoint whose tokenizer takes its eos from config.json's eos_token_id (no
+  eos_token in tokenizer_config.json), an id beyond the model's vocabulary: one line at
+  setup naming where it comes from, not an error inside the sampler."""
+  model_dir, data = tmp_path / "model", tmp_path / "train.jsonl"
+  model_dir.mkdir()
+  with open(data, "w") as f:
+    for i, (q, a) in enumerate(QUESTIONS):
+      f.write(json.dumps({"question": f"{q} (#{i})", "answer": a}) + "\n")
+  vocab = _write_tokenizer(str(model_dir), [q + " " + a for q, a in QUESTIONS])
+  tiny_hf_model("qwen3", model_dir, vocab=vocab, hidden=32, inter=64, layers=1, heads=2,
+                kv_heads=1, head_dim=16, max_pos=512)
+  (model_dir / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
+  cfg = json.loads((model_dir / "config.json").read_text())
+  (model_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 151643}))
+  (model_dir / "generation_config.json").unlink(missing_ok=True)
+  config = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"), [
+      f"model.hf_path={model_dir}", f"data.path={data}", f"data.eval_path={data}",
+      "data.max_prompt_len=128", "rollout.max_new_tokens=8", "mesh.num_devices=1"])
+  with pytest.raises(ConfigError) as e:
+    train.build_setup(config)
+  assert str(e.value) == (f"the end-of-sequence id 151643 of the tokenizer of {model_dir} is "
+                          f"outside the model's vocabulary [0, {vocab}): fix its eos_token "
+                          "(tokenizer_config.json), or set rollout.eos_id")

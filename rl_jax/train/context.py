@@ -267,7 +267,12 @@ def _longest_prompt(tokenizer, train, evals) -> tuple[int, str, int]:
   out = (0, "train", 0)
   for split, examples in (("train", train), ("eval", evals)):
     for i, e in enumerate(examples):
-      n = len(tok_lib.encode_prompt(tokenizer, e.prompt))
+      try:
+        n = len(tok_lib.encode_prompt(tokenizer, e.prompt))
+      except ValueError as err:
+        char = (" (the character tokenizer: model.hf_path and data.tokenizer are unset)"
+                if isinstance(tokenizer, tok_lib.CharTokenizer) else "")
+        raise ValueError(f"{split} prompt {i}: {err}{char}") from None
       if n > out[0]:
         out = (n, split, i)
   return out
@@ -630,6 +635,11 @@ def build_setup(config: ml_collections.ConfigDict,
   if eos is not None and not 0 <= eos < model_cfg.vocab_size:
     raise ConfigError(f"config.rollout.eos_id={eos} is outside the model's vocabulary "
                       f"[0, {model_cfg.vocab_size})")
+  if eos is None and not 0 <= tokenizer.eos_id < model_cfg.vocab_size:
+    raise ConfigError(f"the end-of-sequence id {tokenizer.eos_id} of the tokenizer of "
+                      f"{config.data.tokenizer or config.model.hf_path} is outside the model's "
+                      f"vocabulary [0, {model_cfg.vocab_size}): fix its eos_token "
+                      "(tokenizer_config.json), or set rollout.eos_id")
   return Setup(tokenizer=tokenizer, task=task, train_examples=train,
                eval_examples=evals, model_cfg=model_cfg, mesh=mesh,
                sampler_mesh=_sampler_mesh(config, mesh, j), rules=config.mesh.rules,
