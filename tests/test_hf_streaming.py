@@ -344,6 +344,22 @@ def test_failed_export_keeps_the_old_one(tmp_path, monkeypatch):
   assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp")] == []
 
 
+def test_an_export_through_a_symlink_replaces_its_target(tmp_path):
+  """``hf`` may be a link to a shared directory: the export lands there, the link stays (it
+  was renamed aside before, and the shared directory never updated)."""
+  tiny_hf_model("qwen3", tmp_path / "src")
+  cfg, params = models.load_hf(str(tmp_path / "src"))
+  (tmp_path / "shared").mkdir()
+  (tmp_path / "shared" / "stale.txt").write_text("from an earlier export")
+  os.symlink(tmp_path / "shared", tmp_path / "hf")
+  models.save_hf(cfg, params, str(tmp_path / "hf"))
+  assert os.path.islink(tmp_path / "hf") and not os.path.exists(tmp_path / "hf.old")
+  assert "config.json" in os.listdir(tmp_path / "shared")
+  assert "stale.txt" not in os.listdir(tmp_path / "shared")  # replaced whole, as ever
+  _, again = models.load_hf(str(tmp_path / "hf"))
+  jax.tree.map(np.testing.assert_array_equal, params, again)
+
+
 # ------------------------------------------------------------------------ bad checkpoints
 def _one_line(err):
   assert "\n" not in str(err.value)

@@ -766,10 +766,11 @@ def _umask_modes(root: str) -> None:
 
 
 class _atomic_dir:  # pylint: disable=invalid-name
-  """``with _atomic_dir(path) as tmp``: fill ``tmp``; it replaces ``path`` on success."""
+  """``with _atomic_dir(path) as tmp``: fill ``tmp``; it replaces ``path`` on success (the
+  directory a symlink ``path`` points to: the link stays)."""
 
   def __init__(self, path: str):
-    self.path = path
+    self.path = os.path.realpath(path) if os.path.islink(path) else path
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     self.tmp = tempfile.mkdtemp(prefix=".tmp_hf_", dir=parent)
