@@ -59,6 +59,12 @@ def crashing_agent(base_url: str, api_key: str, example: dict) -> float:
   raise RuntimeError("the agent broke")
 
 
+def nan_agent(base_url: str, api_key: str, example: dict) -> float:
+  """Makes one request, then returns NaN (not a reward: its episodes fail, reward 0)."""
+  calculator_agent_once(base_url, api_key, example)
+  return float("nan")
+
+
 def calculator_agent_once(base_url: str, api_key: str, example: dict):
   return client_for(base_url, api_key).chat.completions.create(
       model="policy", messages=[{"role": "user", "content": example["prompt"]}],

@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import logging
+import math
 import queue
 import secrets
 import socket
@@ -177,6 +178,7 @@ class AgentSession:
     self._inbox: queue.Queue = queue.Queue()
     self._pending: cf.Future | None = None
     self._seen: list[tuple] = []
+    self._ended = True  # no episode open: a step has no agent to wait for
 
   # ---------------------------------------------------------------- the HTTP side
   def deliver(self, messages, tools) -> cf.Future:
@@ -190,7 +192,7 @@ class AgentSession:
   def reset(self, example, seed: int):
     del seed  # the agent sees the example; sampling is seeded by the engine
     self._end()
-    self._inbox = queue.Queue()
+    self._inbox, self._ended = queue.Queue(), False
     self.sid = self.hub.open(self)
     base_url, inbox = f"{self.hub.url()}/s/{self.sid}/v1", self._inbox
     threading.Thread(target=self._run_agent, args=(base_url, example, inbox), daemon=True,
@@ -212,18 +214,15 @@ class AgentSession:
     self._seen.append(("assistant", content or "",
                        tuple((n, json.dumps(a, sort_keys=True)) for n, a in calls)))
     info = {"tool_calls": len(calls)}
+    if self._ended:  # its agent is gone: nothing will answer (an episode kept on by mistake)
+      return StepResult((), 0.0, True, info)
     if self._pending is not None and not self._pending.done():
       self._pending.set_result(action)
     self._pending = None
     kind, value = self._next(None)
     if kind == "return":
       self._end()
-      try:
-        reward = float(value)
-      except (TypeError, ValueError):
-        self.hub.failed(f"returned {value!r}, not a number")
-        reward = 0.0
-      return StepResult((), reward, True, info)
+      return StepResult((), self._reward(value), True, info)
     if kind == "error":
       self._end()
       self.hub.failed(value)
@@ -243,6 +242,18 @@ class AgentSession:
     return StepResult(tuple(_as_message(m) for m in new), 0.0, False, info)
 
   # ---------------------------------------------------------------- internals
+  def _reward(self, value) -> float:
+    """The agent function's return as the episode's reward; anything but a finite number
+    is a failed episode (reward 0, counted in ``agent_errors``)."""
+    try:
+      reward = float(value)
+    except (TypeError, ValueError):
+      reward = math.nan
+    if not math.isfinite(reward):
+      self.hub.failed(f"returned {value!r}, not a finite number")
+      return 0.0
+    return reward
+
   def _run_agent(self, base_url: str, example, inbox: queue.Queue) -> None:
     try:
       inbox.put(("return", self.hub.agent(base_url, self.hub.api_key, example)))
@@ -259,7 +270,7 @@ class AgentSession:
     """Close the session: later requests get 404; a pending one gets an error."""
     if self._pending is not None and not self._pending.done():
       self._pending.set_exception(ApiError(409, "the episode has ended", code="session_ended"))
-    self._pending = None
+    self._pending, self._ended = None, True
     self.hub.close(self.sid)
 
 
