@@ -64,6 +64,8 @@ def initialize(d: Any) -> bool:
       return False
     if d.process_id != 0:
       wait_for_coordinator(d.coordinator_address, d.initialization_timeout_s)
+    else:
+      coordinator_port_free(d.coordinator_address)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=d.coordinator_address,
                                num_processes=d.num_processes, process_id=d.process_id,
@@ -75,6 +77,33 @@ def initialize(d: Any) -> bool:
   return False
 
 
+_ADDRESS_KEY = "distributed.coordinator_address"
+
+
+def _host_port(address: str) -> tuple[str, int]:
+  """(host, port) of "host:port" (a bracketed IPv6 host too); one ConfigError line when the
+  address is not one, before JAX reads it (it fails there with an IndexError)."""
+  host, sep, port = address.rpartition(":")
+  host = host.strip("[]")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ConfigError(f"{_ADDRESS_KEY}={address!r} is not host:port (a port in 1..65535)")
+  return host, int(port)
+
+
+def coordinator_port_free(address: str) -> None:
+  """Process 0 serves the coordinator at ``address``: one line when it is malformed or the
+  port is taken (JAX's coordinator would abort the process with a native stack trace)."""
+  host, port = _host_port(address)
+  try:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      s.bind(("", port))
+  except OSError as e:
+    raise ConfigError(f"{_ADDRESS_KEY}={address}: process 0 serves the coordinator on port "
+                      f"{port}, which it cannot take ({e.strerror or e}); choose a free "
+                      "port") from None
+
+
 def wait_for_coordinator(address: str, timeout_s: float) -> None:
   """Waits until a TCP connection to ``address`` ("host:port") succeeds, for at most
   ``timeout_s`` seconds.
@@ -82,16 +111,13 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
   Raises:
     ConfigError: the address is malformed, or nothing listens there within the time-out.
   """
-  key = "distributed.coordinator_address"
-  host, sep, port = address.rpartition(":")
-  host = host.strip("[]")
-  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    raise ConfigError(f"{key}={address!r} is not host:port")
+  key = _ADDRESS_KEY
+  host, port = _host_port(address)
   deadline = time.monotonic() + timeout_s
   while True:
     left = deadline - time.monotonic()
     try:
-      socket.create_connection((host, int(port)), timeout=max(min(left, 2.0), 0.1)).close()
+      socket.create_connection((host, port), timeout=max(min(left, 2.0), 0.1)).close()
       return
     except OSError as e:
       reason = e.strerror or str(e) or type(e).__name__

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import pytest
 
-from rl_jax import checkpoint, config_utils, metrics, train
+from rl_jax import checkpoint, config_utils, distributed, metrics, train
+from rl_jax.errors import ConfigError
 from rl_jax.checkpoint import integrity
 from rl_jax.train import lock as lock_lib
 from tests.tiny import QUICKSTART, ROOT, TINY_MODEL, env_with_devices
@@ -278,3 +279,27 @@ def test_coordinator_nobody_listens_on_is_one_error_line_within_its_timeout(tmp_
   assert "check that process 0" in line
   assert 3 <= seconds < 25  # waited the time-out (default 300), then stopped
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize("address,words", [
+    ("localhost", "is not host:port (a port in 1..65535)"),
+    ("localhost:99999", "is not host:port (a port in 1..65535)"),
+    ("taken", "process 0 serves the coordinator on port"),
+])
+def test_process_zeros_coordinator_address_is_checked_before_jax_reads_it(address, words):
+  """Process 0 of 2 with no port (JAX raised IndexError), a port beyond 65535, or a port
+  another socket listens on (JAX's coordinator aborted with a native stack trace): one line
+  each, before ``jax.distributed.initialize``."""
+  with socket.socket() as busy:
+    busy.bind(("", 0))
+    busy.listen()
+    if address == "taken":
+      address = f"localhost:{busy.getsockname()[1]}"
+    config = config_utils.load_config(QUICKSTART, [
+        f"distributed.coordinator_address={address}", "distributed.num_processes=2",
+        "distributed.process_id=0"])
+    with pytest.raises(ConfigError) as e:
+      distributed.initialize(config.distributed)
+  assert str(e.value).startswith("distributed.coordinator_address=")
+  assert address in str(e.value) and words in str(e.value)
+  assert not distributed.jax.distributed.is_initialized()
