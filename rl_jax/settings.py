@@ -682,6 +682,8 @@ def _mesh_axes(shape: Any) -> str | None:
   the mesh is built, ``rl_jax.train.context.mesh_shape``)."""
   if sorted(dict(shape)) != sorted(sharding.MESH_AXES):
     return f"must name the axes {list(sharding.MESH_AXES)}"
+  if not all(cu.is_int(n) and (n >= 1 or n == -1) for n in dict(shape).values()):
+    return "must give each axis an int >= 1, or -1 for the remaining devices"
   return None
 
 

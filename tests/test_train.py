@@ -321,6 +321,8 @@ def test_consecutive_skipped_updates_stop_the_run_with_every_row_written(tmp_pat
     ("--config.train.minibatches=3", "minibatches"),
     ("--config.rollout.max_new_tokens=5000", "max_new_tokens"),
     # values that trained on NaN or silently flipped a term before they were checked
+    ("--config.mesh.shape.data=0", "mesh.shape must give each axis an int >= 1, or -1"),
+    ("--config.mesh.shape.data=-2", "mesh.shape must give each axis an int >= 1, or -1"),
     ("--config.optim.b1=nan", "optim.b1"),
     ("--config.optim.eps=0.0", "optim.eps"),
     ("--config.loss.adv_eps=0.0", "loss.adv_eps"),
