@@ -32,6 +32,7 @@ The ``loss`` section is the knobs of ``rl_jax.losses`` (``losses.KNOBS``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -644,7 +645,7 @@ class EnvSettings:
       'gymnasium text codec: "auto" (FrozenLake, Blackjack by id, else "default"), '
       '"frozen_lake", "blackjack", "default" (an action\'s index for Discrete, Text as is)')
   invalid_reward: float = setting(
-      0.0, lambda x: None if cu.is_number(x) else "must be a number",
+      0.0, lambda x: None if cu.is_number(x) and math.isfinite(x) else "must be a finite number",
       "gymnasium: the reward of a turn that is no valid action")
   verifiers: str = setting(
       "", _import_path_or_empty,

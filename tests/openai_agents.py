@@ -65,6 +65,11 @@ def nan_agent(base_url: str, api_key: str, example: dict) -> float:
   return float("nan")
 
 
+def silent_agent(base_url: str, api_key: str, example: dict) -> float:
+  """Returns without a request: its episodes have no opening prompt."""
+  return 1.0
+
+
 def calculator_agent_once(base_url: str, api_key: str, example: dict):
   return client_for(base_url, api_key).chat.completions.create(
       model="policy", messages=[{"role": "user", "content": example["prompt"]}],

@@ -8,6 +8,7 @@ environment that implements the agent's logic: identical tokens, log-probs and r
 """
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -101,6 +102,18 @@ def test_sessions_sample_what_an_in_process_environment_samples(run):
   np.testing.assert_array_equal(http.logprobs, local.logprobs)
 
 
+def test_an_agent_that_never_asks_is_one_line():
+  """An agent function that returns before its first request gives its episode no prompt:
+  a ConfigError (one ``error:`` line from the CLI), not a RuntimeError's traceback."""
+  s = build_setup(_config("env.agent=tests.openai_agents:silent_agent"))
+  engine = agent_stage.make_engine(s, 1.0)
+  params = models.init_params(s.model_cfg, jax.random.key(0))
+  with pytest.raises(ConfigError, match="the agent function returned before its first "
+                                        "request"):
+    engine.rollout(params, agent_stage.episodes(s, s.train_examples[:1], range(1)))
+  engine.close()
+
+
 @pytest.mark.parametrize("agent,counter", [("crashing_agent", "agent_errors"),
                                            ("nan_agent", "agent_errors"),
                                            ("rewriting_agent", "session_rewrites")])
@@ -122,6 +135,9 @@ def test_a_failing_agent_fails_its_episodes_not_the_run(agent, counter):
 def test_agent_config_errors_are_one_line():
   with pytest.raises(ConfigError, match="env.agent"):
     build_setup(config_utils.load_config(AGENT_QUICKSTART, ["env.agent=no_such_module:fn"]))
+  with pytest.raises(ConfigError, match=re.escape(
+      "env.agent='os:getcwd' must take (base_url, api_key, example); its signature is ()")):
+    build_setup(config_utils.load_config(AGENT_QUICKSTART, ["env.agent=os:getcwd"]))
   with pytest.raises(ConfigError, match="env.agent"):
     build_setup(config_utils.load_config(AGENT_QUICKSTART, ["env.agent=not a path"]))
   with pytest.raises(ConfigError, match="env.agent"):

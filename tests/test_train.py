@@ -323,6 +323,7 @@ def test_consecutive_skipped_updates_stop_the_run_with_every_row_written(tmp_pat
     # values that trained on NaN or silently flipped a term before they were checked
     ("--config.mesh.shape.data=0", "mesh.shape must give each axis an int >= 1, or -1"),
     ("--config.mesh.shape.data=-2", "mesh.shape must give each axis an int >= 1, or -1"),
+    ("--config.env.invalid_reward=nan", "env.invalid_reward must be a finite number"),
     ("--config.optim.b1=nan", "optim.b1"),
     ("--config.optim.eps=0.0", "optim.eps"),
     ("--config.loss.adv_eps=0.0", "loss.adv_eps"),

@@ -45,6 +45,7 @@ from typing import Callable
 
 from rl_jax.envs.base import Message, StepResult
 from rl_jax.envs import tool_calls
+from rl_jax.errors import ConfigError
 from rl_jax.serve.protocol import ApiError
 
 __all__ = ["AgentSession", "SessionHub", "assistant_reply", "normal_messages"]
@@ -201,8 +202,8 @@ class AgentSession:
     if kind != "request":
       self._end()
       what = "returned" if kind == "return" else value
-      raise RuntimeError(f"env.agent: the agent function {what} before its first request "
-                         "(an episode's opening prompt is its first request)")
+      raise ConfigError(f"env.agent: the agent function {what} before its first request "
+                        "(an episode's opening prompt is its first request)")
     messages, tools, fut = value
     self.tools = tuple(_Tool(t["function"]["name"], t["function"].get("description") or "",
                              t["function"].get("parameters") or {}) for t in tools)

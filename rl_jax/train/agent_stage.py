@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import zlib
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
@@ -236,12 +237,27 @@ def _checked(spec: EnvSpec, key: str, fmt, sft_steps: int) -> EnvSpec:
   return spec
 
 
+def _check_agent_signature(path: str, agent) -> None:
+  """One line unless ``agent`` can be called as fn(base_url, api_key, example) (a function
+  whose signature Python cannot read is let through)."""
+  try:
+    signature = inspect.signature(agent)
+  except (TypeError, ValueError):
+    return
+  try:
+    signature.bind("base_url", "api_key", {})
+  except TypeError:
+    raise ConfigError(f"env.agent={path!r} must take (base_url, api_key, example); its "
+                      f"signature is {signature}") from None
+
+
 def agent_task(e: settings.EnvSettings, spec: EnvSpec, fmt, tokenizer) -> EnvSpec:
   """``spec`` with every episode a session of the agent function ``env.agent``
   (``rl_jax.serve.sessions``): its examples, expert and evaluation stay the task's. The
   session server starts on first use; one ``ConfigError`` line when the function cannot be
   imported or the serve extra is missing."""
   agent = imports.resolve(e.agent, "env.agent")
+  _check_agent_signature(e.agent, agent)
   try:
     from rl_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
     from rl_jax.serve import sessions  # pylint: disable=import-outside-toplevel
