@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+from etils import epath
 import jax
 import ml_collections
 import numpy as np
@@ -35,6 +36,7 @@ from rl_jax import models
 from rl_jax import rollout
 from rl_jax.data.tokenizers import encode_prompt
 from rl_jax.errors import CheckpointNotFoundError, RLJaxError
+from rl_jax.value_checks import is_int
 from rl_jax.train import accumulate
 from rl_jax.train import lora_checkpoint
 from rl_jax.train.context import build_setup
@@ -80,6 +82,20 @@ class Batch(NamedTuple):
   behaviour_logp: Any = None
   advantages: Any = None
   old_logp: Any = None
+
+
+def _check_rewards(rewards) -> None:
+  """One line unless ``rewards`` (None, or an array-like) holds numbers that are finite or
+  NaN (a missing sample); an infinite reward would be dropped as silently as a NaN one."""
+  if rewards is None:
+    return
+  r = np.asarray(rewards)
+  if r.dtype == bool or not np.issubdtype(r.dtype, np.number):
+    raise RLJaxError(f"api: rewards must be numbers (NaN marks a missing sample), got an "
+                     f"array of {r.dtype}")
+  if np.isinf(r).any():
+    raise RLJaxError(f"api: reward {np.flatnonzero(np.isinf(r))[0]} is infinite; a reward is "
+                     "a finite number, or NaN for a missing sample")
 
 
 def _rows(x, G: int, name: str, shape_tail: tuple) -> np.ndarray:
@@ -128,6 +144,8 @@ class Trainer:
   def next_examples(self, n: int) -> list:
     """The next ``n`` training examples of the trainer's seeded prompt sampler (its position
     lives in the state and advances)."""
+    if not is_int(n) or n < 1:
+      raise RLJaxError(f"api: next_examples takes a positive int count, got {n!r}")
     examples, data = next_examples(self.setup, np.asarray(self.state.producer.data), n)
     self.state = self.state._replace(producer=self.state.producer._replace(
         data=place_replicated(self.setup, data)))
@@ -179,6 +197,7 @@ class Trainer:
       if len(p) > s.prompt_len:
         raise RLJaxError(f"api: prompt {i} has {len(p)} tokens; the run's programs take "
                          f"prompts of at most {s.prompt_len} (its data's longest prompt + 1)")
+    _check_rewards(rewards)
     tokens = np.asarray(out.tokens)
     M, R = tokens.shape[0] // G, tokens.shape[1]
     pt, pl = pad_prompts(prompts, s.prompt_len, s.tokenizer.pad_id)
@@ -324,6 +343,8 @@ class Trainer:
     """Reads the checkpoint of ``step`` (default the newest) under ``path`` (``save``'s
     directory or a run's ``DIR/checkpoints``) into the state; pending gradients are dropped."""
     s = self.setup
+    if not epath.Path(path).is_dir():  # (a Checkpointer would create it)
+      raise CheckpointNotFoundError(f"api: no checkpoint directory {path}")
     with ckpt_lib.Checkpointer(path, keep=None, save_every=0) as ckpt:
       step = ckpt.latest_step() if step is None else step
       if step is None or step not in ckpt.all_steps():

@@ -108,6 +108,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ConfigError: one line naming the key(s), e.g.
       ``config.rollout.n must be a positive int, got 0``.
   """
+  missing = [name for name in base_config() if name not in config]
+  if missing:
+    raise ConfigError(f"the config has no section {missing[0]!r} ({len(missing)} of "
+                      f"{len(base_config())} are missing): start from "
+                      "rl_jax.config.base_config() or a file in configs/, and set fields on it")
   _env_source(config)
   cu.validate(config, checks())
   _check_model(config)

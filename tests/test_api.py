@@ -4,11 +4,12 @@ gradient accumulation over half-batches equals the full batch; save / load round
 import os
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
 from rl_jax import api, config_utils, train
-from rl_jax.errors import RLJaxError
+from rl_jax.errors import ConfigError, RLJaxError
 from rl_jax.train import rollouts
 from tests.tiny import QUICKSTART
 
@@ -107,7 +108,24 @@ def test_accumulating_two_half_batches_equals_the_full_batch(runs):
   with pytest.raises(RLJaxError, match=f"prompt 1 has {P + 1} tokens; the run's programs take "
                                        f"prompts of at most {P}"):
     run.batch([[1]] + [[1] * (P + 1)] * (G - 1), b, np.zeros(b.mask.shape[:2]))
+  # rewards that are not numbers, or infinite (NaN alone marks a missing sample)
+  prompts, M = [[1]] * G, b.mask.shape[1]
+  with pytest.raises(RLJaxError, match="rewards must be numbers"):
+    run.batch(prompts, b, ["a"] * (G * M))
+  with pytest.raises(RLJaxError, match="reward 3 is infinite"):
+    run.batch(prompts, b, [0.0] * 3 + [np.inf] + [0.0] * (G * M - 4))
+  for n in (0, -1, "4"):
+    with pytest.raises(RLJaxError, match="next_examples takes a positive int count"):
+      run.next_examples(n)
   assert run.gradients is None
+
+
+def test_a_config_without_its_sections_is_one_line():
+  """A hand-built config missing whole sections: one line that says where to start, not
+  the first missing key."""
+  with pytest.raises(ConfigError, match=r"^the config has no section 'data' \(15 of 16 are "
+                                        r"missing\): start from rl_jax.config.base_config\(\)"):
+    api.Trainer(ml_collections.ConfigDict({"model": {}}))
 
 
 def test_save_load_round_trips_and_reads_the_trainers_checkpoint(runs, tmp_path):
@@ -126,3 +144,4 @@ def test_save_load_round_trips_and_reads_the_trainers_checkpoint(runs, tmp_path)
   _assert_trees_equal(run.state.params, trained.params)
   with pytest.raises(RLJaxError, match="no checkpoint"):
     run.load(str(tmp_path / "empty"))
+  assert not (tmp_path / "empty").exists()  # a mistyped path is not created
