@@ -300,18 +300,24 @@ def _unread(config: ml_collections.ConfigDict) -> list[str]:
     out.append(f"note: rollout.temperature=0 samples a group's rollout.n={config.rollout.n} "
                f"responses alike, so {k['advantage']}'s advantages, which compare them, are 0 "
                "and the policy does not move")
+  r, t = config.rollout, config.train
+  free_running = t.mode == "async" and t.async_lag == -1
   unused = (("distill.coef", config.distill.coef != 1.0 and not config.distill.teacher_path,
-             "distill.teacher_path"),
+             "distill.teacher_path set"),
             ("reward.judge_verdict", config.reward.judge_verdict != "yes_no"
-             and not config.reward.judge_path, "reward.judge_path"),
-            ("train.replay.fraction", config.train.replay.fraction != 0.25
-             and not config.train.replay.capacity, "train.replay.capacity"),
-            ("rollout.over_sampling", config.rollout.over_sampling != 2.0
-             and not config.rollout.partial, "rollout.partial"),
-            ("rollout.spec_lenience", config.rollout.spec_lenience != 0.0
-             and not config.rollout.speculative, "rollout.speculative"))
-  out += [f"note: {key}={cu.get_value(config, key)!r} is read only with {on} set: it has "
-          "no effect" for key, bad, on in unused if bad]
+             and not config.reward.judge_path, "reward.judge_path set"),
+            ("train.replay.fraction", t.replay.fraction != 0.25 and not t.replay.capacity,
+             "train.replay.capacity set"),
+            ("rollout.over_sampling", r.over_sampling != 2.0 and not r.partial,
+             "rollout.partial set"),
+            ("rollout.spec_lenience", r.spec_lenience != 0.0 and not r.speculative,
+             "rollout.speculative set"),
+            ("train.async_lag", t.async_lag != 1 and t.mode != "async", "train.mode=async"),
+            ("rollout.max_staleness", r.max_staleness != 1 and not r.partial
+             and not free_running, "rollout.partial, or train.mode=async with "
+             "train.async_lag=-1 (a fixed lag k trains every batch k versions late)"))
+  out += [f"note: {key}={cu.get_value(config, key)!r} is read only with {on}: it has no effect"
+          for key, bad, on in unused if bad]
   return out
 
 

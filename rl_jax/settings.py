@@ -108,8 +108,10 @@ class RolloutSettings:
       "(each its own batch_groups / shares groups, held groups and prompt stream); with "
       "several processes each runs and holds only its own shares. 0: one per process. Runs "
       "with the same shares give the same batches on any number of processes")
-  max_staleness: int = setting(1, cu.in_range(-1, None),
-                               "η: no token more than η policy versions old; -1 = unbounded")
+  max_staleness: int = setting(
+      1, cu.in_range(-1, None),
+      "η: no token more than η policy versions old, for partial rollouts and the free-running "
+      "producer (train.async_lag=-1); -1 = unbounded")
   mask_stale: bool = setting(False, _BOOL,
                              "drop tokens sampled by an older policy from the loss")
   speculative: bool = setting(

@@ -171,6 +171,11 @@ def test_bad_selection_settings_fail_in_one_line(overrides, word):
      "rollout.partial set"),
     (["rollout.spec_lenience=0.5"], "rollout.spec_lenience=0.5 is read only with "
      "rollout.speculative set"),
+    (["train.async_lag=3"], "train.async_lag=3 is read only with train.mode=async"),
+    (["train.mode=async", "train.async_lag=2", "rollout.max_staleness=0",
+      "loss.preset=vcpo"], "rollout.max_staleness=0 is read only with rollout.partial, or "
+     "train.mode=async with train.async_lag=-1 (a fixed lag k trains every batch k versions "
+     "late)"),
 ])
 def test_a_setting_nothing_reads_gets_a_note(overrides, note):
   """A value given for a part the run does not have is not silently dropped: one ``note:``
@@ -184,6 +189,8 @@ def test_a_setting_nothing_reads_gets_a_note(overrides, note):
     ["loss.preset=ppo", "optim.value_lr=0.001"], ["rollout.temperature=0", "rollout.n=1"],
     ["loss.kl_kind=k1", "loss.kl_beta=0.01"], ["rollout.temperature=0", "loss.preset=ppo"],
     ["rollout.over_sampling=3.0", "rollout.partial=True"],
+    ["train.mode=async", "train.async_lag=-1", "rollout.max_staleness=2",
+     "loss.preset=vcpo"],
 ])
 def test_a_setting_its_part_reads_gets_no_note(overrides):
   assert base.notices(config_utils.load_config(QUICKSTART, overrides)) == []
