@@ -36,7 +36,6 @@ from rl_jax import models
 from rl_jax import rollout
 from rl_jax.data.tokenizers import encode_prompt
 from rl_jax.errors import CheckpointNotFoundError, RLJaxError
-from rl_jax.value_checks import is_int
 from rl_jax.train import accumulate
 from rl_jax.train import lora_checkpoint
 from rl_jax.train.context import build_setup
@@ -50,6 +49,7 @@ from rl_jax.train.state import (TrainState, abstract_state, begin_rl, init_state
                                 place_replicated, rl_layout)
 from rl_jax.train.steps import UpdateBatch, rl_apply, rl_grads
 from rl_jax.train.streams import Stream, seed_for
+from rl_jax.value_checks import is_int
 
 __all__ = ["Batch", "Trainer"]
 

@@ -21,9 +21,9 @@ restore checks the base it rebuilt or read against it: a changed ``model.hf_path
 of another run fails in one line instead of resuming on other weights. A stored base that is
 missing or damaged makes its checkpoints unreadable (``BaseCorruptError``: the resume sets
 the base aside, then the checkpoints that read it, and falls back to an older one; the next
-checkpoint that needs a stored base writes a fresh one, as nothing is left to reuse). LoRA checkpoints written before adapter-only
-checkpoints (full ``params``, no ``lora_base``) are not read: ``resume.restore_state`` refuses
-them in one line, as every earlier state layout.
+checkpoint that needs a stored base writes a fresh one, as nothing is left to reuse). LoRA
+checkpoints written before adapter-only checkpoints (full ``params``, no ``lora_base``) are
+not read: ``resume.restore_state`` refuses them in one line, as every earlier state layout.
 """
 
 from __future__ import annotations
