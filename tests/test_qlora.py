@@ -4,7 +4,6 @@ the LoRA update on 8 fake devices against 1, a trainer run that checkpoints, res
 exports the quantised base, and an HF checkpoint quantised after loading."""
 
 import functools
-import json
 import os
 
 import jax
@@ -15,8 +14,7 @@ import pytest
 from rl_jax import checkpoint, config_utils, models, train
 from rl_jax.errors import ConfigError
 from rl_jax.train import memory, resume
-from tests.hf_utils import tiny_hf_model
-from tests.test_train_hf import QUESTIONS, ROOT, _write_tokenizer
+from tests.test_train_hf import ROOT, qwen3_checkpoint
 from tests.tiny import QUICKSTART, TINY_MODEL, compiled_rl_update
 
 QMAX = {"int8": 127, "int4": 7}
@@ -260,14 +258,7 @@ def test_qlora_run_keeps_an_int4_base_and_exports_it(tmp_path):
 def test_hf_checkpoint_is_quantised_after_loading(tmp_path):
   """``init_state`` with ``model.hf_path``: the policy's base is the loaded checkpoint
   block-quantised (bit for bit ``quant.quantize_base`` of ``load_hf``) beside fresh adapters."""
-  model_dir, data = tmp_path / "model", tmp_path / "train.jsonl"
-  model_dir.mkdir()
-  with open(data, "w") as f:
-    for i, (q, a) in enumerate(QUESTIONS):
-      f.write(json.dumps({"question": f"{q} (#{i})", "answer": a}) + "\n")
-  vocab = _write_tokenizer(str(model_dir), [q + " " + a for q, a in QUESTIONS])
-  tiny_hf_model("qwen3", model_dir, vocab=vocab, hidden=32, inter=64, layers=1, heads=2,
-                kv_heads=1, head_dim=16, max_pos=512)
+  model_dir, data, _ = qwen3_checkpoint(tmp_path)
   config = config_utils.load_config(os.path.join(ROOT, "configs", "gsm8k_hf.py"), [
       f"model.hf_path={model_dir}", f"data.path={data}", f"data.eval_path={data}",
       "data.max_prompt_len=128", "rollout.max_new_tokens=8", "model.lora.rank=4",

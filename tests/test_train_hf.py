@@ -110,10 +110,9 @@ def test_gsm8k_config_with_hf_checkpoint(tmp_path, arch):
   assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
 
 
-def test_an_end_of_sequence_id_outside_the_vocabulary_is_one_line(tmp_path):
-  """A checkpoint whose tokenizer takes its eos from config.json's eos_token_id (no
-  eos_token in tokenizer_config.json), an id beyond the model's vocabulary: one line at
-  setup naming where it comes from, not an error inside the sampler."""
+def qwen3_checkpoint(tmp_path):
+  """(model directory, data file, vocabulary size): a one-layer Qwen3 with a BPE tokenizer
+  trained on ``QUESTIONS``, and those questions as a GSM8K file."""
   model_dir, data = tmp_path / "model", tmp_path / "train.jsonl"
   model_dir.mkdir()
   with open(data, "w") as f:
@@ -122,6 +121,14 @@ def test_an_end_of_sequence_id_outside_the_vocabulary_is_one_line(tmp_path):
   vocab = _write_tokenizer(str(model_dir), [q + " " + a for q, a in QUESTIONS])
   tiny_hf_model("qwen3", model_dir, vocab=vocab, hidden=32, inter=64, layers=1, heads=2,
                 kv_heads=1, head_dim=16, max_pos=512)
+  return model_dir, data, vocab
+
+
+def test_an_end_of_sequence_id_outside_the_vocabulary_is_one_line(tmp_path):
+  """A checkpoint whose tokenizer takes its eos from config.json's eos_token_id (no
+  eos_token in tokenizer_config.json), an id beyond the model's vocabulary: one line at
+  setup naming where it comes from, not an error inside the sampler."""
+  model_dir, data, vocab = qwen3_checkpoint(tmp_path)
   (model_dir / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
   cfg = json.loads((model_dir / "config.json").read_text())
   (model_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 151643}))
