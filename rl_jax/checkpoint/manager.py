@@ -267,7 +267,10 @@ class Checkpointer:
     the marker lost since), ascending; ``save`` refuses to write over one."""
     self.wait()
     done = set(self._manager.all_steps())
-    names = [p.name for p in self.directory.iterdir() if p.is_dir()]
+    try:
+      names = [p.name for p in self.directory.iterdir() if p.is_dir()]
+    except FileNotFoundError:  # a bucket prefix that holds no object yet
+      return []
     return sorted(int(n) for n in names if n.isdigit() and STEP_NAMES.build_name(int(n)) == n
                   and int(n) not in done)
 
