@@ -16,7 +16,8 @@ import dataclasses
 import hashlib
 from typing import Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
-__all__ = ["SPLITS", "Example", "Task", "check_options", "check_split", "split_of"]
+__all__ = ["SPLITS", "EmptySplitError", "Example", "Task", "check_options", "check_split",
+           "split_of"]
 
 # The split names every task accepts.
 SPLITS = ("train", "eval")
@@ -41,6 +42,11 @@ class Task(Protocol):
     """Reward in [0, 1] of a completion against a reference answer; or named components
     ``{name: float}``, whose sum is the reward (``rl_jax.data.rewards``)."""
     ...
+
+
+class EmptySplitError(ValueError):
+  """A split of a task holds no example (e.g. no prompt of a small file hashes into
+  ``eval``)."""
 
 
 def split_of(prompt: str, eval_fraction: float) -> str:

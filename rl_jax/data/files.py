@@ -51,7 +51,8 @@ from typing import Any, Iterable, Sequence
 
 from rl_jax import storage
 from rl_jax.data import verifiers
-from rl_jax.data.base import SPLITS, Example, check_options, check_split, split_of
+from rl_jax.data.base import (SPLITS, EmptySplitError, Example, check_options, check_split,
+                              split_of)
 from rl_jax.data.records import (FIELDS, FORMATS, detect_format, gsm8k_reference, iter_qa,
                                  iter_records, read_qa, to_qa)
 
@@ -160,7 +161,7 @@ def tfds_source(path: str, fmt: str = "auto", data_dir: str | None = None,
                              data_dir=data_dir or DEFAULT_DATA_DIR, file_format="array_record")
   builder.download_and_prepare()
   if split not in builder.info.splits:
-    raise ValueError(f"{path}: split {split!r} is empty (eval_fraction={eval_fraction})")
+    raise EmptySplitError(f"{path}: split {split!r} is empty (eval_fraction={eval_fraction})")
   return builder.as_data_source(split=split)
 
 
@@ -202,7 +203,7 @@ class QASource(Sequence):
     else:
       raise ValueError(f"unknown data backend {backend!r}; use 'tfds' or 'memory'")
     if len(self._src) == 0:  # pylint: disable=g-explicit-length-test
-      raise ValueError(f"{path}: split {split!r} is empty (eval_fraction={eval_fraction})")
+      raise EmptySplitError(f"{path}: split {split!r} is empty (eval_fraction={eval_fraction})")
 
   def __len__(self) -> int:
     return len(self._src)
@@ -319,7 +320,7 @@ class FileTask:
                       eval_fraction=fraction)
     view = ExampleView(source, self.template, size)
     if not len(view):  # pylint: disable=g-explicit-length-test
-      raise ValueError(f"file task: split {which!r} of {self.path} is empty")
+      raise EmptySplitError(f"file task: split {which!r} of {self.path} is empty")
     return view
 
   def verify(self, completion: str, answer: str) -> float:

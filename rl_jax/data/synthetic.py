@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
-from rl_jax.data.base import Example, check_options, check_split, split_of
+from rl_jax.data.base import EmptySplitError, Example, check_options, check_split, split_of
 from rl_jax.data.expressions import countdown_reward, parse_expression, render_expression
 
 __all__ = ["TASKS", "Arithmetic", "Countdown", "Sorting", "SyntheticTask", "by_difficulty",
@@ -162,8 +162,8 @@ class SyntheticTask:
         out.append(e)
         misses = 0
     if not out:
-      raise ValueError(f"{self.name}: split {which!r} is empty (eval_fraction="
-                       f"{self.eval_fraction}, size={size})")
+      raise EmptySplitError(f"{self.name}: split {which!r} is empty (eval_fraction="
+                            f"{self.eval_fraction}, size={size})")
     return out
 
 

@@ -28,6 +28,7 @@ from rl_jax.data import group_rewards
 from rl_jax.data import rewards as rewards_lib
 from rl_jax.data import tasks as tasks_lib
 from rl_jax.data import tokenizers as tok_lib
+from rl_jax.data.base import EmptySplitError
 from rl_jax.errors import ConfigError, DataError, ModelError, RLJaxError
 from rl_jax.train import agent_stage, judge_stage, selection_stage, speculative_stage
 from rl_jax.train.inputs import PROVIDED_INPUTS, SINGLE_TURN_INPUTS
@@ -250,9 +251,7 @@ def _eval_split(task, d: settings.DataSettings, *, evaluates: bool) -> list:
   train split has none: one line when the run evaluates, else no eval split."""
   try:
     evals = task.split("eval")
-  except ValueError as e:
-    if "split 'eval' is empty" not in str(e):
-      raise
+  except EmptySplitError:
     if evaluates:
       raise ConfigError(f"data: {d.path} leaves no held-out prompts (a hash of each prompt "
                         "puts about 1 in 20 in the eval split): set data.eval_path to a "
