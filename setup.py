@@ -54,6 +54,7 @@ setup(
             "pytest",
             "chex>=0.1.90",
             "pytest-xdist",
+            "pytest-timeout",  # pytest.ini: a hung test is stopped with its stacks
             "hypothesis",
             "transformers>=4.50",
             "peft>=0.13",  # the LoRA export's parity test

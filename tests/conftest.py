@@ -110,6 +110,7 @@ SLOW_TESTS = (
     "test_serve_train.py::test_sessions_sample_what_an_in_process_environment_samples",
     "test_xdist_crash.py::test_a_test_that_crashes_its_worker_once_runs_again_and_the_run_finishes",
     "test_xdist_crash.py::test_a_test_that_crashes_its_worker_twice_fails_and_the_run_finishes",
+    "test_xdist_crash.py::test_a_test_that_hangs_is_stopped_with_its_stacks_and_fails",
     # a 64-chip slice's dry run in a subprocess (a libtpu abort would take pytest down)
     "test_tpu_compile.py::test_sampler_compiles_on_a_host_whose_chips_are_not_the_first_ids",
     # more TPU compiles of programs the fast suite compiles once: the largest-batch search

@@ -15,7 +15,7 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _write_suite(directory, always):
+def _write_suite(directory, always, hang=False):
   (directory / "conftest.py").write_text(textwrap.dedent(f"""
       import sys
       sys.path.insert(0, {str(ROOT)!r})
@@ -34,16 +34,16 @@ def _write_suite(directory, always):
         def test_c():
           if {last} and ({always} or not pathlib.Path({str(flag)!r}).exists()):
             pathlib.Path({str(flag)!r}).touch()
-            os.abort()
+            time.sleep(60) if {hang} else os.abort()
         def test_d(): pass
         """))
 
 
-def _run_suite(directory):
+def _run_suite(directory, *options):
   env = dict(os.environ, PYTHONFAULTHANDLER="0")
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
-       "--rootdir", str(directory), str(directory)],
+       "--rootdir", str(directory), *options, str(directory)],
       cwd=directory, env=env, capture_output=True, text=True, timeout=300)
   return proc, proc.stdout.strip().splitlines()[-1]
 
@@ -62,4 +62,16 @@ def test_a_test_that_crashes_its_worker_twice_fails_and_the_run_finishes(tmp_pat
   proc, summary = _run_suite(tmp_path)
   assert proc.returncode == 1, proc.stdout[-3000:]
   assert "crashed while running 'test_file3.py::test_c'" in proc.stdout
+  assert "1 failed, 15 passed, 1 rerun" in summary, proc.stdout[-3000:]
+
+
+def test_a_test_that_hangs_is_stopped_with_its_stacks_and_fails(tmp_path):
+  """pytest.ini's time-outs, shortened: the stacks are printed, the worker exits, the test runs
+  once more and fails, and the run finishes."""
+  _write_suite(tmp_path, always=True, hang=True)
+  proc, summary = _run_suite(tmp_path, "-o", "faulthandler_timeout=2", "-o", "timeout=4",
+                             "-o", "timeout_method=thread")
+  assert proc.returncode == 1, proc.stdout[-3000:]
+  assert "crashed while running 'test_file3.py::test_c'" in proc.stdout
+  assert "in test_c" in proc.stdout + proc.stderr  # the faulthandler's stack of the hung test
   assert "1 failed, 15 passed, 1 rerun" in summary, proc.stdout[-3000:]
