@@ -30,6 +30,7 @@ so an estimator registered by a user config file is accepted too.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, NamedTuple
 
 import ml_collections
@@ -247,6 +248,11 @@ def notices(config: ml_collections.ConfigDict) -> list[str]:
         "or raise model.init_std to 0.1 and optim.lr to 5e-4 as configs/quickstart.py:lora "
         "does")
   out += _unread(config)
+  d = config.data
+  if d.eval_path and d.path and _same_file(d.eval_path, d.path):
+    out.append(f"note: data.eval_path={d.eval_path!r} is the training file data.path: "
+               "evaluation scores questions the policy trains on; leave data.eval_path unset "
+               "to hold out a stable 5% of the file instead")
   o = config.optim
   for stage, updates in stage_updates(config):
     if updates and o.schedule == "constant" and o.warmup_steps > updates:
@@ -254,6 +260,13 @@ def notices(config: ml_collections.ConfigDict) -> list[str]:
                  f"stage's {updates} optimizer updates: its learning rate reaches only "
                  f"{updates / o.warmup_steps:.2g} of its peak")
   return out
+
+
+def _same_file(a: str, b: str) -> bool:
+  """Whether two paths name one file (``~`` expanded; links followed for local paths)."""
+  if "://" in a or "://" in b:
+    return a.rstrip("/") == b.rstrip("/")
+  return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 # loss knobs read only by a part another knob turns on: (knob, that knob, is the part on)

@@ -184,6 +184,22 @@ def test_a_setting_nothing_reads_gets_a_note(overrides, note):
   assert len(notes) == 1 and note in notes[0], notes
 
 
+def test_a_held_out_file_that_is_the_training_file_gets_a_note(tmp_path):
+  """The same file through another spelling (``./``, a link) is still the same file."""
+  train = tmp_path / "train.jsonl"
+  train.write_text("")
+  (tmp_path / "link.jsonl").symlink_to(train)
+  for eval_path in (str(train), f"{tmp_path}/./train.jsonl", str(tmp_path / "link.jsonl")):
+    config = config_utils.load_config(QUICKSTART, ["data.task=file", f"data.path={train}",
+                                                   f"data.eval_path={eval_path}"])
+    (note,) = base.notices(config)
+    assert "is the training file data.path: evaluation scores questions" in note, note
+  (tmp_path / "test.jsonl").write_text("")
+  assert base.notices(config_utils.load_config(
+      QUICKSTART, ["data.task=file", f"data.path={train}",
+                   f"data.eval_path={tmp_path / 'test.jsonl'}"])) == []
+
+
 @pytest.mark.parametrize("overrides", [
     ["loss.tis_cap=3.0", "loss.tis_level=token"], ["loss.preset=vcpo", "loss.tis_cap=3.0"],
     ["loss.preset=ppo", "optim.value_lr=0.001"], ["rollout.temperature=0", "rollout.n=1"],
