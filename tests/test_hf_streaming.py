@@ -423,3 +423,23 @@ def test_release_host_memory_looks_up_libc_once(monkeypatch):
     hf_mod._glibc_malloc_trim.cache_clear()
   assert calls == ["c"]
   assert results == [results[0]] * 3 and results[0] == (hf_mod._glibc_malloc_trim() is not None)
+
+
+def test_layer_tensors_the_model_type_has_no_place_for(tmp_path):
+  """Qwen3 weights under config.json's ``"llama"`` would load without their q/k norms; a
+  stale RoPE ``inv_freq`` buffer and tensors outside the layers are not weights and load."""
+  tiny_hf_model("qwen3", tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+  with pytest.raises(ModelError, match="layer tensor.*no place for, e.g. 'model.layers.0.self_"
+                     "attn.k_norm.weight'.*set model_type") as err:
+    models.load_hf(str(tmp_path))
+  _one_line(err)
+  tiny_hf_model("llama", tmp_path)
+  f = tmp_path / "model.safetensors"
+  with safe_open(str(f), "np") as st:
+    tensors = {k: st.get_tensor(k) for k in st.keys()}
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+  tensors["mtp.head.weight"] = np.ones((2, 2), np.float32)
+  save_file(tensors, str(f))
+  models.load_hf(str(tmp_path))

@@ -176,6 +176,7 @@ class _TensorIndex:
 
   def __init__(self, path: str):
     self._headers: dict[str, dict] = {}
+    self.used: set[str] = set()  # names read so far
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
       try:
@@ -223,6 +224,7 @@ class _TensorIndex:
     """Rows ``start:stop`` (axis 0) of tensor ``name`` in its file's dtype, read into ``out``
     (C-contiguous, that shape and dtype) or a new array; [stop-start, *shape[1:]]."""
     dtype, shape, offset, fname = self.info(name)
+    self.used.add(name)
     rows = shape[0] if shape else 1
     stop = rows if stop is None else stop
     row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
@@ -384,7 +386,30 @@ def load_hf(path: str, dtype=jnp.float32, shardings: Any = None, compute_dtype=N
   if cfg.is_moe:
     _load_mlp_stacks(cfg, idx, expected, params, load, dtype, sh)
   release_host_memory()  # the read buffers of the tensors, freed above
+  _check_layers_read(idx, cfg, path)
   return cfg, params
+
+
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layers_read(idx: _TensorIndex, cfg: ModelConfig, path: str) -> None:
+  """Raises when a tensor of one of the model's layers was never read: the layers are then
+  another architecture's than config.json's ``model_type`` says (Qwen3's q_norm under
+  ``"llama"``, say), and the model would run without them. Tensors outside the layers
+  (a vision tower, extra heads) and RoPE's cached ``inv_freq`` are not weights of the model
+  and stay unread."""
+  unread = sorted(
+      name for name in idx.files
+      if name not in idx.used and not name.endswith("rotary_emb.inv_freq")
+      and (m := _LAYER_TENSOR.match(name)) and int(m.group(1)) < cfg.num_layers)
+  if unread:
+    with open(os.path.join(path, "config.json")) as f:
+      model_type = json.load(f).get("model_type")
+    raise ModelError(
+        f"{path}: {len(unread)} layer tensor(s) that a {model_type!r} model (config.json's "
+        f"model_type) has no place for, e.g. {unread[0]!r}: the weights are another "
+        "architecture's; set model_type to theirs")
 
 
 def _stack(idx: _TensorIndex, names, shape: tuple[int, ...], kind: str, dtype) -> np.ndarray:
