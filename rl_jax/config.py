@@ -331,7 +331,35 @@ def _unread(config: ml_collections.ConfigDict) -> list[str]:
              "train.async_lag=-1 (a fixed lag k trains every batch k versions late)"))
   out += [f"note: {key}={cu.get_value(config, key)!r} is read only with {on}: it has no effect"
           for key, bad, on in unused if bad]
-  return out
+  return out + _unread_env(config.env)
+
+
+# env settings that only some built-in tasks read (a task of the user's own, env.name=
+# "module:factory" or verifiers, receives the whole section and may read any of them)
+_TASK_FIELDS = {"digits_min": ("calculator",), "digits_max": ("calculator",),
+                "guess_n": ("guess",), "step_penalty": ("guess",),
+                "tool_format": ("math_tools",), "python_timeout_s": ("math_tools",),
+                "max_tool_calls": ("math_tools",), "system_prompt": ("math_tools", "gymnasium"),
+                "gym_codec": ("gymnasium",), "invalid_reward": ("gymnasium",)}
+
+
+def _unread_env(env: ml_collections.ConfigDict) -> list[str]:
+  """``note:`` lines for ``env`` settings changed from their defaults that this run's task
+  does not read: any of them without ``env.name`` (the single-turn trainer), the
+  task-specific ones under a built-in task that is not theirs."""
+  defaults = settings.EnvSettings()
+  changed = [k for k in env if k not in ("name", "kwargs") and env[k] != getattr(defaults, k)]
+  if not env.name:
+    return [f"note: env.{k}={env[k]!r} is read only by multi-turn tasks, and env.name is "
+            "unset (the single-turn trainer): it has no effect" for k in changed]
+  if env.name not in _TASK_FIELDS_READERS:
+    return []
+  return [f"note: env.{k}={env[k]!r} is read only by env.name={' or '.join(_TASK_FIELDS[k])}, "
+          f"and this run's is {env.name}: it has no effect"
+          for k in changed if k in _TASK_FIELDS and env.name not in _TASK_FIELDS[k]]
+
+
+_TASK_FIELDS_READERS = ("calculator", "guess", "math_tools", "gymnasium")
 
 
 def _check_sampler_weights(config: ml_collections.ConfigDict) -> None:

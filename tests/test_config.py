@@ -176,6 +176,10 @@ def test_bad_selection_settings_fail_in_one_line(overrides, word):
       "loss.preset=vcpo"], "rollout.max_staleness=0 is read only with rollout.partial, or "
      "train.mode=async with train.async_lag=-1 (a fixed lag k trains every batch k versions "
      "late)"),
+    (["env.max_turns=5"], "env.max_turns=5 is read only by multi-turn tasks, and env.name "
+     "is unset (the single-turn trainer): it has no effect"),
+    (["env.name=calculator", "env.guess_n=7"], "env.guess_n=7 is read only by env.name=guess, "
+     "and this run's is calculator: it has no effect"),
 ])
 def test_a_setting_nothing_reads_gets_a_note(overrides, note):
   """A value given for a part the run does not have is not silently dropped: one ``note:``
@@ -205,6 +209,8 @@ def test_a_held_out_file_that_is_the_training_file_gets_a_note(tmp_path):
     ["loss.preset=ppo", "optim.value_lr=0.001"], ["rollout.temperature=0", "rollout.n=1"],
     ["loss.kl_kind=k1", "loss.kl_beta=0.01"], ["rollout.temperature=0", "loss.preset=ppo"],
     ["rollout.over_sampling=3.0", "rollout.partial=True"],
+    ["env.name=guess", "env.guess_n=7", "env.max_turns=5"],
+    ["env.name=calculator", "env.digits_max=4", "env.kwargs.anything=1"],
     ["train.mode=async", "train.async_lag=-1", "rollout.max_staleness=2",
      "loss.preset=vcpo"],
 ])
