@@ -341,6 +341,7 @@ _TASK_FIELDS = {"digits_min": ("calculator",), "digits_max": ("calculator",),
                 "tool_format": ("math_tools",), "python_timeout_s": ("math_tools",),
                 "max_tool_calls": ("math_tools",), "system_prompt": ("math_tools", "gymnasium"),
                 "gym_codec": ("gymnasium",), "invalid_reward": ("gymnasium",)}
+_TASK_FIELDS_READERS = ("calculator", "guess", "math_tools", "gymnasium")
 
 
 def _unread_env(env: ml_collections.ConfigDict) -> list[str]:
@@ -357,9 +358,6 @@ def _unread_env(env: ml_collections.ConfigDict) -> list[str]:
   return [f"note: env.{k}={env[k]!r} is read only by env.name={' or '.join(_TASK_FIELDS[k])}, "
           f"and this run's is {env.name}: it has no effect"
           for k in changed if k in _TASK_FIELDS and env.name not in _TASK_FIELDS[k]]
-
-
-_TASK_FIELDS_READERS = ("calculator", "guess", "math_tools", "gymnasium")
 
 
 def _check_sampler_weights(config: ml_collections.ConfigDict) -> None:
