@@ -255,6 +255,28 @@ SLOW_TESTS = (
     "test_packing.py::test_rows_of_several_responses_give_the_gradients_of_one_per_row[qwen3]",
     "test_packing.py::"
     "test_rows_of_several_responses_give_the_log_probs_and_entropies_of_one_per_row[qwen2]",
+    # runs beside faster checks of their parts: QLoRA's run and export (the int4 base's
+    # logits, gradients, merge and export: the rest of test_qlora.py), a run without the
+    # supervised stage (its state: test_supervised_state_is_dropped_when_rl_starts), LoRA
+    # checkpoints without a warm start (the LoRA run's checkpoints and resume), int8
+    # rollouts with a correction (the int8 sampler: test_sampler_weights' decode test; the
+    # corrections: the loss tests), the replay buffer's resume (its queue and draws; resume:
+    # test_train.py), rows that cannot take several responses (the plan's rule beside it)
+    "test_qlora.py::test_qlora_run_keeps_an_int4_base_and_exports_it",
+    "test_memory.py::test_no_supervised_optimizer_state_with_sft_steps_zero",
+    "test_lora.py::test_checkpoints_without_warm_start_hold_adapters_and_rebuild_the_base",
+    "test_sampler_weights.py::test_int8_rollouts_train_with_an_is_correction",
+    "test_replay.py::test_resume_is_bit_exact",
+    "test_packing.py::test_the_plan_is_ignored_where_rows_cannot_take_several_responses",
+    # second meshes and cases: the grouped layout's gradient on 8 devices (the packed rows'
+    # 8-device twin: test_packing.py::test_rows_of_several_responses_on_eight_devices_...),
+    # multi-turn teacher forcing at temperature 1 (0.7 stays), a growing pool for resumed
+    # samples with prefixes of their own (shared prefixes stay)
+    "test_grouped.py::test_packed_gradient_on_eight_devices_with_two_groups",
+    "test_agent_rollout.py::"
+    "test_logprobs_equal_teacher_forcing_and_observations_are_delta_ids[1.0]",
+    "test_paged_kv.py::"
+    "test_a_growing_pool_makes_room_for_long_resumed_samples_before_rebuilding_them[False]",
 )
 
 
