@@ -9,15 +9,19 @@ time-out (counted
 from when the worker starts it, not from submission; also one that finished late before the
 loop looked), becomes an error observation
 (``error_message``) that is flagged in the outcome; the loop never crashes or stalls on it.
-A timed-out worker cannot be interrupted: its late result is discarded (size the pool for
-the steps that may hang).
+A timed-out step cannot be interrupted: its thread runs on in the background, no longer
+counted against ``workers`` (the next waiting step starts in its place), and its late result
+is discarded. The threads are daemons, so a step that never returns does not keep the
+process from exiting.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -93,10 +97,48 @@ class EnvPool:
   """
 
   def __init__(self, workers: int, timeout: float | None):
-    self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
-    self.timeout = timeout
+    self.workers, self.timeout = int(workers), timeout
     self._pending: dict[Any, tuple[cf.Future, dict, Callable]] = {}
+    self._waiting: collections.deque = collections.deque()  # (future, box, fn) not started
+    self._running: list[tuple[cf.Future, dict]] = []  # started, neither done nor late
+    self._closed = False
+    self._lock = threading.Lock()  # _waiting and _running: a finishing step starts the next
     self.reported: set[str] = set()  # the failures ``_note`` has printed
+
+  def _late(self, box: dict, now: float) -> bool:
+    return self.timeout is not None and "start" in box and (
+        box.get("elapsed", now - box["start"]) > self.timeout)
+
+  def _spawn(self, fut: cf.Future, fn: Callable) -> None:
+    """``fn()`` into ``fut`` on a daemon thread, which then starts the next waiting step."""
+    def run():
+      if fut.set_running_or_notify_cancel():
+        try:
+          fut.set_result(fn())
+        except BaseException as e:  # pylint: disable=broad-except
+          fut.set_exception(e)
+      self._launch()
+    threading.Thread(target=run, name="env", daemon=True).start()
+
+  def _launch(self) -> None:
+    """Starts waiting steps while fewer than ``workers`` run (a timed-out step no longer
+    counts: its thread cannot be stopped, so it is left behind)."""
+    with self._lock:
+      now = time.monotonic()
+      self._running = [(f, b) for f, b in self._running
+                       if not f.done() and not self._late(b, now)]
+      while self._waiting and len(self._running) < self.workers and not self._closed:
+        fut, box, fn = self._waiting.popleft()
+        if not fut.cancelled():
+          self._spawn(fut, fn)
+          self._running.append((fut, box))
+
+  def _submit(self, fn: Callable, box: dict) -> cf.Future:
+    fut = cf.Future()
+    with self._lock:
+      self._waiting.append((fut, box, fn))
+    self._launch()
+    return fut
 
   def _note(self, error: str) -> None:
     """One stderr line for each of the first few distinct failures of the environment, which
@@ -128,7 +170,7 @@ class EnvPool:
         return None, error, render((error_message(error),))
       return result, None, (([], (), False) if result.done else render(result.messages))
 
-    self._pending[key] = (self._pool.submit(work), box, render)
+    self._pending[key] = (self._submit(work, box), box, render)
 
   def keys(self) -> list:
     """The keys of the steps not yet returned, in submission order."""
@@ -136,9 +178,9 @@ class EnvPool:
 
   def _finished(self, key, now: float) -> StepOutcome | None:
     """The outcome of step ``key`` if it finished or ran past the time-out, else None."""
+    self._launch()
     fut, box, render = self._pending[key]
-    late = self.timeout is not None and "start" in box and (
-        box.get("elapsed", now - box["start"]) > self.timeout)
+    late = self._late(box, now)
     if fut.done() and not late:
       result, error, (ids, msgs, cut) = fut.result()  # a renderer error propagates
       if result is None:
@@ -147,6 +189,12 @@ class EnvPool:
       return StepOutcome(result, ids, msgs, cut, box["elapsed"], error=error)
     if late:  # also a step that finished past the time-out before anyone looked
       text = self.timeout_text()
+      if "timeout" not in self.reported:
+        self.reported.add("timeout")
+        print(f"note: an environment step ran past env.step_timeout_s={self.timeout:g} s; the "
+              "model sees a time-out error as its observation and reward_timeouts counts it "
+              "(a step that never returns runs on in a background thread)", file=sys.stderr,
+              flush=True)
       ids, msgs, cut = render((error_message(text),))
       return StepOutcome(StepResult(msgs), ids, msgs, cut,
                          box.get("elapsed", now - box["start"]), timed_out=True, error=text)
@@ -183,16 +231,20 @@ class EnvPool:
   def replay_late(self, step: Callable[[str], Any], action: str) -> str:
     """Re-run a step recorded as timed out (its effects on the environment happened, late):
     in a worker, waited for at most the time-out. Returns the recorded error text."""
-    fut = self._pool.submit(step, action)
+    fut = cf.Future()
+    self._spawn(fut, lambda: step(action))
     cf.wait([fut], timeout=self.timeout)
     return self.timeout_text()
 
   def discard(self, key) -> None:
-    """Forget step ``key`` (its result is never returned)."""
-    self._pending.pop(key, None)
+    """Forget step ``key`` (its result is never returned; not started, it never runs)."""
+    entry = self._pending.pop(key, None)
+    if entry is not None:
+      entry[0].cancel()
 
   def wait(self, seconds: float) -> None:
     """Block until a step finishes or ``seconds`` pass."""
+    self._launch()
     futs = [f for f, _, _ in self._pending.values()]
     if futs:
       cf.wait(futs, timeout=max(seconds, 0.0), return_when=cf.FIRST_COMPLETED)
@@ -201,19 +253,26 @@ class EnvPool:
     """Block until every pending step finishes or passes its time-out (then ``poll``
     returns them all)."""
     while True:
+      self._launch()
       now = time.monotonic()
-      running = [f for f, box, _ in self._pending.values() if not f.done() and not (
-          self.timeout is not None and "start" in box and now - box["start"] > self.timeout)]
+      running = [f for f, box, _ in self._pending.values()
+                 if not f.done() and not self._late(box, now)]
       if not running:
         return
       cf.wait(running, timeout=None if self.timeout is None else 0.05)
 
   def drop(self) -> None:
     """Forget every pending step (its result is never returned; the thread finishes in the
-    background)."""
+    background; one not started never runs)."""
+    for fut, _, _ in self._pending.values():
+      fut.cancel()
     self._pending.clear()
 
   def close(self) -> None:
-    """Stop accepting steps; running ones finish in the background."""
-    self._pool.shutdown(wait=False, cancel_futures=True)
+    """Stop starting steps (waiting ones never run); running ones finish in the background."""
+    with self._lock:
+      self._closed = True
+      for fut, _, _ in self._waiting:
+        fut.cancel()
+      self._waiting.clear()
 
