@@ -6,6 +6,7 @@ question as the user message, the ``calc`` tool, the tool's answer as a tool mes
 most 3 assistant turns, reward 1 for the exact product as the final answer.
 """
 
+import itertools
 import json
 import re
 import threading
@@ -59,10 +60,14 @@ def crashing_agent(base_url: str, api_key: str, example: dict) -> float:
   raise RuntimeError("the agent broke")
 
 
-def nan_agent(base_url: str, api_key: str, example: dict) -> float:
-  """Makes one request, then returns NaN (not a reward: its episodes fail, reward 0)."""
+_CALLS = itertools.count()
+
+
+def non_number_agent(base_url: str, api_key: str, example: dict):
+  """Makes one request, then returns NaN or the string "1.0", in turn (neither is a reward:
+  its episodes fail, reward 0)."""
   calculator_agent_once(base_url, api_key, example)
-  return float("nan")
+  return float("nan") if next(_CALLS) % 2 else "1.0"
 
 
 def silent_agent(base_url: str, api_key: str, example: dict) -> float:

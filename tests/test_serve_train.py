@@ -115,13 +115,13 @@ def test_an_agent_that_never_asks_is_one_line():
 
 
 @pytest.mark.parametrize("agent,counter", [("crashing_agent", "agent_errors"),
-                                           ("nan_agent", "agent_errors"),
+                                           ("non_number_agent", "agent_errors"),
                                            ("rewriting_agent", "session_rewrites")])
 def test_a_failing_agent_fails_its_episodes_not_the_run(agent, counter):
   """An agent that raises after its first request, one that returns NaN (which once kept
-  its episodes open with no agent to answer, and the rollout hung), and one that rewrites its
-  conversation (answered 400): their episodes end with reward 0 and are counted; the rollout
-  completes."""
+  its episodes open with no agent to answer, and the rollout hung) or a string (which
+  ``float`` would read), and one that rewrites its conversation (answered 400): their
+  episodes end with reward 0 and are counted; the rollout completes."""
   s = build_setup(_config(f"env.agent=tests.openai_agents:{agent}"))
   engine = agent_stage.make_engine(s, 1.0)
   params = models.init_params(s.model_cfg, jax.random.key(0))

@@ -246,8 +246,8 @@ class AgentSession:
   def _reward(self, value) -> float:
     """The agent function's return as the episode's reward; anything but a finite number
     is a failed episode (reward 0, counted in ``agent_errors``)."""
-    try:
-      reward = float(value)
+    try:  # a string is not a number, though float() reads "1.0" (as envs.base.step_problem)
+      reward = math.nan if isinstance(value, (str, bytes)) else float(value)
     except (TypeError, ValueError):
       reward = math.nan
     if not math.isfinite(reward):
