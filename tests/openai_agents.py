@@ -90,3 +90,10 @@ def rewriting_agent(base_url: str, api_key: str, example: dict) -> float:
               reply.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
   client.chat.completions.create(model="policy", messages=messages)
   return 1.0
+
+
+def greeting_agent(base_url: str, api_key: str, example: dict) -> float:
+  """Opens every session with "hello" instead of the task's prompt for its example."""
+  client_for(base_url, api_key).chat.completions.create(
+      model="policy", messages=[{"role": "user", "content": "hello"}])
+  return 1.0

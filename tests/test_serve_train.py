@@ -16,7 +16,7 @@ import pytest
 
 from rl_jax import config_utils, metrics, models, train
 from rl_jax.envs import Message, StepResult
-from rl_jax.errors import ConfigError
+from rl_jax.errors import ConfigError, RLJaxError
 from rl_jax.rollout.agent_records import EpisodeSpec
 from rl_jax.serve.sessions import assistant_reply
 from rl_jax.train import agent_stage
@@ -143,3 +143,14 @@ def test_agent_config_errors_are_one_line():
   with pytest.raises(ConfigError, match="env.agent"):
     build_setup(config_utils.load_config(AGENT_QUICKSTART, [
         "env.name=", "env.agent=tests.openai_agents:calculator_agent"]))
+
+
+@pytest.mark.slow  # a one-step run; the sessions' checks of their own: the tests above
+def test_an_agent_that_opens_with_another_prompt_is_one_line(tmp_path):
+  """The trainer packs prompts from the task, so a session must open with the task's
+  prompt for its example; the line says so, not that the tokenizer is at fault."""
+  with pytest.raises(RLJaxError, match=r"env.agent='tests.openai_agents:greeting_agent': the "
+                     r"first request of example \d+'s sessions does not render to the prompt "
+                     "env.name='calculator' gives that example"):
+    train.train(_config("env.agent=tests.openai_agents:greeting_agent", "train.steps=1",
+                        "sft.steps=0", "train.eval_every=0"), str(tmp_path), progress=False)

@@ -236,7 +236,15 @@ def _agentic(t: TrainParts, params, p: ProducerState, *, step: int, version: int
     idx, data = next_indices(s, np.asarray(p.data), geo.groups)
     out = agent_stage.roll(s, t.agent[0], params, idx, step=step, version=version)
   rollout_s = time.perf_counter() - t0
-  if out.prompts != encode_prompts(s, [s.train_examples[i] for i in idx]):
+  want = encode_prompts(s, [s.train_examples[i] for i in idx])
+  if out.prompts != want:
+    if s.env.agent:  # the agent's first request opens the episode
+      g = next(i for i, (a, b) in enumerate(zip(out.prompts, want)) if a != b)
+      raise RLJaxError(
+          f"env.agent={s.env.agent!r}: the first request of example {int(idx[g])}'s sessions "
+          f"does not render to the prompt env.name={s.env.name!r} gives that example "
+          f"({len(out.prompts[g])} tokens against {len(want[g])}): open each session with "
+          "the task's messages for its example (docs/AGENTS.md)")
     raise RLJaxError("env: the engine's first prompts differ from the packed layout's "
                      "(the chat format does not tokenize like the tokenizer)")
   R, G, M = geo.new_tokens, geo.groups, geo.samples
