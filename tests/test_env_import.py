@@ -67,6 +67,10 @@ def raises(config):
   raise ValueError("boom")
 
 
+def reads_a_missing_setting(config):
+  return config.kwargs.max_n
+
+
 def wrong_type(config):
   return {"train": []}
 
@@ -241,6 +245,9 @@ def test_verifiers_taskset_by_import_path(user_dir):
     (["env.name=my_env:missing"], "module 'my_env' ("),
     (["env.name=my_env:raises"], "env.name='my_env:raises': calling raises raised "
                                  "ValueError: boom"),
+    (["env.name=my_env:reads_a_missing_setting"], "raised AttributeError: \"'max_n'\" (no env "
+     "setting or env.kwargs key 'max_n': the user's own settings go in env.kwargs, e.g. "
+     "--config.env.kwargs.max_n=VALUE)"),
     (["env.name=my_env:wrong_type"], "returned a dict, not an rl_jax.envs.EnvSpec"),
     (["env.name=my_env:empty"], "has no train examples"),
     (["env.name=my_env:bad_reset"], "starting its first train example raised KeyError"),

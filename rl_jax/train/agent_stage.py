@@ -112,6 +112,27 @@ def env_task(e: settings.EnvSettings, data: settings.DataSettings, sft_steps: in
   return _checked(spec, key, fmt, sft_steps)
 
 
+def _call_with_section(path: str, key: str, e: settings.EnvSettings):
+  """``imports.call(path, key, e.section())``; a key the function reads that the section
+  lacks (ConfigDict raises AttributeError or KeyError with the key quoted) is named, with
+  how to set it."""
+  section = e.section()
+  try:
+    return imports.call(path, key, section)
+  except ConfigError as err:
+    cause = err.__cause__
+    while isinstance(cause, AttributeError) and cause.args and isinstance(cause.args[0],
+                                                                          KeyError):
+      cause = cause.args[0]  # ConfigDict's attribute access wraps its KeyError
+    name = (cause.args[0].strip("'\"") if isinstance(cause, (AttributeError, KeyError))
+            and cause.args and isinstance(cause.args[0], str) else "")
+    if name.isidentifier() and name not in section and name not in section.kwargs:
+      raise ConfigError(f"{err} (no env setting or env.kwargs key {name!r}: the user's own "
+                        f"settings go in env.kwargs, e.g. --config.env.kwargs.{name}=VALUE)"
+                        ) from None
+    raise
+
+
 def external_task(e: settings.EnvSettings) -> EnvSpec:
   """The task of ``env.name=module.path:factory``: ``factory(env)`` returns an ``EnvSpec``,
   where ``env`` is the run's environment section as a read-only ``ConfigDict``
@@ -119,7 +140,7 @@ def external_task(e: settings.EnvSettings) -> EnvSpec:
   found as ``rl_jax.imports`` says (sys.path, the config file's directory, the working
   directory); a bad path, a factory that raises or that returns anything else is one
   ``ConfigError`` line."""
-  spec = imports.call(e.name, "env.name", e.section())
+  spec = _call_with_section(e.name, "env.name", e)
   if not isinstance(spec, EnvSpec):
     raise ConfigError(f"env.name={e.name!r} returned a {type(spec).__name__}, not an "
                       "rl_jax.envs.EnvSpec")
@@ -190,7 +211,7 @@ def verifiers_task(e: settings.EnvSettings, fmt) -> EnvSpec:
     import verifiers.v1 as vf  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ConfigError(f"{key} needs verifiers (pip install 'rl_jax[agent]')") from None
-  out = imports.call(e.verifiers, "env.verifiers", e.section())
+  out = _call_with_section(e.verifiers, "env.verifiers", e)
   train, evals = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
   for what, ts in (("the train taskset", train), ("the eval taskset", evals)):
     if not (isinstance(ts, vf.Taskset) or (ts is None and what == "the eval taskset")):
