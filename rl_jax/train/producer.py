@@ -239,7 +239,7 @@ def _agentic(t: TrainParts, params, p: ProducerState, *, step: int, version: int
   want = encode_prompts(s, [s.train_examples[i] for i in idx])
   if out.prompts != want:
     if s.env.agent:  # the agent's first request opens the episode
-      g = next(i for i, (a, b) in enumerate(zip(out.prompts, want)) if a != b)
+      g = next((i for i, (a, b) in enumerate(zip(out.prompts, want)) if a != b), 0)
       raise RLJaxError(
           f"env.agent={s.env.agent!r}: the first request of example {int(idx[g])}'s sessions "
           f"does not render to the prompt env.name={s.env.name!r} gives that example "
