@@ -38,7 +38,7 @@ from ml_collections import config_dict
 
 from rl_jax import config_utils as cu
 from rl_jax import losses
-from rl_jax import settings
+from rl_jax import settings, storage
 from rl_jax.errors import ConfigError
 
 __all__ = ["DISTILL_KNOBS", "check_objective",
@@ -264,7 +264,7 @@ def notices(config: ml_collections.ConfigDict) -> list[str]:
 
 def _same_file(a: str, b: str) -> bool:
   """Whether two paths name one file (``~`` expanded; links followed for local paths)."""
-  if "://" in a or "://" in b:
+  if storage.is_remote(a) or storage.is_remote(b):
     return a.rstrip("/") == b.rstrip("/")
   return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
@@ -341,7 +341,7 @@ _TASK_FIELDS = {"digits_min": ("calculator",), "digits_max": ("calculator",),
                 "tool_format": ("math_tools",), "python_timeout_s": ("math_tools",),
                 "max_tool_calls": ("math_tools",), "system_prompt": ("math_tools", "gymnasium"),
                 "gym_codec": ("gymnasium",), "invalid_reward": ("gymnasium",)}
-_TASK_FIELDS_READERS = ("calculator", "guess", "math_tools", "gymnasium")
+_TASK_FIELDS_READERS = {task for tasks in _TASK_FIELDS.values() for task in tasks}
 
 
 def _unread_env(env: ml_collections.ConfigDict) -> list[str]:

@@ -81,7 +81,6 @@ def test_at_most_workers_steps_run_at_once():
 def test_a_step_that_never_returns_does_not_keep_the_process_alive():
   code = textwrap.dedent("""
       import threading
-      from rl_jax.envs.base import StepResult
       from rl_jax.rollout.env_pool import EnvPool
       class Forever:
         def step(self, action):
