@@ -223,7 +223,8 @@ SLOW_TESTS = (
     # layers_pool_in_place; the paged decode on 8 devices: test_paged_kv.py), the multi-
     # turn pool growing with small pages (its fixed pool preempting: test_a_fixed_pool_
     # preempts_and_resumes_by_recompute[True]), multi-turn router replay's run (its records:
-    # test_agent_rollout.py::test_a_mixture_of_experts_policy_runs_multi_turn, test_moe_rl)
+    # test_agent_rollout.py::test_multi_turn_records_the_experts_of_every_model_token,
+    # test_moe_rl)
     "test_qlora_decode.py::test_int4_decode_on_8_devices_equals_1",
     "test_agent_rollout.py::test_small_pages_and_a_growing_pool_give_the_same_trajectories",
     "test_agent_train.py::test_router_replay_trains_a_multi_turn_moe_policy",
@@ -236,7 +237,7 @@ SLOW_TESTS = (
     # rollouts (adapters-only training: test_lora_run_trains_adapters_only_...; partial
     # rollouts: test_train.py::test_partial_rollouts_...; the asynchronous trainer:
     # test_train_async.py), held multi-turn MoE groups' expert records (the records
-    # themselves: test_a_mixture_of_experts_policy_runs_multi_turn), the MoE family's
+    # themselves: test_multi_turn_records_the_experts_of_every_model_token), the MoE family's
     # shared-prefix layout (Gemma 3's sliding windows stay)
     "test_trim.py::test_update_on_the_cut_batch_equals_the_whole_budget[ppo]",
     "test_trim.py::test_update_on_the_cut_batch_equals_the_whole_budget[multi-turn]",
@@ -277,6 +278,38 @@ SLOW_TESTS = (
     "test_logprobs_equal_teacher_forcing_and_observations_are_delta_ids[1.0]",
     "test_paged_kv.py::"
     "test_a_growing_pool_makes_room_for_long_resumed_samples_before_rebuilding_them[False]",
+    # more cases and checks beside a faster one of the same code: LoRA on attention alone
+    # (the fused MLP's own targets, gate,up and down, stay), llama's grouped gradient and
+    # qwen2's grouped layout (qwen3's and llama's stay), an int4 base in the decode loop (the
+    # dense case stays; int4 in the TPU decode: test_int4_values_are_gathered_per_layer_...),
+    # the GPU split-K kernel at 3 splits and summing at 8 (2 splits and dot at 8 stay), the
+    # int8 layer-wise merge (plain and int4 stay), the shared-prefix kernels' second shape
+    # (the first and third stay), a fresh adapter's finite-difference gradient (adapters
+    # against peft: test_adapters_match_peft_and_the_merged_export; gradients reaching the
+    # adapters only: test_qlora.py), the MoE multi-turn run (its log-probs with the records
+    # replayed, preempted and evicted: test_replaying_the_multi_turn_records_gives_the_
+    # behaviour_logprobs), the benchmark scripts' kernel, packed-rows, speculative, decode
+    # and sampling parts at toy size (the kernels: test_shared_prefix_attention.py, the
+    # packed rows: test_grouped.py, speculative rollouts: test_speculative.py, the decode
+    # attention: test_rollout.py; the lockstep harness stays)
+    "test_fused_layers.py::test_fused_mlp_with_lora_matches_unfused[q,v]",
+    "test_grouped.py::test_packed_gradients_equal_replicated[llama]",
+    "test_grouped.py::test_packed_equals_replicated_equals_plain[qwen2]",
+    "test_frozen_slices.py::test_no_whole_stack_copy_in_the_decode_loop[int4]",
+    "test_paged_attention.py::test_gpu_kernel_splits_a_row_over_programs[sum-3]",
+    "test_paged_attention.py::test_gpu_kernel_splits_a_row_over_programs[dot-3]",
+    "test_paged_attention.py::test_gpu_kernel_splits_a_row_over_programs[sum-8]",
+    "test_qlora.py::test_layerwise_merge_equals_the_whole_stack_merge[int8]",
+    "test_shared_prefix_attention.py::test_tpu_kernel_matches_plain_attention[shape1-",
+    "test_shared_prefix_attention.py::test_gpu_kernel_matches_plain_attention[shape1-",
+    "test_lora.py::"
+    "test_fresh_adapters_leave_the_model_unchanged_and_gradients_match_finite_differences",
+    "test_agent_rollout.py::test_a_mixture_of_experts_policy_runs_multi_turn",
+    "test_bench_scripts.py::test_bench_shared_prefix_kernel_part_in_interpreter",
+    "test_bench_scripts.py::test_bench_shared_prefix_packed_logprobs_equal_replicated",
+    "test_bench_scripts.py::test_bench_speculative_reuses_every_draft_of_an_unchanged_policy",
+    "test_bench_scripts.py::test_bench_decode_attention_baseline_is_the_same_attention_and_runs",
+    "test_bench_scripts.py::test_bench_rollout_sampling_at_toy_size",
 )
 
 

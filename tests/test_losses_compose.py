@@ -56,8 +56,15 @@ def _sum_denom_grad(obj):
   return jax.jit(f), jax.jit(g)
 
 
-@pytest.mark.parametrize("agg", list(losses.AGG_MODES))
-@pytest.mark.parametrize("name", ["dapo", "m2po", "vcpo", "ppo"])
+# every objective and every aggregation once in the fast suite (the diagonal); each pair with
+# -m slow
+_OBJECTIVES = ["dapo", "m2po", "vcpo", "ppo"]
+
+
+@pytest.mark.parametrize("name,agg", [
+    pytest.param(name, agg, id=f"{name}-{agg}",
+                 marks=() if i == j else pytest.mark.slow)
+    for j, agg in enumerate(losses.AGG_MODES) for i, name in enumerate(_OBJECTIVES)])
 def test_micro_batched_equals_full_batch(name, agg):
   obj, logp, batch = _setup(name, agg)
   f, g = _sum_denom_grad(obj)

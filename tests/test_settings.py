@@ -2,6 +2,7 @@
 checks, docs and rules, built once by the setup and read below it instead of the config."""
 
 import dataclasses
+import functools
 import pathlib
 import re
 import tokenize
@@ -101,9 +102,11 @@ CONFIG_READERS = {
 }
 
 
+@functools.cache
 def _code(path: pathlib.Path) -> str:
   """The file's names and operators, without strings and comments (an error message or a
-  docstring that names ``config.train.x`` reads nothing)."""
+  docstring that names ``config.train.x`` reads nothing); read once per file for all the
+  sections' cases."""
   out, last = [], None
   with open(path, "rb") as f:
     for t in tokenize.tokenize(f.readline):

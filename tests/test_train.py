@@ -46,10 +46,17 @@ def _assert_same_weights(a, b):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-  """The workdir of one finished ``_config()`` run, shared read-only by the tests below."""
-  workdir = str(tmp_path_factory.mktemp("tiny_run"))
-  train.train(_config(), workdir, progress=False)
-  return workdir
+  """The workdir of one finished ``_config()`` run, shared read-only by the tests below. It
+  starts in a workdir left by a run that died before its first checkpoint: one metrics row
+  and no checkpoint (``test_rerun_before_the_first_checkpoint_rewrites_metrics``)."""
+  workdir = tmp_path_factory.mktemp("tiny_run")
+  with open(workdir / "metrics.jsonl", "w") as f:
+    f.write(json.dumps(STALE_ROW) + "\n")
+  train.train(_config(), str(workdir), progress=False)
+  return str(workdir)
+
+
+STALE_ROW = {"step": 1, "phase": "sft", "sft_loss": 123.0}
 
 
 @pytest.mark.parametrize("extra", [
@@ -113,14 +120,12 @@ def test_kl_run_checkpoints_during_the_supervised_stage(tmp_path):
   assert checkpoint.all_steps(str(tmp_path / "checkpoints"))
 
 
-def test_rerun_before_the_first_checkpoint_rewrites_metrics(tmp_path):
-  """A run that died before saving anything starts over; its metrics rows are not kept."""
-  with open(tmp_path / "metrics.jsonl", "w") as f:
-    f.write(json.dumps({"step": 1, "phase": "sft", "sft_loss": 123.0}) + "\n")
-  train.train(_config(), str(tmp_path), progress=False)
-  rows = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+def test_rerun_before_the_first_checkpoint_rewrites_metrics(tiny_run):
+  """A run that died before saving anything starts over; its metrics rows are not kept
+  (``tiny_run`` started on such a workdir)."""
+  rows = metrics.read_jsonl(os.path.join(tiny_run, "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-  assert rows[0]["sft_loss"] != 123.0
+  assert rows[0]["sft_loss"] != STALE_ROW["sft_loss"]
 
 
 def test_rerun_of_finished_run_changes_nothing(tmp_path, tiny_run):
