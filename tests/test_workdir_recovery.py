@@ -247,6 +247,41 @@ def test_a_read_only_checkpoint_directory_is_one_error_line_before_any_step(tmp_
   assert not (workdir / "metrics.jsonl").exists()
 
 
+# saves into DIR (argv[1]) from the Python API's path (``Trainer.save`` opens a Checkpointer on
+# the user's directory and saves once); prints the error's class and text
+_SAVE_INTO = """
+import sys
+import jax.numpy as jnp
+from rl_jax import checkpoint
+try:
+  with checkpoint.Checkpointer(sys.argv[1], keep=None, save_every=0) as ckpt:
+    ckpt.save(3, {"w": jnp.ones(4)}, force=True)
+except Exception as e:
+  print(type(e).__name__ + ": " + str(e))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"),
+                    reason="as root this needs setpriv to drop CAP_DAC_OVERRIDE")
+def test_a_save_into_a_read_only_directory_is_one_error_line(tmp_path):
+  """A Checkpointer's first save into an existing mode-0500 directory (``api.Trainer.save``
+  to a directory the user may not write): one line naming it, not orbax's background-thread
+  errors (about 200 lines, then a bare PermissionError); nothing written."""
+  readonly = tmp_path / "saved"
+  readonly.mkdir()
+  readonly.chmod(0o500)
+  proc = subprocess.run(list(_NO_DAC if os.geteuid() == 0 else ()) +
+                        [sys.executable, "-c", _SAVE_INTO, str(readonly)],
+                        capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.stdout.strip() == (
+      f"StorageError: the checkpoint directory {readonly} is not writable (Permission denied); "
+      f"check that it is a directory this user (uid {os.geteuid()}) may write to, on a "
+      "filesystem mounted read-write"), (proc.stdout, proc.stderr[-3000:])
+  assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-3000:]
+  assert _tree(readonly) == {}
+
+
 def test_unreachable_bucket_is_one_error_line_within_the_probe_timeout(tmp_path):
   """``gs://`` with the storage clients pointed at a closed port: gcsfs alone would retry for
   about 30 s; the write probe gives up after ``RL_JAX_STORAGE_TIMEOUT_S=3``."""

@@ -217,6 +217,7 @@ class Checkpointer:
         STATE: ocp.StandardCheckpointHandler(use_ocdbt=self.use_ocdbt),
         METADATA: ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()})
     self._unsealed: list[int] = []  # saved steps without their checksum list yet
+    self._probed = False  # the first save checks that the directory can be written
 
   def should_save(self, step: int) -> bool:
     """True when ``step`` is a positive multiple of ``save_every`` newer than every saved step."""
@@ -233,6 +234,8 @@ class Checkpointer:
       CheckpointError: bad step, a forced step older than the latest saved one, a leftover
         ``<step>/`` directory that is not a complete checkpoint, a state leaf that is not an
         array or number, or metadata that is not JSON-serialisable.
+      StorageError: the first save of this Checkpointer cannot write into the directory (one
+        line, before orbax's background threads start on it).
     """
     step = _check_count("step", step, 0)
     if not (force or self.should_save(step)):
@@ -253,6 +256,9 @@ class Checkpointer:
     if not paths:
       raise CheckpointError("the state to checkpoint has no arrays")
     values = [tree.savable(p, leaf) for p, leaf in zip(paths, leaves)]
+    if not self._probed:
+      storage.check_writable(self.directory, "the checkpoint directory")
+      self._probed = True
     manifest = {"format": _FORMAT, "leaves": {p: tree.describe(v) for p, v in zip(paths, values)}}
     self._manager.save(step, force=True, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(tree.nest(paths, values)),
