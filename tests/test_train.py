@@ -44,6 +44,10 @@ def _assert_same_weights(a, b):
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+# the one metrics row of a run that died before its first checkpoint
+STALE_ROW = {"step": 1, "phase": "sft", "sft_loss": 123.0}
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   """The workdir of one finished ``_config()`` run, shared read-only by the tests below. It
@@ -54,9 +58,6 @@ def tiny_run(tmp_path_factory):
     f.write(json.dumps(STALE_ROW) + "\n")
   train.train(_config(), str(workdir), progress=False)
   return str(workdir)
-
-
-STALE_ROW = {"step": 1, "phase": "sft", "sft_loss": 123.0}
 
 
 @pytest.mark.parametrize("extra", [
