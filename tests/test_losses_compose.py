@@ -56,8 +56,8 @@ def _sum_denom_grad(obj):
   return jax.jit(f), jax.jit(g)
 
 
-# every objective and every aggregation once in the fast suite (the diagonal); each pair with
-# -m slow
+# every objective and every aggregation once in the fast suite (the diagonal); the other
+# pairs with -m slow
 _OBJECTIVES = ["dapo", "m2po", "vcpo", "ppo"]
 
 
