@@ -173,7 +173,8 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3,
-               save_every: int = 1, async_save: bool = True, use_ocdbt: bool | None = None):
+               save_every: int = 1, async_save: bool = True, use_ocdbt: bool | None = None,
+               writable_checked: bool = False):
     """Opens (creating if needed) ``directory``; deletes unfinished saves of earlier runs.
 
     Args:
@@ -185,6 +186,8 @@ class Checkpointer:
       use_ocdbt: store the arrays in one OCDBT database per process (orbax's default) rather
         than one zarr directory per array. None: OCDBT for a local directory, not for a
         ``gs://`` one (``REMOTE_OCDBT``). Restore reads either layout.
+      writable_checked: the caller has checked that ``directory`` can be written
+        (``storage.check_writable``), so the first ``save`` does not check it again.
     """
     if keep is not None:
       _check_count("keep", keep, 1)
@@ -217,7 +220,7 @@ class Checkpointer:
         STATE: ocp.StandardCheckpointHandler(use_ocdbt=self.use_ocdbt),
         METADATA: ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()})
     self._unsealed: list[int] = []  # saved steps without their checksum list yet
-    self._probed = False  # the first save checks that the directory can be written
+    self._probed = bool(writable_checked)  # else the first save checks it
 
   def should_save(self, step: int) -> bool:
     """True when ``step`` is a positive multiple of ``save_every`` newer than every saved step."""

@@ -187,7 +187,8 @@ def _train(s: Setup, workdir: str, progress: bool,
   ckpt_dir = storage.join(workdir, "checkpoints")
   if not storage.is_remote(ckpt_dir):  # (a bucket's workdir probe covers its prefix)
     storage.check_writable(ckpt_dir, "the checkpoint directory")  # not at the first save
-  ckpt = ckpt_lib.Checkpointer(ckpt_dir, keep=tr.keep, save_every=tr.checkpoint_every or total)
+  ckpt = ckpt_lib.Checkpointer(ckpt_dir, keep=tr.keep, save_every=tr.checkpoint_every or total,
+                              writable_checked=True)
   metrics_path = storage.join(workdir, "metrics.jsonl")
   abstract = abstract_state(s)
   lead = distributed.is_lead()  # only process 0 writes metrics, plots and the HF export
