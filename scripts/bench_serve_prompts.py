@@ -13,7 +13,12 @@ output tokens per second, and the KV memory the lane's engine holds: the slots' 
 caches plus the response pool as allocated (a growing pool doubles as the choices need
 it), and the most pool pages in use when a decode call returned.
 
+With ``--choices n`` every request asks for n choices, and a third scheduler keeps prompts on
+pages without sharing them (``share_prompts=False``): each choice prefills and holds its own
+copy of its prompt, where the default takes the first choice's whole prompt pages.
+
     python scripts/bench_serve_prompts.py --rounds 5
+    python scripts/bench_serve_prompts.py --rounds 5 --choices 4 --requests 4
 """
 
 from __future__ import annotations
@@ -49,15 +54,17 @@ def write_model(hidden: int, layers: int, context: int) -> str:
   return d
 
 
-def one_round(sched: Scheduler, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-  """(seconds, output tokens) of the requests submitted at once, waited for together."""
-  reqs = [Request(p, 1, max_tokens, SAMPLING, seed=i) for i, p in enumerate(prompts)]
+def one_round(sched: Scheduler, prompts: list[list[int]], max_tokens: int,
+              choices: int = 1) -> tuple[float, int]:
+  """(seconds, output tokens) of the requests (``choices`` each) submitted at once, waited
+  for together."""
+  reqs = [Request(p, choices, max_tokens, SAMPLING, seed=i) for i, p in enumerate(prompts)]
   start = time.perf_counter()
   for r in reqs:
     sched.submit(r)
   for r in reqs:
     r.done.wait(600)
-  return time.perf_counter() - start, sum(len(r.result()[0].ids) for r in reqs)
+  return time.perf_counter() - start, sum(len(c.ids) for r in reqs for c in r.result())
 
 
 def kv_memory(sched: Scheduler) -> dict[str, float]:
@@ -65,7 +72,7 @@ def kv_memory(sched: Scheduler) -> dict[str, float]:
   loop = sched._lanes[SAMPLING].loop  # pylint: disable=protected-access
   st, e = loop.state, loop.e
   prompts = sum(x.nbytes for x in st.prefix_k + st.prefix_v)
-  pool = kv_cache.pool_bytes(e.cfg, int(st.free.size), e.S)
+  pool = kv_cache.pool_bytes(e.cfg, int(st.refs.size), e.S)
   return {"prompt_cache_mib": prompts / 2**20, "pool_mib": pool / 2**20,
           "kv_mib": (prompts + pool) / 2**20, "peak_pages": max(loop.used),
           "page_mib": kv_cache.pool_bytes(e.cfg, 1, e.S) / 2**20}
@@ -80,6 +87,9 @@ def main() -> None:
   ap.add_argument("--max-prompt", type=int, default=400)
   ap.add_argument("--max-prompt-tokens", type=int, default=512, help="the server's limit")
   ap.add_argument("--max-tokens", type=int, default=64)
+  ap.add_argument("--choices", type=int, default=1,
+                  help="n of every request; above 1 a third layout, prompt pages that are "
+                       "not shared among a prompt's choices, runs beside the two")
   ap.add_argument("--page-size", type=int, default=64)
   ap.add_argument("--hidden", type=int, default=256)
   ap.add_argument("--layers", type=int, default=4)
@@ -88,33 +98,39 @@ def main() -> None:
   rng = np.random.default_rng(0)
   lengths = rng.integers(args.min_prompt, args.max_prompt + 1, args.requests)
   prompts = [rng.integers(3, 90, int(n)).tolist() for n in lengths]
-  layouts = {"slot": False, "pages": True}
+  layouts = {"slot": (False, True), "pages": (True, True)}
+  if args.choices > 1:
+    layouts["unshared"] = (True, False)
   scheds = {name: Scheduler(model, max_slots=args.slots, max_prompt_tokens=args.max_prompt_tokens,
                             max_tokens=args.max_tokens, page_size=args.page_size,
-                            prompt_pages=on)
-            for name, on in layouts.items()}
+                            prompt_pages=on, share_prompts=share)
+            for name, (on, share) in layouts.items()}
   print(f"{os.cpu_count()} cores; d={args.hidden}, {args.layers} layers; {args.requests} "
         f"requests, prompts {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), "
+        f"{args.choices} choice(s) each, "
         f"{args.max_tokens} new tokens, {args.slots} slots, --max-prompt-tokens "
         f"{args.max_prompt_tokens}, pages of {args.page_size}", flush=True)
   try:
     for sched in scheds.values():
-      one_round(sched, prompts, args.max_tokens)  # compiles
+      one_round(sched, prompts, args.max_tokens, args.choices)  # compiles
     times: dict[str, list[float]] = {name: [] for name in scheds}
     tokens = {}
     for _ in range(args.rounds):
       for name, sched in scheds.items():
-        seconds, tokens[name] = one_round(sched, prompts, args.max_tokens)
+        seconds, tokens[name] = one_round(sched, prompts, args.max_tokens, args.choices)
         times[name].append(seconds)
     for name, sched in scheds.items():
       med = float(np.median(times[name]))
       mem = kv_memory(sched)
-      print(f"{name:5s}: {med:.3f} s a round (rounds {', '.join(f'{t:.2f}' for t in times[name])})"
+      print(f"{name:8s}: {med:.3f} s a round (rounds {', '.join(f'{t:.2f}' for t in times[name])})"
             f", {tokens[name] / med:,.0f} output tokens/s; KV {mem['kv_mib']:.1f} MiB (prompt "
             f"caches {mem['prompt_cache_mib']:.1f}, pool {mem['pool_mib']:.1f} allocated), "
             f"peak {mem['peak_pages']} pages of {mem['page_mib']:.2f} MiB in use", flush=True)
     ratio = np.median(times["pages"]) / np.median(times["slot"])
     print(f"pages / slot time: {ratio:.2f}x", flush=True)
+    if "unshared" in times:
+      ratio = np.median(times["unshared"]) / np.median(times["pages"])
+      print(f"unshared / pages time: {ratio:.2f}x", flush=True)
   finally:
     for sched in scheds.values():
       sched.close()

@@ -1,6 +1,6 @@
 """The paged response cache: the same tokens and log-probs as one worst-case page per sample,
 across page sizes, pools small enough to preempt, pool growth and meshes; log-probs equal
-teacher forcing; page bookkeeping against a plain Python free list; bad inputs."""
+teacher forcing; page bookkeeping against plain Python reference counts; bad inputs."""
 
 import functools
 import math
@@ -119,7 +119,7 @@ def test_paged_on_a_sequence_mesh_equals_1(rare_end):
   G, P, R, S, Pg = 8, 8, 64, 4, 8 * 128
   state = rollout.kv_cache.init_state(CFG, G, M, P, R, ctx, S=S, pages=Pg)
   pool = state.suffix_k[0]
-  assert pool.sharding.shard_shape(pool.shape)[0] == Pg // 8 and state.free.shape == (8, Pg // 8)
+  assert pool.sharding.shard_shape(pool.shape)[0] == Pg // 8 and state.refs.shape == (8, Pg // 8)
   sp = rollout.records.sampling_params(CFG, 1.0, 0, 1.0, EOS, None)[0]
   i32 = jnp.int32(4)
   hlo = rollout.sampler.decode.lower(CFG, PARAMS, state, sp, i32, i32, i32, i32, filtered=False,
@@ -163,7 +163,7 @@ def test_the_pool_is_split_over_the_slots_devices():
   state = rollout.kv_cache.init_state(CFG, G, M, P, R, ctx, S=S, pages=Pg)
   for pool in (state.suffix_k[0], state.suffix_v[0]):
     assert pool.sharding.shard_shape(pool.shape)[:2] == (Pg // 4, CFG.num_kv_heads // 2)
-  assert state.free.shape == (4, Pg // 4)
+  assert state.refs.shape == (4, Pg // 4)
   sp = rollout.records.sampling_params(CFG, 1.0, 0, 1.0, EOS, None)[0]
   i32 = jnp.int32(4)
   hlo = rollout.sampler.decode.lower(CFG, PARAMS, state, sp, i32, i32, i32, i32, filtered=False,
@@ -263,7 +263,7 @@ def test_a_pool_split_over_sequence_shards_attends_as_plain_attention(on_mesh, m
   start = np.where(rng.random((G, Mm)) < 0.5, rng.integers(0, length), 0)
   need = np.arange(NP)[None, None, :] * S < length[..., None]
   table, _ = pages.allocate(jnp.full((G, Mm, NP), -1, jnp.int32),
-                            jnp.ones((D * Q, Pg // (D * Q)), bool), jnp.asarray(need), Q)
+                            jnp.zeros((D * Q, Pg // (D * Q)), jnp.int32), jnp.asarray(need), Q)
   table = np.asarray(table)
   Pl = Pg // (D * Q)
   for (g, m, e) in zip(*np.nonzero(need)):  # each entry on its own shard's pages
@@ -331,56 +331,92 @@ def test_the_engines_pool_rules_against_a_direct_count():
 
 
 @pytest.mark.parametrize("D,Q", [(1, 1), (2, 1), (2, 2)])
-def test_page_bookkeeping_matches_a_python_free_list(D, Q):
-  """Random takes and releases on device against a list of free ids per pool shard, handed
-  out lowest first, entries in row-major order; the slots of slot shard d (``d·G/D ..``)
-  take only pages of its shards, and with Q sequence shards entry e only of shard
-  ``d·Q + e mod Q`` (pages ``(d·Q + e mod Q)·Pl ..``)."""
-  G, Mm, NP = 4, 2, 4
+def test_page_bookkeeping_matches_python_reference_counts(D, Q):
+  """Random takes, forks and releases on device against a Python count of the table entries
+  naming each page: free pages (count 0) handed out lowest first per pool shard, entries in
+  row-major order; the slots of slot shard d (``d·G/D ..``) take only pages of its shards,
+  and with Q sequence shards entry e only of shard ``d·Q + e mod Q`` (pages
+  ``(d·Q + e mod Q)·Pl ..``). A fork (from a sibling or from another slot of the same
+  shard) names the source's whole pages, one more reference each, and takes a fresh page
+  for the partial one; a page goes back to the pool when the last entry naming it is
+  released."""
+  G, Mm, NP, S = 4, 2, 4, 4
   Pg = 14 if Q == 1 else 16
   Pl = Pg // (D * Q)
   rng = np.random.default_rng(0)
-  table, free = jnp.full((G, Mm, NP), -1, jnp.int32), jnp.ones((D * Q, Pl), bool)
+  table, refs = jnp.full((G, Mm, NP), -1, jnp.int32), jnp.zeros((D * Q, Pl), jnp.int32)
   ref_table = -np.ones((G, Mm, NP), int)
-  ref_free = [set(range(d * Pl, (d + 1) * Pl)) for d in range(D * Q)]
+  count = np.zeros(Pg, int)
   shard = lambda g, e: g // (G // D) * Q + e % Q
   of = np.vectorize(shard)(*np.meshgrid(np.arange(G), np.arange(Mm), np.arange(NP),
                                         indexing="ij")[::2])
+  free_of = lambda d: [p for p in range(d * Pl, (d + 1) * Pl) if count[p] == 0]
   allocate = jax.jit(functools.partial(pages.allocate, seq=Q))
   release = jax.jit(pages.release)
-  for _ in range(30):
-    if rng.random() < 0.7:
+  fork = jax.jit(functools.partial(pages.fork, S=S, seq=Q))
+  forks, across, most = 0, 0, 0
+  for _ in range(60):
+    u = rng.random()
+    if u < 0.45:
       need = rng.random((G, Mm, NP)) < 0.3
       want = need & (ref_table < 0)
-      if any(want[of == d].sum() > len(ref_free[d]) for d in range(D * Q)):
+      if any(want[of == d].sum() > len(free_of(d)) for d in range(D * Q)):
         continue  # callers check capacity first
-      table, free = allocate(table, free, jnp.asarray(need))
-      ids = [sorted(f) for f in ref_free]
+      table, refs = allocate(table, refs, jnp.asarray(need))
+      ids = [free_of(d) for d in range(D * Q)]
       taken = [0] * (D * Q)
       for at in zip(*np.nonzero(want)):
         d = shard(at[0], at[2])
         ref_table[at] = ids[d][taken[d]]
-        ref_free[d].discard(ids[d][taken[d]])
+        count[ids[d][taken[d]]] += 1
         taken[d] += 1
+    elif u < 0.75:  # one fork onto an empty row, from a row whose first entries hold pages
+      rows = [(g, m) for g in range(G) for m in range(Mm) if (ref_table[g, m] < 0).all()]
+      srcs = [(g, m, int(np.argmin(np.append(ref_table[g, m] >= 0, False))))
+              for g in range(G) for m in range(Mm)]
+      pairs = [(d, s) for d in rows for s in srcs if s[2] > 0 and s[:2] != d
+               and d[0] // (G // D) == s[0] // (G // D)]
+      sibling = [(d, s) for d, s in pairs if s[0] == d[0]]
+      pairs = sibling if sibling and rng.random() < 0.5 else pairs
+      if not pairs:
+        continue
+      (g, m), (sg, sm, held) = pairs[rng.integers(len(pairs))]
+      n = int(rng.integers(1, held * S + 1))
+      e = (n - 1) // S  # the entry holding the cut
+      if n % S and not free_of(shard(g, e)):
+        continue
+      table, refs, frm, to = fork(table, refs, *(jnp.asarray([x], jnp.int32)
+                                                 for x in (g, sm, m, n, sg)[:4]),
+                                  src_slot=jnp.asarray([sg], jnp.int32))
+      for i in range(n // S):  # whole pages: shared
+        ref_table[g, m, i] = ref_table[sg, sm, i]
+        count[ref_table[g, m, i]] += 1
+      if n % S:  # the partial page: a fresh one holding a copy
+        fresh = free_of(shard(g, e))[0]
+        ref_table[g, m, e] = fresh
+        count[fresh] += 1
+        assert (np.asarray(frm)[0, e], np.asarray(to)[0, e]) == (ref_table[sg, sm, e], fresh)
+      forks, across = forks + 1, across + (sg != g)
     else:
       rows = rng.random(G) < 0.5
-      table, free = release(table, free, jnp.asarray(rows))
-      for g in np.flatnonzero(rows):
-        for e in range(NP):
-          ref_free[shard(g, e)] |= set(ref_table[g, :, e][ref_table[g, :, e] >= 0].tolist())
+      table, refs = release(table, refs, jnp.asarray(rows))
+      for p in ref_table[rows][ref_table[rows] >= 0]:
+        count[p] -= 1
       ref_table[rows] = -1
     np.testing.assert_array_equal(np.asarray(table), ref_table)
-    assert set(np.flatnonzero(np.asarray(free)).tolist()) == set().union(*ref_free)
+    np.testing.assert_array_equal(np.asarray(refs).reshape(-1), count)
+    most = max(most, count.max())
+  assert forks - across >= 2 and across >= 2 and most >= 2
   # one entry per sample, as the decode step takes them
   take = jnp.asarray([[True, False], [True, True], [False, True], [True, False]])
   table = jnp.full((G, Mm, NP), -1, jnp.int32).at[1, 0, 2].set(5)
-  free = jnp.ones(Pg, bool).at[5].set(False).reshape(D * Q, Pl)
-  t2, f2, page = pages.take_entry(table, free, take, jnp.full((G, Mm), 2), Q)
+  refs = jnp.zeros(Pg, jnp.int32).at[5].set(1).reshape(D * Q, Pl)
+  t2, r2, page = pages.take_entry(table, refs, take, jnp.full((G, Mm), 2), Q)
   want = {(1, 1): [[0, -1], [5, 1], [-1, 2], [3, -1]],
           (2, 1): [[0, -1], [5, 1], [-1, 7], [8, -1]],
           (2, 2): [[0, -1], [5, 1], [-1, 8], [9, -1]]}[D, Q]  # entry 2: sequence shard 0
   np.testing.assert_array_equal(np.asarray(page), want)
-  assert np.asarray(t2)[2, 1, 2] == want[2][1] and not np.asarray(f2).reshape(-1)[want[2][1]]
+  assert np.asarray(t2)[2, 1, 2] == want[2][1] and np.asarray(r2).reshape(-1)[want[2][1]] == 1
 
 
 def test_paged_bad_inputs_raise_one_clear_error():
@@ -428,11 +464,11 @@ def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   rng = np.random.default_rng(0)
   table = np.full((G, Ms, NP), -1, np.int32)
   table[1, 0] = [5, 2, 7, -1]
-  free = np.ones(12, bool)
-  free[[5, 2, 7]] = False
+  refs = np.zeros(12, np.int32)
+  refs[[5, 2, 7]] = 1
   slot, src, dst, cached = (np.array(x, np.int32) for x in ([1, 1, 2], [0, 0, 0], [1, 2, 0],
                                                             [6, 8, 3]))
-  t, f, frm, to = pages.fork(jnp.asarray(table), jnp.asarray(free)[None], slot, src, dst,
+  t, f, frm, to = pages.fork(jnp.asarray(table), jnp.asarray(refs)[None], slot, src, dst,
                              cached, S)
   t, f, frm, to = map(np.asarray, (t, f, frm, to))
   f = f.ravel()
@@ -440,21 +476,23 @@ def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   assert t[1, 2].tolist() == [5, 2, -1, -1]  # 8 cached: two whole pages, nothing copied
   assert (t[0] == -1).all() and (t[1, 0] == table[1, 0]).all()  # row 3 is padding
   assert [(a, b) for a, b in zip(frm.ravel(), to.ravel()) if a < 12] == [(2, 0)]
-  assert f.tolist() == [i not in (0, 2, 5, 7) for i in range(12)]
+  # references: page 5 named by three rows, 2 by two, 7 and the copy 0 by one
+  assert f.tolist() == [{5: 3, 2: 2, 7: 1, 0: 1}.get(i, 0) for i in range(12)]
   pool = (jnp.asarray(rng.normal(size=(12, 2, 3, S)), jnp.float32),)
   moved = np.asarray(pages.copy_pages(pool, jnp.asarray(frm), jnp.asarray(to))[0])
   np.testing.assert_array_equal(moved[0], np.asarray(pool[0])[2])
   np.testing.assert_array_equal(np.delete(moved, 0, 0), np.delete(np.asarray(pool[0]), 0, 0))
   # two shards of 6 pages: slot 1's fresh page is shard 1's lowest free one (6)
   split = np.where(table >= 0, [[[11, 8, 7, -1]]], -1).astype(np.int32)
-  free = np.ones((2, 6), bool)
-  free[1, [1, 2, 5]] = False
-  t, f, frm, _ = pages.fork(jnp.asarray(split), jnp.asarray(free), slot[:1], src[:1], dst[:1],
+  refs = np.zeros((2, 6), np.int32)
+  refs[1, [1, 2, 5]] = 1
+  t, f, frm, _ = pages.fork(jnp.asarray(split), jnp.asarray(refs), slot[:1], src[:1], dst[:1],
                             cached[:1], S)
-  assert np.asarray(t)[1, 1].tolist() == [11, 6, -1, -1] and not np.asarray(f)[1, 0]
-  assert np.asarray(f)[0].all() and np.asarray(frm)[0].tolist()[:2] == [12, 8]
+  assert np.asarray(t)[1, 1].tolist() == [11, 6, -1, -1] and np.asarray(f)[1].tolist() == [
+      1, 1, 1, 0, 0, 2]
+  assert not np.asarray(f)[0].any() and np.asarray(frm)[0].tolist()[:2] == [12, 8]
   ident = np.asarray(pages.identity_table(G, Ms, NP))
-  *_, frm, to = pages.fork(jnp.asarray(ident), jnp.zeros((1, G * Ms * NP), bool), slot[:1],
+  *_, frm, to = pages.fork(jnp.asarray(ident), jnp.ones((1, G * Ms * NP), jnp.int32), slot[:1],
                            src[:1], dst[:1], cached[:1], S, identity=True)
   assert [(a, b) for a, b in zip(np.ravel(frm), np.ravel(to)) if a < G * Ms * NP] == [
       (ident[1, 0, 0], ident[1, 1, 0]), (ident[1, 0, 1], ident[1, 1, 1])]

@@ -261,10 +261,10 @@ def test_online_calls_submit_stream_and_abort_while_others_decode():
       np.testing.assert_array_equal(ids, ref.tokens[g * M + m, :len(ids)])
       np.testing.assert_allclose(lps, ref.logprobs[g * M + m, :len(ids)], atol=1e-5)
   held = int((np.asarray(loop.state.pages)[a.slot] >= 0).sum())
-  free = int(np.asarray(loop.state.free).sum())
+  free = int((np.asarray(loop.state.refs) == 0).sum())
   loop.abort(a)
   assert a.done and a.slot is None and held > 0
-  assert int(np.asarray(loop.state.free).sum()) == free + held
+  assert int((np.asarray(loop.state.refs) == 0).sum()) == free + held
   loop.submit([c])
   while not (b.done and c.done):
     loop.step()
@@ -274,3 +274,62 @@ def test_online_calls_submit_stream_and_abort_while_others_decode():
     for m, t in enumerate(grp.trajs):
       np.testing.assert_array_equal(t.tokens, ref.tokens[g * M + m])
       np.testing.assert_allclose(t.logprobs, ref.logprobs[g * M + m], atol=1e-5)
+
+
+def _on_pages(uid, prompt, new):
+  """A one-sample group whose prompt after its first id opens its sample as ids it did not
+  sample, written onto its pages at admission (the server's prompt-pages choices)."""
+  from rl_jax.rollout.agent_records import Trajectory
+  from rl_jax.rollout.loop import Group
+  rest = list(prompt[1:])
+  t = Trajectory(None, [], rest, [0.0] * len(rest), [-1] * len(rest), [False] * len(rest),
+                 [0] * len(rest))
+  grp = Group(uid, list(prompt[:1]), [t], None)
+  grp.max_turn, grp.budget = new, [len(rest) + new]
+  return grp
+
+
+def test_groups_with_one_prompt_share_its_pages_across_slots():
+  """Prompts on pages (one sample per slot): a group admitted while another with its prompt
+  decodes forks that one's whole prompt pages (one more reference each) instead of
+  prefilling them; the first group aborted, the shared pages stay with the second, whose
+  tokens (while a third group takes the freed pages) equal those of a loop that shares
+  nothing, log-probs to float rounding. Two groups admitted together share too."""
+  prompt = [(5 * j) % 60 + 1 for j in range(23)]  # 22 ids after the first: 5 pages of 4
+  other = [(3 * j) % 60 + 1 for j in range(23)]
+
+  def run(share):
+    e = rollout.RolloutEngine(CFG, n=1, max_slots=4, max_new_tokens=40, max_prompt_len=1,
+                              temperature=1.0, eos_id=None, seed=5, page_size=4,
+                              kv_pages=24, share_prefixes=share)
+    loop = rollout.Loop(e, e.prepare_params(PARAMS), 0)
+    loop.chunk_steps = 3
+    a, b, c = _on_pages(0, prompt, 16), _on_pages(1, prompt, 16), _on_pages(2, other, 16)
+    loop.submit([a])
+    loop.step()
+    loop.submit([b])
+    loop.step()  # b joins while a decodes
+    shared = np.asarray(loop.state.pages)[b.slot, 0, :5]
+    refs = np.asarray(loop.state.refs).reshape(-1)[shared]
+    loop.abort(a)
+    after = np.asarray(loop.state.refs).reshape(-1)[shared]
+    loop.submit([c])
+    while not (b.done and c.done):
+      loop.step()
+    d, f = _on_pages(3, other, 8), _on_pages(4, other, 8)
+    loop.submit([d, f])  # admitted together
+    while not (d.done and f.done):
+      loop.step()
+    return loop, (b, c, d, f), refs, after
+
+  loop, groups, refs, after = run(True)
+  base, plain, *_ = run(False)
+  assert loop.stats["forked_samples"] == 2 and base.stats["forked_samples"] == 0
+  assert loop.stats["fork_tokens_shared"] == 2 * 21  # all but the last prompt id
+  assert refs[:5].tolist() == [2] * 5 and after[:5].tolist() == [1] * 5
+  assert loop.used[1] == base.used[1] - 5  # after b joined: a's 5 prompt pages held once
+  for grp, ref in zip(groups, plain):
+    t, r = grp.trajs[0], ref.trajs[0]
+    assert len(t.tokens) > len(prompt)
+    np.testing.assert_array_equal(t.tokens, r.tokens)
+    np.testing.assert_allclose(t.logprobs, r.logprobs, atol=1e-5)

@@ -393,6 +393,39 @@ def test_prompts_on_pages_take_pages_for_their_length(char_dir, char_scheduler):
     sched.close()
 
 
+def test_choices_with_one_prompt_prefill_and_hold_it_once(char_dir):
+  """Prompts on pages: the n choices of a request, and a concurrent request with the same
+  prompt, take the first choice's whole prompt pages (``share_prompts``) instead of each
+  prefilling its own; their ids equal those of a server that shares nothing, log-probs to
+  float rounding, with fewer pages held."""
+  model = load_served(char_dir)
+  model.cfg = model.cfg.replace(max_position_embeddings=1024)
+  prompt = TOK.encode("U:" + "how much is 17 times 23? " * 3 + "\nA:")
+  sampling = Sampling(temperature=1.0)
+  outs, peaks, forks = [], [], []
+  for share in (True, False):
+    # budgets over 256 tokens: a pool that grows as the choices need it (a page table)
+    sched = Scheduler(model, max_slots=4, max_prompt_tokens=256, max_tokens=256, page_size=16,
+                      prompt_pages=True, share_prompts=share)
+    try:
+      reqs = [Request(prompt, n, 16, sampling, seed=seed) for n, seed in ((3, 1), (1, 2))]
+      for r in reqs:
+        sched.submit(r)
+      assert all(r.done.wait(120) for r in reqs)
+      outs.append([c for r in reqs for c in r.result()])
+      loop = sched._lanes[sampling].loop  # pylint: disable=protected-access
+      peaks.append(max(loop.used))
+      forks.append(loop.stats["forked_samples"])
+    finally:
+      sched.close()
+  whole = (len(prompt) - 2) // 16  # the prompt's whole pages after its first id
+  assert forks == [3, 0] and whole >= 4
+  assert peaks[0] <= peaks[1] - 3 * whole
+  for a, b in zip(*outs):
+    assert a.ids == b.ids and a.finish == b.finish and a.ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def test_cancel_stops_decoding_and_returns_the_pages(char_dir):
   """Long choices on a pool smaller than their budgets (pages taken as tokens are written):
   cancelled mid-generation, they leave the batch and every page returns to the pool."""
@@ -416,7 +449,7 @@ def test_cancel_stops_decoding_and_returns_the_pages(char_dir):
     assert not loop.identity  # a real page table
     assert all(len(c.ids) < 512 for c in req.choices)  # stopped before their budgets
     loop.give_back()
-    assert bool(np.asarray(loop.state.free).all())  # every page is free again
+    assert not np.asarray(loop.state.refs).any()  # every page is free again
     assert not bool(np.asarray(loop.state.active).any())
   finally:
     sched.close()

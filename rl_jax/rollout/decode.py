@@ -273,11 +273,11 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   # sequence shards each (entry e of a sample's table on sequence shard e mod Q)
   D, Q = kv_cache.state_shards(state)
   if identity:
-    table, free = state.pages, state.free
+    table, refs = state.pages, state.refs
     entry = jnp.minimum(cur // S, NP - 1)
     page = jnp.take_along_axis(table, entry[..., None], axis=-1)[..., 0]
   else:
-    table, free, page = pages.take_entry(state.pages, state.free, take, cur // S, Q)
+    table, refs, page = pages.take_entry(state.pages, state.refs, take, cur // S, Q)
   page = jnp.where(take, page, -1).reshape(-1)  # rows not fed write nothing
   offset = (cur % S).reshape(-1)
   live_table = table[:, :, :nb]
@@ -324,7 +324,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
                                              state.length.reshape(-1))
   tok, lp = sampling.sample_logits(uniforms, logits, sp, filtered)
   state = state._replace(suffix_k=tuple(caches["sk"]), suffix_v=tuple(caches["sv"]),
-                         pages=table, free=free)
+                         pages=table, refs=refs)
   return constrain_state(record(state, tok.reshape(G, M), lp.reshape(G, M), take, version, sp))
 
 
@@ -342,7 +342,7 @@ def can_step(state: DecodeState, live: int) -> jax.Array:
   D, Q = kv_cache.state_shards(state)  # D·Q shards: a slot's entry e on shard d·Q + e mod Q
   shard = pages.entry_shard(pages.shard_of_slot(jnp.arange(G), G, D)[:, None], entry, Q)
   short = jnp.zeros(D * Q, jnp.int32).at[shard].add((take & ~has).astype(jnp.int32))
-  return inside & jnp.all(short <= state.free.sum(axis=1))
+  return inside & jnp.all(short <= jnp.sum(state.refs == 0, axis=1))
 
 
 # ``decode``'s ``min_finished`` or ``stop_count`` when that rule should never stop the loop

@@ -179,7 +179,7 @@ class RolloutEngine(EngineCore):
         {k: loop.stats[k] for k in ("preemptions", "prefix_pages_shared", "pool_growths")
          + FORK_STATS})
     self.stats.update(pages.usage_counters(loop.used, self.programs,
-                                           loop.state.free.size))
+                                           loop.state.refs.size))
     return complete, unfinished
 
   def groups_of(self, req: GroupRequest) -> list[Group]:

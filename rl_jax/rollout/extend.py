@@ -121,7 +121,7 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     S = state.suffix_v[0].shape[2]
     count = jnp.where(ext.slot < G, ext.count, 0)
     need = pages.rows_need(ext.slot, ext.sample, ext.start, count, G, M, NP, S)
-    table, free = pages.allocate(state.pages, state.free, need, state_shards(state)[1])
+    table, refs = pages.allocate(state.pages, state.refs, need, state_shards(state)[1])
     index = ext.start[:, None] + j
     written = [pages.write_rows(k, v, table, ext.slot, ext.sample, index, cvalid,
                                 ck[l, :, 0], cv[l, :, 0])
@@ -147,7 +147,7 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     put = lambda a, u: a.at[ext.slot, ext.sample].set(u[:, 0].astype(a.dtype), mode="drop")
     new = state._replace(
         suffix_k=tuple(w[0] for w in written), suffix_v=tuple(w[1] for w in written),
-        pages=table, free=free,
+        pages=table, refs=refs,
         tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
         budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason))

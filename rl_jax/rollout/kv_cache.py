@@ -80,8 +80,9 @@ class DecodeState(NamedTuple):
       ``extend``) fed it (-1 until then, for the last token, which is never fed, and for a
       multi-turn trajectory's observation tokens); None for dense models.
     pages: int32 [G,M,NP] page table (NP = R / S; -1 = no page yet).
-    free: bool [D·Q,Pl] pool pages not in any table, per pool shard (``pool_shards`` D
-      times ``sequence_shards`` Q; Pg = D·Q·Pl; page ``s·Pl + i`` is entry i of shard s).
+    refs: int32 [D·Q,Pl] table entries naming each pool page (0 = free), per pool shard
+      (``pool_shards`` D times ``sequence_shards`` Q; Pg = D·Q·Pl; page ``s·Pl + i`` is
+      entry i of shard s).
   """
 
   prefix_k: jax.Array
@@ -101,7 +102,7 @@ class DecodeState(NamedTuple):
   stream: jax.Array
   routing: jax.Array | None = None
   pages: jax.Array | None = None
-  free: jax.Array | None = None
+  refs: jax.Array | None = None
 
 
 CACHE_AXES = DecodeState(
@@ -122,7 +123,7 @@ CACHE_AXES = DecodeState(
     stream=("batch", None, None),
     routing=("batch", None, None, None, None),
     pages=("batch", None, None),
-    free=(None, None),
+    refs=(None, None),
 )
 
 
@@ -180,9 +181,9 @@ def sequence_shards(G: int, ctx=None, entries: int | None = None) -> int:
 
 def state_shards(state: DecodeState) -> tuple[int, int]:
   """(D, Q) of ``state``'s pool: its slot shards (``pool_shards`` of the active mesh) and
-  the sequence shards of each (its free list has D·Q rows)."""
+  the sequence shards of each (its reference counts have D·Q rows)."""
   D = pool_shards(state.tokens.shape[0])
-  return D, state.free.shape[0] // D
+  return D, state.refs.shape[0] // D
 
 
 def pool_page_axes(G: int, active, seq: int = 1) -> tuple[str, ...]:
@@ -269,9 +270,10 @@ def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: in
   layers = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(L))
   if identity:  # entry (g, m, p) owns page p·G·M + g·M + m of its shard for good
     table = pages.identity_table(G, M, NP, D)
-    free = jnp.broadcast_to(jnp.arange(Pg // D) >= G // D * M * NP, (D, Pg // D))
+    refs = jnp.broadcast_to((jnp.arange(Pg // D) < G // D * M * NP).astype(jnp.int32),
+                            (D, Pg // D))
   else:
-    table, free = jnp.full((G, M, NP), -1, jnp.int32), jnp.ones((D, Pg // D), bool)
+    table, refs = jnp.full((G, M, NP), -1, jnp.int32), jnp.zeros((D, Pg // D), jnp.int32)
   return DecodeState(
       prefix_k=layers((G, K, H, P)), prefix_v=layers((G, K, P, H)),
       prefix_len=jnp.ones((G,), jnp.int32),
@@ -281,7 +283,7 @@ def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: in
       budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),
       active=jnp.zeros((G,), bool), request_id=jnp.zeros((G,), jnp.int32),
       sample_id=jnp.zeros((G, M), jnp.int32), stream=jnp.zeros((G, M, 2), jnp.uint32),
-      routing=empty_routing(cfg, (G, M, R)), pages=table, free=free)
+      routing=empty_routing(cfg, (G, M, R)), pages=table, refs=refs)
 
 
 def empty_routing(cfg: ModelConfig, lead: tuple[int, ...]) -> jax.Array | None:
@@ -328,25 +330,26 @@ def release_slots(state: DecodeState, rows, identity: bool = False, ctx=None) ->
   with mesh_context(ctx):
     if identity:
       return constrain_state(state._replace(active=state.active & ~rows))
-    table, free = pages.release(state.pages, state.free, rows)
-    return constrain_state(state._replace(pages=table, free=free, active=state.active & ~rows))
+    table, refs = pages.release(state.pages, state.refs, rows)
+    return constrain_state(state._replace(pages=table, refs=refs, active=state.active & ~rows))
 
 
 @functools.partial(jax.jit, static_argnames=("identity", "ctx"), donate_argnames=("state",))
-def fork_samples(state: DecodeState, slot, src, dst, cached, identity: bool = False,
-                 ctx=None) -> DecodeState:
-  """Response K/V of sample ``dst`` of slot ``slot`` forked from sample ``src``'s first
-  ``cached`` positions (``pages.fork``: whole pages shared, the partial last page copied);
-  rows int32 [F], padding rows with slot >= G. Tokens, lengths and the rest of the samples'
-  records are the admission's; only the pages change."""
+def fork_samples(state: DecodeState, slot, src, dst, cached, src_slot=None,
+                 identity: bool = False, ctx=None) -> DecodeState:
+  """Response K/V of sample ``dst`` of slot ``slot`` forked from sample ``src`` of slot
+  ``src_slot`` (default ``slot``; on the same pool shard), its first ``cached`` positions
+  (``pages.fork``: whole pages shared, the partial last page copied); rows int32 [F],
+  padding rows with slot >= G. Tokens, lengths and the rest of the samples' records are the
+  admission's; only the pages change."""
   TRACE_COUNTS["fork_samples"] += 1
   with mesh_context(ctx):
     S = state.suffix_v[0].shape[2]
-    table, free, frm, to = pages.fork(state.pages, state.free, slot, src, dst, cached, S,
-                                      identity, state_shards(state)[1])
+    table, refs, frm, to = pages.fork(state.pages, state.refs, slot, src, dst, cached, S,
+                                      identity, state_shards(state)[1], src_slot)
     return constrain_state(state._replace(
         suffix_k=pages.copy_pages(state.suffix_k, frm, to),
-        suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table, free=free))
+        suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table, refs=refs))
 
 
 @functools.partial(jax.jit, static_argnames=("pages_", "ctx"))
@@ -355,19 +358,19 @@ def resize_pool(state: DecodeState, pages_: int, ctx=None) -> DecodeState:
   pages in use keep their contents, their ids renumbered per shard: ``pages.regrown_ids``)."""
   TRACE_COUNTS["resize_pool"] += 1
   with mesh_context(ctx):
-    D, old = state.free.shape[0], state.free.size
-    free = jnp.pad(state.free, [(0, 0), (0, (pages_ - old) // D)], constant_values=True)
+    D, old = state.refs.shape[0], state.refs.size
+    refs = jnp.pad(state.refs, [(0, 0), (0, (pages_ - old) // D)])
     return constrain_state(state._replace(
         suffix_k=pages.grow(state.suffix_k, pages_, D),
-        suffix_v=pages.grow(state.suffix_v, pages_, D), free=free,
+        suffix_v=pages.grow(state.suffix_v, pages_, D), refs=refs,
         pages=pages.regrown_ids(state.pages, old, pages_, D)))
 
 
 def grow_pool(state: DecodeState, want, most: int, ctx=None) -> DecodeState:
   """``state`` with its pool doubled (``pages.grown_size``, up to ``most`` pages) until
   ``want`` pages (int, or int [D] per shard) are free; unchanged when they are."""
-  size = state.free.size
-  new = pages.grown_size(size, np.asarray(state.free).sum(-1), want, most)
+  size = state.refs.size
+  new = pages.grown_size(size, pages.free_pages(state.refs), want, most)
   return resize_pool(state, new, ctx=ctx) if new > size else state
 
 

@@ -139,6 +139,9 @@ class Loop:
                                      S=eng.S, pages=eng.pool_pages, identity=self.identity)
     self.shard = pages.slot_shards(eng.G, eng.D)  # each slot's pool shard
     self.released: list[int] = []  # slots freed since their pages were last returned
+    # per slot, the resumed or forked samples' (sample, response ids whose K/V their pages
+    # hold since admission): sources for forks of later admissions (``slots.forks``)
+    self.on_pages: dict[int, list[tuple[int, np.ndarray]]] = {}
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []
@@ -302,7 +305,7 @@ class Loop:
       return
     self.give_back()
     while True:  # a slot shard is short when one of its Q sequence shards is
-      short = (need() > np.asarray(self.state.free).sum(-1)).reshape(self.e.D, -1).any(-1)
+      short = (need() > pages.free_pages(self.state.refs)).reshape(self.e.D, -1).any(-1)
       resident = [(g, grp) for g, grp in self.resident() if short[self.shard[g]]]
       counts = collections.Counter(self.shard[g] for g, _ in resident)
       resident = [(g, grp) for g, grp in resident if counts[self.shard[g]] > 1]
@@ -321,6 +324,7 @@ class Loop:
     """Take ``grp`` out of slot ``g``; its pages go back to the pool before the next
     admission (``give_back``)."""
     self.slot_group[g], grp.slot = None, None
+    self.on_pages.pop(g, None)
     self.released.append(g)
 
   def give_back(self) -> None:
@@ -339,8 +343,8 @@ class Loop:
     if e.fixed_pool:
       return
     grown = kv_cache.grow_pool(self.state, pages_, e.max_pool_pages, ctx=e.ctx)
-    if grown.free.size > self.state.free.size:
-      e.pool_pages = grown.free.size  # later calls start at this size
+    if grown.refs.size > self.state.refs.size:
+      e.pool_pages = grown.refs.size  # later calls start at this size
       self.stats["pool_growths"] += 1
     self.state = grown
 
@@ -352,7 +356,7 @@ class Loop:
     seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
                      env_wait_s=self.wait_s,
-                     **pages.usage_counters(self.used, e.programs, self.state.free.size),
+                     **pages.usage_counters(self.used, e.programs, self.state.refs.size),
                      kv_hit_rate=s["kv_hits"] / max(s["resumes"], 1),
                      trajectories_per_s=len(groups) * e.M / max(seconds, 1e-9))
     return out
@@ -449,11 +453,13 @@ class Loop:
       return False  # a fixed pool preempted a group: none comes in until one leaves
     returning = [grp for grp in self.evicted if grp.has(READY)]
     want = len(returning) + len(self.queue)
+    resident = [(g, m, grp.prompt, ids) for g, grp in self.resident()
+                for m, ids in self.on_pages.get(g, ())]
     if want > len(free) and not self.sync and e.ttl is not None:
       free += self.evict(want - len(free))
     if e.fixed_pool:  # free pages of each slot shard's Q sequence shards
       self.give_back()
-      left = np.asarray(self.state.free).sum(-1).reshape(e.D, e.Q)
+      left = pages.free_pages(self.state.refs).reshape(e.D, e.Q)
     batch = []
     for g in free:
       nxt = returning[0] if returning else (self.queue[0] if self.queue else None)
@@ -482,7 +488,12 @@ class Loop:
     a, rebuild = admission(self.e, batch, Bn, Pb)
     shared = []
     if e.share_prefixes:
-      rebuild, shared = slots.forks(a, rebuild)
+      rebuild, shared = slots.forks(a, rebuild, self.shard, resident)
+    for b, m, g, n in rebuild:
+      self.on_pages.setdefault(g, []).append((m, a["tokens"][b, m, :n].copy()))
+    row_of = {g: b for b, (g, _) in enumerate(batch)}
+    for g, _, m, n, _ in shared:
+      self.on_pages.setdefault(g, []).append((m, a["tokens"][row_of[g], m, :n].copy()))
     self.give_back()
     self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)))
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
@@ -508,18 +519,19 @@ class Loop:
       self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
 
   def fork(self, shared) -> None:
-    """Give resumed samples the pages of a sample of their group whose tokens begin theirs
-    (``slots.forks``: whole pages shared, the partial last one copied)."""
+    """Give resumed samples the pages of a sample whose tokens begin theirs, of their group
+    or of another slot of their pool shard with the same prompt (``slots.forks``: whole
+    pages shared, the partial last one copied)."""
     if not shared:
       return
     e = self.e
     F = pow2(len(shared), 4)  # a few fork programs
-    rows = np.zeros((4, F), np.int32)
+    rows = np.zeros((5, F), np.int32)
     rows[0] = e.G  # padding rows
     rows[:, :len(shared)] = np.asarray(shared, np.int32).T
     self.state = kv_cache.fork_samples(self.state, *rows, identity=self.identity, ctx=e.ctx)
     self.stats["forked_samples"] += len(shared)
-    self.stats["fork_tokens_shared"] += sum(n for *_, n in shared)
+    self.stats["fork_tokens_shared"] += sum(r[3] for r in shared)
 
   def evict(self, need: int) -> list[int]:
     """Free up to ``need`` slots whose groups all wait on environments past the TTL."""
@@ -604,9 +616,9 @@ class Loop:
                              filtered=e.filtered, ctx=e.ctx, live=live,
                              identity=self.identity)
     self.stats["decode_calls"] += 1
-    pool = int(self.state.free.size)
+    pool = int(self.state.refs.size)
     e.programs.add((live, pool))
-    self.used.append(pool - int(np.asarray(self.state.free).sum()))
+    self.used.append(pool - int(pages.free_pages(self.state.refs).sum()))
     if e.deterministic:
       self.clock += int(ran)
 

@@ -15,12 +15,17 @@ counts, never of time) and given back by ``release`` when a slot's group leaves 
 prompt stays once per slot in the prefix cache (``kv_cache``), so the group's samples share
 it; page size = R (one page per sample) is the former worst-case slot layout.
 
-Forks (``fork``). A sample of a slot can start as a copy of another sample of the same slot
-up to a token: the whole pages below that token are shared (both table rows name them; a
-shared page is never written again, since tokens are only appended, and it goes back to the
-pool once, when the slot is released), the partial last page is copied onto a fresh page
-(copy-on-write, done at the fork). An identity table owns every page for good, so there a
-fork copies every page it keeps.
+Reference counts. ``refs`` int32 [D,Pl] counts the table entries naming each page (0 =
+free): a taken page starts at 1, a fork adds one per entry it shares, ``release`` takes one
+per entry it drops, so a page shared by several samples or slots goes back to the pool when
+the last of them lets it go.
+
+Forks (``fork``). A sample can start as a copy of another sample, of its own slot or of
+another slot on the same pool shard, up to a token: the whole pages below that token are
+shared (both table rows name them; a shared page is never written again, since tokens are
+only appended), the partial last page is copied onto a fresh page (copy-on-write, done at
+the fork). An identity table owns every page for good, so there a fork copies every page it
+keeps.
 
 Attention reads the first ``nb`` pages of every sample (``live_pages``), nb chosen by the
 engine as a power of two covering the longest live response, so a decode step's work follows
@@ -32,16 +37,16 @@ matmuls, so no page is copied into a joined cache. A pool of every sample's whol
 Shards. On a mesh whose batch axes split the G slots over D devices, the pool is split the
 same way: shard d holds pages ``d·Pl .. (d+1)·Pl - 1`` (Pl = Pg / D pages per device) and
 gives them only to the samples of its slots ``d·G/D .. (d+1)·G/D - 1``, so every read and
-write of a decode step stays on the device that holds the slot (``by_shard``). The free
-list is kept per shard (``free`` bool [D,Pl]); page ids are global, so a table means the same
-pages on one device and on D. D = 1 off a mesh.
+write of a decode step stays on the device that holds the slot (``by_shard``). The
+reference counts are kept per shard (``refs`` [D,Pl]); page ids are global, so a table means
+the same pages on one device and on D. D = 1 off a mesh.
 
 A mesh whose ``sequence`` axis (the ``kv_length`` rule) has Q > 1 devices splits each slot
 shard's pages Q ways as well (sequence-parallel rollouts): entry e of a sample's table takes
 its page from shard ``d·Q + e mod Q`` (``entry_shard``), so a long response's pages are spread
 round-robin over the Q devices and each holds 1/Q of them. The decode attends each device's
 pages where they lie (``by_sequence`` gives each device its entries, compacted, and the
-positions valid on them) and merges the Q partial softmaxes by log-sum-exp. The free list has
+positions valid on them) and merges the Q partial softmaxes by log-sum-exp. The counts have
 D·Q rows then, shard ``d·Q + q`` at row ``d·Q + q``.
 
 On TPU the pool keeps the layout XLA:TPU gives it by default (``device_layout``): with H a
@@ -67,7 +72,7 @@ import pallas_kernels
 from rl_jax import sharding
 
 __all__ = ["POOL_AXES", "allocate", "by_sequence", "by_shard", "contiguous", "copy_pages",
-           "device_layout", "entry_shard", "fork", "grow", "grown_size", "h_minor",
+           "device_layout", "entry_shard", "fork", "free_pages", "grow", "grown_size", "h_minor",
            "identity_table", "in_place", "live_bucket",
            "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
            "regrown_ids", "release", "rows_by_sequence", "rows_from_sequence",
@@ -149,12 +154,14 @@ def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str,
 
 
 # ------------------------------------------------------------ device side
-def _take(free: jax.Array, want: jax.Array, shard: jax.Array):
+def _take(refs: jax.Array, want: jax.Array, shard: jax.Array):
   """Free page ids for the True entries of ``want`` (any shape), each from its ``shard``
-  (int, broadcast to ``want``'s shape; ``free`` bool [D,Pl]), lowest ids first in row-major
-  order within a shard; Pg = D·Pl where not wanted or where the shard ran out. Page ids are global
-  (shard d's pages are ``d·Pl ..``). Returns (ids, free)."""
-  D, Pl = free.shape
+  (int, broadcast to ``want``'s shape; ``refs`` int32 [D,Pl], a page free where 0), lowest
+  ids first in row-major order within a shard; Pg = D·Pl where not wanted or where the shard
+  ran out. Page ids are global (shard d's pages are ``d·Pl ..``). Returns (ids, refs: the
+  taken pages named once)."""
+  D, Pl = refs.shape
+  free = refs == 0
   flat = want.reshape(-1)
   sh = jnp.broadcast_to(shard, want.shape).reshape(-1)
   n = min(flat.shape[0], Pl)
@@ -168,8 +175,8 @@ def _take(free: jax.Array, want: jax.Array, shard: jax.Array):
     cand = jax.vmap(lambda f: jnp.nonzero(f, size=n, fill_value=Pl)[0])(free)  # [D,n]
   local = jnp.where(flat & (rank < n), cand[sh, jnp.clip(rank, 0, n - 1)], Pl)
   ids = jnp.where(local < Pl, sh * Pl + local, D * Pl)
-  free = free.reshape(-1).at[ids].set(False, mode="drop").reshape(D, Pl)
-  return ids.reshape(want.shape), free
+  refs = refs.reshape(-1).at[ids].set(1, mode="drop").reshape(D, Pl)
+  return ids.reshape(want.shape), refs
 
 
 def shard_of_slot(slot, G: int, D: int):
@@ -185,96 +192,110 @@ def entry_shard(slot_shard, entry, seq: int):
   return slot_shard * seq + entry % seq
 
 
-def allocate(table: jax.Array, free: jax.Array, need: jax.Array, seq: int = 1):
+def allocate(table: jax.Array, refs: jax.Array, need: jax.Array, seq: int = 1):
   """Give a free page to every entry of ``need`` that has none.
 
   Args:
-    table: int32 [G,M,NP] page table (-1 = no page). free: bool [D·Q,Pl] free pages per shard.
-    need: bool [G,M,NP] entries that must hold a page after the call.
-    seq: Q, the sequence shards of each slot shard (``entry_shard``).
+    table: int32 [G,M,NP] page table (-1 = no page). refs: int32 [D·Q,Pl] table entries
+      naming each page, per pool shard (0 = free). need: bool [G,M,NP] entries that must
+      hold a page after the call. seq: Q, the sequence shards of each slot shard
+      (``entry_shard``).
   Returns:
-    (table, free). Entries the pool could not serve keep -1 (callers check capacity first:
+    (table, refs). Entries the pool could not serve keep -1 (callers check capacity first:
     ``entries_short``).
   """
   want = need & (table < 0)
   G, _, NP = table.shape
-  shard = entry_shard(shard_of_slot(jnp.arange(G), G, free.shape[0] // seq)[:, None, None],
+  shard = entry_shard(shard_of_slot(jnp.arange(G), G, refs.shape[0] // seq)[:, None, None],
                       jnp.arange(NP)[None, None, :], seq)
-  ids, free = _take(free, want, shard)
-  table = jnp.where(want & (ids < free.size), ids, table)
-  return table.astype(jnp.int32), free
+  ids, refs = _take(refs, want, shard)
+  table = jnp.where(want & (ids < refs.size), ids, table)
+  return table.astype(jnp.int32), refs
 
 
-def take_entry(table: jax.Array, free: jax.Array, take: jax.Array, entry: jax.Array,
+def take_entry(table: jax.Array, refs: jax.Array, take: jax.Array, entry: jax.Array,
                seq: int = 1):
   """One table entry per sample: a page for entry ``entry`` [G,M] of every sample where
   ``take`` [G,M] and it has none (from the entry's shard: ``entry_shard`` with Q = ``seq``).
 
   Returns:
-    (table, free, page int32 [G,M]: the page of that entry, -1 where none).
+    (table, refs, page int32 [G,M]: the page of that entry, -1 where none).
   """
   G, M, NP = table.shape
   entry = jnp.minimum(entry, NP - 1)
   at = (jnp.arange(G)[:, None], jnp.arange(M)[None, :], entry)
   page = table[at]
   want = take & (page < 0)
-  shard = entry_shard(shard_of_slot(jnp.arange(G), G, free.shape[0] // seq)[:, None], entry, seq)
-  ids, free = _take(free, want, shard)
-  page = jnp.where(want & (ids < free.size), ids, page)
-  return table.at[at].set(page), free, page
+  shard = entry_shard(shard_of_slot(jnp.arange(G), G, refs.shape[0] // seq)[:, None], entry, seq)
+  ids, refs = _take(refs, want, shard)
+  page = jnp.where(want & (ids < refs.size), ids, page)
+  return table.at[at].set(page), refs, page
 
 
-def release(table: jax.Array, free: jax.Array, rows: jax.Array):
-  """Return the pages of the slots where ``rows`` (bool [G]) is True to the pool.
+def release(table: jax.Array, refs: jax.Array, rows: jax.Array):
+  """Drop the table entries of the slots where ``rows`` (bool [G]) is True: each page they
+  name loses one reference per entry, and a page no entry names any more is free.
 
   Args:
-    table: int32 [G,M,NP]. free: bool [D,Pl]. rows: bool [G].
+    table: int32 [G,M,NP]. refs: int32 [D,Pl]. rows: bool [G].
   Returns:
-    (table with those slots' entries -1, free).
+    (table with those slots' entries -1, refs).
   """
-  ids = jnp.where(rows[:, None, None] & (table >= 0), table, free.size)
-  free = free.reshape(-1).at[ids.reshape(-1)].set(True, mode="drop").reshape(free.shape)
-  return jnp.where(rows[:, None, None], -1, table), free
+  ids = jnp.where(rows[:, None, None] & (table >= 0), table, refs.size)
+  refs = refs.reshape(-1).at[ids.reshape(-1)].add(-1, mode="drop").reshape(refs.shape)
+  return jnp.where(rows[:, None, None], -1, table), refs
 
 
-def fork(table: jax.Array, free: jax.Array, slot, src, dst, cached, S: int,
-         identity: bool = False, seq: int = 1):
-  """Sample ``dst`` of slot ``slot`` starts as a copy of sample ``src``'s first ``cached``
-  response positions (rows [F]; padding rows have slot >= G).
+def fork(table: jax.Array, refs: jax.Array, slot, src, dst, cached, S: int,
+         identity: bool = False, seq: int = 1, src_slot=None):
+  """Sample ``dst`` of slot ``slot`` starts as a copy of sample ``src`` of slot ``src_slot``
+  (default ``slot``: a sibling) up to its first ``cached`` response positions (rows [F];
+  padding rows have slot >= G).
 
-  Entries wholly below ``cached`` share src's pages; the entry that holds position
+  Entries wholly below ``cached`` share src's pages (each gains a reference: it goes back
+  to the pool when the last entry naming it is released); the entry that holds position
   ``cached`` and earlier ones gets a fresh page, to be filled with a copy of src's
   (``copy_pages``); later entries have none. With ``identity`` dst keeps its own pages and
   every entry holding a kept position is copied.
 
   Args:
-    table: int32 [G,M,NP]. free: bool [D,Pl]. slot, src, dst, cached: int32 [F] (src holds at
-      least ``cached`` positions; dst's row holds no page: a freshly admitted slot).
+    table: int32 [G,M,NP]. refs: int32 [D,Pl]. slot, src, dst, cached: int32 [F] (src holds
+      at least ``cached`` positions; dst's row holds no page: a freshly admitted slot).
     S: page size. seq: Q (``entry_shard``: the copy's page is on its entry's shard, where
-      src's page of that entry is).
+      src's page of that entry is). src_slot: int32 [F], each on the pool shard of its
+      row's ``slot`` (the caller's rule: a slot reads only its shard's pages).
   Returns:
-    (table, free, frm, to): frm, to int32 [F,NP] the pages to copy from and onto (Pg where
+    (table, refs, frm, to): frm, to int32 [F,NP] the pages to copy from and onto (Pg where
     nothing is copied).
   """
   G, _, NP = table.shape
-  Pg = free.size
+  Pg = refs.size
   e = jnp.arange(NP)[None, :]
   valid = (slot < G)[:, None]
   g = jnp.minimum(slot, G - 1)
+  s = g if src_slot is None else jnp.minimum(src_slot, G - 1)
   n = cached[:, None]
-  src_pages = table[g, src]  # [F,NP]
+  src_pages = table[s, src]  # [F,NP]
   full = (e + 1) * S <= n
   partial = (e * S < n) & ~full
   if identity:
     frm = jnp.where((full | partial) & valid, src_pages, Pg)
-    return table, free, frm, jnp.where(frm < Pg, table[g, dst], Pg)
-  shard = entry_shard(shard_of_slot(slot, G, free.shape[0] // seq)[:, None], e, seq)
-  ids, free = _take(free, partial & valid, shard)
+    return table, refs, frm, jnp.where(frm < Pg, table[g, dst], Pg)
+  shard = entry_shard(shard_of_slot(slot, G, refs.shape[0] // seq)[:, None], e, seq)
+  ids, refs = _take(refs, partial & valid, shard)
   got = partial & valid & (ids < Pg)
+  shared = jnp.where(full & valid & (src_pages >= 0), src_pages, Pg)
+  refs = refs.reshape(-1).at[shared.reshape(-1)].add(1, mode="drop").reshape(refs.shape)
   row = jnp.where(full, src_pages, jnp.where(got, ids, -1))
   table = table.at[jnp.where(valid[:, 0], slot, G), dst].set(row, mode="drop")
   frm = jnp.where(got, src_pages, Pg)
-  return table.astype(jnp.int32), free, frm, jnp.where(got, ids, Pg)
+  return table.astype(jnp.int32), refs, frm, jnp.where(got, ids, Pg)
+
+
+def free_pages(refs) -> np.ndarray:
+  """int [D·Q]: the free pages of each pool shard (``refs`` int32 [D·Q,Pl], a device or
+  host array; one device read)."""
+  return (np.asarray(refs) == 0).sum(-1)
 
 
 def copy_pages(pool: tuple, frm: jax.Array, to: jax.Array) -> tuple:

@@ -318,11 +318,11 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
     S = state.suffix_v[0].shape[2]
     count = jnp.where(res.slot < G, res.length - 1, 0)
     need = pages.rows_need(res.slot, res.sample, jnp.zeros_like(count), count, G, M, NP, S)
-    table, free = pages.allocate(state.pages, state.free, need, state_shards(state)[1])
+    table, refs = pages.allocate(state.pages, state.refs, need, state_shards(state)[1])
     index = jnp.broadcast_to(j, (Br, T))
     written = [pages.write_rows(ck, cv, table, res.slot, res.sample, index, rvalid,
                                 rk[l, :, 0], rv[l, :, 0])
                for l, (ck, cv) in enumerate(zip(state.suffix_k, state.suffix_v))]
     new = state._replace(suffix_k=tuple(w[0] for w in written),
-                         suffix_v=tuple(w[1] for w in written), pages=table, free=free)
+                         suffix_v=tuple(w[1] for w in written), pages=table, refs=refs)
     return constrain_state(new)

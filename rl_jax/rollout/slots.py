@@ -33,28 +33,47 @@ def admission_rows(Bn: int, Pb: int, *, G: int, M: int, R: int, budget: int):
               sample_id=np.tile(np.arange(M, dtype=np.int32), (Bn, 1)))
 
 
-def forks(a, resume):
+def forks(a, resume, shard=None, resident=()):
   """Split an admission's resumed samples (rows ``(row, sample, slot, cached positions)``
   of the admission arrays ``a``) into those re-prefilled and those forked.
 
-  A resumed sample whose cached tokens (all but its last) begin another resumed sample of
-  the same group is forked from it (``kv_cache.fork_samples``: the other's whole pages
-  shared, the partial one copied) instead of re-prefilled: n continuations of one state, or
-  re-rollouts from points of an earlier trajectory, prefill that state once. Longer samples
-  are sources first.
+  A resumed sample whose cached tokens (all but its last) begin those of another sample
+  with its K/V is forked from it (``kv_cache.fork_samples``: the other's whole pages
+  shared, the partial one copied) instead of re-prefilled. Sources, in this order: a
+  resumed sample of the same group (n continuations of one state, or re-rollouts from
+  points of an earlier trajectory, prefill that state once); a resumed sample of another
+  group of the admission with the same prompt; a sample already in a slot whose first
+  positions are on its pages (``resident``), with the same prompt. Another slot's sample
+  is a source only on the same pool shard (a slot reads only its shard's pages). Longer
+  samples are sources first.
 
+  Args:
+    a: admission arrays (``admission_rows``). resume: the rows above. shard: int [G] the
+      pool shard of each slot (None: groups fork only within themselves). resident:
+      (slot, sample, prompt ids, cached ids) of samples in slots, ``cached ids`` the
+      response tokens whose K/V their pages hold.
   Returns:
-    (resume rows kept, forks: list of (slot, source sample, sample, cached positions)).
+    (resume rows kept, forks: list of (slot, source sample, sample, cached positions,
+    source slot)).
   """
+  prompt = lambda b: tuple(a["prompt"][b, :a["prompt_len"][b]].tolist())
   kept, out = [], []
   for b, m, g, n in sorted(resume, key=lambda r: (r[0], -r[3], r[1])):
-    row = a["tokens"][b]
-    src = next((sm for sb, sm, _, sn in kept if sb == b and sn >= n
-                and np.array_equal(row[sm, :n], row[m, :n])), None)
+    row = a["tokens"][b, m, :n]
+    sources = [(sb, sm, sg) for sb, sm, sg, sn in kept if sb == b and sn >= n]
+    if shard is not None:
+      sources += [(sb, sm, sg) for sb, sm, sg, sn in kept if sb != b and sn >= n
+                  and shard[sg] == shard[g] and prompt(sb) == prompt(b)]
+    src = next(((sg, sm) for sb, sm, sg in sources
+                if np.array_equal(a["tokens"][sb, sm, :n], row)), None)
+    if src is None and shard is not None:
+      src = next(((sg, sm) for sg, sm, p, ids in resident
+                  if len(ids) >= n and shard[sg] == shard[g] and tuple(p) == prompt(b)
+                  and np.array_equal(ids[:n], row)), None)
     if src is None:
       kept.append((b, m, g, n))
     else:
-      out.append((g, src, m, n))
+      out.append((g, src[1], m, n, src[0]))
   return kept, out
 
 

@@ -9,7 +9,9 @@ slots (prefill), decodes every running sample a few steps (``poll_steps``) and r
 new tokens of each choice, so requests that arrive while others decode join the batch at the
 next iteration and leave it as soon as they end (Orca-style iteration-level scheduling). The
 paged KV cache takes pages as tokens are written and returns a choice's pages when it ends,
-is stopped by a stop string, or its client disconnects (``Scheduler.cancel``). Lanes share
+is stopped by a stop string, or its client disconnects (``Scheduler.cancel``); with the
+prompt on pages, choices with one prompt share its pages (``share_prompts``), and a shared
+page returns when the last of them ends. Lanes share
 the engine's compiled programs (sampling settings are traced values); at most ``max_lanes``
 exist at once, an idle one is dropped to make room.
 
@@ -122,7 +124,7 @@ class _Lane:
         max_new_tokens=sched.max_tokens + sched.max_prompt_tokens - head,
         max_prompt_len=head, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, eos_id=list(m.stop_ids), seed=sched.seed,
-        page_size=sched.page_size, context=sched.context)
+        page_size=sched.page_size, context=sched.context, share_prefixes=sched.share_prompts)
     self.params = self.engine.prepare_params(m.params)
     self.loop = Loop(self.engine, self.params, 0)
     self.loop.chunk_steps = sched.poll_steps  # new requests join every few decode steps
@@ -167,12 +169,17 @@ class Scheduler:
       ``max_prompt_tokens`` positions of prompt cache whatever the prompt's length, read in
       place by the decode, which on CPU is faster than gathering the prompt's pages
       (``scripts/bench_serve_prompts.py``).
+    share_prompts: with ``prompt_pages``, a choice whose prompt is that of another choice
+      decoding on the same pool shard (another of its request's n, or a concurrent
+      request's) takes that choice's whole prompt pages instead of prefilling them (the
+      partial last page copied; ``slots.forks``): the prompt is prefilled and held once.
   """
 
   def __init__(self, model, *, max_slots: int = 8, max_prompt_tokens: int = 1024,
                max_tokens: int = 512, page_size: int = 64, seed: int = 0, max_lanes: int = 4,
-               poll_steps: int = 8, prompt_pages: bool = False):
+               poll_steps: int = 8, prompt_pages: bool = False, share_prompts: bool = True):
     self.model, self.prompt_pages = model, bool(prompt_pages)
+    self.share_prompts = bool(share_prompts)
     self.context = int(model.cfg.max_position_embeddings)
     self.max_slots, self.max_prompt_tokens = int(max_slots), int(max_prompt_tokens)
     self.max_tokens, self.page_size, self.seed = int(max_tokens), int(page_size), int(seed)
