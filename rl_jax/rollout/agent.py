@@ -134,8 +134,9 @@ class AgentEngine(EngineCore):
     kv_memory_fraction: with kv_pages None, a fixed pool of this fraction of the free
       memory of the sampler's devices (``records.fixed_pool_pages``; devices that report no
       capacity, e.g. CPU, keep the growing pool).
-    share_prefixes: a re-prefilled sample whose tokens begin another re-prefilled sample of
-      its group is forked from it (``slots.forks``) instead; False re-prefills every one.
+    share_prefixes: a re-prefilled sample whose tokens begin those of another sample with
+      its K/V (of its group, or of a group with its prompt on the same pool shard) is forked
+      from it (``slots.forks``) instead; False re-prefills every one.
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,

@@ -67,7 +67,8 @@ APRIL_STATS = ("off_policy_token_fraction", "max_token_lag", "aborted_groups",
 PAGE_STATS = ("kv_pages_used_mean", "kv_pages_used_peak", "preemptions", "prefix_pages_shared",
               "decode_buckets")
 # samples forked at admission and the response positions they share (``slots.forks``); in
-# ``generate``'s stats, not the trainer's metrics (its samples never share a response prefix)
+# ``generate``'s stats and a serving lane's loop, not the trainer's metrics (its samples
+# share a response prefix only by chance)
 FORK_STATS = ("forked_samples", "fork_tokens_shared")
 ENGINE_STATS = APRIL_STATS + PAGE_STATS
 
@@ -112,9 +113,11 @@ class RolloutEngine(EngineCore):
     prefill_chunk: prompts longer than this many tokens (a power of two) are prefilled in
       chunks of it (``prefill.prefill_prompts``: scores [chunk, P] per head at a time
       instead of [P, P]); None: whole prompts.
-    share_prefixes: a resumed sample whose tokens begin another resumed sample of its group
-      is forked from it at admission (``slots.forks``: whole pages shared, the partial last
-      page copied) instead of re-prefilled; False re-prefills every one (same tokens).
+    share_prefixes: a resumed sample whose tokens begin those of another sample with its
+      K/V (a resumed sample of its group; or, with the same prompt on the same pool shard,
+      of another group admitted with it or decoding in a slot) is forked from it at
+      admission (``slots.forks``: whole pages shared, the partial last page copied) instead
+      of re-prefilled; False re-prefills every one (same tokens).
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
