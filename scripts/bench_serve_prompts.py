@@ -13,12 +13,15 @@ output tokens per second, and the KV memory the lane's engine holds: the slots' 
 caches plus the response pool as allocated (a growing pool doubles as the choices need
 it), and the most pool pages in use when a decode call returned.
 
-With ``--choices n`` every request asks for n choices, and a third scheduler keeps prompts on
-pages without sharing them (``share_prompts=False``): each choice prefills and holds its own
-copy of its prompt, where the default takes the first choice's whole prompt pages.
+With ``--choices n`` every request asks for n choices, and with ``--shared-prefix N`` every
+prompt begins with the same N tokens (a system prompt); then a third scheduler keeps prompts
+on pages without sharing them (``share_prompts=False``): each choice prefills and holds its
+own copy of its prompt, where the default takes the whole pages of another choice's prompt
+that its own begins with.
 
     python scripts/bench_serve_prompts.py --rounds 5
     python scripts/bench_serve_prompts.py --rounds 5 --choices 4 --requests 4
+    python scripts/bench_serve_prompts.py --rounds 5 --shared-prefix 256 --min-prompt 300
 """
 
 from __future__ import annotations
@@ -87,9 +90,10 @@ def main() -> None:
   ap.add_argument("--max-prompt", type=int, default=400)
   ap.add_argument("--max-prompt-tokens", type=int, default=512, help="the server's limit")
   ap.add_argument("--max-tokens", type=int, default=64)
-  ap.add_argument("--choices", type=int, default=1,
-                  help="n of every request; above 1 a third layout, prompt pages that are "
-                       "not shared among a prompt's choices, runs beside the two")
+  ap.add_argument("--choices", type=int, default=1, help="n of every request")
+  ap.add_argument("--shared-prefix", type=int, default=0,
+                  help="every prompt begins with these many tokens in common (a system "
+                       "prompt), counted in its length")
   ap.add_argument("--page-size", type=int, default=64)
   ap.add_argument("--hidden", type=int, default=256)
   ap.add_argument("--layers", type=int, default=4)
@@ -97,9 +101,12 @@ def main() -> None:
   model = load_served(write_model(args.hidden, args.layers, 2048))
   rng = np.random.default_rng(0)
   lengths = rng.integers(args.min_prompt, args.max_prompt + 1, args.requests)
-  prompts = [rng.integers(3, 90, int(n)).tolist() for n in lengths]
+  common = rng.integers(3, 90, args.shared_prefix).tolist()
+  prompts = [common + rng.integers(3, 90, max(int(n) - len(common), 1)).tolist()
+             for n in lengths]
+  lengths = np.array([len(p) for p in prompts])
   layouts = {"slot": (False, True), "pages": (True, True)}
-  if args.choices > 1:
+  if args.choices > 1 or args.shared_prefix:
     layouts["unshared"] = (True, False)
   scheds = {name: Scheduler(model, max_slots=args.slots, max_prompt_tokens=args.max_prompt_tokens,
                             max_tokens=args.max_tokens, page_size=args.page_size,
@@ -107,7 +114,7 @@ def main() -> None:
             for name, (on, share) in layouts.items()}
   print(f"{os.cpu_count()} cores; d={args.hidden}, {args.layers} layers; {args.requests} "
         f"requests, prompts {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), "
-        f"{args.choices} choice(s) each, "
+        f"{args.shared_prefix} tokens in common, {args.choices} choice(s) each, "
         f"{args.max_tokens} new tokens, {args.slots} slots, --max-prompt-tokens "
         f"{args.max_prompt_tokens}, pages of {args.page_size}", flush=True)
   try:

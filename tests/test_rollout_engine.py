@@ -292,44 +292,49 @@ def _on_pages(uid, prompt, new):
 def test_groups_with_one_prompt_share_its_pages_across_slots():
   """Prompts on pages (one sample per slot): a group admitted while another with its prompt
   decodes forks that one's whole prompt pages (one more reference each) instead of
-  prefilling them; the first group aborted, the shared pages stay with the second, whose
-  tokens (while a third group takes the freed pages) equal those of a loop that shares
-  nothing, log-probs to float rounding. Two groups admitted together share too."""
+  prefilling them, and a group whose prompt begins with 14 of its ids forks the 3 whole
+  pages they share and prefills the rest (``extend.prefill_tail``); the first group aborted,
+  the shared pages stay with the others, whose tokens (while a third group takes the freed
+  pages) equal those of a loop that shares nothing, log-probs to float rounding. Two groups
+  admitted together share too."""
   prompt = [(5 * j) % 60 + 1 for j in range(23)]  # 22 ids after the first: 5 pages of 4
   other = [(3 * j) % 60 + 1 for j in range(23)]
+  begins = prompt[:15] + [9] * 8  # 14 ids after the first in common: 3 whole pages
 
   def run(share):
     e = rollout.RolloutEngine(CFG, n=1, max_slots=4, max_new_tokens=40, max_prompt_len=1,
                               temperature=1.0, eos_id=None, seed=5, page_size=4,
-                              kv_pages=24, share_prefixes=share)
+                              kv_pages=32, share_prefixes=share)
     loop = rollout.Loop(e, e.prepare_params(PARAMS), 0)
     loop.chunk_steps = 3
-    a, b, c = _on_pages(0, prompt, 16), _on_pages(1, prompt, 16), _on_pages(2, other, 16)
+    a, b, h = _on_pages(0, prompt, 16), _on_pages(1, prompt, 16), _on_pages(5, begins, 12)
+    c = _on_pages(2, other, 16)
     loop.submit([a])
     loop.step()
-    loop.submit([b])
-    loop.step()  # b joins while a decodes
+    loop.submit([b, h])
+    loop.step()  # b and h join while a decodes
     shared = np.asarray(loop.state.pages)[b.slot, 0, :5]
     refs = np.asarray(loop.state.refs).reshape(-1)[shared]
     loop.abort(a)
     after = np.asarray(loop.state.refs).reshape(-1)[shared]
     loop.submit([c])
-    while not (b.done and c.done):
+    while not (b.done and c.done and h.done):
       loop.step()
     d, f = _on_pages(3, other, 8), _on_pages(4, other, 8)
     loop.submit([d, f])  # admitted together
     while not (d.done and f.done):
       loop.step()
-    return loop, (b, c, d, f), refs, after
+    return loop, (b, h, c, d, f), refs, after
 
   loop, groups, refs, after = run(True)
   base, plain, *_ = run(False)
-  assert loop.stats["forked_samples"] == 2 and base.stats["forked_samples"] == 0
-  assert loop.stats["fork_tokens_shared"] == 2 * 21  # all but the last prompt id
-  assert refs[:5].tolist() == [2] * 5 and after[:5].tolist() == [1] * 5
-  assert loop.used[1] == base.used[1] - 5  # after b joined: a's 5 prompt pages held once
+  assert loop.stats["forked_samples"] == 3 and base.stats["forked_samples"] == 0
+  assert loop.stats["fork_tokens_shared"] == 21 + 12 + 21  # b and f whole; h 3 pages
+  assert base.stats["reprefill_tokens"] - loop.stats["reprefill_tokens"] == 21 + 12 + 21
+  assert refs.tolist() == [3, 3, 3, 2, 2] and after.tolist() == [2, 2, 2, 1, 1]
+  assert loop.used[1] == base.used[1] - 5 - 3  # after b and h joined
   for grp, ref in zip(groups, plain):
     t, r = grp.trajs[0], ref.trajs[0]
-    assert len(t.tokens) > len(prompt)
+    assert len(t.tokens) > 22
     np.testing.assert_array_equal(t.tokens, r.tokens)
     np.testing.assert_allclose(t.logprobs, r.logprobs, atol=1e-5)

@@ -396,31 +396,37 @@ def test_prompts_on_pages_take_pages_for_their_length(char_dir, char_scheduler):
 def test_choices_with_one_prompt_prefill_and_hold_it_once(char_dir):
   """Prompts on pages: the n choices of a request, and a concurrent request with the same
   prompt, take the first choice's whole prompt pages (``share_prompts``) instead of each
-  prefilling its own; their ids equal those of a server that shares nothing, log-probs to
-  float rounding, with fewer pages held."""
+  prefilling its own; a request whose prompt begins like it (one long first message, then
+  another question) takes the whole pages they have in common and prefills the rest. Their
+  ids equal those of a server that shares nothing, log-probs to float rounding, with fewer
+  pages held."""
   model = load_served(char_dir)
   model.cfg = model.cfg.replace(max_position_embeddings=1024)
-  prompt = TOK.encode("U:" + "how much is 17 times 23? " * 3 + "\nA:")
+  text = "U:" + "how much is 17 times 23? " * 3
+  prompt, variant = TOK.encode(text + "\nA:"), TOK.encode(text + "and 4 + 5?\nA:")
   sampling = Sampling(temperature=1.0)
   outs, peaks, forks = [], [], []
   for share in (True, False):
     # budgets over 256 tokens: a pool that grows as the choices need it (a page table)
-    sched = Scheduler(model, max_slots=4, max_prompt_tokens=256, max_tokens=256, page_size=16,
+    sched = Scheduler(model, max_slots=6, max_prompt_tokens=256, max_tokens=256, page_size=16,
                       prompt_pages=True, share_prompts=share)
     try:
-      reqs = [Request(prompt, n, 16, sampling, seed=seed) for n, seed in ((3, 1), (1, 2))]
+      reqs = [Request(p, n, 16, sampling, seed=seed)
+              for p, n, seed in ((prompt, 3, 1), (prompt, 1, 2), (variant, 1, 3))]
       for r in reqs:
         sched.submit(r)
       assert all(r.done.wait(120) for r in reqs)
       outs.append([c for r in reqs for c in r.result()])
       loop = sched._lanes[sampling].loop  # pylint: disable=protected-access
       peaks.append(max(loop.used))
-      forks.append(loop.stats["forked_samples"])
+      forks.append((loop.stats["forked_samples"], loop.stats["fork_tokens_shared"]))
     finally:
       sched.close()
   whole = (len(prompt) - 2) // 16  # the prompt's whole pages after its first id
-  assert forks == [3, 0] and whole >= 4
-  assert peaks[0] <= peaks[1] - 3 * whole
+  common = (len(text) - 1) // 16  # the whole pages the variant has in common with it
+  assert whole >= 4 and common == 4
+  assert forks == [(4, 3 * (len(prompt) - 2) + 16 * common), (0, 0)]
+  assert peaks[0] <= peaks[1] - 3 * whole - common
   for a, b in zip(*outs):
     assert a.ids == b.ids and a.finish == b.finish and a.ids
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -1,6 +1,7 @@
 """Incremental prefill of multi-turn rollouts: an observation chunk onto the sample's pages
 of the KV cache (``extend``); the turns themselves are decoded by ``decode.decode``, which
-stops when a turn ends.
+stops when a turn ends. ``prefill_tail`` is the same prefill without a sampled token: a
+resumed sample's tokens after the whole pages it forked from a sample that begins alike.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (G group slots, M samples per
 slot, P prefix cache length, R response (trajectory) cache length, L layers, K kv heads,
@@ -40,9 +41,9 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record, state_shards)
-from rl_jax.rollout.prefill import run_trunk
+from rl_jax.rollout.prefill import Resume, run_trunk
 
-__all__ = ["Extension", "extend"]
+__all__ = ["Extension", "extend", "prefill_tail"]
 
 
 class Extension(NamedTuple):
@@ -168,3 +169,54 @@ def _chunk_routing(routing, ext: Extension, ids):
   index = jnp.where(j[None, :] < ext.count[:, None], ext.start[:, None] + j, R)
   at = (jnp.asarray(ext.slot)[:, None], jnp.asarray(ext.sample)[:, None], index)
   return routing.at[at].set(chunk, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx"), donate_argnames=("state",))
+def prefill_tail(cfg: ModelConfig, params, state: DecodeState, res: Resume, start,
+                 ctx=None) -> DecodeState:
+  """Rebuild resumed samples' response K/V from index ``start`` on: the positions below it
+  are on their pages already (a fork's whole pages of another sample with the same tokens
+  there, ``slots.forks``), so only the rest is computed, as an incremental prefill.
+
+  Args:
+    params: model parameters (jit argument). state: DecodeState (donated).
+    res: ``prefill.Resume`` whose ``tokens`` [Br,T] are each row's response tokens
+      ``start .. start+T-1`` and ``length`` its whole length (the last token is fed by the
+      next decode step, so K/V is built up to index ``length − 2``).
+    start: int32 [Br] the positions each row holds on its pages.
+  Returns:
+    Updated DecodeState: the block's K/V on the rows' pages at ``start ..`` (pages taken as
+    needed). Its queries attend the slot's prompt, the sample's positions below ``start``
+    and the block causally, at RoPE positions ``prefix_len + start + j``, so the K/V is that
+    of ``prefill.resume`` over the whole row to float rounding.
+  """
+  TRACE_COUNTS["prefill_tail"] += 1
+  with mesh_context(ctx):
+    Br, T = res.tokens.shape
+    G = state.active.shape[0]
+    slot = jnp.minimum(res.slot, G - 1)  # padding rows compute on slot G-1, dropped below
+    j = jnp.arange(T, dtype=jnp.int32)
+    plen = state.prefix_len[slot]
+    P = state.prefix_v[0].shape[2]
+    M, NP = state.pages.shape[1:]
+    S = state.suffix_v[0].shape[2]
+    pos = plen[:, None] + start[:, None] + j
+    count = jnp.where(res.slot < G, res.length - 1 - start, 0)
+    valid = j[None, :] < count[:, None]
+    bmask = (j[:, None] >= j[None, :])[None] & valid[:, None, :]
+    # keys of the context: the prompt at 0 .. P-1, response index r at prefix_len + r
+    key_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(P), (Br, P)),
+                               plen[:, None] + jnp.arange(NP * S)[None, :]], axis=1)
+    _, ck, cv = run_trunk(cfg, params, res.tokens, pos, Br, 1, bmask[:, None],
+                          prefix=_context(state, slot, res.sample, start),
+                          block_delta=(j[:, None] - j[None, :])[None, None],
+                          prefix_delta=(pos[:, :, None] - key_pos[:, None, :])[:, None])
+    need = pages.rows_need(res.slot, res.sample, start, count, G, M, NP, S)
+    table, refs = pages.allocate(state.pages, state.refs, need, state_shards(state)[1])
+    index = start[:, None] + j
+    written = [pages.write_rows(k, v, table, res.slot, res.sample, index, valid,
+                                ck[l, :, 0], cv[l, :, 0])
+               for l, (k, v) in enumerate(zip(state.suffix_k, state.suffix_v))]
+    return constrain_state(state._replace(suffix_k=tuple(w[0] for w in written),
+                                          suffix_v=tuple(w[1] for w in written),
+                                          pages=table, refs=refs))

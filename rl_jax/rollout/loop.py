@@ -2,8 +2,9 @@
 
 Each iteration: apply returned environment steps (``collect``), fill free slots (groups
 returning from eviction first, then new groups; ``admit``, evicting groups whose KV
-time-to-live expired when work waits; resumed samples are re-prefilled or forked from a
-sample of their group whose tokens begin theirs), append returned observations by
+time-to-live expired when work waits; resumed samples are re-prefilled, or forked from a
+sample with their prompt whose tokens begin theirs, or fork the whole pages they share with
+one and re-prefill the rest: ``slots.forks``), append returned observations by
 incremental prefill (``extend``), record turns that ended and submit their environment
 steps (``turn_ends``), and decode until the next turn ends (``decode``). With ``turn_sync``
 the loop waits at each turn for every environment step of the resident samples before
@@ -44,7 +45,7 @@ from rl_jax.rollout.agent_records import (AgentRollout, Trajectory, assemble_tra
 from rl_jax.rollout.env_pool import observation_ids
 from rl_jax.rollout.kv_cache import REASON_NAMES
 from rl_jax.rollout.decode import NEVER, decode
-from rl_jax.rollout.extend import Extension, extend
+from rl_jax.rollout.extend import Extension, extend, prefill_tail
 from rl_jax.rollout.records import pow2
 
 __all__ = ["DONE", "READY", "RUN", "STAT_KEYS", "WAIT", "Group", "Loop", "admission",
@@ -486,13 +487,14 @@ class Loop:
     Bn = min(e.G, pow2(len(batch), 4))
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = admission(self.e, batch, Bn, Pb)
-    shared = []
+    shared, tails = [], []
     if e.share_prefixes:
-      rebuild, shared = slots.forks(a, rebuild, self.shard, resident)
-    for b, m, g, n in rebuild:
-      self.on_pages.setdefault(g, []).append((m, a["tokens"][b, m, :n].copy()))
+      rebuild, shared, tails = slots.forks(a, rebuild, self.shard, resident, e.S)
     row_of = {g: b for b, (g, _) in enumerate(batch)}
-    for g, _, m, n, _ in shared:
+    held = {(g, m): n for _, m, g, n in rebuild}
+    held.update({(g, m): n for g, _, m, n, _ in shared})
+    held.update({(g, m): n for _, m, g, n, _ in tails})
+    for (g, m), n in held.items():  # what each one's pages hold once admitted
       self.on_pages.setdefault(g, []).append((m, a["tokens"][row_of[g], m, :n].copy()))
     self.give_back()
     self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)))
@@ -501,6 +503,7 @@ class Loop:
                             fresh=not busy and Bn == e.G, ctx=e.ctx)
     self.reprefill(a, rebuild)
     self.fork(shared)
+    self.prefill_tails(a, tails)
     return True
 
   def reprefill(self, a, rebuild) -> None:
@@ -517,6 +520,23 @@ class Loop:
         res.tokens[r] = a["tokens"][b, m, :T]  # the n cached positions (T >= n)
         self.stats["reprefill_tokens"] += n
       self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
+
+  def prefill_tails(self, a, tails) -> None:
+    """Rebuild the K/V of resumed samples that forked a source's whole pages for the start
+    of their tokens (``slots.forks``' tails) from there on (``extend.prefill_tail``)."""
+    if not tails:
+      return
+    e = self.e
+    Br, T = slots.resume_shape(len(tails), max(n - k for *_, n, k in tails), G=e.G, M=e.M,
+                               R=e.R)
+    for i in range(0, len(tails), Br):
+      res, start = slots.resume_rows(Br, T, e.G), np.zeros(Br, np.int32)
+      for r, (b, m, g, n, k) in enumerate(tails[i:i + Br]):
+        res.slot[r], res.sample[r], res.length[r], start[r] = g, m, n + 1, k
+        part = a["tokens"][b, m, k:k + T]
+        res.tokens[r, :len(part)] = part
+        self.stats["reprefill_tokens"] += n - k
+      self.state = prefill_tail(e.cfg, self.params, self.state, res, start, ctx=e.ctx)
 
   def fork(self, shared) -> None:
     """Give resumed samples the pages of a sample whose tokens begin theirs, of their group
@@ -674,7 +694,9 @@ def warmup(e, params) -> int:
   re-prefill buckets (samples x tokens), with environments the observations' extension
   buckets (samples x chunk length), and the decode loop at the first live-page bucket
   (longer trajectories compile one program per further power-of-two bucket when they reach
-  it). ``params``: sampler parameters. Returns the number of programs traced."""
+  it). Forks (``kv_cache.fork_samples`` and ``extend.prefill_tail``: samples that share
+  another's pages, ``slots.forks``) compile when a rollout first forks. ``params``: sampler
+  parameters. Returns the number of programs traced."""
   before = sum(kv_cache.TRACE_COUNTS.values())
   key, version = jax.random.key(e.seed, impl="threefry2x32"), jnp.int32(0)
   identity = e.pool_plan.in_place(e.pool_pages)  # as ``Loop`` decides it

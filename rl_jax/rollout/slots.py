@@ -1,7 +1,7 @@
 """Host arrays in and out of the device slots, for the rollout loop (``loop``).
 
 ``admission_rows`` are the padding arrays an admission fills; ``forks`` picks the resumed
-samples that can share a sibling's pages instead of being re-prefilled; ``resume_shape``
+samples that can share another sample's pages instead of being re-prefilled; ``resume_shape``
 and ``buckets`` are the shapes the loop's programs take (what a warm-up compiles);
 ``merged_routing`` keeps a resumed sample's expert records.
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from rl_jax.rollout.prefill import Resume
 
-__all__ = ["admission_rows", "buckets", "forks", "merged_routing", "resume_rows",
+__all__ = ["admission_rows", "buckets", "common_prefix", "forks", "merged_routing", "resume_rows",
            "resume_shape", "resume_shapes"]
 
 
@@ -33,9 +33,10 @@ def admission_rows(Bn: int, Pb: int, *, G: int, M: int, R: int, budget: int):
               sample_id=np.tile(np.arange(M, dtype=np.int32), (Bn, 1)))
 
 
-def forks(a, resume, shard=None, resident=()):
+def forks(a, resume, shard=None, resident=(), page: int | None = None):
   """Split an admission's resumed samples (rows ``(row, sample, slot, cached positions)``
-  of the admission arrays ``a``) into those re-prefilled and those forked.
+  of the admission arrays ``a``) into those re-prefilled, those forked, and those forked
+  in part with the rest re-prefilled.
 
   A resumed sample whose cached tokens (all but its last) begin those of another sample
   with its K/V is forked from it (``kv_cache.fork_samples``: the other's whole pages
@@ -45,36 +46,51 @@ def forks(a, resume, shard=None, resident=()):
   group of the admission with the same prompt; a sample already in a slot whose first
   positions are on its pages (``resident``), with the same prompt. Another slot's sample
   is a source only on the same pool shard (a slot reads only its shard's pages). Longer
-  samples are sources first.
+  samples are sources first. With ``page`` (the page size S), a sample that no source
+  covers but that shares at least one whole page of tokens with one (the longest such
+  prefix, in whole pages) forks those pages and re-prefills the rest
+  (``extend.prefill_tail``): a prompt that begins with another's, e.g. one system prompt.
 
   Args:
     a: admission arrays (``admission_rows``). resume: the rows above. shard: int [G] the
       pool shard of each slot (None: groups fork only within themselves). resident:
       (slot, sample, prompt ids, cached ids) of samples in slots, ``cached ids`` the
-      response tokens whose K/V their pages hold.
+      response tokens whose K/V their pages hold. page: S, or None for whole matches only.
   Returns:
-    (resume rows kept, forks: list of (slot, source sample, sample, cached positions,
-    source slot)).
+    (resume rows re-prefilled whole, forks: list of (slot, source sample, sample, cached
+    positions, source slot), tails: rows ``(row, sample, slot, cached positions, forked
+    positions)`` re-prefilled from their forked positions on, each also in ``forks``).
   """
   prompt = lambda b: tuple(a["prompt"][b, :a["prompt_len"][b]].tolist())
-  kept, out = [], []
+  kept, out, tails = [], [], []
   for b, m, g, n in sorted(resume, key=lambda r: (r[0], -r[3], r[1])):
     row = a["tokens"][b, m, :n]
-    sources = [(sb, sm, sg) for sb, sm, sg, sn in kept if sb == b and sn >= n]
+    sources = [(sg, sm, a["tokens"][sb, sm, :sn]) for sb, sm, sg, sn in kept if sb == b]
     if shard is not None:
-      sources += [(sb, sm, sg) for sb, sm, sg, sn in kept if sb != b and sn >= n
+      sources += [(sg, sm, a["tokens"][sb, sm, :sn]) for sb, sm, sg, sn in kept if sb != b
                   and shard[sg] == shard[g] and prompt(sb) == prompt(b)]
-    src = next(((sg, sm) for sb, sm, sg in sources
-                if np.array_equal(a["tokens"][sb, sm, :n], row)), None)
-    if src is None and shard is not None:
-      src = next(((sg, sm) for sg, sm, p, ids in resident
-                  if len(ids) >= n and shard[sg] == shard[g] and tuple(p) == prompt(b)
-                  and np.array_equal(ids[:n], row)), None)
-    if src is None:
-      kept.append((b, m, g, n))
-    else:
+      sources += [(sg, sm, np.asarray(ids)) for sg, sm, p, ids in resident
+                  if shard[sg] == shard[g] and tuple(p) == prompt(b)]
+    src = next(((sg, sm) for sg, sm, ids in sources
+                if len(ids) >= n and np.array_equal(ids[:n], row)), None)
+    if src is not None:
       out.append((g, src[1], m, n, src[0]))
-  return kept, out
+      continue
+    best = max(((common_prefix(ids, row) // page * page, sg, sm) for sg, sm, ids in sources),
+               default=(0, 0, 0), key=lambda c: c[0]) if page else (0, 0, 0)
+    if best[0] > 0:
+      out.append((g, best[2], m, best[0], best[1]))
+      tails.append((b, m, g, n, best[0]))
+    else:
+      kept.append((b, m, g, n))
+  return kept, out, tails
+
+
+def common_prefix(x, y) -> int:
+  """The length of the longest common prefix of int arrays ``x`` and ``y``."""
+  n = min(len(x), len(y))
+  differ = np.flatnonzero(np.asarray(x[:n]) != np.asarray(y[:n]))
+  return int(differ[0]) if differ.size else n
 
 
 def resume_rows(Br: int, T: int, G: int) -> Resume:

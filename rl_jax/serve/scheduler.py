@@ -10,8 +10,8 @@ new tokens of each choice, so requests that arrive while others decode join the 
 next iteration and leave it as soon as they end (Orca-style iteration-level scheduling). The
 paged KV cache takes pages as tokens are written and returns a choice's pages when it ends,
 is stopped by a stop string, or its client disconnects (``Scheduler.cancel``); with the
-prompt on pages, choices with one prompt share its pages (``share_prompts``), and a shared
-page returns when the last of them ends. Lanes share
+prompt on pages, choices whose prompts begin alike share the pages of what they have in
+common (``share_prompts``), and a shared page returns when the last of them ends. Lanes share
 the engine's compiled programs (sampling settings are traced values); at most ``max_lanes``
 exist at once, an idle one is dropped to make room.
 
@@ -172,7 +172,9 @@ class Scheduler:
     share_prompts: with ``prompt_pages``, a choice whose prompt is that of another choice
       decoding on the same pool shard (another of its request's n, or a concurrent
       request's) takes that choice's whole prompt pages instead of prefilling them (the
-      partial last page copied; ``slots.forks``): the prompt is prefilled and held once.
+      partial last page copied; ``slots.forks``): the prompt is prefilled and held once. A
+      prompt that only begins like another's (one system prompt, other questions) takes
+      the whole pages they have in common and prefills the rest.
   """
 
   def __init__(self, model, *, max_slots: int = 8, max_prompt_tokens: int = 1024,
