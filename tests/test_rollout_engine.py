@@ -338,3 +338,39 @@ def test_groups_with_one_prompt_share_its_pages_across_slots():
     assert len(t.tokens) > 22
     np.testing.assert_array_equal(t.tokens, r.tokens)
     np.testing.assert_allclose(t.logprobs, r.logprobs, atol=1e-5)
+
+
+def test_fork_sources_are_same_prompt_samples_of_the_slots_pool_shard():
+  """``slots.forks`` on a hand-made admission of 4 groups (slots 0-3, two pool shards of two
+  slots): a sibling covering a sample's tokens is its source first, then a sample of
+  another group with its prompt on its shard (admitted with it, or resident); a group with
+  another prompt or on the other shard is not a source; with a page size, a sample that
+  only begins like a source forks the whole pages in common and re-prefills the rest."""
+  a = rollout.slots.admission_rows(4, 4, G=4, M=2, R=16, budget=16)
+  a["slots"][:] = [0, 1, 2, 3]
+  a["prompt"][:, :2] = [[1, 2], [1, 2], [1, 2], [1, 3]]
+  a["prompt_len"][:] = 2
+  base = np.arange(10, 22)
+  a["tokens"][0, 0, :12] = base  # group 0: two samples, one continuing the other
+  a["tokens"][0, 1, :8] = base[:8]
+  a["tokens"][1, 0, :9] = base[:9]  # group 1, the same prompt on shard 0
+  a["tokens"][2, 0, :9] = base[:9]  # group 2, the same prompt on shard 1
+  a["tokens"][3, 0, :9] = base[:9]  # group 3, another prompt
+  a["tokens"][1, 1, :10] = np.r_[base[:6], [99] * 4]  # begins like group 0's for 6 tokens
+  resume = [(0, 0, 0, 12), (0, 1, 0, 8), (1, 0, 1, 9), (1, 1, 1, 10), (2, 0, 2, 9),
+            (3, 0, 3, 9)]
+  shard = np.array([0, 0, 1, 1])
+  kept, out, tails = rollout.slots.forks(a, resume)
+  assert kept == [(0, 0, 0, 12), (1, 1, 1, 10), (1, 0, 1, 9), (2, 0, 2, 9), (3, 0, 3, 9)]
+  assert out == [(0, 0, 1, 8, 0)] and tails == []  # within the group only
+  kept, out, tails = rollout.slots.forks(a, resume, shard, page=4)
+  assert kept == [(0, 0, 0, 12), (2, 0, 2, 9), (3, 0, 3, 9)]
+  assert out == [(0, 0, 1, 8, 0), (1, 0, 1, 4, 0), (1, 0, 0, 9, 0)]
+  assert tails == [(1, 1, 1, 10, 4)]  # 6 tokens in common: one whole page of 4
+  # slot 3's sample decodes (shard 1); rows 2 and 3, with its prompt, come into slots 2
+  # (shard 1: forks it) and 0 (shard 0: re-prefilled)
+  resident = [(3, 0, (1, 2), base[:12])]
+  a["slots"][:] = [1, 3, 2, 0]
+  a["prompt"][3, :2] = [1, 2]
+  kept, out, tails = rollout.slots.forks(a, [(2, 0, 2, 9), (3, 0, 0, 9)], shard, resident, 4)
+  assert out == [(2, 0, 0, 9, 3)] and kept == [(3, 0, 0, 9)] and tails == []

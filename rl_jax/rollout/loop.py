@@ -454,10 +454,11 @@ class Loop:
       return False  # a fixed pool preempted a group: none comes in until one leaves
     returning = [grp for grp in self.evicted if grp.has(READY)]
     want = len(returning) + len(self.queue)
-    resident = [(g, m, grp.prompt, ids) for g, grp in self.resident()
-                for m, ids in self.on_pages.get(g, ())]
     if want > len(free) and not self.sync and e.ttl is not None:
       free += self.evict(want - len(free))
+    # fork sources: samples of the groups that stay in their slots (``slots.forks``)
+    resident = [(g, m, grp.prompt, ids) for g, grp in self.resident()
+                for m, ids in self.on_pages.get(g, ())]
     if e.fixed_pool:  # free pages of each slot shard's Q sequence shards
       self.give_back()
       left = pages.free_pages(self.state.refs).reshape(e.D, e.Q)
