@@ -258,7 +258,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, client):
   deadline = time.time() + 30
   while httpx.get(f"{url}/health").json()["active_choices"] and time.time() < deadline:
     time.sleep(0.2)
-  assert httpx.get(f"{url}/health").json()["active_choices"] == 0
+  health = httpx.get(f"{url}/health").json()
+  # the prompts in the slots' caches (no --prompt-pages): nothing forks
+  assert health["active_choices"] == 0
+  assert health["forked_choices"] == health["prompt_tokens_shared"] == 0
   assert server[1].poll() is None
 
 
@@ -420,6 +423,8 @@ def test_choices_with_one_prompt_prefill_and_hold_it_once(char_dir):
       loop = sched._lanes[sampling].loop  # pylint: disable=protected-access
       peaks.append(max(loop.used))
       forks.append((loop.stats["forked_samples"], loop.stats["fork_tokens_shared"]))
+      assert sched.shared_prompts() == dict(zip(("forked_choices", "prompt_tokens_shared"),
+                                                forks[-1]))
     finally:
       sched.close()
   whole = (len(prompt) - 2) // 16  # the prompt's whole pages after its first id

@@ -258,7 +258,8 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
 
   @app.get("/health")
   async def health():
-    return {"status": "ok", "model": model.name, "active_choices": sched.active_choices()}
+    return {"status": "ok", "model": model.name, "active_choices": sched.active_choices(),
+            **sched.shared_prompts()}
 
   @app.get("/v1/models")
   async def list_models(http: fastapi.Request):

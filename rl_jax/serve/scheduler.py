@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rl_jax.rollout.engine import RolloutEngine
+from rl_jax.rollout.engine import FORK_STATS, RolloutEngine
 from rl_jax.rollout.loop import Group, Loop
 from rl_jax.rollout.agent_records import Trajectory
 
@@ -193,6 +193,7 @@ class Scheduler:
     self._counter = itertools.count()
     self._closed = False
     self.stats = collections.Counter()
+    self._dropped = collections.Counter()  # the fork counters of lanes no longer served
     self._thread = threading.Thread(target=self._run, name="rl_jax-serve", daemon=True)
     self._thread.start()
 
@@ -216,6 +217,16 @@ class Scheduler:
   def active_choices(self) -> int:
     """Choices queued or decoding (read from the HTTP side for /health)."""
     return sum(len(lane.active) for lane in list(self._lanes.values()))
+
+  def shared_prompts(self) -> dict[str, int]:
+    """Since the start, over every lane (read from the HTTP side for /health): choices
+    that forked another's prompt pages (``share_prompts``) and the prompt positions they
+    took instead of prefilling them."""
+    total = collections.Counter(self._dropped)
+    for lane in list(self._lanes.values()):
+      total.update({k: lane.loop.stats[k] for k in FORK_STATS})
+    return {"forked_choices": int(total["forked_samples"]),
+            "prompt_tokens_shared": int(total["fork_tokens_shared"])}
 
   # ---------------------------------------------------------------- the serving thread
   def _run(self) -> None:
@@ -268,7 +279,8 @@ class Scheduler:
           idle = [s for s, l in self._lanes.items() if not l.active]
           if not idle:
             return  # every lane is busy with other settings: wait for one to empty
-          self._lanes.pop(idle[0])
+          gone = self._lanes.pop(idle[0])
+          self._dropped.update({k: gone.loop.stats[k] for k in FORK_STATS})
         try:
           lane = self._lanes[req.sampling] = _Lane(self, req.sampling)
         except Exception as e:  # pylint: disable=broad-except
