@@ -412,7 +412,7 @@ def test_choices_with_one_prompt_prefill_and_hold_it_once(char_dir):
   for share in (True, False):
     # budgets over 256 tokens: a pool that grows as the choices need it (a page table)
     sched = Scheduler(model, max_slots=6, max_prompt_tokens=256, max_tokens=256, page_size=16,
-                      prompt_pages=True, share_prompts=share)
+                      prompt_pages=True, share_prompts=share, max_lanes=1)
     try:
       reqs = [Request(p, n, 16, sampling, seed=seed)
               for p, n, seed in ((prompt, 3, 1), (prompt, 1, 2), (variant, 1, 3))]
@@ -423,8 +423,11 @@ def test_choices_with_one_prompt_prefill_and_hold_it_once(char_dir):
       loop = sched._lanes[sampling].loop  # pylint: disable=protected-access
       peaks.append(max(loop.used))
       forks.append((loop.stats["forked_samples"], loop.stats["fork_tokens_shared"]))
-      assert sched.shared_prompts() == dict(zip(("forked_choices", "prompt_tokens_shared"),
-                                                forks[-1]))
+      counted = dict(zip(("forked_choices", "prompt_tokens_shared"), forks[-1]))
+      assert sched.shared_prompts() == counted
+      _submit(sched, prompt, sampling=Sampling(temperature=0.0), max_tokens=2)
+      assert sampling not in sched._lanes  # pylint: disable=protected-access
+      assert sched.shared_prompts() == counted  # the dropped lane's counts are kept
     finally:
       sched.close()
   whole = (len(prompt) - 2) // 16  # the prompt's whole pages after its first id

@@ -193,7 +193,8 @@ class Scheduler:
     self._counter = itertools.count()
     self._closed = False
     self.stats = collections.Counter()
-    self._dropped = collections.Counter()  # the fork counters of lanes no longer served
+    # the fork counters of lanes no longer served (its keys fixed: read by the HTTP side)
+    self._dropped = collections.Counter({k: 0 for k in FORK_STATS})
     self._thread = threading.Thread(target=self._run, name="rl_jax-serve", daemon=True)
     self._thread.start()
 
@@ -279,8 +280,7 @@ class Scheduler:
           idle = [s for s, l in self._lanes.items() if not l.active]
           if not idle:
             return  # every lane is busy with other settings: wait for one to empty
-          gone = self._lanes.pop(idle[0])
-          self._dropped.update({k: gone.loop.stats[k] for k in FORK_STATS})
+          self._drop_lane(idle[0])
         try:
           lane = self._lanes[req.sampling] = _Lane(self, req.sampling)
         except Exception as e:  # pylint: disable=broad-except
@@ -292,6 +292,10 @@ class Scheduler:
       self._lanes.move_to_end(req.sampling)
       lane.add(req, self._streams(req))
       self.stats["requests"] += 1
+
+  def _drop_lane(self, key: Sampling) -> None:
+    gone = self._lanes.pop(key)
+    self._dropped.update({k: gone.loop.stats[k] for k in FORK_STATS})
 
   def _cancel(self, req: Request) -> None:
     for lane in self._lanes.values():
@@ -311,7 +315,7 @@ class Scheduler:
     reqs = {id(r): r for r, _ in lane.active.values()}
     for key, l in list(self._lanes.items()):
       if l is lane:
-        del self._lanes[key]
+        self._drop_lane(key)
     for req in reqs.values():
       req.on_chunk(error)
       req.done.set()
