@@ -17,11 +17,14 @@ With ``--choices n`` every request asks for n choices, and with ``--shared-prefi
 prompt begins with the same N tokens (a system prompt); then a third scheduler keeps prompts
 on pages without sharing them (``share_prompts=False``): each choice prefills and holds its
 own copy of its prompt, where the default takes the whole pages of another choice's prompt
-that its own begins with.
+that its own begins with. With ``--prefix-cache N`` the ended choices' pages stay in the
+prompt-pages schedulers' prefix cache (``Scheduler(prefix_cache=N)``), so every round after
+the first finds its prompts there: the case of a client that sends one prompt again.
 
     python scripts/bench_serve_prompts.py --rounds 5
     python scripts/bench_serve_prompts.py --rounds 5 --choices 4 --requests 4
     python scripts/bench_serve_prompts.py --rounds 5 --shared-prefix 256 --min-prompt 300
+    python scripts/bench_serve_prompts.py --rounds 5 --prefix-cache 64 --choices 2
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ def main() -> None:
   ap.add_argument("--max-prompt-tokens", type=int, default=512, help="the server's limit")
   ap.add_argument("--max-tokens", type=int, default=64)
   ap.add_argument("--choices", type=int, default=1, help="n of every request")
+  ap.add_argument("--prefix-cache", type=int, default=0,
+                  help="the schedulers' prefix cache (entries; 0: none, so every round "
+                       "prefills its prompts as the first did)")
   ap.add_argument("--shared-prefix", type=int, default=0,
                   help="every prompt begins with these many tokens in common (a system "
                        "prompt), counted in its length")
@@ -110,7 +116,8 @@ def main() -> None:
     layouts["unshared"] = (True, False)
   scheds = {name: Scheduler(model, max_slots=args.slots, max_prompt_tokens=args.max_prompt_tokens,
                             max_tokens=args.max_tokens, page_size=args.page_size,
-                            prompt_pages=on, share_prompts=share)
+                            prompt_pages=on, share_prompts=share,
+                            prefix_cache=args.prefix_cache)
             for name, (on, share) in layouts.items()}
   print(f"{os.cpu_count()} cores; d={args.hidden}, {args.layers} layers; {args.requests} "
         f"requests, prompts {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), "

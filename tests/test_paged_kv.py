@@ -338,8 +338,8 @@ def test_page_bookkeeping_matches_python_reference_counts(D, Q):
   and with Q sequence shards entry e only of shard ``d·Q + e mod Q`` (pages
   ``(d·Q + e mod Q)·Pl ..``). A fork (from a sibling or from another slot of the same
   shard) names the source's whole pages, one more reference each, and takes a fresh page
-  for the partial one; a page goes back to the pool when the last entry naming it is
-  released."""
+  for the partial one; a holder that is no entry (``pages.hold``) counts as one; a page
+  goes back to the pool when the last entry or holder lets it go."""
   G, Mm, NP, S = 4, 2, 4, 4
   Pg = 14 if Q == 1 else 16
   Pl = Pg // (D * Q)
@@ -354,8 +354,10 @@ def test_page_bookkeeping_matches_python_reference_counts(D, Q):
   allocate = jax.jit(functools.partial(pages.allocate, seq=Q))
   release = jax.jit(pages.release)
   fork = jax.jit(functools.partial(pages.fork, S=S, seq=Q))
-  forks, across, most = 0, 0, 0
-  for _ in range(60):
+  hold = jax.jit(pages.hold, static_argnames="delta")
+  pad = lambda ids: jnp.asarray(ids + [Pg] * (4 - len(ids)))  # Pg: padding, skipped
+  forks, across, most, kept = 0, 0, 0, []
+  for _ in range(100):
     u = rng.random()
     if u < 0.45:
       need = rng.random((G, Mm, NP)) < 0.3
@@ -370,7 +372,7 @@ def test_page_bookkeeping_matches_python_reference_counts(D, Q):
         ref_table[at] = ids[d][taken[d]]
         count[ids[d][taken[d]]] += 1
         taken[d] += 1
-    elif u < 0.75:  # one fork onto an empty row, from a row whose first entries hold pages
+    elif u < 0.7:  # one fork onto an empty row, from a row whose first entries hold pages
       rows = [(g, m) for g in range(G) for m in range(Mm) if (ref_table[g, m] < 0).all()]
       srcs = [(g, m, int(np.argmin(np.append(ref_table[g, m] >= 0, False))))
               for g in range(G) for m in range(Mm)]
@@ -397,6 +399,16 @@ def test_page_bookkeeping_matches_python_reference_counts(D, Q):
         count[fresh] += 1
         assert (np.asarray(frm)[0, e], np.asarray(to)[0, e]) == (ref_table[sg, sm, e], fresh)
       forks, across = forks + 1, across + (sg != g)
+    elif u < 0.85:  # a holder that is no table entry (a prefix cache) takes or drops pages
+      if kept and rng.random() < 0.5:
+        ids = kept.pop(0)
+        refs = hold(refs, pad(ids), delta=-1)
+        count[ids] -= 1
+      else:
+        ids = sorted(set(ref_table[ref_table >= 0].tolist()))[:3]
+        refs = hold(refs, pad(ids), delta=1)
+        count[ids] += 1
+        kept.append(ids)
     else:
       rows = rng.random(G) < 0.5
       table, refs = release(table, refs, jnp.asarray(rows))

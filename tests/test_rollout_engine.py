@@ -369,7 +369,7 @@ def test_fork_sources_are_same_prompt_samples_of_the_slots_pool_shard():
   assert tails == [(1, 1, 1, 10, 4)]  # 6 tokens in common: one whole page of 4
   # slot 3's sample decodes (shard 1); rows 2 and 3, with its prompt, come into slots 2
   # (shard 1: forks it) and 0 (shard 0: re-prefilled)
-  resident = [(3, 0, (1, 2), base[:12])]
+  resident = [(3, 0, (1, 2), base[:12], 1)]
   a["slots"][:] = [1, 3, 2, 0]
   a["prompt"][3, :2] = [1, 2]
   kept, out, tails = rollout.slots.forks(a, [(2, 0, 2, 9), (3, 0, 0, 9)], shard, resident, 4)

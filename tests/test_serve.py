@@ -287,14 +287,15 @@ def test_cli_errors_are_one_line(tmp_path, char_dir):
     (["--port={busy}"], "cannot listen on 127.0.0.1:{busy} (Address already in use)"),
     (["--max-prompt-tokens=0"], "--max-prompt-tokens=0 must be at least 1"),
     (["--max-tokens=0"], "--max-tokens=0 must be at least 1"),
+    (["--prefix-cache=-1"], "--prefix-cache=-1 must be at least 0 (0: no cache)"),
     (["--max-prompt-tokens=300"], "--max-prompt-tokens=300 leaves no room for new tokens in "
                                   "the model's context of 256 positions"),
     (["--served-model-name="], "--served-model-name='' must not be empty (unset: the "
                                "directory's name)"),
     (["--model={plain}", "--tool-parser=foo"],  # no chat template: no parser is chosen
      "--tool-parser='foo': choose auto or one of ['compact', 'hermes', 'llama3', 'qwen']"),
-], ids=["port_range", "port_busy", "prompt_0", "tokens_0", "prompt_fills_context", "empty_name",
-        "tool_parser"])
+], ids=["port_range", "port_busy", "prompt_0", "tokens_0", "prefix_cache", "prompt_fills_context",
+        "empty_name", "tool_parser"])
 def test_cli_flag_errors_come_before_serving(monkeypatch, tmp_path, char_dir, tool_dir, flags,
                                              message):
   """Each wrong flag stops ``main`` with its own line before it serves ({busy}: a port that
@@ -438,6 +439,49 @@ def test_choices_with_one_prompt_prefill_and_hold_it_once(char_dir):
   for a, b in zip(*outs):
     assert a.ids == b.ids and a.finish == b.finish and a.ids
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_a_chats_next_request_takes_the_last_ones_pages_from_the_prefix_cache(char_dir):
+  """Prompts on pages with the prefix cache: when a choice ends its whole pages stay; the
+  chat's next request (the last prompt, its answer, a new message) forks them and
+  prefills only the rest, with the ids of a server that keeps nothing and log-probs to
+  float rounding. A request that needs more pages than are free drops the cache's least
+  recently used entries (their pages free again) before the pool grows."""
+  model = load_served(char_dir)
+  model.cfg = model.cfg.replace(max_position_embeddings=1024)
+  first = TOK.encode("U:" + "how much is 17 times 23? " * 3 + "\nA:")
+  sampling = Sampling(temperature=1.0)
+  runs = []
+  for share in (True, False):
+    sched = Scheduler(model, max_slots=2, max_prompt_tokens=256, max_tokens=256, page_size=16,
+                      prompt_pages=True, share_prompts=share)
+    try:
+      one = _submit(sched, first, sampling=sampling, seed=1, max_tokens=24)[0]
+      loop = sched._lanes[sampling].loop  # pylint: disable=protected-access
+      kept = [(c.ids.copy(), c.pages.copy()) for c in loop.cache.values()]
+      after = first + one.ids + TOK.encode("\nU:and 4 + 5?\nA:")
+      two = _submit(sched, after, sampling=sampling, seed=2, max_tokens=16)[0]
+      runs.append((one, two, kept, dict(sched.cached_prefixes()), loop.stats["fork_tokens_shared"]))
+      if share:  # two long prompts of their own: the pool is short, the cache gives back
+        size, before = loop.state.refs.size, [c.ids for c in loop.cache.values()]
+        reqs = [Request(TOK.encode("U:" + ch * 230 + "\nA:"), 1, 4, sampling, seed=3)
+                for ch in "qz"]
+        for r in reqs:
+          sched.submit(r)
+        assert all(r.done.wait(120) for r in reqs)
+        now = [c.ids for c in loop.cache.values()]
+        dropped = (len(before), any(len(c) == len(b) and (c == b).all() for c in now
+                                    for b in before), loop.state.refs.size, size)
+    finally:
+      sched.close()
+  (one, two, kept, cache, shared), (one_, two_, kept_, cache_, shared_) = runs
+  assert one.ids == one_.ids and two.ids == two_.ids and two.ids
+  np.testing.assert_allclose(two.logprobs, two_.logprobs, atol=1e-5)
+  k = (len(first) - 1 + len(one.ids)) // 16 * 16  # positions whose K/V the first kept
+  assert len(kept) == 1 and kept[0][0].tolist() == (first[1:] + one.ids)[:k]
+  assert len(kept[0][1]) == k // 16 and kept_ == [] and cache_["prefix_cache_entries"] == 0
+  assert cache["prefix_cache_hits"] == 1 and shared == k and shared_ == 0
+  assert dropped == (1, False, dropped[3], dropped[3]), dropped  # dropped, and no growth
 
 
 def test_cancel_stops_decoding_and_returns_the_pages(char_dir):

@@ -55,6 +55,7 @@ class EngineCore(HoldsGroups):
   deterministic = False
   schedule = "continuous"
   ttl = None
+  prefix_cache = 0  # entries the loop's prefix cache keeps (``RolloutEngine``)
 
   def _init_core(self, cfg: ModelConfig, *, n: int, slots: int, samples_per_slot: int,
                  max_prompt_len: int, budget: tuple[str, int], temperature: float,

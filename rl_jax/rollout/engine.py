@@ -118,6 +118,11 @@ class RolloutEngine(EngineCore):
       of another group admitted with it or decoding in a slot) is forked from it at
       admission (``slots.forks``: whole pages shared, the partial last page copied) instead
       of re-prefilled; False re-prefills every one (same tokens).
+    prefix_cache: with ``share_prefixes`` and a growing pool, the whole pages of samples
+      that leave their slots stay in a cache of this many entries (least recently used
+      dropped first, and whenever pages run short) as sources for samples admitted later
+      with the same prompt: a server's prompt pages across requests (``Loop.keep``). 0:
+      none (the trainer's rollouts).
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
@@ -128,7 +133,7 @@ class RolloutEngine(EngineCore):
                mesh=None, rules=None, dtype: str | None = None, context: int | None = None,
                page_size: int = 64, kv_pages: int | None = None,
                kv_memory_fraction: float | None = None, prefill_chunk: int | None = 2048,
-               share_prefixes: bool = True):
+               share_prefixes: bool = True, prefix_cache: int = 0):
     self._init_core(
         cfg, n=n, slots=max_slots, samples_per_slot=n if prompt_once else 1,
         max_prompt_len=max_prompt_len, budget=("max_new_tokens", max_new_tokens),
@@ -138,6 +143,11 @@ class RolloutEngine(EngineCore):
         kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk,
         share_prefixes=share_prefixes)
     self.max_new_tokens, self.prompt_once = int(max_new_tokens), bool(prompt_once)
+    check_int("prefix_cache", prefix_cache, 0)
+    if prefix_cache and (self.fixed_pool or not share_prefixes):
+      raise RolloutError("prefix_cache keeps pages for forks: it needs share_prefixes and a "
+                         "growing pool (kv_pages and kv_memory_fraction unset)")
+    self.prefix_cache = int(prefix_cache)
     if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
         or not -2**63 <= seed < 2**63):
       raise RolloutError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")

@@ -43,8 +43,8 @@ from rl_jax.rollout import pages, sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
-           "fork_samples", "grow_pool", "init_state", "kv_cache_bytes", "mesh_context",
-           "pool_bytes", "pool_page_axes", "pool_shards", "record",
+           "fork_samples", "grow_pool", "hold_pages", "init_state", "kv_cache_bytes",
+           "mesh_context", "pool_bytes", "pool_page_axes", "pool_shards", "record",
            "sampler_storage", "sequence_axes",
            "sequence_shards", "state_shards", "release_slots", "resize_pool", "SamplerParams"]
 
@@ -335,21 +335,32 @@ def release_slots(state: DecodeState, rows, identity: bool = False, ctx=None) ->
 
 
 @functools.partial(jax.jit, static_argnames=("identity", "ctx"), donate_argnames=("state",))
-def fork_samples(state: DecodeState, slot, src, dst, cached, src_slot=None,
-                 identity: bool = False, ctx=None) -> DecodeState:
+def fork_samples(state: DecodeState, slot, src, dst, cached, src_slot=None, given=None,
+                 use_given=None, identity: bool = False, ctx=None) -> DecodeState:
   """Response K/V of sample ``dst`` of slot ``slot`` forked from sample ``src`` of slot
-  ``src_slot`` (default ``slot``; on the same pool shard), its first ``cached`` positions
-  (``pages.fork``: whole pages shared, the partial last page copied); rows int32 [F],
-  padding rows with slot >= G. Tokens, lengths and the rest of the samples' records are the
-  admission's; only the pages change."""
+  ``src_slot`` (default ``slot``; on the same pool shard), or from the pages ``given``
+  where ``use_given`` (a prefix cache's), its first ``cached`` positions (``pages.fork``:
+  whole pages shared, the partial last page copied); rows int32 [F], padding rows with
+  slot >= G. Tokens, lengths and the rest of the samples' records are the admission's;
+  only the pages change."""
   TRACE_COUNTS["fork_samples"] += 1
   with mesh_context(ctx):
     S = state.suffix_v[0].shape[2]
     table, refs, frm, to = pages.fork(state.pages, state.refs, slot, src, dst, cached, S,
-                                      identity, state_shards(state)[1], src_slot)
+                                      identity, state_shards(state)[1], src_slot, given,
+                                      use_given)
     return constrain_state(state._replace(
         suffix_k=pages.copy_pages(state.suffix_k, frm, to),
         suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table, refs=refs))
+
+
+@functools.partial(jax.jit, static_argnames=("delta", "ctx"), donate_argnames=("state",))
+def hold_pages(state: DecodeState, ids, delta: int, ctx=None) -> DecodeState:
+  """``pages.hold`` on the state's reference counts: pool pages ``ids`` int32 [N] (entries
+  >= Pg skipped) gain (``delta`` 1) or lose (-1) a holder that is no table entry."""
+  TRACE_COUNTS["hold_pages"] += 1
+  with mesh_context(ctx):
+    return constrain_state(state._replace(refs=pages.hold(state.refs, ids, delta)))
 
 
 @functools.partial(jax.jit, static_argnames=("pages_", "ctx"))

@@ -30,6 +30,7 @@ resume, extension and chunk buckets.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import time
 from typing import Sequence
@@ -55,6 +56,17 @@ RUN, WAIT, READY, DONE = "run", "wait", "ready", "done"  # a sample's host statu
 STAT_KEYS = ("env_steps", "timeouts", "env_errors", "resumes", "kv_hits", "evictions",
              "reprefill_tokens", "decode_calls", "preemptions", "prefix_pages_shared",
              "forked_samples", "fork_tokens_shared")
+
+
+@dataclasses.dataclass
+class Cached:
+  """A prefix cache entry: response ids whose K/V lies on ``pages`` (whole pages, int
+  [len(ids) / S]) of pool slot shard ``shard``, after the slot prompt ``prompt``."""
+
+  shard: int
+  prompt: tuple
+  ids: np.ndarray
+  pages: np.ndarray
 
 
 class Group:
@@ -143,6 +155,13 @@ class Loop:
     # per slot, the resumed or forked samples' (sample, response ids whose K/V their pages
     # hold since admission): sources for forks of later admissions (``slots.forks``)
     self.on_pages: dict[int, list[tuple[int, np.ndarray]]] = {}
+    # the prefix cache (``eng.prefix_cache`` entries, least recently used first; a growing
+    # pool with a page table): the whole pages of single-turn samples whose slot was freed,
+    # held (``pages.hold``) for later admissions to fork, dropped when pages run short
+    self.caching = eng.prefix_cache > 0 and not self.identity and not eng.fixed_pool
+    self.cache: collections.OrderedDict[int, Cached] = collections.OrderedDict()
+    self.cache_keys = itertools.count()
+    self.cache_hits = 0  # forks from the cache
     self.slot_group: list[Group | None] = [None] * eng.G
     self.queue: collections.deque[Group] = collections.deque()
     self.evicted: list[Group] = []
@@ -323,7 +342,9 @@ class Loop:
 
   def free_slot(self, g: int, grp: Group) -> None:
     """Take ``grp`` out of slot ``g``; its pages go back to the pool before the next
-    admission (``give_back``)."""
+    admission (``give_back``), but for those the prefix cache keeps (``keep``)."""
+    if self.caching and grp.spec is None:
+      self.keep(g, grp)
     self.slot_group[g], grp.slot = None, None
     self.on_pages.pop(g, None)
     self.released.append(g)
@@ -337,17 +358,78 @@ class Loop:
                                           ctx=self.e.ctx)
       self.released = []
 
-  def room(self, pages_: np.ndarray) -> None:
+  def room(self, pages_: np.ndarray, keep=()) -> None:
     """Grow the pool (doubling, up to every sample's whole budget) until ``pages_`` (int
-    [D·Q]) are free on each shard (a fixed pool does not grow: ``fit``)."""
+    [D·Q]) are free on each shard (a fixed pool does not grow: ``fit``), after dropping
+    prefix cache entries but those in ``keep`` (``trim_cache``)."""
     e = self.e
     if e.fixed_pool:
       return
+    self.trim_cache(pages_, keep)
+    old = self.state.refs.size
     grown = kv_cache.grow_pool(self.state, pages_, e.max_pool_pages, ctx=e.ctx)
-    if grown.refs.size > self.state.refs.size:
+    if grown.refs.size > old:
       e.pool_pages = grown.refs.size  # later calls start at this size
       self.stats["pool_growths"] += 1
+      for c in self.cache.values():  # the kept pages' new ids
+        c.pages = np.asarray(pages.regrown_ids(c.pages, old, grown.refs.size,
+                                               grown.refs.shape[0]))
     self.state = grown
+
+  # ---------------------------------------------------------------- the prefix cache
+  def keep(self, g: int, grp: Group) -> None:
+    """Put the whole pages of slot ``g``'s samples (single-turn: response index j on the
+    sample's pages for every j below its last token, which is never fed) into the prefix
+    cache, one more holder each, unless an entry with the same prompt on the slot's shard
+    already holds those ids; entries the new one extends and the least recently used past
+    ``prefix_cache`` entries are dropped."""
+    e, row, plus, minus = self.e, None, [], []
+    for m, t in enumerate(grp.trajs):
+      k = max(len(t.tokens) - 1, 0) // e.S * e.S
+      if k == 0:
+        continue
+      ids, prompt = np.asarray(t.tokens[:k], np.int32), tuple(grp.prompt)
+      same = [(key, c) for key, c in self.cache.items()
+              if c.shard == self.shard[g] and c.prompt == prompt]
+      held = next((key for key, c in same if len(c.ids) >= k and np.array_equal(c.ids[:k], ids)),
+                  None)
+      if held is not None:
+        self.cache.move_to_end(held)
+        continue
+      if row is None:
+        row = np.asarray(jax.device_get(self.state.pages[g]))
+      held_pages = row[m, :k // e.S]
+      if (held_pages < 0).any():
+        continue
+      for key, c in same:  # entries the new one extends
+        if np.array_equal(ids[:len(c.ids)], c.ids):
+          minus.extend(self.cache.pop(key).pages)
+      self.cache[next(self.cache_keys)] = Cached(int(self.shard[g]), prompt, ids, held_pages)
+      plus.extend(held_pages)
+    while len(self.cache) > e.prefix_cache:
+      minus.extend(self.cache.popitem(last=False)[1].pages)
+    self.hold_pages(plus, 1)  # before dropping: a page in both keeps a holder throughout
+    self.hold_pages(minus, -1)
+
+  def trim_cache(self, want, keep=()) -> None:
+    """Drop the least recently used prefix cache entries of slot shards with a pool shard
+    where fewer than ``want`` (int [D·Q], or an int) pages are free, until none is short
+    or no entry but those in ``keep`` is left there."""
+    while self.cache:
+      free = pages.free_pages(self.state.refs)
+      short = (np.broadcast_to(want, free.shape) > free).reshape(self.e.D, -1).any(-1)
+      victim = next((key for key, c in self.cache.items() if short[c.shard] and key not in keep),
+                    None)
+      if victim is None:
+        return
+      self.hold_pages(self.cache.pop(victim).pages, -1)
+
+  def hold_pages(self, ids, delta: int) -> None:
+    """One more (``delta`` 1) or one less (-1) holder on pool pages ``ids``."""
+    if len(ids):
+      padded = np.full(pow2(len(ids), 8), self.state.refs.size, np.int32)
+      padded[:len(ids)] = ids
+      self.state = kv_cache.hold_pages(self.state, padded, delta, ctx=self.e.ctx)
 
   def result(self, groups: list[Group]) -> AgentRollout:
     """The AgentRollout of complete ``groups`` with this call's stats."""
@@ -456,9 +538,12 @@ class Loop:
     want = len(returning) + len(self.queue)
     if want > len(free) and not self.sync and e.ttl is not None:
       free += self.evict(want - len(free))
-    # fork sources: samples of the groups that stay in their slots (``slots.forks``)
-    resident = [(g, m, grp.prompt, ids) for g, grp in self.resident()
+    # fork sources: samples of the groups that stay in their slots and the prefix cache's
+    # entries (slot numbers G + i: ``fork``) (``slots.forks``)
+    resident = [(g, m, grp.prompt, ids, self.shard[g]) for g, grp in self.resident()
                 for m, ids in self.on_pages.get(g, ())]
+    cached = list(self.cache.items())
+    resident += [(e.G + i, 0, c.prompt, c.ids, c.shard) for i, (_, c) in enumerate(cached)]
     if e.fixed_pool:  # free pages of each slot shard's Q sequence shards
       self.give_back()
       left = pages.free_pages(self.state.refs).reshape(e.D, e.Q)
@@ -497,13 +582,18 @@ class Loop:
     held.update({(g, m): n for _, m, g, n, _ in tails})
     for (g, m), n in held.items():  # what each one's pages hold once admitted
       self.on_pages.setdefault(g, []).append((m, a["tokens"][row_of[g], m, :n].copy()))
+    used = {cached[r[4] - e.G][0] for r in shared if r[4] >= e.G}
+    for key in used:  # most recently used
+      self.cache.move_to_end(key)
+    self.cache_hits += sum(r[4] >= e.G for r in shared)
     self.give_back()
-    self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)))
+    self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)),
+              keep=used)
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered,
                             fresh=not busy and Bn == e.G, ctx=e.ctx)
     self.reprefill(a, rebuild)
-    self.fork(shared)
+    self.fork(shared, [c for _, c in cached])
     self.prefill_tails(a, tails)
     return True
 
@@ -539,10 +629,11 @@ class Loop:
         self.stats["reprefill_tokens"] += n - k
       self.state = prefill_tail(e.cfg, self.params, self.state, res, start, ctx=e.ctx)
 
-  def fork(self, shared) -> None:
+  def fork(self, shared, cached=()) -> None:
     """Give resumed samples the pages of a sample whose tokens begin theirs, of their group
-    or of another slot of their pool shard with the same prompt (``slots.forks``: whole
-    pages shared, the partial last one copied)."""
+    or of another slot of their pool shard with the same prompt, or of the prefix cache's
+    entry ``cached[i]`` where the source slot is G + i (``slots.forks``: whole pages
+    shared, the partial last one copied)."""
     if not shared:
       return
     e = self.e
@@ -550,7 +641,13 @@ class Loop:
     rows = np.zeros((5, F), np.int32)
     rows[0] = e.G  # padding rows
     rows[:, :len(shared)] = np.asarray(shared, np.int32).T
-    self.state = kv_cache.fork_samples(self.state, *rows, identity=self.identity, ctx=e.ctx)
+    given, use = np.full((F, e.R // e.S), -1, np.int32), np.zeros(F, bool)
+    for i, r in enumerate(shared):
+      if r[4] >= e.G:
+        c = cached[r[4] - e.G]
+        given[i, :len(c.pages)], use[i], rows[4, i] = c.pages, True, r[0]
+    self.state = kv_cache.fork_samples(self.state, *rows, given, use, identity=self.identity,
+                                       ctx=e.ctx)
     self.stats["forked_samples"] += len(shared)
     self.stats["fork_tokens_shared"] += sum(r[3] for r in shared)
 

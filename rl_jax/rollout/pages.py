@@ -73,7 +73,7 @@ from rl_jax import sharding
 
 __all__ = ["POOL_AXES", "allocate", "by_sequence", "by_shard", "contiguous", "copy_pages",
            "device_layout", "entry_shard", "fork", "free_pages", "grow", "grown_size", "h_minor",
-           "identity_table", "in_place", "live_bucket",
+           "hold", "identity_table", "in_place", "live_bucket",
            "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
            "regrown_ids", "release", "rows_by_sequence", "rows_from_sequence",
            "rows_need", "spread", "shard_of_slot", "slot_shards",
@@ -247,7 +247,7 @@ def release(table: jax.Array, refs: jax.Array, rows: jax.Array):
 
 
 def fork(table: jax.Array, refs: jax.Array, slot, src, dst, cached, S: int,
-         identity: bool = False, seq: int = 1, src_slot=None):
+         identity: bool = False, seq: int = 1, src_slot=None, given=None, use_given=None):
   """Sample ``dst`` of slot ``slot`` starts as a copy of sample ``src`` of slot ``src_slot``
   (default ``slot``: a sibling) up to its first ``cached`` response positions (rows [F];
   padding rows have slot >= G).
@@ -264,6 +264,9 @@ def fork(table: jax.Array, refs: jax.Array, slot, src, dst, cached, S: int,
     S: page size. seq: Q (``entry_shard``: the copy's page is on its entry's shard, where
       src's page of that entry is). src_slot: int32 [F], each on the pool shard of its
       row's ``slot`` (the caller's rule: a slot reads only its shard's pages).
+    given, use_given: int32 [F,NP] and bool [F]: rows where ``use_given`` take their
+      source's pages from ``given`` (-1 past them) instead of a table row: pages no table
+      names any more, kept by a prefix cache (``hold``).
   Returns:
     (table, refs, frm, to): frm, to int32 [F,NP] the pages to copy from and onto (Pg where
     nothing is copied).
@@ -276,6 +279,8 @@ def fork(table: jax.Array, refs: jax.Array, slot, src, dst, cached, S: int,
   s = g if src_slot is None else jnp.minimum(src_slot, G - 1)
   n = cached[:, None]
   src_pages = table[s, src]  # [F,NP]
+  if given is not None:
+    src_pages = jnp.where(use_given[:, None], given, src_pages)
   full = (e + 1) * S <= n
   partial = (e * S < n) & ~full
   if identity:
@@ -290,6 +295,14 @@ def fork(table: jax.Array, refs: jax.Array, slot, src, dst, cached, S: int,
   table = table.at[jnp.where(valid[:, 0], slot, G), dst].set(row, mode="drop")
   frm = jnp.where(got, src_pages, Pg)
   return table.astype(jnp.int32), refs, frm, jnp.where(got, ids, Pg)
+
+
+def hold(refs: jax.Array, ids: jax.Array, delta: int):
+  """``refs`` with ``delta`` (1: one more holder, -1: one less) added for each of pages
+  ``ids`` (int [N], entries >= Pg skipped): a holder that is no table entry, e.g. a prefix
+  cache keeping a finished sample's pages for later forks."""
+  flat = refs.reshape(-1).at[ids].add(delta, mode="drop")
+  return flat.reshape(refs.shape)
 
 
 def free_pages(refs) -> np.ndarray:

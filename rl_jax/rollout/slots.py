@@ -44,8 +44,9 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
   resumed sample of the same group (n continuations of one state, or re-rollouts from
   points of an earlier trajectory, prefill that state once); a resumed sample of another
   group of the admission with the same prompt; a sample already in a slot whose first
-  positions are on its pages (``resident``), with the same prompt. Another slot's sample
-  is a source only on the same pool shard (a slot reads only its shard's pages). Longer
+  positions are on its pages, or pages a prefix cache keeps (``resident``), with the same
+  prompt. Another slot's sample is a source only on the same pool shard (a slot reads only
+  its shard's pages). Longer
   samples are sources first. With ``page`` (the page size S), a sample that no source
   covers but that shares at least one whole page of tokens with one (the longest such
   prefix, in whole pages) forks those pages and re-prefills the rest
@@ -54,8 +55,9 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
   Args:
     a: admission arrays (``admission_rows``). resume: the rows above. shard: int [G] the
       pool shard of each slot (None: groups fork only within themselves). resident:
-      (slot, sample, prompt ids, cached ids) of samples in slots, ``cached ids`` the
-      response tokens whose K/V their pages hold. page: S, or None for whole matches only.
+      (slot, sample, prompt ids, cached ids, pool shard) of samples in slots, ``cached
+      ids`` the response tokens whose K/V their pages hold (a cache's entries: a slot
+      number >= G of the caller's choosing). page: S, or None for whole matches only.
   Returns:
     (resume rows re-prefilled whole, forks: list of (slot, source sample, sample, cached
     positions, source slot), tails: rows ``(row, sample, slot, cached positions, forked
@@ -69,8 +71,8 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
     if shard is not None:
       sources += [(sg, sm, a["tokens"][sb, sm, :sn]) for sb, sm, sg, sn in kept if sb != b
                   and shard[sg] == shard[g] and prompt(sb) == prompt(b)]
-      sources += [(sg, sm, np.asarray(ids)) for sg, sm, p, ids in resident
-                  if shard[sg] == shard[g] and tuple(p) == prompt(b)]
+      sources += [(sg, sm, np.asarray(ids)) for sg, sm, p, ids, d in resident
+                  if d == shard[g] and tuple(p) == prompt(b)]
     src = next(((sg, sm) for sg, sm, ids in sources
                 if len(ids) >= n and np.array_equal(ids[:n], row)), None)
     if src is not None:

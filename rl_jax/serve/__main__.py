@@ -5,7 +5,7 @@ directory), ``--tokenizer`` (default: the checkpoint's), ``--served-model-name``
 the directory's name), ``--host`` (default 127.0.0.1), ``--port`` (8000), ``--api-key``
 (required when the host is not a loopback address; also read from ``RL_JAX_API_KEY``),
 ``--max-slots``, ``--max-prompt-tokens``, ``--max-tokens``, ``--max-n``, ``--page-size``,
-``--prompt-pages``, ``--seed``, ``--dtype``, ``--tool-parser``. A wrong flag or directory,
+``--prompt-pages``, ``--prefix-cache``, ``--seed``, ``--dtype``, ``--tool-parser``. A wrong flag or directory,
 or a ``--host``/``--port`` it cannot listen on, prints one ``error:`` line and exits with
 status 2.
 """
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--prompt-pages", action="store_true",
                  help="write each prompt onto KV pages: memory follows the prompts' lengths "
                       "instead of --max-prompt-tokens per slot (slower on CPU)")
+  p.add_argument("--prefix-cache", type=int, default=64,
+                 help="with --prompt-pages: ended choices whose pages stay for later "
+                      "requests that begin alike (0: none)")
   p.add_argument("--seed", type=int, default=0, help="base seed of every random stream")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--tool-parser", default="auto", help="auto, compact, hermes, llama3 or qwen")
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
   for name in ("max_slots", "max_n", "page_size", "max_prompt_tokens", "max_tokens"):
     if getattr(args, name) is not None:  # None: the default, from the model's context
       _positive(name.replace("_", "-"), getattr(args, name))
+  if args.prefix_cache < 0:
+    raise RLJaxError(f"--prefix-cache={args.prefix_cache} must be at least 0 (0: no cache)")
   if not 1 <= args.port <= 65535:
     raise RLJaxError(f"--port={args.port} must lie in [1, 65535]")
   if args.page_size & (args.page_size - 1):
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"note: {note}", file=sys.stderr, flush=True)
   sched = Scheduler(model, max_slots=args.max_slots, max_prompt_tokens=prompt,
                     max_tokens=tokens, page_size=args.page_size, seed=args.seed,
-                    prompt_pages=args.prompt_pages)
+                    prompt_pages=args.prompt_pages, prefix_cache=args.prefix_cache)
   app = create_app(sched, api_key=args.api_key, max_n=args.max_n)
   print(f"serving {model.name!r} on http://{args.host}:{args.port}/v1 "
         f"(prompts <= {prompt} tokens, <= {tokens} new tokens, {args.max_slots} slots)",

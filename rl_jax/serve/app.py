@@ -259,7 +259,7 @@ def create_app(sched: Scheduler | None = None, *, model=None, sessions=None,
   @app.get("/health")
   async def health():
     return {"status": "ok", "model": model.name, "active_choices": sched.active_choices(),
-            **sched.shared_prompts()}
+            **sched.shared_prompts(), **sched.cached_prefixes()}
 
   @app.get("/v1/models")
   async def list_models(http: fastapi.Request):

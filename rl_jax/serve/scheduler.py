@@ -11,7 +11,8 @@ next iteration and leave it as soon as they end (Orca-style iteration-level sche
 paged KV cache takes pages as tokens are written and returns a choice's pages when it ends,
 is stopped by a stop string, or its client disconnects (``Scheduler.cancel``); with the
 prompt on pages, choices whose prompts begin alike share the pages of what they have in
-common (``share_prompts``), and a shared page returns when the last of them ends. Lanes share
+common (``share_prompts``), a shared page returns when the last of them ends, and an ended
+choice's whole pages stay in a prefix cache for later requests (``prefix_cache``). Lanes share
 the engine's compiled programs (sampling settings are traced values); at most ``max_lanes``
 exist at once, an idle one is dropped to make room.
 
@@ -124,7 +125,8 @@ class _Lane:
         max_new_tokens=sched.max_tokens + sched.max_prompt_tokens - head,
         max_prompt_len=head, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, eos_id=list(m.stop_ids), seed=sched.seed,
-        page_size=sched.page_size, context=sched.context, share_prefixes=sched.share_prompts)
+        page_size=sched.page_size, context=sched.context, share_prefixes=sched.share_prompts,
+        prefix_cache=sched.prefix_cache if self.on_pages and sched.share_prompts else 0)
     self.params = self.engine.prepare_params(m.params)
     self.loop = Loop(self.engine, self.params, 0)
     self.loop.chunk_steps = sched.poll_steps  # new requests join every few decode steps
@@ -175,13 +177,19 @@ class Scheduler:
       partial last page copied; ``slots.forks``): the prompt is prefilled and held once. A
       prompt that only begins like another's (one system prompt, other questions) takes
       the whole pages they have in common and prefills the rest.
+    prefix_cache: with ``prompt_pages`` and ``share_prompts``, the whole pages of this many
+      ended choices (prompt and output, least recently used dropped first, and whenever
+      the pool runs short) stay for later requests to take: a chat's next request, whose
+      prompt is the last one's with its answer and a new message, prefills only what is
+      new.
   """
 
   def __init__(self, model, *, max_slots: int = 8, max_prompt_tokens: int = 1024,
                max_tokens: int = 512, page_size: int = 64, seed: int = 0, max_lanes: int = 4,
-               poll_steps: int = 8, prompt_pages: bool = False, share_prompts: bool = True):
+               poll_steps: int = 8, prompt_pages: bool = False, share_prompts: bool = True,
+               prefix_cache: int = 64):
     self.model, self.prompt_pages = model, bool(prompt_pages)
-    self.share_prompts = bool(share_prompts)
+    self.share_prompts, self.prefix_cache = bool(share_prompts), int(prefix_cache)
     self.context = int(model.cfg.max_position_embeddings)
     self.max_slots, self.max_prompt_tokens = int(max_slots), int(max_prompt_tokens)
     self.max_tokens, self.page_size, self.seed = int(max_tokens), int(page_size), int(seed)
@@ -228,6 +236,15 @@ class Scheduler:
       total.update({k: lane.loop.stats[k] for k in FORK_STATS})
     return {"forked_choices": int(total["forked_samples"]),
             "prompt_tokens_shared": int(total["fork_tokens_shared"])}
+
+  def cached_prefixes(self) -> dict[str, int]:
+    """The prefix cache over the lanes served now: choices that forked its pages since
+    each lane started, and the entries and pages it holds."""
+    lanes = [lane.loop for lane in list(self._lanes.values())]
+    return {"prefix_cache_hits": sum(l.cache_hits for l in lanes),
+            "prefix_cache_entries": sum(len(l.cache) for l in lanes),
+            "prefix_cache_pages": sum(len(c.pages) for l in lanes
+                                      for c in list(l.cache.values()))}
 
   # ---------------------------------------------------------------- the serving thread
   def _run(self) -> None:
