@@ -132,6 +132,13 @@ class _Lane:
     self.loop.chunk_steps = sched.poll_steps  # new requests join every few decode steps
     self.active: dict[int, tuple[Request, _Choice]] = {}
     self.uids = itertools.count()
+    self.cache_stats = (0, 0, 0)  # the prefix cache's hits, entries, pages (``publish``)
+
+  def publish(self) -> None:
+    """Snapshot the prefix cache's counters for the HTTP side (on the serving thread)."""
+    loop = self.loop
+    self.cache_stats = (loop.cache_hits, len(loop.cache),
+                        sum(len(c.pages) for c in loop.cache.values()))
 
   def add(self, req: Request, streams: Sequence[int]) -> None:
     head = 1 if self.on_pages else len(req.prompt)
@@ -238,13 +245,11 @@ class Scheduler:
             "prompt_tokens_shared": int(total["fork_tokens_shared"])}
 
   def cached_prefixes(self) -> dict[str, int]:
-    """The prefix cache over the lanes served now: choices that forked its pages since
-    each lane started, and the entries and pages it holds."""
-    lanes = [lane.loop for lane in list(self._lanes.values())]
-    return {"prefix_cache_hits": sum(l.cache_hits for l in lanes),
-            "prefix_cache_entries": sum(len(l.cache) for l in lanes),
-            "prefix_cache_pages": sum(len(c.pages) for l in lanes
-                                      for c in list(l.cache.values()))}
+    """The prefix cache over the lanes served now, as of their last iteration: choices
+    that forked its pages since each lane started, and the entries and pages it holds."""
+    stats = [lane.cache_stats for lane in list(self._lanes.values())]
+    return {name: int(sum(s[i] for s in stats)) for i, name in enumerate(
+        ("prefix_cache_hits", "prefix_cache_entries", "prefix_cache_pages"))}
 
   # ---------------------------------------------------------------- the serving thread
   def _run(self) -> None:
@@ -321,6 +326,7 @@ class Scheduler:
           lane.drop(uid)
           choice.finish = choice.finish or "cancelled"
           self.stats["cancelled_choices"] += 1
+      lane.publish()
     if all(c.finish for c in req.choices) and not req.done.is_set():
       self._finish(req)
 
@@ -364,6 +370,7 @@ class Scheduler:
         if ids and ids[-1] in self.stop_ids:
           ids, lps = ids[:-1], lps[:-1]
         self._update(lane, uid, req, ch, ids, lps, None)
+    lane.publish()
 
   def _update(self, lane: _Lane, uid: int, req: Request, ch: _Choice, ids: list[int],
               lps: list[float], finish: str | None) -> None:
@@ -396,6 +403,7 @@ class Scheduler:
     elif not req.stream and finish is not None:  # the whole choice at once
       req.on_chunk(Chunk(ch.index, text, list(ids), list(lps), finish))
     if finish is not None and all(c.finish for c in req.choices):
+      lane.publish()  # what a client reads once its request is done
       self._finish(req)
 
 
