@@ -461,7 +461,8 @@ def test_a_chats_next_request_takes_the_last_ones_pages_from_the_prefix_cache(ch
       kept = [(c.ids.copy(), c.pages.copy()) for c in loop.cache.values()]
       after = first + one.ids + TOK.encode("\nU:and 4 + 5?\nA:")
       two = _submit(sched, after, sampling=sampling, seed=2, max_tokens=16)[0]
-      runs.append((one, two, kept, dict(sched.cached_prefixes()), loop.stats["fork_tokens_shared"]))
+      runs.append((one, two, kept, dict(sched.cached_prefixes()),
+                   loop.stats["fork_tokens_shared"]))
       if share:  # two long prompts of their own: the pool is short, the cache gives back
         size, before = loop.state.refs.size, [c.ids for c in loop.cache.values()]
         reqs = [Request(TOK.encode("U:" + ch * 230 + "\nA:"), 1, 4, sampling, seed=3)
@@ -481,7 +482,8 @@ def test_a_chats_next_request_takes_the_last_ones_pages_from_the_prefix_cache(ch
   assert len(kept) == 1 and kept[0][0].tolist() == (first[1:] + one.ids)[:k]
   assert len(kept[0][1]) == k // 16 and kept_ == [] and cache_["prefix_cache_entries"] == 0
   assert cache["prefix_cache_hits"] == 1 and shared == k and shared_ == 0
-  assert dropped == (1, False, dropped[3], dropped[3]), dropped  # dropped, and no growth
+  entries, still_kept, size_after, size_before = dropped
+  assert entries == 1 and not still_kept and size_after == size_before  # dropped, no growth
 
 
 def test_cancel_stops_decoding_and_returns_the_pages(char_dir):
