@@ -523,10 +523,13 @@ def test_samples_continuing_one_prefix_fork_it_and_sample_as_if_prefilled(page_s
   kw = dict(temperature=0.9, page_size=page_size, kv_pages=kv_pages, prefixes=heads)
   forked, plain = _gen(**kw), _gen(share_prefixes=False, **kw)
   _same(forked, plain)
-  assert forked.stats["forked_samples"] == (M - 1) * 4 and plain.stats["forked_samples"] == 0
-  assert forked.stats["fork_tokens_shared"] == (M - 1) * (4 + 7 + 8 + 12)
-  if kv_pages == M * MAX_NEW // 2:
-    assert forked.stats["preemptions"] > 0
+  assert plain.stats["forked_samples"] == 0
+  want = ((M - 1) * 4, (M - 1) * (4 + 7 + 8 + 12))  # the first admission's forks
+  got = (forked.stats["forked_samples"], forked.stats["fork_tokens_shared"])
+  if kv_pages == M * MAX_NEW // 2:  # preempted groups fork again when they resume: more
+    assert forked.stats["preemptions"] > 0 and got[0] >= want[0] and got[1] >= want[1], got
+  else:
+    assert got == want
   for r in range(len(PROMPTS) * M):
     head = heads[r // M]
     assert forked.tokens[r, :len(head)].tolist() == head
