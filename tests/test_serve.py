@@ -29,11 +29,12 @@ from rl_jax import models
 from rl_jax.data.tokenizers import CharTokenizer, save_tokenizer
 from rl_jax.envs import tool_calls
 from rl_jax.errors import RLJaxError
+from rl_jax.rollout.records import RolloutError
 from rl_jax.serve import __main__ as serve_cli
 from rl_jax.serve import scoring
 from rl_jax.serve.app import create_app
 from rl_jax.serve.checkpoint import ServeError, load_served
-from rl_jax.serve.scheduler import Request, Sampling, Scheduler
+from rl_jax.serve.scheduler import Request, Sampling, Scheduler, choice_pages
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -288,13 +289,20 @@ def test_cli_errors_are_one_line(tmp_path, char_dir):
     (["--max-prompt-tokens=0"], "--max-prompt-tokens=0 must be at least 1"),
     (["--max-tokens=0"], "--max-tokens=0 must be at least 1"),
     (["--prefix-cache=-1"], "--prefix-cache=-1 must be at least 0 (0: no cache)"),
+    (["--kv-pages=0"], "--kv-pages=0 must be at least 1"),
+    (["--kv-pages=1"], "--kv-pages=1 holds less than one choice's whole budget "
+                       "(--max-tokens=128): 2 pages of up to 64 tokens"),
+    (["--kv-pages=4", "--prompt-pages", "--page-size=32"],
+     "--kv-pages=4 holds less than one choice's whole budget (--max-prompt-tokens=128 + "
+     "--max-tokens=128): 8 pages of up to 32 tokens"),
     (["--max-prompt-tokens=300"], "--max-prompt-tokens=300 leaves no room for new tokens in "
                                   "the model's context of 256 positions"),
     (["--served-model-name="], "--served-model-name='' must not be empty (unset: the "
                                "directory's name)"),
     (["--model={plain}", "--tool-parser=foo"],  # no chat template: no parser is chosen
      "--tool-parser='foo': choose auto or one of ['compact', 'hermes', 'llama3', 'qwen']"),
-], ids=["port_range", "port_busy", "prompt_0", "tokens_0", "prefix_cache", "prompt_fills_context",
+], ids=["port_range", "port_busy", "prompt_0", "tokens_0", "prefix_cache", "kv_pages_0",
+        "kv_pages_short", "kv_pages_prompt_short", "prompt_fills_context",
         "empty_name", "tool_parser"])
 def test_cli_flag_errors_come_before_serving(monkeypatch, tmp_path, char_dir, tool_dir, flags,
                                              message):
@@ -484,6 +492,56 @@ def test_a_chats_next_request_takes_the_last_ones_pages_from_the_prefix_cache(ch
   assert cache["prefix_cache_hits"] == 1 and shared == k and shared_ == 0
   entries, still_kept, size_after, size_before = dropped
   assert entries == 1 and not still_kept and size_after == size_before  # dropped, no growth
+
+
+def test_a_fixed_pool_takes_the_prefix_caches_pages_back_before_it_runs_short(char_dir):
+  """``kv_pages``: a fixed pool of one choice's whole budget, with the prefix cache. A
+  chat's next request forks the cache as on a growing pool; a long answer that needs the
+  pages the cache holds takes them back while it decodes (the cache's entry is dropped,
+  nothing is preempted), and a long prompt that fits only without them is admitted once
+  they are given back: the ids of a server with a growing pool, log-probs to float
+  rounding, and the pool's size never changes."""
+  model = load_served(char_dir)
+  model.cfg = model.cfg.replace(max_position_embeddings=1024)
+  first = TOK.encode("U:" + "how much is 17 times 23? " * 3 + "\nA:")
+  sampling = Sampling(temperature=1.0)
+  answer = TOK.encode("U:" + "count with me: " * 6 + "\nA:")  # 6 pages, then 10
+  prompt = TOK.encode("U:" + "spell it out, " * 9 + "\nA:")  # 9 pages from the start
+  need = choice_pages(192, 64, 16, True)
+  with pytest.raises(RolloutError, match="^kv_pages=15 holds less than one choice's whole"):
+    Scheduler(model, max_prompt_tokens=192, max_tokens=64, page_size=16, prompt_pages=True,
+              kv_pages=need - 1)
+  runs = []
+  for kv_pages in (need, None):
+    sched = Scheduler(model, max_slots=2, max_prompt_tokens=192, max_tokens=64, page_size=16,
+                      prompt_pages=True, kv_pages=kv_pages)
+    try:
+      one = _submit(sched, first, sampling=sampling, seed=1, max_tokens=24)[0]
+      loop = sched._lanes[sampling].loop  # pylint: disable=protected-access
+      chat = first + one.ids + TOK.encode("\nU:and 4 + 5?\nA:")
+      two = _submit(sched, chat, sampling=sampling, seed=2, max_tokens=16)[0]
+      after_two = [c.ids.tolist() for c in loop.cache.values()]
+      long_answer = _submit(sched, answer, sampling=sampling, seed=5, max_tokens=64)[0]
+      after_answer = [c.ids.tolist() for c in loop.cache.values()]
+      long_prompt = _submit(sched, prompt, sampling=sampling, seed=4, max_tokens=8)[0]
+      after_prompt = [c.ids.tolist() for c in loop.cache.values()]
+      runs.append(dict(outs=(one, two, long_answer, long_prompt), hits=loop.cache_hits,
+                       caches=(after_two, after_answer, after_prompt),
+                       pool=loop.state.refs.size, stats=dict(loop.stats)))
+    finally:
+      sched.close()
+  fixed, whole = runs  # (a pool of every whole budget is read in place: it keeps nothing)
+  for a, b in zip(fixed["outs"], whole["outs"]):
+    assert a.ids == b.ids and a.finish == b.finish and a.ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  one, two, long_answer, long_prompt = fixed["outs"]
+  kept = lambda prompt, out: [(prompt[1:] + out.ids)[:(len(prompt) - 1 + len(out.ids)) // 16 * 16]]
+  assert fixed["hits"] == 1 and fixed["stats"]["fork_tokens_shared"] == len(kept(first, one)[0])
+  after_two, after_answer, after_prompt = fixed["caches"]
+  assert after_two == kept(chat, two)  # (it extends the first's entry, which it replaced)
+  assert long_answer.finish == "length" and after_answer == kept(answer, long_answer)
+  assert after_prompt == kept(prompt, long_prompt)
+  assert fixed["stats"]["preemptions"] == 0 and fixed["pool"] == need == 16
 
 
 def test_cancel_stops_decoding_and_returns_the_pages(char_dir):

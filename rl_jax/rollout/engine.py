@@ -118,11 +118,12 @@ class RolloutEngine(EngineCore):
       of another group admitted with it or decoding in a slot) is forked from it at
       admission (``slots.forks``: whole pages shared, the partial last page copied) instead
       of re-prefilled; False re-prefills every one (same tokens).
-    prefix_cache: with ``share_prefixes`` and a growing pool, the whole pages of samples
-      that leave their slots stay in a cache of this many entries (least recently used
-      dropped first, and whenever pages run short) as sources for samples admitted later
-      with the same prompt: a server's prompt pages across requests (``Loop.keep``). 0:
-      none (the trainer's rollouts).
+    prefix_cache: with ``share_prefixes``, the whole pages of samples that leave their slots
+      stay in a cache of this many entries (least recently used dropped first, and whenever
+      pages run short: before a growing pool grows, before a fixed pool preempts a group or
+      turns one away) as sources for samples admitted later with the same prompt: a
+      server's prompt pages across requests (``Loop.keep``). 0: none (the trainer's
+      rollouts).
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
@@ -144,9 +145,8 @@ class RolloutEngine(EngineCore):
         share_prefixes=share_prefixes)
     self.max_new_tokens, self.prompt_once = int(max_new_tokens), bool(prompt_once)
     check_int("prefix_cache", prefix_cache, 0)
-    if prefix_cache and (self.fixed_pool or not share_prefixes):
-      raise RolloutError("prefix_cache keeps pages for forks: it needs share_prefixes and a "
-                         "growing pool (kv_pages and kv_memory_fraction unset)")
+    if prefix_cache and not share_prefixes:
+      raise RolloutError("prefix_cache keeps pages for forks: it needs share_prefixes")
     self.prefix_cache = int(prefix_cache)
     if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
         or not -2**63 <= seed < 2**63):

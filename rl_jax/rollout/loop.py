@@ -155,10 +155,10 @@ class Loop:
     # per slot, the resumed or forked samples' (sample, response ids whose K/V their pages
     # hold since admission): sources for forks of later admissions (``slots.forks``)
     self.on_pages: dict[int, list[tuple[int, np.ndarray]]] = {}
-    # the prefix cache (``eng.prefix_cache`` entries, least recently used first; a growing
-    # pool with a page table): the whole pages of single-turn samples whose slot was freed,
-    # held (``pages.hold``) for later admissions to fork, dropped when pages run short
-    self.caching = eng.prefix_cache > 0 and not self.identity and not eng.fixed_pool
+    # the prefix cache (``eng.prefix_cache`` entries, least recently used first; a pool with
+    # a page table): the whole pages of single-turn samples whose slot was freed, held
+    # (``pages.hold``) for later admissions to fork, dropped when pages run short
+    self.caching = eng.prefix_cache > 0 and not self.identity
     self.cache: collections.OrderedDict[int, Cached] = collections.OrderedDict()
     self.cache_keys = itertools.count()
     self.cache_hits = 0  # forks from the cache
@@ -316,9 +316,10 @@ class Loop:
     return out
 
   def fit(self, need) -> None:
-    """A fixed pool: preempt the most recently admitted resident groups of a pool shard
-    until ``need()`` pages (int [D·Q] per shard, recomputed after each) are free on every
-    shard; a slot shard's oldest group stays (its shards hold its whole budget). A
+    """A fixed pool: drop the prefix cache's least recently used entries of a short pool
+    shard, then preempt its most recently admitted resident groups, until ``need()`` pages
+    (int [D·Q] per shard, recomputed after each) are free on every shard; a slot shard's
+    oldest group stays (its shards hold its whole budget). A
     preempted group keeps its partial turns and goes back to the front of the queue, to
     resume by recompute."""
     if not self.e.fixed_pool:
@@ -326,6 +327,8 @@ class Loop:
     self.give_back()
     while True:  # a slot shard is short when one of its Q sequence shards is
       short = (need() > pages.free_pages(self.state.refs)).reshape(self.e.D, -1).any(-1)
+      if any(self.drop_cached(s) for s in np.flatnonzero(short)):
+        continue  # the prefix cache gives its pages back before a group is preempted
       resident = [(g, grp) for g, grp in self.resident() if short[self.shard[g]]]
       counts = collections.Counter(self.shard[g] for g, _ in resident)
       resident = [(g, grp) for g, grp in resident if counts[self.shard[g]] > 1]
@@ -418,11 +421,18 @@ class Loop:
     while self.cache:
       free = pages.free_pages(self.state.refs)
       short = (np.broadcast_to(want, free.shape) > free).reshape(self.e.D, -1).any(-1)
-      victim = next((key for key, c in self.cache.items() if short[c.shard] and key not in keep),
-                    None)
-      if victim is None:
+      if not any(self.drop_cached(s, keep) for s in np.flatnonzero(short)):
         return
-      self.hold_pages(self.cache.pop(victim).pages, -1)
+
+  def drop_cached(self, shard: int, keep=()) -> bool:
+    """Drop the least recently used prefix cache entry on slot shard ``shard`` but those in
+    ``keep`` (its pages lose a holder); False if there is none."""
+    victim = next((key for key, c in self.cache.items() if c.shard == shard and key not in keep),
+                  None)
+    if victim is None:
+      return False
+    self.hold_pages(self.cache.pop(victim).pages, -1)
+    return True
 
   def hold_pages(self, ids, delta: int) -> None:
     """One more (``delta`` 1) or one less (-1) holder on pool pages ``ids``."""
@@ -542,21 +552,24 @@ class Loop:
     # entries (slot numbers G + i: ``fork``) (``slots.forks``)
     resident = [(g, m, grp.prompt, ids, self.shard[g]) for g, grp in self.resident()
                 for m, ids in self.on_pages.get(g, ())]
-    cached = list(self.cache.items())
-    resident += [(e.G + i, 0, c.prompt, c.ids, c.shard) for i, (_, c) in enumerate(cached)]
-    if e.fixed_pool:  # free pages of each slot shard's Q sequence shards
+    if e.fixed_pool:  # pages of each slot shard's Q sequence shards taken by this batch
       self.give_back()
-      left = pages.free_pages(self.state.refs).reshape(e.D, e.Q)
+      taken = np.zeros((e.D, e.Q), np.int64)
+      left = lambda s: (pages.free_pages(self.state.refs).reshape(e.D, e.Q)[s]
+                        - taken[s]).min()
     batch = []
     for g in free:
       nxt = returning[0] if returning else (self.queue[0] if self.queue else None)
       if nxt is None:
         break
       if e.fixed_pool:  # admit while the slot's shards hold what the group takes at once
+        s = self.shard[g]  # (the prefix cache's entries there give their pages back first)
         need = sum(pages.spread(n, e.Q) for n in group_pages(e, nxt))
-        if need > left[self.shard[g]].min() and (busy or batch):
+        while need > left(s) and self.drop_cached(s):
+          pass
+        if need > left(s) and (busy or batch):
           continue
-        left[self.shard[g]] -= need
+        taken[s] += need
       if returning:
         grp = returning.pop(0)
         self.evicted.remove(grp)
@@ -567,6 +580,8 @@ class Loop:
       batch.append((g, grp))
     if not batch:
       return False
+    cached = list(self.cache.items())  # what admission left of the prefix cache
+    resident += [(e.G + i, 0, c.prompt, c.ids, c.shard) for i, (_, c) in enumerate(cached)]
     # the group's prompt is read once for its M samples (pages a per-sample copy would take)
     self.stats["prefix_pages_shared"] += sum((e.M - 1) * pages.pages_needed(len(grp.prompt), e.S)
                                              for _, grp in batch)

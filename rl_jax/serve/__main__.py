@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--prefix-cache", type=int, default=64,
                  help="with --prompt-pages: ended choices whose pages stay for later "
                       "requests that begin alike (0: none)")
+  p.add_argument("--kv-pages", type=int, default=None,
+                 help="a fixed pool of this many KV pages: ended choices' cached pages, then "
+                      "the newest choice (resumed later, same tokens) give way when it is "
+                      "full (default: the pool grows as the choices need)")
   p.add_argument("--seed", type=int, default=0, help="base seed of every random stream")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--tool-parser", default="auto", help="auto, compact, hermes, llama3 or qwen")
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
   if not _loopback(args.host) and not args.api_key:
     raise RLJaxError(f"--host={args.host} is reachable from other machines: set --api-key "
                      "(or RL_JAX_API_KEY)")
-  for name in ("max_slots", "max_n", "page_size", "max_prompt_tokens", "max_tokens"):
+  for name in ("max_slots", "max_n", "page_size", "max_prompt_tokens", "max_tokens",
+               "kv_pages"):
     if getattr(args, name) is not None:  # None: the default, from the model's context
       _positive(name.replace("_", "-"), getattr(args, name))
   if args.prefix_cache < 0:
@@ -127,16 +132,24 @@ def main(argv: list[str] | None = None) -> None:
                      "pip install -e '.[serve]'") from None
   _check_listen(args.host, args.port)
   from rl_jax.serve.checkpoint import load_served  # pylint: disable=import-outside-toplevel
-  from rl_jax.serve.scheduler import Scheduler  # pylint: disable=import-outside-toplevel
+  from rl_jax.serve.scheduler import (  # pylint: disable=import-outside-toplevel
+      Scheduler, choice_pages)
 
   model = load_served(args.model, tokenizer=args.tokenizer, name=args.served_model_name,
                       dtype=args.dtype, tool_parser=args.tool_parser)
   prompt, tokens = _budgets(args, int(model.cfg.max_position_embeddings))
+  need = choice_pages(prompt, tokens, args.page_size, args.prompt_pages)
+  if args.kv_pages is not None and args.kv_pages < need:
+    budget = (f"--max-prompt-tokens={prompt} + --max-tokens={tokens}" if args.prompt_pages
+              else f"--max-tokens={tokens}")
+    raise RLJaxError(f"--kv-pages={args.kv_pages} holds less than one choice's whole budget "
+                     f"({budget}): {need} pages of up to {args.page_size} tokens")
   for note in model.notes:
     print(f"note: {note}", file=sys.stderr, flush=True)
   sched = Scheduler(model, max_slots=args.max_slots, max_prompt_tokens=prompt,
                     max_tokens=tokens, page_size=args.page_size, seed=args.seed,
-                    prompt_pages=args.prompt_pages, prefix_cache=args.prefix_cache)
+                    prompt_pages=args.prompt_pages, prefix_cache=args.prefix_cache,
+                    kv_pages=args.kv_pages)
   app = create_app(sched, api_key=args.api_key, max_n=args.max_n)
   print(f"serving {model.name!r} on http://{args.host}:{args.port}/v1 "
         f"(prompts <= {prompt} tokens, <= {tokens} new tokens, {args.max_slots} slots)",

@@ -39,10 +39,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from rl_jax.rollout.engine import FORK_STATS, RolloutEngine
+from rl_jax.rollout.records import RolloutError, pow2
 from rl_jax.rollout.loop import Group, Loop
 from rl_jax.rollout.agent_records import Trajectory
 
-__all__ = ["Chunk", "Request", "Sampling", "Scheduler", "stream_id"]
+__all__ = ["Chunk", "Request", "Sampling", "Scheduler", "choice_pages", "stream_id"]
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ class _Lane:
         max_new_tokens=sched.max_tokens + sched.max_prompt_tokens - head,
         max_prompt_len=head, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, eos_id=list(m.stop_ids), seed=sched.seed,
-        page_size=sched.page_size, context=sched.context, share_prefixes=sched.share_prompts,
+        page_size=sched.page_size, kv_pages=sched.kv_pages, context=sched.context,
+        share_prefixes=sched.share_prompts,
         prefix_cache=sched.prefix_cache if self.on_pages and sched.share_prompts else 0)
     self.params = self.engine.prepare_params(m.params)
     self.loop = Loop(self.engine, self.params, 0)
@@ -165,6 +167,16 @@ class _Lane:
     self.loop.abort(choice.group)
 
 
+def choice_pages(max_prompt_tokens: int, max_tokens: int, page_size: int,
+                 prompt_pages: bool) -> int:
+  """Pool pages of one choice's whole budget: its output (and with ``prompt_pages`` its
+  prompt after the first id) rounded up to the engine's response cache length, a power of
+  two (``core.EngineCore``), in pages of ``page_size`` tokens (at most that length)."""
+  head = 1 if prompt_pages else max_prompt_tokens
+  R = pow2(max_tokens + max_prompt_tokens - head, 8)
+  return R // min(page_size, R)
+
+
 class Scheduler:
   """The serving thread (module docstring).
 
@@ -189,18 +201,29 @@ class Scheduler:
       the pool runs short) stay for later requests to take: a chat's next request, whose
       prompt is the last one's with its answer and a new message, prefills only what is
       new.
+    kv_pages: a fixed pool of this many pages (``--kv-pages``; at least one choice's whole
+      budget: ``choice_pages``): when the choices decoding need more, the prefix cache's
+      least recently used entries give theirs back first, then the most recently admitted
+      choice is preempted and resumes by recompute, drawing the same tokens (its client
+      sees no difference but the wait). None: the pool grows as the choices need.
   """
 
   def __init__(self, model, *, max_slots: int = 8, max_prompt_tokens: int = 1024,
                max_tokens: int = 512, page_size: int = 64, seed: int = 0, max_lanes: int = 4,
                poll_steps: int = 8, prompt_pages: bool = False, share_prompts: bool = True,
-               prefix_cache: int = 64):
+               prefix_cache: int = 64, kv_pages: int | None = None):
     self.model, self.prompt_pages = model, bool(prompt_pages)
     self.share_prompts, self.prefix_cache = bool(share_prompts), int(prefix_cache)
     self.context = int(model.cfg.max_position_embeddings)
     self.max_slots, self.max_prompt_tokens = int(max_slots), int(max_prompt_tokens)
     self.max_tokens, self.page_size, self.seed = int(max_tokens), int(page_size), int(seed)
     self.max_lanes, self.poll_steps = int(max_lanes), int(poll_steps)
+    need = choice_pages(self.max_prompt_tokens, self.max_tokens, self.page_size,
+                        self.prompt_pages)
+    if kv_pages is not None and (isinstance(kv_pages, bool) or int(kv_pages) < need):
+      raise RolloutError(f"kv_pages={kv_pages!r} holds less than one choice's whole budget: "
+                         f"{need} pages (choice_pages)")
+    self.kv_pages = None if kv_pages is None else int(kv_pages)
     self.stop_ids = set(model.stop_ids)
     self._inbox: queue.Queue = queue.Queue()
     self._lanes: collections.OrderedDict[Sampling, _Lane] = collections.OrderedDict()
