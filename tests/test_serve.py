@@ -521,12 +521,13 @@ def test_a_fixed_pool_takes_the_prefix_caches_pages_back_before_it_runs_short(ch
       chat = first + one.ids + TOK.encode("\nU:and 4 + 5?\nA:")
       two = _submit(sched, chat, sampling=sampling, seed=2, max_tokens=16)[0]
       after_two = [c.ids.tolist() for c in loop.cache.values()]
+      only = loop.cache_only(0).tolist()  # pages the cache alone holds: free if dropped
       long_answer = _submit(sched, answer, sampling=sampling, seed=5, max_tokens=64)[0]
       after_answer = [c.ids.tolist() for c in loop.cache.values()]
       long_prompt = _submit(sched, prompt, sampling=sampling, seed=4, max_tokens=8)[0]
       after_prompt = [c.ids.tolist() for c in loop.cache.values()]
       runs.append(dict(outs=(one, two, long_answer, long_prompt), hits=loop.cache_hits,
-                       caches=(after_two, after_answer, after_prompt),
+                       caches=(after_two, after_answer, after_prompt), only=only,
                        pool=loop.state.refs.size, stats=dict(loop.stats)))
     finally:
       sched.close()
@@ -539,6 +540,7 @@ def test_a_fixed_pool_takes_the_prefix_caches_pages_back_before_it_runs_short(ch
   assert fixed["hits"] == 1 and fixed["stats"]["fork_tokens_shared"] == len(kept(first, one)[0])
   after_two, after_answer, after_prompt = fixed["caches"]
   assert after_two == kept(chat, two)  # (it extends the first's entry, which it replaced)
+  assert fixed["only"] == [len(after_two[0]) // 16] and whole["only"] == [0]
   assert long_answer.finish == "length" and after_answer == kept(answer, long_answer)
   assert after_prompt == kept(prompt, long_prompt)
   assert fixed["stats"]["preemptions"] == 0 and fixed["pool"] == need == 16

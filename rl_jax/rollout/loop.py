@@ -434,6 +434,19 @@ class Loop:
     self.hold_pages(self.cache.pop(victim).pages, -1)
     return True
 
+  def cache_only(self, shard: int) -> np.ndarray:
+    """int [Q]: the pages of slot shard ``shard``'s Q sequence shards that the prefix cache
+    alone holds (free once its entries there are dropped)."""
+    e = self.e
+    if not self.cache:
+      return np.zeros(e.Q, np.int64)
+    refs = np.asarray(jax.device_get(self.state.refs))
+    holders = np.zeros(refs.size, np.int64)
+    for c in self.cache.values():
+      np.add.at(holders, c.pages, 1)
+    only = ((refs.reshape(-1) == holders) & (holders > 0)).reshape(refs.shape).sum(-1)
+    return only.reshape(e.D, e.Q)[shard]
+
   def hold_pages(self, ids, delta: int) -> None:
     """One more (``delta`` 1) or one less (-1) holder on pool pages ``ids``."""
     if len(ids):
@@ -552,23 +565,23 @@ class Loop:
     # entries (slot numbers G + i: ``fork``) (``slots.forks``)
     resident = [(g, m, grp.prompt, ids, self.shard[g]) for g, grp in self.resident()
                 for m, ids in self.on_pages.get(g, ())]
-    if e.fixed_pool:  # pages of each slot shard's Q sequence shards taken by this batch
+    if e.fixed_pool:  # free pages of each slot shard's Q sequence shards; the batch's
       self.give_back()
       taken = np.zeros((e.D, e.Q), np.int64)
-      left = lambda s: (pages.free_pages(self.state.refs).reshape(e.D, e.Q)[s]
-                        - taken[s]).min()
+      free_now = lambda: pages.free_pages(self.state.refs).reshape(e.D, e.Q)
+      left = free_now()
     batch = []
     for g in free:
       nxt = returning[0] if returning else (self.queue[0] if self.queue else None)
       if nxt is None:
         break
-      if e.fixed_pool:  # admit while the slot's shards hold what the group takes at once
-        s = self.shard[g]  # (the prefix cache's entries there give their pages back first)
+      if e.fixed_pool:  # admit while the slot's shards hold what the group takes at once,
+        s = self.shard[g]  # the prefix cache's entries there giving their pages back if so
         need = sum(pages.spread(n, e.Q) for n in group_pages(e, nxt))
-        while need > left(s) and self.drop_cached(s):
-          pass
-        if need > left(s) and (busy or batch):
+        if need > (left[s] - taken[s] + self.cache_only(s)).min() and (busy or batch):
           continue
+        while need > (left[s] - taken[s]).min() and self.drop_cached(s):
+          left = free_now()
         taken[s] += need
       if returning:
         grp = returning.pop(0)
