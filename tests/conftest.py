@@ -291,7 +291,7 @@ SLOW_TESTS = (
     # behaviour_logprobs), the benchmark scripts' kernel, packed-rows, speculative, decode
     # and sampling parts at toy size (the kernels: test_shared_prefix_attention.py, the
     # packed rows: test_grouped.py, speculative rollouts: test_speculative.py, the decode
-    # attention: test_rollout.py; the lockstep harness stays)
+    # attention: test_paged_kv.py's paged decode attention; the lockstep harness stays)
     "test_fused_layers.py::test_fused_mlp_with_lora_matches_unfused[q,v]",
     "test_grouped.py::test_packed_gradients_equal_replicated[llama]",
     "test_grouped.py::test_packed_equals_replicated_equals_plain[qwen2]",
@@ -310,6 +310,76 @@ SLOW_TESTS = (
     "test_bench_scripts.py::test_bench_speculative_reuses_every_draft_of_an_unchanged_policy",
     "test_bench_scripts.py::test_bench_decode_attention_baseline_is_the_same_attention_and_runs",
     "test_bench_scripts.py::test_bench_rollout_sampling_at_toy_size",
+    # the sampler's greedy tokens against transformers for the other families (llama's
+    # stays; every family's layers against transformers: test_models.py, the MoE forward:
+    # test_models_moe_gemma's logits, its sampler against teacher forcing:
+    # test_replaying_the_multi_turn_records_gives_the_behaviour_logprobs), the slot layout's
+    # decode attention (one page of the paged decode attention, checked against float64
+    # softmax by test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_...),
+    # a preempting paged pool's log-probs against teacher forcing (its tokens and log-probs
+    # are the slot layout's: test_pages_of_any_size_...[1.0]; the multi-turn fixed pool's
+    # against teacher forcing: test_a_fixed_pool_preempts_and_resumes_by_recompute[True])
+    "test_rollout.py::test_greedy_matches_transformers_generate[qwen2]",
+    "test_rollout.py::test_greedy_matches_transformers_generate[qwen3]",
+    "test_models_moe_gemma.py::test_greedy_generate_matches_transformers[qwen3_moe]",
+    "test_rollout.py::test_decode_attention_with_length_last_keys_equals_plain_attention",
+    "test_paged_kv.py::test_paged_logprobs_equal_teacher_forcing",
+    # multi-turn: incremental prefill against re-prefill and eviction by the time-to-live
+    # (each turn's first token against one forward pass: the ``_check_exact`` tests;
+    # evicted samples re-prefilled, with tools of random latency, give an uninterrupted
+    # run's tokens: test_deterministic_decode_batches_do_not_depend_on_tool_timing[0]),
+    # the multi-turn warm-up (the one loop's warm-up and its buckets: test_rollout_engine.py)
+    "test_agent_rollout.py::test_incremental_prefill_equals_reprefill",
+    "test_agent_rollout.py::test_eviction_and_tool_timing_do_not_change_trajectories",
+    "test_agent_rollout.py::test_warmup_compiles_every_shape_up_front",
+    # further cases of parametrised checks whose other cases run the same code: page
+    # bookkeeping on 2 slot shards of 1 sequence shard (1 x 1 and 2 x 2 stay), the GPU
+    # kernel's dot path (its long pages and split rows: test_paged_attention's [dot-*]),
+    # presets and a knob whose objective another fast run trains (GRPO: the quickstart's,
+    # test_api's loop; Dr.GRPO: test_packing's and test_trim's [dr_grpo-kl]; decoupled PPO
+    # and the entropy bonus: test_train_async.py), per-prompt chunks for GRPO and MC-GRPO
+    # (against NumPy per group: test_per_prompt_advantages_equal_numpy_per_group[0-*], the
+    # median baseline alone: test_per_prompt_median_baseline_equals_each_group_alone) and
+    # other seeds of it, qwen3's packed log-probs (llama's stay; qwen3's update on packed
+    # rows: test_packing's [dr_grpo-kl]), fsdp_tp's forward on 8 devices (its gradient on
+    # that mesh: test_gradients_8_devices_equal_1; its forward with a data axis stays), two
+    # row-sharded losses (vcpo and ppo stay), a second set of ragged lengths, int8 beside
+    # int4 quantised on load, a second capacity of the dropped assignments
+    "test_paged_kv.py::test_page_bookkeeping_matches_python_reference_counts[2-1]",
+    "test_paged_attention.py::test_gpu_kernel_dot_path_matches_reference",
+    "test_train_objectives.py::test_every_preset_and_advantage_trains[preset-grpo]",
+    "test_train_objectives.py::test_every_preset_and_advantage_trains[preset-dr_grpo]",
+    "test_train_objectives.py::test_every_preset_and_advantage_trains[preset-decoupled_ppo]",
+    "test_train_objectives.py::test_every_preset_and_advantage_trains[knob-entropy_coef=0.01]",
+    "test_group_size.py::test_equal_chunks_give_the_plain_layout[grpo]",
+    "test_group_size.py::test_equal_chunks_give_the_plain_layout[mc_grpo]",
+    "test_group_size.py::test_per_prompt_advantages_equal_numpy_per_group[1-",
+    "test_group_size.py::test_per_prompt_advantages_equal_numpy_per_group[2-",
+    "test_packing.py::"
+    "test_rows_of_several_responses_give_the_log_probs_and_entropies_of_one_per_row[qwen3]",
+    "test_sharding.py::test_forward_8_devices_equals_1[fsdp_tp-shape1]",
+    "test_losses_compose.py::test_eight_devices_equal_one[grpo]",
+    "test_losses_compose.py::test_eight_devices_equal_one[gspo]",
+    "test_prefix_attention.py::test_concat_attention_matches_reference[lengths1]",
+    "test_hf_streaming.py::test_quantised_load_equals_whole_base_quantisation[int8-16]",
+    "test_moe_capacity.py::test_dropped_assignments_and_output_match_numpy[1.0-shape1-fsdp]",
+    # a user's group function end to end (loading it by import path and checking it:
+    # test_bad_group_fns_fail_in_one_line; group scores in the producer:
+    # test_majority_vote_trains_on_sorting), finite differences of gradients that autodiff
+    # of the unfused MLP checks (the adapters': test_fused_mlp_with_lora_matches_unfused;
+    # SwiGLU's backward: test_swiglu_mlp_matches_autodiff), the reference attention at
+    # random shapes (three fixed shapes stay), the command's line for an unknown topology
+    # (the parse error: test_unknown_topology_is_one_line; the command's one error line:
+    # test_train.py::test_bad_config_command_fails_in_one_line)
+    "test_group_rewards.py::test_user_group_fn_by_import_path_trains_and_reaches_the_metrics",
+    "test_fused_layers.py::test_fused_mlp_adapter_gradient_matches_finite_differences",
+    "test_fused_layers.py::test_swiglu_mlp_gradient_matches_finite_differences",
+    "test_shared_prefix_attention.py::test_reference_matches_plain_attention_random_shapes",
+    "test_tpu_compile.py::test_cli_prints_one_error_line_for_an_unknown_topology",
+    # the FSDP update's FLOPs on 4 TPU chips against a 1-chip compile (its FLOPs split on 8
+    # devices: test_moe_sharding.py::test_moe_rl_update_on_8_devices_equals_1; its gather and
+    # reduce-scatter on 4 chips: test_quickstart_compiles_for_v5e_with_the_mosaic_kernel)
+    "test_tpu_compile.py::test_fsdp_update_flops_split_over_four_chips_with_a_reduce_scatter",
 )
 
 

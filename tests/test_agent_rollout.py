@@ -457,7 +457,10 @@ def test_a_fixed_pool_preempts_and_resumes_by_recompute(deterministic):
   recompute; the trajectories are the growing pool's and the log-probs teacher forcing's.
   Tools of random latency with the deterministic schedule; without it, tools that answer at
   once (with random latency the wall-clock schedule may keep fewer groups resident at a time,
-  and then the pool need not run out)."""
+  and then the pool need not run out). Both report the single-turn engine's page counters
+  (``PAGE_STATS``, which the producer copies into the step's metrics): the pages in use
+  (peak within the pool), the prompt pages a group's samples share, the decode programs
+  compiled."""
   specs = _specs(5, sleep="random" if deterministic else 0.0)
   kw = dict(max_slots=3, page_size=8, deterministic=deterministic)
   e = _engine(kv_pages=2 * 128 // 8, **kw)  # n x R/S (R: 96 rounded up)
@@ -467,6 +470,14 @@ def test_a_fixed_pool_preempts_and_resumes_by_recompute(deterministic):
   e = _engine(**kw)
   grown = e.rollout(PARAMS, specs)
   e.close()
+  for out in (fixed, grown):
+    assert set(PAGE_STATS) <= set(out.stats)
+    assert 0 < out.stats["kv_pages_used_mean"] <= out.stats["kv_pages_used_peak"]
+    assert out.stats["kv_pages_used_peak"] <= out.stats["kv_pages"]
+  # each group admitted once (no eviction, no preemption): M - 1 = 1 copy of its prompt saved
+  assert grown.stats["preemptions"] == 0 and grown.stats["evictions"] == 0
+  assert grown.stats["prefix_pages_shared"] == sum(-(-len(p) // 8) for p in grown.prompts) > 0
+  assert grown.stats["decode_buckets"] == len(e.programs) >= 1
   _same(fixed, grown)
   _check_exact(fixed, 1.0)
   with pytest.raises(rollout.RolloutError, match="smaller than one group needs"):
@@ -641,22 +652,6 @@ def test_held_multi_turn_groups_keep_their_expert_records(moe_params):
   assert sum(o.stats["resumed_groups"] for o in outs) > 0, "no held group was resumed"
   for out in outs:
     _check_routing(out, moe_params)
-
-
-def test_the_page_counters_are_the_single_turn_engines():
-  """The multi-turn engine reports the single-turn engine's page counters (``PAGE_STATS``,
-  which the producer copies into the step's metrics): the pages in use (peak within the
-  pool), the prompt pages a group's samples share, and the decode programs compiled."""
-  eng = _engine(page_size=8)
-  out = eng.rollout(PARAMS, _specs(4))
-  eng.close()
-  assert set(PAGE_STATS) <= set(out.stats)
-  assert 0 < out.stats["kv_pages_used_mean"] <= out.stats["kv_pages_used_peak"]
-  assert out.stats["kv_pages_used_peak"] <= out.stats["kv_pages"]
-  # each group admitted once (no eviction, no preemption): M - 1 = 1 copy of its prompt saved
-  assert out.stats["preemptions"] == 0 and out.stats["evictions"] == 0
-  assert out.stats["prefix_pages_shared"] == sum(-(-len(p) // 8) for p in out.prompts) > 0
-  assert out.stats["decode_buckets"] == len(eng.programs) >= 1
 
 
 def test_a_timed_out_step_is_replayed_as_recorded():

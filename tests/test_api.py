@@ -11,11 +11,14 @@ import pytest
 from rl_jax import api, config_utils, train
 from rl_jax.errors import ConfigError, RLJaxError
 from rl_jax.train import rollouts
-from tests.tiny import QUICKSTART
+from tests.tiny import QUICKSTART, TINY_MODEL
 
 STEPS = 3
-OVERRIDES = [f"train.steps={STEPS}", "sft.steps=0", "train.eval_every=0",
-             "train.checkpoint_every=0", "log.tensorboard=False"]
+# the tiny model and batch of test_train.py's runs (their RL programs, from the compilation
+# cache) with the quickstart's task
+OVERRIDES = TINY_MODEL + [f"train.steps={STEPS}", "sft.steps=0", "train.batch_groups=4",
+                          "rollout.n=4", "train.eval_every=0", "train.checkpoint_every=0",
+                          "log.tensorboard=False"]
 
 
 def _grpo_loop(run: api.Trainer, steps: int) -> list[dict]:

@@ -159,7 +159,8 @@ def test_prompt_once_equals_replicated_with_filtering(hf):
 def test_a_slice_with_its_first_index_samples_the_rows_of_the_whole_batch(hf):
   """A batch split across processes: each slice, called with its offset, reproduces its rows."""
   _, cfg, params = hf["llama"]
-  kw = dict(n=2, max_new_tokens=MAX_NEW, temperature=1.0, seed=5)
+  kw = dict(n=3, max_new_tokens=MAX_NEW, temperature=1.0, seed=5, max_slots=4)  # the programs
+  # of test_logprobs_equal_teacher_forcing_and_no_recompile: nothing new compiles
   whole = rollout.generate(cfg, params, PROMPTS, **kw)
   cut = len(PROMPTS) // 2
   head = rollout.generate(cfg, params, PROMPTS[:cut], **kw)
@@ -250,10 +251,13 @@ def test_bad_inputs_raise_one_clear_error(hf):
     gen([[1]], stop=5)
   with pytest.raises(rollout.RolloutError, match="seed must be an integer"):
     gen([[1]], seed="7")
-  # whole-valued floats and arrays of ids are ids: the same tokens as Python ints
-  ref = gen([[1, 2, 3]], seed=4)
-  np.testing.assert_array_equal(gen([np.array([1.0, 2.0, 3.0])], seed=np.int64(4)).tokens,
-                                ref.tokens)
+  # whole-valued floats and arrays of ids are ids: the same tokens as Python ints (at the
+  # shapes of test_logprobs_equal_teacher_forcing_and_no_recompile: nothing new compiles)
+  same = dict(n=3, max_new_tokens=MAX_NEW, max_slots=4)
+  ref = rollout.generate(cfg, params, [[1, 2, 3]], seed=4, **same)
+  np.testing.assert_array_equal(
+      rollout.generate(cfg, params, [np.array([1.0, 2.0, 3.0])], seed=np.int64(4), **same).tokens,
+      ref.tokens)
 
 
 def test_prefill_attention_is_the_kernel_reference_computation():

@@ -53,7 +53,8 @@ def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
   """Every program of the RL step compiles for 4 v5e chips: the packed log-prob pass and the
   update run the Pallas TPU shared-prefix kernel (forward; the update also its backward
   kernels) compiled by Mosaic, per shard; the sampler's decode runs the paged-attention
-  kernel, per shard; the sampler's programs compile; it fits."""
+  kernel, per shard; the sampler's programs compile; the update gathers the weights and
+  reduce-scatters the gradient; it fits."""
   p = quick_plan
   assert p["chips"] == 4 and p["device_kind"] == "TPU v5 lite" and p["platform"] == "tpu"
   assert p["mesh"] == {"data": 1, "fsdp": 4, "sequence": 1, "tensor": 1}
@@ -70,6 +71,10 @@ def test_quickstart_compiles_for_v5e_with_the_mosaic_kernel(quick_plan):
     if name != "kv_init":  # XLA's own time estimate for each of these small programs
       assert prog["flops"] > 0 and prog["seconds"] > 0 and prog["time_source"] == "xla", name
   assert progs["decode"]["calls"] == 5  # one step of the loop per new token
+  # FSDP: the weights gathered layer by layer, the gradient leaving through a reduce-scatter
+  # (XLA:TPU's all-reduce-scatter fusion)
+  assert progs["rl_update"]["collectives"]["reduce-scatter"]["count"] >= 1
+  assert "all-gather" in progs["rl_update"]["collectives"]
   est = p["estimate"]
   assert est["fits"] and est["rl_step"]["seconds"] > 0 and 0 < est["rl_step"]["mfu"] < 1
   # the model's FLOPs alone: each program's model count, never above its larger count
