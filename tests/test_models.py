@@ -95,16 +95,16 @@ def test_remat_and_chunked_logprobs_match_plain(tmp_path):
   tiny_hf_model("qwen2", tmp_path)
   cfg, params = models.load_hf(str(tmp_path))
   tokens = jnp.asarray(_tokens(cfg.vocab_size, T=23))
-  logits = models.forward(cfg, params, tokens)
-  ref = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1] / 0.7), tokens[:, 1:, None], -1)[..., 0]
-  g0 = jax.jit(jax.grad(lambda p: jnp.take_along_axis(
-      jax.nn.log_softmax(models.forward(cfg, p, tokens)[:, :-1]), tokens[:, 1:, None],
-      -1).sum()))(params)
-  for remat, chunk in [("none", 512), ("full", 5), ("dots", 7)]:
+  plain = lambda p, t: jnp.take_along_axis(  # log-softmax of the whole logits at temperature t
+      jax.nn.log_softmax(models.forward(cfg, p, tokens)[:, :-1] / t), tokens[:, 1:, None],
+      -1)[..., 0]
+  ref, g0 = jax.jit(lambda p: (plain(p, 0.7), jax.grad(lambda q: plain(q, 1.0).sum())(p)))(params)
+  for remat, chunk in [("none", 512), ("full", 5), ("dots", 7)]:  # one program each
     c = cfg.replace(remat=remat, logits_chunk=chunk)
-    lp = jax.jit(lambda p: models.sequence_logprobs(c, p, tokens, temperature=0.7))(params)
+    lp, g = jax.jit(lambda p: (  # pylint: disable=cell-var-from-loop
+        models.sequence_logprobs(c, p, tokens, temperature=0.7),
+        jax.grad(lambda q: models.sequence_logprobs(c, q, tokens).sum())(p)))(params)
     np.testing.assert_allclose(lp[:, 1:], ref, atol=2e-5)
-    g = jax.jit(jax.grad(lambda p: models.sequence_logprobs(c, p, tokens).sum()))(params)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=2e-5, rtol=1e-4), g, g0)
 
 

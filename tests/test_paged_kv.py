@@ -217,6 +217,13 @@ def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_atten
   from the pool in numpy; unused table entries (-1) and a page read twice are harmless."""
   rng = np.random.default_rng(2)
   G, M, P, N, K, H, S, NP = 2, 3, 5, 4, 2, 8, 4, 4
+
+  @functools.partial(jax.jit, static_argnames=("identity", "nb", "D"))
+  def attend(q, pk, pv, pvalid, pool_k, pool_v, table, svalid, identity, nb, D):
+    live = (pages.in_place(pool_k, pool_v, G, M, nb, D) if identity else
+            pages.live_pages(pool_k, pool_v, table, D))
+    return rollout.sampler.paged_decode_attention(q, pk, pv, pvalid, *live, svalid)
+
   for identity, nb, D in [(False, 3, 1), (True, 2, 1), (True, 4, 1), (False, 3, 2),
                           (True, 2, 2)]:
     Pg = G * M * NP + (4 if D > 1 and not identity else 0) + (3 if D == 1 else 0)
@@ -235,12 +242,10 @@ def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_atten
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     if identity and D > 1:  # every page of a slot's samples in its own shard
       assert set(table.reshape(G, -1)[G - 1].tolist()) == set(range(Pg - Pl, Pg))
-    live = (pages.in_place(f32(pool_k), f32(pool_v), G, M, nb, D) if identity else
-            pages.live_pages(f32(pool_k), f32(pool_v), jnp.asarray(table[:, :, :nb]), D))
     svalid = np.arange(nb * S)[None, None, :] < slen[..., None]
-    got = rollout.sampler.paged_decode_attention(
-        f32(q), f32(pk), f32(pv), jnp.asarray(np.arange(P)[None, :] < plen[:, None]),
-        *live, jnp.asarray(svalid))
+    got = attend(f32(q), f32(pk), f32(pv), jnp.asarray(np.arange(P)[None, :] < plen[:, None]),
+                 f32(pool_k), f32(pool_v), jnp.asarray(table[:, :, :nb]), jnp.asarray(svalid),
+                 identity=identity, nb=nb, D=D)
     want = _plain_attention(q, pk, pv, plen, pool_k, pool_v, table, np.zeros_like(slen), slen)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -473,6 +478,7 @@ def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   with an identity table every kept page is copied onto the sample's own; on a pool of two
   shards the fresh page is one of the slot's shard."""
   G, Ms, NP, S = 2, 3, 4, 4
+  fork = jax.jit(pages.fork, static_argnames=("S", "identity"))  # one program per call
   rng = np.random.default_rng(0)
   table = np.full((G, Ms, NP), -1, np.int32)
   table[1, 0] = [5, 2, 7, -1]
@@ -480,8 +486,7 @@ def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   refs[[5, 2, 7]] = 1
   slot, src, dst, cached = (np.array(x, np.int32) for x in ([1, 1, 2], [0, 0, 0], [1, 2, 0],
                                                             [6, 8, 3]))
-  t, f, frm, to = pages.fork(jnp.asarray(table), jnp.asarray(refs)[None], slot, src, dst,
-                             cached, S)
+  t, f, frm, to = fork(jnp.asarray(table), jnp.asarray(refs)[None], slot, src, dst, cached, S)
   t, f, frm, to = map(np.asarray, (t, f, frm, to))
   f = f.ravel()
   assert t[1, 1].tolist() == [5, 0, -1, -1]  # 6 cached: page 5 shared, 2's copy on page 0
@@ -498,14 +503,14 @@ def test_a_fork_shares_whole_pages_and_copies_the_partial_one():
   split = np.where(table >= 0, [[[11, 8, 7, -1]]], -1).astype(np.int32)
   refs = np.zeros((2, 6), np.int32)
   refs[1, [1, 2, 5]] = 1
-  t, f, frm, _ = pages.fork(jnp.asarray(split), jnp.asarray(refs), slot[:1], src[:1], dst[:1],
-                            cached[:1], S)
+  t, f, frm, _ = fork(jnp.asarray(split), jnp.asarray(refs), slot[:1], src[:1], dst[:1],
+                      cached[:1], S)
   assert np.asarray(t)[1, 1].tolist() == [11, 6, -1, -1] and np.asarray(f)[1].tolist() == [
       1, 1, 1, 0, 0, 2]
   assert not np.asarray(f)[0].any() and np.asarray(frm)[0].tolist()[:2] == [12, 8]
   ident = np.asarray(pages.identity_table(G, Ms, NP))
-  *_, frm, to = pages.fork(jnp.asarray(ident), jnp.ones((1, G * Ms * NP), jnp.int32), slot[:1],
-                           src[:1], dst[:1], cached[:1], S, identity=True)
+  *_, frm, to = fork(jnp.asarray(ident), jnp.ones((1, G * Ms * NP), jnp.int32), slot[:1],
+                     src[:1], dst[:1], cached[:1], S, identity=True)
   assert [(a, b) for a, b in zip(np.ravel(frm), np.ravel(to)) if a < G * Ms * NP] == [
       (ident[1, 0, 0], ident[1, 1, 0]), (ident[1, 0, 1], ident[1, 1, 1])]
 
