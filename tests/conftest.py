@@ -337,10 +337,7 @@ SLOW_TESTS = (
     # kernel's dot path (its long pages and split rows: test_paged_attention's [dot-*]),
     # presets and a knob whose objective another fast run trains (GRPO: the quickstart's,
     # test_api's loop; Dr.GRPO: test_packing's and test_trim's [dr_grpo-kl]; decoupled PPO
-    # and the entropy bonus: test_train_async.py), per-prompt chunks for GRPO and MC-GRPO
-    # (against NumPy per group: test_per_prompt_advantages_equal_numpy_per_group[0-*], the
-    # median baseline alone: test_per_prompt_median_baseline_equals_each_group_alone) and
-    # other seeds of it, qwen3's packed log-probs (llama's stay; qwen3's update on packed
+    # and the entropy bonus: test_train_async.py), qwen3's packed log-probs (llama's stay; qwen3's update on packed
     # rows: test_packing's [dr_grpo-kl]), fsdp_tp's forward on 8 devices (its gradient on
     # that mesh: test_gradients_8_devices_equal_1; its forward with a data axis stays), two
     # row-sharded losses (vcpo and ppo stay), a second set of ragged lengths, int8 beside
@@ -351,10 +348,6 @@ SLOW_TESTS = (
     "test_train_objectives.py::test_every_preset_and_advantage_trains[preset-dr_grpo]",
     "test_train_objectives.py::test_every_preset_and_advantage_trains[preset-decoupled_ppo]",
     "test_train_objectives.py::test_every_preset_and_advantage_trains[knob-entropy_coef=0.01]",
-    "test_group_size.py::test_equal_chunks_give_the_plain_layout[grpo]",
-    "test_group_size.py::test_equal_chunks_give_the_plain_layout[mc_grpo]",
-    "test_group_size.py::test_per_prompt_advantages_equal_numpy_per_group[1-",
-    "test_group_size.py::test_per_prompt_advantages_equal_numpy_per_group[2-",
     "test_packing.py::"
     "test_rows_of_several_responses_give_the_log_probs_and_entropies_of_one_per_row[qwen3]",
     "test_sharding.py::test_forward_8_devices_equals_1[fsdp_tp-shape1]",

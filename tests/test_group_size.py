@@ -130,7 +130,8 @@ def _numpy_group(name, r):
 @pytest.mark.parametrize("seed", range(3))
 def test_per_prompt_advantages_equal_numpy_per_group(name, seed):
   x, groups, G, K = _ragged(seed)
-  adv = np.asarray(gs.per_prompt_advantages(_estimate(name), x, groups, G, K).advantages)
+  adv = np.asarray(jax.jit(  # one program, as the trainer runs it
+      lambda x: gs.per_prompt_advantages(_estimate(name), x, groups, G, K).advantages)(x))
   rewards = np.asarray(x.rewards)
   for g in range(G):
     rows = rewards[groups == g].reshape(-1)
@@ -143,11 +144,11 @@ def test_per_prompt_advantages_equal_numpy_per_group(name, seed):
 def test_per_prompt_median_baseline_equals_each_group_alone():
   """MC-GRPO per prompt = the estimator on that prompt's samples as one group."""
   x, groups, G, K = _ragged(7)
-  out = gs.per_prompt_advantages(_estimate("mc_grpo"), x, groups, G, K)
+  out = jax.jit(lambda x: gs.per_prompt_advantages(_estimate("mc_grpo"), x, groups, G, K))(x)
   est = ESTIMATORS["mc_grpo"]
   rewards = np.asarray(x.rewards)
   for g in range(G):
-    alone = est.compute(losses.ObjectiveInputs(
+    alone = jax.jit(est.compute)(losses.ObjectiveInputs(
         rewards=jnp.asarray(rewards[groups == g].reshape(1, -1)),
         mask=jnp.ones((1, int(np.sum(groups == g)) * 2, 1), bool)))
     np.testing.assert_allclose(np.asarray(out.advantages)[groups == g].reshape(-1),
@@ -163,9 +164,10 @@ def test_equal_chunks_give_the_plain_layout(name):
   G, m, k = 3, 2, 2
   x, _, _, _ = _ragged(1, G=G * k, m=m, K=1)  # C = G·k chunks
   groups = np.repeat(np.arange(G), k).astype(np.int32)
-  per = gs.per_prompt_advantages(_estimate(name), x, groups, G, k + 2)  # K > k: padding
-  plain = _estimate(name)(jax.tree.map(
-      lambda a: a.reshape(G, k * m, *a.shape[2:]), x))
+  # each side one program (as the trainer runs them), not op by op; K > k: padding
+  per = jax.jit(lambda x: gs.per_prompt_advantages(_estimate(name), x, groups, G, k + 2))(x)
+  plain = jax.jit(lambda x: _estimate(name)(jax.tree.map(
+      lambda a: a.reshape(G, k * m, *a.shape[2:]), x)))(x)
   for got, want in zip(per, plain):
     if want is None:
       assert got is None
