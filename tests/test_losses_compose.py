@@ -44,7 +44,7 @@ def _setup(name, agg=None, seed=0):
     kw["agg_norm"] = float(T)  # micro-batches share the same C
   obj = losses.get_objective(name, **kw)
   logp, batch = make_batch(seed, token_adv=name == "ppo", with_values=name == "ppo")
-  return obj, logp, obj.prepare(batch)
+  return obj, logp, jax.jit(obj.prepare)(batch)  # one program, not op by op
 
 
 def _sum_denom_grad(obj):
@@ -185,7 +185,8 @@ def test_presets_run_and_config_mapping():
   for name in losses.PRESETS:
     obj = losses.get_objective(name)
     logp, batch = make_batch(1, token_adv=name == "ppo", with_values=name == "ppo")
-    s, d, m = jax.jit(obj.loss)(logp, obj.prepare(batch))
+    # prepare and loss as one program, not op by op
+    s, d, m = jax.jit(lambda lp, b: obj.loss(lp, obj.prepare(b)))(logp, batch)
     assert np.isfinite(s / d), name
   obj = losses.get_objective({"name": "dapo", "eps_high": 0.3}, agg="seq-mean-token-mean")
   assert obj.default_agg == "seq-mean-token-mean"
@@ -209,19 +210,22 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="entropy"):
     losses.chain(losses.entropy_bonus(0.1)).loss(logp, batch)
   # NaN rewards: defined result (advantage 0), finite loss
-  adv = obj.advantages(jnp.array([[1.0, jnp.nan, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0]]))
+  # each computation below as one program, not op by op
+  loss = jax.jit(obj.loss)
+  grad = jax.jit(jax.grad(lambda q, b: losses.finalize(*obj.loss(q, b)[:2])))
+  adv = jax.jit(obj.advantages)(jnp.array([[1.0, jnp.nan, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0]]))
   assert np.isfinite(adv).all() and float(adv[0, 1]) == 0.0
-  s, d, _ = obj.loss(logp, batch._replace(advantages=adv.reshape(-1)))
+  s, d, _ = loss(logp, batch._replace(advantages=adv.reshape(-1)))
   assert np.isfinite(s / d)
   # all-masked batch: (0, 0) pair and finalize gives 0, gradients are 0 not NaN
   empty = batch._replace(mask=jnp.zeros((B, T), bool))
-  s, d, m = obj.loss(logp, empty)
+  s, d, m = loss(logp, empty)
   assert float(d) == 0.0 and float(losses.finalize(s, d)) == 0.0
-  g = jax.grad(lambda q: losses.finalize(*obj.loss(q, empty)[:2]))(logp)
+  g = grad(logp, empty)
   assert np.all(np.asarray(g) == 0.0)
   # -inf log-probs on padding never leak into the loss or the gradient
   bad = jnp.where(batch.mask, logp, -jnp.inf)
-  g = jax.grad(lambda q: losses.finalize(*obj.loss(q, batch)[:2]))(bad)
+  g = grad(bad, batch)
   assert np.isfinite(np.asarray(g)).all()
 
 

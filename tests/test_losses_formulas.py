@@ -66,7 +66,8 @@ def test_reinforce_pp_baseline_matches_token_expanded_whitening():
   a = r - r.mean(axis=1, keepdims=True)
   tokens = np.concatenate([np.full(l, v) for v, l in zip(a.ravel(), lengths.ravel())])
   ref = (a - tokens.mean()) / np.sqrt(tokens.var(ddof=1) + 1e-8)
-  close(losses.reinforce_pp_baseline_advantages(jnp.asarray(r), jnp.asarray(lengths)), ref)
+  out = jax.jit(losses.reinforce_pp_baseline_advantages)(jnp.asarray(r), jnp.asarray(lengths))
+  close(out, ref)
   # hand values: mu = -1/8, var = 0.125
   close(ref[0, 0], 0.625 / math.sqrt(0.125))
 
@@ -87,19 +88,29 @@ def test_reinforce_pp_matches_loop_reference():
       ret[b, t] = acc
   v = ret[mask]
   ref = np.where(mask, (ret - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8), 0.0)
-  out = losses.reinforce_pp_advantages(jnp.asarray(rewards), jnp.asarray(mask),
-                                       jnp.asarray(kl), beta, gamma)
+  # one program, not op by op (beta and gamma closed over)
+  out = jax.jit(lambda r, m, kl: losses.reinforce_pp_advantages(r, m, kl, beta, gamma))(
+      jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(kl))
   close(out, ref, tol=1e-4)
 
 
+@jax.jit
+def _mc_grpo_cases():
+  """Every mc_grpo_advantages call of test_mc_grpo_cases, as one program."""
+  return (losses.mc_grpo_advantages(jnp.array([[1.0, 0.0, 0.0]])),
+          losses.mc_grpo_advantages(jnp.array([[3.0, 1.0, 2.0]])),
+          losses.mc_grpo_advantages(jnp.array([[3.0, 1.0, 2.0]]), scale="none"))
+
+
 def test_mc_grpo_cases():
-  adv, rows = losses.mc_grpo_advantages(jnp.array([[1.0, 0.0, 0.0]]))
+  tie, mad, none = _mc_grpo_cases()
+  adv, rows = tie
   close(adv, [[1000.0, 0.0]], tol=1e-3)
   assert rows.tolist() == [[0, 1]]
-  adv, rows = losses.mc_grpo_advantages(jnp.array([[3.0, 1.0, 2.0]]))
+  adv, rows = mad
   close(adv, [[1 / 1.001, -1 / 1.001]])
   assert rows.tolist() == [[0, 1]]
-  adv, rows = losses.mc_grpo_advantages(jnp.array([[3.0, 1.0, 2.0]]), scale="none")
+  adv, rows = none
   close(adv, [[1.0, -1.0]])
 
 
@@ -117,24 +128,32 @@ def _gae_loop(r, v, m, gamma, lam):
   return adv
 
 
-def test_gae_hand_and_loop():
-  adv, ret = losses.gae_advantages(jnp.array([[0.0, 0.0, 1.0]]), jnp.array([[0.5, 0.6, 0.7]]),
-                                   jnp.ones((1, 3), bool), whiten=False)
-  close(adv, [[0.5, 0.4, 0.3]])
-  close(ret, [[1.0, 1.0, 1.0]])
-  adv, _ = losses.gae_advantages(jnp.array([[0.0, 9.0, 1.0]]), jnp.array([[0.5, 9.0, 0.7]]),
+@jax.jit
+def _gae_cases(r, v, m):
+  """Every gae_advantages call of test_gae_hand_and_loop, as one program."""
+  hand = losses.gae_advantages(jnp.array([[0.0, 0.0, 1.0]]), jnp.array([[0.5, 0.6, 0.7]]),
+                               jnp.ones((1, 3), bool), whiten=False)
+  masked = losses.gae_advantages(jnp.array([[0.0, 9.0, 1.0]]), jnp.array([[0.5, 9.0, 0.7]]),
                                  jnp.array([[True, False, True]]), whiten=False)
-  close(adv, [[0.5, 0.0, 0.3]])
+  return (hand, masked, losses.gae_advantages(r, v, m, 0.9, 0.8, whiten=False),
+          losses.gae_advantages(r, v, m, 0.9, 0.8))
+
+
+def test_gae_hand_and_loop():
   rng = np.random.default_rng(1)
   r, v = rng.normal(size=(3, 6)), rng.normal(size=(3, 6))
   m = rng.random((3, 6)) > 0.3
+  hand, masked, loop, (white, _) = _gae_cases(jnp.asarray(r, jnp.float32),
+                                              jnp.asarray(v, jnp.float32), jnp.asarray(m))
+  adv, ret = hand
+  close(adv, [[0.5, 0.4, 0.3]])
+  close(ret, [[1.0, 1.0, 1.0]])
+  adv, _ = masked
+  close(adv, [[0.5, 0.0, 0.3]])
   ref = _gae_loop(r, v, m, 0.9, 0.8)
-  adv, ret = losses.gae_advantages(jnp.asarray(r, jnp.float32), jnp.asarray(v, jnp.float32),
-                                   jnp.asarray(m), 0.9, 0.8, whiten=False)
+  adv, ret = loop
   close(adv, ref, tol=1e-4)
   close(ret, np.where(m, ref + v, 0.0), tol=1e-4)
-  white, _ = losses.gae_advantages(jnp.asarray(r, jnp.float32), jnp.asarray(v, jnp.float32),
-                                   jnp.asarray(m), 0.9, 0.8)
   vals = ref[m]
   close(np.asarray(white)[m], (vals - vals.mean()) / np.sqrt(vals.var(ddof=1) + 1e-8), tol=1e-4)
 
@@ -146,7 +165,7 @@ def test_gdpo_matches_numpy():
   per = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
   s = (per * w).sum(-1)
   ref = (s - s.mean()) / np.sqrt(s.var(ddof=1) + 1e-8)
-  close(losses.gdpo_advantages(jnp.asarray(r), jnp.asarray(w)), ref, tol=1e-4)
+  close(jax.jit(losses.gdpo_advantages)(jnp.asarray(r), jnp.asarray(w)), ref, tol=1e-4)
 
 
 # ------------------------------------------------------------------------ KL, entropy
@@ -163,42 +182,72 @@ def test_kl_hand_cases():
   assert np.isfinite(losses.kl_penalty(jnp.array([100.0]), jnp.array([0.0]), "k3")).all()
 
 
+@jax.jit
+def _kl_reward_and_entropy(z):
+  """Both calls of test_kl_reward_and_entropy, as one program."""
+  return (losses.kl_reward(jnp.array([[0.0, 1.0]]), jnp.array([[0.2, 0.1]]),
+                           jnp.array([[0.0, 0.3]]), jnp.array([[True, True]]), beta=0.5,
+                           kind="k1"),
+          losses.entropy_from_logits(z, temperature=2.0))
+
+
 def test_kl_reward_and_entropy():
-  r = losses.kl_reward(jnp.array([[0.0, 1.0]]), jnp.array([[0.2, 0.1]]), jnp.array([[0.0, 0.3]]),
-                       jnp.array([[True, True]]), beta=0.5, kind="k1")
-  close(r, [[-0.1, 1.1]])
   z = jnp.array([[1.0, 2.0, 0.5]])
+  r, entropy = _kl_reward_and_entropy(z)
+  close(r, [[-0.1, 1.1]])
   p = np.exp(np.asarray(z) / 2.0)
   p /= p.sum()
-  close(losses.entropy_from_logits(z, temperature=2.0), [-(p * np.log(p)).sum()])
+  close(entropy, [-(p * np.log(p)).sum()])
 
 
 # ------------------------------------------------------------------------ aggregation
+@jax.jit
+def _aggregation_cases(x, m):
+  """Every aggregate call of test_aggregation_hand_cases, as one program: the hand cases,
+  then each mode on the all-masked batch."""
+  hand = (losses.aggregate(x, m, "token-mean"), losses.aggregate(x, m, "seq-mean-token-mean"),
+          losses.aggregate(x, m, "seq-mean-token-sum"),
+          losses.aggregate(x, m, "seq-mean-token-sum-norm"),
+          losses.aggregate(x, m, "seq-mean-token-sum-norm", norm=7.0))
+  return hand, [losses.aggregate(x, jnp.zeros_like(m), mode) for mode in losses.AGG_MODES]
+
+
 def test_aggregation_hand_cases():
   x = jnp.array([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
   m = jnp.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], bool)
-  close(losses.aggregate(x, m, "token-mean"), 7.0 / 3.0)
-  close(losses.aggregate(x, m, "seq-mean-token-mean"), (1.5 + 4.0) / 2.0)
-  close(losses.aggregate(x, m, "seq-mean-token-sum"), 7.0 / 2.0)
-  close(losses.aggregate(x, m, "seq-mean-token-sum-norm"), 7.0 / 2.0 / 3.0)
-  close(losses.aggregate(x, m, "seq-mean-token-sum-norm", norm=7.0), 0.5)
-  for mode in losses.AGG_MODES:  # all-masked: defined result 0, never NaN
-    assert float(losses.aggregate(x, jnp.zeros_like(m), mode)) == 0.0
+  (token_mean, seq_mean, seq_sum, seq_sum_norm, normed), masked = _aggregation_cases(x, m)
+  close(token_mean, 7.0 / 3.0)
+  close(seq_mean, (1.5 + 4.0) / 2.0)
+  close(seq_sum, 7.0 / 2.0)
+  close(seq_sum_norm, 7.0 / 2.0 / 3.0)
+  close(normed, 0.5)
+  for loss in masked:  # all-masked: defined result 0, never NaN
+    assert float(loss) == 0.0
 
 
 # ---------------------------------------------------------------------- policy losses
+@jax.jit
+def _ppo_clip_cases(lr, adv):
+  """Every ppo_clip_per_token call of test_ppo_clip_hand_cases, as one program."""
+  return (losses.ppo_clip_per_token(lr, adv, 0.2, 0.2),
+          losses.ppo_clip_per_token(lr, adv, 0.2, 0.2, dual_clip=3.0),
+          losses.ppo_clip_per_token(lr, adv, 0.2, 0.28),  # clip-higher
+          losses.ppo_clip_per_token(jnp.array([[50.0]]), jnp.array([[-1.0]]), 0.2, 0.2))
+
+
 def test_ppo_clip_hand_cases():
   lr = jnp.log(jnp.array([[1.5, 0.5, 5.0, 1.1]]))
   adv = jnp.array([[1.0, -1.0, -1.0, 1.0]])
-  loss, clipped = losses.ppo_clip_per_token(lr, adv, 0.2, 0.2)
+  plain, dual, higher, clamp = _ppo_clip_cases(lr, adv)
+  loss, clipped = plain
   close(loss, [[-1.2, 0.8, 5.0, -1.1]])
   assert clipped.tolist() == [[True, True, False, False]]
-  loss, _ = losses.ppo_clip_per_token(lr, adv, 0.2, 0.2, dual_clip=3.0)
+  loss, _ = dual
   close(loss, [[-1.2, 0.8, 3.0, -1.1]])
-  loss, _ = losses.ppo_clip_per_token(lr, adv, 0.2, 0.28)  # clip-higher
+  loss, _ = higher
   close(loss, [[-1.28, 0.8, 5.0, -1.1]])
   # log-ratio clamp at 20
-  loss, _ = losses.ppo_clip_per_token(jnp.array([[50.0]]), jnp.array([[-1.0]]), 0.2, 0.2)
+  loss, _ = clamp
   close(loss, [[math.exp(20.0)]], tol=1e-4)
 
 
@@ -206,8 +255,9 @@ def test_policy_loss_gspo_hand_case():
   logp = jnp.log(jnp.array([[0.5, 0.5, 0.9]]))
   old = jnp.log(jnp.array([[0.25, 0.5, 0.1]]))
   m = jnp.array([[True, True, False]])
-  loss, metrics = losses.policy_loss(logp, old, jnp.array([1.0]), m, 0.2, 0.2,
-                                     ratio_level="sequence")
+  loss, metrics = jax.jit(  # one program, not op by op
+      lambda logp, old, m: losses.policy_loss(logp, old, jnp.array([1.0]), m, 0.2, 0.2,
+                                              ratio_level="sequence"))(logp, old, m)
   s = math.exp(math.log(2.0) / 2.0)  # geometric mean ratio over the 2 valid tokens = 1.414
   close(loss, -min(s, 1.2))
   close(metrics["clip_frac"], 1.0)
@@ -248,17 +298,25 @@ def test_truncated_is_and_decoupled_weights():
   assert keep.tolist() == [[True, True, False]]
 
 
+@jax.jit
+def _value_and_ace_cases():
+  """Every call of test_value_loss_and_ace_hand_cases, as one program."""
+  return (losses.value_loss_per_token(jnp.array([1.0, 0.0]), jnp.array([0.0, 0.0]),
+                                      jnp.array([0.0, 1.0]), clip=0.2),
+          losses.value_loss_per_token(jnp.array([1.0]), jnp.array([0.0]),
+                                      jnp.array([2.0]), clip=0.2),
+          losses.ace_scale(jnp.array([0.0, 2.0]), jnp.array([[-1.0], [1.0]]), alpha=0.5))
+
+
 def test_value_loss_and_ace_hand_cases():
-  loss, clipped = losses.value_loss_per_token(jnp.array([1.0, 0.0]), jnp.array([0.0, 0.0]),
-                                              jnp.array([0.0, 1.0]), clip=0.2)
+  first, second, s = _value_and_ace_cases()
+  loss, clipped = first
   # row 0: (1-0)^2 vs (0.2-0)^2 -> 0.5; row 1: (0-1)^2 = 1 vs same -> 0.5
   close(loss, [0.5, 0.5])
   assert clipped.tolist() == [False, False]
-  loss, clipped = losses.value_loss_per_token(jnp.array([1.0]), jnp.array([0.0]),
-                                              jnp.array([2.0]), clip=0.2)
+  loss, clipped = second
   close(loss, [0.5 * 1.8 ** 2])
   assert clipped.tolist() == [True]
-  s = losses.ace_scale(jnp.array([0.0, 2.0]), jnp.array([[-1.0], [1.0]]), alpha=0.5)
   close(s, [[1.0 + 0.5 * math.log(2.0)], [1.0]])
 
 
@@ -287,7 +345,7 @@ def test_m2po_mask_is_minimal(delta, mask, tau):
 
 def test_m2po_mask_hand_case():
   delta = jnp.array([[0.5, 0.1, 0.1, 0.3]])  # d2 = .25 .01 .01 .09
-  keep = losses.m2po_mask(delta, jnp.ones((1, 4), bool), 0.04)
+  keep = jax.jit(losses.m2po_mask, static_argnums=2)(delta, jnp.ones((1, 4), bool), 0.04)
   # drop .25 -> mean(.01,.01,.09) = .0367 < .04
   assert keep.tolist() == [[False, True, True, True]]
 
@@ -323,6 +381,6 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match="dual_clip is not defined"):
     losses.policy_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros(2), m, dual_clip=3.0,
                        ratio_level="sequence")
-  loss, _ = losses.policy_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros(2),
-                               jnp.zeros((2, 3), bool))
+  loss, _ = jax.jit(losses.policy_loss)(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros(2),
+                                        jnp.zeros((2, 3), bool))  # one program, not op by op
   assert float(loss) == 0.0

@@ -5,6 +5,8 @@ Each estimator in record form is checked against its plain formula fed by an ind
 ``loss_batch`` are checked on their own.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,13 @@ def test_group_estimators_match_numpy():
   chex.assert_trees_all_close(adv_of("rloo", x).advantages, loo, atol=1e-5)
 
 
+@functools.partial(jax.jit, static_argnums=3)
+def _gae_rows(tok, values, mask, gamma_lam=()):
+  """The reference: gae_advantages on the [G*M, R] rows, as one program."""
+  return losses.gae_advantages(tok, values.reshape(G * M, R), mask.reshape(G * M, R),
+                               *gamma_lam)
+
+
 def test_gae_estimator_rewards_on_last_generated_token():
   x = make_inputs(1)
   n = np_inputs(x)
@@ -81,9 +90,7 @@ def test_gae_estimator_rewards_on_last_generated_token():
   for g in range(G):
     for i in range(M):
       tok[g, i, np.flatnonzero(n.generated_mask[g, i])[-1]] = n.rewards[g, i]
-  ref_adv, ref_ret = losses.gae_advantages(
-      jnp.asarray(tok.reshape(G * M, R)), x.values.reshape(G * M, R),
-      x.mask.reshape(G * M, R), 0.9, 0.8)
+  ref_adv, ref_ret = _gae_rows(jnp.asarray(tok.reshape(G * M, R)), x.values, x.mask, (0.9, 0.8))
   out = adv_of("gae", x, gamma=0.9, lam=0.8)
   chex.assert_shape([out.advantages, out.returns], (G, M, R))
   chex.assert_trees_all_close(out.advantages, ref_adv.reshape(G, M, R), atol=1e-5)
@@ -96,13 +103,11 @@ def test_gae_estimator_rewards_on_last_generated_token():
   cut[0, 0, np.flatnonzero(n.generated_mask[0, 0])[-1]] = False
   assert cut[0, 0].any()
   z = x._replace(mask=jnp.asarray(cut))
-  ref_adv, _ = losses.gae_advantages(jnp.asarray(tok.reshape(G * M, R)),
-                                     z.values.reshape(G * M, R), z.mask.reshape(G * M, R))
+  ref_adv, _ = _gae_rows(jnp.asarray(tok.reshape(G * M, R)), z.values, z.mask)
   chex.assert_trees_all_close(adv_of("gae", z).advantages, ref_adv.reshape(G, M, R), atol=1e-5)
   # generated_mask None: the reward sits on the last loss token instead
   y = x._replace(generated_mask=None, mask=x.generated_mask)
-  ref_adv, _ = losses.gae_advantages(jnp.asarray(tok.reshape(G * M, R)),
-                                     y.values.reshape(G * M, R), y.mask.reshape(G * M, R))
+  ref_adv, _ = _gae_rows(jnp.asarray(tok.reshape(G * M, R)), y.values, y.mask)
   chex.assert_trees_all_close(adv_of("gae", y).advantages, ref_adv.reshape(G, M, R),
                               atol=1e-5)
 
@@ -111,13 +116,13 @@ def test_opob_estimator_uses_sequence_log_weights():
   x = make_inputs(2)
   n = np_inputs(x)
   log_w = masked_diff(n.old_logp, n.behaviour_logp, n.mask).sum(-1)
-  ref = losses.opob_advantages(x.rewards, jnp.asarray(log_w, jnp.float32), x.grad_sq_norms,
-                               tis_cap=8.0)
+  opob = jax.jit(losses.opob_advantages, static_argnames="tis_cap")  # not op by op
+  ref = opob(x.rewards, jnp.asarray(log_w, jnp.float32), x.grad_sq_norms, tis_cap=8.0)
   out = adv_of("opob", x, opob_tis_cap=8.0)
   chex.assert_shape(out.advantages, (G, M))
   chex.assert_trees_all_close(out.advantages, ref, atol=1e-5)
   # the weights matter: uniform weights would give a different baseline
-  uniform = losses.opob_advantages(x.rewards, jnp.zeros((G, M)), jnp.ones((G, M)))
+  uniform = opob(x.rewards, np.zeros((G, M), np.float32), np.ones((G, M), np.float32))
   assert not np.allclose(np.asarray(out.advantages), np.asarray(uniform), atol=1e-3)
 
 
@@ -125,13 +130,14 @@ def test_reinforce_pp_estimator_folds_k1_kl():
   x = make_inputs(3)
   n = np_inputs(x)
   kl = masked_diff(n.old_logp, n.ref_logp, n.mask).astype(np.float32)
-  ref = losses.reinforce_pp_advantages(x.rewards.reshape(-1), x.mask.reshape(G * M, R),
-                                       jnp.asarray(kl.reshape(G * M, R)), 0.3, 0.9)
+  # the reference as one program, not op by op
+  rpp = jax.jit(lambda r, m, kl, beta: losses.reinforce_pp_advantages(
+      r.reshape(-1), m.reshape(G * M, R), kl, beta, 0.9), static_argnums=3)
+  ref = rpp(x.rewards, x.mask, jnp.asarray(kl.reshape(G * M, R)), 0.3)
   out = adv_of("reinforce_pp", x, adv_kl_beta=0.3, gamma=0.9)
   chex.assert_shape(out.advantages, (G, M, R))
   chex.assert_trees_all_close(out.advantages, ref.reshape(G, M, R), atol=1e-5)
-  no_kl = losses.reinforce_pp_advantages(x.rewards.reshape(-1), x.mask.reshape(G * M, R),
-                                         None, 0.0, 0.9)
+  no_kl = rpp(x.rewards, x.mask, None, 0.0)
   chex.assert_trees_all_close(adv_of("reinforce_pp", x, adv_kl_beta=0.0, gamma=0.9).advantages,
                               no_kl.reshape(G, M, R), atol=1e-5)
   assert not np.allclose(np.asarray(out.advantages), np.asarray(no_kl).reshape(G, M, R))
@@ -145,7 +151,7 @@ def test_reinforce_pp_baseline_and_gdpo_estimators():
   x = make_inputs(4)
   n = np_inputs(x)
   lengths = n.mask.sum(-1)
-  ref = losses.reinforce_pp_baseline_advantages(x.rewards, jnp.asarray(lengths))
+  ref = jax.jit(losses.reinforce_pp_baseline_advantages)(x.rewards, jnp.asarray(lengths))
   chex.assert_trees_all_close(adv_of("reinforce_pp_baseline", x).advantages, ref, atol=1e-5)
   chex.assert_trees_all_close(
       adv_of("reinforce_pp_baseline", x._replace(lengths=None)).advantages, ref, atol=1e-5)
@@ -154,7 +160,8 @@ def test_reinforce_pp_baseline_and_gdpo_estimators():
                          np.asarray(ref))
   w = (1.0, 0.25)
   chex.assert_trees_all_close(adv_of("gdpo", x, gdpo_weights=w).advantages,
-                              losses.gdpo_advantages(x.reward_components, jnp.asarray(w)),
+                              jax.jit(losses.gdpo_advantages)(x.reward_components,
+                                                              jnp.asarray(w)),
                               atol=1e-5)
 
 
@@ -163,7 +170,7 @@ def test_mc_grpo_estimator_zeroes_and_drops_the_pivot():
                                                  [0.5, 0.5, 0.5, -1.0]]))
   out = adv_of("mc_grpo", x)
   chex.assert_shape([out.advantages, out.keep], (G, M))
-  kept, rows = losses.mc_grpo_advantages(x.rewards)
+  kept, rows = jax.jit(losses.mc_grpo_advantages)(x.rewards)
   keep = np.asarray(out.keep)
   assert keep.dtype == bool and (keep.sum(1) == M - 1).all()
   for g in range(G):
@@ -172,7 +179,7 @@ def test_mc_grpo_estimator_zeroes_and_drops_the_pivot():
     assert float(np.asarray(out.advantages)[g][~keep[g]][0]) == 0.0
   # the hand case of the plain function: [1, 0, 0] -> surviving rows [1000, 0]
   y = losses.ObjectiveInputs(rewards=jnp.array([[1.0, 0.0, 0.0]]), mask=jnp.ones((1, 3, 1), bool))
-  out = losses.mc_grpo().compute(y)
+  out = jax.jit(losses.mc_grpo().compute)(y)
   chex.assert_trees_all_close(out.advantages[out.keep], jnp.array([1000.0, 0.0]), atol=1e-2)
   assert out.keep.tolist() == [[True, True, False]]
 
@@ -216,12 +223,13 @@ def test_objective_advantages_array_and_record_forms():
   arr = jax.jit(obj.advantages)(x.rewards)
   chex.assert_shape(arr, (G, M))
   chex.assert_trees_all_close(arr, losses.grpo_advantages(x.rewards))
-  rec = obj.advantages(x)
+  rec = jax.jit(obj.advantages)(x)
   assert isinstance(rec, losses.Advantages)
   chex.assert_trees_all_close(rec.advantages, arr)
   ppo = losses.get_objective("ppo")
-  tok = ppo.advantages(x.rewards, mask=x.mask, values=x.values)
-  chex.assert_trees_all_close(tok, ppo.advantages_from(x._replace(generated_mask=None)).advantages)
+  tok = jax.jit(ppo.advantages)(x.rewards, mask=x.mask, values=x.values)
+  from_record = jax.jit(ppo.advantages_from)(x._replace(generated_mask=None))
+  chex.assert_trees_all_close(tok, from_record.advantages)
   with pytest.raises(ValueError, match="unknown ObjectiveInputs field"):
     obj.advantages(x.rewards, value=x.values)
   with pytest.raises(ValueError, match="either an ObjectiveInputs"):
@@ -277,8 +285,13 @@ def test_custom_policy_registry():
   x = make_inputs(9)
   batch = losses.loss_batch(x, losses.Advantages(jnp.ones((G, M))))
   logp = jnp.where(batch.mask, batch.old_logp, 0.0) + 0.1
-  chex.assert_trees_all_close(losses.finalize(*obj.loss(logp, batch)[:2]),
-                              losses.finalize(*ref.loss(logp, batch)[:2]))
+
+  @jax.jit
+  def both(logp, batch):  # one program, not op by op
+    return (losses.finalize(*obj.loss(logp, batch)[:2]),
+            losses.finalize(*ref.loss(logp, batch)[:2]))
+
+  chex.assert_trees_all_close(*both(logp, batch))
   losses.register_policy("test_kl_as_policy", lambda k: losses.kl_term(0.1), overwrite=True)
   with pytest.raises(ValueError, match="policy LossStage"):
     losses.get_objective("dapo", policy="test_kl_as_policy")
@@ -337,15 +350,20 @@ def test_needs_are_enough_to_train(name):
   full = make_inputs(10)
   x = losses.ObjectiveInputs(full.rewards, full.mask, **{
       f: getattr(full, f) for f in obj.needs if f in losses.INPUT_FIELDS})
-  adv = obj.advantages_from(x)
-  batch = obj.prepare(losses.loss_batch(x, adv))
-  logp = jnp.where(batch.mask, batch.old_logp, 0.0) + 0.05
-  kw = {}
-  if "values" in obj.needs:
-    kw["values"] = jnp.where(batch.mask, batch.old_values, 0.0) + 0.1
-  if "entropy" in obj.needs:
-    kw["entropy"] = jnp.ones_like(logp)
-  loss = losses.finalize(*obj.loss(logp, batch, **kw)[:2])
+
+  @jax.jit
+  def step(x):  # one program, not op by op
+    adv = obj.advantages_from(x)
+    batch = obj.prepare(losses.loss_batch(x, adv))
+    logp = jnp.where(batch.mask, batch.old_logp, 0.0) + 0.05
+    kw = {}
+    if "values" in obj.needs:
+      kw["values"] = jnp.where(batch.mask, batch.old_values, 0.0) + 0.1
+    if "entropy" in obj.needs:
+      kw["entropy"] = jnp.ones_like(logp)
+    return losses.finalize(*obj.loss(logp, batch, **kw)[:2])
+
+  loss = step(x)
   assert np.isfinite(float(loss)), name
   for f in obj.needs & {"values", "grad_sq_norms", "reward_components"}:
     with pytest.raises(ValueError, match=f):
@@ -391,10 +409,15 @@ def test_loss_batch_flattens_and_drops_kept_rows():
 def test_mc_grpo_pivot_does_not_train():
   x = make_inputs(12)
   obj = losses.get_objective("mc_grpo")
-  adv = obj.advantages_from(x)
-  batch = losses.loss_batch(x, adv)
-  logp = jnp.where(batch.mask, batch.old_logp, 0.0) + 0.1
-  grad = jax.grad(lambda lp: losses.finalize(*obj.loss(lp, batch)[:2]))(logp)
+
+  @jax.jit
+  def adv_and_grad(x):  # one program, not op by op
+    adv = obj.advantages_from(x)
+    batch = losses.loss_batch(x, adv)
+    logp = jnp.where(batch.mask, batch.old_logp, 0.0) + 0.1
+    return adv, jax.grad(lambda lp: losses.finalize(*obj.loss(lp, batch)[:2]))(logp)
+
+  adv, grad = adv_and_grad(x)
   pivot = ~np.asarray(adv.keep).reshape(-1)
   assert pivot.sum() == G
   assert np.all(np.asarray(grad)[pivot] == 0.0)
@@ -421,16 +444,18 @@ def test_preset_knob_types_and_defaults():
 def test_choice_lists_are_the_accepted_values():
   lp = jnp.zeros((2, 3))
   m = jnp.ones((2, 3), bool)
-  for level in losses.TIS_LEVELS:
-    losses.truncated_is_weights(lp, lp, m, 2.0, level)
-  for mode in losses.DECOUPLED_MODES:
-    losses.decoupled_weights(lp, lp, m, 2.0, mode)
-  for rule in losses.ESS_RULES:
-    losses.ess_lr_multiplier(0.5, 1.0, rule)
   f = lambda p, x: x @ p
-  for method in losses.GRAD_NORM_METHODS:
-    out = losses.per_row_grad_sq_norms(f, jnp.ones(3), jnp.eye(3), method=method,
-                                       key=jax.random.key(0), num_probes=64)
+
+  @jax.jit
+  def accepted(lp, m):  # every accepted value in one program, not op by op
+    return ([losses.truncated_is_weights(lp, lp, m, 2.0, level) for level in losses.TIS_LEVELS],
+            [losses.decoupled_weights(lp, lp, m, 2.0, mode) for mode in losses.DECOUPLED_MODES],
+            [losses.ess_lr_multiplier(0.5, 1.0, rule) for rule in losses.ESS_RULES],
+            [losses.per_row_grad_sq_norms(f, jnp.ones(3), jnp.eye(3), method=method,
+                                          key=jax.random.key(0), num_probes=64)
+             for method in losses.GRAD_NORM_METHODS])
+
+  for out in accepted(lp, m)[-1]:
     chex.assert_shape(out, (3,))
   for bad, call in [("TIS level", lambda: losses.truncated_is_weights(lp, lp, m, 2.0, "row")),
                     ("decoupled mode", lambda: losses.decoupled_weights(lp, lp, m, 2.0, "x")),
@@ -450,9 +475,10 @@ def test_policy_loss_is_the_chained_clip():
   x = make_inputs(13)
   batch = losses.loss_batch(x, losses.Advantages(losses.grpo_advantages(x.rewards)))
   logp = jnp.where(batch.mask, batch.old_logp, 0.0) + 0.3 * jnp.sin(jnp.arange(R) + 1.0)
-  loss, metrics = losses.policy_loss(logp, batch.old_logp, batch.advantages, batch.mask,
-                                     0.2, 0.28, dual_clip=3.0, agg="seq-mean-token-sum-norm",
-                                     agg_norm=8.0)
+  loss, metrics = jax.jit(  # one program, not op by op
+      lambda logp, b: losses.policy_loss(logp, b.old_logp, b.advantages, b.mask, 0.2, 0.28,
+                                         dual_clip=3.0, agg="seq-mean-token-sum-norm",
+                                         agg_norm=8.0))(logp, batch)
   assert set(metrics) == {"clip_frac", "approx_kl", "ratio_mean", "num_tokens"}
   # independent numpy computation of the clipped surrogate and the aggregation
   lp, old = np.where(np.asarray(batch.mask), np.asarray(logp), 0.0), np.asarray(
