@@ -249,8 +249,10 @@ def test_platform_dispatch_and_merge_with_a_prompt_part():
   s_pre = 0.5 * np.einsum("bkjh,bkhp->bkjp", np.asarray(q, np.float64), k_pre)
   lse_pre = np.log(np.exp(s_pre).sum(-1))
   out_pre = np.einsum("bkjp,bkph->bkjh", np.exp(s_pre - lse_pre[..., None]), v_pre)
-  merged = pallas_kernels.merge_partials(
-      [jnp.asarray(out_pre, jnp.float32), ref[0]], [jnp.asarray(lse_pre, jnp.float32), ref[1]])
+  merged = np.asarray(jax.jit(pallas_kernels.merge_partials)(  # one program, not op by op
+      [jnp.asarray(out_pre, jnp.float32), ref[0]], [jnp.asarray(lse_pre, jnp.float32), ref[1]]))
+  # numpy copies for the numpy computation below (jax indexing would compile op by op)
+  q, k_pages, v_pages, table, start, length = (np.asarray(x) for x in args)
   # the whole attention: prompt keys then the row's valid response keys, in numpy
   for b in range(3):
     resp = [(table[b, i // 4], i % 4) for i in range(int(start[b]), int(length[b]))]

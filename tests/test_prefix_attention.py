@@ -3,6 +3,8 @@ the two-region shared-prefix attention it replaces: outputs and gradients of the
 alone, and log-probs and parameter gradients of the packed training pass, to float32
 rounding; and the config knob reaches the trainer's model."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from tests.tiny import QUICKSTART, TINY_MODEL
 import pallas_kernels
 
 
+@functools.partial(jax.jit, static_argnames=("seed", "G", "M", "R", "P", "N", "K", "H"))
 def _attention_args(seed=0, G=2, M=3, R=5, P=4, N=4, K=2, H=8):
   ks = jax.random.split(jax.random.key(seed), 6)
   q = jax.random.normal(ks[0], (G, M, R, N, H))
@@ -33,24 +36,28 @@ def test_concat_attention_matches_reference(lengths):
   args, dy = _attention_args()
   lengths = jnp.asarray(lengths, jnp.int32)
   ref = lambda *a: pallas_kernels.shared_prefix_attention_reference(*a, ctx_lengths=lengths)
-  new = lambda *a: tx.concat_prefix_attention(*a, lengths)
+  new = jax.jit(lambda *a: tx.concat_prefix_attention(*a, lengths))  # one program
   np.testing.assert_allclose(new(*args), ref(*args), rtol=1e-5, atol=1e-6)
   grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * dy), argnums=tuple(range(5))))(*args)
            for f in (ref, new)]
   _assert_close_trees(grads[1], grads[0])
   assert float(jnp.max(jnp.abs(grads[0][0]))) > 0.01  # the check has something to compare
   # the context keys past each group's length are not attended
-  q, k_ctx, v_ctx, k_resp, v_resp = args
-  junk = jnp.arange(k_ctx.shape[1])[None, :, None, None] >= lengths[:, None, None, None]
-  moved = tx.concat_prefix_attention(q, jnp.where(junk, 50.0, k_ctx),
-                                     jnp.where(junk, -7.0, v_ctx), k_resp, v_resp, lengths)
+
+  @jax.jit  # one program, not op by op
+  def moved_fn(q, k_ctx, v_ctx, k_resp, v_resp):
+    junk = jnp.arange(k_ctx.shape[1])[None, :, None, None] >= lengths[:, None, None, None]
+    return tx.concat_prefix_attention(q, jnp.where(junk, 50.0, k_ctx),
+                                      jnp.where(junk, -7.0, v_ctx), k_resp, v_resp, lengths)
+
+  moved = moved_fn(*args)
   np.testing.assert_allclose(moved, new(*args), rtol=1e-6, atol=1e-6)
 
 
 def test_concat_attention_keeps_the_query_dtype():
   args, _ = _attention_args()
-  out = tx.concat_prefix_attention(*(a.astype(jnp.bfloat16) for a in args),
-                                   jnp.asarray([4, 2], jnp.int32))
+  bf16 = lambda *a: tx.concat_prefix_attention(*(x.astype(jnp.bfloat16) for x in a[:5]), a[5])
+  out = jax.jit(bf16)(*args, jnp.asarray([4, 2], jnp.int32))  # one program, not op by op
   assert out.dtype == jnp.bfloat16 and out.shape == args[0].shape
 
 

@@ -160,7 +160,8 @@ def test_reference_matches_plain_attention_random_shapes(g, m, r, k, rep, h, p, 
 def test_auto_backend_on_cpu_is_reference_and_jits():
   args, _, _ = _inputs(1, 2, 2, 8, 2, 1, 8, 6, jnp.float32)
   lengths = jnp.array([6, 3], jnp.int32)
-  expected = _plain_attention(*args.values(), (6, 3))[0]
+  plain = jax.jit(_plain_attention, static_argnums=5)  # one program, not op by op
+  expected = plain(*args.values(), (6, 3))[0]
   fn = jax.jit(pallas_kernels.shared_prefix_attention)  # lengths traced: no value check
   _assert_close(fn(*args.values(), lengths), expected, 1e-5, "auto")
   interp = pallas_kernels.shared_prefix_attention(*args.values(), lengths, interpret=True)
@@ -240,18 +241,23 @@ def test_reference_is_the_two_region_attention():
 
 def test_two_region_layouts_agree_and_empty_rows_are_zero():
   args, _, _ = _inputs(5, 2, 2, 5, 4, 2, 8, 4, jnp.float32)
-  own_mask = (jnp.arange(5)[None, :] <= jnp.arange(5)[:, None])[None, None]
-  own_mask = own_mask & (jnp.arange(2)[:, None, None, None] == 0)  # group 1 sees no own key
-  ctx_mask = (jnp.arange(4) < jnp.array([4, 0])[:, None])[:, None, None, :]  # group 1: no ctx
-  call = lambda layout: pallas_kernels.two_region_attention(
-      args["q"], args["k_resp"], args["v_resp"], own_mask, args["k_ctx"], args["v_ctx"],
-      ctx_mask, layout=layout)
-  (oq, lq), (oh, lh) = call("query_major"), call("head_major")
+
+  @jax.jit  # the masks and both layouts: one program, not op by op
+  def both(args):
+    own_mask = (jnp.arange(5)[None, :] <= jnp.arange(5)[:, None])[None, None]
+    own_mask = own_mask & (jnp.arange(2)[:, None, None, None] == 0)  # group 1 sees no own key
+    ctx_mask = (jnp.arange(4) < jnp.array([4, 0])[:, None])[:, None, None, :]  # group 1: no ctx
+    call = lambda layout: pallas_kernels.two_region_attention(
+        args["q"], args["k_resp"], args["v_resp"], own_mask, args["k_ctx"], args["v_ctx"],
+        ctx_mask, layout=layout)
+    return call("query_major"), call("head_major")
+
+  (oq, lq), (oh, lh) = both(args)
   chex.assert_trees_all_equal_shapes_and_dtypes((oq, lq), (oh, lh))
   np.testing.assert_allclose(oh, oq, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(lh, lq, rtol=1e-6)
   assert np.all(np.asarray(oq[1]) == 0) and np.all(np.isneginf(np.asarray(lq[1])))
-  expected, _ = _plain_attention(*args.values(), (4, 4))
+  expected, _ = jax.jit(_plain_attention, static_argnums=5)(*args.values(), (4, 4))
   _assert_close(oq[0].reshape(expected[0].shape), expected[0], 1e-5, "group 0")
 
 
