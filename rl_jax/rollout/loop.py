@@ -319,9 +319,8 @@ class Loop:
     """A fixed pool: drop the prefix cache's least recently used entries of a short pool
     shard, then preempt its most recently admitted resident groups, until ``need()`` pages
     (int [D·Q] per shard, recomputed after each) are free on every shard; a slot shard's
-    oldest group stays (its shards hold its whole budget). A
-    preempted group keeps its partial turns and goes back to the front of the queue, to
-    resume by recompute."""
+    oldest group stays (its shards hold its whole budget). A preempted group keeps its
+    partial turns and goes back to the front of the queue, to resume by recompute."""
     if not self.e.fixed_pool:
       return
     self.give_back()

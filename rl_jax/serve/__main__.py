@@ -44,9 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="with --prompt-pages: ended choices whose pages stay for later "
                       "requests that begin alike (0: none)")
   p.add_argument("--kv-pages", type=int, default=None,
-                 help="a fixed pool of this many KV pages: ended choices' cached pages, then "
-                      "the newest choice (resumed later, same tokens) give way when it is "
-                      "full (default: the pool grows as the choices need)")
+                 help="a fixed pool of this many KV pages: when it is full the prefix "
+                      "cache's pages, then the newest choice (resumed later, same tokens) "
+                      "give way (default: the pool grows as the choices need)")
   p.add_argument("--seed", type=int, default=0, help="base seed of every random stream")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--tool-parser", default="auto", help="auto, compact, hermes, llama3 or qwen")
