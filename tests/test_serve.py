@@ -495,55 +495,59 @@ def test_a_chats_next_request_takes_the_last_ones_pages_from_the_prefix_cache(ch
 
 
 def test_a_fixed_pool_takes_the_prefix_caches_pages_back_before_it_runs_short(char_dir):
-  """``kv_pages``: a fixed pool of one choice's whole budget, with the prefix cache. A
-  chat's next request forks the cache as on a growing pool; a long answer that needs the
-  pages the cache holds takes them back while it decodes (the cache's entry is dropped,
-  nothing is preempted), and a long prompt that fits only without them is admitted once
-  they are given back: the ids of a server with a growing pool, log-probs to float
-  rounding, and the pool's size never changes."""
+  """``kv_pages``: a fixed pool of one choice's whole budget, with the prefix cache (the
+  shapes of the test above, so its programs). A chat's next request forks the cache as on a
+  growing pool; answers whose pages outgrow the free ones take back those of the cache's
+  least recently used entry while they decode (nothing is preempted), and a prompt that
+  fits only without an entry's pages is admitted once they are given back: the ids of a
+  server that keeps nothing, log-probs to float rounding, and the pool never grows."""
   model = load_served(char_dir)
   model.cfg = model.cfg.replace(max_position_embeddings=1024)
   first = TOK.encode("U:" + "how much is 17 times 23? " * 3 + "\nA:")
   sampling = Sampling(temperature=1.0)
-  answer = TOK.encode("U:" + "count with me: " * 6 + "\nA:")  # 6 pages, then 10
-  prompt = TOK.encode("U:" + "spell it out, " * 9 + "\nA:")  # 9 pages from the start
-  need = choice_pages(192, 64, 16, True)
-  with pytest.raises(RolloutError, match="^kv_pages=15 holds less than one choice's whole"):
-    Scheduler(model, max_prompt_tokens=192, max_tokens=64, page_size=16, prompt_pages=True,
+  answer = TOK.encode("U:" + "count with me: " * 8 + "\nA:")  # 9 pages, then 10
+  grows = TOK.encode("U:" + "say it again: " * 12 + "\nA:")  # 11 pages, then 15
+  prompt = TOK.encode("U:" + "spell it out, " * 14 + "\nA:")  # 13 pages from the start
+  need = choice_pages(256, 256, 16, True)
+  with pytest.raises(RolloutError, match="^kv_pages=31 holds less than one choice's whole"):
+    Scheduler(model, max_prompt_tokens=256, max_tokens=256, page_size=16, prompt_pages=True,
               kv_pages=need - 1)
   runs = []
-  for kv_pages in (need, None):
-    sched = Scheduler(model, max_slots=2, max_prompt_tokens=192, max_tokens=64, page_size=16,
-                      prompt_pages=True, kv_pages=kv_pages)
+  for kv_pages, share in ((need, True), (None, False)):
+    sched = Scheduler(model, max_slots=2, max_prompt_tokens=256, max_tokens=256, page_size=16,
+                      prompt_pages=True, share_prompts=share, kv_pages=kv_pages)
     try:
       one = _submit(sched, first, sampling=sampling, seed=1, max_tokens=24)[0]
       loop = sched._lanes[sampling].loop  # pylint: disable=protected-access
       chat = first + one.ids + TOK.encode("\nU:and 4 + 5?\nA:")
-      two = _submit(sched, chat, sampling=sampling, seed=2, max_tokens=16)[0]
-      after_two = [c.ids.tolist() for c in loop.cache.values()]
-      only = loop.cache_only(0).tolist()  # pages the cache alone holds: free if dropped
-      long_answer = _submit(sched, answer, sampling=sampling, seed=5, max_tokens=64)[0]
-      after_answer = [c.ids.tolist() for c in loop.cache.values()]
-      long_prompt = _submit(sched, prompt, sampling=sampling, seed=4, max_tokens=8)[0]
-      after_prompt = [c.ids.tolist() for c in loop.cache.values()]
-      runs.append(dict(outs=(one, two, long_answer, long_prompt), hits=loop.cache_hits,
-                       caches=(after_two, after_answer, after_prompt), only=only,
+      outs, caches = [one], []
+      for ids, seed, tokens in ((chat, 2, 16), (answer, 5, 64), (grows, 6, 64), (prompt, 4, 8)):
+        outs.append(_submit(sched, ids, sampling=sampling, seed=seed, max_tokens=tokens)[0])
+        caches.append([c.ids.tolist() for c in loop.cache.values()])
+        if len(outs) == 2:
+          only = loop.cache_only(0).tolist()  # pages the cache alone holds: free if dropped
+      runs.append(dict(outs=outs, hits=loop.cache_hits, caches=caches, only=only,
                        pool=loop.state.refs.size, stats=dict(loop.stats)))
     finally:
       sched.close()
-  fixed, whole = runs  # (a pool of every whole budget is read in place: it keeps nothing)
-  for a, b in zip(fixed["outs"], whole["outs"]):
+  fixed, plain = runs
+  for a, b in zip(fixed["outs"], plain["outs"]):
     assert a.ids == b.ids and a.finish == b.finish and a.ids
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-  one, two, long_answer, long_prompt = fixed["outs"]
-  kept = lambda prompt, out: [(prompt[1:] + out.ids)[:(len(prompt) - 1 + len(out.ids)) // 16 * 16]]
-  assert fixed["hits"] == 1 and fixed["stats"]["fork_tokens_shared"] == len(kept(first, one)[0])
-  after_two, after_answer, after_prompt = fixed["caches"]
-  assert after_two == kept(chat, two)  # (it extends the first's entry, which it replaced)
-  assert fixed["only"] == [len(after_two[0]) // 16] and whole["only"] == [0]
-  assert long_answer.finish == "length" and after_answer == kept(answer, long_answer)
-  assert after_prompt == kept(prompt, long_prompt)
-  assert fixed["stats"]["preemptions"] == 0 and fixed["pool"] == need == 16
+  one, two, answered, grown, long_prompt = fixed["outs"]
+  def kept(prompt, out):  # whole pages of the K/V written: every id but the last one sampled
+    fed = len(prompt) - 1 + len(out.ids) + (out.finish == "stop") - 1  # (an end id: unreported)
+    return (prompt[1:] + out.ids)[:fed // 16 * 16]
+
+  assert fixed["hits"] == 1 and fixed["stats"]["fork_tokens_shared"] == len(kept(first, one))
+  assert grown.finish == "length"  # 15 pages: more than were free beside the two entries
+  # the chat's entry extends the first's, which it replaced; the answer's joins it; the
+  # growing answer takes back the chat's pages (least recently used), the prompt the answer's
+  assert fixed["caches"] == [[kept(chat, two)], [kept(chat, two), kept(answer, answered)],
+                             [kept(answer, answered), kept(grows, grown)],
+                             [kept(grows, grown), kept(prompt, long_prompt)]]
+  assert fixed["only"] == [len(kept(chat, two)) // 16] and plain["only"] == [0]
+  assert fixed["stats"]["preemptions"] == 0 and fixed["pool"] == plain["pool"] == need == 32
 
 
 def test_cancel_stops_decoding_and_returns_the_pages(char_dir):
