@@ -337,11 +337,12 @@ SLOW_TESTS = (
     # kernel's dot path (its long pages and split rows: test_paged_attention's [dot-*]),
     # presets and a knob whose objective another fast run trains (GRPO: the quickstart's,
     # test_api's loop; Dr.GRPO: test_packing's and test_trim's [dr_grpo-kl]; decoupled PPO
-    # and the entropy bonus: test_train_async.py), qwen3's packed log-probs (llama's stay; qwen3's update on packed
-    # rows: test_packing's [dr_grpo-kl]), fsdp_tp's forward on 8 devices (its gradient on
-    # that mesh: test_gradients_8_devices_equal_1; its forward with a data axis stays), two
-    # row-sharded losses (vcpo and ppo stay), a second set of ragged lengths, int8 beside
-    # int4 quantised on load, a second capacity of the dropped assignments
+    # and the entropy bonus: test_train_async.py), qwen3's packed log-probs (llama's stay;
+    # qwen3's update on packed rows: test_packing's [dr_grpo-kl]), fsdp_tp's forward on 8
+    # devices (its gradient on that mesh: test_gradients_8_devices_equal_1; its forward with
+    # a data axis stays), two row-sharded losses (vcpo and ppo stay), a second set of ragged
+    # lengths, int8 beside int4 quantised on load, a second capacity of the dropped
+    # assignments
     "test_paged_kv.py::test_page_bookkeeping_matches_python_reference_counts[2-1]",
     "test_paged_attention.py::test_gpu_kernel_dot_path_matches_reference",
     "test_train_objectives.py::test_every_preset_and_advantage_trains[preset-grpo]",
