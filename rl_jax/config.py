@@ -87,13 +87,20 @@ def checks() -> dict[str, cu.Check | tuple[cu.Check, ...]]:
 def _check_pool(config) -> None:
   """A fixed KV pool (``rollout.kv_pages``) must hold one group's whole budget: n samples x
   the pages of the response budget (max_new_tokens, or env.max_total_tokens with an
-  environment; the response cache rounds it up to a power of two >= 8)."""
+  environment; with rollout.prompt_pages also the prompt's ids after its first; the response
+  cache rounds it up to a power of two >= 8)."""
   r = config.rollout
+  env = config.get("env")
+  if r.get("prompt_pages") and env is not None and env.name:
+    raise ConfigError(f"rollout.prompt_pages=True is for single-turn rollouts; env.name="
+                      f"{env.name!r} keeps each episode's prompt in its slot")
   if r.kv_pages is None:
     return
   budget = geometry(config).new_tokens
-  env = config.get("env")
   name = "env.max_total_tokens" if env is not None and env.name else "max_new_tokens"
+  if r.get("prompt_pages"):
+    budget += config.data.max_prompt_len - 1
+    name = f"data.max_prompt_len - 1 + {name}"
   R = max(8, 1 << (budget - 1).bit_length())
   need = r.n * (R // min(r.page_size, R))
   if r.kv_pages < need:

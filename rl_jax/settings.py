@@ -144,6 +144,14 @@ class RolloutSettings:
       64, cu.power_of_two,
       "The paged response cache (rl_jax/rollout/pages.py): tokens per page, a power of two "
       "(>= max_new_tokens: one worst-case page per sample, the unpaged layout)")
+  prompt_pages: bool = setting(
+      False, _BOOL,
+      "A prompt's ids after its first go onto pool pages, written once per group and taken "
+      "by its other samples by reference count (the partial last page copied), so prompt KV "
+      "follows the prompts' lengths instead of data.max_prompt_len per slot; the same tokens, "
+      "log-probs equal to float rounding (rl_jax/rollout/engine.py). Single-turn rollouts "
+      "(env.name unset), not speculative ones. Off: the prompt in each slot's own cache, read "
+      "in place (faster on the measured CPU: docs/BENCHMARKS.md)")
   kv_pages: int | None = setting(
       None, cu.optional(cu.positive_int),
       "Pool pages per device, fixed: the pool is split over the devices the batch axes split "
@@ -171,6 +179,9 @@ class RolloutSettings:
     if self.speculative and self.partial:
       raise ConfigError("rollout.speculative=True and rollout.partial=True cannot be "
                         "combined; choose one")
+    if self.speculative and self.prompt_pages:
+      raise ConfigError("rollout.speculative=True and rollout.prompt_pages=True cannot be "
+                        "combined (speculative continuations keep the prompt in the slot)")
 
   @property
   def sample_temperature(self) -> float:

@@ -35,6 +35,13 @@ EOS): the prefix prefilled once and forked by the other samples (whole pages sha
 partial last page copied) against every sample prefilling it (``share_prefixes=False``),
 calls alternating; time and peak pages, same tokens.
 
+``--prompts``: the prompt on pool pages (``prompt_pages``: its ids after the first written
+once per group and forked by the group's other samples) against the prompt in each slot's
+own cache (``max_prompt_len`` positions per slot whatever the prompt's length): 8 prompts of
+long-tailed lengths (32 to 2048 tokens), 8 samples each, up to 128 new tokens, pages of 64,
+calls alternating; time, the K/V bytes held (prompt caches + the pool as allocated) and
+peak pages, same tokens.
+
 Usage::
 
     python scripts/bench_paged.py --rounds 3       # about 5 minutes on 2 CPU cores
@@ -42,6 +49,7 @@ Usage::
     python scripts/bench_paged.py --fork --repeats 3
     python scripts/bench_paged.py --fixed-budget --repeats 1   # about 20 minutes
     python scripts/bench_paged.py --bandwidth
+    python scripts/bench_paged.py --prompts --repeats 3
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention".
@@ -200,6 +208,35 @@ def fork(repeats: int) -> None:
         f"tokens and log-probs: {same}")
 
 
+def prompts_on_pages(repeats: int) -> None:
+  """The trainer's prompts on pool pages vs in each slot's prompt cache."""
+  import numpy as np
+
+  from rl_jax import rollout
+
+  cfg, params, _ = _workload(512, 4096, 0)
+  rng = np.random.default_rng(4)
+  lengths = np.minimum(32 * 2 ** rng.exponential(1.6, 8), 2048).astype(int)
+  prompts = [rng.integers(1, 512, size=int(n)).tolist() for n in lengths]
+  outs, times = {}, {False: [], True: []}
+  for on in (False, True, False, True) + (False, True) * repeats:
+    t = time.perf_counter()
+    outs[on] = rollout.generate(cfg, params, prompts, n=8, max_new_tokens=128, temperature=1.0,
+                                eos_id=0, seed=1, page_size=64, prompt_pages=on)
+    times[on].append(time.perf_counter() - t)
+  a, b = outs[False], outs[True]
+  same = np.array_equal(a.tokens, b.tokens) and np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+  best = {k: min(v[2:]) for k, v in times.items()}  # the first two calls compile
+  mib = lambda out: out.stats["kv_bytes"] / 2**20
+  print(f"prompts of {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), 8 "
+        f"samples each, mean response {a.lengths.mean():.0f} tokens")
+  print(f"prompt in the slot: {best[False]:.2f} s, K/V held {mib(a):.1f} MiB, peak pages "
+        f"{a.stats['kv_pages_used_peak']:.0f}; prompt on pages: {best[True]:.2f} s "
+        f"({best[True] / best[False]:.2f}x), K/V held {mib(b):.1f} MiB ({mib(b) / mib(a):.2f}x), "
+        f"peak pages {b.stats['kv_pages_used_peak']:.0f}, prompt pages shared "
+        f"{b.stats['prefix_pages_shared']:.0f}; same tokens and log-probs: {same}")
+
+
 def _timed(fn) -> float:
   t = time.perf_counter()
   fn()
@@ -215,6 +252,7 @@ def main() -> None:
   ap.add_argument("--fixed-budget", action="store_true", help="pages vs slots in one budget")
   ap.add_argument("--bandwidth", action="store_true", help="decode vs copy bandwidth")
   ap.add_argument("--fork", action="store_true", help="forked vs re-prefilled prefixes")
+  ap.add_argument("--prompts", action="store_true", help="prompts on pages vs in the slot")
   ap.add_argument("--accelerator", action="store_true",
                   help="run the children on JAX's default backend, not the CPU")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -225,6 +263,8 @@ def main() -> None:
     return bandwidth(args.repeats)
   if args.fork:
     return fork(args.repeats)
+  if args.prompts:
+    return prompts_on_pages(args.repeats)
   if args.child:
     max_new, page = map(int, args.child.split(","))
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)

@@ -4,7 +4,8 @@
 cache (the default: ``max_prompt_tokens`` positions per slot, whatever the prompt's length,
 read in place by the decode) or, with ``prompt_pages`` (``--prompt-pages``), on pages of the
 response pool after its first id, so a choice holds pages for its own prompt and output
-only. Both give the same greedy choices and exact log-probs (``tests/test_serve.py``).
+only. Both give the same choices for the same seeds, with log-probs equal to float rounding
+(``tests/test_serve.py``); the script prints whether every layout's ids were the same.
 
 Each round submits the same requests to one scheduler of each layout in turn (lockstep, so
 a noisy host slows both alike): prompts of random lengths, one choice each, sampled at
@@ -61,16 +62,16 @@ def write_model(hidden: int, layers: int, context: int) -> str:
 
 
 def one_round(sched: Scheduler, prompts: list[list[int]], max_tokens: int,
-              choices: int = 1) -> tuple[float, int]:
-  """(seconds, output tokens) of the requests (``choices`` each) submitted at once, waited
-  for together."""
+              choices: int = 1) -> tuple[float, list[list[int]]]:
+  """(seconds, every choice's output ids) of the requests (``choices`` each) submitted at
+  once, waited for together."""
   reqs = [Request(p, choices, max_tokens, SAMPLING, seed=i) for i, p in enumerate(prompts)]
   start = time.perf_counter()
   for r in reqs:
     sched.submit(r)
   for r in reqs:
     r.done.wait(600)
-  return time.perf_counter() - start, sum(len(c.ids) for r in reqs for c in r.result())
+  return time.perf_counter() - start, [c.ids for r in reqs for c in r.result()]
 
 
 def kv_memory(sched: Scheduler) -> dict[str, float]:
@@ -128,11 +129,12 @@ def main() -> None:
     for sched in scheds.values():
       one_round(sched, prompts, args.max_tokens, args.choices)  # compiles
     times: dict[str, list[float]] = {name: [] for name in scheds}
-    tokens = {}
+    ids = {}
     for _ in range(args.rounds):
       for name, sched in scheds.items():
-        seconds, tokens[name] = one_round(sched, prompts, args.max_tokens, args.choices)
+        seconds, ids[name] = one_round(sched, prompts, args.max_tokens, args.choices)
         times[name].append(seconds)
+    tokens = {name: sum(len(x) for x in out) for name, out in ids.items()}
     for name, sched in scheds.items():
       med = float(np.median(times[name]))
       mem = kv_memory(sched)
@@ -140,6 +142,8 @@ def main() -> None:
             f", {tokens[name] / med:,.0f} output tokens/s; KV {mem['kv_mib']:.1f} MiB (prompt "
             f"caches {mem['prompt_cache_mib']:.1f}, pool {mem['pool_mib']:.1f} allocated), "
             f"peak {mem['peak_pages']} pages of {mem['page_mib']:.2f} MiB in use", flush=True)
+    same = all(out == ids["slot"] for out in ids.values())
+    print(f"every layout's choices the same ids: {same}", flush=True)
     ratio = np.median(times["pages"]) / np.median(times["slot"])
     print(f"pages / slot time: {ratio:.2f}x", flush=True)
     if "unshared" in times:

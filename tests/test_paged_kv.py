@@ -79,6 +79,53 @@ def test_paged_logprobs_equal_teacher_forcing():
                              atol=1e-5, rtol=0)
 
 
+# prompts of 4 to 29 tokens, each its own first id; a stop sequence that would end prompt
+# 0's samples at their first token if its last id (1) counted as a sampled one
+LONG_PROMPTS = [[(6 * i + 3 * j) % 60 + 1 for j in range(4 + 5 * i)][::-1] for i in range(6)]
+STOP_AFTER_1 = [[1, t] for t in range(CFG.vocab_size)]
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+  """The long prompts in the slot's cache, one page per sample."""
+  ref = _gen(prompts=LONG_PROMPTS, stop=STOP_AFTER_1, page_size=MAX_NEW)
+  assert (ref.finish_reason == "stop").any()  # never at the first token of prompt 0's rows
+  assert ref.lengths[:M].min() > 1
+  return ref
+
+
+@pytest.mark.parametrize("page_size,kv_pages,mesh", [
+    (4, None, None), (2, M * 64 // 2, None),
+    pytest.param(4, M * 64 // 4, {"fsdp": 4, "tensor": 2}, marks=pytest.mark.slow)])
+def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, kv_pages, mesh):
+  """``prompt_pages``: each prompt's ids after its first lie on pool pages, written by the
+  group's first sample and forked by the others (whole pages shared, the partial one
+  copied). Tokens, ends and log-probs are those of the prompt in the slot's cache (their
+  uniforms skip the prompt's ids: ``DecodeState.skip``, stop sequences too), in a growing
+  pool, a pool of one group's budget (preempting) and on 8 devices; log-probs equal
+  teacher forcing."""
+  assert LONG_PROMPTS[0][-1] == 1
+  ctx = {} if mesh is None else dict(mesh=sharding.make_mesh(mesh), rules="fsdp_tp")
+  out = _gen(prompts=LONG_PROMPTS, stop=STOP_AFTER_1, page_size=page_size, kv_pages=kv_pages,
+             prompt_pages=True, **ctx)
+  _same(out, long_prompts)
+  if kv_pages is None:  # the response cache's 64 positions: the prompts' 28 and 32 new
+    assert out.stats["preemptions"] == 0
+    # the first sample of a group prefills the prompt's cached ids (all but the last,
+    # which the decode feeds), its 2 others fork their whole pages
+    assert out.stats["forked_samples"] == (M - 1) * len(LONG_PROMPTS)
+    assert out.stats["prefix_pages_shared"] == sum(
+        (M - 1) * ((len(p) - 2) // page_size) for p in LONG_PROMPTS)
+  elif mesh is None:
+    assert out.stats["preemptions"] > 0
+    rows = [LONG_PROMPTS[r // M] for r in range(len(LONG_PROMPTS) * M)]
+    z = _teacher_forced_logits(CFG, PARAMS, rows, out.tokens)
+    lp = np.take_along_axis(z - scipy.special.logsumexp(z, axis=-1, keepdims=True),
+                            out.tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.where(out.mask, out.logprobs, 0), np.where(out.mask, lp, 0),
+                               atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def rare_end():
   """One device's rollout with one rare end id: most samples run to the budget."""

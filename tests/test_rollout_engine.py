@@ -42,9 +42,11 @@ def test_continuous_batching_equals_one_batch():
   np.testing.assert_array_equal(out.finish_reason, ref.finish_reason)
 
 
-def test_april_returns_k_groups_and_resumes_exactly():
-  """With fixed weights a resumed sample continues exactly as if never interrupted."""
-  eng = _engine()
+@pytest.mark.parametrize("prompt_pages", [False, True])
+def test_april_returns_k_groups_and_resumes_exactly(prompt_pages):
+  """With fixed weights a resumed sample continues exactly as if never interrupted; with the
+  prompts on pages of 4 (``prompt_pages``) too, their ids cut off the returned rows."""
+  eng = _engine(prompt_pages=prompt_pages, page_size=4 if prompt_pages else 64)
   it = iter(PROMPTS)
   groups, resumed = {}, 0
   for step in range(6):

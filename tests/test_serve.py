@@ -372,8 +372,8 @@ def test_prompts_on_pages_take_pages_for_their_length(char_dir, char_scheduler):
   """``prompt_pages`` (``--prompt-pages``): a choice's prompt after its first id is written
   onto pool pages, so the slot's own prompt cache holds 8 positions instead of
   ``max_prompt_tokens`` and a choice holds pages for its prompt and output only; greedy
-  choices are those of the layout with the prompt in the slot (``char_scheduler``), and
-  sampled log-probs those of an independent forward pass."""
+  and seeded sampled choices are those of the layout with the prompt in the slot
+  (``char_scheduler``), and sampled log-probs those of an independent forward pass."""
   model = load_served(char_dir)
   model.cfg = model.cfg.replace(max_position_embeddings=1024)
   short, long = TOK.encode("U:hi\nA:"), TOK.encode("U:" + "x" * 48 + "\nA:")
@@ -398,6 +398,10 @@ def test_prompts_on_pages_take_pages_for_their_length(char_dir, char_scheduler):
                   on_chunk=lambda c: chunks.append(c) if c is not None else None)[0]
     scored, _ = scoring.top_logprobs(model.cfg, model.params, long, out.ids, sampling, 1)
     assert out.ids and np.allclose(out.logprobs, scored, atol=2e-5)
+    # the same seed's sampled choice of the prompt in the slot: the uniforms skip the
+    # prompt's ids on the sample's pages (``DecodeState.skip``)
+    assert out.ids == _submit(char_scheduler, long, sampling=sampling, seed=5,
+                              max_tokens=12)[0].ids
     # streamed as it decodes: the output's ids and text only, never the prompt's
     assert [i for c in chunks for i in c.ids] == out.ids
     assert "".join(c.text for c in chunks) == out.text

@@ -321,7 +321,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
     state = state._replace(routing=state.routing.at[at].set(ids, mode="drop"))
   logits = tx.logits_from_hidden(cfg, params, h[:, 0])  # [G·M,V]
   uniforms = lambda: sampling.token_uniforms(state.stream.reshape(G * M, 2),
-                                             state.length.reshape(-1))
+                                             (state.length - state.skip).reshape(-1))
   tok, lp = sampling.sample_logits(uniforms, logits, sp, filtered)
   state = state._replace(suffix_k=tuple(caches["sk"]), suffix_v=tuple(caches["sv"]),
                          pages=table, refs=refs)

@@ -10,6 +10,10 @@ engine; records and argument checks are ``records``'s):
 * Slots. A fixed number of group slots (``max_slots``), each holding one prompt's prefix
   K/V once and its ``n`` samples' own response K/V (``prompt_once=True``), or one sample per
   slot with its own copy of the prompt (``prompt_once=False``, the replicated baseline).
+  With ``prompt_pages`` the slot's prompt cache holds the prompt's first id only and the
+  rest lies on pool pages: written once for the group and taken by its other samples
+  (whole pages shared by reference count, the partial last page copied), so the prompt's
+  KV takes pages for its own length rather than ``max_prompt_len`` per slot.
 * Continuous batching. The decode loop runs on device until a slot's group has finished and
   a request is waiting; the finished group is harvested, the waiting request is prefilled
   into the freed slot, and decoding continues. A long tail never idles the other slots.
@@ -124,6 +128,12 @@ class RolloutEngine(EngineCore):
       turns one away) as sources for samples admitted later with the same prompt: a
       server's prompt pages across requests (``Loop.keep``). 0: none (the trainer's
       rollouts).
+    prompt_pages: a prompt's ids after its first go onto pool pages, opening each sample as
+      ids it did not sample (``Group.skip``): with ``share_prefixes`` the group's first
+      sample prefills them and the others fork its pages. The samples draw the tokens they
+      draw with the whole prompt in the slot's cache (their uniforms skip the prompt's
+      ids: ``kv_cache.DecodeState.skip``), with log-probs equal to float rounding; the
+      response cache holds ``max_prompt_len - 1 + max_new_tokens`` positions per sample.
   """
 
   def __init__(self, cfg: ModelConfig, *, n: int = 1, max_slots: int = 8,
@@ -134,16 +144,24 @@ class RolloutEngine(EngineCore):
                mesh=None, rules=None, dtype: str | None = None, context: int | None = None,
                page_size: int = 64, kv_pages: int | None = None,
                kv_memory_fraction: float | None = None, prefill_chunk: int | None = 2048,
-               share_prefixes: bool = True, prefix_cache: int = 0):
+               share_prefixes: bool = True, prefix_cache: int = 0, prompt_pages: bool = False):
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("max_prompt_len", max_prompt_len, 1)
+    self.prompt_pages = bool(prompt_pages)
+    # with the prompt on pages the slot's cache holds its first id and the response cache
+    # its other ids before the response
+    budget = (("max_prompt_len - 1 + max_new_tokens", max_prompt_len - 1 + max_new_tokens)
+              if self.prompt_pages else ("max_new_tokens", max_new_tokens))
     self._init_core(
         cfg, n=n, slots=max_slots, samples_per_slot=n if prompt_once else 1,
-        max_prompt_len=max_prompt_len, budget=("max_new_tokens", max_new_tokens),
+        max_prompt_len=1 if self.prompt_pages else max_prompt_len, budget=budget,
         temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id, stop=stop,
         over_sampling=over_sampling, max_staleness=max_staleness, mesh=mesh, rules=rules,
         dtype=dtype, context=context, page_size=page_size, kv_pages=kv_pages,
         kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk,
         share_prefixes=share_prefixes)
     self.max_new_tokens, self.prompt_once = int(max_new_tokens), bool(prompt_once)
+    self.max_prompt_len = int(max_prompt_len)  # the longest prompt accepted
     check_int("prefix_cache", prefix_cache, 0)
     if prefix_cache and not share_prefixes:
       raise RolloutError("prefix_cache keeps pages for forks: it needs share_prefixes")
@@ -186,8 +204,10 @@ class RolloutEngine(EngineCore):
     loop = Loop(self, params, policy_version)
     complete, unfinished = loop.run(groups, min_complete)
     for grp in groups:
+      k = grp.skip  # the prompt's ids opening each trajectory (``prompt_pages``)
       for i, t in zip(grp.sample_ids, grp.trajs):
-        grp.owner.samples[i] = Sample(t.tokens, t.logprobs, t.versions, t.finish, t.routing)
+        grp.owner.samples[i] = Sample(t.tokens[k:], t.logprobs[k:], t.versions[k:], t.finish,
+                                      None if t.routing is None else t.routing[k:])
     self.stats = collections.Counter(
         {k: loop.stats[k] for k in ("preemptions", "prefix_pages_shared", "pool_growths")
          + FORK_STATS})
@@ -199,21 +219,31 @@ class RolloutEngine(EngineCore):
     """The loop's groups of ``req``: one of its n samples (prompt-once), or one per sample
     (replicated), each sample a one-turn record of its tokens so far. With the loop's
     online calls (``loop.Loop.submit``, ``step``, ``running_tokens``, ``abort``) a caller
-    serves requests as they come: ``loop.submit(engine.groups_of(engine.new_request(p)))``."""
+    serves requests as they come: ``loop.submit(engine.groups_of(engine.new_request(p)))``.
+    With ``prompt_pages`` each trajectory opens with the prompt's ids after the first
+    (``Group.skip`` of them; ``run`` cuts them off again)."""
     units = [list(range(self.n))] if self.prompt_once else [[i] for i in range(self.n)]
+    head = 1 if self.prompt_pages else len(req.prompt)
+    rest = list(req.prompt[head:])
+    k = len(rest)
     out = []
     for ids in units:
       trajs = []
       for i in ids:
         smp = req.samples[i]
-        t = Trajectory(None, [], list(smp.tokens), list(smp.logprobs), list(smp.versions),
-                       [True] * len(smp.tokens), [0] * len(smp.tokens),
-                       finish=smp.finish_reason, routing=smp.routing)
+        routing = smp.routing
+        if k and routing is not None:  # no expert record for the prompt's ids
+          routing = np.concatenate([np.full((k, *routing.shape[1:]), -1, routing.dtype),
+                                    routing])
+        t = Trajectory(None, [], rest + list(smp.tokens), [0.0] * k + list(smp.logprobs),
+                       [-1] * k + list(smp.versions), [False] * k + [True] * len(smp.tokens),
+                       [0] * (k + len(smp.tokens)), finish=smp.finish_reason, routing=routing)
         trajs.append(t)
-      grp = Group(req.uid, req.prompt, trajs, None, owner=req, sample_ids=ids)
-      grp.meta = req.meta
+      grp = Group(req.uid, req.prompt[:head], trajs, None, owner=req, sample_ids=ids)
+      grp.meta, grp.skip = req.meta, k
       grp.status = [RUN if t.finish is None else DONE for t in trajs]
-      grp.budget = [self.max_new_tokens] * len(ids)
+      grp.budget = [k + self.max_new_tokens] * len(ids)
+      grp.max_turn = self.max_new_tokens  # a fresh sample's budget (a one-id prompt)
       out.append(grp)
     return out
 

@@ -139,9 +139,10 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
                       jnp.where(obs, 0.0, old(state.logprobs))[:, None],
                       jnp.where(obs, -1, old(state.versions))[:, None],
                       (ext.start + ext.count)[:, None], ext.budget[:, None],
-                      jnp.full((Be, 1), RUNNING, jnp.int32), None, None, None, None)
+                      jnp.full((Be, 1), RUNNING, jnp.int32), None, None, None, None,
+                      skip=old(state.skip)[:, None])
     stream = state.stream[slot, ext.sample]
-    uniforms = lambda: sampling.token_uniforms(stream, ext.start + ext.count)
+    uniforms = lambda: sampling.token_uniforms(stream, ext.start + ext.count - old(state.skip))
     tok, lp = sampling.sample_logits(uniforms, logits, sp, filtered)
     sub = record(sub, tok[:, None], lp[:, None], jnp.ones((Be, 1), bool), version, sp)
 

@@ -44,7 +44,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
              policy_version: int = 0, first_index: int = 0, page_size: int = 64,
              kv_pages: int | None = None, kv_memory_fraction: float | None = None,
              prefill_chunk: int | None = 2048, prefixes: Sequence[Sequence[int]] | None = None,
-             share_prefixes: bool = True) -> Rollout:
+             share_prefixes: bool = True, prompt_pages: bool = False) -> Rollout:
   """Sample ``n`` responses for every prompt with the jitted KV-cache sampler.
 
   Args:
@@ -73,6 +73,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
       against ``max_new_tokens``. The prefix is prefilled once per prompt and the other
       samples fork it (``share_prefixes``: whole pages shared, the partial last page
       copied; False prefills it for every sample, for comparison).
+    prompt_pages: each prompt's ids after its first on pool pages, written once per prompt
+      and forked by its other samples (``RolloutEngine(prompt_pages=True)``): the same
+      tokens, log-probs equal to float rounding, prompt KV for the prompts' own lengths.
   Returns:
     Rollout with G·M rows (M = n), prompt-major: tokens int32 [G·M,R] (R = max_new_tokens),
     mask, logprobs, versions, lengths, finish_reason ("eos" / "stop" / "length"),
@@ -97,7 +100,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
                          seed=seed, mesh=mesh, rules=rules, context=context,
                          page_size=page_size, kv_pages=kv_pages,
                          kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk,
-                         share_prefixes=share_prefixes)
+                         share_prefixes=share_prefixes, prompt_pages=prompt_pages)
   check_int("first_index", first_index, 0)
   heads = check_prefixes(prefixes, len(checked), cfg, max_new_tokens)
   fresh = lambda i: Sample(list(heads[i]), [0.0] * len(heads[i]), [-1] * len(heads[i]))
@@ -107,7 +110,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
                            policy_version=policy_version)
   complete.sort(key=lambda r: r.uid)
   out = assemble(complete, max_new_tokens)
-  P, R = engine.P, engine.R
+  P, R = pow2(longest, 8), pow2(max_new_tokens, 8)  # the slot layout's caches
   out.stats.update(
       kv_bytes=kv_bytes(engine, min(slots, groups)),
       kv_bytes_replicated=sampler.kv_cache_bytes(engine.cfg, len(checked), n, P, R, False),

@@ -83,6 +83,11 @@ class DecodeState(NamedTuple):
     refs: int32 [D·Q,Pl] table entries naming each pool page (0 = free), per pool shard
       (``pool_shards`` D times ``sequence_shards`` Q; Pg = D·Q·Pl; page ``s·Pl + i`` is
       entry i of shard s).
+    skip: int32 [G,M] leading response positions that hold prompt ids on the sample's
+      pages (a prompt on pool pages: ``RolloutEngine(prompt_pages=True)``) rather than
+      sampled tokens: the token at index j draws its uniform at index j - skip of its
+      stream and stop sequences match from index skip on, so the sample draws the tokens
+      it draws with its whole prompt in the slot's cache. None (a sub-state) reads as 0.
   """
 
   prefix_k: jax.Array
@@ -103,6 +108,7 @@ class DecodeState(NamedTuple):
   routing: jax.Array | None = None
   pages: jax.Array | None = None
   refs: jax.Array | None = None
+  skip: jax.Array | None = None
 
 
 CACHE_AXES = DecodeState(
@@ -124,6 +130,7 @@ CACHE_AXES = DecodeState(
     routing=("batch", None, None, None, None),
     pages=("batch", None, None),
     refs=(None, None),
+    skip=("batch", None),
 )
 
 
@@ -248,13 +255,14 @@ def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPara
   logprobs = state.logprobs.at[at].set(lp.astype(jnp.float32), mode="drop")
   versions = state.versions.at[at].set(jnp.asarray(version, jnp.int32), mode="drop")
   length = state.length + take.astype(jnp.int32)
+  sampled = length if state.skip is None else length - state.skip  # prompt ids excluded
   is_eos = jnp.any(tok[..., None] == sp.eos_ids, axis=-1)
   w = sp.stop_seqs.shape[-1]  # stop-sequence window (a local letter)
   window_idx = length[..., None] - w + jnp.arange(w)  # [G,M,w]
   window = jnp.take_along_axis(tokens, jnp.clip(window_idx, 0, R - 1), axis=-1)
   match = (sp.stop_seqs[None, None] < 0) | (window[:, :, None, :] == sp.stop_seqs[None, None])
   is_stop = jnp.any(jnp.all(match, axis=-1) & (sp.stop_lens > 0)
-                    & (sp.stop_lens <= length[..., None]), axis=-1)
+                    & (sp.stop_lens <= sampled[..., None]), axis=-1)
   reason = jnp.where(is_eos, EOS, jnp.where(is_stop, STOP, jnp.where(
       length >= state.budget, LENGTH, RUNNING)))
   reason = jnp.where(take, reason, state.reason)
@@ -283,7 +291,8 @@ def _init_state(cfg: ModelConfig, G: int, M: int, P: int, R: int, S: int, Pg: in
       budget=jnp.zeros((G, M), jnp.int32), reason=jnp.full((G, M), LENGTH, jnp.int32),
       active=jnp.zeros((G,), bool), request_id=jnp.zeros((G,), jnp.int32),
       sample_id=jnp.zeros((G, M), jnp.int32), stream=jnp.zeros((G, M, 2), jnp.uint32),
-      routing=empty_routing(cfg, (G, M, R)), pages=table, refs=refs)
+      routing=empty_routing(cfg, (G, M, R)), pages=table, refs=refs,
+      skip=jnp.zeros((G, M), jnp.int32))
 
 
 def empty_routing(cfg: ModelConfig, lead: tuple[int, ...]) -> jax.Array | None:

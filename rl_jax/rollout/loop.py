@@ -85,6 +85,7 @@ class Group:
     self.owner = self if owner is None else owner
     self.sample_ids = list(range(len(trajs))) if sample_ids is None else list(sample_ids)
     self.stream = uid  # the random stream's request id (``sampling.stream_words``)
+    self.skip = 0  # leading trajectory ids that are the prompt's (``DecodeState.skip``)
     self.max_turn: int | None = None  # model tokens per turn (None: the engine's)
     M = len(trajs)
     self.status = [RUN] * M
@@ -118,6 +119,7 @@ def admission(e, batch, Bn: int, Pb: int):
     a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
     a["prompt"][b, :len(grp.prompt)] = grp.prompt
     a["sample_id"][b] = grp.sample_ids
+    a["skip"][b] = grp.skip
     a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
     for m, t in enumerate(grp.trajs):
       n = len(t.tokens)
@@ -594,9 +596,7 @@ class Loop:
       return False
     cached = list(self.cache.items())  # what admission left of the prefix cache
     resident += [(e.G + i, 0, c.prompt, c.ids, c.shard) for i, (_, c) in enumerate(cached)]
-    # the group's prompt is read once for its M samples (pages a per-sample copy would take)
-    self.stats["prefix_pages_shared"] += sum((e.M - 1) * pages.pages_needed(len(grp.prompt), e.S)
-                                             for _, grp in batch)
+    self.stats["prefix_pages_shared"] += sum(shared_prompt_pages(e, grp) for _, grp in batch)
     Bn = min(e.G, pow2(len(batch), 4))
     Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = admission(self.e, batch, Bn, Pb)
@@ -868,6 +868,16 @@ def group_pages(e, grp: Group) -> list[int]:
       extra = len(grp.chunk[m]) if grp.chunk[m] is not None else 0
       out.append(-(-(max(len(t.tokens), 1) + extra) // e.S))
   return out
+
+
+def shared_prompt_pages(e, grp: Group) -> int:
+  """Pages a per-sample copy of ``grp``'s prompt would take that its M samples share: the
+  slot's prompt, read once for all of them; a prompt on pool pages (``Group.skip`` ids, the
+  last of which the decode feeds), the whole pages the group's first sample writes and the
+  others fork (the partial last page is copied for each)."""
+  if not grp.skip:
+    return (e.M - 1) * pages.pages_needed(len(grp.prompt), e.S)
+  return (e.M - 1) * ((grp.skip - 1) // e.S) if e.share_prefixes else 0
 
 
 def turn_tokens(e, grp: Group) -> int:

@@ -108,6 +108,7 @@ class Admission(NamedTuple):
     length: int32 [Bn,M] tokens already generated; reason: int32 [Bn,M] (RUNNING unless the
       sample already finished); budget: int32 [Bn,M] maximum response length.
     request_id: int32 [Bn]; sample_id: int32 [Bn,M].
+    skip: int32 [Bn,M] leading response positions holding prompt ids (``DecodeState.skip``).
   """
 
   slots: Any
@@ -121,6 +122,7 @@ class Admission(NamedTuple):
   budget: Any
   request_id: Any
   sample_id: Any
+  skip: Any
 
 
 _ADMIT_JIT = dict(static_argnames=("cfg", "filtered", "fresh", "ctx", "chunk"),
@@ -208,7 +210,8 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     sub = DecodeState(pk, pv, adm.prompt_len, None, None, jnp.asarray(adm.tokens),
                       jnp.asarray(adm.logprobs), jnp.asarray(adm.versions),
                       jnp.asarray(adm.length), jnp.asarray(adm.budget),
-                      jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id, None)
+                      jnp.asarray(adm.reason), None, adm.request_id, adm.sample_id, None,
+                      skip=jnp.asarray(adm.skip))
     first = (sub.length == 0) & (sub.reason == RUNNING)
     stream = sampling.stream_words(base_key, jnp.repeat(adm.request_id, M),
                                    adm.sample_id.reshape(-1))
@@ -237,7 +240,7 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
         active=put(state.active, adm.slots < state.active.shape[0]),
         request_id=put(state.request_id, adm.request_id),
         sample_id=put(state.sample_id, adm.sample_id),
-        stream=put(state.stream, stream.reshape(Bn, M, 2)))
+        stream=put(state.stream, stream.reshape(Bn, M, 2)), skip=put(state.skip, sub.skip))
     if state.routing is not None:  # MoE: no expert record yet in the admitted slots
       new = new._replace(routing=put(state.routing, jnp.full(
           (Bn, *state.routing.shape[1:]), -1, jnp.int32)))

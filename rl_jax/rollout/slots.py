@@ -30,7 +30,8 @@ def admission_rows(Bn: int, Pb: int, *, G: int, M: int, R: int, budget: int):
               versions=np.full((Bn, M, R), -1, np.int32), length=np.zeros((Bn, M), np.int32),
               reason=np.zeros((Bn, M), np.int32), budget=np.full((Bn, M), budget, np.int32),
               request_id=np.zeros(Bn, np.int32),
-              sample_id=np.tile(np.arange(M, dtype=np.int32), (Bn, 1)))
+              sample_id=np.tile(np.arange(M, dtype=np.int32), (Bn, 1)),
+              skip=np.zeros((Bn, M), np.int32))
 
 
 def forks(a, resume, shard=None, resident=(), page: int | None = None):

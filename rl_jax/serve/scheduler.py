@@ -154,7 +154,8 @@ class _Lane:
       t = Trajectory(None, [], list(rest), [0.0] * len(rest), [-1] * len(rest),
                      [False] * len(rest), [0] * len(rest))
       grp = Group(uid, req.prompt[:head], [t], None)
-      grp.stream, grp.max_turn = stream, req.max_tokens
+      # its tokens draw the uniforms they draw with the whole prompt in the slot's cache
+      grp.stream, grp.max_turn, grp.skip = stream, req.max_tokens, len(rest)
       grp.budget = [len(rest) + req.max_tokens]
       choice = _Choice(i, grp, skip=len(rest))
       req.choices.append(choice)

@@ -345,7 +345,7 @@ def sampler_engine(t: TrainParts, kv_pages: int | None = None
             top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id, mesh=s.sampler_mesh,
             rules=s.sampler_rules, context=s.model_cfg.max_position_embeddings,
             page_size=r.page_size, kv_pages=kv_pages or r.kv_pages,
-            prefill_chunk=r.prefill_chunk)
+            prefill_chunk=r.prefill_chunk, prompt_pages=r.prompt_pages)
   if r.partial:
     engine = rollout.RolloutEngine(s.sampler_cfg, max_slots=held_capacity(s),
                                    max_prompt_len=s.prompt_len, over_sampling=r.over_sampling,

@@ -145,4 +145,4 @@ def generate(s: Setup, params, prompts, cfg=None, **kw):
                           eos_id=s.eos_id, mesh=s.sampler_mesh, rules=s.sampler_rules,
                           page_size=r.page_size, kv_pages=r.kv_pages,
                           kv_memory_fraction=r.kv_memory_fraction,
-                          prefill_chunk=r.prefill_chunk, **kw)
+                          prefill_chunk=r.prefill_chunk, prompt_pages=r.prompt_pages, **kw)

@@ -125,7 +125,8 @@ def make_engine(s: Setup) -> rollout.RolloutEngine | None:
       max_staleness=None if r.max_staleness < 0 else r.max_staleness,
       seed=seed_for(s.train.seed, 0, Stream.ENGINE), mesh=s.sampler_mesh, rules=s.sampler_rules,
       context=s.model_cfg.max_position_embeddings, page_size=r.page_size, kv_pages=r.kv_pages,
-      kv_memory_fraction=r.kv_memory_fraction, prefill_chunk=r.prefill_chunk)
+      kv_memory_fraction=r.kv_memory_fraction, prefill_chunk=r.prefill_chunk,
+      prompt_pages=r.prompt_pages)
 
 
 def _empty_buffer(s: Setup) -> dict:
