@@ -213,6 +213,7 @@ def prompts_on_pages(repeats: int) -> None:
   import numpy as np
 
   from rl_jax import rollout
+  from rl_jax.rollout import kv_cache
 
   cfg, params, _ = _workload(512, 4096, 0)
   rng = np.random.default_rng(4)
@@ -228,13 +229,20 @@ def prompts_on_pages(repeats: int) -> None:
   same = np.array_equal(a.tokens, b.tokens) and np.allclose(a.logprobs, b.logprobs, atol=1e-5)
   best = {k: min(v[2:]) for k, v in times.items()}  # the first two calls compile
   mib = lambda out: out.stats["kv_bytes"] / 2**20
+  # in use at the peak: the 8 slots' prompt caches (2048 positions, or the first id's bucket
+  # of 8) and the pool's pages in use
+  used = {on: (rollout.kv_cache_bytes(cfg, 8, 8, 8 if on else 2048, 0, True)
+               + kv_cache.pool_bytes(cfg, int(out.stats["kv_pages_used_peak"]), 64)) / 2**20
+          for on, out in outs.items()}
   print(f"prompts of {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), 8 "
         f"samples each, mean response {a.lengths.mean():.0f} tokens")
-  print(f"prompt in the slot: {best[False]:.2f} s, K/V held {mib(a):.1f} MiB, peak pages "
-        f"{a.stats['kv_pages_used_peak']:.0f}; prompt on pages: {best[True]:.2f} s "
-        f"({best[True] / best[False]:.2f}x), K/V held {mib(b):.1f} MiB ({mib(b) / mib(a):.2f}x), "
-        f"peak pages {b.stats['kv_pages_used_peak']:.0f}, prompt pages shared "
-        f"{b.stats['prefix_pages_shared']:.0f}; same tokens and log-probs: {same}")
+  print(f"prompt in the slot: {best[False]:.2f} s, K/V in use at the peak {used[False]:.1f} MiB "
+        f"({a.stats['kv_pages_used_peak']:.0f} pages), allocated {mib(a):.1f} MiB; prompt on "
+        f"pages: {best[True]:.2f} s ({best[True] / best[False]:.2f}x), K/V in use at the peak "
+        f"{used[True]:.1f} MiB ({used[True] / used[False]:.2f}x; "
+        f"{b.stats['kv_pages_used_peak']:.0f} pages), allocated {mib(b):.1f} MiB "
+        f"({mib(b) / mib(a):.2f}x), prompt pages shared {b.stats['prefix_pages_shared']:.0f}; "
+        f"same tokens and log-probs: {same}")
 
 
 def _timed(fn) -> float:

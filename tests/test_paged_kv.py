@@ -16,6 +16,7 @@ import pallas_kernels
 from rl_jax import models, rollout, sharding
 from rl_jax.rollout import decode as decode_lib
 from rl_jax.rollout import pages
+from rl_jax.rollout.loop import group_pages
 from tests.test_rollout import _teacher_forced_logits
 
 CFG = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -95,27 +96,40 @@ def long_prompts():
 
 
 @pytest.mark.parametrize("page_size,kv_pages,mesh", [
-    (4, None, None), (2, M * 64 // 2, None),
+    (4, 8 * M * 64 // 4, None), (2, M * 64 // 2, None),
     pytest.param(4, M * 64 // 4, {"fsdp": 4, "tensor": 2}, marks=pytest.mark.slow)])
 def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, kv_pages, mesh):
   """``prompt_pages``: each prompt's ids after its first lie on pool pages, written by the
   group's first sample and forked by the others (whole pages shared, the partial one
   copied). Tokens, ends and log-probs are those of the prompt in the slot's cache (their
   uniforms skip the prompt's ids: ``DecodeState.skip``, stop sequences too), in a growing
-  pool, a pool of one group's budget (preempting) and on 8 devices; log-probs equal
-  teacher forcing."""
+  pool of every sample's budget (pages taken as tokens are written), a pool of one group's
+  budget (preempting) and on 8 devices; log-probs equal teacher forcing."""
   assert LONG_PROMPTS[0][-1] == 1
   ctx = {} if mesh is None else dict(mesh=sharding.make_mesh(mesh), rules="fsdp_tp")
   out = _gen(prompts=LONG_PROMPTS, stop=STOP_AFTER_1, page_size=page_size, kv_pages=kv_pages,
              prompt_pages=True, **ctx)
   _same(out, long_prompts)
-  if kv_pages is None:  # the response cache's 64 positions: the prompts' 28 and 32 new
+  if kv_pages == 8 * M * 64 // 4:  # the response cache's 64 positions: 28 prompt ids, 32 new
     assert out.stats["preemptions"] == 0
     # the first sample of a group prefills the prompt's cached ids (all but the last,
     # which the decode feeds), its 2 others fork their whole pages
     assert out.stats["forked_samples"] == (M - 1) * len(LONG_PROMPTS)
     assert out.stats["prefix_pages_shared"] == sum(
         (M - 1) * ((len(p) - 2) // page_size) for p in LONG_PROMPTS)
+    # pages in use: each sample's prompt ids and response, less the pages the forks share
+    pages_of = lambda n: -(-n // page_size)
+    held = sum(pages_of(len(p) - 1 + out.lengths[g * M + m])
+               - (m > 0) * ((len(p) - 2) // page_size)
+               for g, p in enumerate(LONG_PROMPTS) for m in range(M))
+    assert out.stats["kv_pages_used_peak"] <= held
+    # admission counts them once: a group's first sample takes the prompt's 7 pages, the
+    # others one each (the page holding the prompt's end, copied)
+    eng = rollout.RolloutEngine(CFG, n=M, max_new_tokens=MAX_NEW, max_prompt_len=29,
+                                page_size=4, prompt_pages=True)
+    grp, = eng.groups_of(eng.new_request(LONG_PROMPTS[5]))
+    assert grp.prompt == LONG_PROMPTS[5][:1] and grp.skip == 28
+    assert group_pages(eng, grp) == [7, 1, 1]
   elif mesh is None:
     assert out.stats["preemptions"] > 0
     rows = [LONG_PROMPTS[r // M] for r in range(len(LONG_PROMPTS) * M)]

@@ -187,33 +187,45 @@ def _relayouts(hlo: str, shapes: set[str]) -> list[str]:
   return out
 
 
+def _pool_decode(layers: int, K: int = 8, H: int = 128, S: int = 64, pages: int = 256):
+  """The decode compiled for 4 v5e chips (FSDP, XLA:TPU; bf16, K kv heads of H, pages of S)
+  at ``layers`` layers, and each chip's key and value pool shapes (a quarter of the pool:
+  each chip holds the pages of its own slot's samples)."""
+  cfg = _cfg(layers=layers, hidden=512, inter=512, heads=16, kv_heads=K, head_dim=H,
+             vocab=256, quant="", param_dtype="bfloat16")
+  cfg = dataclasses.replace(cfg, dtype="bfloat16")
+  compiled = _compile_decode(cfg, "v5e:2x2", M=8, R=512, S=S, pages=pages, live=8)
+  return compiled, {f"bf16[{pages // 4},{K},{H},{S}]", f"bf16[{pages // 4},{K},{S},{H}]"}
+
+
 def test_decode_updates_each_layers_pool_in_place():
-  """The decode compiled for 4 v5e chips (FSDP, XLA:TPU; bf16, 8 kv heads of 128, pages of
-  64) at 2 and 4 layers: no copy of a layer's response pool anywhere, and the temporaries
-  grow by less than a quarter of one layer's pool per layer. XLA:TPU lays a key pool
-  [Pg,K,H,S] out with H minor (S below the 128 lanes); the paged kernel read [H,S] pages
-  and the token's K/V was scattered as [K,H] slabs, which wanted [Pg,S,K,H]: each layer's
-  pool was carried by the loop in that layout, copied into it before the loop and copied
-  into the kernel's in the body (temporaries 0.14 GiB more per layer for Qwen3-32B on v5e-8
-  with 256 pages). Now the kernel reads the key pages as [S,H] (``keys_by_row``) and the
-  scatter writes one [H] row per kv head (``pages.write``): the pool stays in the layout it
-  is passed in."""
+  """The decode compiled for 4 v5e chips (pages of 64, 8 kv heads of 128, bf16): no copy of
+  a layer's response pool anywhere. XLA:TPU lays a key pool [Pg,K,H,S] out with H minor (S
+  below the 128 lanes); the paged kernel read [H,S] pages and the token's K/V was scattered
+  as [K,H] slabs, which wanted [Pg,S,K,H]: each layer's pool was carried by the loop in that
+  layout, copied into it before the loop and copied into the kernel's in the body
+  (temporaries 0.14 GiB more per layer for Qwen3-32B on v5e-8 with 256 pages). Now the
+  kernel reads the key pages as [S,H] (``keys_by_row``) and the scatter writes one [H] row
+  per kv head (``pages.write``): the pool stays in the layout it is passed in."""
   pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu")
-  K, H, S, pages = 8, 128, 64, 256
+  compiled, pool = _pool_decode(2)
+  hlo = compiled.as_text()
+  assert all(shape in hlo for shape in pool)
+  copies = _relayouts(hlo, pool)
+  assert not copies, copies[:2]
+
+
+def test_the_decodes_temporaries_grow_by_less_than_a_quarter_pool_per_layer():
+  """At 2 and 4 layers (``test_decode_updates_each_layers_pool_in_place``'s decode), the
+  temporaries grow by less than a quarter of one layer's pool per layer, and neither copies
+  a layer's pool."""
+  pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu")
   temp = {}
   for layers in (2, 4):
-    cfg = _cfg(layers=layers, hidden=512, inter=512, heads=16, kv_heads=K, head_dim=H,
-               vocab=256, quant="", param_dtype="bfloat16")
-    cfg = dataclasses.replace(cfg, dtype="bfloat16")
-    compiled = _compile_decode(cfg, "v5e:2x2", M=8, R=512, S=S, pages=pages, live=8)
-    # each chip holds the pages of its own slot's samples: a quarter of the pool
-    pool = {f"bf16[{pages // 4},{K},{H},{S}]", f"bf16[{pages // 4},{K},{S},{H}]"}
-    hlo = compiled.as_text()
-    assert all(shape in hlo for shape in pool)
-    copies = _relayouts(hlo, pool)
-    assert not copies, copies[:2]
+    compiled, pool = _pool_decode(layers)
+    assert not _relayouts(compiled.as_text(), pool)
     temp[layers] = compiled.memory_analysis().temp_size_in_bytes
-  pool_bytes = 2 * pages // 4 * K * H * S * 2  # one layer's keys and values per chip, bf16
+  pool_bytes = 2 * 256 // 4 * 8 * 128 * 64 * 2  # one layer's keys and values per chip, bf16
   assert (temp[4] - temp[2]) / 2 < 0.25 * pool_bytes, (temp, pool_bytes)
 
 

@@ -529,7 +529,7 @@ def test_a_fixed_pool_takes_the_prefix_caches_pages_back_before_it_runs_short(ch
         outs.append(_submit(sched, ids, sampling=sampling, seed=seed, max_tokens=tokens)[0])
         caches.append([c.ids.tolist() for c in loop.cache.values()])
         if len(outs) == 2:
-          only = loop.cache_only(0).tolist()  # pages the cache alone holds: free if dropped
+          only = loop.cache_only()[0].tolist()  # pages the cache alone holds: free if dropped
       runs.append(dict(outs=outs, hits=loop.cache_hits, caches=caches, only=only,
                        pool=loop.state.refs.size, stats=dict(loop.stats)))
     finally:

@@ -435,18 +435,18 @@ class Loop:
     self.hold_pages(self.cache.pop(victim).pages, -1)
     return True
 
-  def cache_only(self, shard: int) -> np.ndarray:
-    """int [Q]: the pages of slot shard ``shard``'s Q sequence shards that the prefix cache
+  def cache_only(self) -> np.ndarray:
+    """int [D,Q]: the pages of each slot shard's Q sequence shards that the prefix cache
     alone holds (free once its entries there are dropped)."""
     e = self.e
     if not self.cache:
-      return np.zeros(e.Q, np.int64)
+      return np.zeros((e.D, e.Q), np.int64)
     refs = np.asarray(jax.device_get(self.state.refs))
     holders = np.zeros(refs.size, np.int64)
     for c in self.cache.values():
       np.add.at(holders, c.pages, 1)
     only = ((refs.reshape(-1) == holders) & (holders > 0)).reshape(refs.shape).sum(-1)
-    return only.reshape(e.D, e.Q)[shard]
+    return only.reshape(e.D, e.Q)
 
   def hold_pages(self, ids, delta: int) -> None:
     """One more (``delta`` 1) or one less (-1) holder on pool pages ``ids``."""
@@ -570,7 +570,7 @@ class Loop:
       self.give_back()
       taken = np.zeros((e.D, e.Q), np.int64)
       free_now = lambda: pages.free_pages(self.state.refs).reshape(e.D, e.Q)
-      left = free_now()
+      left, only = free_now(), self.cache_only()
     batch = []
     for g in free:
       nxt = returning[0] if returning else (self.queue[0] if self.queue else None)
@@ -579,10 +579,10 @@ class Loop:
       if e.fixed_pool:  # admit while the slot's shards hold what the group takes at once,
         s = self.shard[g]  # the prefix cache's entries there giving their pages back if so
         need = sum(pages.spread(n, e.Q) for n in group_pages(e, nxt))
-        if need > (left[s] - taken[s] + self.cache_only(s)).min() and (busy or batch):
+        if need > (left[s] - taken[s] + only[s]).min() and (busy or batch):
           continue
         while need > (left[s] - taken[s]).min() and self.drop_cached(s):
-          left = free_now()
+          left, only = free_now(), self.cache_only()
         taken[s] += need
       if returning:
         grp = returning.pop(0)
@@ -859,14 +859,18 @@ def live_bucket(e, longest: int) -> int:
 
 
 def group_pages(e, grp: Group) -> list[int]:
-  """Pages each sample of ``grp`` takes as soon as it is admitted (its table entries from
-  the first): its tokens so far (a fresh sample's first token: one), an observation waiting
-  to be appended; none for a finished sample."""
+  """Pages each sample of ``grp`` takes as soon as it is admitted (a run of its table
+  entries): its tokens so far (a fresh sample's first token: one), an observation waiting
+  to be appended; none for a finished sample. With the prompt on pages and
+  ``share_prefixes``, every sample but the first forks the whole pages of the prompt's
+  cached ids (``Group.skip`` - 1 of them: ``slots.forks``) and takes only its entries after
+  them."""
   out = []
+  shared = (grp.skip - 1) // e.S if grp.skip and e.share_prefixes else 0
   for m, t in enumerate(grp.trajs):
     if grp.status[m] != DONE:
       extra = len(grp.chunk[m]) if grp.chunk[m] is not None else 0
-      out.append(-(-(max(len(t.tokens), 1) + extra) // e.S))
+      out.append(-(-(max(len(t.tokens), 1) + extra) // e.S) - (shared if out else 0))
   return out
 
 
