@@ -53,6 +53,12 @@ def test_sampler_records_the_experts_of_every_fed_token(sampled):
     # token j is routed when the decode step feeds it; the last one is never fed
     np.testing.assert_array_equal(np.sort(rec[:n - 1], -1), np.sort(ids[b, p:p + n - 1], -1))
     assert (rec[n - 1:] == -1).all()
+  # the prompts on pages of 2 (``prompt_pages``): the records of the response's tokens, cut
+  # from those of the prompt's ids the decode feeds
+  paged = rollout.generate(CFG, params, PROMPTS, n=2, max_new_tokens=6, temperature=1.0,
+                           seed=3, page_size=2, prompt_pages=True)
+  np.testing.assert_array_equal(paged.tokens, out.tokens)
+  np.testing.assert_array_equal(np.sort(paged.routing, -1), np.sort(out.routing, -1))
 
 
 def test_held_groups_keep_their_expert_records_through_export_and_import(sampled):

@@ -48,8 +48,11 @@ def _write_tokenizer(path, texts, bos=False):
 
 
 # extra overrides per checkpoint family (MoE: router replay and the load-balancing loss on)
-_FAMILY_OVERRIDES = {"qwen3": [], "gemma3_text": [],
-                     "qwen3_moe": ["model.router_replay=True", "model.router_aux_loss_coef=0.01"]}
+# qwen3 and qwen3_moe sample with their prompts on pool pages (``rollout.prompt_pages``):
+# router replay's expert records of the response tokens cut from the prompt's ids
+_FAMILY_OVERRIDES = {"qwen3": ["rollout.prompt_pages=True"], "gemma3_text": [],
+                     "qwen3_moe": ["model.router_replay=True", "model.router_aux_loss_coef=0.01",
+                                   "rollout.prompt_pages=True"]}
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma3_text"])
