@@ -140,6 +140,51 @@ def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, 
                                atol=1e-5, rtol=0)
 
 
+def test_a_busy_fixed_pool_keeps_the_prefix_cache_when_dropping_it_would_not_admit():
+  """A fixed pool of 16 pages of 4 with a prefix cache, the prompts on pages: a finished
+  group's 6 whole pages stay in the cache, and a group whose prompt begins with its prompt
+  forks 4 of them. While that one decodes, a group with a new prompt (31 ids on pages: 8
+  pages) needs more than are free even with the 2 pages the cache alone holds: it waits in
+  the queue and the cache keeps its entry (dropping it would admit nothing). It is admitted
+  once a slot's group leaves, and samples the tokens of a rollout that keeps nothing."""
+  eng = rollout.RolloutEngine(CFG, n=1, max_slots=2, max_new_tokens=8, max_prompt_len=32,
+                              page_size=4, kv_pages=16, prefix_cache=4, prompt_pages=True,
+                              seed=3)
+  loop = rollout.Loop(eng, eng.prepare_params(PARAMS), 0)
+  loop.chunk_steps = 1
+  x = [(5 * j) % 60 + 1 for j in range(20)]
+  z = [(7 * j + 3) % 60 + 1 for j in range(32)]
+  free = lambda: int(pages.free_pages(loop.state.refs).sum())
+
+  def serve(prompt):
+    grp, = eng.groups_of(eng.new_request(prompt))
+    loop.submit([grp])
+    return grp
+
+  first = serve(x)
+  while first.slot is not None or not first.done:  # a done group leaves at the next step
+    loop.step()
+  # 19 prompt ids and 8 tokens: the whole pages of the 26 fed
+  entry, = loop.cache.values()
+  assert len(entry.pages) == 6 and free() == 10
+  longer = x + [t for t in range(48, 61) if t != entry.ids[19]][:12]
+  again = serve(longer)
+  loop.step()
+  # the 4 whole pages of the 19 ids in common forked from the cache, 4 pages of its own
+  assert loop.cache_hits == 1 and again.slot == 0 and free() == 6
+  assert loop.cache_only().tolist() == [[2]]
+  while free() + 2 >= 8:  # until the free pages and the cache's own are short of 8
+    loop.step()
+  assert not again.done
+  other = serve(z)
+  loop.step()
+  assert other.slot is None and list(loop.cache.values()) == [entry]  # waits; entry kept
+  while not (again.done and other.done):
+    loop.step()
+  want = rollout.generate(CFG, PARAMS, [z], max_new_tokens=8, seed=3, first_index=2)
+  assert other.trajs[0].tokens[31:] == want.tokens[0].tolist()
+
+
 @pytest.fixture(scope="module")
 def rare_end():
   """One device's rollout with one rare end id: most samples run to the budget."""
