@@ -95,14 +95,18 @@ def long_prompts():
   return ref
 
 
+# the preempting pool and 8 devices in the slow set: the preempted and resumed samples of
+# APRIL with the prompts on pages (test_rollout_engine.py), a busy fixed pool's admission of
+# prompts on pages (below), 8 devices of the slot layout (test_paged_on_8_devices_equals_1)
 @pytest.mark.parametrize("page_size,kv_pages,mesh", [
-    (4, 8 * M * 64 // 4, None), (2, M * 64 // 2, None),
+    (4, 8 * M * 64 // 4, None),
+    pytest.param(2, M * 64 // 2, None, marks=pytest.mark.slow),
     pytest.param(4, M * 64 // 4, {"fsdp": 4, "tensor": 2}, marks=pytest.mark.slow)])
 def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, kv_pages, mesh):
   """``prompt_pages``: each prompt's ids after its first lie on pool pages, written by the
   group's first sample and forked by the others (whole pages shared, the partial one
   copied). Tokens, ends and log-probs are those of the prompt in the slot's cache (their
-  uniforms skip the prompt's ids: ``DecodeState.skip``, stop sequences too), in a growing
+  uniforms skip the prompt's ids: ``DecodeState.skip``, stop sequences too), in a fixed
   pool of every sample's budget (pages taken as tokens are written), a pool of one group's
   budget (preempting) and on 8 devices; log-probs equal teacher forcing."""
   assert LONG_PROMPTS[0][-1] == 1
@@ -146,10 +150,10 @@ def test_a_busy_fixed_pool_keeps_the_prefix_cache_when_dropping_it_would_not_adm
   forks 4 of them. While that one decodes, a group with a new prompt (31 ids on pages: 8
   pages) needs more than are free even with the 2 pages the cache alone holds: it waits in
   the queue and the cache keeps its entry (dropping it would admit nothing). It is admitted
-  once a slot's group leaves, and samples the tokens of a rollout that keeps nothing."""
-  eng = rollout.RolloutEngine(CFG, n=1, max_slots=2, max_new_tokens=8, max_prompt_len=32,
-                              page_size=4, kv_pages=16, prefix_cache=4, prompt_pages=True,
-                              seed=3)
+  once a slot's group leaves, and samples the tokens of an engine that keeps nothing."""
+  kw = dict(n=1, max_slots=2, max_new_tokens=8, max_prompt_len=32, page_size=4, kv_pages=16,
+            prompt_pages=True, seed=3)
+  eng = rollout.RolloutEngine(CFG, prefix_cache=4, **kw)
   loop = rollout.Loop(eng, eng.prepare_params(PARAMS), 0)
   loop.chunk_steps = 1
   x = [(5 * j) % 60 + 1 for j in range(20)]
@@ -173,16 +177,19 @@ def test_a_busy_fixed_pool_keeps_the_prefix_cache_when_dropping_it_would_not_adm
   # the 4 whole pages of the 19 ids in common forked from the cache, 4 pages of its own
   assert loop.cache_hits == 1 and again.slot == 0 and free() == 6
   assert loop.cache_only().tolist() == [[2]]
-  while free() + 2 >= 8:  # until the free pages and the cache's own are short of 8
+  while free() + 2 >= 8 and not again.done:  # until those and the cache's own are short of 8
     loop.step()
   assert not again.done
   other = serve(z)
   loop.step()
-  assert other.slot is None and list(loop.cache.values()) == [entry]  # waits; entry kept
+  assert other.slot is None and [*loop.cache.values()][0] is entry  # waits; entry kept
+  assert len(loop.cache) == 1
   while not (again.done and other.done):
     loop.step()
-  want = rollout.generate(CFG, PARAMS, [z], max_new_tokens=8, seed=3, first_index=2)
-  assert other.trajs[0].tokens[31:] == want.tokens[0].tolist()
+  plain = rollout.RolloutEngine(CFG, **kw)  # its programs: the same shapes
+  (want,), _ = plain.run(plain.prepare_params(PARAMS),
+                         [rollout.GroupRequest(2, z, [rollout.Sample()])])  # z's stream: uid 2
+  assert other.trajs[0].tokens[31:] == want.samples[0].tokens and len(want.samples[0].tokens) == 8
 
 
 @pytest.fixture(scope="module")
