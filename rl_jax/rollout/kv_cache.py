@@ -87,7 +87,7 @@ class DecodeState(NamedTuple):
       pages (a prompt on pool pages: ``RolloutEngine(prompt_pages=True)``) rather than
       sampled tokens: the token at index j draws its uniform at index j - skip of its
       stream and stop sequences match from index skip on, so the sample draws the tokens
-      it draws with its whole prompt in the slot's cache. None (a sub-state) reads as 0.
+      it draws with its whole prompt in the slot's cache.
   """
 
   prefix_k: jax.Array
@@ -255,7 +255,7 @@ def record(state: DecodeState, tok, lp, take, version, sp: sampling.SamplingPara
   logprobs = state.logprobs.at[at].set(lp.astype(jnp.float32), mode="drop")
   versions = state.versions.at[at].set(jnp.asarray(version, jnp.int32), mode="drop")
   length = state.length + take.astype(jnp.int32)
-  sampled = length if state.skip is None else length - state.skip  # prompt ids excluded
+  sampled = length - state.skip  # prompt ids on the sample's pages are not sampled ones
   is_eos = jnp.any(tok[..., None] == sp.eos_ids, axis=-1)
   w = sp.stop_seqs.shape[-1]  # stop-sequence window (a local letter)
   window_idx = length[..., None] - w + jnp.arange(w)  # [G,M,w]

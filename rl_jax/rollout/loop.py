@@ -865,8 +865,7 @@ def group_pages(e, grp: Group) -> list[int]:
   ``share_prefixes``, every sample but the first forks the whole pages of the prompt's
   cached ids (``Group.skip`` - 1 of them: ``slots.forks``) and takes only its entries after
   them."""
-  out = []
-  shared = (grp.skip - 1) // e.S if grp.skip and e.share_prefixes else 0
+  out, shared = [], forked_prompt_pages(e, grp)
   for m, t in enumerate(grp.trajs):
     if grp.status[m] != DONE:
       extra = len(grp.chunk[m]) if grp.chunk[m] is not None else 0
@@ -881,7 +880,14 @@ def shared_prompt_pages(e, grp: Group) -> int:
   others fork (the partial last page is copied for each)."""
   if not grp.skip:
     return (e.M - 1) * pages.pages_needed(len(grp.prompt), e.S)
-  return (e.M - 1) * ((grp.skip - 1) // e.S) if e.share_prefixes else 0
+  return (e.M - 1) * forked_prompt_pages(e, grp)
+
+
+def forked_prompt_pages(e, grp: Group) -> int:
+  """Whole pool pages of ``grp``'s prompt on pages that each sample after the group's first
+  forks (``share_prefixes``) rather than writes: those of the ``Group.skip`` - 1 ids the
+  first one prefills (the decode feeds the last); 0 with the prompt in the slot."""
+  return (grp.skip - 1) // e.S if grp.skip and e.share_prefixes else 0
 
 
 def turn_tokens(e, grp: Group) -> int:

@@ -76,11 +76,11 @@ def stream_id(*words: int) -> int:
 
 
 class _Choice:
-  """One choice's progress: ids and text reported so far; ``skip`` leading ids of its
-  sample are the prompt's, not output (``Scheduler.prompt_pages``)."""
+  """One choice's progress: ids and text reported so far (its group's first ``Group.skip``
+  ids are the prompt's, not output: ``Scheduler.prompt_pages``)."""
 
-  def __init__(self, index: int, group: Group, skip: int = 0):
-    self.index, self.group, self.skip = index, group, skip
+  def __init__(self, index: int, group: Group):
+    self.index, self.group = index, group
     self.ids: list[int] = []
     self.logprobs: list[float] = []
     self.text, self.sent = "", 0  # the whole text so far, characters reported
@@ -157,7 +157,7 @@ class _Lane:
       # its tokens draw the uniforms they draw with the whole prompt in the slot's cache
       grp.stream, grp.max_turn, grp.skip = stream, req.max_tokens, len(rest)
       grp.budget = [len(rest) + req.max_tokens]
-      choice = _Choice(i, grp, skip=len(rest))
+      choice = _Choice(i, grp)
       req.choices.append(choice)
       self.loop.submit([grp])
       self.active[uid] = (req, choice)
@@ -390,7 +390,7 @@ class Scheduler:
         self._update(lane, uid, req, ch, ids[:-1] if ended else ids,
                      lps[:-1] if ended else lps, "stop" if ended else "length")
       elif id(grp) in running:
-        ids, lps = (x[ch.skip:] for x in running[id(grp)][0])
+        ids, lps = (x[grp.skip:] for x in running[id(grp)][0])
         if ids and ids[-1] in self.stop_ids:
           ids, lps = ids[:-1], lps[:-1]
         self._update(lane, uid, req, ch, ids, lps, None)
