@@ -102,18 +102,25 @@ def long_prompts():
     (4, 8 * M * 64 // 4, None),
     pytest.param(2, M * 64 // 2, None, marks=pytest.mark.slow),
     pytest.param(4, M * 64 // 4, {"fsdp": 4, "tensor": 2}, marks=pytest.mark.slow)])
-def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, kv_pages, mesh):
+def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, kv_pages, mesh,
+                                                      monkeypatch):
   """``prompt_pages``: each prompt's ids after its first lie on pool pages, written by the
   group's first sample and forked by the others (whole pages shared, the partial one
-  copied). Tokens, ends and log-probs are those of the prompt in the slot's cache (their
-  uniforms skip the prompt's ids: ``DecodeState.skip``, stop sequences too), in a fixed
-  pool of every sample's budget (pages taken as tokens are written), a pool of one group's
-  budget (preempting) and on 8 devices; log-probs equal teacher forcing."""
+  copied), and the decode reads the forked pages once per group. Tokens, ends and log-probs
+  are those of the prompt in the slot's cache (their uniforms skip the prompt's ids:
+  ``DecodeState.skip``, stop sequences too), in a fixed pool of every sample's budget
+  (pages taken as tokens are written), a pool of one group's budget (preempting) and on 8
+  devices; log-probs equal teacher forcing."""
   assert LONG_PROMPTS[0][-1] == 1
   ctx = {} if mesh is None else dict(mesh=sharding.make_mesh(mesh), rules="fsdp_tp")
+  shared = []  # the decode calls' buckets of pages read once per group
+  real = rollout.loop.decode
+  monkeypatch.setattr(rollout.loop, "decode",
+                      lambda *a, **kw: shared.append(kw["shared"]) or real(*a, **kw))
   out = _gen(prompts=LONG_PROMPTS, stop=STOP_AFTER_1, page_size=page_size, kv_pages=kv_pages,
              prompt_pages=True, **ctx)
   _same(out, long_prompts)
+  assert max(shared) >= (len(LONG_PROMPTS[-1]) - 2) // page_size
   if kv_pages == 8 * M * 64 // 4:  # the response cache's 64 positions: 28 prompt ids, 32 new
     assert out.stats["preemptions"] == 0
     # the first sample of a group prefills the prompt's cached ids (all but the last,
@@ -361,6 +368,61 @@ def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_atten
                  identity=identity, nb=nb, D=D)
     want = _plain_attention(q, pk, pv, plen, pool_k, pool_v, table, np.zeros_like(slen), slen)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [1, 2])
+def test_pages_a_slots_samples_share_are_read_once_as_plain_attention(D):
+  """A table whose slots' samples name the same leading pages (forks: 3, 1 and 2 of them;
+  slot 3's odd sample out is not running, so it does not count; slot 1 has one running
+  sample: nothing to read once), split by ``pages.split_shared`` into the pages read once
+  per slot and each sample's own after them, then read by ``paged_decode_attention(
+  shared=)``: float64 softmax attention over the prompt's keys and every position of the
+  sample's full table, rebuilt from the pool in numpy. The shared count on the host
+  (numpy) equals the device's (jnp)."""
+  rng = np.random.default_rng(7)
+  G, M, P, N, K, H, S, NP, ns, nb = 4, 3, 5, 4, 2, 8, 4, 6, 4, 4
+  forks = [3, 1, 0, 2]  # leading entries each slot's samples name alike
+  Pl = G * M * NP // D
+  table = np.full((G, M, NP), -1, np.int32)
+  for g in range(G):
+    ids = iter((g // (G // D)) * Pl + rng.permutation(Pl))  # slot g's pages on its shard
+    common = [next(ids) for _ in range(forks[g])]
+    for m in range(M):
+      table[g, m] = common + [next(ids) for _ in range(NP - forks[g])]
+  table[3, 1, 0] = table[3, 1, 5]  # differs from the start, but not running
+  run = np.ones((G, M), bool)
+  run[3, 1] = run[1, 1:] = False
+  slen = np.minimum(np.array(forks)[:, None] * S + rng.integers(1, nb * S + 1, (G, M)), NP * S)
+  table = np.where(np.arange(NP) * S < slen[..., None], table, -1)  # no page past the length
+  want_own = np.array([3, 0, 0, 2])
+  np.testing.assert_array_equal(pages.shared_entries(table, run, ns, xp=np), want_own)
+  np.testing.assert_array_equal(pages.shared_entries(jnp.asarray(table), jnp.asarray(run), ns),
+                                want_own)
+  pool_k = rng.standard_normal((G * M * NP, K, H, S))
+  pool_v = rng.standard_normal((G * M * NP, K, S, H))
+  q = rng.standard_normal((G, M, N, H))
+  pk, pv = rng.standard_normal((G, K, H, P)), rng.standard_normal((G, K, P, H))
+  plen = rng.integers(1, P + 1, G)
+
+  @jax.jit
+  def attend(q, pk, pv, pvalid, pool_k, pool_v, table, run, slen):
+    own, once, mine = pages.split_shared(table, run, ns, nb)
+    own = own[:, None, None]
+    pos = own * S + jnp.arange(nb * S)  # positions of the own keys read
+    sh_pos = jnp.arange(ns * S)
+    sk, sv = pages.live_pages(pool_k, pool_v, once, D)
+    shared = (sk[:, :, 0], sv[:, :, 0], (sh_pos < own * S) & (sh_pos < slen[..., None]))
+    return own[:, 0, 0], rollout.sampler.paged_decode_attention(
+        q, pk, pv, pvalid, *pages.live_pages(pool_k, pool_v, mine, D),
+        pos < slen[..., None], shared=shared)
+
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  own, got = attend(f32(q), f32(pk), f32(pv), jnp.asarray(np.arange(P)[None, :] < plen[:, None]),
+                    f32(pool_k), f32(pool_v), jnp.asarray(table), jnp.asarray(run),
+                    jnp.asarray(slen, jnp.int32))
+  np.testing.assert_array_equal(own, want_own)
+  want = _plain_attention(q, pk, pv, plen, pool_k, pool_v, table, np.zeros_like(slen), slen)
+  np.testing.assert_allclose(np.asarray(got)[run], want[run], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("on_mesh", [False, True])

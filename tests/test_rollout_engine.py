@@ -172,6 +172,32 @@ def test_the_warmup_buckets_are_every_bucket_a_call_can_take():
     assert slots.resume_shapes(G=G, M=M, R=R) == sorted(every)
 
 
+def test_resume_calls_cut_the_rows_where_the_fewest_tokens_are_computed():
+  """``slots.resume_calls``: every row in exactly one call, each call a ``resume_shape``
+  bucket that holds its rows and their longest length, and the total Br·T the least of
+  every way to cut the rows, longest first, into consecutive calls (enumerated here)."""
+  from rl_jax.rollout import slots  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  for trial in range(40):
+    G, M, R = [(2, 4, 64), (8, 8, 4096), (4, 2, 512)][trial % 3]
+    n = int(rng.integers(1, 9))
+    lengths = [int(x) for x in np.minimum(rng.geometric(4 / R, n), R)]
+    calls = slots.resume_calls(lengths, G=G, M=M, R=R)
+    assert sorted(i for rows, _ in calls for i in rows) == list(range(n))
+    for rows, (Br, T) in calls:
+      assert (Br, T) == slots.resume_shape(len(rows), max(lengths[i] for i in rows),
+                                           G=G, M=M, R=R)
+    ordered = sorted(lengths, reverse=True)
+    best = min(
+        sum(math.prod(slots.resume_shape(b - a, ordered[a], G=G, M=M, R=R))
+            for a, b in zip((0,) + cuts, cuts + (n,)))
+        for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+    assert sum(Br * T for _, (Br, T) in calls) == best
+  # two long rows no longer pad six short ones to their length (one call: 16 x 2048)
+  assert slots.resume_calls([2047, 36, 50, 1162, 62, 76, 171, 89], G=8, M=8, R=4096) == [
+      ([0, 3, 6, 7], (4, 2048)), ([5, 4, 2, 1], (4, 1024))]
+
+
 def test_warmup_compiles_every_shape_up_front():
   from rl_jax.rollout import sampler
   eng = _engine(max_staleness=2)

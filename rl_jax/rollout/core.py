@@ -45,8 +45,9 @@ class EngineCore(HoldsGroups):
   (``kv_cache.pool_shards``: the devices the slots are split over); Q, the sequence shards
   of each (``kv_cache.sequence_shards``); pool_plan, S, fixed_pool, max_pool_pages,
   pool_pages (all D·Q shards together; grows with a growing pool; later calls start there);
-  programs, the (live bucket, pool pages) pairs decoded with; sp, filtered; ctx (mesh, rules) or None; admit_fn;
-  held; live, every group not yet returned, by uid.
+  programs, the (live bucket, pages read once per slot, pool pages) triples decoded with;
+  sp, filtered; ctx (mesh, rules) or None; admit_fn; held; live, every group not yet
+  returned, by uid.
   """
 
   # without environments (the single-turn face): nothing to poll, no time-to-live, and the
@@ -118,7 +119,7 @@ class EngineCore(HoldsGroups):
     self.S = self.pool_plan.S  # tokens per page
     self.fixed_pool, self.max_pool_pages = self.pool_plan.fixed, self.pool_plan.most
     self.pool_pages = self.pool_plan.pages
-    self.programs: set[tuple[int, int]] = set()
+    self.programs: set[tuple[int, int, int]] = set()
     self.sp, self.filtered = sampling_params(self.cfg, temperature, top_k, top_p, eos_id, stop)
     self._params = kv_cache.SamplerParams(self.cfg, self.ctx)
     # prefill + first tokens: with the training programs' CPU options when

@@ -45,7 +45,7 @@ from rl_jax.rollout.agent_records import (AgentRollout, Trajectory, assemble_tra
                                           error_count, error_kinds)
 from rl_jax.rollout.env_pool import observation_ids
 from rl_jax.rollout.kv_cache import REASON_NAMES
-from rl_jax.rollout.decode import NEVER, decode
+from rl_jax.rollout.decode import NEVER, decode, reads_shared_pages
 from rl_jax.rollout.extend import Extension, extend, prefill_tail
 from rl_jax.rollout.records import pow2
 
@@ -150,6 +150,8 @@ class Loop:
     self.key = jax.random.key(eng.seed, impl="threefry2x32")
     # a pool of every whole budget: the identity table, read in place (``decode_step``)
     self.identity = eng.pool_plan.in_place(eng.pool_pages)
+    with kv_cache.mesh_context(eng.ctx):  # pages a slot's samples share read once per slot
+      self.grouped = reads_shared_pages(eng.cfg, eng.Q, self.identity)
     self.state = kv_cache.init_state(eng.cfg, eng.G, eng.M, eng.P, eng.R, ctx=eng.ctx,
                                      S=eng.S, pages=eng.pool_pages, identity=self.identity)
     self.shard = pages.slot_shards(eng.G, eng.D)  # each slot's pool shard
@@ -629,11 +631,9 @@ class Loop:
     if not rebuild:
       return
     e = self.e
-    Br, T = slots.resume_shape(len(rebuild), max(n for *_, n in rebuild), G=e.G, M=e.M,
-                               R=e.R)
-    for i in range(0, len(rebuild), Br):
+    for rows, (Br, T) in slots.resume_calls([n for *_, n in rebuild], G=e.G, M=e.M, R=e.R):
       res = slots.resume_rows(Br, T, e.G)
-      for r, (b, m, g, n) in enumerate(rebuild[i:i + Br]):
+      for r, (b, m, g, n) in enumerate(rebuild[i] for i in rows):
         res.slot[r], res.sample[r], res.length[r] = g, m, n + 1
         res.tokens[r] = a["tokens"][b, m, :T]  # the n cached positions (T >= n)
         self.stats["reprefill_tokens"] += n
@@ -645,11 +645,10 @@ class Loop:
     if not tails:
       return
     e = self.e
-    Br, T = slots.resume_shape(len(tails), max(n - k for *_, n, k in tails), G=e.G, M=e.M,
-                               R=e.R)
-    for i in range(0, len(tails), Br):
+    for rows, (Br, T) in slots.resume_calls([n - k for *_, n, k in tails], G=e.G, M=e.M,
+                                            R=e.R):
       res, start = slots.resume_rows(Br, T, e.G), np.zeros(Br, np.int32)
-      for r, (b, m, g, n, k) in enumerate(tails[i:i + Br]):
+      for r, (b, m, g, n, k) in enumerate(tails[i] for i in rows):
         res.slot[r], res.sample[r], res.length[r], start[r] = g, m, n + 1, k
         part = a["tokens"][b, m, k:k + T]
         res.tokens[r, :len(part)] = part
@@ -755,17 +754,35 @@ class Loop:
     if not run.any():
       return
     self.room(pages.next_token_pages(run, length, table, e.S, e.D, e.Q))
-    live = live_bucket(e, int(length[run].max(initial=1)))
+    live, shared = self.read_buckets()
     self.state, ran = decode(e.cfg, self.params, self.state, e.sp, self.version,
                              jnp.int32(steps), jnp.int32(slots_done), jnp.int32(stop),
                              filtered=e.filtered, ctx=e.ctx, live=live,
-                             identity=self.identity)
+                             identity=self.identity, shared=shared)
     self.stats["decode_calls"] += 1
     pool = int(self.state.refs.size)
-    e.programs.add((live, pool))
+    e.programs.add((live, shared, pool))
     self.used.append(pool - int(pages.free_pages(self.state.refs).sum()))
     if e.deterministic:
       self.clock += int(ran)
+
+  def read_buckets(self) -> tuple[int, int]:
+    """The next decode's static read buckets (after ``room``, which may have preempted):
+    the pages read once per slot, ns (``decode_step``'s ``shared``: a power of two covering
+    the most leading pages a slot's running samples all name, ``pages.shared_entries``; 0
+    where none are or the decode reads each row's pages), and each running sample's live
+    pages after its slot's shared ones (``live_bucket``)."""
+    e = self.e
+    length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
+                                                    self.state.active, self.state.pages))
+    run = (reason == kv_cache.RUNNING) & active[:, None]
+    own, ns = np.zeros(e.G, np.int64), 0
+    if self.grouped:
+      own = pages.shared_entries(table, run, table.shape[-1], xp=np)
+      most = int(own.max(initial=0))
+      ns = min(1 << (most - 1).bit_length(), table.shape[-1]) if most else 0
+    longest = int((length - own[:, None] * e.S)[run].max(initial=1))
+    return live_bucket(e, longest), ns
 
   def pages_for_next_token(self) -> np.ndarray:
     """Pages the running samples take at the next decode step, per pool shard (int [D·Q]:
@@ -846,7 +863,7 @@ def warmup(e, params) -> int:
   live = live_bucket(e, 1)
   state, _ = decode(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
                     jnp.int32(1), filtered=e.filtered, ctx=e.ctx, live=live, identity=identity)
-  e.programs.add((live, e.pool_pages))
+  e.programs.add((live, 0, e.pool_pages))
   jax.block_until_ready(state)
   return sum(kv_cache.TRACE_COUNTS.values()) - before
 

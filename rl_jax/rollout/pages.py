@@ -76,7 +76,7 @@ __all__ = ["POOL_AXES", "allocate", "by_sequence", "by_shard", "contiguous", "co
            "hold", "identity_table", "in_place", "live_bucket",
            "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
            "regrown_ids", "release", "rows_by_sequence", "rows_from_sequence",
-           "rows_need", "spread", "shard_of_slot", "slot_shards",
+           "rows_need", "spread", "shard_of_slot", "shared_entries", "slot_shards", "split_shared",
            "take_entry", "usage_counters", "write", "write_rows"]
 
 
@@ -144,10 +144,48 @@ def spread(pages_: int, seq: int) -> int:
   return -(-int(pages_) // seq)
 
 
+def shared_entries(table, run, most: int, xp=jnp):
+  """Per slot, the leading table entries whose page every running sample of the slot names
+  (the whole pages its forks share: a prompt on pages, a forked prefix), at most ``most``;
+  0 for a slot with fewer than two running samples (nothing to read once for several).
+
+  A decode reads these pages once per slot (``decode.paged_decode_attention``'s ``shared``)
+  and each sample's own entries after them. ``table`` int [G,M,NP], ``run`` bool [G,M];
+  ``xp``: ``jnp`` on device, ``np`` for the host's copies (the engine picks its buckets
+  from the same count the decode step reads). Returns int32 [G]."""
+  first = xp.argmax(run, axis=1)  # each slot's first running sample
+  row = xp.take_along_axis(table, first[:, None, None], axis=1)  # [G,1,NP]
+  same = xp.all((table == row) | ~run[..., None], axis=1) & (row[:, 0] >= 0)  # [G,NP]
+  lead = xp.sum(xp.cumprod(same[:, :most].astype(xp.int32), axis=1), axis=1)
+  return xp.where(xp.sum(run, axis=1) >= 2, lead, 0).astype(xp.int32)
+
+
+def split_shared(table, run, shared: int, nb: int):
+  """Each slot's table as the pages read once per slot and each sample's own after them.
+
+  Args:
+    table: int32 [G,M,NP]. run: bool [G,M], the samples that read. shared: ns, the most
+      leading entries read once per slot (``shared_entries``). nb: own entries per sample.
+  Returns:
+    (own int32 [G]: the first entry each sample reads as its own; once int32 [G,1,ns]: the
+    slot's first running sample's leading entries, -1 from ``own`` on; mine int32
+    [G,M,nb]: entries own .. own+nb-1 of each sample, -1 past NP).
+  """
+  G, M, NP = table.shape
+  own = shared_entries(table, run, shared)
+  first = jnp.argmax(run, axis=1)[:, None, None]
+  once = jnp.take_along_axis(table, first, axis=1)[:, :, :shared]
+  once = jnp.where(jnp.arange(shared) < own[:, None, None], once, -1)
+  entries = own[:, None, None] + jnp.arange(nb)  # [G,1,nb]
+  at = jnp.broadcast_to(jnp.minimum(entries, NP - 1), (G, M, nb))
+  mine = jnp.where(entries < NP, jnp.take_along_axis(table, at, axis=-1), -1)
+  return own, once, mine
+
+
 def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str, float]:
   """The page counters of one rollout call: pages in use after each decode call (``used``;
-  mean and peak), the decode programs compiled so far (``programs``: (live bucket, pool
-  size) pairs) and the pool's size at the end."""
+  mean and peak), the decode programs compiled so far (``programs``: (live bucket, shared
+  bucket, pool size) triples) and the pool's size at the end."""
   return dict(kv_pages_used_peak=max(used, default=0),
               kv_pages_used_mean=float(np.mean(used)) if used else 0.0,
               decode_buckets=len(programs), kv_pages=int(pool_pages))

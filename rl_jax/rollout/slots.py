@@ -2,7 +2,8 @@
 
 ``admission_rows`` are the padding arrays an admission fills; ``forks`` picks the resumed
 samples that can share another sample's pages instead of being re-prefilled; ``resume_shape``
-and ``buckets`` are the shapes the loop's programs take (what a warm-up compiles);
+and ``buckets`` are the shapes the loop's programs take (what a warm-up compiles), and
+``resume_calls`` splits a re-prefill's rows over them;
 ``merged_routing`` keeps a resumed sample's expert records.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (G slots, M samples per slot,
@@ -16,8 +17,8 @@ import numpy as np
 
 from rl_jax.rollout.prefill import Resume
 
-__all__ = ["admission_rows", "buckets", "common_prefix", "forks", "merged_routing", "resume_rows",
-           "resume_shape", "resume_shapes"]
+__all__ = ["admission_rows", "buckets", "common_prefix", "forks", "merged_routing", "resume_calls",
+           "resume_rows", "resume_shape", "resume_shapes"]
 
 
 def admission_rows(Bn: int, Pb: int, *, G: int, M: int, R: int, budget: int):
@@ -114,6 +115,28 @@ def resume_shape(rows: int, longest: int, *, G: int, M: int, R: int) -> tuple[in
   while T < longest:
     T *= 2
   return min(Br, G * M), min(T, R)
+
+
+def resume_calls(lengths, *, G: int, M: int, R: int) -> list[tuple[list[int], tuple[int, int]]]:
+  """The re-prefill calls for rows of ``lengths`` tokens each: the rows, longest first, cut
+  into runs that minimise the tokens computed (Br·T summed over the calls; a run's (Br, T)
+  is ``resume_shape`` of its size and its longest row), so a few long rows do not pad every
+  short one to their length. A function of the lengths alone. Returns [(indices into
+  ``lengths``, (Br, T))], longest rows first."""
+  n = len(lengths)
+  order = sorted(range(n), key=lambda i: (-lengths[i], i))
+  cost, cut = [0] + [np.inf] * n, [0] * (n + 1)
+  for j in range(1, n + 1):
+    for i in range(j):  # one call for rows order[i:j]
+      Br, T = resume_shape(j - i, lengths[order[i]], G=G, M=M, R=R)
+      if Br >= j - i and cost[i] + Br * T < cost[j]:
+        cost[j], cut[j] = cost[i] + Br * T, i
+  calls, j = [], n
+  while j:
+    i = cut[j]
+    calls.append((order[i:j], resume_shape(j - i, lengths[order[i]], G=G, M=M, R=R)))
+    j = i
+  return calls[::-1]
 
 
 def resume_shapes(*, G: int, M: int, R: int) -> list[tuple[int, int]]:
