@@ -149,9 +149,10 @@ class RolloutSettings:
       "A prompt's ids after its first go onto pool pages, written once per group and taken "
       "by its other samples by reference count (the partial last page copied), so prompt KV "
       "follows the prompts' lengths instead of data.max_prompt_len per slot; the same tokens, "
-      "log-probs equal to float rounding (rl_jax/rollout/engine.py). Single-turn rollouts "
-      "(env.name unset), not speculative ones. Off: the prompt in each slot's own cache, read "
-      "in place (faster on the measured CPU: docs/BENCHMARKS.md)")
+      "log-probs equal to float rounding (rl_jax/rollout/engine.py); the decode reads the "
+      "shared pages once per group. Single-turn rollouts (env.name unset), speculative ones "
+      "too. Off: the prompt in each slot's own cache, read in place (docs/BENCHMARKS.md "
+      "compares the two)")
   kv_pages: int | None = setting(
       None, cu.optional(cu.positive_int),
       "Pool pages per device, fixed: the pool is split over the devices the batch axes split "
@@ -179,9 +180,6 @@ class RolloutSettings:
     if self.speculative and self.partial:
       raise ConfigError("rollout.speculative=True and rollout.partial=True cannot be "
                         "combined; choose one")
-    if self.speculative and self.prompt_pages:
-      raise ConfigError("rollout.speculative=True and rollout.prompt_pages=True cannot be "
-                        "combined (speculative continuations keep the prompt in the slot)")
 
   @property
   def sample_temperature(self) -> float:

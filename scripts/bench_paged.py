@@ -38,9 +38,9 @@ calls alternating; time and peak pages, same tokens.
 ``--prompts``: the prompt on pool pages (``prompt_pages``: its ids after the first written
 once per group and forked by the group's other samples) against the prompt in each slot's
 own cache (``max_prompt_len`` positions per slot whatever the prompt's length): 8 prompts of
-long-tailed lengths (32 to 2048 tokens), 8 samples each, up to 128 new tokens, pages of 64,
-calls alternating; time, the K/V bytes held (prompt caches + the pool as allocated) and
-peak pages, same tokens.
+long-tailed lengths (32 to 2048 tokens), 8 samples each, up to 128 new tokens (``--new``: 2
+leaves mostly the prefill), pages of 64, calls alternating; time, the K/V bytes held (prompt
+caches + the pool as allocated) and peak pages, same tokens.
 
 Usage::
 
@@ -50,6 +50,7 @@ Usage::
     python scripts/bench_paged.py --fixed-budget --repeats 1   # about 20 minutes
     python scripts/bench_paged.py --bandwidth
     python scripts/bench_paged.py --prompts --repeats 3
+    python scripts/bench_paged.py --prompts --new 2 --repeats 3   # the prefill's share
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention".
@@ -208,7 +209,7 @@ def fork(repeats: int) -> None:
         f"tokens and log-probs: {same}")
 
 
-def prompts_on_pages(repeats: int) -> None:
+def prompts_on_pages(repeats: int, new: int = 128) -> None:
   """The trainer's prompts on pool pages vs in each slot's prompt cache."""
   import numpy as np
 
@@ -222,7 +223,7 @@ def prompts_on_pages(repeats: int) -> None:
   outs, times = {}, {False: [], True: []}
   for on in (False, True, False, True) + (False, True) * repeats:
     t = time.perf_counter()
-    outs[on] = rollout.generate(cfg, params, prompts, n=8, max_new_tokens=128, temperature=1.0,
+    outs[on] = rollout.generate(cfg, params, prompts, n=8, max_new_tokens=new, temperature=1.0,
                                 eos_id=0, seed=1, page_size=64, prompt_pages=on)
     times[on].append(time.perf_counter() - t)
   a, b = outs[False], outs[True]
@@ -261,6 +262,7 @@ def main() -> None:
   ap.add_argument("--bandwidth", action="store_true", help="decode vs copy bandwidth")
   ap.add_argument("--fork", action="store_true", help="forked vs re-prefilled prefixes")
   ap.add_argument("--prompts", action="store_true", help="prompts on pages vs in the slot")
+  ap.add_argument("--new", type=int, default=128, help="--prompts: max_new_tokens")
   ap.add_argument("--accelerator", action="store_true",
                   help="run the children on JAX's default backend, not the CPU")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -272,7 +274,7 @@ def main() -> None:
   if args.fork:
     return fork(args.repeats)
   if args.prompts:
-    return prompts_on_pages(args.repeats)
+    return prompts_on_pages(args.repeats, args.new)
   if args.child:
     max_new, page = map(int, args.child.split(","))
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)

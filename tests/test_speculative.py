@@ -108,3 +108,37 @@ def test_speculative_output_matches_plain_sampling():
   cut = spec.complete_prefixes(CFG, new, [PROMPT], naive, seed=12, **kw)
   p_naive = _chi2_pvalue(_histogram(cut.tokens, cut.mask), _histogram(plain.tokens, plain.mask))
   assert p_naive < 1e-3, p_naive
+
+
+def test_continuations_with_the_prompt_on_pages_draw_the_same_tokens(monkeypatch):
+  """``complete_prefixes(prompt_pages=True)``: each row's prompt ids and accepted prefix on
+  pool pages (rebuilt once per group, forked where rows agree) draw the tokens, ends and
+  log-probs (to float rounding) of the prompt in the slot, for prefixes of every length
+  (none, cut at a rejection, a whole finished draft), over several prompts."""
+  old = models.init_params(CFG, jax.random.key(1), std=0.6)
+  new = models.init_params(CFG, jax.random.key(2), std=0.6)
+  prompts = [PROMPT, [4, 1, 2, 3, 1, 4, 2], [2, 2]]
+  n = 16
+  drafts = rollout.generate(CFG, old, prompts, n=n, max_new_tokens=R, temperature=1.0,
+                            eos_id=EOS, seed=11)
+  lengths = drafts.mask.sum(axis=1)
+  pt = jnp.asarray([p + [0] * (8 - len(p)) for p in prompts], jnp.int32)
+  pl = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  rows = lambda params: np.asarray(spec.sampling_logprobs(
+      CFG, params, pt, pl, jnp.asarray(drafts.tokens).reshape(len(prompts), n, R), 1.0, 0,
+      1.0)).reshape(len(prompts) * n, R, V)
+  sp = spec.speculate(drafts.tokens, lengths, rows(new), rows(old), np.random.default_rng(5),
+                      eos_ids=[EOS], max_new_tokens=R)
+  assert (sp.accepted == 0).any() and (sp.accepted == lengths).any()
+  assert ((sp.accepted > 0) & (sp.accepted < lengths)).any()
+  kw = dict(n=n, max_new_tokens=R, temperature=1.0, top_p=1.0, top_k=0, eos_id=EOS, seed=12)
+  engines = []
+  monkeypatch.setattr(spec, "RolloutEngine", lambda *a, **k: engines.append(
+      rollout.RolloutEngine(*a, **k)) or engines[-1])
+  slot = spec.complete_prefixes(CFG, new, prompts, sp, **kw)
+  paged = spec.complete_prefixes(CFG, new, prompts, sp, prompt_pages=True, **kw)
+  assert [e.prompt_pages for e in engines] == [False, True]
+  np.testing.assert_array_equal(paged.tokens, slot.tokens)
+  np.testing.assert_array_equal(paged.mask, slot.mask)
+  np.testing.assert_array_equal(paged.finish_reason, slot.finish_reason)
+  np.testing.assert_allclose(paged.logprobs, slot.logprobs, atol=1e-5, rtol=0)

@@ -62,9 +62,11 @@ def tiny_run(tmp_path_factory):
 
 @pytest.mark.parametrize("extra", [
     # per-prompt state checkpointed; QLoRA adapters on an int4 base (supervised ones merged
-    # at RL start, the base quantised again)
+    # at RL start, the base quantised again); speculative continuations with the prompts on
+    # pool pages
     (), ("data.selector=beta", "rollout.speculative=True", "model.lora.rank=4",
-         "model.lora.quant=int4", "model.lora.quant_block=16", "loss.kl_beta=0.05")])
+         "model.lora.quant=int4", "model.lora.quant_block=16", "loss.kl_beta=0.05",
+         "rollout.prompt_pages=True")])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, extra, request):
   killed_dir = str(tmp_path / "killed")
   if extra:

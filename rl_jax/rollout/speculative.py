@@ -164,11 +164,14 @@ def speculate(draft: np.ndarray, lengths: np.ndarray, logp_new: np.ndarray,
 def complete_prefixes(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]],
                       spec: Speculation, *, n: int, max_new_tokens: int, temperature: float,
                       top_p: float, top_k: int, eos_id, seed: int, first_index: int = 0,
-                      policy_version: int = 0, mesh=None, rules=None) -> Rollout:
+                      policy_version: int = 0, mesh=None, rules=None,
+                      prompt_pages: bool = False) -> Rollout:
   """Finish every row of ``spec`` with the rollout engine (prompt-once slots, resumed from
   prompt + prefix); as ``rollout.generate`` with the same ``seed`` and ``first_index``
   (row b = prompt b // n, sample b % n), so rows with an empty prefix sample exactly what
-  ``generate`` samples.
+  ``generate`` samples. ``prompt_pages``: the prompt's ids after its first on pool pages
+  (``RolloutEngine(prompt_pages=True)``): each row's prompt and accepted prefix is one run
+  of ids, rebuilt by the group's longest and forked by the others where they agree.
 
   Returns:
     Rollout with G·n rows, prompt-major; prefix tokens are recorded with their current-policy
@@ -178,7 +181,8 @@ def complete_prefixes(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]]
   engine = RolloutEngine(cfg, n=n, max_slots=pow2(G), max_new_tokens=max_new_tokens,
                          max_prompt_len=max(len(p) for p in prompts), temperature=temperature,
                          top_p=top_p, top_k=top_k, eos_id=eos_id, seed=seed, mesh=mesh,
-                         rules=rules, context=cfg.max_position_embeddings)
+                         rules=rules, context=cfg.max_position_embeddings,
+                         prompt_pages=prompt_pages)
   requests = []
   for g, p in enumerate(prompts):
     samples = []

@@ -103,7 +103,8 @@ def roll(s, params, drafts: dict, idx: np.ndarray, prompts: list, *, step: int,
       s.model_cfg, params, prompts, sp, n=M, max_new_tokens=R, temperature=r.temperature,
       top_p=r.top_p, top_k=r.top_k, eos_id=s.eos_id,
       seed=seed_for(s.train.seed, step, Stream.ROLLOUT), first_index=first_index,
-      policy_version=version, mesh=s.sampler_mesh, rules=s.sampler_rules)
+      policy_version=version, mesh=s.sampler_mesh, rules=s.sampler_rules,
+      prompt_pages=r.prompt_pages)
   tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   drafts["tokens"][idx] = tokens.reshape(len(idx), M, R)
   drafts["length"][idx] = mask.sum(axis=1).reshape(len(idx), M)
