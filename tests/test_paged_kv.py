@@ -374,11 +374,11 @@ def test_paged_decode_attention_reads_shuffled_and_in_place_pages_as_plain_atten
 def test_pages_a_slots_samples_share_are_read_once_as_plain_attention(D):
   """A table whose slots' samples name the same leading pages (forks: 3, 1 and 2 of them;
   slot 3's odd sample out is not running, so it does not count; slot 1 has one running
-  sample: nothing to read once), split by ``pages.split_shared`` into the pages read once
-  per slot and each sample's own after them, then read by ``paged_decode_attention(
-  shared=)``: float64 softmax attention over the prompt's keys and every position of the
-  sample's full table, rebuilt from the pool in numpy. The shared count on the host
-  (numpy) equals the device's (jnp)."""
+  sample: nothing to read once), split by ``pages.shared_table`` and ``pages.own_entries``
+  into the pages read once per slot (``pages.shared_cache``) and each sample's own after
+  them, then read by ``paged_decode_attention(shared=)``: float64 softmax attention over
+  the prompt's keys and every position of the sample's full table, rebuilt from the pool in
+  numpy. The shared count on the host (numpy) equals the device's (jnp)."""
   rng = np.random.default_rng(7)
   G, M, P, N, K, H, S, NP, ns, nb = 4, 3, 5, 4, 2, 8, 4, 6, 4, 4
   forks = [3, 1, 0, 2]  # leading entries each slot's samples name alike
@@ -406,12 +406,12 @@ def test_pages_a_slots_samples_share_are_read_once_as_plain_attention(D):
 
   @jax.jit
   def attend(q, pk, pv, pvalid, pool_k, pool_v, table, run, slen):
-    own, once, mine = pages.split_shared(table, run, ns, nb)
+    own, once = pages.shared_table(table, run, ns)
+    mine = pages.own_entries(table, own, nb)
     own = own[:, None, None]
     pos = own * S + jnp.arange(nb * S)  # positions of the own keys read
     sh_pos = jnp.arange(ns * S)
-    sk, sv = pages.live_pages(pool_k, pool_v, once, D)
-    shared = (sk[:, :, 0], sv[:, :, 0], (sh_pos < own * S) & (sh_pos < slen[..., None]))
+    shared = (*pages.shared_cache(pool_k, pool_v, once, D), sh_pos < own * S)
     return own[:, 0, 0], rollout.sampler.paged_decode_attention(
         q, pk, pv, pvalid, *pages.live_pages(pool_k, pool_v, mine, D),
         pos < slen[..., None], shared=shared)

@@ -28,6 +28,7 @@ the mesh.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,9 @@ from rl_jax.rollout import kv_cache, pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
                                      mesh_context, record)
 
-__all__ = ["NEVER", "can_step", "decode", "decode_attention", "decode_step", "own_start",
-           "paged_decode_attention", "reads_shared_pages", "split_decode_attention"]
+__all__ = ["NEVER", "SharedReads", "can_step", "decode", "decode_attention", "decode_step",
+           "paged_decode_attention", "reads_shared_pages", "shared_reads",
+           "split_decode_attention"]
 
 
 def decode_attention(q, prefix_k, prefix_v, prefix_valid, suffix_k, suffix_v, suffix_valid,
@@ -84,10 +86,11 @@ def paged_decode_attention(q, prefix_k, prefix_v, prefix_valid, page_k, page_v, 
       [G,M,P]. page_k: [nb,G,M,K,H,S] (keys_length_last=False: [nb,G,M,K,S,H]); page_v:
       [nb,G,M,K,S,H]; page_valid: bool [G,M,nb·S] (position i of the pages read: page
       i // S, offset i % S).
-    shared: None, or (keys [ns,G,K,H,S], values [ns,G,K,S,H], valid bool [G,M,ns·S]): ns
-      pages every sample of a group names (``pages.shared_entries``: a prompt on pages, a
-      forked prefix), read once per group like the prefix; each sample's ``page_*`` then
-      hold only its entries after them. The same softmax, summed in another order.
+    shared: None, or (keys [G,K,H,T], values [G,K,T,H], valid bool [G,M or 1,T]): the T
+      positions of pages every sample of a group names (``pages.shared_entries``: a prompt
+      on pages, a forked prefix; ``pages.shared_cache``), read once per group like the
+      prefix; each sample's ``page_*`` then hold only its entries after them. The same
+      softmax, summed in another order.
   Returns:
     [G,M,N,H] in q's dtype.
   """
@@ -110,13 +113,12 @@ def paged_decode_attention(q, prefix_k, prefix_v, prefix_valid, page_k, page_v, 
   s_pre = jnp.where(pre_valid, s_pre, -jnp.inf)
   s_page = jnp.where(valid, s_page, -jnp.inf)
   top = jnp.maximum(jnp.max(s_pre, axis=-1), jnp.max(s_page, axis=(0, -1)))  # [G,M,K,J]
-  if shared is not None:
+  if shared is not None:  # as the prefix: the group's M·J rows of a kv head at once
     sh_k, sh_v, sh_valid = shared
-    ns = sh_v.shape[0]
-    # the group's M·J rows of a kv head against each shared page: [ns,G,K,M·J,S]
-    s_sh = f32("gkah,pgkhs->pgkas", q_pre, sh_k).reshape(ns, G, K, M, J, S)
-    s_sh = jnp.transpose(s_sh, (1, 3, 2, 4, 0, 5)).reshape(G, M, K, J, ns * S)
-    s_sh = jnp.where(sh_valid[:, :, None, None, :], s_sh, -jnp.inf)
+    T = sh_v.shape[2]
+    s_sh = jnp.swapaxes(f32("gkah,gkht->gkat", q_pre, sh_k).reshape(G, K, M, J, T), 1, 2)
+    s_sh = jnp.where(jnp.broadcast_to(sh_valid, (G, M, T))[:, :, None, None, :], s_sh,
+                     -jnp.inf)
     top = jnp.maximum(top, jnp.max(s_sh, axis=-1))
   e_pre = jnp.exp(s_pre - top[..., None])
   e_page = jnp.exp(s_page - top[..., None])
@@ -129,10 +131,8 @@ def paged_decode_attention(q, prefix_k, prefix_v, prefix_valid, page_k, page_v, 
   o_page = f32("pgmkjs,pgmksh->pgmkjh", e_page / total[..., None], page_v)
   out = o_pre + jnp.sum(o_page, axis=0)
   if shared is not None:
-    p_sh = (e_sh / total[..., None]).reshape(G, M, K, J, ns, S)
-    p_sh = jnp.transpose(p_sh, (4, 0, 2, 1, 3, 5)).reshape(ns, G, K, M * J, S)
-    o_sh = f32("pgkas,pgksh->gkah", p_sh, sh_v).reshape(G, K, M, J, H)
-    out = out + jnp.swapaxes(o_sh, 1, 2)
+    p_sh = jnp.swapaxes(e_sh / total[..., None], 1, 2).reshape(G, K, M * J, T)
+    out = out + jnp.swapaxes(f32("gkat,gkth->gkah", p_sh, sh_v).reshape(G, K, M, J, H), 1, 2)
   return out.reshape(G, M, N, H).astype(q.dtype)
 
 
@@ -274,35 +274,49 @@ def reads_shared_pages(cfg: ModelConfig, Q: int, identity: bool) -> bool:
   return not identity and Q == 1 and not kernel
 
 
-def own_start(state: DecodeState, shared: int) -> jax.Array:
-  """int32 [G]: the first table entry each running sample reads as its own; the entries
-  before it are pages every running sample of its slot names, read once per slot
-  (``pages.shared_entries``, at most ``shared``). Zeros where ``shared`` is 0."""
-  if not shared:
-    return jnp.zeros(state.pages.shape[0], jnp.int32)
+class SharedReads(NamedTuple):
+  """The pages each slot's running samples all name (forked prompt pages, a forked prefix),
+  gathered once per ``decode`` call and read once per slot at every step: they are never
+  written while shared (tokens are only appended, forks copy a partial page), so the copy
+  stays exact through the call.
+
+  own: int32 [G], the first table entry each sample reads as its own
+  (``pages.shared_entries``). keys, values: per layer [G,K,H,ns·S] / [G,K,ns·S,H], the
+  slot's pages before ``own`` laid out as its prompt cache (``pages.shared_cache``;
+  positions from ``own``·S on are masked)."""
+  own: jax.Array
+  keys: tuple
+  values: tuple
+
+
+def shared_reads(state: DecodeState, shared: int) -> SharedReads:
+  """``SharedReads`` of the running samples of ``state``, at most ``shared`` pages a slot."""
   take = (state.reason == RUNNING) & state.active[:, None]
-  return pages.shared_entries(state.pages, take, shared)
+  own, once = pages.shared_table(state.pages, take, shared)
+  D, _ = kv_cache.state_shards(state)
+  kv = [pages.shared_cache(k, v, once, D) for k, v in zip(state.suffix_k, state.suffix_v)]
+  return SharedReads(own, tuple(k for k, _ in kv), tuple(v for _, v in kv))
 
 
 def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
                 filtered: bool, live: int | None = None, identity: bool = False,
-                shared: int = 0) -> DecodeState:
+                shared: SharedReads | None = None) -> DecodeState:
   """Feed every running sample's last token, append one sampled token.
 
   The fed token (response index ``cur``) takes a page if its table entry has none
   (``pages.take_entry``); per layer its K/V is written onto that page in place, then the query
   attends its prefix and the first ``live`` pages of its response (``paged_decode_attention``
-  over ``pages.live_pages``). With ``shared`` > 0 the leading pages every running sample of
-  a slot names (``own_start``: at most ``shared``) are read once per slot, and each sample's
-  ``live`` pages are its entries after them.
+  over ``pages.live_pages``). With ``shared`` the leading pages every running sample of a
+  slot names are read once per slot from their copy, and each sample's ``live`` pages are
+  its entries after them.
 
   Args / Returns: see ``decode``; ``layers`` = ``tx.unstack_layers(params, cfg)``; ``live``:
   static live-page bucket nb (None = every entry, NP); ``identity``: static, the table is
   ``init_state(identity=True)``'s, so pages are read as a leading slice of the pool in
-  place (no gather) and none is taken; ``shared``: static bucket ns of pages read once per
-  slot (0: none; needs ``reads_shared_pages``). One step. Every running sample's
-  ``cur`` must lie below ``(own_start + live)·S`` and the pool must hold a page for each
-  sample that needs one (``decode`` checks both before each step).
+  place (no gather) and none is taken; ``shared``: ``shared_reads`` of the call (None:
+  none; needs ``reads_shared_pages``). One step. Every running sample's ``cur`` must lie
+  below ``(shared.own + live)·S`` and the pool must hold a page for each sample that needs
+  one (``decode`` checks both before each step).
   """
   G, M, R = state.tokens.shape
   P = state.prefix_v[0].shape[2]
@@ -332,17 +346,18 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
   # a pool split over sequence devices is read shard by shard and merged (split path)
   split = grouped.prefix_attention_path(cfg.prefix_attention) == "kernel" or Q > 1
-  if shared and not reads_shared_pages(cfg, Q, identity):
+  if shared is not None and not reads_shared_pages(cfg, Q, identity):
     raise ValueError("shared pages are read once per slot only on the jnp path over a "
                      "shared table (reads_shared_pages)")
   spos = jnp.arange(nb * S)  # the response position of each key read, [..,nb·S]
-  if shared:  # entries own .. own+nb-1 per sample; the ones before, once per slot
-    own, sh_table, live_table = pages.split_shared(table, take, shared, nb)
-    own = own[:, None, None]  # [G,1,1]
+  if shared is not None:  # entries own .. own+nb-1 per sample; the ones before, once a slot
+    live_table = pages.own_entries(table, shared.own, nb)
+    own = shared.own[:, None, None]  # [G,1,1]
     spos = own * S + spos  # [G,1,nb·S]
     svalid = (spos <= cur[..., None]) & (spos < NP * S)
-    sh_pos = jnp.arange(shared * S)
-    sh_valid = (sh_pos < own * S) & (sh_pos <= cur[..., None])  # [G,M,ns·S]
+    sh_pos = jnp.arange(shared.values[0].shape[2])
+    # [G,1,ns·S]: a running sample's fed token lies past its slot's shared pages
+    sh_valid = sh_pos < own * S
 
   qpos = state.prefix_len[:, None] + cur  # [G,M]
 
@@ -351,11 +366,11 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
     caches["sk"][l], caches["sv"][l] = pages.write(caches["sk"][l], caches["sv"][l], page,
                                                    offset, k[:, 0], v[:, 0], D, Q)
     pv, sv = pvalid, svalid
-    shv = sh_valid if shared else None
+    shv = sh_valid if shared is not None else None
     if spec is not None:
       pv = tx.window_mask(spec, pvalid[:, None, :], qpos[..., None] - jnp.arange(P))
       sv = tx.window_mask(spec, svalid, cur[..., None] - spos)
-      if shared:
+      if shared is not None:
         shv = tx.window_mask(spec, sh_valid, cur[..., None] - sh_pos)
     q = q.reshape(G, M, *q.shape[2:])
     if split:  # the response pages through the paged kernel (``split_decode_attention``)
@@ -366,10 +381,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
                                    caches["sk"][l], caches["sv"][l], live_table, start, cur + 1,
                                    D, Q)
     else:
-      once = None
-      if shared:
-        sk, svv = pages.live_pages(caches["sk"][l], caches["sv"][l], sh_table, D)
-        once = (sk[:, :, 0], svv[:, :, 0], shv)
+      once = None if shared is None else (shared.keys[l], shared.values[l], shv)
       out = paged_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
                                    *read(caches["sk"][l], caches["sv"][l]), sv, shared=once)
     return out.reshape(G * M, 1, *out.shape[2:]), layer
@@ -392,14 +404,16 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   return constrain_state(record(state, tok.reshape(G, M), lp.reshape(G, M), take, version, sp))
 
 
-def can_step(state: DecodeState, live: int, shared: int = 0) -> jax.Array:
+def can_step(state: DecodeState, live: int, own=None) -> jax.Array:
   """Whether ``decode_step(.., live, shared=)`` can run: every running sample's fed index
-  lies in the pages it reads (below entry ``own_start + live``) and each pool shard holds a
-  page for every sample of its slots whose fed index starts a page it has none for."""
+  lies in the pages it reads (below entry ``own + live``; ``own`` int32 [G], the
+  ``SharedReads``' first own entries, None: 0) and each pool shard holds a page for every
+  sample of its slots whose fed index starts a page it has none for."""
   S = state.suffix_v[0].shape[2]
   take = (state.reason == RUNNING) & state.active[:, None]
   cur = jnp.maximum(state.length - 1, 0)
-  inside = jnp.all(~take | (cur < (own_start(state, shared)[:, None] + live) * S))
+  end = live if own is None else own[:, None] + live
+  inside = jnp.all(~take | (cur < end * S))
   entry = jnp.minimum(cur // S, state.pages.shape[-1] - 1)
   has = jnp.take_along_axis(state.pages, entry[..., None], axis=-1)[..., 0] >= 0
   G = state.pages.shape[0]
@@ -435,8 +449,9 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
     max_steps, min_finished, stop_count: int32 scalars (traced; ``NEVER`` turns a rule off).
     filtered: static; top-k/top-p active. live: static live-page bucket (None = all NP).
     identity: static; the state's table is ``init_state(identity=True)``'s (``decode_step``).
-    shared: static; pages read once per slot, at most this many (``decode_step``; 0: none):
-      ``live`` then counts each sample's pages after them.
+    shared: static; the pages every running sample of a slot names at entry, at most this
+      many, are gathered once (``shared_reads``) and read once per slot at every step (0:
+      none); ``live`` then counts each sample's pages after them.
   Returns:
     (state, steps run).
   """
@@ -448,18 +463,20 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
     def finished(s):
       return jnp.sum(s.active & jnp.all(s.reason != RUNNING, axis=1))
 
+    layers = tx.unstack_layers(params, cfg)  # sliced once per call, not per step
+    nb = state.pages.shape[-1] if live is None else live
+    once = shared_reads(state, shared) if shared else None
+    own = None if once is None else once.own
+
     def cond(carry):
       s, step = carry
       n = jnp.sum(running(s))
       return ((n > 0) & (step < max_steps) & (finished(s) < min_finished)
-              & (at_entry - n < stop_count) & can_step(s, nb, shared))
-
-    layers = tx.unstack_layers(params, cfg)  # sliced once per call, not per step
-    nb = state.pages.shape[-1] if live is None else live
+              & (at_entry - n < stop_count) & can_step(s, nb, own))
 
     def body(carry):
       s, step = carry
-      return (decode_step(cfg, params, layers, s, sp, version, filtered, nb, identity, shared),
+      return (decode_step(cfg, params, layers, s, sp, version, filtered, nb, identity, once),
               step + 1)
 
     return jax.lax.while_loop(cond, body, (constrain_state(state), jnp.int32(0)))

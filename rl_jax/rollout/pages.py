@@ -73,11 +73,11 @@ from rl_jax import sharding
 
 __all__ = ["POOL_AXES", "allocate", "by_sequence", "by_shard", "contiguous", "copy_pages",
            "device_layout", "entry_shard", "fork", "free_pages", "grow", "grown_size", "h_minor",
-           "hold", "identity_table", "in_place", "live_bucket",
-           "live_pages", "local_ids", "next_token_pages", "pages_from_memory", "pages_needed",
-           "regrown_ids", "release", "rows_by_sequence", "rows_from_sequence",
-           "rows_need", "spread", "shard_of_slot", "shared_entries", "slot_shards", "split_shared",
-           "take_entry", "usage_counters", "write", "write_rows"]
+           "hold", "identity_table", "in_place", "live_bucket", "live_pages", "local_ids",
+           "next_token_pages", "own_entries", "pages_from_memory", "pages_needed", "regrown_ids",
+           "release", "rows_by_sequence", "rows_from_sequence", "rows_need", "shard_of_slot",
+           "shared_cache", "shared_entries", "shared_table", "slot_shards", "spread", "take_entry",
+           "usage_counters", "write", "write_rows"]
 
 
 def pages_from_memory(devices, fraction: float, page_bytes_: int) -> int | None:
@@ -160,26 +160,42 @@ def shared_entries(table, run, most: int, xp=jnp):
   return xp.where(xp.sum(run, axis=1) >= 2, lead, 0).astype(xp.int32)
 
 
-def split_shared(table, run, shared: int, nb: int):
-  """Each slot's table as the pages read once per slot and each sample's own after them.
+def shared_table(table, run, shared: int):
+  """The pages each slot's running samples all name, to be read once per slot.
 
   Args:
     table: int32 [G,M,NP]. run: bool [G,M], the samples that read. shared: ns, the most
-      leading entries read once per slot (``shared_entries``). nb: own entries per sample.
+      leading entries read once per slot (``shared_entries``).
   Returns:
-    (own int32 [G]: the first entry each sample reads as its own; once int32 [G,1,ns]: the
-    slot's first running sample's leading entries, -1 from ``own`` on; mine int32
-    [G,M,nb]: entries own .. own+nb-1 of each sample, -1 past NP).
+    (own int32 [G]: the first entry each sample reads as its own (``shared_entries``);
+    once int32 [G,1,ns]: the slot's first running sample's leading entries, -1 from
+    ``own`` on).
   """
-  G, M, NP = table.shape
   own = shared_entries(table, run, shared)
   first = jnp.argmax(run, axis=1)[:, None, None]
   once = jnp.take_along_axis(table, first, axis=1)[:, :, :shared]
-  once = jnp.where(jnp.arange(shared) < own[:, None, None], once, -1)
+  return own, jnp.where(jnp.arange(shared) < own[:, None, None], once, -1)
+
+
+def shared_cache(pool_k, pool_v, once, shards: int = 1):
+  """The pages of ``once`` (int32 [G,1,ns], ``shared_table``) as one cache per slot, laid
+  out as the slot's prompt cache: keys [G,K,H,ns·S], values [G,K,ns·S,H] (entries -1 read
+  page 0: mask them). Gathered shard by shard (``live_pages``), so no page crosses
+  devices."""
+  k, v = live_pages(pool_k, pool_v, once, shards)  # [ns,G,1,K,H,S] / [ns,G,1,K,S,H]
+  ns, G, _, K, H, S = k.shape
+  k = jnp.moveaxis(k[:, :, 0], 0, 3).reshape(G, K, H, ns * S)  # [G,K,H,ns,S]
+  v = jnp.moveaxis(v[:, :, 0], 0, 2).reshape(G, K, ns * S, H)  # [G,K,ns,S,H]
+  return k, v
+
+
+def own_entries(table, own, nb: int):
+  """int32 [G,M,nb]: each sample's table entries own .. own+nb-1 (``own`` int [G], the
+  first entry after its slot's shared ones: ``shared_table``), -1 past NP."""
+  G, M, NP = table.shape
   entries = own[:, None, None] + jnp.arange(nb)  # [G,1,nb]
   at = jnp.broadcast_to(jnp.minimum(entries, NP - 1), (G, M, nb))
-  mine = jnp.where(entries < NP, jnp.take_along_axis(table, at, axis=-1), -1)
-  return own, once, mine
+  return jnp.where(entries < NP, jnp.take_along_axis(table, at, axis=-1), -1)
 
 
 def usage_counters(used: list[int], programs: set, pool_pages: int) -> dict[str, float]:
