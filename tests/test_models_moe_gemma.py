@@ -180,14 +180,22 @@ def test_split_decode_attention_keeps_the_sliding_window_on_pages(hf):
   """``prefix_attention="kernel"``: the decode attends the prompt and the response pages as
   two partial softmaxes merged by log-sum-exp (``decode.split_decode_attention``, the paged
   kernel's path); with pages of 2 tokens and a window of 3 it samples the tokens and
-  log-probs of the one-softmax path, which greedy decoding checks against transformers."""
+  log-probs of the one-softmax path, which greedy decoding checks against transformers. So
+  does the one-softmax path with the prompts on pages (``prompt_pages``), whose forked
+  prompt pages the window masks where they are read once per group."""
   _, cfg, params, _ = hf["gemma3"]
   prompts = [[5, 9, 2, 8, 8, 1], [7, 1], [3, 4, 10, 2]]
-  run = lambda path: rollout.generate(dataclasses.replace(cfg, prefix_attention=path), params,
-                                      prompts, n=2, max_new_tokens=24, seed=5, page_size=2)
+  run = lambda path, **kw: rollout.generate(dataclasses.replace(cfg, prefix_attention=path),
+                                            params, prompts, n=2, max_new_tokens=24, seed=5,
+                                            page_size=2, **kw)
+  # a fixed pool: a growing one this small is every budget, an identity table that shares
+  # no page
   split, joint = run("kernel"), run("auto")
-  np.testing.assert_array_equal(split.tokens, joint.tokens)
-  np.testing.assert_allclose(split.logprobs, joint.logprobs, atol=1e-5, rtol=0)
+  paged = run("auto", prompt_pages=True, kv_pages=128)
+  for out in (split, paged):
+    np.testing.assert_array_equal(out.tokens, joint.tokens)
+    np.testing.assert_allclose(out.logprobs, joint.logprobs, atol=1e-5, rtol=0)
+  assert paged.stats["prefix_pages_shared"] == (6 - 2) // 2 + (4 - 2) // 2  # whole pages forked
 
 
 # ------------------------------------------------------------------------------ experts
