@@ -275,27 +275,22 @@ def reads_shared_pages(cfg: ModelConfig, Q: int, identity: bool) -> bool:
 
 
 class SharedReads(NamedTuple):
-  """The pages each slot's running samples all name (forked prompt pages, a forked prefix),
-  gathered once per ``decode`` call and read once per slot at every step: they are never
-  written while shared (tokens are only appended, forks copy a partial page), so the copy
-  stays exact through the call.
+  """The pages each slot's running samples all name at a ``decode`` call's start (forked
+  prompt pages, a forked prefix), read once per slot at every step of the call: they are
+  never written while shared (tokens are only appended, forks copy a partial page), so
+  they stay the slot's through the call.
 
   own: int32 [G], the first table entry each sample reads as its own
-  (``pages.shared_entries``). keys, values: per layer [G,K,H,ns·S] / [G,K,ns·S,H], the
-  slot's pages before ``own`` laid out as its prompt cache (``pages.shared_cache``;
-  positions from ``own``·S on are masked)."""
+  (``pages.shared_entries``). table: int32 [G,1,ns], the slot's entries before ``own``
+  (-1 from ``own`` on: ``pages.shared_table``)."""
   own: jax.Array
-  keys: tuple
-  values: tuple
+  table: jax.Array
 
 
 def shared_reads(state: DecodeState, shared: int) -> SharedReads:
   """``SharedReads`` of the running samples of ``state``, at most ``shared`` pages a slot."""
   take = (state.reason == RUNNING) & state.active[:, None]
-  own, once = pages.shared_table(state.pages, take, shared)
-  D, _ = kv_cache.state_shards(state)
-  kv = [pages.shared_cache(k, v, once, D) for k, v in zip(state.suffix_k, state.suffix_v)]
-  return SharedReads(own, tuple(k for k, _ in kv), tuple(v for _, v in kv))
+  return SharedReads(*pages.shared_table(state.pages, take, shared))
 
 
 def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, version,
@@ -314,7 +309,8 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   static live-page bucket nb (None = every entry, NP); ``identity``: static, the table is
   ``init_state(identity=True)``'s, so pages are read as a leading slice of the pool in
   place (no gather) and none is taken; ``shared``: ``shared_reads`` of the call (None:
-  none; needs ``reads_shared_pages``). One step. Every running sample's ``cur`` must lie
+  none; needs ``reads_shared_pages``), each layer's shared pages gathered as one cache per
+  slot (``pages.shared_cache``: a transient of one layer's [G,K,H,ns·S]). One step. Every running sample's ``cur`` must lie
   below ``(shared.own + live)·S`` and the pool must hold a page for each sample that needs
   one (``decode`` checks both before each step).
   """
@@ -355,7 +351,7 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
     own = shared.own[:, None, None]  # [G,1,1]
     spos = own * S + spos  # [G,1,nb·S]
     svalid = (spos <= cur[..., None]) & (spos < NP * S)
-    sh_pos = jnp.arange(shared.values[0].shape[2])
+    sh_pos = jnp.arange(shared.table.shape[-1] * S)
     # [G,1,ns·S]: a running sample's fed token lies past its slot's shared pages
     sh_valid = sh_pos < own * S
 
@@ -381,7 +377,9 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
                                    caches["sk"][l], caches["sv"][l], live_table, start, cur + 1,
                                    D, Q)
     else:
-      once = None if shared is None else (shared.keys[l], shared.values[l], shv)
+      once = None
+      if shared is not None:
+        once = (*pages.shared_cache(caches["sk"][l], caches["sv"][l], shared.table, D), shv)
       out = paged_decode_attention(q, state.prefix_k[l], state.prefix_v[l], pv,
                                    *read(caches["sk"][l], caches["sv"][l]), sv, shared=once)
     return out.reshape(G * M, 1, *out.shape[2:]), layer
@@ -450,8 +448,8 @@ def decode(cfg: ModelConfig, params, state: DecodeState, sp, version, max_steps,
     filtered: static; top-k/top-p active. live: static live-page bucket (None = all NP).
     identity: static; the state's table is ``init_state(identity=True)``'s (``decode_step``).
     shared: static; the pages every running sample of a slot names at entry, at most this
-      many, are gathered once (``shared_reads``) and read once per slot at every step (0:
-      none); ``live`` then counts each sample's pages after them.
+      many (``shared_reads``), are read once per slot at every step (0: none); ``live``
+      then counts each sample's pages after them.
   Returns:
     (state, steps run).
   """

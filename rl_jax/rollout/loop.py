@@ -754,7 +754,7 @@ class Loop:
     if not run.any():
       return
     self.room(pages.next_token_pages(run, length, table, e.S, e.D, e.Q))
-    live, shared = self.read_buckets()
+    live, shared = self.read_buckets(length, run)
     self.state, ran = decode(e.cfg, self.params, self.state, e.sp, self.version,
                              jnp.int32(steps), jnp.int32(slots_done), jnp.int32(stop),
                              filtered=e.filtered, ctx=e.ctx, live=live,
@@ -766,23 +766,23 @@ class Loop:
     if e.deterministic:
       self.clock += int(ran)
 
-  def read_buckets(self) -> tuple[int, int]:
-    """The next decode's static read buckets (after ``room``, which may have preempted):
-    the pages read once per slot, ns (``decode_step``'s ``shared``: a power of two covering
-    the most leading pages a slot's running samples all name, ``pages.shared_entries``; 0
-    where none are or the decode reads each row's pages), and each running sample's live
-    pages after its slot's shared ones (``live_bucket``)."""
+  def read_buckets(self, length, run) -> tuple[int, int]:
+    """The next decode's static read buckets: each running sample's live pages after its
+    slot's shared ones (``live_bucket``), and the pages read once per slot, ns
+    (``decode``'s ``shared``: a power of two covering the most leading pages a slot's
+    running samples all name, ``pages.shared_entries``; 0 where none are or the decode
+    reads each row's pages). ``length``, ``run``: the host's copies from before ``room``,
+    which may have preempted; where pages can be shared they are read again after it."""
     e = self.e
+    if not self.grouped:
+      return live_bucket(e, int(length[run].max(initial=1))), 0
     length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
                                                     self.state.active, self.state.pages))
     run = (reason == kv_cache.RUNNING) & active[:, None]
-    own, ns = np.zeros(e.G, np.int64), 0
-    if self.grouped:
-      own = pages.shared_entries(table, run, table.shape[-1], xp=np)
-      most = int(own.max(initial=0))
-      ns = min(1 << (most - 1).bit_length(), table.shape[-1]) if most else 0
-    longest = int((length - own[:, None] * e.S)[run].max(initial=1))
-    return live_bucket(e, longest), ns
+    own = pages.shared_entries(table, run, table.shape[-1], xp=np)
+    most = int(own.max(initial=0))
+    ns = min(1 << (most - 1).bit_length(), table.shape[-1]) if most else 0
+    return live_bucket(e, int((length - own[:, None] * e.S)[run].max(initial=1))), ns
 
   def pages_for_next_token(self) -> np.ndarray:
     """Pages the running samples take at the next decode step, per pool shard (int [D·Q]:
