@@ -125,15 +125,18 @@ def resume_calls(lengths, *, G: int, M: int, R: int) -> list[tuple[list[int], tu
   ``lengths``, (Br, T))], longest rows first."""
   n = len(lengths)
   order = sorted(range(n), key=lambda i: (-lengths[i], i))
-  cost, cut = [0] + [np.inf] * n, [0] * (n + 1)
-  for j in range(1, n + 1):
-    for i in range(j):  # one call for rows order[i:j]
-      Br, T = resume_shape(j - i, lengths[order[i]], G=G, M=M, R=R)
-      if Br >= j - i and cost[i] + Br * T < cost[j]:
-        cost[j], cut[j] = cost[i] + Br * T, i
+  # a call's T follows its longest (first) row, its Br its row count (``resume_shape``)
+  T = np.array([resume_shape(1, lengths[i], G=G, M=M, R=R)[1] for i in order], np.float64)
+  Br = np.array([0] + [resume_shape(k, 1, G=G, M=M, R=R)[0] for k in range(1, n + 1)])
+  cost, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
+  for j in range(1, n + 1):  # the cheapest cut of the first j rows: a call for rows i..j-1
+    k = j - np.arange(j)
+    c = np.where(Br[k] >= k, cost[:j] + Br[k] * T[:j], np.inf)
+    cut[j] = int(np.argmin(c))  # the first of equal costs: fewer, longer calls
+    cost[j] = c[cut[j]]
   calls, j = [], n
   while j:
-    i = cut[j]
+    i = int(cut[j])
     calls.append((order[i:j], resume_shape(j - i, lengths[order[i]], G=G, M=M, R=R)))
     j = i
   return calls[::-1]
