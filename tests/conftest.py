@@ -217,6 +217,10 @@ SLOW_TESTS = (
     # sampler weights, the MoE sampler copy beside the dense one, greedy beside sampled
     # preemption, Gemma 3's frozen slices beside the dense, int4 and MoE ones
     "test_sampler_weights.py::test_sampler_decodes_the_quantised_weights[int8]",
+    # speculative continuations with the prompt on pages (resumed samples whose prompt is on
+    # pages, as complete_prefixes gives them to the engine: test_rollout_engine.py::test_
+    # april_returns_k_groups_and_resumes_exactly[True])
+    "test_speculative.py::test_continuations_with_the_prompt_on_pages_draw_the_same_tokens",
     "test_sampler_copy.py::test_projections_in_the_compute_dtype_sample_the_same_tokens[moe]",
     "test_paged_kv.py::"
     "test_pages_of_any_size_and_a_preempting_pool_give_the_slot_layouts_tokens[0.0]",
