@@ -337,8 +337,6 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
   page = jnp.where(take, page, -1).reshape(-1)  # rows not fed write nothing
   offset = (cur % S).reshape(-1)
   live_table = table[:, :, :nb]
-  read = ((lambda k, v: pages.in_place(k, v, G, M, nb, D)) if identity else
-          (lambda k, v: pages.live_pages(k, v, live_table, D)))
   caches = {"sk": list(state.suffix_k), "sv": list(state.suffix_v)}
   # a pool split over sequence devices is read shard by shard and merged (split path)
   split = grouped.prefix_attention_path(cfg.prefix_attention) == "kernel" or Q > 1
@@ -354,6 +352,8 @@ def decode_step(cfg: ModelConfig, params, layers, state: DecodeState, sp, versio
     sh_pos = jnp.arange(shared.table.shape[-1] * S)
     # [G,1,ns·S]: a running sample's fed token lies past its slot's shared pages
     sh_valid = sh_pos < own * S
+  read = ((lambda k, v: pages.in_place(k, v, G, M, nb, D)) if identity else
+          (lambda k, v: pages.live_pages(k, v, live_table, D)))
 
   qpos = state.prefix_len[:, None] + cur  # [G,M]
 
