@@ -91,9 +91,6 @@ def _check_pool(config) -> None:
   cache rounds it up to a power of two >= 8)."""
   r = config.rollout
   env = config.get("env")
-  if r.get("prompt_pages") and env is not None and env.name:
-    raise ConfigError(f"rollout.prompt_pages=True is for single-turn rollouts; env.name="
-                      f"{env.name!r} keeps each episode's prompt in its slot")
   if r.kv_pages is None:
     return
   budget = geometry(config).new_tokens

@@ -150,8 +150,8 @@ class RolloutSettings:
       "by its other samples by reference count (the partial last page copied), so prompt KV "
       "follows the prompts' lengths instead of data.max_prompt_len per slot; the same tokens, "
       "log-probs equal to float rounding (rl_jax/rollout/engine.py); the decode reads the "
-      "shared pages once per group. Single-turn rollouts (env.name unset), speculative ones "
-      "too. Off: the prompt in each slot's own cache, read in place (docs/BENCHMARKS.md "
+      "shared pages once per group. Single-turn, speculative and multi-turn rollouts (with "
+      "env.name, the first prompt). Off: the prompt in each slot's own cache, read in place (docs/BENCHMARKS.md "
       "compares the two)")
   kv_pages: int | None = setting(
       None, cu.optional(cu.positive_int),

@@ -706,3 +706,62 @@ def test_warmup_compiles_every_shape_up_front():
   for step in range(3):
     eng.rollout_groups(PARAMS, it, k_groups=1, policy_version=step)
   assert dict(sampler.TRACE_COUNTS) == before
+
+
+def test_the_first_prompt_on_pages_gives_the_slot_layouts_trajectories_and_checkpoints():
+  """``prompt_pages``: each first prompt's ids after its first on pool pages (the group's
+  first sample prefills them, the other forks them). The slot layout's trajectories, with a
+  fixed pool that preempts and a time-to-live of 0 steps (groups re-prefilled from prompt and
+  history), log-probs equal to teacher forcing; across calls with held groups and the
+  staleness bound's restarts. ``export_held`` writes the slot layout's arrays: an engine of
+  either layout continues from them."""
+  # long episodes among short ones: held groups outlive the staleness bound and restart
+  specs = [rollout.EpisodeSpec(lambda: CounterEnv(sleep="random"),
+                               {"q": f"q{i}", "turns": 3 if i % 3 == 0 else 1}, meta=i)
+           for i in range(10)]
+  # 56 trajectory ids after the prompt: the longest episodes end on it ("max_tokens")
+  ref = _engine(max_total_tokens=56).rollout(PARAMS, specs)
+  rows = _by_uid(ref)
+  assert "max_tokens" in ref.finish_reason
+  kw = dict(prompt_pages=True, page_size=8, deterministic=True, result_delay=3,
+            max_total_tokens=56)
+  e = _engine(max_slots=3, kv_pages=2 * 128 // 8, ttl_steps=0, **kw)  # n x (23 + 56 -> 128)/8
+  out = e.rollout(PARAMS, specs)
+  e.close()
+  for k in ("preemptions", "evictions", "prefix_pages_shared", "forked_samples"):
+    assert out.stats[k] > 0, k
+  _same(ref, out)
+  assert out.prompts == ref.prompts and out.tokens.shape == ref.tokens.shape
+  _check_exact(out, 1.0)
+
+  def check(o):
+    for uid, r in _by_uid(o).items():
+      np.testing.assert_array_equal(o.tokens, ref.tokens[rows[uid]])
+      np.testing.assert_allclose(o.logprobs, ref.logprobs[rows[uid]], atol=1e-5)
+      assert o.actions == ref.actions[rows[uid]]
+      assert o.prompts == [ref.prompts[rows[uid].start // 2]]
+
+  a, it = _engine(over_sampling=3.0, max_staleness=2, **kw), iter(specs)
+  check(a.rollout_groups(PARAMS, it, k_groups=1, policy_version=0))
+  d = a.export_held(capacity=8)
+  # samples held mid-turn (running, some tokens sampled): their turn's budget is imported
+  st, n = d["status"][d["valid"]].ravel(), d["length"][d["valid"]].ravel()
+  assert ((st == 0) & (n > 0)).any()
+  assert d["tokens"].shape[-1] == ref.tokens.shape[1] and (d["prompt_len"][d["valid"]] > 1).all()
+  others = [_engine(over_sampling=3.0, max_staleness=2, **dict(kw, prompt_pages=p))
+            for p in (False, True)]
+  its = [iter(specs[int(d["next_uid"]):]) for _ in others]
+  for o, i in zip(others, its):
+    o.import_held(d, spec_of=lambda meta: specs[meta])
+  restarted = 0
+  for v in range(1, 5):  # the held group completes at v = 2 (its turn's budget imported)
+    outs = [x.rollout_groups(PARAMS, i, k_groups=1, policy_version=v)
+            for x, i in zip([a] + others, [it] + its)]
+    for o in outs:
+      check(o)
+      assert list(o.group_ids) == list(outs[0].group_ids)
+      assert o.stats["restarted_samples"] == outs[0].stats["restarted_samples"]
+    restarted += outs[0].stats["restarted_samples"]
+  for x in [a] + others:
+    x.close()
+  assert restarted > 0

@@ -4,7 +4,8 @@ time-to-live.
 A group is one episode's opening messages × M samples; its first prompt is prefilled once
 into the slot's prefix cache (prompt-once). Everything after it (model tokens and observation
 tokens) lives in each sample's response region, so R (the response cache) is the longest
-trajectory. The engine is the multi-turn face of the one rollout engine (``core.EngineCore``,
+trajectory. With ``prompt_pages`` the slot holds the prompt's first id and the rest opens
+every trajectory on pool pages, written once and forked by the group's other samples. The engine is the multi-turn face of the one rollout engine (``core.EngineCore``,
 as ``RolloutEngine`` is), and the scheduling loop both faces run (``loop.Loop``) drives the
 jitted pieces of ``kv_cache``, ``prefill``, ``decode`` and ``extend``:
 
@@ -72,10 +73,10 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.rollout.agent_records import AgentRollout, EpisodeSpec, Trajectory, env_seed
 from rl_jax.rollout.env_pool import EnvPool, StepOutcome, error_message, observation_ids
 from rl_jax.rollout.loop import (DONE, READY, RUN, WAIT, Group, Loop, apply_outcome,
-                                 poll_outcomes, warmup)
+                                 poll_outcomes, turn_tokens, warmup)
 from rl_jax.rollout.core import EngineCore
 from rl_jax.rollout.held import lag_stats, rows
-from rl_jax.rollout.records import RolloutError, check_int
+from rl_jax.rollout.records import RolloutError, check_int, pow2
 
 __all__ = ["AgentEngine", "SCHEDULES"]
 
@@ -137,6 +138,12 @@ class AgentEngine(EngineCore):
     share_prefixes: a re-prefilled sample whose tokens begin those of another sample with
       its K/V (of its group, or of a group with its prompt on the same pool shard) is forked
       from it (``slots.forks``) instead; False re-prefills every one.
+    prompt_pages: the first prompt's ids after its first go onto pool pages, opening every
+      trajectory as ids it did not sample (``Group.skip``), as ``RolloutEngine``'s: the
+      group's first sample prefills them and the others fork its pages; the samples draw
+      the tokens they draw with the prompt in the slot's cache, with log-probs equal to float
+      rounding. The trajectory cache holds ``max_prompt_len - 1 + max_total_tokens`` ids;
+      what the engine returns and exports is the slot layout's (the prompt's ids cut off).
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,
@@ -151,7 +158,8 @@ class AgentEngine(EngineCore):
                ttl_steps: int | None = None, dtype: str | None = None,
                context: int | None = None, mesh=None, rules=None, page_size: int = 64,
                prefill_chunk: int | None = 2048, kv_pages: int | None = None,
-               kv_memory_fraction: float | None = None, share_prefixes: bool = True):
+               kv_memory_fraction: float | None = None, share_prefixes: bool = True,
+               prompt_pages: bool = False):
     for name, v in dict(max_turn_tokens=max_turn_tokens, max_turns=max_turns,
                         max_obs_tokens=max_obs_tokens, workers=workers,
                         poll_steps=poll_steps, result_delay=result_delay).items():
@@ -169,14 +177,25 @@ class AgentEngine(EngineCore):
     # starts with room for 256 tokens per sample and doubles as trajectories need it
     # (``loop.Loop.room``), up to every whole budget, or a fixed one that preempts
     # (``loop.Loop.fit``); the stop ids end a turn
+    # with the prompt on pages the slot's cache holds its first id and the trajectory cache
+    # its other ids before the trajectory
+    self.prompt_pages = bool(prompt_pages)
+    check_int("max_prompt_len", max_prompt_len, 1)
+    check_int("max_total_tokens", max_total_tokens, 1)
+    budget = (("max_prompt_len - 1 + max_total_tokens", max_prompt_len - 1 + max_total_tokens)
+              if self.prompt_pages else ("max_total_tokens", max_total_tokens))
     self._init_core(
-        cfg, n=n, slots=max_slots, samples_per_slot=n, max_prompt_len=max_prompt_len,
-        budget=("max_total_tokens", max_total_tokens), temperature=temperature, top_p=top_p,
+        cfg, n=n, slots=max_slots, samples_per_slot=n,
+        max_prompt_len=1 if self.prompt_pages else max_prompt_len, budget=budget,
+        temperature=temperature, top_p=top_p,
         top_k=top_k, eos_id=stop, stop=None, over_sampling=over_sampling,
         max_staleness=max_staleness, mesh=mesh, rules=rules, dtype=dtype, context=context,
         page_size=page_size, kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,
         prefill_chunk=prefill_chunk, share_prefixes=share_prefixes)
     self.renderer, self.detokenize = renderer, detokenize
+    self.max_prompt_len = int(max_prompt_len)  # the longest first prompt accepted
+    self.max_total = int(max_total_tokens)  # after the whole prompt (``loop.total_tokens``)
+    self.trajectory_len = pow2(self.max_total, 8)  # the slot layout's R: returned, exported
     self.max_turn, self.max_turns = int(max_turn_tokens), int(max_turns)
     self.max_obs, self.seed, self.schedule = int(max_obs_tokens), int(seed), schedule
     self.deterministic, self.result_delay = bool(deterministic), int(result_delay)
@@ -234,7 +253,22 @@ class AgentEngine(EngineCore):
                          f"have 1 to max_prompt_len={self.max_prompt_len}")
     if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
       raise RolloutError(f"episode {uid}: prompt id outside the vocabulary")
-    return Group(uid, prompt, trajs, spec)
+    head = 1 if self.prompt_pages else len(prompt)
+    grp = Group(uid, prompt[:head], trajs, spec)
+    grp.skip = len(prompt) - head
+    for m in range(self.M):
+      self._open(grp, m, prompt[head:])
+    return grp
+
+  def _open(self, grp, m: int, rest: list[int]) -> None:
+    """Open sample m's fresh trajectory with the prompt's ids after the slot's (``rest``:
+    ``Group.skip`` of them, with the prompt on pages; none in the slot layout, where
+    ``loop.admission`` sets a fresh sample's first turn)."""
+    if rest:
+      k = len(rest)
+      grp.trajs[m].append(rest, [0.0] * k, [-1] * k, False, -1)
+      grp.budget[m] = k + min(turn_tokens(self, grp), self.max_total)
+      grp.turn_start[m] = k
 
   def rollout(self, params, episodes: Sequence[EpisodeSpec], *,
               policy_version: int = 0, first_uid: int | None = None) -> AgentRollout:
@@ -315,7 +349,9 @@ class AgentEngine(EngineCore):
     """Start sample m of ``grp`` over: a fresh environment reset with the same seed."""
     env = grp.spec.make_env()
     messages = opening_messages(env, grp.spec.example, env_seed(self.seed, grp.uid, m))
+    rest = grp.first_prompt[len(grp.prompt):]
     grp.trajs[m] = Trajectory(env, messages)
+    self._open(grp, m, rest)
     grp.status[m], grp.chunk[m], grp.cut[m], grp.evicted[m] = RUN, None, False, False
     grp.epoch[m] += 1  # a step still running for the old episode is discarded
 
@@ -355,8 +391,8 @@ class AgentEngine(EngineCore):
     if self.deterministic:
       self.pool.wait_all()
     poll_outcomes(self)
-    d, held = self.held.export(capacity, self.max_prompt_len)
-    C, M, R, U = capacity, self.M, self.R, self.max_turns
+    d, held = self.held.export(capacity, self.max_prompt_len, lambda g: g.first_prompt)
+    C, M, R, U = capacity, self.M, self.trajectory_len, self.max_turns
     z = lambda shape, dt, fill=0: np.full(shape, fill, dt)
     d.update(tokens=z((C, M, R), np.int32),
              versions=z((C, M, R), np.int32, -1), turn=z((C, M, R), np.int32, -1),
@@ -371,7 +407,9 @@ class AgentEngine(EngineCore):
       d["routing"] = z((C, M, R, len(self.cfg.moe_layers), self.cfg.num_experts_per_tok),
                        np.int32, -1)
     for h, grp in enumerate(held):
+      skip = grp.skip  # the slot layout's record: without the prompt's ids
       for m, t in enumerate(grp.trajs):
+        t = t.after(skip)
         n, u = len(t.tokens), len(t.turn_rewards)
         for k in ("tokens", "versions", "turn", "logprobs", "model"):
           d[k][h, m, :n] = getattr(t, k)
@@ -381,7 +419,7 @@ class AgentEngine(EngineCore):
         d["timed_out"][h, m, :u] = t.turn_timeouts
         d["turn_ends"][h, m, :len(t.turn_ends)] = t.turn_ends
         d["length"][h, m], d["status"][h, m] = n, _STATUS.index(grp.status[m])
-        d["budget"][h, m], d["turn_start"][h, m] = grp.budget[m], grp.turn_start[m]
+        d["budget"][h, m], d["turn_start"][h, m] = grp.budget[m] - skip, grp.turn_start[m] - skip
         d["cut"][h, m], d["n_rewards"][h, m] = grp.cut[m], len(t.turn_rewards)
         d["epoch"][h, m], d["env_time"][h, m] = grp.epoch[m], t.env_time
         d["finish"][h, m] = _FINISH.index(t.finish or "")
@@ -404,7 +442,7 @@ class AgentEngine(EngineCore):
     for row in rows(d):
       grp = self.new_group(spec_of(row.meta), uid=row.uid)
       grp.resumed = row.resumed
-      if grp.prompt != row.prompt:
+      if grp.first_prompt != row.prompt:
         raise RolloutError(f"held group {grp.uid}: the rebuilt first prompt differs")
       for m in range(self.M):
         self._replay(grp, m, d, row.h, self._actions(d, row.h, m))
@@ -425,21 +463,26 @@ class AgentEngine(EngineCore):
     return out
 
   def _replay(self, grp, m: int, d, h: int, actions) -> None:
-    """Restore sample m's record from row h and replay its actions on its environment."""
-    t, n = grp.trajs[m], int(d["length"][h, m])
+    """Restore sample m's record from row h and replay its actions on its environment. The
+    record is the slot layout's: with the prompt on pages it follows the prompt's ids that
+    open the trajectory (``k`` = ``Group.skip``)."""
+    t, n, k = grp.trajs[m], int(d["length"][h, m]), grp.skip
     t.append(d["tokens"][h, m, :n], d["logprobs"][h, m, :n], d["versions"][h, m, :n], False, 0)
-    t.model = np.asarray(d["model"][h, m, :n]).tolist()
-    t.turn = np.asarray(d["turn"][h, m, :n]).tolist()
+    t.model = t.model[:k] + np.asarray(d["model"][h, m, :n]).tolist()
+    t.turn = t.turn[:k] + np.asarray(d["turn"][h, m, :n]).tolist()
     if "routing" in d and n:
-      t.routing = np.array(d["routing"][h, m, :n], np.int32)
+      routing = np.array(d["routing"][h, m, :n], np.int32)
+      t.routing = np.concatenate([np.full((k, *routing.shape[1:]), -1, np.int32), routing])
     u = int(np.sum(np.asarray(d["turn_ends"][h, m]) >= 0))
-    t.turn_ends = np.asarray(d["turn_ends"][h, m, :u]).tolist()
+    t.turn_ends = [k + int(x) for x in np.asarray(d["turn_ends"][h, m, :u])]
     t.env_time = float(d["env_time"][h, m])
     t.finish = _FINISH[int(d["finish"][h, m])] or None
-    for k in _COUNTERS:
-      setattr(t, k, type(getattr(t, k))(d[k][h, m]))
+    for c in _COUNTERS:
+      setattr(t, c, type(getattr(t, c))(d[c][h, m]))
     grp.status[m] = _STATUS[int(d["status"][h, m])]
-    grp.budget[m], grp.turn_start[m] = int(d["budget"][h, m]), int(d["turn_start"][h, m])
+    if n:  # a sample with nothing after the prompt keeps its opening turn (``_open``)
+      grp.budget[m] = k + int(d["budget"][h, m])
+      grp.turn_start[m] = k + int(d["turn_start"][h, m])
     grp.cut[m], grp.epoch[m] = bool(d["cut"][h, m]), int(d["epoch"][h, m])
     applied = int(d["n_rewards"][h, m])
     rewards = np.asarray(d["turn_rewards"][h, m, :applied]).tolist()

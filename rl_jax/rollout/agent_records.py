@@ -119,6 +119,16 @@ class Trajectory:
     self.model += [model] * len(ids)
     self.turn += [turn] * len(ids)
 
+  def after(self, k: int) -> "Trajectory":
+    """A copy without its first ``k`` ids (the prompt's ids that open a trajectory whose
+    prompt is on pool pages: ``loop.Group.skip``); turn ends count from the new start."""
+    if not k:
+      return self
+    return dataclasses.replace(
+        self, tokens=self.tokens[k:], logprobs=self.logprobs[k:], versions=self.versions[k:],
+        model=self.model[k:], turn=self.turn[k:], turn_ends=[e - k for e in self.turn_ends],
+        routing=None if self.routing is None else self.routing[k:])
+
 
 @dataclasses.dataclass
 class AgentRollout:

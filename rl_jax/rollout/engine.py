@@ -161,6 +161,7 @@ class RolloutEngine(EngineCore):
         kv_memory_fraction=kv_memory_fraction, prefill_chunk=prefill_chunk,
         share_prefixes=share_prefixes)
     self.max_new_tokens, self.prompt_once = int(max_new_tokens), bool(prompt_once)
+    self.max_total = self.max_new_tokens  # after the whole prompt (``loop.total_tokens``)
     self.max_prompt_len = int(max_prompt_len)  # the longest prompt accepted
     check_int("prefix_cache", prefix_cache, 0)
     if prefix_cache and not share_prefixes:

@@ -62,8 +62,10 @@ class HeldGroups:
       (self.ready if complete else self.buffer).append(g)
     self._next_uid = int(next_uid)
 
-  def export(self, capacity: int, max_prompt_len: int) -> tuple[dict[str, np.ndarray], list]:
-    """The group-level arrays of a checkpoint of the held groups, in ``held()``'s order.
+  def export(self, capacity: int, max_prompt_len: int, prompt_of=lambda g: g.prompt
+             ) -> tuple[dict[str, np.ndarray], list]:
+    """The group-level arrays of a checkpoint of the held groups, in ``held()``'s order
+    (``prompt_of(group)``: its whole prompt).
 
     Returns:
       (arrays, groups): valid, ready bool [capacity]; uid, resumed int32 [capacity]; meta
@@ -81,7 +83,8 @@ class HeldGroups:
     for h, (g, complete) in enumerate(held):
       d["valid"][h], d["ready"][h], d["uid"][h], d["resumed"][h] = True, complete, g.uid, g.resumed
       d["meta"][h] = -1 if g.meta is None else int(g.meta)
-      d["prompt_len"][h], d["prompt"][h, :len(g.prompt)] = len(g.prompt), g.prompt
+      prompt = prompt_of(g)
+      d["prompt_len"][h], d["prompt"][h, :len(prompt)] = len(prompt), prompt
     d["next_uid"] = np.int32(self.next_uid())
     return d, [g for g, _ in held]
 

@@ -107,6 +107,11 @@ class Group:
   def has(self, status: str) -> bool:
     return status in self.status
 
+  @property
+  def first_prompt(self) -> list[int]:
+    """The whole prompt: the slot's ids and the ``skip`` ids opening every trajectory."""
+    return list(self.prompt) + list(self.trajs[0].tokens[:self.skip])
+
 
 def admission(e, batch, Bn: int, Pb: int):
   """Admission arrays of the engine ``e`` for ``batch``, (slot, group) pairs, at Bn rows and
@@ -460,8 +465,8 @@ class Loop:
   def result(self, groups: list[Group]) -> AgentRollout:
     """The AgentRollout of complete ``groups`` with this call's stats."""
     e, s = self.e, self.stats
-    out = assemble_trajectories([(g.uid, g.prompt, g.trajs, g.meta) for g in groups], e.R,
-                                e.max_turns)
+    out = assemble_trajectories([(g.uid, g.first_prompt, [t.after(g.skip) for t in g.trajs],
+                                  g.meta) for g in groups], e.trajectory_len, e.max_turns)
     seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
                      env_wait_s=self.wait_s,
@@ -719,7 +724,8 @@ class Loop:
         x.slot[r], x.sample[r], x.start[r] = g, m, len(t.tokens) - 1
         x.tokens[r, 0], x.tokens[r, 1:1 + len(chunk)] = t.tokens[-1], chunk
         x.count[r] = 1 + len(chunk)
-        x.budget[r] = min(len(t.tokens) + len(chunk) + turn_tokens(e, grp), e.max_total)
+        x.budget[r] = min(len(t.tokens) + len(chunk) + turn_tokens(e, grp),
+                          total_tokens(e, grp))
         grp.budget[m], grp.turn_start[m] = int(x.budget[r]), len(t.tokens) + len(chunk)
         t.append(chunk, [0.0] * len(chunk), [-1] * len(chunk), False, len(t.actions) - 1)
         self.stats["resumes"] += 1
@@ -816,7 +822,7 @@ class Loop:
       new = t.tokens[n0:n1]
       stopped = reason[g, m] == kv_cache.EOS and int(new[-1]) in e.stop
       grp.cut[m] = not stopped
-      t.truncated_turn |= not stopped and n1 < e.max_total
+      t.truncated_turn |= not stopped and n1 < total_tokens(e, grp)
       turn = t.tokens[grp.turn_start[m]:n1]
       action = e.detokenize(turn[:-1] if stopped else turn)
       t.actions.append(action)
@@ -907,6 +913,12 @@ def forked_prompt_pages(e, grp: Group) -> int:
   return (grp.skip - 1) // e.S if grp.skip and e.share_prefixes else 0
 
 
+def total_tokens(e, grp: Group) -> int:
+  """Ids a trajectory of ``grp`` may hold: the engine's budget after the prompt
+  (``max_total``), and the prompt's ids opening it with the prompt on pages (``skip``)."""
+  return grp.skip + e.max_total
+
+
 def turn_tokens(e, grp: Group) -> int:
   """Model tokens per turn of ``grp``: its own limit, else the engine's ``max_turn``."""
   return e.max_turn if grp.max_turn is None else min(grp.max_turn, e.max_turn)
@@ -931,7 +943,7 @@ def apply_outcome(e, grp: Group, m: int, out) -> None:
     t.finish = "done"
   elif len(t.actions) >= e.max_turns:
     t.finish = "max_turns"
-  elif len(t.tokens) + len(chunk) + 1 > e.max_total:
+  elif len(t.tokens) + len(chunk) + 1 > total_tokens(e, grp):
     t.finish = "max_tokens"  # no room for the observation and a model token
   else:
     t.truncated_obs |= out.truncated

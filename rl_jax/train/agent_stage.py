@@ -411,7 +411,7 @@ def make_engine(s, temperature: float, kv_pages: int | None = None):
       ttl_steps=None if e.kv_ttl_steps < 0 else e.kv_ttl_steps, mesh=s.sampler_mesh,
       rules=s.sampler_rules, page_size=r.page_size, kv_pages=kv_pages or r.kv_pages,
       kv_memory_fraction=r.kv_memory_fraction,
-      prefill_chunk=r.prefill_chunk)
+      prefill_chunk=r.prefill_chunk, prompt_pages=r.prompt_pages)
 
 
 # -- state keys (GiGPO's anchor states; rl_jax.envs.base) --
