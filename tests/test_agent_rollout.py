@@ -245,12 +245,15 @@ def test_eviction_and_tool_timing_do_not_change_trajectories():
   _check_exact(evict, 1.0)
 
 
-def test_multi_turn_on_8_devices_equals_1():
+@pytest.mark.parametrize("prompt_pages", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_multi_turn_on_8_devices_equals_1(prompt_pages):
   """The multi-turn engine sharded on a tensor 2 x fsdp 4 sampler mesh (weights as the rules
-  say, slots over fsdp, kv heads over tensor) gives the one-device trajectories."""
+  say, slots over fsdp, kv heads over tensor) gives the one-device trajectories; also with
+  the first prompts on pages of 8 (``prompt_pages``)."""
   base = _engine().rollout(PARAMS, _specs(4))
   mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
-  eng = _engine(mesh=mesh, rules="fsdp_tp")
+  eng = _engine(mesh=mesh, rules="fsdp_tp", prompt_pages=prompt_pages,
+                page_size=8 if prompt_pages else 64)
   out = eng.rollout(PARAMS, _specs(4))
   _same(base, out)
   assert eng.prepare_params(PARAMS)["embed"].sharding.mesh.size == 8
@@ -612,13 +615,15 @@ def test_replaying_the_multi_turn_records_gives_the_behaviour_logprobs(moe_multi
   assert np.abs(moved - out.logprobs)[mask].max() > 1e-3
 
 
-def test_held_multi_turn_groups_keep_their_expert_records(moe_params):
+@pytest.mark.parametrize("prompt_pages", [False, True])
+def test_held_multi_turn_groups_keep_their_expert_records(moe_params, prompt_pages):
   """APRIL across turns on the MoE policy: ``export_held`` writes each held sample's
   records, an engine rebuilt by ``import_held`` holds the same ones, both return the same
   groups with the same records, and every returned group's records are those of a
-  teacher-forced pass (resumed groups included)."""
+  teacher-forced pass (resumed groups included); also with the first prompts on pages,
+  whose trajectories open with the prompt's ids and export without them."""
   specs = _specs(10)
-  make = lambda: _moe_engine(over_sampling=3.0, deterministic=True)
+  make = lambda: _moe_engine(over_sampling=3.0, deterministic=True, prompt_pages=prompt_pages)
   a, it_a = make(), iter(specs)
   outs = [a.rollout_groups(moe_params, it_a, k_groups=1, policy_version=v) for v in range(2)]
   held = a.export_held(capacity=6)
@@ -627,6 +632,8 @@ def test_held_multi_turn_groups_keep_their_expert_records(moe_params):
   partial = 0
   for h, grp in enumerate(groups):
     for m, t in enumerate(grp.trajs):
+      assert (grp.skip > 0) == prompt_pages
+      t = t.after(grp.skip)
       n = len(t.tokens)
       if n:
         np.testing.assert_array_equal(held["routing"][h, m, :n], t.routing)
@@ -637,9 +644,11 @@ def test_held_multi_turn_groups_keep_their_expert_records(moe_params):
   b.import_held(held, spec_of=lambda meta: specs[meta])
   for ga, gb in zip(groups, list(b.ready) + list(b.buffer)):
     for ta, tb in zip(ga.trajs, gb.trajs):
-      assert (ta.routing is None) == (tb.routing is None)
-      if ta.routing is not None:
-        np.testing.assert_array_equal(tb.routing, ta.routing)
+      ra, rb = ta.after(ga.skip).routing, tb.after(gb.skip).routing
+      if ra is None or rb is None:  # none recorded: no token fed after the prompt
+        assert (ra is None or not len(ra)) and (rb is None or not len(rb))
+      else:
+        np.testing.assert_array_equal(rb, ra)
   it_b = iter(specs[int(held["next_uid"]):])
   for v in range(2, 4):
     out_a = a.rollout_groups(moe_params, it_a, k_groups=1, policy_version=v)
