@@ -334,13 +334,16 @@ def test_resume_with_held_trajectories_after_sigkill_is_bit_exact(tmp_path, monk
     ("env.kv_ttl_steps=-2", "config.env.kv_ttl_steps"),
     ("env.result_delay_steps=0", "config.env.result_delay_steps"),
     ("rollout.kv_pages=3", "(env.max_total_tokens=24)"),
+    # the first prompt on pages: 16 pages of 8 hold a group in the slot layout, not with it
+    ("rollout.prompt_pages=True rollout.page_size=8 rollout.kv_pages=16",
+     "(data.max_prompt_len - 1 + env.max_total_tokens=47)"),
     ("env.max_turn_tokens=64", "env.max_turn_tokens=64 exceeds"),
     ("rollout.speculative=True", "not supported with rollout.speculative=True"),
     ("data.selector=greso", "not supported with data.selector=greso"),
 ])
 def test_bad_env_settings_fail_in_one_line(override, needle):
   with pytest.raises(ConfigError) as e:
-    build_setup(_config([override]))
+    build_setup(_config(override.split()))
   assert needle in str(e.value) and "\n" not in str(e.value)
 
 
