@@ -162,29 +162,44 @@ def test_a_tensor_parallel_sampler_gathers_a_fifth_of_the_bytes_on_tpu(tmp_path,
   assert not any("all-gathers" in note for note in p["notes"])
 
 
-def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path):
+@pytest.mark.parametrize("prompt_pages", [False, True])
+def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path, prompt_pages):
   """With ``env.name`` the sampler's programs are the multi-turn engine's: its turn loop's
   decode (the paged kernel) and the incremental prefill of observations (``extend``), on the
   engine's own pool: R = env.max_total_tokens (40, bucketed to 64) on pages of
   min(rollout.page_size, R) = 64 tokens, one page per sample, not the single-turn engine's
-  32-token pages of R = rollout.max_new_tokens."""
+  32-token pages of R = rollout.max_new_tokens. With ``rollout.prompt_pages`` the first
+  prompt's ids after its first are written onto pages by a program of their own
+  (``prompt``). Every sampler program counts in the step's rollout time, the rest in the
+  learner's."""
   config = config_utils.load_config(
       os.path.join(ROOT, "configs", "agent_quickstart.py"),
       ["sft.steps=0", "train.batch_groups=4", "train.dry_run=True",
-       "dry_run.topology=v5e:2x2"])
+       "dry_run.topology=v5e:2x2", f"rollout.prompt_pages={prompt_pages}"])
   assert (config.env.max_total_tokens, config.rollout.page_size,
           config.rollout.max_new_tokens) == (40, 64, 32)
   assert train.train(config, str(tmp_path), progress=False) is None
   with open(tmp_path / topology.PLAN_FILE) as f:
     p = json.load(f)
   progs = p["programs"]
-  assert set(progs) == {"logprobs", "rl_update", "kv_init", "prefill", "decode", "extend"}
+  sampler = {"prefill", "decode", "extend"} | ({"prompt"} if prompt_pages else set())
+  assert set(progs) == {"logprobs", "rl_update", "kv_init"} | sampler
   assert progs["decode"]["kernels"] == ["paged_decode_attention"]
-  assert progs["decode"]["calls"] == 64  # a decode step per trajectory token at most
+  # (with the prompt on pages R holds the longest first prompt's ids after its first too:
+  # fewer than 24, so still 64)
+  R = 64
+  assert progs["decode"]["calls"] == R  # a decode step per trajectory token at most
   assert progs["extend"]["calls"] == config.env.max_turns - 1
+  if prompt_pages:  # the slot's prompt cache holds the prompt's first id (a bucket of 8)
+    assert progs["prefill"]["note"].endswith(" x 8 prompt tokens")
+    assert progs["prompt"]["calls"] == 1 and "prompt tokens onto pages" in progs["prompt"]["note"]
+  time = lambda names: sum(progs[n]["time_s"] * progs[n]["calls"] for n in names)
+  est = p["estimate"]["rl_step"]
+  assert est["rollout_s"] == pytest.approx(time(sampler - {"kv_init"}))
+  assert est["learner_s"] == pytest.approx(time({"logprobs", "rl_update"}))
   samples = 4 * config.rollout.n
-  assert p["kv_pool"] == {"pages": samples, "max_pages": samples, "page_size": 64,
-                          "tokens": samples * 64}
+  assert p["kv_pool"] == {"pages": samples * R // 64, "max_pages": samples * R // 64,
+                          "page_size": 64, "tokens": samples * R}
   assert all(prog["peak"] < p["capacity"] for prog in progs.values())
 
 

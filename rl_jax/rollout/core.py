@@ -57,6 +57,7 @@ class EngineCore(HoldsGroups):
   schedule = "continuous"
   ttl = None
   prefix_cache = 0  # entries the loop's prefix cache keeps (``RolloutEngine``)
+  prompt_pages = False  # the prompt's ids after its first on pool pages (both faces' flag)
 
   def _init_core(self, cfg: ModelConfig, *, n: int, slots: int, samples_per_slot: int,
                  max_prompt_len: int, budget: tuple[str, int], temperature: float,

@@ -20,8 +20,10 @@ programs are compiled on abstract inputs (``jax.ShapeDtypeStruct`` with sharding
 supervised step, the RL update (micro-batches included), the log-prob passes (policy,
 reference, critic) as the memory plan compiles them (``memory.compile_steps``), and the
 sampler's programs: the KV cache's allocation, the prefill of a step's groups at the
-longest prompt (``prefill.admit``) and the decode loop at its largest live-page bucket
-(``decode.decode``), with the response pool the engine starts with (what a growing pool
+longest prompt (``prefill.admit``; with ``rollout.prompt_pages`` also ``prompt``, the
+re-prefill that writes the prompt's ids after its first onto pages), the decode loop at its
+largest live-page bucket (``decode.decode``) and, multi-turn, the observations' incremental
+prefill (``extend``), with the response pool the engine starts with (what a growing pool
 reaches is added from the page size). Kernels are the target's: ``sharding.use`` hands the
 mesh's platform to ``pallas_kernels`` (``target_platform``), so the packed log-prob passes
 compile the Pallas TPU shared-prefix kernel with Mosaic.
@@ -35,7 +37,8 @@ XLA's cost analysis also counts a loop body once: where its FLOPs fall below the
 (``model_flops``: 2 x matmul weights x tokens per forward pass), the program's time is
 scaled up by that ratio; where XLA gives no time (``optimal_seconds`` < 0, large programs
 with loops), the roofline of its counts stands in. Then, for one RL step: the estimated
-time (prefill + R decode steps + the log-prob passes + the updates), the estimated MFU
+time (the sampler's programs: prefill + R decode steps + the turns' extensions; then the
+log-prob passes + the updates), the estimated MFU
 (each program's larger FLOPs count, XLA's or the model's, over that time, against the
 chip's peak bf16 FLOP/s; and ``model_mfu``, the model's FLOPs alone), and whether the peak
 fits. The times are estimates from XLA's analysis for that chip, not measurements.
@@ -89,7 +92,9 @@ from rl_jax.rollout import loop as loop_lib
 from rl_jax.rollout import extend as extend_lib
 from rl_jax.rollout import kv_cache
 from rl_jax.rollout import records
+from rl_jax.rollout import prefill as prefill_lib
 from rl_jax.rollout import sampler as sampler_lib
+from rl_jax.rollout import slots as slots_lib
 from rl_jax.train import memory
 from rl_jax.train import state as state_lib
 from rl_jax.train.context import Setup, build_setup, mesh_shape
@@ -134,7 +139,8 @@ CHIPS = {
 }
 
 _EXAMPLES = "v5e:2x2 (4 chips), v5p:2x2x2 (8 chips, sold as v5p-16), v6e:2x4 (8 chips)"
-SAMPLER = ("kv_init", "prefill", "decode")  # the sampler's programs
+# the sampler's programs (``prompt``: the prompt on pages, ``extend``: multi-turn observations)
+SAMPLER = ("kv_init", "prefill", "prompt", "extend", "decode")
 # what shrinks the sampler's programs (named in the one-line error of one that does not fit)
 SAMPLER_KNOBS = ("rollout.kv_pages (a fixed pool; the engine preempts beyond it), "
                  "rollout.kv_memory_fraction, train.batch_groups, rollout.n, "
@@ -374,8 +380,10 @@ def model_flops(s: Setup, prog: str, sampler: dict | None = None) -> float:
   elif prog == "sft":
     T = P + s.rollout.max_new_tokens
     flops = 2 * train * (trunk + head) * s.sft.batch_size * T
-  elif sampler is not None and prog == "prefill":
+  elif sampler is not None and prog in ("prefill", "extend"):  # logits of each row's last
     flops = 2 * (trunk * sampler["rows"] * sampler["tokens"] + head * sampler["rows"])
+  elif sampler is not None and prog == "prompt":  # K/V only
+    flops = 2 * trunk * sampler["rows"] * sampler["tokens"]
   elif sampler is not None and prog == "decode":
     flops = 2 * (trunk + head) * sampler["rows"]
   else:
@@ -511,6 +519,17 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                   "shape": {"rows": Bn, "tokens": P},
                   "note": f"{Bn} groups x {P} prompt tokens"},
   }
+  if engine.prompt_pages:
+    # the prompt's ids after its first, written onto pages by each group's first sample
+    # (the others fork them; ``Loop.reprefill``), at the longest prompt's re-prefill bucket
+    Br, T = slots_lib.resume_shape(min(groups, G), max(t.setup.prompt_len - 1, 1),
+                                   G=G, M=M, R=R)
+    res = prefill_lib.Resume(*(_spec(x, rep) for x in slots_lib.resume_rows(Br, T, G)))
+    programs["prompt"] = {
+        "program": _compile("prompt", prefill_lib.resume.lower(cfg, params, state, res,
+                                                                ctx=engine.ctx)),
+        "params": weights, "calls": 1, "shape": {"rows": Br, "tokens": T},
+        "note": f"{Br} rows (each group's first sample) x {T} prompt tokens onto pages"}
   # one decode call (both engines' loop) at every page live
   decode = _compile("decode", sampler_lib.decode.lower(
       cfg, params, state, sp, i32, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
@@ -1024,7 +1043,7 @@ def _estimate(s: Setup, plan: dict) -> dict[str, Any]:
   def utilisation(flops, seconds):
     return flops / (seconds * chip["flops"]) if seconds else None
 
-  rollout_names = ("prefill", "decode")
+  rollout_names = ("prefill", "prompt", "extend", "decode")
   learner = tuple(n for n in progs if n not in SAMPLER + ("sft",))
   out = {}
   r_s, r_f, r_m = total(rollout_names)
