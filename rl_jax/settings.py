@@ -151,8 +151,9 @@ class RolloutSettings:
       "follows the prompts' lengths instead of data.max_prompt_len per slot; the same tokens, "
       "log-probs equal to float rounding (rl_jax/rollout/engine.py); the decode reads the "
       "shared pages once per group. Single-turn, speculative and multi-turn rollouts (with "
-      "env.name, the first prompt). Off: the prompt in each slot's own cache, read in place (docs/BENCHMARKS.md "
-      "compares the two)")
+      "env.name, the first prompt; groups whose prompts begin alike, e.g. one system "
+      "prompt, share its pages on a pool shard). Off: the prompt in each slot's own cache, "
+      "read in place (docs/BENCHMARKS.md compares the two)")
   kv_pages: int | None = setting(
       None, cu.optional(cu.positive_int),
       "Pool pages per device, fixed: the pool is split over the devices the batch axes split "

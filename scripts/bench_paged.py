@@ -42,6 +42,12 @@ long-tailed lengths (32 to 2048 tokens), 8 samples each, up to 128 new tokens (`
 leaves mostly the prefill), pages of 64, calls alternating; time, the K/V bytes held (prompt
 caches + the pool as allocated) and peak pages, same tokens.
 
+``--agent``: the same two layouts for multi-turn episodes (``AgentEngine(prompt_pages=)``,
+the deterministic schedule): 16 episodes x 4 samples whose first prompts are one system
+prompt of 1024 tokens (a tool documentation's stand-in) and a task of 8-64, three turns of
+up to 32 tokens, 8 slots, pages of 64, calls alternating; time and the K/V in use at the peak
+(the slots' prompt caches and the pool's pages), same trajectories.
+
 Usage::
 
     python scripts/bench_paged.py --rounds 3       # about 5 minutes on 2 CPU cores
@@ -51,6 +57,7 @@ Usage::
     python scripts/bench_paged.py --bandwidth
     python scripts/bench_paged.py --prompts --repeats 3
     python scripts/bench_paged.py --prompts --new 2 --repeats 3   # the prefill's share
+    python scripts/bench_paged.py --agent --repeats 3   # about 8 minutes
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention".
@@ -246,6 +253,76 @@ def prompts_on_pages(repeats: int, new: int = 128) -> None:
         f"same tokens and log-probs: {same}")
 
 
+def agent_prompts(repeats: int, system: int = 1024) -> None:
+  """Multi-turn episodes opening with one long system prompt: the first prompt on pool pages
+  vs in each slot's own cache."""
+  import numpy as np
+
+  from rl_jax import rollout
+  from rl_jax.data.tokenizers import CharTokenizer
+  from rl_jax.envs import Message, StepResult
+  from rl_jax.rollout import kv_cache
+
+  tok = CharTokenizer()
+  cfg, params, _ = _workload(tok.vocab_size, 4096, 0)
+  rng = np.random.default_rng(5)
+  text = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz ,."), system))  # the tools' docs
+
+  class Renderer:
+    end_of_turn_ids = [tok.eos_id]
+
+    def prompt_ids(self, messages, tools=()):
+      return tok.encode("".join(f"{m.role[0]}:{m.content}\n" for m in messages) + "a:")
+
+    def delta_ids(self, history, new):
+      return tok.encode("\n" + "".join(f"{m.role[0]}:{m.content}\n" for m in new) + "a:")
+
+  class Env:  # three turns; each observation reports the action's length
+    tools = ()
+
+    def reset(self, example, seed):
+      self.k = 0
+      return [Message("system", text), Message("user", example["q"])]
+
+    def step(self, action):
+      self.k += 1
+      return StepResult((Message("tool", f"got {len(action)}"),), reward=0.0,
+                        done=self.k >= 3)
+
+  specs = [rollout.EpisodeSpec(Env, {"q": f"task {i}: " + "x" * int(rng.integers(4, 60))})
+           for i in range(16)]
+  P = system + 96  # the longest first prompt
+  stop = [tok.eos_id] + tok.encode("aeiou.")
+  make = lambda on: rollout.AgentEngine(
+      cfg, Renderer(), tok.decode, n=4, max_slots=8, max_prompt_len=P, max_total_tokens=192,
+      max_turn_tokens=32, max_turns=3, max_obs_tokens=16, stop_ids=stop, seed=1,
+      deterministic=True, result_delay=4, page_size=64, prompt_pages=on)
+  engines = {on: make(on) for on in (False, True)}
+  outs, times = {}, {False: [], True: []}
+  for on in (False, True, False, True) + (False, True) * repeats:
+    t = time.perf_counter()
+    outs[on] = engines[on].rollout(params, specs)
+    times[on].append(time.perf_counter() - t)
+  for e in engines.values():
+    e.close()
+  a, b = outs[False], outs[True]
+  same = (np.array_equal(a.tokens, b.tokens) and a.actions == b.actions
+          and np.allclose(a.logprobs, b.logprobs, atol=1e-5))
+  best = {k: min(v[2:]) for k, v in times.items()}  # the first two calls compile
+  # in use at the peak: the 8 slots' prompt caches (P rounded up to a power of two, or the
+  # first id's bucket of 8) and the pool's pages in use
+  used = {on: (rollout.kv_cache_bytes(cfg, 8, 4, 8 if on else engines[False].P, 0, True)
+               + kv_cache.pool_bytes(cfg, int(out.stats["kv_pages_used_peak"]), 64)) / 2**20
+          for on, out in outs.items()}
+  print(f"16 episodes x 4 samples, first prompts of {system} + 8-64 tokens, "
+        f"{a.num_turns.mean():.1f} turns, {a.lengths.mean():.0f} trajectory tokens a sample")
+  print(f"prompt in the slot: {best[False]:.2f} s, K/V in use at the peak {used[False]:.1f} MiB "
+        f"({a.stats['kv_pages_used_peak']:.0f} pages); prompt on pages: {best[True]:.2f} s "
+        f"({best[True] / best[False]:.2f}x), K/V in use at the peak {used[True]:.1f} MiB "
+        f"({used[True] / used[False]:.2f}x; {b.stats['kv_pages_used_peak']:.0f} pages), "
+        f"{b.stats['forked_samples']:.0f} samples forked; same trajectories: {same}")
+
+
 def _timed(fn) -> float:
   t = time.perf_counter()
   fn()
@@ -262,6 +339,8 @@ def main() -> None:
   ap.add_argument("--bandwidth", action="store_true", help="decode vs copy bandwidth")
   ap.add_argument("--fork", action="store_true", help="forked vs re-prefilled prefixes")
   ap.add_argument("--prompts", action="store_true", help="prompts on pages vs in the slot")
+  ap.add_argument("--agent", action="store_true",
+                  help="multi-turn first prompts on pages vs in the slot")
   ap.add_argument("--new", type=int, default=128, help="--prompts: max_new_tokens")
   ap.add_argument("--accelerator", action="store_true",
                   help="run the children on JAX's default backend, not the CPU")
@@ -275,6 +354,8 @@ def main() -> None:
     return fork(args.repeats)
   if args.prompts:
     return prompts_on_pages(args.repeats, args.new)
+  if args.agent:
+    return agent_prompts(args.repeats)
   if args.child:
     max_new, page = map(int, args.child.split(","))
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)

@@ -5,8 +5,9 @@ A group is one episode's opening messages × M samples; its first prompt is pref
 into the slot's prefix cache (prompt-once). Everything after it (model tokens and observation
 tokens) lives in each sample's response region, so R (the response cache) is the longest
 trajectory. With ``prompt_pages`` the slot holds the prompt's first id and the rest opens
-every trajectory on pool pages, written once and forked by the group's other samples. The engine is the multi-turn face of the one rollout engine (``core.EngineCore``,
-as ``RolloutEngine`` is), and the scheduling loop both faces run (``loop.Loop``) drives the
+every trajectory on pool pages, written once and forked by the group's other samples. The
+engine is the multi-turn face of the one rollout engine (``core.EngineCore``, as
+``RolloutEngine`` is), and the scheduling loop both faces run (``loop.Loop``) drives the
 jitted pieces of ``kv_cache``, ``prefill``, ``decode`` and ``extend``:
 
 * A sample whose turn ends (an end-of-turn id, or its per-turn budget) leaves the decode
@@ -173,10 +174,6 @@ class AgentEngine(EngineCore):
     stop = list(stop_ids) if stop_ids is not None else list(renderer.end_of_turn_ids[:1])
     if not stop:
       raise RolloutError("no stop id: pass stop_ids or a renderer with end_of_turn_ids")
-    # the trajectory cache is paged as the single-turn engine's response cache: a pool that
-    # starts with room for 256 tokens per sample and doubles as trajectories need it
-    # (``loop.Loop.room``), up to every whole budget, or a fixed one that preempts
-    # (``loop.Loop.fit``); the stop ids end a turn
     # with the prompt on pages the slot's cache holds its first id and the trajectory cache
     # its other ids before the trajectory
     self.prompt_pages = bool(prompt_pages)
@@ -184,6 +181,10 @@ class AgentEngine(EngineCore):
     check_int("max_total_tokens", max_total_tokens, 1)
     budget = (("max_prompt_len - 1 + max_total_tokens", max_prompt_len - 1 + max_total_tokens)
               if self.prompt_pages else ("max_total_tokens", max_total_tokens))
+    # the trajectory cache is paged as the single-turn engine's response cache: a pool that
+    # starts with room for 256 tokens per sample and doubles as trajectories need it
+    # (``loop.Loop.room``), up to every whole budget, or a fixed one that preempts
+    # (``loop.Loop.fit``); the stop ids end a turn
     self._init_core(
         cfg, n=n, slots=max_slots, samples_per_slot=n,
         max_prompt_len=1 if self.prompt_pages else max_prompt_len, budget=budget,
@@ -419,7 +420,8 @@ class AgentEngine(EngineCore):
         d["timed_out"][h, m, :u] = t.turn_timeouts
         d["turn_ends"][h, m, :len(t.turn_ends)] = t.turn_ends
         d["length"][h, m], d["status"][h, m] = n, _STATUS.index(grp.status[m])
-        d["budget"][h, m], d["turn_start"][h, m] = grp.budget[m] - skip, grp.turn_start[m] - skip
+        d["budget"][h, m] = grp.budget[m] - skip
+        d["turn_start"][h, m] = grp.turn_start[m] - skip
         d["cut"][h, m], d["n_rewards"][h, m] = grp.cut[m], len(t.turn_rewards)
         d["epoch"][h, m], d["env_time"][h, m] = grp.epoch[m], t.env_time
         d["finish"][h, m] = _FINISH.index(t.finish or "")
