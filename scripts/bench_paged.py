@@ -216,12 +216,20 @@ def fork(repeats: int) -> None:
         f"tokens and log-probs: {same}")
 
 
+def _in_use_mib(cfg, out, prompt_positions: int) -> float:
+  """MiB of K/V in use at a rollout's peak: 8 slots' prompt caches of ``prompt_positions``
+  each and the pool's pages of 64 tokens in use (``out.stats["kv_pages_used_peak"]``)."""
+  from rl_jax.rollout import kv_cache
+
+  per_token = kv_cache.pool_bytes(cfg, 1, 1)
+  return per_token * (8 * prompt_positions + 64 * int(out.stats["kv_pages_used_peak"])) / 2**20
+
+
 def prompts_on_pages(repeats: int, new: int = 128) -> None:
   """The trainer's prompts on pool pages vs in each slot's prompt cache."""
   import numpy as np
 
   from rl_jax import rollout
-  from rl_jax.rollout import kv_cache
 
   cfg, params, _ = _workload(512, 4096, 0)
   rng = np.random.default_rng(4)
@@ -237,11 +245,8 @@ def prompts_on_pages(repeats: int, new: int = 128) -> None:
   same = np.array_equal(a.tokens, b.tokens) and np.allclose(a.logprobs, b.logprobs, atol=1e-5)
   best = {k: min(v[2:]) for k, v in times.items()}  # the first two calls compile
   mib = lambda out: out.stats["kv_bytes"] / 2**20
-  # in use at the peak: the 8 slots' prompt caches (2048 positions, or the first id's bucket
-  # of 8) and the pool's pages in use
-  used = {on: (rollout.kv_cache_bytes(cfg, 8, 8, 8 if on else 2048, 0, True)
-               + kv_cache.pool_bytes(cfg, int(out.stats["kv_pages_used_peak"]), 64)) / 2**20
-          for on, out in outs.items()}
+  # the slots' prompt caches: 2048 positions, or the first id's bucket of 8
+  used = {on: _in_use_mib(cfg, out, 8 if on else 2048) for on, out in outs.items()}
   print(f"prompts of {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), 8 "
         f"samples each, mean response {a.lengths.mean():.0f} tokens")
   print(f"prompt in the slot: {best[False]:.2f} s, K/V in use at the peak {used[False]:.1f} MiB "
@@ -261,7 +266,6 @@ def agent_prompts(repeats: int, system: int = 1024) -> None:
   from rl_jax import rollout
   from rl_jax.data.tokenizers import CharTokenizer
   from rl_jax.envs import Message, StepResult
-  from rl_jax.rollout import kv_cache
 
   tok = CharTokenizer()
   cfg, params, _ = _workload(tok.vocab_size, 4096, 0)
@@ -309,10 +313,8 @@ def agent_prompts(repeats: int, system: int = 1024) -> None:
   same = (np.array_equal(a.tokens, b.tokens) and a.actions == b.actions
           and np.allclose(a.logprobs, b.logprobs, atol=1e-5))
   best = {k: min(v[2:]) for k, v in times.items()}  # the first two calls compile
-  # in use at the peak: the 8 slots' prompt caches (P rounded up to a power of two, or the
-  # first id's bucket of 8) and the pool's pages in use
-  used = {on: (rollout.kv_cache_bytes(cfg, 8, 4, 8 if on else engines[False].P, 0, True)
-               + kv_cache.pool_bytes(cfg, int(out.stats["kv_pages_used_peak"]), 64)) / 2**20
+  # the slots' prompt caches: P rounded up to a power of two, or the first id's bucket of 8
+  used = {on: _in_use_mib(cfg, out, 8 if on else engines[False].P)
           for on, out in outs.items()}
   print(f"16 episodes x 4 samples, first prompts of {system} + 8-64 tokens, "
         f"{a.num_turns.mean():.1f} turns, {a.lengths.mean():.0f} trajectory tokens a sample")
