@@ -196,7 +196,6 @@ class AgentEngine(EngineCore):
     self.renderer, self.detokenize = renderer, detokenize
     self.max_prompt_len = int(max_prompt_len)  # the longest first prompt accepted
     self.max_total = int(max_total_tokens)  # after the whole prompt (``loop.total_tokens``)
-    self.trajectory_len = pow2(self.max_total, 8)  # the slot layout's R: returned, exported
     self.max_turn, self.max_turns = int(max_turn_tokens), int(max_turns)
     self.max_obs, self.seed, self.schedule = int(max_obs_tokens), int(seed), schedule
     self.deterministic, self.result_delay = bool(deterministic), int(result_delay)
@@ -393,7 +392,8 @@ class AgentEngine(EngineCore):
       self.pool.wait_all()
     poll_outcomes(self)
     d, held = self.held.export(capacity, self.max_prompt_len, lambda g: g.first_prompt)
-    C, M, R, U = capacity, self.M, self.trajectory_len, self.max_turns
+    # the slot layout's R (``Loop.result``'s): the prompt's ids are not exported
+    C, M, R, U = capacity, self.M, pow2(self.max_total, 8), self.max_turns
     z = lambda shape, dt, fill=0: np.full(shape, fill, dt)
     d.update(tokens=z((C, M, R), np.int32),
              versions=z((C, M, R), np.int32, -1), turn=z((C, M, R), np.int32, -1),

@@ -131,7 +131,6 @@ class EngineCore(HoldsGroups):
     # a sample's turn and whole budget in response-cache ids; with the prompt on pages the
     # faces set max_total to the budget after the whole prompt (``loop.total_tokens``)
     self.max_turn = self.max_total = int(budget_tokens)
-    self.trajectory_len = self.R  # the rows of a returned trajectory (``Loop.result``)
 
   def prepare_params(self, params):
     """Trainer parameters -> sampler parameters, on device (``kv_cache.SamplerParams``: one

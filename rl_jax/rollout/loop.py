@@ -465,8 +465,9 @@ class Loop:
   def result(self, groups: list[Group]) -> AgentRollout:
     """The AgentRollout of complete ``groups`` with this call's stats."""
     e, s = self.e, self.stats
+    # rows of the slot layout's R, the budget after the whole prompt: without the prompt's ids
     out = assemble_trajectories([(g.uid, g.first_prompt, [t.after(g.skip) for t in g.trajs],
-                                  g.meta) for g in groups], e.trajectory_len, e.max_turns)
+                                  g.meta) for g in groups], pow2(e.max_total, 8), e.max_turns)
     seconds = s.pop("seconds", 0.0)
     out.stats.update({k: int(v) for k, v in s.items()}, seconds=seconds,
                      env_wait_s=self.wait_s,
