@@ -104,8 +104,8 @@ def long_prompts():
     pytest.param(4, M * 64 // 4, {"fsdp": 4, "tensor": 2}, marks=pytest.mark.slow)])
 def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, kv_pages, mesh,
                                                       monkeypatch):
-  """``prompt_pages``: each prompt's ids after its first lie on pool pages, written by the
-  group's first sample and forked by the others (whole pages shared, the partial one
+  """``prompt_pages``: each prompt's ids after its first lie on pool pages, written onto the
+  group's first sample's by the admission's prefill and forked by the others (whole pages shared, the partial one
   copied), and the decode reads the forked pages once per group. Tokens, ends and log-probs
   are those of the prompt in the slot's cache (their uniforms skip the prompt's ids:
   ``DecodeState.skip``, stop sequences too), in a fixed pool of every sample's budget
@@ -117,15 +117,19 @@ def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, 
   real = rollout.loop.decode
   monkeypatch.setattr(rollout.loop, "decode",
                       lambda *a, **kw: shared.append(kw["shared"]) or real(*a, **kw))
+  resumed, resume = [], rollout.prefill.resume  # re-prefill calls
+  monkeypatch.setattr(rollout.prefill, "resume",
+                      lambda *a, **kw: resumed.append(1) or resume(*a, **kw))
   out = _gen(prompts=LONG_PROMPTS, stop=STOP_AFTER_1, page_size=page_size, kv_pages=kv_pages,
              prompt_pages=True, **ctx)
   _same(out, long_prompts)
   assert max(shared) >= (len(LONG_PROMPTS[-1]) - 2) // page_size
   if kv_pages == 8 * M * 64 // 4:  # the response cache's 64 positions: 28 prompt ids, 32 new
     assert out.stats["preemptions"] == 0
-    # the first sample of a group prefills the prompt's cached ids (all but the last,
-    # which the decode feeds), its 2 others fork their whole pages
+    # the admission writes the prompt's cached ids (all but the last, which the decode
+    # feeds) onto the first sample's pages, nothing is re-prefilled, the 2 others fork
     assert out.stats["forked_samples"] == (M - 1) * len(LONG_PROMPTS)
+    assert not resumed
     assert out.stats["prefix_pages_shared"] == sum(
         (M - 1) * ((len(p) - 2) // page_size) for p in LONG_PROMPTS)
     # pages in use: each sample's prompt ids and response, less the pages the forks share
@@ -142,13 +146,74 @@ def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, 
     assert grp.prompt == LONG_PROMPTS[5][:1] and grp.skip == 28
     assert group_pages(eng, grp) == [7, 1, 1]
   elif mesh is None:
-    assert out.stats["preemptions"] > 0
+    assert out.stats["preemptions"] > 0 and resumed  # preempted samples are re-prefilled
     rows = [LONG_PROMPTS[r // M] for r in range(len(LONG_PROMPTS) * M)]
     z = _teacher_forced_logits(CFG, PARAMS, rows, out.tokens)
     lp = np.take_along_axis(z - scipy.special.logsumexp(z, axis=-1, keepdims=True),
                             out.tokens[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(np.where(out.mask, out.logprobs, 0), np.where(out.mask, lp, 0),
                                atol=1e-5, rtol=0)
+
+
+def _on_pages(state, slot, sample, n):
+  """Keys and values [L,n,K,H] of response indices 0 .. n-1 of (slot, sample), read through
+  the page table (pool keys [Pg,K,H,S], values [Pg,K,S,H])."""
+  S = state.suffix_v[0].shape[2]
+  page = np.asarray(state.pages)[slot, sample, np.arange(n) // S]
+  at = np.arange(n) % S
+  k = np.stack([np.asarray(c)[page, :, :, at] for c in state.suffix_k])
+  v = np.stack([np.asarray(c)[page, :, at, :] for c in state.suffix_v])
+  return k, v
+
+
+def test_the_admissions_prefill_writes_the_prompt_onto_pages_as_a_resume_does():
+  """``prefill.admit`` with ``onto_pages`` (the prompt on pages: whole prompts in, the
+  slot keeping the first id) writes the K/V of each prompt's ids after the first and
+  before the last onto the named sample's pages: what admitting the first id and
+  re-prefilling the sample's tokens (``prefill.resume``: the two-program path it
+  replaces) writes, to float rounding; no other sample takes pages, and a row naming no
+  sample (M) writes none."""
+  G, M, R, S = 4, 3, 64, 4
+  prompts = [LONG_PROMPTS[5], LONG_PROMPTS[2], LONG_PROMPTS[4]]  # 29, 14 and 24 ids
+  who = [1, 0, M]  # the sample taking each prompt's pages; the last row none
+  sp = rollout.RolloutEngine(CFG, n=M, max_new_tokens=8, max_prompt_len=29).sp
+  key, version = jax.random.key(0, impl="threefry2x32"), jnp.int32(0)
+  blank = lambda: rollout.kv_cache.init_state(CFG, G, M, 8, R, S=S, pages=G * M * R // S)
+
+  def rows(Pb, whole):
+    a = rollout.slots.admission_rows(4, Pb, G=G, M=M, R=R, budget=R)
+    for b, p in enumerate(prompts):
+      a["slots"][b] = b
+      head = p if whole else p[:1]
+      a["prompt"][b, :len(head)], a["prompt_len"][b] = head, len(head)
+      a["tokens"][b, :, :len(p) - 1] = p[1:]  # each trajectory opens with the prompt's ids
+      a["length"][b], a["skip"][b] = len(p) - 1, len(p) - 1
+    return a
+
+  a = rows(32, True)
+  a["onto_pages"] = np.array(who + [M], np.int32)
+  one = rollout.prefill.admit(CFG, PARAMS, blank(), rollout.prefill.Admission(**a), sp,
+                              version, key, filtered=False)
+  two = rollout.prefill.admit(CFG, PARAMS, blank(), rollout.prefill.Admission(**rows(8, False)),
+                              sp, version, key, filtered=False)
+  res = rollout.slots.resume_rows(4, 32, G)
+  for r, (g, (p, m)) in enumerate(zip(range(2), zip(prompts, who))):
+    res.slot[r], res.sample[r], res.length[r] = g, m, len(p) - 1
+    res.tokens[r, :len(p) - 1] = p[1:]
+  two = rollout.prefill.resume(CFG, PARAMS, two, res)
+  np.testing.assert_array_equal(np.asarray(one.prefix_len), np.asarray(two.prefix_len))
+  assert np.asarray(one.prefix_len)[:3].tolist() == [1, 1, 1]
+  np.testing.assert_allclose(np.asarray(one.prefix_k[0])[:3, ..., :1],
+                             np.asarray(two.prefix_k[0])[:3, ..., :1], atol=1e-6)
+  table = np.asarray(one.pages)
+  for g, (p, m) in enumerate(zip(prompts, who)):
+    taken = (table[g] >= 0).sum(-1).tolist()
+    want = [-(-(len(p) - 2) // S) if s == m else 0 for s in range(M)]
+    assert taken == want == (np.asarray(two.pages)[g] >= 0).sum(-1).tolist()
+    if m < M:
+      for x, y in zip(_on_pages(one, g, m, len(p) - 2), _on_pages(two, g, m, len(p) - 2)):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(np.asarray(one.length), np.asarray(two.length))
 
 
 def test_a_busy_fixed_pool_keeps_the_prefix_cache_when_dropping_it_would_not_admit():

@@ -402,3 +402,63 @@ def test_fork_sources_are_same_prompt_samples_of_the_slots_pool_shard():
   a["prompt"][3, :2] = [1, 2]
   kept, out, tails = rollout.slots.forks(a, [(2, 0, 2, 9), (3, 0, 0, 9)], shard, resident, 4)
   assert out == [(2, 0, 0, 9, 3)] and kept == [(3, 0, 0, 9)] and tails == []
+
+
+def _forks_by_scanning(a, resume, shard=None, resident=(), page=None):
+  """``slots.forks`` as a scan of every source for every sample (the reference)."""
+  prompt = lambda b: tuple(a["prompt"][b, :a["prompt_len"][b]].tolist())
+  kept, out, tails = [], [], []
+  for b, m, g, n in sorted(resume, key=lambda r: (r[0], -r[3], r[1])):
+    row = a["tokens"][b, m, :n]
+    sources = [(sg, sm, a["tokens"][sb, sm, :sn]) for sb, sm, sg, sn in kept if sb == b]
+    if shard is not None:
+      sources += [(sg, sm, a["tokens"][sb, sm, :sn]) for sb, sm, sg, sn in kept if sb != b
+                  and shard[sg] == shard[g] and prompt(sb) == prompt(b)]
+      sources += [(sg, sm, np.asarray(ids)) for sg, sm, p, ids, d in resident
+                  if d == shard[g] and tuple(p) == prompt(b)]
+    src = next(((sg, sm) for sg, sm, ids in sources
+                if len(ids) >= n and np.array_equal(ids[:n], row)), None)
+    if src is not None:
+      out.append((g, src[1], m, n, src[0]))
+      continue
+    common = [(rollout.slots.common_prefix(ids, row) // page * page if page else 0, sg, sm)
+              for sg, sm, ids in sources]
+    best = max(common, default=(0, 0, 0), key=lambda c: c[0])
+    if best[0] > 0:
+      out.append((g, best[2], m, best[0], best[1]))
+      tails.append((b, m, g, n, best[0]))
+    else:
+      kept.append((b, m, g, n))
+  return kept, out, tails
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fork_sources_found_by_their_first_ids_equal_a_scan_of_every_source(seed):
+  """``slots.forks`` looks sources up by scope and first ids; on random admissions (prompts
+  and continuations drawn from a few shared stems, so that whole, partial and no matches
+  all occur, with residents) it picks what a scan of every source picks, in order."""
+  rng = np.random.default_rng(seed)
+  G, M, R = 12, 4, 40
+  a = rollout.slots.admission_rows(G, 3, G=G, M=M, R=R, budget=R)
+  a["slots"][:] = rng.permutation(G)
+  a["prompt"][:] = rng.integers(1, 3, (G, 3))
+  a["prompt_len"][:] = rng.integers(1, 4, G)
+  stems = rng.integers(5, 8, (3, R))
+  resume = []
+  for b in range(G):
+    for m in range(M):
+      ids = stems[rng.integers(3)].copy()
+      ids[rng.integers(1, R):] = rng.integers(5, 8)  # part ways at a random point
+      a["tokens"][b, m] = ids
+      if rng.random() < 0.8:
+        resume.append((b, m, int(a["slots"][b]), int(rng.integers(1, R))))
+  shard = rng.integers(0, 2, G)
+  resident = [(G + i, 0, tuple(rng.integers(1, 3, int(rng.integers(1, 4))).tolist()),
+               stems[rng.integers(3)][:int(rng.integers(1, R))], int(rng.integers(2)))
+              for i in range(6)]
+  cases = [(None, (), None), (None, (), 4), (shard, (), None), (shard, resident, None),
+           (shard, resident, 4), (shard, resident, 8)]
+  for sh, res, page in cases:
+    got = rollout.slots.forks(a, resume, sh, res, page)
+    assert got == _forks_by_scanning(a, resume, sh, res, page)
+    assert got[1]  # forks happened

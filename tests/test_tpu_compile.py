@@ -168,9 +168,9 @@ def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path, prompt_pag
   decode (the paged kernel) and the incremental prefill of observations (``extend``), on the
   engine's own pool: R = env.max_total_tokens (40, bucketed to 64) on pages of
   min(rollout.page_size, R) = 64 tokens, one page per sample, not the single-turn engine's
-  32-token pages of R = rollout.max_new_tokens. With ``rollout.prompt_pages`` the first
-  prompt's ids after its first are written onto pages by a program of their own
-  (``prompt``). Every sampler program counts in the step's rollout time, the rest in the
+  32-token pages of R = rollout.max_new_tokens. With ``rollout.prompt_pages`` the prefill
+  still takes whole first prompts (and writes their ids after the first onto pages): the
+  same programs. Every sampler program counts in the step's rollout time, the rest in the
   learner's."""
   config = config_utils.load_config(
       os.path.join(ROOT, "configs", "agent_quickstart.py"),
@@ -182,16 +182,14 @@ def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path, prompt_pag
   with open(tmp_path / topology.PLAN_FILE) as f:
     p = json.load(f)
   progs = p["programs"]
-  sampler = {"prefill", "decode", "extend"} | ({"prompt"} if prompt_pages else set())
+  sampler = {"prefill", "decode", "extend"}
   assert set(progs) == {"logprobs", "rl_update", "kv_init"} | sampler
   assert progs["decode"]["kernels"] == ["paged_decode_attention"]
   # (with the prompt on pages R also holds the first prompt's ids after its first: at most
   # data.max_prompt_len - 1 + 40 = 63, so still 64)
   assert progs["decode"]["calls"] == 64  # a decode step per trajectory token at most
   assert progs["extend"]["calls"] == config.env.max_turns - 1
-  if prompt_pages:  # the slot's prompt cache holds the prompt's first id (a bucket of 8)
-    assert progs["prefill"]["note"].endswith(" x 8 prompt tokens")
-    assert progs["prompt"]["calls"] == 1 and "prompt tokens onto pages" in progs["prompt"]["note"]
+  assert progs["prefill"]["note"].endswith(" x 32 prompt tokens")  # data.max_prompt_len=24
   time = lambda names: sum(progs[n]["time_s"] * progs[n]["calls"] for n in names)
   est = p["estimate"]["rl_step"]
   assert est["rollout_s"] == pytest.approx(time(sampler))

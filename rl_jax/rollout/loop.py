@@ -117,12 +117,17 @@ def admission(e, batch, Bn: int, Pb: int):
   """Admission arrays of the engine ``e`` for ``batch``, (slot, group) pairs, at Bn rows and
   Pb prompt tokens, and the samples whose K/V is rebuilt: (row, sample, slot, cached
   positions) as ``slots.forks`` takes them. A fresh sample's turn budget and start are set
-  on its group here."""
+  on its group here. With the prompt on pages (``e.prompt_pages``) the rows hold whole
+  prompts (``Group.first_prompt``; the slot keeps the first id) and ``onto_pages`` says no
+  sample's pages take them yet (``Loop.onto_pages`` picks them)."""
   a = slots.admission_rows(Bn, Pb, G=e.G, M=e.M, R=e.R, budget=min(e.max_turn, e.max_total))
+  if e.prompt_pages:
+    a["onto_pages"] = np.full(Bn, e.M, np.int32)
   rebuild = []
   for b, (g, grp) in enumerate(batch):
-    a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
-    a["prompt"][b, :len(grp.prompt)] = grp.prompt
+    prompt = grp.first_prompt if e.prompt_pages else grp.prompt
+    a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(prompt), grp.stream
+    a["prompt"][b, :len(prompt)] = prompt
     a["sample_id"][b] = grp.sample_ids
     a["skip"][b] = grp.skip
     a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
@@ -606,11 +611,13 @@ class Loop:
     resident += [(e.G + i, 0, c.prompt, c.ids, c.shard) for i, (_, c) in enumerate(cached)]
     self.stats["prefix_pages_shared"] += sum(shared_prompt_pages(e, grp) for _, grp in batch)
     Bn = min(e.G, pow2(len(batch), 4))
-    Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
+    Pb = min(pow2(e.max_prompt_len, 8),
+             pow2(max(len(grp.first_prompt) for _, grp in batch), 8))
     a, rebuild = admission(self.e, batch, Bn, Pb)
     shared, tails = [], []
-    if e.share_prefixes:
-      rebuild, shared, tails = slots.forks(a, rebuild, self.shard, resident, e.S)
+    if e.share_prefixes:  # sources have the slot's prompt (with the prompt on pages its first id)
+      in_slot = dict(a, prompt_len=np.minimum(a["prompt_len"], 1)) if e.prompt_pages else a
+      rebuild, shared, tails = slots.forks(in_slot, rebuild, self.shard, resident, e.S)
     row_of = {g: b for b, (g, _) in enumerate(batch)}
     held = {(g, m): n for _, m, g, n in rebuild}
     held.update({(g, m): n for g, _, m, n, _ in shared})
@@ -624,6 +631,8 @@ class Loop:
     self.give_back()
     self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)),
               keep=used)
+    if e.prompt_pages:
+      rebuild = self.onto_pages(a, batch, rebuild)
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered,
                             fresh=not busy and Bn == e.G, ctx=e.ctx)
@@ -631,6 +640,19 @@ class Loop:
     self.fork(shared, [c for _, c in cached])
     self.prefill_tails(a, tails)
     return True
+
+  def onto_pages(self, a, batch, rebuild) -> list:
+    """With the prompt on pages: the samples to re-prefill whose tokens are their prompt's
+    ids only (a group's first sample, the others forking it) are written by the admission's
+    own prefill instead (``a["onto_pages"]``: one per row, ``prefill.admit``); returns the
+    others."""
+    rest = []
+    for b, m, g, n in rebuild:
+      if n == batch[b][1].skip - 1 and a["onto_pages"][b] == self.e.M:
+        a["onto_pages"][b] = m
+      else:
+        rest.append((b, m, g, n))
+    return rest
 
   def reprefill(self, a, rebuild) -> None:
     """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens."""
@@ -852,7 +874,7 @@ def warmup(e, params) -> int:
   state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
                               identity=identity)
   for Bn in slots.buckets(4, e.G):
-    for Pb in slots.buckets(8, e.P):
+    for Pb in slots.buckets(8, pow2(e.max_prompt_len, 8)):
       for fresh in ((False, True) if Bn == e.G else (False,)):
         a, _ = admission(e, [], Bn, Pb)
         state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,

@@ -37,7 +37,7 @@ from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constra
                                      mesh_context, record, state_shards)
 
 __all__ = ["Admission", "Resume", "admit", "admit_for", "admit_with", "grouped_attention",
-           "prefill_prompts", "resume", "run_trunk"]
+           "onto_pages", "prefill_prompts", "resume", "run_trunk"]
 
 
 def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
@@ -109,6 +109,10 @@ class Admission(NamedTuple):
       sample already finished); budget: int32 [Bn,M] maximum response length.
     request_id: int32 [Bn]; sample_id: int32 [Bn,M].
     skip: int32 [Bn,M] leading response positions holding prompt ids (``DecodeState.skip``).
+    onto_pages: None with the whole prompt in the slot; with the prompt on pool pages, int32
+      [Bn] the sample whose pages take the prompt's ids after its first and before its last
+      (M: none, or the group's samples fork them), ``prompt`` then holding whole prompts
+      of which the slot keeps the first id.
   """
 
   slots: Any
@@ -123,6 +127,7 @@ class Admission(NamedTuple):
   request_id: Any
   sample_id: Any
   skip: Any
+  onto_pages: Any = None
 
 
 _ADMIT_JIT = dict(static_argnames=("cfg", "filtered", "fresh", "ctx", "chunk"),
@@ -185,7 +190,12 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
           chunk: int | None = None) -> DecodeState:
   """Prefill prompts (once per group) into slots; sample first tokens of fresh samples.
 
-  Resumed samples keep their tokens; their response K/V is rebuilt by ``resume``.
+  Resumed samples keep their tokens; their response K/V is rebuilt by ``resume``. With
+  ``adm.onto_pages`` (the prompt on pool pages) the slot keeps each prompt's first id and
+  the same pass writes the K/V of its ids after the first onto the pages of the row's
+  ``onto_pages`` sample, whose trajectory opens with them (all but the last, which the
+  decode feeds): what ``resume`` of that sample's tokens writes, in the admission's own
+  program.
 
   Args:
     params: model parameters (a jit argument: new weights never recompile).
@@ -225,15 +235,18 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
       put = lambda a, u, lead=0: a.at[(slice(None),) * lead + (adm.slots,)].set(
           u.astype(a.dtype), mode="drop")
     Pfull = state.prefix_v[0].shape[2]
-    # [L,Bn,Pb,K,H] -> cache layouts: keys [L,Bn,K,H,P], values [L,Bn,K,P,H]
-    pad = lambda a, axis: jnp.pad(a, [(0, Pfull - Pb) if d == axis else (0, 0)
-                                      for d in range(a.ndim)])
-    keys = pad(jnp.transpose(pk, (0, 1, 3, 4, 2)), 4)
-    values = pad(jnp.swapaxes(pv, 2, 3), 3)
+    kept = adm.prompt_len if adm.onto_pages is None else jnp.minimum(adm.prompt_len, 1)
+    # [L,Bn,Pb,K,H] -> cache layouts: keys [L,Bn,K,H,P], values [L,Bn,K,P,H], cut or
+    # padded to the cache's P (positions past ``kept`` are never read)
+    fit = lambda a, axis: jax.lax.slice_in_dim(jnp.pad(a, [
+        (0, max(Pfull - Pb, 0)) if d == axis else (0, 0) for d in range(a.ndim)]), 0, Pfull,
+        axis=axis)
+    keys = fit(jnp.transpose(pk, (0, 1, 3, 4, 2)), 4)
+    values = fit(jnp.swapaxes(pv, 2, 3), 3)
     per_layer = lambda cache, u: tuple(put(c, u[l]) for l, c in enumerate(cache))
     new = state._replace(
         prefix_k=per_layer(state.prefix_k, keys), prefix_v=per_layer(state.prefix_v, values),
-        prefix_len=put(state.prefix_len, adm.prompt_len),
+        prefix_len=put(state.prefix_len, kept),
         tokens=put(state.tokens, sub.tokens), logprobs=put(state.logprobs, sub.logprobs),
         versions=put(state.versions, sub.versions), length=put(state.length, sub.length),
         budget=put(state.budget, sub.budget), reason=put(state.reason, sub.reason),
@@ -244,6 +257,10 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
     if state.routing is not None:  # MoE: no expert record yet in the admitted slots
       new = new._replace(routing=put(state.routing, jnp.full(
           (Bn, *state.routing.shape[1:]), -1, jnp.int32)))
+    if adm.onto_pages is not None:  # prompt ids 1 .. len-2 at response indices 0 .. len-3
+      count = jnp.where(adm.onto_pages < M, jnp.maximum(adm.prompt_len - 2, 0), 0)
+      new = onto_pages(new, adm.slots, jnp.minimum(adm.onto_pages, M - 1), count,
+                       pk[:, :, 1:], pv[:, :, 1:])
     return constrain_state(new)
 
 
@@ -317,15 +334,29 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
                           block_delta=(j[:, None] - j[None, :])[None, None],
                           prefix_delta=(rpos[:, :, None] - jnp.arange(P)[None, None, :])[:, None])
     # the rows' first length − 1 response tokens onto their pages (pages taken as needed)
-    M, NP = state.pages.shape[1:]
-    S = state.suffix_v[0].shape[2]
     count = jnp.where(res.slot < G, res.length - 1, 0)
-    need = pages.rows_need(res.slot, res.sample, jnp.zeros_like(count), count, G, M, NP, S)
-    table, refs = pages.allocate(state.pages, state.refs, need, state_shards(state)[1])
-    index = jnp.broadcast_to(j, (Br, T))
-    written = [pages.write_rows(ck, cv, table, res.slot, res.sample, index, rvalid,
-                                rk[l, :, 0], rv[l, :, 0])
-               for l, (ck, cv) in enumerate(zip(state.suffix_k, state.suffix_v))]
-    new = state._replace(suffix_k=tuple(w[0] for w in written),
-                         suffix_v=tuple(w[1] for w in written), pages=table, refs=refs)
-    return constrain_state(new)
+    return constrain_state(onto_pages(state, res.slot, res.sample, count, rk[:, :, 0],
+                                      rv[:, :, 0]))
+
+
+def onto_pages(state: DecodeState, slot, sample, count, k, v) -> DecodeState:
+  """K/V of the first ``count`` response indices of rows (slot, sample) onto their pages.
+
+  Args:
+    slot, sample, count: int32 [B] (rows with slot >= G are dropped). k, v: [L,B,T,K,H]
+      the K/V of response indices 0 .. T-1, of which the first ``count`` of each row are
+      written; pages are taken from the row's pool shard as needed (``pages.allocate``).
+  Returns:
+    The state with its pool, page table and reference counts updated.
+  """
+  G, M, NP = state.pages.shape
+  S = state.suffix_v[0].shape[2]
+  B, T = k.shape[1:3]
+  need = pages.rows_need(slot, sample, jnp.zeros_like(count), count, G, M, NP, S)
+  table, refs = pages.allocate(state.pages, state.refs, need, state_shards(state)[1])
+  index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  valid = index < count[:, None]
+  written = [pages.write_rows(ck, cv, table, slot, sample, index, valid, k[l], v[l])
+             for l, (ck, cv) in enumerate(zip(state.suffix_k, state.suffix_v))]
+  return state._replace(suffix_k=tuple(w[0] for w in written),
+                        suffix_v=tuple(w[1] for w in written), pages=table, refs=refs)

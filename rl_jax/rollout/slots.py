@@ -54,6 +54,10 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
   prefix, in whole pages) forks those pages and re-prefills the rest
   (``extend.prefill_tail``): a prompt that begins with another's, e.g. one system prompt.
 
+  A source serves a sample only if it begins with the sample's first ``min(n, S)`` tokens
+  (n without a page size), so sources are looked up by those (``_Sources``): the work
+  follows the samples, not samples x sources.
+
   Args:
     a: admission arrays (``admission_rows``). resume: the rows above. shard: int [G] the
       pool shard of each slot (None: groups fork only within themselves). resident:
@@ -65,29 +69,72 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
     positions, source slot), tails: rows ``(row, sample, slot, cached positions, forked
     positions)`` re-prefilled from their forked positions on, each also in ``forks``).
   """
-  prompt = lambda b: tuple(a["prompt"][b, :a["prompt_len"][b]].tolist())
+  prompts = {}
+
+  def prompt(b):
+    if b not in prompts:
+      prompts[b] = tuple(a["prompt"][b, :a["prompt_len"][b]].tolist())
+    return prompts[b]
+
+  # which samples may serve each other: same row (shard None), else same shard and prompt
+  scope = (lambda b, g: b) if shard is None else (lambda b, g: (int(shard[g]), prompt(b)))
   kept, out, tails = [], [], []
+  admitted = _Sources()  # (row, slot, sample, ids) of the kept samples
+  held = _Sources()  # (None, slot, sample, ids) of the resident ones
+  if shard is not None:
+    for sg, sm, p, ids, d in resident:
+      held.add((int(d), tuple(int(t) for t in p)), (None, sg, sm, np.asarray(ids)))
   for b, m, g, n in sorted(resume, key=lambda r: (r[0], -r[3], r[1])):
     row = a["tokens"][b, m, :n]
-    sources = [(sg, sm, a["tokens"][sb, sm, :sn]) for sb, sm, sg, sn in kept if sb == b]
-    if shard is not None:
-      sources += [(sg, sm, a["tokens"][sb, sm, :sn]) for sb, sm, sg, sn in kept if sb != b
-                  and shard[sg] == shard[g] and prompt(sb) == prompt(b)]
-      sources += [(sg, sm, np.asarray(ids)) for sg, sm, p, ids, d in resident
-                  if d == shard[g] and tuple(p) == prompt(b)]
-    src = next(((sg, sm) for sg, sm, ids in sources
+    h = min(n, page) if page else n
+    near = admitted.find(scope(b, g), row, h)
+    sources = [s for s in near if s[0] == b] + [s for s in near if s[0] != b]
+    sources += held.find(scope(b, g), row, h) if shard is not None else []
+    src = next(((sg, sm) for _, sg, sm, ids in sources
                 if len(ids) >= n and np.array_equal(ids[:n], row)), None)
     if src is not None:
       out.append((g, src[1], m, n, src[0]))
       continue
-    best = max(((common_prefix(ids, row) // page * page, sg, sm) for sg, sm, ids in sources),
+    best = max(((common_prefix(ids, row) // page * page, sg, sm) for _, sg, sm, ids in sources),
                default=(0, 0, 0), key=lambda c: c[0]) if page else (0, 0, 0)
     if best[0] > 0:
       out.append((g, best[2], m, best[0], best[1]))
       tails.append((b, m, g, n, best[0]))
     else:
       kept.append((b, m, g, n))
+      admitted.add(scope(b, g), (b, g, m, row))
   return kept, out, tails
+
+
+class _Sources:
+  """Fork sources (``forks``) in the order added, found by a scope and their first h ids.
+
+  One lookup table per prefix length h asked for, built on first use and kept current as
+  sources are added (a few lengths per admission: min(n, S) over its samples).
+  """
+
+  def __init__(self):
+    self.items: list[tuple] = []  # (scope, (row, slot, sample, ids))
+    self.by_len: dict[int, dict] = {}
+
+  def add(self, scope, source) -> None:
+    self.items.append((scope, source))
+    for h, table in self.by_len.items():
+      self._put(table, h, scope, source)
+
+  @staticmethod
+  def _put(table, h, scope, source) -> None:
+    ids = source[3]
+    if len(ids) >= h:
+      table.setdefault((scope, tuple(ids[:h].tolist())), []).append(source)
+
+  def find(self, scope, row, h: int) -> list[tuple]:
+    """The sources of ``scope`` whose first h ids are ``row[:h]``, in the order added."""
+    if h not in self.by_len:
+      table = self.by_len[h] = {}
+      for sc, source in self.items:
+        self._put(table, h, sc, source)
+    return self.by_len[h].get((scope, tuple(row[:h].tolist())), [])
 
 
 def common_prefix(x, y) -> int:

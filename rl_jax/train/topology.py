@@ -20,8 +20,8 @@ programs are compiled on abstract inputs (``jax.ShapeDtypeStruct`` with sharding
 supervised step, the RL update (micro-batches included), the log-prob passes (policy,
 reference, critic) as the memory plan compiles them (``memory.compile_steps``), and the
 sampler's programs: the KV cache's allocation, the prefill of a step's groups at the
-longest prompt (``prefill.admit``; with ``rollout.prompt_pages`` also ``prompt``, the
-re-prefill that writes the prompt's ids after its first onto pages), the decode loop at its
+longest prompt (``prefill.admit``; with ``rollout.prompt_pages`` it also writes the prompt's
+ids after its first onto pages), the decode loop at its
 largest live-page bucket (``decode.decode``) and, multi-turn, the observations' incremental
 prefill (``extend``), with the response pool the engine starts with (what a growing pool
 reaches is added from the page size). Kernels are the target's: ``sharding.use`` hands the
@@ -92,9 +92,7 @@ from rl_jax.rollout import loop as loop_lib
 from rl_jax.rollout import extend as extend_lib
 from rl_jax.rollout import kv_cache
 from rl_jax.rollout import records
-from rl_jax.rollout import prefill as prefill_lib
 from rl_jax.rollout import sampler as sampler_lib
-from rl_jax.rollout import slots as slots_lib
 from rl_jax.train import memory
 from rl_jax.train import state as state_lib
 from rl_jax.train.context import Setup, build_setup, mesh_shape
@@ -140,7 +138,7 @@ CHIPS = {
 
 _EXAMPLES = "v5e:2x2 (4 chips), v5p:2x2x2 (8 chips, sold as v5p-16), v6e:2x4 (8 chips)"
 # the sampler's programs (``prompt``: the prompt on pages, ``extend``: multi-turn observations)
-SAMPLER = ("kv_init", "prefill", "prompt", "extend", "decode")
+SAMPLER = ("kv_init", "prefill", "extend", "decode")
 # what shrinks the sampler's programs (named in the one-line error of one that does not fit)
 SAMPLER_KNOBS = ("rollout.kv_pages (a fixed pool; the engine preempts beyond it), "
                  "rollout.kv_memory_fraction, train.batch_groups, rollout.n, "
@@ -382,8 +380,6 @@ def model_flops(s: Setup, prog: str, sampler: dict | None = None) -> float:
     flops = 2 * train * (trunk + head) * s.sft.batch_size * T
   elif sampler is not None and prog in ("prefill", "extend"):  # logits of each row's last
     flops = 2 * (trunk * sampler["rows"] * sampler["tokens"] + head * sampler["rows"])
-  elif sampler is not None and prog == "prompt":  # K/V only
-    flops = 2 * trunk * sampler["rows"] * sampler["tokens"]
   elif sampler is not None and prog == "decode":
     flops = 2 * (trunk + head) * sampler["rows"]
   else:
@@ -505,6 +501,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   key = jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32"))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
   Bn = min(G, records.pow2(min(groups, G), 4))  # the engine's admission bucket
+  P = records.pow2(engine.max_prompt_len, 8)  # its longest prompt's bucket
   a, _ = loop_lib.admission(engine, [], Bn, P)
   adm = sampler_lib.Admission(**{k: _spec(v, rep) for k, v in a.items()})
   prefill = _compile("prefill", engine.admit_fn.lower(
@@ -519,17 +516,6 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                   "shape": {"rows": Bn, "tokens": P},
                   "note": f"{Bn} groups x {P} prompt tokens"},
   }
-  if engine.prompt_pages:
-    # the prompt's ids after its first, written onto pages by each group's first sample
-    # (the others fork them; ``Loop.reprefill``), at the longest prompt's re-prefill bucket
-    Br, T = slots_lib.resume_shape(min(groups, G), max(t.setup.prompt_len - 1, 1),
-                                   G=G, M=M, R=R)
-    res = prefill_lib.Resume(*(_spec(x, rep) for x in slots_lib.resume_rows(Br, T, G)))
-    programs["prompt"] = {
-        "program": _compile("prompt", prefill_lib.resume.lower(cfg, params, state, res,
-                                                                ctx=engine.ctx)),
-        "params": weights, "calls": 1, "shape": {"rows": Br, "tokens": T},
-        "note": f"{Br} rows (each group's first sample) x {T} prompt tokens onto pages"}
   # one decode call (both engines' loop) at every page live
   decode = _compile("decode", sampler_lib.decode.lower(
       cfg, params, state, sp, i32, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
@@ -1043,7 +1029,7 @@ def _estimate(s: Setup, plan: dict) -> dict[str, Any]:
   def utilisation(flops, seconds):
     return flops / (seconds * chip["flops"]) if seconds else None
 
-  rollout_names = ("prefill", "prompt", "extend", "decode")
+  rollout_names = ("prefill", "extend", "decode")
   learner = tuple(n for n in progs if n not in SAMPLER + ("sft",))
   out = {}
   r_s, r_f, r_m = total(rollout_names)
