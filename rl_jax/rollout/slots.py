@@ -90,8 +90,8 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
     near = admitted.find(scope(b, g), row, h)
     sources = [s for s in near if s[0] == b] + [s for s in near if s[0] != b]
     sources += held.find(scope(b, g), row, h) if shard is not None else []
-    src = next(((sg, sm) for _, sg, sm, ids in sources
-                if len(ids) >= n and np.array_equal(ids[:n], row)), None)
+    src = next(((sg, sm) for _, sg, sm, ids in sources  # (h == n: found by all n ids)
+                if len(ids) >= n and (h == n or np.array_equal(ids[:n], row))), None)
     if src is not None:
       out.append((g, src[1], m, n, src[0]))
       continue

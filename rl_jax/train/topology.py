@@ -137,7 +137,7 @@ CHIPS = {
 }
 
 _EXAMPLES = "v5e:2x2 (4 chips), v5p:2x2x2 (8 chips, sold as v5p-16), v6e:2x4 (8 chips)"
-# the sampler's programs (``prompt``: the prompt on pages, ``extend``: multi-turn observations)
+# the sampler's programs (``extend``: multi-turn observations)
 SAMPLER = ("kv_init", "prefill", "extend", "decode")
 # what shrinks the sampler's programs (named in the one-line error of one that does not fit)
 SAMPLER_KNOBS = ("rollout.kv_pages (a fixed pool; the engine preempts beyond it), "
