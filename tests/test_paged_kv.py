@@ -155,6 +155,29 @@ def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, 
                                atol=1e-5, rtol=0)
 
 
+def test_a_long_prompt_among_short_ones_is_re_prefilled_the_others_admitted_whole(monkeypatch):
+  """With the prompt on pages an admission prefills whole the prompts that fit its bucket
+  and re-prefills the first sample of a longer one (``loop.prompt_bucket``): 7 prompts of
+  5-10 ids and one of 200 come in together at a bucket of 8 (8 rows of 256 would compute
+  more), the 5 that fit whole, the first samples of the 3 others re-prefilled in one call
+  (the 200 ids', padded to 256, covers them), and draw the slot layout's tokens and
+  log-probs."""
+  prompts = [[(5 * i + j) % 60 + 1 for j in range(5 + i % 6)] for i in range(7)]
+  prompts.append([(7 * j) % 60 + 1 for j in range(200)])
+  ref = _gen(prompts=prompts, page_size=8, max_new_tokens=8)
+  buckets, resumed = [], []
+  admission, resume = rollout.loop.admission, rollout.prefill.resume
+  monkeypatch.setattr(rollout.loop, "admission",
+                      lambda e, batch, Bn, Pb: buckets.append(Pb) or admission(e, batch, Bn, Pb))
+  monkeypatch.setattr(rollout.prefill, "resume",
+                      lambda *a, **kw: resumed.append(np.asarray(a[3].length)) or resume(*a, **kw))
+  out = _gen(prompts=prompts, page_size=16, prompt_pages=True, max_new_tokens=8)
+  _same(out, ref)
+  assert buckets == [8]
+  # one call; each row's ids after the prompt's first (the decode feeds the last)
+  assert len(resumed) == 1 and sorted(resumed[0])[-3:] == [8, 9, 199]
+
+
 def _on_pages(state, slot, sample, n):
   """Keys and values [L,n,K,H] of response indices 0 .. n-1 of (slot, sample), read through
   the page table (pool keys [Pg,K,H,S], values [Pg,K,S,H])."""

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import types
 
 import hypothesis
 import hypothesis.strategies as st
@@ -462,3 +463,27 @@ def test_fork_sources_found_by_their_first_ids_equal_a_scan_of_every_source(seed
     got = rollout.slots.forks(a, resume, sh, res, page)
     assert got == _forks_by_scanning(a, resume, sh, res, page)
     assert got[1]  # forks happened
+
+
+def test_the_prompt_bucket_of_an_admission_minimises_the_tokens_computed():
+  """``loop.prompt_bucket`` (the prompt on pages): the bucket Pb whose cost, Bn·Pb for the
+  admission plus the re-prefill calls of the longer prompts' first samples
+  (``slots.resume_calls``), is least, of equal costs the larger, as a scan of every bucket
+  finds; short prompts come in whole, one long prompt among short ones is re-prefilled."""
+  e = types.SimpleNamespace(G=8, M=8, R=4096)
+
+  def scan(lengths, Bn):
+    costs = []
+    for Pb in rollout.slots.buckets(8, rollout.records.pow2(max(lengths), 8)):
+      rest = [n - 2 for n in lengths if n > Pb]
+      calls = rollout.slots.resume_calls(rest, G=e.G, M=e.M, R=e.R) if rest else []
+      costs.append((Bn * Pb + sum(Br * T for _, (Br, T) in calls), -Pb))
+    return -min(costs)[1]
+
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    lengths = rng.integers(2, 2048, int(rng.integers(1, 9))).tolist()
+    Bn = min(8, rollout.records.pow2(len(lengths), 4))
+    assert rollout.loop.prompt_bucket(e, lengths, Bn) == scan(lengths, Bn)
+  assert rollout.loop.prompt_bucket(e, [10, 12, 24, 9], 4) == 32  # all whole
+  assert rollout.loop.prompt_bucket(e, [2048] + [40] * 7, 8) == 64  # one re-prefilled

@@ -117,15 +117,18 @@ def admission(e, batch, Bn: int, Pb: int):
   """Admission arrays of the engine ``e`` for ``batch``, (slot, group) pairs, at Bn rows and
   Pb prompt tokens, and the samples whose K/V is rebuilt: (row, sample, slot, cached
   positions) as ``slots.forks`` takes them. A fresh sample's turn budget and start are set
-  on its group here. With the prompt on pages (``e.prompt_pages``) the rows hold whole
-  prompts (``Group.first_prompt``; the slot keeps the first id) and ``onto_pages`` says no
-  sample's pages take them yet (``Loop.onto_pages`` picks them)."""
+  on its group here. With the prompt on pages (``e.prompt_pages``) a row holds its whole
+  prompt where it fits Pb (``Group.first_prompt``; the slot keeps the first id; else the
+  slot's prompt) and ``onto_pages`` says no sample's pages take it yet (``Loop.onto_pages``
+  picks them)."""
   a = slots.admission_rows(Bn, Pb, G=e.G, M=e.M, R=e.R, budget=min(e.max_turn, e.max_total))
   if e.prompt_pages:
     a["onto_pages"] = np.full(Bn, e.M, np.int32)
   rebuild = []
   for b, (g, grp) in enumerate(batch):
-    prompt = grp.first_prompt if e.prompt_pages else grp.prompt
+    prompt = grp.prompt
+    if e.prompt_pages and len(grp.first_prompt) <= Pb:
+      prompt = grp.first_prompt
     a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(prompt), grp.stream
     a["prompt"][b, :len(prompt)] = prompt
     a["sample_id"][b] = grp.sample_ids
@@ -611,8 +614,10 @@ class Loop:
     resident += [(e.G + i, 0, c.prompt, c.ids, c.shard) for i, (_, c) in enumerate(cached)]
     self.stats["prefix_pages_shared"] += sum(shared_prompt_pages(e, grp) for _, grp in batch)
     Bn = min(e.G, pow2(len(batch), 4))
-    Pb = min(pow2(e.max_prompt_len, 8),
-             pow2(max(len(grp.first_prompt) for _, grp in batch), 8))
+    if e.prompt_pages:
+      Pb = prompt_bucket(e, [len(grp.first_prompt) for _, grp in batch], Bn)
+    else:
+      Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = admission(self.e, batch, Bn, Pb)
     shared, tails = [], []
     if e.share_prefixes:  # sources have the slot's prompt (with the prompt on pages its first id)
@@ -644,11 +649,12 @@ class Loop:
   def onto_pages(self, a, batch, rebuild) -> list:
     """With the prompt on pages: the samples to re-prefill whose tokens are their prompt's
     ids only (a group's first sample, the others forking it) are written by the admission's
-    own prefill instead (``a["onto_pages"]``: one per row, ``prefill.admit``); returns the
-    others."""
+    own prefill instead where its row holds the whole prompt (``a["onto_pages"]``: one per
+    row, ``prefill.admit``; ``prompt_bucket``); returns the others."""
     rest = []
     for b, m, g, n in rebuild:
-      if n == batch[b][1].skip - 1 and a["onto_pages"][b] == self.e.M:
+      skip = batch[b][1].skip
+      if n == skip - 1 and a["prompt_len"][b] == skip + 1 and a["onto_pages"][b] == self.e.M:
         a["onto_pages"][b] = m
       else:
         rest.append((b, m, g, n))
@@ -895,6 +901,26 @@ def warmup(e, params) -> int:
   e.programs.add((live, 0, e.pool_pages))
   jax.block_until_ready(state)
   return sum(kv_cache.TRACE_COUNTS.values()) - before
+
+
+def prompt_bucket(e, lengths: list[int], Bn: int) -> int:
+  """The admission's prompt bucket Pb with the prompt on pages, for whole prompts of
+  ``lengths`` ids. Prompts of up to Pb ids are prefilled by the admission (their ids after
+  the first onto their first sample's pages: ``Loop.onto_pages``); a longer one comes in
+  with its first id and its first sample is re-prefilled (``Loop.reprefill``, calls cut by
+  ``slots.resume_calls``). Pb minimises the tokens computed, Bn·Pb plus the re-prefill
+  calls' Br·T; of equal costs the larger (fewer calls). A function of the lengths alone."""
+  top = pow2(max(lengths), 8)
+  best = (Bn * top, top)  # every prompt whole
+  for Pb in reversed(slots.buckets(8, top)[:-1]):
+    rest = [n - 2 for n in lengths if n > Pb]  # cached ids: all but the first and last
+    floor = Bn * Pb + sum(max(e.R // 4, k) for k in rest)  # resume_shape's least T
+    if floor >= best[0]:
+      continue
+    cost = Bn * Pb + sum(Br * T for _, (Br, T) in slots.resume_calls(rest, G=e.G, M=e.M, R=e.R))
+    if cost < best[0]:
+      best = (cost, Pb)
+  return best[1]
 
 
 def live_bucket(e, longest: int) -> int:
