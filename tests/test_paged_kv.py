@@ -166,9 +166,9 @@ def test_a_long_prompt_among_short_ones_is_re_prefilled_the_others_admitted_whol
   prompts.append([(7 * j) % 60 + 1 for j in range(200)])
   ref = _gen(prompts=prompts, page_size=8, max_new_tokens=8)
   buckets, resumed = [], []
-  admission, resume = rollout.loop.admission, rollout.prefill.resume
-  monkeypatch.setattr(rollout.loop, "admission",
-                      lambda e, batch, Bn, Pb: buckets.append(Pb) or admission(e, batch, Bn, Pb))
+  bucket, resume = rollout.loop.prompt_bucket, rollout.prefill.resume
+  monkeypatch.setattr(rollout.loop, "prompt_bucket",
+                      lambda *a: buckets.append(bucket(*a)) or buckets[-1])
   monkeypatch.setattr(rollout.prefill, "resume",
                       lambda *a, **kw: resumed.append(np.asarray(a[3].length)) or resume(*a, **kw))
   out = _gen(prompts=prompts, page_size=16, prompt_pages=True, max_new_tokens=8)

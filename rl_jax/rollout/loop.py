@@ -117,20 +117,16 @@ def admission(e, batch, Bn: int, Pb: int):
   """Admission arrays of the engine ``e`` for ``batch``, (slot, group) pairs, at Bn rows and
   Pb prompt tokens, and the samples whose K/V is rebuilt: (row, sample, slot, cached
   positions) as ``slots.forks`` takes them. A fresh sample's turn budget and start are set
-  on its group here. With the prompt on pages (``e.prompt_pages``) a row holds its whole
-  prompt where it fits Pb (``Group.first_prompt``; the slot keeps the first id; else the
-  slot's prompt) and ``onto_pages`` says no sample's pages take it yet (``Loop.onto_pages``
-  picks them)."""
+  on its group here. With the prompt on pages (``e.prompt_pages``) the rows hold the slots'
+  prompts (first ids) and ``onto_pages`` says no sample's pages take a whole prompt yet
+  (``Loop.onto_pages`` widens the rows that write theirs)."""
   a = slots.admission_rows(Bn, Pb, G=e.G, M=e.M, R=e.R, budget=min(e.max_turn, e.max_total))
   if e.prompt_pages:
     a["onto_pages"] = np.full(Bn, e.M, np.int32)
   rebuild = []
   for b, (g, grp) in enumerate(batch):
-    prompt = grp.prompt
-    if e.prompt_pages and len(grp.first_prompt) <= Pb:
-      prompt = grp.first_prompt
-    a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(prompt), grp.stream
-    a["prompt"][b, :len(prompt)] = prompt
+    a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
+    a["prompt"][b, :len(grp.prompt)] = grp.prompt
     a["sample_id"][b] = grp.sample_ids
     a["skip"][b] = grp.skip
     a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
@@ -614,15 +610,11 @@ class Loop:
     resident += [(e.G + i, 0, c.prompt, c.ids, c.shard) for i, (_, c) in enumerate(cached)]
     self.stats["prefix_pages_shared"] += sum(shared_prompt_pages(e, grp) for _, grp in batch)
     Bn = min(e.G, pow2(len(batch), 4))
-    if e.prompt_pages:
-      Pb = prompt_bucket(e, [len(grp.first_prompt) for _, grp in batch], Bn)
-    else:
-      Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
+    Pb = min(e.P, pow2(max(len(grp.prompt) for _, grp in batch), 8))
     a, rebuild = admission(self.e, batch, Bn, Pb)
     shared, tails = [], []
-    if e.share_prefixes:  # sources have the slot's prompt (with the prompt on pages its first id)
-      in_slot = dict(a, prompt_len=np.minimum(a["prompt_len"], 1)) if e.prompt_pages else a
-      rebuild, shared, tails = slots.forks(in_slot, rebuild, self.shard, resident, e.S)
+    if e.share_prefixes:
+      rebuild, shared, tails = slots.forks(a, rebuild, self.shard, resident, e.S)
     row_of = {g: b for b, (g, _) in enumerate(batch)}
     held = {(g, m): n for _, m, g, n in rebuild}
     held.update({(g, m): n for g, _, m, n, _ in shared})
@@ -637,7 +629,7 @@ class Loop:
     self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)),
               keep=used)
     if e.prompt_pages:
-      rebuild = self.onto_pages(a, batch, rebuild)
+      a, rebuild = self.onto_pages(a, batch, rebuild)
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered,
                             fresh=not busy and Bn == e.G, ctx=e.ctx)
@@ -646,19 +638,31 @@ class Loop:
     self.prefill_tails(a, tails)
     return True
 
-  def onto_pages(self, a, batch, rebuild) -> list:
+  def onto_pages(self, a, batch, rebuild):
     """With the prompt on pages: the samples to re-prefill whose tokens are their prompt's
-    ids only (a group's first sample, the others forking it) are written by the admission's
-    own prefill instead where its row holds the whole prompt (``a["onto_pages"]``: one per
-    row, ``prefill.admit``; ``prompt_bucket``); returns the others."""
-    rest = []
-    for b, m, g, n in rebuild:
-      skip = batch[b][1].skip
-      if n == skip - 1 and a["prompt_len"][b] == skip + 1 and a["onto_pages"][b] == self.e.M:
-        a["onto_pages"][b] = m
-      else:
-        rest.append((b, m, g, n))
-    return rest
+    ids only (a group's first sample; the others, and samples whose prompt begins like one
+    on pages, fork it) are written by the admission's own prefill instead, where their
+    rows' whole prompts fit the bucket ``prompt_bucket`` picks for them. Returns the
+    admission arrays with those rows widened to their whole prompts (``onto_pages`` naming
+    the sample; ``prefill.admit``) and the samples still to re-prefill."""
+    e = self.e
+    first = {}  # row -> its sample holding the prompt's ids only
+    for b, m, _, n in rebuild:
+      if n == batch[b][1].skip - 1:
+        first.setdefault(b, m)
+    if not first:
+      return a, rebuild
+    whole = {b: batch[b][1].first_prompt for b in first}
+    Bn, Ps = a["prompt"].shape
+    Pb = max(Ps, prompt_bucket(e, [len(p) for p in whole.values()], Bn))
+    whole = {b: p for b, p in whole.items() if len(p) <= Pb}
+    prompt = np.zeros((Bn, Pb), np.int32)
+    prompt[:, :Ps] = a["prompt"]
+    a = dict(a, prompt=prompt, prompt_len=a["prompt_len"].copy(),
+             onto_pages=a["onto_pages"].copy())
+    for b, p in whole.items():
+      a["prompt"][b, :len(p)], a["prompt_len"][b], a["onto_pages"][b] = p, len(p), first[b]
+    return a, [r for r in rebuild if not (r[0] in whole and r[1] == first[r[0]])]
 
   def reprefill(self, a, rebuild) -> None:
     """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens."""
@@ -904,10 +908,10 @@ def warmup(e, params) -> int:
 
 
 def prompt_bucket(e, lengths: list[int], Bn: int) -> int:
-  """The admission's prompt bucket Pb with the prompt on pages, for whole prompts of
-  ``lengths`` ids. Prompts of up to Pb ids are prefilled by the admission (their ids after
-  the first onto their first sample's pages: ``Loop.onto_pages``); a longer one comes in
-  with its first id and its first sample is re-prefilled (``Loop.reprefill``, calls cut by
+  """The admission's prompt bucket Pb with the prompt on pages, for the rows whose first
+  sample writes its whole prompt of ``lengths`` ids onto pages. Prompts of up to Pb ids are
+  prefilled by the admission (``Loop.onto_pages``); a longer one stays at its first id and
+  its first sample is re-prefilled (``Loop.reprefill``, calls cut by
   ``slots.resume_calls``). Pb minimises the tokens computed, Bn·Pb plus the re-prefill
   calls' Br·T; of equal costs the larger (fewer calls). A function of the lengths alone."""
   top = pow2(max(lengths), 8)
