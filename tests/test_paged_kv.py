@@ -105,12 +105,12 @@ def long_prompts():
 def test_prompts_on_pages_draw_the_slot_prompts_tokens(long_prompts, page_size, kv_pages, mesh,
                                                       monkeypatch):
   """``prompt_pages``: each prompt's ids after its first lie on pool pages, written onto the
-  group's first sample's by the admission's prefill and forked by the others (whole pages shared, the partial one
-  copied), and the decode reads the forked pages once per group. Tokens, ends and log-probs
-  are those of the prompt in the slot's cache (their uniforms skip the prompt's ids:
-  ``DecodeState.skip``, stop sequences too), in a fixed pool of every sample's budget
-  (pages taken as tokens are written), a pool of one group's budget (preempting) and on 8
-  devices; log-probs equal teacher forcing."""
+  group's first sample's by the admission's prefill and forked by the others (whole pages
+  shared, the partial one copied), and the decode reads the forked pages once per group.
+  Tokens, ends and log-probs are those of the prompt in the slot's cache (their uniforms
+  skip the prompt's ids: ``DecodeState.skip``, stop sequences too), in a fixed pool of
+  every sample's budget (pages taken as tokens are written), a pool of one group's budget
+  (preempting) and on 8 devices; log-probs equal teacher forcing."""
   assert LONG_PROMPTS[0][-1] == 1
   ctx = {} if mesh is None else dict(mesh=sharding.make_mesh(mesh), rules="fsdp_tp")
   shared = []  # the decode calls' buckets of pages read once per group

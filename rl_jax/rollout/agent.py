@@ -142,10 +142,10 @@ class AgentEngine(EngineCore):
     prompt_pages: the first prompt's ids after its first go onto pool pages, opening every
       trajectory as ids it did not sample (``Group.skip``), as ``RolloutEngine``'s: the
       admission's prefill writes them onto the group's first sample's pages and the others
-      fork them; the samples draw
-      the tokens they draw with the prompt in the slot's cache, with log-probs equal to float
-      rounding. The trajectory cache holds ``max_prompt_len - 1 + max_total_tokens`` ids;
-      what the engine returns and exports is the slot layout's (the prompt's ids cut off).
+      fork them; the samples draw the tokens they draw with the prompt in the slot's cache,
+      with log-probs equal to float rounding. The trajectory cache holds
+      ``max_prompt_len - 1 + max_total_tokens`` ids; what the engine returns and exports is
+      the slot layout's (the prompt's ids cut off).
   """
 
   def __init__(self, cfg: ModelConfig, renderer, detokenize: Callable[[list[int]], str], *,

@@ -131,9 +131,9 @@ class RolloutEngine(EngineCore):
     prompt_pages: a prompt's ids after its first go onto pool pages, opening each sample as
       ids it did not sample (``Group.skip``): the admission's prefill writes them onto the
       group's first sample's pages and, with ``share_prefixes``, the others fork them
-      (else each is re-prefilled). The samples draw the tokens they
-      draw with the whole prompt in the slot's cache (their uniforms skip the prompt's
-      ids: ``kv_cache.DecodeState.skip``), with log-probs equal to float rounding; the
+      (else each is re-prefilled). The samples draw the tokens they draw with the whole
+      prompt in the slot's cache (their uniforms skip the prompt's ids:
+      ``kv_cache.DecodeState.skip``), with log-probs equal to float rounding; the
       response cache holds ``max_prompt_len - 1 + max_new_tokens`` positions per sample.
   """
 
