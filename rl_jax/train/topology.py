@@ -501,8 +501,9 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   key = jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32"))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
   Bn = min(G, records.pow2(min(groups, G), 4))  # the engine's admission bucket
-  P = records.pow2(engine.max_prompt_len, 8)  # its longest prompt's bucket
-  a, _ = loop_lib.admission(engine, [], Bn, P)
+  # its prompt bucket at the longest prompt (whole, also with the slot holding its first id)
+  Pb = records.pow2(engine.max_prompt_len, 8)
+  a, _ = loop_lib.admission(engine, [], Bn, Pb)
   adm = sampler_lib.Admission(**{k: _spec(v, rep) for k, v in a.items()})
   prefill = _compile("prefill", engine.admit_fn.lower(
       cfg, params, state, adm, sp, i32, key, filtered=engine.filtered, fresh=Bn == G,
@@ -513,8 +514,8 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
       "kv_init": {"program": init, "params": 0, "calls": 1, "shape": {},
                   "note": f"{G} slots x {M} samples, pool {pool} pages of {engine.S}"},
       "prefill": {"program": prefill, "params": weights, "calls": 1,
-                  "shape": {"rows": Bn, "tokens": P},
-                  "note": f"{Bn} groups x {P} prompt tokens"},
+                  "shape": {"rows": Bn, "tokens": Pb},
+                  "note": f"{Bn} groups x {Pb} prompt tokens"},
   }
   # one decode call (both engines' loop) at every page live
   decode = _compile("decode", sampler_lib.decode.lower(
