@@ -239,6 +239,51 @@ def test_the_admissions_prefill_writes_the_prompt_onto_pages_as_a_resume_does():
   np.testing.assert_array_equal(np.asarray(one.length), np.asarray(two.length))
 
 
+@pytest.mark.parametrize("identity", [False, True])
+def test_the_admission_forks_the_written_prompt_as_a_fork_after_it_does(identity):
+  """``prefill.admit`` with ``forked`` (the group's samples take the written prompt's pages
+  in the admission's own program) leaves what the admission followed by
+  ``kv_cache.fork_samples`` (the call it replaces) leaves: the writer's whole pages shared
+  with their holders counted, the partial last page copied, the same K/V on every page;
+  with an identity table, each sample's own pages filled."""
+  G, M, R, S = 4, 3, 64, 4
+  prompts = [LONG_PROMPTS[5], LONG_PROMPTS[2], LONG_PROMPTS[4]]  # 27, 12, 22 ids on pages
+  who = [1, 0, 2]
+  forked = [[27, 0, 27], [0, 12, 5], [22, 0, 0]]  # 5: a shorter prefix of the writer's
+  sp = rollout.RolloutEngine(CFG, n=M, max_new_tokens=8, max_prompt_len=29).sp
+  key, version = jax.random.key(0, impl="threefry2x32"), jnp.int32(0)
+  blank = lambda: rollout.kv_cache.init_state(CFG, G, M, 8, R, S=S, pages=G * M * R // S,
+                                              identity=identity)
+  a = rollout.slots.admission_rows(4, 32, G=G, M=M, R=R, budget=R)
+  for b, p in enumerate(prompts):
+    a["slots"][b], a["prompt"][b, :len(p)], a["prompt_len"][b] = b, p, len(p)
+    a["tokens"][b, :, :len(p) - 1] = p[1:]
+    a["length"][b], a["skip"][b] = len(p) - 1, len(p) - 1
+  a["onto_pages"] = np.array(who + [M], np.int32)
+  admit = lambda forks: rollout.prefill.admit(
+      CFG, PARAMS, blank(), rollout.prefill.Admission(**a, forked=forks), sp, version, key,
+      filtered=False, identity=identity)
+  one = admit(np.array(forked + [[0] * M], np.int32))
+  two = admit(None)
+  rows = [(g, who[g], m, n, g) for g in range(3) for m, n in enumerate(forked[g]) if n]
+  cols = np.full((5, 8), G, np.int32)
+  cols[:, :len(rows)] = np.asarray(rows, np.int32).T
+  two = rollout.kv_cache.fork_samples(two, *cols, identity=identity)
+  t1, t2 = np.asarray(one.pages), np.asarray(two.pages)
+  for g, m, n in [(g, m, n) for g in range(3) for m, n in enumerate(forked[g]) if n]:
+    whole = n // S
+    if not identity:
+      assert (t1[g, m] >= 0).sum() == (t2[g, m] >= 0).sum() == -(-n // S)
+    shared_ = lambda t: t[g, m, :whole] == t[g, who[g], :whole]
+    assert shared_(t1).all() == (not identity) and shared_(t2).all() == (not identity)
+    for x, y, z in zip(_on_pages(one, g, m, n), _on_pages(two, g, m, n),
+                       _on_pages(one, g, who[g], n)):
+      np.testing.assert_array_equal(x, y)
+      np.testing.assert_array_equal(x, z)
+  np.testing.assert_array_equal(np.sort(np.asarray(one.refs), None),
+                                np.sort(np.asarray(two.refs), None))
+
+
 def test_a_busy_fixed_pool_keeps_the_prefix_cache_when_dropping_it_would_not_admit():
   """A fixed pool of 16 pages of 4 with a prefix cache, the prompts on pages: a finished
   group's 6 whole pages stay in the cache, and a group whose prompt begins with its prompt

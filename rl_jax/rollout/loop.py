@@ -118,11 +118,12 @@ def admission(e, batch, Bn: int, Pb: int):
   Pb prompt tokens, and the samples whose K/V is rebuilt: (row, sample, slot, cached
   positions) as ``slots.forks`` takes them. A fresh sample's turn budget and start are set
   on its group here. With the prompt on pages (``e.prompt_pages``) the rows hold the slots'
-  prompts (first ids) and ``onto_pages`` says no sample's pages take a whole prompt yet
-  (``Loop.onto_pages`` widens the rows that write theirs)."""
+  prompts (first ids) and ``onto_pages`` says no sample's pages take a whole prompt yet,
+  ``forked`` that none forks it (``Loop.onto_pages`` widens the rows that write theirs)."""
   a = slots.admission_rows(Bn, Pb, G=e.G, M=e.M, R=e.R, budget=min(e.max_turn, e.max_total))
   if e.prompt_pages:
     a["onto_pages"] = np.full(Bn, e.M, np.int32)
+    a["forked"] = np.zeros((Bn, e.M), np.int32)
   rebuild = []
   for b, (g, grp) in enumerate(batch):
     a["slots"][b], a["prompt_len"][b], a["request_id"][b] = g, len(grp.prompt), grp.stream
@@ -628,30 +629,34 @@ class Loop:
     self.give_back()
     self.room(self.per_shard((g, n) for g, grp in batch for n in group_pages(e, grp)),
               keep=used)
+    self.stats["forked_samples"] += len(shared)
+    self.stats["fork_tokens_shared"] += sum(r[3] for r in shared)
     if e.prompt_pages:
-      a, rebuild = self.onto_pages(a, batch, rebuild)
+      a, rebuild, shared = self.onto_pages(a, batch, rebuild, shared)
     self.state = e.admit_fn(e.cfg, self.params, self.state, prefill.Admission(**a), e.sp,
                             self.version, self.key, filtered=e.filtered,
-                            fresh=not busy and Bn == e.G, ctx=e.ctx)
+                            fresh=not busy and Bn == e.G, ctx=e.ctx, identity=self.identity)
     self.reprefill(a, rebuild)
     self.fork(shared, [c for _, c in cached])
     self.prefill_tails(a, tails)
     return True
 
-  def onto_pages(self, a, batch, rebuild):
+  def onto_pages(self, a, batch, rebuild, shared):
     """With the prompt on pages: the samples to re-prefill whose tokens are their prompt's
     ids only (a group's first sample; the others, and samples whose prompt begins like one
     on pages, fork it) are written by the admission's own prefill instead, where their
-    rows' whole prompts fit the bucket ``prompt_bucket`` picks for them. Returns the
-    admission arrays with those rows widened to their whole prompts (``onto_pages`` naming
-    the sample; ``prefill.admit``) and the samples still to re-prefill."""
+    rows' whole prompts fit the bucket ``prompt_bucket`` picks for them, and the samples of
+    their groups forking them fork there too. Returns the admission arrays with those rows
+    widened to their whole prompts (``onto_pages`` naming the sample, ``forked`` the
+    positions its group's samples take from it; ``prefill.admit``), the samples still to
+    re-prefill and the forks still to make (``fork``)."""
     e = self.e
     first = {}  # row -> its sample holding the prompt's ids only
     for b, m, _, n in rebuild:
       if n == batch[b][1].skip - 1:
         first.setdefault(b, m)
     if not first:
-      return a, rebuild
+      return a, rebuild, shared
     whole = {b: batch[b][1].first_prompt for b in first}
     Bn, Ps = a["prompt"].shape
     Pb = max(Ps, prompt_bucket(e, [len(p) for p in whole.values()], Bn))
@@ -659,10 +664,16 @@ class Loop:
     prompt = np.zeros((Bn, Pb), np.int32)
     prompt[:, :Ps] = a["prompt"]
     a = dict(a, prompt=prompt, prompt_len=a["prompt_len"].copy(),
-             onto_pages=a["onto_pages"].copy())
+             onto_pages=a["onto_pages"].copy(), forked=a["forked"].copy())
     for b, p in whole.items():
       a["prompt"][b, :len(p)], a["prompt_len"][b], a["onto_pages"][b] = p, len(p), first[b]
-    return a, [r for r in rebuild if not (r[0] in whole and r[1] == first[r[0]])]
+    writer = {batch[b][0]: first[b] for b in whole}  # slot -> its writing sample
+    row_of = {g: b for b, (g, _) in enumerate(batch)}
+    here = [r for r in shared if r[4] == r[0] and writer.get(r[0]) == r[1]]
+    for g, _, m, n, _ in here:  # forks of a written sample: in the admission
+      a["forked"][row_of[g], m] = n
+    rebuild = [r for r in rebuild if not (r[0] in whole and r[1] == first[r[0]])]
+    return a, rebuild, [r for r in shared if r not in here]
 
   def reprefill(self, a, rebuild) -> None:
     """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens."""
@@ -712,8 +723,6 @@ class Loop:
         given[i, :len(c.pages)], use[i], rows[4, i] = c.pages, True, r[0]
     self.state = kv_cache.fork_samples(self.state, *rows, given, use, identity=self.identity,
                                        ctx=e.ctx)
-    self.stats["forked_samples"] += len(shared)
-    self.stats["fork_tokens_shared"] += sum(r[3] for r in shared)
 
   def evict(self, need: int) -> list[int]:
     """Free up to ``need`` slots whose groups all wait on environments past the TTL."""
@@ -792,8 +801,9 @@ class Loop:
     run = (reason == kv_cache.RUNNING) & active[:, None]
     if not run.any():
       return
+    before = self.state
     self.room(pages.next_token_pages(run, length, table, e.S, e.D, e.Q))
-    live, shared = self.read_buckets(length, run)
+    live, shared = self.read_buckets(length, run, table, again=self.state is not before)
     self.state, ran = decode(e.cfg, self.params, self.state, e.sp, self.version,
                              jnp.int32(steps), jnp.int32(slots_done), jnp.int32(stop),
                              filtered=e.filtered, ctx=e.ctx, live=live,
@@ -805,19 +815,21 @@ class Loop:
     if e.deterministic:
       self.clock += int(ran)
 
-  def read_buckets(self, length, run) -> tuple[int, int]:
+  def read_buckets(self, length, run, table, again: bool = True) -> tuple[int, int]:
     """The next decode's static read buckets: each running sample's live pages after its
     slot's shared ones (``live_bucket``), and the pages read once per slot, ns
     (``decode``'s ``shared``: a power of two covering the most leading pages a slot's
     running samples all name, ``pages.shared_entries``; 0 where none are or the decode
-    reads each row's pages). ``length``, ``run``: the host's copies from before ``room``,
-    which may have preempted; where pages can be shared they are read again after it."""
+    reads each row's pages). ``length``, ``run``, ``table``: the host's copies from before
+    ``room``; where pages can be shared they are read again if ``again`` (``room`` changed
+    the state: a grown pool renumbers its pages)."""
     e = self.e
     if not self.grouped:
       return live_bucket(e, int(length[run].max(initial=1))), 0
-    length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
-                                                    self.state.active, self.state.pages))
-    run = (reason == kv_cache.RUNNING) & active[:, None]
+    if again:
+      length, reason, active, table = jax.device_get((self.state.length, self.state.reason,
+                                                      self.state.active, self.state.pages))
+      run = (reason == kv_cache.RUNNING) & active[:, None]
     own = pages.shared_entries(table, run, table.shape[-1], xp=np)
     most = int(own.max(initial=0))
     ns = min(1 << (most - 1).bit_length(), table.shape[-1]) if most else 0
@@ -888,7 +900,7 @@ def warmup(e, params) -> int:
       for fresh in ((False, True) if Bn == e.G else (False,)):
         a, _ = admission(e, [], Bn, Pb)
         state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
-                           filtered=e.filtered, fresh=fresh, ctx=e.ctx)
+                           filtered=e.filtered, fresh=fresh, ctx=e.ctx, identity=identity)
   for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R):
     state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G), ctx=e.ctx)
   if e.pool is not None:
@@ -913,9 +925,13 @@ def prompt_bucket(e, lengths: list[int], Bn: int) -> int:
   prefilled by the admission (``Loop.onto_pages``); a longer one stays at its first id and
   its first sample is re-prefilled (``Loop.reprefill``, calls cut by
   ``slots.resume_calls``). Pb minimises the tokens computed, Bn·Pb plus the re-prefill
-  calls' Br·T; of equal costs the larger (fewer calls). A function of the lengths alone."""
+  calls' Br·T; of equal costs the larger (fewer calls). A bucket below the whole prompts'
+  is taken only where it saves at least a third of the tokens: it adds a call and two
+  programs to compile (an admission and a re-prefill), which a smaller saving does not
+  repay where prompts are short. A function of the lengths alone."""
   top = pow2(max(lengths), 8)
-  best = (Bn * top, top)  # every prompt whole
+  whole = Bn * top  # every prompt whole
+  best = ((2 * whole) // 3 + 1, top)
   for Pb in reversed(slots.buckets(8, top)[:-1]):
     rest = [n - 2 for n in lengths if n > Pb]  # cached ids: all but the first and last
     floor = Bn * Pb + sum(max(e.R // 4, k) for k in rest)  # resume_shape's least T

@@ -37,7 +37,7 @@ from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constra
                                      mesh_context, record, state_shards)
 
 __all__ = ["Admission", "Resume", "admit", "admit_for", "admit_with", "grouped_attention",
-           "onto_pages", "prefill_prompts", "resume", "run_trunk"]
+           "fork_written", "onto_pages", "prefill_prompts", "resume", "run_trunk"]
 
 
 def grouped_attention(q, block_k, block_v, block_mask, prefix=None):
@@ -113,6 +113,10 @@ class Admission(NamedTuple):
       [Bn] the sample whose pages take the prompt's ids after its first and before its last
       (M: none, or the group's samples fork them), ``prompt`` then holding whole prompts
       of which the slot keeps the first id.
+    forked: None, or with ``onto_pages`` int32 [Bn,M] the positions each sample takes from
+      the ``onto_pages`` sample's pages once written (``pages.fork``: whole pages shared,
+      the partial last one copied; 0: none): the group's other samples, forked in the
+      admission's own program.
   """
 
   slots: Any
@@ -128,9 +132,10 @@ class Admission(NamedTuple):
   sample_id: Any
   skip: Any
   onto_pages: Any = None
+  forked: Any = None
 
 
-_ADMIT_JIT = dict(static_argnames=("cfg", "filtered", "fresh", "ctx", "chunk"),
+_ADMIT_JIT = dict(static_argnames=("cfg", "filtered", "fresh", "ctx", "chunk", "identity"),
                   donate_argnames=("state",))
 
 
@@ -186,8 +191,8 @@ def prefill_prompts(cfg: ModelConfig, params, prompt, prompt_len, chunk: int | N
 
 @functools.partial(jax.jit, **_ADMIT_JIT)
 def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, version, base_key,
-          filtered: bool, fresh: bool = False, ctx=None,
-          chunk: int | None = None) -> DecodeState:
+          filtered: bool, fresh: bool = False, ctx=None, chunk: int | None = None,
+          identity: bool = False) -> DecodeState:
   """Prefill prompts (once per group) into slots; sample first tokens of fresh samples.
 
   Resumed samples keep their tokens; their response K/V is rebuilt by ``resume``. With
@@ -195,7 +200,8 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
   the same pass writes the K/V of its ids after the first onto the pages of the row's
   ``onto_pages`` sample, whose trajectory opens with them (all but the last, which the
   decode feeds): what ``resume`` of that sample's tokens writes, in the admission's own
-  program.
+  program; and the samples ``adm.forked`` names fork those pages there (what
+  ``kv_cache.fork_samples`` does after the admission).
 
   Args:
     params: model parameters (a jit argument: new weights never recompile).
@@ -206,6 +212,7 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
       with Bn == G, so the state's arrays are replaced instead of scattered into.
     chunk: static; prompts longer than this many tokens are prefilled in chunks
       (``prefill_prompts``); None: whole.
+    identity: static; the pool's page table is the identity (``pages.fork``).
   Returns:
     Updated DecodeState. Samples with no token yet get their first token from the prompt's
     last logits; resumed samples keep their tokens (the last one becomes the next input).
@@ -261,6 +268,8 @@ def admit(cfg: ModelConfig, params, state: DecodeState, adm: Admission, sp, vers
       count = jnp.where(adm.onto_pages < M, jnp.maximum(adm.prompt_len - 2, 0), 0)
       new = onto_pages(new, adm.slots, jnp.minimum(adm.onto_pages, M - 1), count,
                        pk[:, :, 1:], pv[:, :, 1:])
+      if adm.forked is not None:
+        new = fork_written(new, adm.slots, adm.onto_pages, adm.forked, identity)
     return constrain_state(new)
 
 
@@ -337,6 +346,31 @@ def resume(cfg: ModelConfig, params, state: DecodeState, res: Resume, ctx=None) 
     count = jnp.where(res.slot < G, res.length - 1, 0)
     return constrain_state(onto_pages(state, res.slot, res.sample, count, rk[:, :, 0],
                                       rv[:, :, 0]))
+
+
+def fork_written(state: DecodeState, slot, writer, forked, identity: bool) -> DecodeState:
+  """Samples of the admitted rows forked from the row's ``writer`` sample's pages.
+
+  Args:
+    slot: int32 [Bn] (rows >= G dropped); writer: int32 [Bn] the sample whose pages hold
+      the prompt (M: none); forked: int32 [Bn,M] the positions each sample takes (0: none).
+    identity: the pool's table is the identity (``pages.fork``).
+  Returns:
+    The state with the forks' pages shared or copied (``pages.fork``, ``pages.copy_pages``).
+  """
+  G, M = state.pages.shape[:2]
+  S = state.suffix_v[0].shape[2]
+  Bn = slot.shape[0]
+  take = (forked > 0) & (writer < M)[:, None] & (slot < G)[:, None]
+  rows = lambda a: a.reshape(Bn * M)
+  table, refs, frm, to = pages.fork(
+      state.pages, state.refs, rows(jnp.where(take, slot[:, None], G)),
+      rows(jnp.broadcast_to(jnp.minimum(writer, M - 1)[:, None], (Bn, M))),
+      rows(jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (Bn, M))), rows(forked), S,
+      identity, state_shards(state)[1])
+  return state._replace(suffix_k=pages.copy_pages(state.suffix_k, frm, to),
+                        suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table,
+                        refs=refs)
 
 
 def onto_pages(state: DecodeState, slot, sample, count, k, v) -> DecodeState:

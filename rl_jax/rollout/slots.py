@@ -56,7 +56,9 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
 
   A source serves a sample only if it begins with the sample's first ``min(n, S)`` tokens
   (n without a page size), so sources are looked up by those (``_Sources``): the work
-  follows the samples, not samples x sources.
+  follows the samples, not samples x sources. A sample equal to the one before it in its
+  row (a fresh group's samples, which all hold the prompt's ids) takes that one's choice
+  while no source was added since, or forks that one where it was kept.
 
   Args:
     a: admission arrays (``admission_rows``). resume: the rows above. shard: int [G] the
@@ -80,12 +82,20 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
   scope = (lambda b, g: b) if shard is None else (lambda b, g: (int(shard[g]), prompt(b)))
   kept, out, tails = [], [], []
   admitted = _Sources()  # (row, slot, sample, ids) of the kept samples
+  like = {}  # (row, ids) -> (sources added then, the choice made: fork row, or None with a tail)
   held = _Sources()  # (None, slot, sample, ids) of the resident ones
   if shard is not None:
     for sg, sm, p, ids, d in resident:
       held.add((int(d), tuple(int(t) for t in p)), (None, sg, sm, np.asarray(ids)))
   for b, m, g, n in sorted(resume, key=lambda r: (r[0], -r[3], r[1])):
     row = a["tokens"][b, m, :n]
+    key = (b, row.tobytes())
+    if key in like and like[key][0] == len(admitted.items):  # the same sources as then
+      _, (sg, sm, k, tail) = like[key]
+      out.append((g, sm, m, k, sg))
+      if tail:
+        tails.append((b, m, g, n, k))
+      continue
     h = min(n, page) if page else n
     near = admitted.find(scope(b, g), row, h)
     sources = [s for s in near if s[0] == b] + [s for s in near if s[0] != b]
@@ -94,15 +104,18 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
                 if len(ids) >= n and (h == n or np.array_equal(ids[:n], row))), None)
     if src is not None:
       out.append((g, src[1], m, n, src[0]))
+      like[key] = (len(admitted.items), (src[0], src[1], n, False))
       continue
     best = max(((common_prefix(ids, row) // page * page, sg, sm) for _, sg, sm, ids in sources),
                default=(0, 0, 0), key=lambda c: c[0]) if page else (0, 0, 0)
     if best[0] > 0:
       out.append((g, best[2], m, best[0], best[1]))
       tails.append((b, m, g, n, best[0]))
+      like[key] = (len(admitted.items), (best[1], best[2], best[0], True))
     else:
       kept.append((b, m, g, n))
       admitted.add(scope(b, g), (b, g, m, row))
+      like[key] = (len(admitted.items), (g, m, n, False))  # the next such sample forks it
   return kept, out, tails
 
 

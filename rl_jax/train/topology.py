@@ -507,7 +507,7 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
   adm = sampler_lib.Admission(**{k: _spec(v, rep) for k, v in a.items()})
   prefill = _compile("prefill", engine.admit_fn.lower(
       cfg, params, state, adm, sp, i32, key, filtered=engine.filtered, fresh=Bn == G,
-      ctx=engine.ctx))
+      ctx=engine.ctx, identity=identity))
   rows = min(groups, G) * M
   weights = memory.tree_bytes(params)
   programs = {
