@@ -131,19 +131,30 @@ def admission(e, batch, Bn: int, Pb: int):
     a["sample_id"][b] = grp.sample_ids
     a["skip"][b] = grp.skip
     a["budget"][b] = min(turn_tokens(e, grp), e.max_total)
+    last = None  # the sample before, and its index
     for m, t in enumerate(grp.trajs):
       n = len(t.tokens)
       if n == 0:  # a fresh sample: its first token is drawn by ``admit``
         grp.budget[m], grp.turn_start[m] = int(a["budget"][b, m]), 0
         continue
-      a["tokens"][b, m, :n], a["length"][b, m] = t.tokens, n
-      a["logprobs"][b, m, :n], a["versions"][b, m, :n] = t.logprobs, t.versions
-      a["budget"][b, m] = grp.budget[m]
+      if last and _alike(last[0], t):  # (a fresh group with the prompt on pages)
+        for k in ("tokens", "logprobs", "versions"):
+          a[k][b, m, :n] = a[k][b, last[1], :n]
+      else:
+        a["tokens"][b, m, :n] = t.tokens
+        a["logprobs"][b, m, :n], a["versions"][b, m, :n] = t.logprobs, t.versions
+      last = t, m
+      a["length"][b, m], a["budget"][b, m] = n, grp.budget[m]
       if grp.status[m] != RUN:
         a["reason"][b, m] = kv_cache.EOS  # waiting or done: not decoding
       if grp.status[m] != DONE and n > 1:
         rebuild.append((b, m, g, n - 1))
   return a, rebuild
+
+
+def _alike(t, u) -> bool:
+  """Trajectories ``t`` and ``u`` hold the same tokens, log-probs and versions."""
+  return t.tokens == u.tokens and t.logprobs == u.logprobs and t.versions == u.versions
 
 
 class Loop:
@@ -669,11 +680,11 @@ class Loop:
       a["prompt"][b, :len(p)], a["prompt_len"][b], a["onto_pages"][b] = p, len(p), first[b]
     writer = {batch[b][0]: first[b] for b in whole}  # slot -> its writing sample
     row_of = {g: b for b, (g, _) in enumerate(batch)}
-    here = [r for r in shared if r[4] == r[0] and writer.get(r[0]) == r[1]]
-    for g, _, m, n, _ in here:  # forks of a written sample: in the admission
+    here = lambda r: r[4] == r[0] and writer.get(r[0]) == r[1]
+    for g, _, m, n, _ in filter(here, shared):  # forks of a written sample: in the admission
       a["forked"][row_of[g], m] = n
     rebuild = [r for r in rebuild if not (r[0] in whole and r[1] == first[r[0]])]
-    return a, rebuild, [r for r in shared if r not in here]
+    return a, rebuild, [r for r in shared if not here(r)]
 
   def reprefill(self, a, rebuild) -> None:
     """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens."""
