@@ -153,7 +153,7 @@ class RolloutSettings:
       "shared pages once per group. Single-turn, speculative and multi-turn rollouts (with "
       "env.name, the first prompt; groups whose prompts begin alike, e.g. one system "
       "prompt, share its pages on a pool shard). Off: the prompt in each slot's own cache, "
-      "read in place, faster where prompts are short (the quickstart takes 1.15x as long "
+      "read in place, faster where prompts are short (the quickstart takes 1.16x as long "
       "with the flag; docs/BENCHMARKS.md compares the two)")
   kv_pages: int | None = setting(
       None, cu.optional(cu.positive_int),
