@@ -493,5 +493,6 @@ def test_the_prompt_bucket_of_an_admission_minimises_the_tokens_computed():
     assert rollout.loop.prompt_bucket(e, lengths, Bn) == scan(lengths, Bn)
   assert rollout.loop.prompt_bucket(e, [10, 12, 24, 9], 4) == 32  # all whole
   assert rollout.loop.prompt_bucket(e, [2048] + [40] * 7, 8) == 64  # one re-prefilled
-  quickstart = types.SimpleNamespace(G=32, M=8, R=16)  # 384 tokens against 512: whole
-  assert rollout.loop.prompt_bucket(quickstart, [9] * 28 + [12] * 4, 32) == 16
+  # a bucket of 8 computes 384 tokens (256, and 16 rows re-prefilled: 16 x 8) against 512
+  quickstart = types.SimpleNamespace(G=32, M=8, R=16)
+  assert rollout.loop.prompt_bucket(quickstart, [8] * 16 + [10] * 16, 32) == 16

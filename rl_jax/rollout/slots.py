@@ -82,7 +82,7 @@ def forks(a, resume, shard=None, resident=(), page: int | None = None):
   scope = (lambda b, g: b) if shard is None else (lambda b, g: (int(shard[g]), prompt(b)))
   kept, out, tails = [], [], []
   admitted = _Sources()  # (row, slot, sample, ids) of the kept samples
-  like = {}  # (row, ids) -> (sources added then, the choice made: fork row, or None with a tail)
+  like = {}  # (row, ids) -> (sources then, (source slot, sample, positions, with a tail))
   held = _Sources()  # (None, slot, sample, ids) of the resident ones
   if shard is not None:
     for sg, sm, p, ids, d in resident:

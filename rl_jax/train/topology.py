@@ -21,7 +21,7 @@ supervised step, the RL update (micro-batches included), the log-prob passes (po
 reference, critic) as the memory plan compiles them (``memory.compile_steps``), and the
 sampler's programs: the KV cache's allocation, the prefill of a step's groups at the
 longest prompt (``prefill.admit``; with ``rollout.prompt_pages`` it also writes the prompt's
-ids after its first onto pages), the decode loop at its
+ids after its first onto pages, which the group's other samples fork), the decode loop at its
 largest live-page bucket (``decode.decode``) and, multi-turn, the observations' incremental
 prefill (``extend``), with the response pool the engine starts with (what a growing pool
 reaches is added from the page size). Kernels are the target's: ``sharding.use`` hands the
