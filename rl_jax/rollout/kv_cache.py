@@ -43,7 +43,7 @@ from rl_jax.rollout import pages, sampling
 
 __all__ = ["CACHE_AXES", "EOS", "LENGTH", "REASON_NAMES", "RUNNING", "STOP", "TRACE_COUNTS",
            "DecodeState", "cast_leaf", "cast_params", "constrain_state", "empty_routing",
-           "fork_samples", "grow_pool", "hold_pages", "init_state", "kv_cache_bytes",
+           "fork_rows", "fork_samples", "grow_pool", "hold_pages", "init_state", "kv_cache_bytes",
            "mesh_context", "pool_bytes", "pool_page_axes", "pool_shards", "record",
            "sampler_storage", "sequence_axes",
            "sequence_shards", "state_shards", "release_slots", "resize_pool", "SamplerParams"]
@@ -354,13 +354,21 @@ def fork_samples(state: DecodeState, slot, src, dst, cached, src_slot=None, give
   only the pages change."""
   TRACE_COUNTS["fork_samples"] += 1
   with mesh_context(ctx):
-    S = state.suffix_v[0].shape[2]
-    table, refs, frm, to = pages.fork(state.pages, state.refs, slot, src, dst, cached, S,
-                                      identity, state_shards(state)[1], src_slot, given,
-                                      use_given)
-    return constrain_state(state._replace(
-        suffix_k=pages.copy_pages(state.suffix_k, frm, to),
-        suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table, refs=refs))
+    return constrain_state(fork_rows(state, slot, src, dst, cached, identity, src_slot, given,
+                                     use_given))
+
+
+def fork_rows(state: DecodeState, slot, src, dst, cached, identity: bool, src_slot=None,
+              given=None, use_given=None) -> DecodeState:
+  """``fork_samples``' page work inside a caller's program (``pages.fork``, then the
+  partial pages copied, ``pages.copy_pages``); the same arguments."""
+  S = state.suffix_v[0].shape[2]
+  table, refs, frm, to = pages.fork(state.pages, state.refs, slot, src, dst, cached, S,
+                                    identity, state_shards(state)[1], src_slot, given,
+                                    use_given)
+  return state._replace(suffix_k=pages.copy_pages(state.suffix_k, frm, to),
+                        suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table,
+                        refs=refs)
 
 
 @functools.partial(jax.jit, static_argnames=("delta", "ctx"), donate_argnames=("state",))

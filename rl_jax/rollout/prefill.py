@@ -34,7 +34,7 @@ from rl_jax.models import transformer as tx
 from rl_jax.models.config import ModelConfig
 from rl_jax.rollout import pages, sampling
 from rl_jax.rollout.kv_cache import (RUNNING, TRACE_COUNTS, DecodeState, constrain_state,
-                                     mesh_context, record, state_shards)
+                                     fork_rows, mesh_context, record, state_shards)
 
 __all__ = ["Admission", "Resume", "admit", "admit_for", "admit_with", "grouped_attention",
            "fork_written", "onto_pages", "prefill_prompts", "resume", "run_trunk"]
@@ -356,21 +356,16 @@ def fork_written(state: DecodeState, slot, writer, forked, identity: bool) -> De
       the prompt (M: none); forked: int32 [Bn,M] the positions each sample takes (0: none).
     identity: the pool's table is the identity (``pages.fork``).
   Returns:
-    The state with the forks' pages shared or copied (``pages.fork``, ``pages.copy_pages``).
+    The state with the forks' pages shared or copied (``kv_cache.fork_rows``).
   """
   G, M = state.pages.shape[:2]
-  S = state.suffix_v[0].shape[2]
   Bn = slot.shape[0]
   take = (forked > 0) & (writer < M)[:, None] & (slot < G)[:, None]
   rows = lambda a: a.reshape(Bn * M)
-  table, refs, frm, to = pages.fork(
-      state.pages, state.refs, rows(jnp.where(take, slot[:, None], G)),
-      rows(jnp.broadcast_to(jnp.minimum(writer, M - 1)[:, None], (Bn, M))),
-      rows(jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (Bn, M))), rows(forked), S,
-      identity, state_shards(state)[1])
-  return state._replace(suffix_k=pages.copy_pages(state.suffix_k, frm, to),
-                        suffix_v=pages.copy_pages(state.suffix_v, frm, to), pages=table,
-                        refs=refs)
+  return fork_rows(state, rows(jnp.where(take, slot[:, None], G)),
+                   rows(jnp.broadcast_to(jnp.minimum(writer, M - 1)[:, None], (Bn, M))),
+                   rows(jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (Bn, M))),
+                   rows(forked), identity)
 
 
 def onto_pages(state: DecodeState, slot, sample, count, k, v) -> DecodeState:
