@@ -717,23 +717,25 @@ def test_warmup_compiles_every_shape_up_front():
   assert dict(sampler.TRACE_COUNTS) == before
 
 
-def test_the_first_prompt_on_pages_gives_the_slot_layouts_trajectories_and_checkpoints():
+# long episodes among short ones: held groups outlive the staleness bound and restart
+_FIRST_PROMPT_SPECS = [rollout.EpisodeSpec(lambda: CounterEnv(sleep="random"),
+                                           {"q": f"q{i}", "turns": 3 if i % 3 == 0 else 1},
+                                           meta=i) for i in range(10)]
+# the first prompts on pages of 8; 56 trajectory ids after the prompt: the longest episodes
+# end on it ("max_tokens")
+_FIRST_PROMPT_KW = dict(prompt_pages=True, page_size=8, deterministic=True, result_delay=3,
+                        max_total_tokens=56)
+
+
+def test_the_first_prompt_on_pages_gives_the_slot_layouts_trajectories():
   """``prompt_pages``: each first prompt's ids after its first on pool pages (the group's
   first sample prefills them, the other forks them). The slot layout's trajectories, with a
   fixed pool that preempts and a time-to-live of 0 steps (groups re-prefilled from prompt and
-  history), log-probs equal to teacher forcing; across calls with held groups and the
-  staleness bound's restarts. ``export_held`` writes the slot layout's arrays: an engine of
-  either layout continues from them."""
-  # long episodes among short ones: held groups outlive the staleness bound and restart
-  specs = [rollout.EpisodeSpec(lambda: CounterEnv(sleep="random"),
-                               {"q": f"q{i}", "turns": 3 if i % 3 == 0 else 1}, meta=i)
-           for i in range(10)]
-  # 56 trajectory ids after the prompt: the longest episodes end on it ("max_tokens")
+  history), log-probs equal to teacher forcing. (Across calls with held groups:
+  ``test_held_groups_with_the_first_prompt_on_pages_continue_in_either_layout``.)"""
+  specs, kw = _FIRST_PROMPT_SPECS, _FIRST_PROMPT_KW
   ref = _engine(max_total_tokens=56).rollout(PARAMS, specs)
-  rows = _by_uid(ref)
   assert "max_tokens" in ref.finish_reason
-  kw = dict(prompt_pages=True, page_size=8, deterministic=True, result_delay=3,
-            max_total_tokens=56)
   e = _engine(max_slots=3, kv_pages=2 * 128 // 8, ttl_steps=0, **kw)  # n x (23 + 56 -> 128)/8
   out = e.rollout(PARAMS, specs)
   e.close()
@@ -742,6 +744,18 @@ def test_the_first_prompt_on_pages_gives_the_slot_layouts_trajectories_and_check
   _same(ref, out)
   assert out.prompts == ref.prompts and out.tokens.shape == ref.tokens.shape
   _check_exact(out, 1.0)
+
+
+# held groups with the first prompt on pages, exported and imported, run in the fast suite
+# in test_held_multi_turn_groups_keep_their_expert_records[True]
+@pytest.mark.slow
+def test_held_groups_with_the_first_prompt_on_pages_continue_in_either_layout():
+  """``prompt_pages`` across calls with held groups and the staleness bound's restarts: the
+  slot layout's trajectories. ``export_held`` writes the slot layout's arrays: an engine of
+  either layout continues from them."""
+  specs, kw = _FIRST_PROMPT_SPECS, _FIRST_PROMPT_KW
+  ref = _engine(max_total_tokens=56).rollout(PARAMS, specs)
+  rows = _by_uid(ref)
 
   def check(o):
     for uid, r in _by_uid(o).items():
