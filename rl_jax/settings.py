@@ -173,7 +173,8 @@ class RolloutSettings:
       2048, cu.power_of_two,
       "Prompts longer than this many tokens (a power of two) are prefilled in chunks of it: "
       "attention scores [chunk, prompt] per head at a time instead of [prompt, prompt] "
-      "(rl_jax/rollout/prefill.py); equal to float rounding")
+      "(rl_jax/rollout/prefill.py); preempted, evicted or held samples are re-prefilled in "
+      "chunks of it too (scores [chunk, prompt + budget]); equal to float rounding")
 
   def __post_init__(self):
     if self.speculative and not self.temperature > 0:

@@ -136,3 +136,33 @@ def test_sampler_decode_program_lowers_with_the_paged_kernel(platform, verified_
   text = exported.mlir_module()
   assert _TARGETS[platform][1] in text and "paged_decode_attention" in text
   assert platform in verified_modules  # (the layers' identical calls lower once)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_re_prefill_programs_lower_for_the_platform(platform):
+  """The re-prefill of preempted or held samples (``prefill.resume``) and its later chunks
+  (``extend.prefill_tail``, attending the prompt and the sample's pages before the chunk),
+  bf16 on pages of 64 tokens, lower for the platform: the programs a run with a fixed pool or
+  held groups calls and the TPU plan compiles (``topology._reprefill_programs``)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from rl_jax import models  # pylint: disable=import-outside-toplevel
+  from rl_jax.rollout import extend, prefill, sampler, slots  # pylint: disable=import-outside-toplevel
+  cfg = models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                           num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
+                           max_position_embeddings=4096, dtype="bfloat16")
+  G, M, P, R, page, chunk = 4, 4, 256, 512, 64, 128
+  params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  state = jax.eval_shape(lambda: sampler.init_state(cfg, G, M, P, R, S=page, pages=64))
+  Br, T = slots.resume_shape(G * M, R, G=G, M=M, R=R, chunk=chunk)
+  assert (Br, T) == (16, chunk)
+  res = prefill.Resume(*(S(np.shape(x), jnp.int32) for x in slots.resume_rows(Br, T, G)))
+  jax.clear_caches()  # the platform is read at trace time: no trace for another one
+  with pallas_kernels.target_platform("gpu" if platform == "cuda" else platform):
+    whole = _export(lambda p, s, r: prefill.resume(cfg, p, s, r), platform,
+                    (params, state, res))
+    tail = _export(lambda p, s, r, k: extend.prefill_tail(cfg, p, s, r, k), platform,
+                   (params, state, res, S((Br,), jnp.int32)))
+  for exported in (whole, tail):
+    assert exported.platforms == (platform,)
+    assert [o.shape for o in exported.out_avals] == [
+        x.shape for x in jax.tree.leaves(state)]

@@ -15,7 +15,8 @@ import scipy.special
 import pallas_kernels
 from rl_jax import models, rollout, sharding
 from rl_jax.rollout import decode as decode_lib
-from rl_jax.rollout import pages
+from rl_jax.rollout import loop as loop_lib
+from rl_jax.rollout import pages, prefill
 from rl_jax.rollout.loop import group_pages
 from tests.test_rollout import _teacher_forced_logits
 
@@ -66,6 +67,43 @@ def test_pages_of_any_size_and_a_preempting_pool_give_the_slot_layouts_tokens(re
   assert grown.stats["kv_pages_used_peak"] <= np.ceil(ref.lengths / 4).sum()
   assert grown.stats["prefix_pages_shared"] == sum(
       (M - 1) * -(-len(p) // 4) for p in PROMPTS)
+
+
+def test_a_preempted_sample_is_re_prefilled_in_chunks_of_prefill_chunk(reference,
+                                                                       monkeypatch):
+  """``prefill_chunk`` bounds a re-prefill as it bounds a prompt's prefill: a preempted
+  sample's first 4 positions are rebuilt by ``prefill.resume``, the rest by
+  ``extend.prefill_tail`` pieces of at most 4 positions, each attending the pieces before it.
+  The slot layout's tokens and log-probs, and the same re-prefilled positions as whole
+  re-prefills (the default chunk of 2048 is longer than any sample here)."""
+  calls = []  # (function, rows, tokens, first position of each row, positions of each row)
+
+  def record(name, fn, tail):
+    def call(cfg, params, state, res, *args, **kw):
+      start = np.asarray(args[0]) if tail else np.zeros(len(res.slot), np.int32)
+      real = res.slot < len(state.active)
+      calls.append((name, *res.tokens.shape, start[real], (res.length - 1 - start)[real]))
+      return fn(cfg, params, state, res, *args, **kw)
+    return call
+
+  monkeypatch.setattr(prefill, "resume", record("resume", prefill.resume, False))
+  monkeypatch.setattr(loop_lib, "prefill_tail", record("tail", loop_lib.prefill_tail, True))
+  kw = dict(temperature=1.0, page_size=4, kv_pages=M * MAX_NEW // 4)
+  chunked = _gen(prefill_chunk=4, **kw)
+  by_chunk = list(calls)
+  calls.clear()
+  whole = _gen(**kw)
+  _same(chunked, reference[1.0])
+  _same(whole, reference[1.0])
+  assert chunked.stats["preemptions"] > 0
+  positions = lambda rows: sum(int(n.sum()) for *_, n in rows)
+  assert positions(by_chunk) == positions(calls) > 0
+  assert all(T <= 4 for _, _, T, _, _ in by_chunk)
+  assert max(T for _, _, T, _, _ in calls) > 4  # the whole re-prefills: longer than a chunk
+  pieces = [(s, n) for name, _, _, start, count in by_chunk if name == "tail"
+            for s, n in zip(start, count) if n > 0]
+  assert pieces and all(s % 4 == 0 and 0 < n <= 4 for s, n in pieces)
+  assert max(s for s, _ in pieces) >= 8  # three pieces or more of one sample
 
 
 def test_paged_logprobs_equal_teacher_forcing():

@@ -167,10 +167,33 @@ def test_the_warmup_buckets_are_every_bucket_a_call_can_take():
   for lo in (4, 8, 16):
     for top in range(1, 130):
       assert slots.buckets(lo, top) == sorted({min(top, pow2(n, lo)) for n in range(1, top + 1)})
-  for G, M, R in itertools.product((1, 3, 8), (1, 4), (8, 64, 256)):
-    every = {slots.resume_shape(rows, n, G=G, M=M, R=R) for rows in range(1, G * M + 1)
-             for n in range(1, R + 1)}
-    assert slots.resume_shapes(G=G, M=M, R=R) == sorted(every)
+  for G, M, R, C in itertools.product((1, 3, 8), (1, 4), (8, 64, 256), (None, 4, 32)):
+    # a re-prefill call computes at most ``prefill_chunk`` (C) positions of a row
+    every = {slots.resume_shape(rows, n, G=G, M=M, R=R, chunk=C)
+             for rows in range(1, G * M + 1) for n in range(1, min(R, C or R) + 1)}
+    assert slots.resume_shapes(G=G, M=M, R=R, chunk=C) == sorted(every)
+    assert max(T for _, T in every) == min(R, C or R)
+
+
+def test_tail_rounds_cut_each_row_into_consecutive_chunks():
+  """``slots.tail_rounds``: round i holds the i-th piece of every row long enough to have
+  one; a row's pieces, in round order, cover its positions start .. n once each, every one
+  at most the chunk long (a whole piece without a chunk)."""
+  from rl_jax.rollout import slots  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  for chunk in (None, 1, 4, 16):
+    tails = []
+    for i in range(12):
+      k = int(rng.integers(0, 30))
+      tails.append((i % 5, i, 7 - i % 3, k + int(rng.integers(1, 60)), k))
+    rounds = slots.tail_rounds(tails, chunk)
+    for b, m, g, n, k in tails:
+      pieces = [p for r in rounds for p in r if p[:3] == (b, m, g)]
+      assert [p[4] for p in pieces] == list(range(k, n, chunk or n - k))
+      assert [p[3] for p in pieces] == [min(n, s + (chunk or n - k)) for _, _, _, _, s in pieces]
+      assert all(p in rounds[i] for i, p in enumerate(pieces))
+    assert sum(len(r) for r in rounds) == sum(-(-(n - k) // (chunk or n - k))
+                                             for *_, n, k in tails)
 
 
 def test_resume_calls_cut_the_rows_where_the_fewest_tokens_are_computed():

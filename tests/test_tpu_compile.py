@@ -170,8 +170,9 @@ def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path, prompt_pag
   min(rollout.page_size, R) = 64 tokens, one page per sample, not the single-turn engine's
   32-token pages of R = rollout.max_new_tokens. With ``rollout.prompt_pages`` the prefill
   still takes whole first prompts (and writes their ids after the first onto pages): the
-  same programs. Every sampler program counts in the step's rollout time, the rest in the
-  learner's."""
+  same programs, and the re-prefill of a first prompt longer than the admission's bucket
+  (``resume``: compiled, its peak counted, no calls per step). Every sampler program counts
+  in the step's rollout time, the rest in the learner's."""
   config = config_utils.load_config(
       os.path.join(ROOT, "configs", "agent_quickstart.py"),
       ["sft.steps=0", "train.batch_groups=4", "train.dry_run=True",
@@ -182,8 +183,12 @@ def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path, prompt_pag
   with open(tmp_path / topology.PLAN_FILE) as f:
     p = json.load(f)
   progs = p["programs"]
-  sampler = {"prefill", "decode", "extend"}
+  sampler = {"prefill", "decode", "extend"} | ({"resume"} if prompt_pages else set())
   assert set(progs) == {"logprobs", "rl_update", "kv_init"} | sampler
+  if prompt_pages:  # every sample of the 4 groups x 64 positions (R; below the chunk)
+    assert progs["resume"]["calls"] == 0
+    assert progs["resume"]["note"].startswith(f"re-prefill of {4 * config.rollout.n} "
+                                              "samples x 64 positions")
   assert progs["decode"]["kernels"] == ["paged_decode_attention"]
   # (with the prompt on pages R also holds the first prompt's ids after its first: at most
   # data.max_prompt_len - 1 + 40 = 63, so still 64)
@@ -235,6 +240,27 @@ def test_largest_batch_that_fits_is_compiled_and_the_next_is_not(quick_plan, mon
   assert not over["fits"] and over["peak"] > peak, over
   line = topology._max_batch_line(mb, peak)  # pylint: disable=protected-access
   assert line.startswith("largest train.batch_groups that fits: 8 (") and "12 predicted" in line
+
+
+def test_the_plan_compiles_the_re_prefill_where_a_rollout_can_call_it():
+  """``topology.reprefills``: a growing pool of single-turn groups never re-prefills; a fixed
+  pool (preemptions), held groups (``rollout.partial``), prompts on pages (a long one is
+  re-prefilled) and a multi-turn time-to-live (evictions) do, so their plans compile it."""
+  from rl_jax import models, rollout  # pylint: disable=import-outside-toplevel
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                           num_heads=2, num_kv_heads=1, head_dim=16,
+                           max_position_embeddings=512)
+  single = lambda **kw: rollout.RolloutEngine(cfg, n=2, max_slots=2, max_new_tokens=64,
+                                              max_prompt_len=16, page_size=16, **kw)
+  assert not topology.reprefills(single(), partial=False)
+  assert topology.reprefills(single(), partial=True)
+  assert topology.reprefills(single(kv_pages=8), partial=False)
+  assert topology.reprefills(single(prompt_pages=True), partial=False)
+  multi = lambda **kw: rollout.AgentEngine(cfg, None, str, n=2, max_slots=2, max_prompt_len=16,
+                                           max_total_tokens=64, deterministic=True,
+                                           stop_ids=[1], **kw)
+  assert not topology.reprefills(multi(ttl_steps=None), partial=False)
+  assert topology.reprefills(multi(ttl_steps=4), partial=False)
 
 
 def test_kernel_follows_the_mesh_platform():

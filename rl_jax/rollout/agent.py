@@ -127,7 +127,8 @@ class AgentEngine(EngineCore):
     page_size: tokens per page of the trajectory cache (``rollout.pages``; >= the
       trajectory budget is one worst-case page per sample).
     prefill_chunk: prompts longer than this many tokens are prefilled in chunks
-      (``prefill.prefill_prompts``); None: whole.
+      (``prefill.prefill_prompts``), and evicted or preempted trajectories re-prefilled in
+      chunks (``slots.tail_rounds``); None: whole.
     kv_pages: a fixed pool of this many pages (at least one group's whole budget). When the
       resident groups need more, the most recently admitted one is preempted: its partial
       turns are kept, it goes back to the front of the queue and resumes by recompute

@@ -98,6 +98,8 @@ class EngineCore(HoldsGroups):
       raise RolloutError("pass both mesh and rules, or neither")
     if prefill_chunk is not None:
       check_power_of_two("prefill_chunk", prefill_chunk)
+    # the most tokens of a sample one prefill or re-prefill call computes
+    self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
     if dtype is not None:
       cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     self.cfg = cfg.replace(moe_capacity_factor=0.0)  # the sampler routes every token

@@ -116,7 +116,8 @@ class RolloutEngine(EngineCore):
       capacity, e.g. CPU, keep the growing pool).
     prefill_chunk: prompts longer than this many tokens (a power of two) are prefilled in
       chunks of it (``prefill.prefill_prompts``: scores [chunk, P] per head at a time
-      instead of [P, P]); None: whole prompts.
+      instead of [P, P]), and resumed samples re-prefilled in chunks of it
+      (``slots.tail_rounds``); None: whole prompts and samples.
     share_prefixes: a resumed sample whose tokens begin those of another sample with its
       K/V (a resumed sample of its group; or, with the same prompt on the same pool shard,
       of another group admitted with it or decoding in a slot) is forked from it at

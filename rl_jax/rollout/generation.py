@@ -65,8 +65,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], n: int 
     page_size, kv_pages, kv_memory_fraction: the paged response cache (``RolloutEngine``):
       tokens per page, a fixed pool size in pages, or the fraction of free device memory a
       fixed pool takes (both None: grown as the responses need it).
-    prefill_chunk: prompts longer than this many tokens are prefilled in chunks of it
-      (bounded memory for long prompts); None: whole prompts.
+    prefill_chunk: prompts longer than this many tokens are prefilled in chunks of it, and
+      preempted samples re-prefilled in chunks of it (bounded memory for long prompts and
+      responses); None: whole.
     prefixes: one list of response tokens per prompt that its n samples continue from (a
       mid-sequence state: tree rollouts, re-rollouts from a point of an earlier response);
       they open each row with log-prob 0 and version -1 (not sampled here) and count

@@ -687,33 +687,39 @@ class Loop:
     return a, rebuild, [r for r in shared if not here(r)]
 
   def reprefill(self, a, rebuild) -> None:
-    """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens."""
+    """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens: their
+    first ``prefill_chunk`` positions by ``prefill.resume``, the rest in chunks of it
+    (``prefill_tails``), before any sample forks them."""
     if not rebuild:
       return
-    e = self.e
-    for rows, (Br, T) in slots.resume_calls([n for *_, n in rebuild], G=e.G, M=e.M, R=e.R):
+    e, C = self.e, self.e.prefill_chunk
+    first = [(b, m, g, min(n, C or n)) for b, m, g, n in rebuild]
+    for rows, (Br, T) in slots.resume_calls([n for *_, n in first], G=e.G, M=e.M, R=e.R,
+                                            chunk=C):
       res = slots.resume_rows(Br, T, e.G)
-      for r, (b, m, g, n) in enumerate(rebuild[i] for i in rows):
+      for r, (b, m, g, n) in enumerate(first[i] for i in rows):
         res.slot[r], res.sample[r], res.length[r] = g, m, n + 1
         res.tokens[r] = a["tokens"][b, m, :T]  # the n cached positions (T >= n)
         self.stats["reprefill_tokens"] += n
       self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
+    self.prefill_tails(a, [(b, m, g, n, C) for b, m, g, n in rebuild if C and n > C])
 
   def prefill_tails(self, a, tails) -> None:
-    """Rebuild the K/V of resumed samples that forked a source's whole pages for the start
-    of their tokens (``slots.forks``' tails) from there on (``extend.prefill_tail``)."""
-    if not tails:
-      return
+    """Rebuild the K/V of resumed samples whose first k positions are on their pages
+    (``slots.forks``' tails: a source's whole pages forked; or a long re-prefill's first
+    chunk) from there on (``extend.prefill_tail``), in pieces of at most ``prefill_chunk``
+    positions (``slots.tail_rounds``)."""
     e = self.e
-    for rows, (Br, T) in slots.resume_calls([n - k for *_, n, k in tails], G=e.G, M=e.M,
-                                            R=e.R):
-      res, start = slots.resume_rows(Br, T, e.G), np.zeros(Br, np.int32)
-      for r, (b, m, g, n, k) in enumerate(tails[i] for i in rows):
-        res.slot[r], res.sample[r], res.length[r], start[r] = g, m, n + 1, k
-        part = a["tokens"][b, m, k:k + T]
-        res.tokens[r, :len(part)] = part
-        self.stats["reprefill_tokens"] += n - k
-      self.state = prefill_tail(e.cfg, self.params, self.state, res, start, ctx=e.ctx)
+    for pieces in slots.tail_rounds(tails, e.prefill_chunk):
+      for rows, (Br, T) in slots.resume_calls([n - k for *_, n, k in pieces], G=e.G, M=e.M,
+                                              R=e.R, chunk=e.prefill_chunk):
+        res, start = slots.resume_rows(Br, T, e.G), np.zeros(Br, np.int32)
+        for r, (b, m, g, n, k) in enumerate(pieces[i] for i in rows):
+          res.slot[r], res.sample[r], res.length[r], start[r] = g, m, n + 1, k
+          part = a["tokens"][b, m, k:k + T]
+          res.tokens[r, :len(part)] = part
+          self.stats["reprefill_tokens"] += n - k
+        self.state = prefill_tail(e.cfg, self.params, self.state, res, start, ctx=e.ctx)
 
   def fork(self, shared, cached=()) -> None:
     """Give resumed samples the pages of a sample whose tokens begin theirs, of their group
@@ -899,7 +905,8 @@ def warmup(e, params) -> int:
   buckets (samples x chunk length), and the decode loop at the first live-page bucket
   (longer trajectories compile one program per further power-of-two bucket when they reach
   it). Forks (``kv_cache.fork_samples`` and ``extend.prefill_tail``: samples that share
-  another's pages, ``slots.forks``) compile when a rollout first forks. ``params``: sampler
+  another's pages, ``slots.forks``) compile when a rollout first forks, the latter also
+  when it first re-prefills a sample longer than ``prefill_chunk``. ``params``: sampler
   parameters. Returns the number of programs traced."""
   before = sum(kv_cache.TRACE_COUNTS.values())
   key, version = jax.random.key(e.seed, impl="threefry2x32"), jnp.int32(0)
@@ -912,7 +919,7 @@ def warmup(e, params) -> int:
         a, _ = admission(e, [], Bn, Pb)
         state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
                            filtered=e.filtered, fresh=fresh, ctx=e.ctx, identity=identity)
-  for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R):
+  for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R, chunk=e.prefill_chunk):
     state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G), ctx=e.ctx)
   if e.pool is not None:
     for Be in slots.buckets(4, e.G * e.M):
@@ -936,10 +943,12 @@ def prompt_bucket(e, lengths: list[int], Bn: int) -> int:
   prefilled by the admission (``Loop.onto_pages``); a longer one stays at its first id and
   its first sample is re-prefilled (``Loop.reprefill``, calls cut by
   ``slots.resume_calls``). Pb minimises the tokens computed, Bn·Pb plus the re-prefill
-  calls' Br·T; of equal costs the larger (fewer calls). A bucket below the whole prompts'
-  is taken only where it saves at least a third of the tokens: it adds a call and two
-  programs to compile (an admission and a re-prefill), which a smaller saving does not
-  repay where prompts are short. A function of the lengths alone."""
+  calls' Br·T (as whole rows: a row longer than ``prefill_chunk`` is re-prefilled in
+  chunks of it, the same positions in more calls); of equal costs the larger (fewer
+  calls). A bucket below the whole prompts' is taken only where it saves at least a third
+  of the tokens: it adds a call and two programs to compile (an admission and a
+  re-prefill), which a smaller saving does not repay where prompts are short. A function
+  of the lengths alone."""
   top = pow2(max(lengths), 8)
   whole = Bn * top  # every prompt whole
   best = ((2 * whole) // 3 + 1, top)

@@ -3,7 +3,7 @@
 ``admission_rows`` are the padding arrays an admission fills; ``forks`` picks the resumed
 samples that can share another sample's pages instead of being re-prefilled; ``resume_shape``
 and ``buckets`` are the shapes the loop's programs take (what a warm-up compiles), and
-``resume_calls`` splits a re-prefill's rows over them;
+``resume_calls`` splits a re-prefill's rows over them, ``tail_rounds`` a long one into chunks;
 ``merged_routing`` keeps a resumed sample's expert records.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (G slots, M samples per slot,
@@ -18,7 +18,7 @@ import numpy as np
 from rl_jax.rollout.prefill import Resume
 
 __all__ = ["admission_rows", "buckets", "common_prefix", "forks", "merged_routing", "resume_calls",
-           "resume_rows", "resume_shape", "resume_shapes"]
+           "resume_rows", "resume_shape", "resume_shapes", "tail_rounds"]
 
 
 def admission_rows(Bn: int, Pb: int, *, G: int, M: int, R: int, budget: int):
@@ -163,10 +163,13 @@ def resume_rows(Br: int, T: int, G: int) -> Resume:
                 np.zeros((Br, T), np.int32), np.ones(Br, np.int32))
 
 
-def resume_shape(rows: int, longest: int, *, G: int, M: int, R: int) -> tuple[int, int]:
+def resume_shape(rows: int, longest: int, *, G: int, M: int, R: int,
+                 chunk: int | None = None) -> tuple[int, int]:
   """(Br, T) bucket for re-prefilling ``rows`` samples of up to ``longest`` tokens.
 
-  Br steps by 4x from 4 up to all G·M samples; T is R/4, R/2 or R (3 lengths).
+  Br steps by 4x from 4 up to all G·M samples; T is R/4, R/2 or R (3 lengths), at most
+  ``chunk`` (a power of two: the engine's ``prefill_chunk``; the caller cuts longer rows,
+  ``tail_rounds``).
   """
   Br = 4
   while Br < rows:
@@ -174,19 +177,21 @@ def resume_shape(rows: int, longest: int, *, G: int, M: int, R: int) -> tuple[in
   T = max(1, R // 4)
   while T < longest:
     T *= 2
-  return min(Br, G * M), min(T, R)
+  return min(Br, G * M), min(T, R, chunk or R)
 
 
-def resume_calls(lengths, *, G: int, M: int, R: int) -> list[tuple[list[int], tuple[int, int]]]:
+def resume_calls(lengths, *, G: int, M: int, R: int,
+                 chunk: int | None = None) -> list[tuple[list[int], tuple[int, int]]]:
   """The re-prefill calls for rows of ``lengths`` tokens each: the rows, longest first, cut
   into runs that minimise the tokens computed (Br·T summed over the calls; a run's (Br, T)
   is ``resume_shape`` of its size and its longest row), so a few long rows do not pad every
-  short one to their length. A function of the lengths alone. Returns [(indices into
-  ``lengths``, (Br, T))], longest rows first."""
+  short one to their length. A function of the lengths alone (each at most ``chunk``, which
+  caps T). Returns [(indices into ``lengths``, (Br, T))], longest rows first."""
   n = len(lengths)
   order = sorted(range(n), key=lambda i: (-lengths[i], i))
   # a call's T follows its longest (first) row, its Br its row count (``resume_shape``)
-  T = np.array([resume_shape(1, lengths[i], G=G, M=M, R=R)[1] for i in order], np.float64)
+  T = np.array([resume_shape(1, lengths[i], G=G, M=M, R=R, chunk=chunk)[1] for i in order],
+               np.float64)
   Br = np.array([0] + [resume_shape(k, 1, G=G, M=M, R=R)[0] for k in range(1, n + 1)])
   cost, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
   for j in range(1, n + 1):  # the cheapest cut of the first j rows: a call for rows i..j-1
@@ -197,17 +202,34 @@ def resume_calls(lengths, *, G: int, M: int, R: int) -> list[tuple[list[int], tu
   calls, j = [], n
   while j:
     i = int(cut[j])
-    calls.append((order[i:j], resume_shape(j - i, lengths[order[i]], G=G, M=M, R=R)))
+    calls.append((order[i:j], resume_shape(j - i, lengths[order[i]], G=G, M=M, R=R,
+                                           chunk=chunk)))
     j = i
   return calls[::-1]
 
 
-def resume_shapes(*, G: int, M: int, R: int) -> list[tuple[int, int]]:
+def resume_shapes(*, G: int, M: int, R: int, chunk: int | None = None) -> list[tuple[int, int]]:
   """Every (Br, T) bucket ``resume_shape`` gives for this engine's shapes, sorted: what a
   warm-up compiles."""
   rows = [1, *(4 ** i for i in range(1, (G * M).bit_length()) if 4 ** i < G * M), G * M]
-  return sorted({resume_shape(r, n, G=G, M=M, R=R) for r in rows
+  return sorted({resume_shape(r, n, G=G, M=M, R=R, chunk=chunk) for r in rows
                  for n in (R, R // 2, R // 4) if n >= 1})
+
+
+def tail_rounds(tails, chunk: int | None) -> list[list[tuple]]:
+  """Rows ``(row, sample, slot, n, k)`` whose K/V is rebuilt from position k up to n, cut
+  into pieces of at most ``chunk`` positions (None: one piece each): round i holds each row's
+  i-th piece ``(row, sample, slot, end, start)``. A piece attends the positions below its
+  start, so the rounds run in order; a re-prefill's memory then grows with the chunk, not
+  with the response budget (its scores are [rows, heads, chunk, prompt + budget])."""
+  rounds: list[list[tuple]] = []
+  for b, m, g, n, k in tails:
+    step = chunk or max(n - k, 1)
+    for i, start in enumerate(range(k, n, step)):
+      if i == len(rounds):
+        rounds.append([])
+      rounds[i].append((b, m, g, min(n, start + step), start))
+  return rounds
 
 
 def buckets(lo: int, top: int) -> list[int]:

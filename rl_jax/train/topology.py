@@ -22,8 +22,11 @@ reference, critic) as the memory plan compiles them (``memory.compile_steps``), 
 sampler's programs: the KV cache's allocation, the prefill of a step's groups at the
 longest prompt (``prefill.admit``; with ``rollout.prompt_pages`` it also writes the prompt's
 ids after its first onto pages, which the group's other samples fork), the decode loop at its
-largest live-page bucket (``decode.decode``) and, multi-turn, the observations' incremental
-prefill (``extend``), with the response pool the engine starts with (what a growing pool
+largest live-page bucket (``decode.decode``), multi-turn, the observations' incremental
+prefill (``extend``), and where the engine re-prefills samples (a fixed pool's preemptions,
+held groups, the time-to-live's evictions, long prompts on pages) that re-prefill at its
+largest call (``prefill.resume``, and ``extend.prefill_tail`` for the chunks after the first
+where the budget exceeds ``rollout.prefill_chunk``), with the response pool the engine starts with (what a growing pool
 reaches is added from the page size). Kernels are the target's: ``sharding.use`` hands the
 mesh's platform to ``pallas_kernels`` (``target_platform``), so the packed log-prob passes
 compile the Pallas TPU shared-prefix kernel with Mosaic.
@@ -93,6 +96,7 @@ from rl_jax.rollout import extend as extend_lib
 from rl_jax.rollout import kv_cache
 from rl_jax.rollout import records
 from rl_jax.rollout import sampler as sampler_lib
+from rl_jax.rollout import slots as slots_lib
 from rl_jax.train import memory
 from rl_jax.train import state as state_lib
 from rl_jax.train.context import Setup, build_setup, mesh_shape
@@ -138,7 +142,7 @@ CHIPS = {
 
 _EXAMPLES = "v5e:2x2 (4 chips), v5p:2x2x2 (8 chips, sold as v5p-16), v6e:2x4 (8 chips)"
 # the sampler's programs (``extend``: multi-turn observations)
-SAMPLER = ("kv_init", "prefill", "extend", "decode")
+SAMPLER = ("kv_init", "prefill", "extend", "decode", "resume", "resume_tail")
 # what shrinks the sampler's programs (named in the one-line error of one that does not fit)
 SAMPLER_KNOBS = ("rollout.kv_pages (a fixed pool; the engine preempts beyond it), "
                  "rollout.kv_memory_fraction, train.batch_groups, rollout.n, "
@@ -380,6 +384,8 @@ def model_flops(s: Setup, prog: str, sampler: dict | None = None) -> float:
     flops = 2 * train * (trunk + head) * s.sft.batch_size * T
   elif sampler is not None and prog in ("prefill", "extend"):  # logits of each row's last
     flops = 2 * (trunk * sampler["rows"] * sampler["tokens"] + head * sampler["rows"])
+  elif sampler is not None and prog in ("resume", "resume_tail"):  # K/V only, no logits
+    flops = 2 * trunk * sampler["rows"] * sampler["tokens"]
   elif sampler is not None and prog == "decode":
     flops = 2 * (trunk + head) * sampler["rows"]
   else:
@@ -517,6 +523,8 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
                   "shape": {"rows": Bn, "tokens": Pb},
                   "note": f"{Bn} groups x {Pb} prompt tokens"},
   }
+  if reprefills(engine, t.setup.rollout.partial):
+    programs.update(_reprefill_programs(engine, params, state, rows, rep, weights))
   # one decode call (both engines' loop) at every page live
   decode = _compile("decode", sampler_lib.decode.lower(
       cfg, params, state, sp, i32, i32, i32, i32, filtered=engine.filtered, ctx=engine.ctx,
@@ -546,6 +554,38 @@ def sampler_programs(t: TrainParts, rl_state, kv_fraction: float | None = None,
             page_bytes=memory.pool_page_bytes(t.setup, engine.S), fixed=engine.fixed_pool,
             slots=G, shards=shards)
   return programs, kv
+
+
+def reprefills(engine, partial: bool) -> bool:
+  """Whether the engine's rollouts can re-prefill samples (``Loop.reprefill``): a fixed pool
+  preempts, held groups (``rollout.partial``) come back, a time-to-live evicts waiting
+  groups, or prompts on pages longer than the admission's bucket are re-prefilled."""
+  return bool(engine.fixed_pool or partial or engine.prompt_pages
+              or getattr(engine, "ttl", None) is not None)
+
+
+def _reprefill_programs(engine, params, state, rows: int, rep, weights: int) -> dict:
+  """The re-prefill at its largest call: every sample of the step's groups (``rows``) at
+  ``min(R, prefill_chunk)`` positions (``prefill.resume``), and where R exceeds the chunk
+  the chunks after the first (``extend.prefill_tail``, attending the prompt and the pages
+  before them). Not called every step: ``calls`` 0 (their time is not in the step's), but
+  their peak counts in what fits."""
+  G, M, R, C = engine.G, engine.M, engine.R, engine.prefill_chunk
+  Br, T = slots_lib.resume_shape(rows, R, G=G, M=M, R=R, chunk=C)
+  res = sampler_lib.Resume(*(_spec(x, rep) for x in slots_lib.resume_rows(Br, T, G)))
+  note = (f"re-prefill of {Br} samples x {T} positions (preempted, held or evicted "
+          "samples; not every step)")
+  progs = {"resume": {"program": _compile("resume", sampler_lib.resume.lower(
+      engine.cfg, params, state, res, ctx=engine.ctx)), "params": weights, "calls": 0,
+      "shape": {"rows": Br, "tokens": T}, "note": note}}
+  if C is not None and R > C:
+    start = _spec(np.zeros(Br, np.int32), rep)
+    progs["resume_tail"] = {
+        "program": _compile("resume_tail", extend_lib.prefill_tail.lower(
+            engine.cfg, params, state, res, start, ctx=engine.ctx)),
+        "params": weights, "calls": 0, "shape": {"rows": Br, "tokens": T},
+        "note": f"its later chunks: {Br} samples x {T} positions after the first"}
+  return progs
 
 
 # ------------------------------------------------------------------------------- the command
