@@ -169,9 +169,11 @@ def test_the_warmup_buckets_are_every_bucket_a_call_can_take():
       assert slots.buckets(lo, top) == sorted({min(top, pow2(n, lo)) for n in range(1, top + 1)})
   for G, M, R, C in itertools.product((1, 3, 8), (1, 4), (8, 64, 256), (None, 4, 32)):
     # a re-prefill call computes at most ``prefill_chunk`` (C) positions of a row
+    # and at most G x min(P, C) positions a call, or 4 rows (``slots.call_fits``), P = 16
     every = {slots.resume_shape(rows, n, G=G, M=M, R=R, chunk=C)
              for rows in range(1, G * M + 1) for n in range(1, min(R, C or R) + 1)}
-    assert slots.resume_shapes(G=G, M=M, R=R, chunk=C) == sorted(every)
+    every = {(Br, T) for Br, T in every if C is None or Br * T <= G * min(16, C) or Br <= 4}
+    assert slots.resume_shapes(G=G, M=M, R=R, P=16, chunk=C) == sorted(every)
     assert max(T for _, T in every) == min(R, C or R)
 
 
@@ -202,20 +204,27 @@ def test_resume_calls_cut_the_rows_where_the_fewest_tokens_are_computed():
   every way to cut the rows, longest first, into consecutive calls (enumerated here)."""
   from rl_jax.rollout import slots  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
-  for trial in range(40):
+  for trial in range(60):
     G, M, R = [(2, 4, 64), (8, 8, 4096), (4, 2, 512)][trial % 3]
-    n = int(rng.integers(1, 9))
-    lengths = [int(x) for x in np.minimum(rng.geometric(4 / R, n), R)]
-    calls = slots.resume_calls(lengths, G=G, M=M, R=R)
+    # ``prefill_chunk``: rows of at most C positions, calls of at most G x min(P, C)
+    # positions (or 4 rows), P the prompt bucket
+    C, P = [None, R // 8, R // 2][trial // 3 % 3], [8, 64][trial // 9 % 2]
+    n = int(rng.integers(1, 9 if C is None else 17))
+    lengths = [int(x) for x in np.minimum(rng.geometric(4 / R, n), C or R)]
+    calls = slots.resume_calls(lengths, G=G, M=M, R=R, P=P, chunk=C)
     assert sorted(i for rows, _ in calls for i in rows) == list(range(n))
     for rows, (Br, T) in calls:
       assert (Br, T) == slots.resume_shape(len(rows), max(lengths[i] for i in rows),
-                                           G=G, M=M, R=R)
+                                           G=G, M=M, R=R, chunk=C)
+      assert C is None or Br * T <= G * min(P, C) or Br <= 4
     ordered = sorted(lengths, reverse=True)
+    shape = lambda a, b: slots.resume_shape(b - a, ordered[a], G=G, M=M, R=R, chunk=C)
+    fits = lambda Br, T: C is None or Br * T <= G * min(P, C) or Br <= 4
     best = min(
-        sum(math.prod(slots.resume_shape(b - a, ordered[a], G=G, M=M, R=R))
-            for a, b in zip((0,) + cuts, cuts + (n,)))
-        for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        sum(math.prod(shape(a, b)) for a, b in zip((0,) + cuts, cuts + (n,)))
+        for k in range(n) for cuts in itertools.combinations(range(1, n), k)
+        if all(fits(*shape(a, b)) and shape(a, b)[0] >= b - a
+               for a, b in zip((0,) + cuts, cuts + (n,))))
     assert sum(Br * T for _, (Br, T) in calls) == best
   # two long rows no longer pad six short ones to their length (one call: 16 x 2048)
   assert slots.resume_calls([2047, 36, 50, 1162, 62, 76, 171, 89], G=8, M=8, R=4096) == [

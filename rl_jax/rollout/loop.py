@@ -695,7 +695,7 @@ class Loop:
     e, C = self.e, self.e.prefill_chunk
     first = [(b, m, g, min(n, C or n)) for b, m, g, n in rebuild]
     for rows, (Br, T) in slots.resume_calls([n for *_, n in first], G=e.G, M=e.M, R=e.R,
-                                            chunk=C):
+                                            P=e.P, chunk=C):
       res = slots.resume_rows(Br, T, e.G)
       for r, (b, m, g, n) in enumerate(first[i] for i in rows):
         res.slot[r], res.sample[r], res.length[r] = g, m, n + 1
@@ -712,7 +712,7 @@ class Loop:
     e = self.e
     for pieces in slots.tail_rounds(tails, e.prefill_chunk):
       for rows, (Br, T) in slots.resume_calls([n - k for *_, n, k in pieces], G=e.G, M=e.M,
-                                              R=e.R, chunk=e.prefill_chunk):
+                                              R=e.R, P=e.P, chunk=e.prefill_chunk):
         res, start = slots.resume_rows(Br, T, e.G), np.zeros(Br, np.int32)
         for r, (b, m, g, n, k) in enumerate(pieces[i] for i in rows):
           res.slot[r], res.sample[r], res.length[r], start[r] = g, m, n + 1, k
@@ -919,7 +919,7 @@ def warmup(e, params) -> int:
         a, _ = admission(e, [], Bn, Pb)
         state = e.admit_fn(e.cfg, params, state, prefill.Admission(**a), e.sp, version, key,
                            filtered=e.filtered, fresh=fresh, ctx=e.ctx, identity=identity)
-  for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R, chunk=e.prefill_chunk):
+  for Br, T in slots.resume_shapes(G=e.G, M=e.M, R=e.R, P=e.P, chunk=e.prefill_chunk):
     state = prefill.resume(e.cfg, params, state, slots.resume_rows(Br, T, e.G), ctx=e.ctx)
   if e.pool is not None:
     for Be in slots.buckets(4, e.G * e.M):

@@ -3,7 +3,8 @@
 ``admission_rows`` are the padding arrays an admission fills; ``forks`` picks the resumed
 samples that can share another sample's pages instead of being re-prefilled; ``resume_shape``
 and ``buckets`` are the shapes the loop's programs take (what a warm-up compiles), and
-``resume_calls`` splits a re-prefill's rows over them, ``tail_rounds`` a long one into chunks;
+``resume_calls`` splits a re-prefill's rows over them (``call_fits``: no call larger than
+the admission's largest), ``tail_rounds`` a long one into chunks;
 ``merged_routing`` keeps a resumed sample's expert records.
 
 Axis letters: the legend of ``rl_jax/__init__.py`` (G slots, M samples per slot,
@@ -17,8 +18,9 @@ import numpy as np
 
 from rl_jax.rollout.prefill import Resume
 
-__all__ = ["admission_rows", "buckets", "common_prefix", "forks", "merged_routing", "resume_calls",
-           "resume_rows", "resume_shape", "resume_shapes", "tail_rounds"]
+__all__ = ["admission_rows", "buckets", "call_fits", "call_limit", "common_prefix", "forks",
+           "merged_routing", "resume_calls", "resume_rows", "resume_shape", "resume_shapes",
+           "tail_rounds"]
 
 
 def admission_rows(Bn: int, Pb: int, *, G: int, M: int, R: int, budget: int):
@@ -180,13 +182,28 @@ def resume_shape(rows: int, longest: int, *, G: int, M: int, R: int,
   return min(Br, G * M), min(T, R, chunk or R)
 
 
-def resume_calls(lengths, *, G: int, M: int, R: int,
+def call_limit(G: int, P: int | None, chunk: int | None) -> float:
+  """The most positions (rows x T) one re-prefill call computes: the admission's largest
+  call, G slots x min(P, ``chunk``) prompt positions (P the engine's prompt bucket, None: the
+  chunk alone), what the engine's prefill computes at once anyway. ``chunk`` None: no limit."""
+  return np.inf if chunk is None else G * min(P or chunk, chunk)
+
+
+def call_fits(Br: int, T: int, *, G: int, P: int | None, chunk: int | None) -> bool:
+  """Whether a re-prefill call of Br rows x T positions is within ``call_limit`` or of the
+  smallest row bucket (4)."""
+  return Br * T <= call_limit(G, P, chunk) or Br <= 4
+
+
+def resume_calls(lengths, *, G: int, M: int, R: int, P: int | None = None,
                  chunk: int | None = None) -> list[tuple[list[int], tuple[int, int]]]:
   """The re-prefill calls for rows of ``lengths`` tokens each: the rows, longest first, cut
   into runs that minimise the tokens computed (Br·T summed over the calls; a run's (Br, T)
   is ``resume_shape`` of its size and its longest row), so a few long rows do not pad every
-  short one to their length. A function of the lengths alone (each at most ``chunk``, which
-  caps T). Returns [(indices into ``lengths``, (Br, T))], longest rows first."""
+  short one to their length; each call within ``call_fits``, so a re-prefill of many long
+  rows takes several calls rather than one that outgrows the device. A function of the
+  lengths alone (each at most ``chunk``, which caps T; P the engine's prompt bucket).
+  Returns [(indices into ``lengths``, (Br, T))], longest rows first."""
   n = len(lengths)
   order = sorted(range(n), key=lambda i: (-lengths[i], i))
   # a call's T follows its longest (first) row, its Br its row count (``resume_shape``)
@@ -194,9 +211,11 @@ def resume_calls(lengths, *, G: int, M: int, R: int,
                np.float64)
   Br = np.array([0] + [resume_shape(k, 1, G=G, M=M, R=R)[0] for k in range(1, n + 1)])
   cost, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
+  limit = call_limit(G, P, chunk)
   for j in range(1, n + 1):  # the cheapest cut of the first j rows: a call for rows i..j-1
     k = j - np.arange(j)
-    c = np.where(Br[k] >= k, cost[:j] + Br[k] * T[:j], np.inf)
+    ok = (Br[k] >= k) & ((Br[k] * T[:j] <= limit) | (Br[k] <= 4))  # ``call_fits``
+    c = np.where(ok, cost[:j] + Br[k] * T[:j], np.inf)
     cut[j] = int(np.argmin(c))  # the first of equal costs: fewer, longer calls
     cost[j] = c[cut[j]]
   calls, j = [], n
@@ -208,12 +227,14 @@ def resume_calls(lengths, *, G: int, M: int, R: int,
   return calls[::-1]
 
 
-def resume_shapes(*, G: int, M: int, R: int, chunk: int | None = None) -> list[tuple[int, int]]:
-  """Every (Br, T) bucket ``resume_shape`` gives for this engine's shapes, sorted: what a
-  warm-up compiles."""
+def resume_shapes(*, G: int, M: int, R: int, P: int | None = None,
+                  chunk: int | None = None) -> list[tuple[int, int]]:
+  """Every (Br, T) bucket ``resume_shape`` gives for this engine's shapes within
+  ``call_fits``, sorted: what a warm-up compiles."""
   rows = [1, *(4 ** i for i in range(1, (G * M).bit_length()) if 4 ** i < G * M), G * M]
-  return sorted({resume_shape(r, n, G=G, M=M, R=R, chunk=chunk) for r in rows
-                 for n in (R, R // 2, R // 4) if n >= 1})
+  shapes = {resume_shape(r, n, G=G, M=M, R=R, chunk=chunk) for r in rows
+            for n in (R, R // 2, R // 4) if n >= 1}
+  return sorted(s for s in shapes if call_fits(*s, G=G, P=P, chunk=chunk))
 
 
 def tail_rounds(tails, chunk: int | None) -> list[list[tuple]]:

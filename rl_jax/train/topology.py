@@ -141,12 +141,13 @@ CHIPS = {
 }
 
 _EXAMPLES = "v5e:2x2 (4 chips), v5p:2x2x2 (8 chips, sold as v5p-16), v6e:2x4 (8 chips)"
-# the sampler's programs (``extend``: multi-turn observations)
+# the sampler's programs (``extend``: multi-turn observations; ``resume``, ``resume_tail``:
+# the re-prefill of preempted, held or evicted samples)
 SAMPLER = ("kv_init", "prefill", "extend", "decode", "resume", "resume_tail")
 # what shrinks the sampler's programs (named in the one-line error of one that does not fit)
 SAMPLER_KNOBS = ("rollout.kv_pages (a fixed pool; the engine preempts beyond it), "
                  "rollout.kv_memory_fraction, train.batch_groups, rollout.n, "
-                 "rollout.max_new_tokens, a larger mesh.shape.tensor")
+                 "rollout.max_new_tokens, rollout.prefill_chunk, a larger mesh.shape.tensor")
 
 
 class TopologyPlanError(RLJaxError, MemoryError):  # pylint: disable=invalid-name
@@ -565,13 +566,16 @@ def reprefills(engine, partial: bool) -> bool:
 
 
 def _reprefill_programs(engine, params, state, rows: int, rep, weights: int) -> dict:
-  """The re-prefill at its largest call: every sample of the step's groups (``rows``) at
-  ``min(R, prefill_chunk)`` positions (``prefill.resume``), and where R exceeds the chunk
+  """The re-prefill at its largest call: the step's samples (``rows``) at ``min(R,
+  prefill_chunk)`` positions, as many of them as one call takes (``slots.call_fits``: at most
+  the admission's positions) (``prefill.resume``), and where R exceeds the chunk
   the chunks after the first (``extend.prefill_tail``, attending the prompt and the pages
   before them). Not called every step: ``calls`` 0 (their time is not in the step's), but
   their peak counts in what fits."""
   G, M, R, C = engine.G, engine.M, engine.R, engine.prefill_chunk
-  Br, T = slots_lib.resume_shape(rows, R, G=G, M=M, R=R, chunk=C)
+  most, T = slots_lib.resume_shape(rows, R, G=G, M=M, R=R, chunk=C)
+  Br = max(b for b, t in slots_lib.resume_shapes(G=G, M=M, R=R, P=engine.P, chunk=C)
+           if t == T and b <= most)  # as many as one call takes (``call_fits``)
   res = sampler_lib.Resume(*(_spec(x, rep) for x in slots_lib.resume_rows(Br, T, G)))
   note = (f"re-prefill of {Br} samples x {T} positions (preempted, held or evicted "
           "samples; not every step)")
