@@ -185,10 +185,10 @@ def test_multi_turn_run_compiles_the_agent_engines_programs(tmp_path, prompt_pag
   progs = p["programs"]
   sampler = {"prefill", "decode", "extend"} | ({"resume"} if prompt_pages else set())
   assert set(progs) == {"logprobs", "rl_update", "kv_init"} | sampler
-  if prompt_pages:  # every sample of the 4 groups x 64 positions (R; below the chunk)
+  if prompt_pages:  # 64 positions (R, below the chunk) for as many samples as one call
+    # takes: 4 rows (the smallest bucket; 16 x 64 is more than 4 slots x 32 prompt ids)
     assert progs["resume"]["calls"] == 0
-    assert progs["resume"]["note"].startswith(f"re-prefill of {4 * config.rollout.n} "
-                                              "samples x 64 positions")
+    assert progs["resume"]["note"].startswith("re-prefill of 4 samples x 64 positions")
   assert progs["decode"]["kernels"] == ["paged_decode_attention"]
   # (with the prompt on pages R also holds the first prompt's ids after its first: at most
   # data.max_prompt_len - 1 + 40 = 63, so still 64)

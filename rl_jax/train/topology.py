@@ -26,10 +26,11 @@ largest live-page bucket (``decode.decode``), multi-turn, the observations' incr
 prefill (``extend``), and where the engine re-prefills samples (a fixed pool's preemptions,
 held groups, the time-to-live's evictions, long prompts on pages) that re-prefill at its
 largest call (``prefill.resume``, and ``extend.prefill_tail`` for the chunks after the first
-where the budget exceeds ``rollout.prefill_chunk``), with the response pool the engine starts with (what a growing pool
-reaches is added from the page size). Kernels are the target's: ``sharding.use`` hands the
-mesh's platform to ``pallas_kernels`` (``target_platform``), so the packed log-prob passes
-compile the Pallas TPU shared-prefix kernel with Mosaic.
+where the budget exceeds ``rollout.prefill_chunk``), with the response pool the engine
+starts with (what a growing pool reaches is added from the page size). Kernels are the
+target's: ``sharding.use`` hands the mesh's platform to ``pallas_kernels``
+(``target_platform``), so the packed log-prob passes compile the Pallas TPU shared-prefix
+kernel with Mosaic.
 
 Printed per program (per chip): HBM (XLA's argument, temporary and output bytes, and the
 peak with the rest of the resident state, ``memory``'s plan) against the chip's HBM, FLOPs,
@@ -566,12 +567,12 @@ def reprefills(engine, partial: bool) -> bool:
 
 
 def _reprefill_programs(engine, params, state, rows: int, rep, weights: int) -> dict:
-  """The re-prefill at its largest call: the step's samples (``rows``) at ``min(R,
-  prefill_chunk)`` positions, as many of them as one call takes (``slots.call_fits``: at most
-  the admission's positions) (``prefill.resume``), and where R exceeds the chunk
-  the chunks after the first (``extend.prefill_tail``, attending the prompt and the pages
-  before them). Not called every step: ``calls`` 0 (their time is not in the step's), but
-  their peak counts in what fits."""
+  """The re-prefill at its largest call (``prefill.resume``): as many of the step's ``rows``
+  samples as one call takes (``slots.call_fits``: no more positions than the admission's) at
+  min(R, ``prefill_chunk``) positions each; and where R exceeds the chunk, the chunks after
+  the first (``extend.prefill_tail``, attending the prompt and the pages before them). Not
+  called every step: ``calls`` 0 (their time is not in the step's), but their peak counts in
+  what fits."""
   G, M, R, C = engine.G, engine.M, engine.R, engine.prefill_chunk
   most, T = slots_lib.resume_shape(rows, R, G=G, M=M, R=R, chunk=C)
   Br = max(b for b, t in slots_lib.resume_shapes(G=G, M=M, R=R, P=engine.P, chunk=C)
