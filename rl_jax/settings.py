@@ -174,7 +174,9 @@ class RolloutSettings:
       "Prompts longer than this many tokens (a power of two) are prefilled in chunks of it: "
       "attention scores [chunk, prompt] per head at a time instead of [prompt, prompt] "
       "(rl_jax/rollout/prefill.py); preempted, evicted or held samples are re-prefilled in "
-      "chunks of it too (scores [chunk, prompt + budget]); equal to float rounding")
+      "chunks of it too (scores [chunk, prompt + budget]), in calls of at most the slots x "
+      "min(prompt bucket, chunk) positions (rl_jax/rollout/slots.py); equal to float "
+      "rounding")
 
   def __post_init__(self):
     if self.speculative and not self.temperature > 0:
