@@ -746,8 +746,10 @@ def test_the_first_prompt_on_pages_gives_the_slot_layouts_trajectories():
   _check_exact(out, 1.0)
 
 
-# held groups with the first prompt on pages, exported and imported, run in the fast suite
-# in test_held_multi_turn_groups_keep_their_expert_records[True]
+# the fast suite has its parts: multi-turn held groups exported and imported
+# (test_held_groups_resume_exactly_across_calls_and_checkpoints), held groups with the
+# prompt on pages (test_rollout_engine.py::test_april_returns_k_groups_and_resumes_exactly)
+# and multi-turn first prompts on pages re-prefilled (the test above)
 @pytest.mark.slow
 def test_held_groups_with_the_first_prompt_on_pages_continue_in_either_layout():
   """``prompt_pages`` across calls with held groups and the staleness bound's restarts: the
