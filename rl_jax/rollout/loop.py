@@ -690,18 +690,9 @@ class Loop:
     """Rebuild the K/V of resumed samples (``admission``'s rows) from their tokens: their
     first ``prefill_chunk`` positions by ``prefill.resume``, the rest in chunks of it
     (``prefill_tails``), before any sample forks them."""
-    if not rebuild:
-      return
     e, C = self.e, self.e.prefill_chunk
-    first = [(b, m, g, min(n, C or n)) for b, m, g, n in rebuild]
-    for rows, (Br, T) in slots.resume_calls([n for *_, n in first], G=e.G, M=e.M, R=e.R,
-                                            P=e.P, chunk=C):
-      res = slots.resume_rows(Br, T, e.G)
-      for r, (b, m, g, n) in enumerate(first[i] for i in rows):
-        res.slot[r], res.sample[r], res.length[r] = g, m, n + 1
-        res.tokens[r] = a["tokens"][b, m, :T]  # the n cached positions (T >= n)
-        self.stats["reprefill_tokens"] += n
-      self.state = prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
+    resume = lambda res, _: prefill.resume(e.cfg, self.params, self.state, res, ctx=e.ctx)
+    self.rebuild_pieces(a, [(b, m, g, min(n, C or n), 0) for b, m, g, n in rebuild], resume)
     self.prefill_tails(a, [(b, m, g, n, C) for b, m, g, n in rebuild if C and n > C])
 
   def prefill_tails(self, a, tails) -> None:
@@ -710,16 +701,26 @@ class Loop:
     chunk) from there on (``extend.prefill_tail``), in pieces of at most ``prefill_chunk``
     positions (``slots.tail_rounds``)."""
     e = self.e
+    tail = lambda res, start: prefill_tail(e.cfg, self.params, self.state, res, start,
+                                           ctx=e.ctx)
     for pieces in slots.tail_rounds(tails, e.prefill_chunk):
-      for rows, (Br, T) in slots.resume_calls([n - k for *_, n, k in pieces], G=e.G, M=e.M,
-                                              R=e.R, P=e.P, chunk=e.prefill_chunk):
-        res, start = slots.resume_rows(Br, T, e.G), np.zeros(Br, np.int32)
-        for r, (b, m, g, n, k) in enumerate(pieces[i] for i in rows):
-          res.slot[r], res.sample[r], res.length[r], start[r] = g, m, n + 1, k
-          part = a["tokens"][b, m, k:k + T]
-          res.tokens[r, :len(part)] = part
-          self.stats["reprefill_tokens"] += n - k
-        self.state = prefill_tail(e.cfg, self.params, self.state, res, start, ctx=e.ctx)
+      self.rebuild_pieces(a, pieces, tail)
+
+  def rebuild_pieces(self, a, pieces, program) -> None:
+    """Write the K/V of positions k .. n-1 of each piece ``(row, sample, slot, n, k)`` of the
+    admission arrays ``a`` onto its sample's pages: ``program(res, start)`` (a
+    ``prefill.Resume`` and int32 [Br] first positions) over calls cut by
+    ``slots.resume_calls``."""
+    e = self.e
+    for rows, (Br, T) in slots.resume_calls([n - k for *_, n, k in pieces], G=e.G, M=e.M,
+                                            R=e.R, P=e.P, chunk=e.prefill_chunk):
+      res, start = slots.resume_rows(Br, T, e.G), np.zeros(Br, np.int32)
+      for r, (b, m, g, n, k) in enumerate(pieces[i] for i in rows):
+        res.slot[r], res.sample[r], res.length[r], start[r] = g, m, n + 1, k
+        part = a["tokens"][b, m, k:k + T]
+        res.tokens[r, :len(part)] = part
+        self.stats["reprefill_tokens"] += n - k
+      self.state = program(res, start)
 
   def fork(self, shared, cached=()) -> None:
     """Give resumed samples the pages of a sample whose tokens begin theirs, of their group

@@ -563,7 +563,7 @@ def reprefills(engine, partial: bool) -> bool:
   preempts, held groups (``rollout.partial``) come back, a time-to-live evicts waiting
   groups, or prompts on pages longer than the admission's bucket are re-prefilled."""
   return bool(engine.fixed_pool or partial or engine.prompt_pages
-              or getattr(engine, "ttl", None) is not None)
+              or engine.ttl is not None)
 
 
 def _reprefill_programs(engine, params, state, rows: int, rep, weights: int) -> dict:
