@@ -48,6 +48,11 @@ prompt of 1024 tokens (a tool documentation's stand-in) and a task of 8-64, thre
 up to 32 tokens, 8 slots, pages of 64, calls alternating; time and the K/V in use at the peak
 (the slots' prompt caches and the pool's pages), same trajectories.
 
+``--agent-budget``: does a multi-turn rollout's cost follow its trajectories or its budget?
+16 episodes x 4 samples (a 32-character system prompt, three turns of up to 32 tokens, 8
+slots, pages of 64, the deterministic schedule) at ``max_total_tokens`` 512 and 8192, each
+in its own fresh process, alternating; time, peak resident memory, same trajectories.
+
 Usage::
 
     python scripts/bench_paged.py --rounds 3       # about 5 minutes on 2 CPU cores
@@ -58,6 +63,7 @@ Usage::
     python scripts/bench_paged.py --prompts --repeats 3
     python scripts/bench_paged.py --prompts --new 2 --repeats 3   # the prefill's share
     python scripts/bench_paged.py --agent --repeats 3   # about 8 minutes
+    python scripts/bench_paged.py --agent-budget --rounds 2 --repeats 2
 
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention".
@@ -258,9 +264,11 @@ def prompts_on_pages(repeats: int, new: int = 128) -> None:
         f"same tokens and log-probs: {same}")
 
 
-def agent_prompts(repeats: int, system: int = 1024) -> None:
-  """Multi-turn episodes opening with one long system prompt: the first prompt on pool pages
-  vs in each slot's own cache."""
+def _episodes(system: int, context: int = 4096):
+  """Multi-turn episodes of a character-level renderer: 16 episodes whose first prompts are
+  one system prompt of ``system`` characters and a task of 4-60, three turns, each
+  observation reporting the action's length. Returns (cfg, params, tokenizer, renderer,
+  specs, stop ids, the longest first prompt)."""
   import numpy as np
 
   from rl_jax import rollout
@@ -268,7 +276,7 @@ def agent_prompts(repeats: int, system: int = 1024) -> None:
   from rl_jax.envs import Message, StepResult
 
   tok = CharTokenizer()
-  cfg, params, _ = _workload(tok.vocab_size, 4096, 0)
+  cfg, params, _ = _workload(tok.vocab_size, context, 0)
   rng = np.random.default_rng(5)
   text = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz ,."), system))  # the tools' docs
 
@@ -295,10 +303,20 @@ def agent_prompts(repeats: int, system: int = 1024) -> None:
 
   specs = [rollout.EpisodeSpec(Env, {"q": f"task {i}: " + "x" * int(rng.integers(4, 60))})
            for i in range(16)]
-  P = system + 96  # the longest first prompt
   stop = [tok.eos_id] + tok.encode("aeiou.")
+  return cfg, params, tok, Renderer(), specs, stop, system + 96
+
+
+def agent_prompts(repeats: int, system: int = 1024) -> None:
+  """Multi-turn episodes opening with one long system prompt: the first prompt on pool pages
+  vs in each slot's own cache."""
+  import numpy as np
+
+  from rl_jax import rollout
+
+  cfg, params, tok, renderer, specs, stop, P = _episodes(system)
   make = lambda on: rollout.AgentEngine(
-      cfg, Renderer(), tok.decode, n=4, max_slots=8, max_prompt_len=P, max_total_tokens=192,
+      cfg, renderer, tok.decode, n=4, max_slots=8, max_prompt_len=P, max_total_tokens=192,
       max_turn_tokens=32, max_turns=3, max_obs_tokens=16, stop_ids=stop, seed=1,
       deterministic=True, result_delay=4, page_size=64, prompt_pages=on)
   engines = {on: make(on) for on in (False, True)}
@@ -325,6 +343,65 @@ def agent_prompts(repeats: int, system: int = 1024) -> None:
         f"{b.stats['forked_samples']:.0f} samples forked; same trajectories: {same}")
 
 
+AGENT_BUDGETS = (512, 8192)
+
+
+def agent_budget_child(budget: int, repeats: int) -> dict:
+  """One multi-turn budget in this process: best time of ``repeats`` rollouts of 16 episodes
+  x 4 samples (three turns of up to 32 tokens, a short system prompt) after a warm-up."""
+  import numpy as np
+
+  from rl_jax import rollout
+
+  cfg, params, tok, renderer, specs, stop, P = _episodes(32, context=16384)
+  engine = rollout.AgentEngine(
+      cfg, renderer, tok.decode, n=4, max_slots=8, max_prompt_len=P, max_total_tokens=budget,
+      max_turn_tokens=32, max_turns=3, max_obs_tokens=16, stop_ids=stop, seed=1,
+      deterministic=True, result_delay=4, page_size=64)
+  out = engine.rollout(params, specs)
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    out = engine.rollout(params, specs)
+    best = min(best, time.perf_counter() - t)
+  engine.close()
+  n = int(out.lengths.max())
+  toks = np.where(np.arange(out.tokens.shape[1])[None, :n] < out.lengths[:, None],
+                  out.tokens[:, :n], -1)
+  return dict(seconds=best, rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              tokens_sha=hashlib.sha256(np.ascontiguousarray(toks).tobytes()).hexdigest()[:16],
+              mean_len=float(out.lengths.mean()), max_len=n,
+              peak_pages=out.stats["kv_pages_used_peak"])
+
+
+def agent_budget(rounds: int, repeats: int) -> None:
+  """The multi-turn rollout's cost at ``max_total_tokens`` 8192 vs 512, same trajectories:
+  each budget in its own fresh process, alternating."""
+  runs = {b: [] for b in AGENT_BUDGETS}
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  for r in range(rounds):
+    for b in AGENT_BUDGETS:
+      p = subprocess.run([sys.executable, __file__, "--agent-child", str(b), "--repeats",
+                          str(repeats)], capture_output=True, text=True, check=False, env=env)
+      if p.returncode:
+        raise SystemExit(f"budget {b} exited {p.returncode}:\n{p.stderr[-3000:]}")
+      line = next(l for l in p.stdout.splitlines() if l.startswith("@@"))
+      runs[b].append(json.loads(line[3:]))
+      print(f"round {r} budget {b}: {runs[b][-1]}", flush=True)
+  med = lambda b, k: sorted(x[k] for x in runs[b])[len(runs[b]) // 2]
+  first = runs[AGENT_BUDGETS[0]][0]
+  same = len({x["tokens_sha"] for v in runs.values() for x in v}) == 1
+  print(f"\n16 episodes x 4 samples, {first['mean_len']:.0f} trajectory tokens a sample "
+        f"(longest {first['max_len']}); trajectories identical across budgets: {same}")
+  print("| max_total_tokens | time (s) | peak RSS (MiB) | peak pages |\n|---|---|---|---|")
+  for b in AGENT_BUDGETS:
+    print(f"| {b} | {med(b, 'seconds'):.3f} | {med(b, 'rss_mib'):.0f} | "
+          f"{med(b, 'peak_pages'):.0f} |")
+  lo, hi = AGENT_BUDGETS
+  print(f"{hi} / {lo}: time {med(hi, 'seconds') / med(lo, 'seconds'):.2f}x, peak RSS "
+        f"{med(hi, 'rss_mib') / med(lo, 'rss_mib'):.2f}x")
+
+
 def _timed(fn) -> float:
   t = time.perf_counter()
   fn()
@@ -343,10 +420,13 @@ def main() -> None:
   ap.add_argument("--prompts", action="store_true", help="prompts on pages vs in the slot")
   ap.add_argument("--agent", action="store_true",
                   help="multi-turn first prompts on pages vs in the slot")
+  ap.add_argument("--agent-budget", action="store_true",
+                  help="multi-turn episodes at max_total_tokens 8192 vs 512")
   ap.add_argument("--new", type=int, default=128, help="--prompts: max_new_tokens")
   ap.add_argument("--accelerator", action="store_true",
                   help="run the children on JAX's default backend, not the CPU")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--agent-child", type=int, default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.fixed_budget:
     return fixed_budget(args.repeats)
@@ -358,6 +438,11 @@ def main() -> None:
     return prompts_on_pages(args.repeats, args.new)
   if args.agent:
     return agent_prompts(args.repeats)
+  if args.agent_budget:
+    return agent_budget(args.rounds, args.repeats)
+  if args.agent_child:
+    print("@@", json.dumps(agent_budget_child(args.agent_child, args.repeats)), flush=True)
+    return
   if args.child:
     max_new, page = map(int, args.child.split(","))
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)

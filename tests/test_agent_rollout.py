@@ -20,8 +20,9 @@ from rl_jax.data.tokenizers import CharTokenizer
 from rl_jax.envs import Message, StepResult
 from rl_jax.envs import base as env_base
 from rl_jax.rollout import extend as ext_lib
-from rl_jax.rollout import sampler, slots
+from rl_jax.rollout import pages, sampler, slots
 from rl_jax.rollout.engine import PAGE_STATS
+from tests.test_paged_kv import _on_pages
 
 TOK = CharTokenizer()
 CFG = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48,
@@ -177,12 +178,16 @@ def test_trained_ids_are_the_sampled_ids_with_a_lossy_tokenizer():
     _replay_observations(out, b, detok=twin.decode)
 
 
-def test_incremental_prefill_equals_reprefill():
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_incremental_prefill_equals_reprefill(page_size):
+  """``extend``'s logits equal a full forward pass and the K/V it writes equals a re-prefill
+  of the whole history (``resume``); with pages of 8 the chunks attend only the live-page
+  bucket covering their trajectories (``live``: fewer than the table's 16 entries)."""
   G, M, P, R = 2, 2, 32, 128  # the engine tests' shapes: programs compile once
   sp, filt = rollout.records.sampling_params(CFG, 1.0, 0, 1.0, [TOK.eos_id] + STOP, None)
   key = jax.random.key(0, impl="threefry2x32")
   prompt = TOK.encode("U:hi\nA:")
-  state = sampler.init_state(CFG, G, M, P, R)
+  state = sampler.init_state(CFG, G, M, P, R, S=page_size)
   a = slots.admission_rows(G, 16, G=G, M=M, R=R, budget=6)
   a["slots"][0], a["prompt_len"][0], a["request_id"][0] = 0, len(prompt), 7
   a["prompt"][0, :len(prompt)], a["sample_id"][0] = prompt, [0, 1]
@@ -199,10 +204,15 @@ def test_incremental_prefill_equals_reprefill():
   for m in range(M):
     x.tokens[m, 0], x.tokens[m, 1:1 + len(obs[m])] = state.tokens[0, m, length[m] - 1], obs[m]
     x.count[m] = 1 + len(obs[m])
-  state, logits = ext_lib.extend(CFG, PARAMS, state, x, sp, jnp.int32(1), filtered=filt)
+  live = None
+  if page_size:
+    live = pages.live_bucket(int(x.start.max()), page_size, R // page_size, floor_tokens=1)
+    assert live < R // page_size
+  state, logits = ext_lib.extend(CFG, PARAMS, state, x, sp, jnp.int32(1), filtered=filt,
+                                 live=live)
   # reference 1: a full forward pass (re-prefill of the whole history)
   # reference 2: the engine's re-prefill path (``resume``) of the same history into a fresh state
-  fresh = sampler.init_state(CFG, G, M, P, R)
+  fresh = sampler.init_state(CFG, G, M, P, R, S=page_size)
   fresh = sampler.admit(CFG, PARAMS, fresh, sampler.Admission(**a), sp, jnp.int32(0), key,
                         filtered=filt)
   res = slots.resume_rows(4, R // 4, G)
@@ -218,12 +228,8 @@ def test_incremental_prefill_equals_reprefill():
   fresh = sampler.resume(CFG, PARAMS, fresh, res)
   for m in range(M):
     n = int(state.length[0, m]) - 1  # cached positions (the last token is fed next)
-    for l in range(CFG.num_layers):
-      # keys [K,H,R] (length last), values [K,R,H]
-      np.testing.assert_allclose(state.suffix_k[l][0, m, ..., :n],
-                                 fresh.suffix_k[l][0, m, ..., :n], atol=1e-5)
-      np.testing.assert_allclose(state.suffix_v[l][0, m, :, :n],
-                                 fresh.suffix_v[l][0, m, :, :n], atol=1e-5)
+    for x, y in zip(_on_pages(state, 0, m, n), _on_pages(fresh, 0, m, n)):
+      np.testing.assert_allclose(x, y, atol=1e-5)
 
 
 def _same(a, b):

@@ -15,6 +15,7 @@ import scipy.special
 import pallas_kernels
 from rl_jax import models, rollout, sharding
 from rl_jax.rollout import decode as decode_lib
+from rl_jax.rollout import extend as extend_lib
 from rl_jax.rollout import loop as loop_lib
 from rl_jax.rollout import pages, prefill
 from rl_jax.rollout.loop import group_pages
@@ -275,6 +276,48 @@ def test_the_admissions_prefill_writes_the_prompt_onto_pages_as_a_resume_does():
       for x, y in zip(_on_pages(one, g, m, len(p) - 2), _on_pages(two, g, m, len(p) - 2)):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
   np.testing.assert_array_equal(np.asarray(one.length), np.asarray(two.length))
+
+
+@pytest.mark.parametrize("live", [None, 4])
+def test_a_tail_reading_the_live_pages_before_it_writes_what_a_whole_re_prefill_does(live):
+  """``extend.prefill_tail`` of positions 12 .. of two samples whose first 12 are on their
+  pages (written by ``prefill.resume``), attending the prompt and only the first ``live``
+  of their 16 pages (the bucket of 16 positions covering the 12; None: every page), writes
+  the K/V that one ``prefill.resume`` of the whole rows writes, to float rounding."""
+  G, Mx, R, S, k = 2, 2, 64, 4, 12
+  sp = rollout.RolloutEngine(CFG, n=Mx, max_new_tokens=8, max_prompt_len=8).sp
+  key, version = jax.random.key(0, impl="threefry2x32"), jnp.int32(0)
+  a = rollout.slots.admission_rows(4, 8, G=G, M=Mx, R=R, budget=R)
+  rng = np.random.default_rng(0)
+  rows = [(0, 1, rng.integers(1, 60, 30)), (1, 0, rng.integers(1, 60, 23))]
+  for g, p in enumerate(PROMPTS[2:4]):
+    a["slots"][g], a["prompt_len"][g] = g, len(p)
+    a["prompt"][g, :len(p)] = p
+
+  def admitted():
+    state = rollout.kv_cache.init_state(CFG, G, Mx, 8, R, S=S, pages=G * Mx * R // S)
+    return rollout.prefill.admit(CFG, PARAMS, state, rollout.prefill.Admission(**a), sp,
+                                 version, key, filtered=False)
+
+  def resume(state, upto):
+    res = rollout.slots.resume_rows(4, 32, G)
+    for r, (g, m, toks) in enumerate(rows):
+      n = min(len(toks), upto)
+      res.slot[r], res.sample[r], res.length[r] = g, m, n + 1 if n < len(toks) else n
+      res.tokens[r, :n] = toks[:n]
+    return rollout.prefill.resume(CFG, PARAMS, state, res)
+
+  whole = resume(admitted(), R)
+  tail = resume(admitted(), k)
+  res, start = rollout.slots.resume_rows(4, 32, G), np.zeros(4, np.int32)
+  for r, (g, m, toks) in enumerate(rows):
+    res.slot[r], res.sample[r], res.length[r], start[r] = g, m, len(toks), k
+    res.tokens[r, :len(toks) - k] = toks[k:]
+  tail = extend_lib.prefill_tail(CFG, PARAMS, tail, res, start, live=live)
+  for g, m, toks in rows:
+    assert (np.asarray(tail.pages)[g, m] >= 0).sum() == -(-(len(toks) - 1) // S)
+    for x, y in zip(_on_pages(tail, g, m, len(toks) - 1), _on_pages(whole, g, m, len(toks) - 1)):
+      np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("identity", [False, True])

@@ -19,7 +19,9 @@ trajectory index, so sampling does not depend on when (or in which batch) the ch
 The trajectory's K/V lives on the sample's pages of the response pool (``pages``).
 
 Nothing of the history is recomputed: the cost is that of the chunk's tokens attending a
-cached context (an incremental prefill).
+cached context (an incremental prefill) read up to a live-page bucket (``live``: a power of
+two of pages covering the rows' trajectories so far, as the decode reads), so it follows the
+trajectories' lengths rather than the budget R.
 
 Mixture of experts: the chunk's first token is the model's (the turn's last sampled token),
 fed here rather than by a decode step, so the experts every MoE layer chooses for it are
@@ -66,11 +68,12 @@ class Extension(NamedTuple):
   budget: Any
 
 
-def _context(state: DecodeState, slot, sample, start):
-  """Per-row cached context, prompt then trajectory: (k, v) [L,Be,P+R,K,H], valid [Be,P+R]."""
+def _context(state: DecodeState, slot, sample, start, nb: int):
+  """Per-row cached context, the prompt then the first ``nb`` pages of the trajectory:
+  (k, v) [L,Be,P+nb·S,K,H], valid [Be,P+nb·S] (trajectory positions below ``start``)."""
   P = state.prefix_v[0].shape[2]
-  table = state.pages[slot, sample]  # [Be,NP]
-  R = table.shape[-1] * state.suffix_v[0].shape[2]
+  table = state.pages[slot, sample][:, :nb]  # [Be,nb]
+  R = nb * state.suffix_v[0].shape[2]
   # keys are stored length-last ([Be,K,H,len]), values [Be,K,len,H]
   suffix = [pages.contiguous(k, v, table) for k, v in zip(state.suffix_k, state.suffix_v)]
   join = lambda pre, suf, axis: jnp.stack([
@@ -83,16 +86,19 @@ def _context(state: DecodeState, slot, sample, start):
           jnp.concatenate([pvalid, svalid], axis=1))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx"),
+@functools.partial(jax.jit, static_argnames=("cfg", "filtered", "ctx", "live"),
                    donate_argnames=("state",))
 def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, version,
-           filtered: bool, ctx=None) -> tuple[DecodeState, jax.Array]:
+           filtered: bool, ctx=None, live: int | None = None) -> tuple[DecodeState, jax.Array]:
   """Incremental prefill of chunks onto samples' caches, then one sampled token per row.
 
   Args:
     params: model parameters (jit argument). state: DecodeState (donated). ext: Extension.
     sp: SamplingParams. version: int32 policy version recorded for the sampled tokens.
     filtered: static; top-k/top-p active.
+    live: static; the chunks attend the first ``live`` pages of their rows' trajectories
+      (a bucket covering every row's ``start``, so the work follows the trajectories'
+      lengths, not the budget R); None: every entry (NP).
   Returns:
     (state, logits float32 [Be,V] of each chunk's last token). Each listed sample's
     trajectory holds the chunk at ``start ..`` (log-prob 0, version -1 on the observation
@@ -111,8 +117,9 @@ def extend(cfg: ModelConfig, params, state: DecodeState, ext: Extension, sp, ver
     cvalid = j[None, :] < ext.count[:, None]
     bmask = (j[:, None] >= j[None, :])[None] & cvalid[:, None, :]
     moe = state.routing is not None
+    nb = state.pages.shape[-1] if live is None else live
     h, ck, cv, *ids = run_trunk(cfg, params, ext.tokens, pos, Be, 1, bmask[:, None],
-                                prefix=_context(state, slot, ext.sample, ext.start),
+                                prefix=_context(state, slot, ext.sample, ext.start, nb),
                                 return_routing=moe)
     last = jnp.take_along_axis(h, (ext.count - 1)[:, None, None], axis=1)[:, 0]
     logits = tx.logits_from_hidden(cfg, params, last)  # [Be,V]
@@ -172,9 +179,10 @@ def _chunk_routing(routing, ext: Extension, ids):
   return routing.at[at].set(chunk, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ctx"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "live"),
+                   donate_argnames=("state",))
 def prefill_tail(cfg: ModelConfig, params, state: DecodeState, res: Resume, start,
-                 ctx=None) -> DecodeState:
+                 ctx=None, live: int | None = None) -> DecodeState:
   """Rebuild resumed samples' response K/V from index ``start`` on: the positions below it
   are on their pages already (a fork's whole pages of another sample with the same tokens
   there, ``slots.forks``), so only the rest is computed, as an incremental prefill.
@@ -185,6 +193,8 @@ def prefill_tail(cfg: ModelConfig, params, state: DecodeState, res: Resume, star
       ``start .. start+T-1`` and ``length`` its whole length (the last token is fed by the
       next decode step, so K/V is built up to index ``length − 2``).
     start: int32 [Br] the positions each row holds on its pages.
+    live: static; the block attends the first ``live`` pages of each row (a bucket covering
+      every row's ``start``); None: every entry (NP).
   Returns:
     Updated DecodeState: the block's K/V on the rows' pages at ``start ..`` (pages taken as
     needed). Its queries attend the slot's prompt, the sample's positions below ``start``
@@ -206,10 +216,11 @@ def prefill_tail(cfg: ModelConfig, params, state: DecodeState, res: Resume, star
     valid = j[None, :] < count[:, None]
     bmask = (j[:, None] >= j[None, :])[None] & valid[:, None, :]
     # keys of the context: the prompt at 0 .. P-1, response index r at prefix_len + r
+    nb = NP if live is None else live
     key_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(P), (Br, P)),
-                               plen[:, None] + jnp.arange(NP * S)[None, :]], axis=1)
+                               plen[:, None] + jnp.arange(nb * S)[None, :]], axis=1)
     _, ck, cv = run_trunk(cfg, params, res.tokens, pos, Br, 1, bmask[:, None],
-                          prefix=_context(state, slot, res.sample, start),
+                          prefix=_context(state, slot, res.sample, start, nb),
                           block_delta=(j[:, None] - j[None, :])[None, None],
                           prefix_delta=(pos[:, :, None] - key_pos[:, None, :])[:, None])
     need = pages.rows_need(res.slot, res.sample, start, count, G, M, NP, S)

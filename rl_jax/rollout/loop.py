@@ -702,7 +702,7 @@ class Loop:
     positions (``slots.tail_rounds``)."""
     e = self.e
     tail = lambda res, start: prefill_tail(e.cfg, self.params, self.state, res, start,
-                                           ctx=e.ctx)
+                                           ctx=e.ctx, live=live_bucket(e, int(start.max())))
     for pieces in slots.tail_rounds(tails, e.prefill_chunk):
       self.rebuild_pieces(a, pieces, tail)
 
@@ -794,7 +794,8 @@ class Loop:
       self.room(self.per_shard((g, -(-c // e.S) + 1)
                                for g, c in zip(x.slot, x.count) if g < e.G))
       self.state, _ = extend(e.cfg, self.params, self.state, x, e.sp, self.version,
-                             filtered=e.filtered, ctx=e.ctx)
+                             filtered=e.filtered, ctx=e.ctx,
+                             live=live_bucket(e, int(x.start.max())))
     return True
 
   def decode(self):
@@ -903,9 +904,9 @@ def warmup(e, params) -> int:
   """Compile every program the loop runs for engine ``e`` on padding rows, so no rollout
   call compiles: admission buckets (groups x prompt length, and the all-slots-free variant),
   re-prefill buckets (samples x tokens), with environments the observations' extension
-  buckets (samples x chunk length), and the decode loop at the first live-page bucket
-  (longer trajectories compile one program per further power-of-two bucket when they reach
-  it). Forks (``kv_cache.fork_samples`` and ``extend.prefill_tail``: samples that share
+  buckets (samples x chunk length), and the extensions and the decode loop at the first
+  live-page bucket (longer trajectories compile one program per further power-of-two
+  bucket when they reach it). Forks (``kv_cache.fork_samples`` and ``extend.prefill_tail``: samples that share
   another's pages, ``slots.forks``) compile when a rollout first forks, the latter also
   when it first re-prefills a sample longer than ``prefill_chunk``. ``params``: sampler
   parameters. Returns the number of programs traced."""
@@ -914,6 +915,7 @@ def warmup(e, params) -> int:
   identity = e.pool_plan.in_place(e.pool_pages)  # as ``Loop`` decides it
   state = kv_cache.init_state(e.cfg, e.G, e.M, e.P, e.R, ctx=e.ctx, S=e.S, pages=e.pool_pages,
                               identity=identity)
+  live = live_bucket(e, 1)
   for Bn in slots.buckets(4, e.G):
     for Pb in slots.buckets(8, pow2(e.max_prompt_len, 8)):
       for fresh in ((False, True) if Bn == e.G else (False,)):
@@ -928,9 +930,8 @@ def warmup(e, params) -> int:
         x = Extension(np.full(Be, e.G, np.int32), np.zeros(Be, np.int32), np.zeros(Be, np.int32),
                       np.zeros((Be, C), np.int32), np.ones(Be, np.int32), np.zeros(Be, np.int32))
         state, _ = extend(e.cfg, params, state, x, e.sp, version, filtered=e.filtered,
-                          ctx=e.ctx)
+                          ctx=e.ctx, live=live)
   state = kv_cache.release_slots(state, np.ones(e.G, bool), identity=identity, ctx=e.ctx)
-  live = live_bucket(e, 1)
   state, _ = decode(e.cfg, params, state, e.sp, version, jnp.int32(1), jnp.int32(1),
                     jnp.int32(1), filtered=e.filtered, ctx=e.ctx, live=live, identity=identity)
   e.programs.add((live, 0, e.pool_pages))
