@@ -906,10 +906,11 @@ def warmup(e, params) -> int:
   re-prefill buckets (samples x tokens), with environments the observations' extension
   buckets (samples x chunk length), and the extensions and the decode loop at the first
   live-page bucket (longer trajectories compile one program per further power-of-two
-  bucket when they reach it). Forks (``kv_cache.fork_samples`` and ``extend.prefill_tail``: samples that share
-  another's pages, ``slots.forks``) compile when a rollout first forks, the latter also
-  when it first re-prefills a sample longer than ``prefill_chunk``. ``params``: sampler
-  parameters. Returns the number of programs traced."""
+  bucket when they reach it). Forks (``kv_cache.fork_samples`` and
+  ``extend.prefill_tail``: samples that share another's pages, ``slots.forks``) compile
+  when a rollout first forks, the latter also when it first re-prefills a sample longer
+  than ``prefill_chunk``. ``params``: sampler parameters. Returns the number of programs
+  traced."""
   before = sum(kv_cache.TRACE_COUNTS.values())
   key, version = jax.random.key(e.seed, impl="threefry2x32"), jnp.int32(0)
   identity = e.pool_plan.in_place(e.pool_pages)  # as ``Loop`` decides it
