@@ -377,17 +377,9 @@ def agent_budget_child(budget: int, repeats: int) -> dict:
 def agent_budget(rounds: int, repeats: int) -> None:
   """The multi-turn rollout's cost at ``max_total_tokens`` 8192 vs 512, same trajectories:
   each budget in its own fresh process, alternating."""
-  runs = {b: [] for b in AGENT_BUDGETS}
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  for r in range(rounds):
-    for b in AGENT_BUDGETS:
-      p = subprocess.run([sys.executable, __file__, "--agent-child", str(b), "--repeats",
-                          str(repeats)], capture_output=True, text=True, check=False, env=env)
-      if p.returncode:
-        raise SystemExit(f"budget {b} exited {p.returncode}:\n{p.stderr[-3000:]}")
-      line = next(l for l in p.stdout.splitlines() if l.startswith("@@"))
-      runs[b].append(json.loads(line[3:]))
-      print(f"round {r} budget {b}: {runs[b][-1]}", flush=True)
+  runs = _in_fresh_processes(
+      {b: ["--agent-child", str(b), "--repeats", str(repeats)] for b in AGENT_BUDGETS}, rounds,
+      dict(os.environ, JAX_PLATFORMS="cpu"))
   med = lambda b, k: sorted(x[k] for x in runs[b])[len(runs[b]) // 2]
   first = runs[AGENT_BUDGETS[0]][0]
   same = len({x["tokens_sha"] for v in runs.values() for x in v}) == 1
@@ -400,6 +392,23 @@ def agent_budget(rounds: int, repeats: int) -> None:
   lo, hi = AGENT_BUDGETS
   print(f"{hi} / {lo}: time {med(hi, 'seconds') / med(lo, 'seconds'):.2f}x, peak RSS "
         f"{med(hi, 'rss_mib') / med(lo, 'rss_mib'):.2f}x")
+
+
+def _in_fresh_processes(settings: dict, rounds: int, env: dict) -> dict:
+  """Run each setting's child (``settings``: name -> this script's arguments for it) in a
+  fresh process, the settings alternating, ``rounds`` times; each name's results (the
+  child's "@@" JSON line) in round order."""
+  runs = {name: [] for name in settings}
+  for r in range(rounds):
+    for name, argv in settings.items():
+      p = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
+                         check=False, env=env)
+      if p.returncode:
+        raise SystemExit(f"{name} exited {p.returncode}:\n{p.stderr[-3000:]}")
+      line = next(l for l in p.stdout.splitlines() if l.startswith("@@"))
+      runs[name].append(json.loads(line[3:]))
+      print(f"round {r} {name}: {runs[name][-1]}", flush=True)
+  return runs
 
 
 def _timed(fn) -> float:
@@ -447,18 +456,10 @@ def main() -> None:
     max_new, page = map(int, args.child.split(","))
     print("@@", json.dumps(child(max_new, page, args.repeats)), flush=True)
     return
-  runs = {name: [] for name in SETTINGS}
   env = dict(os.environ) if args.accelerator else dict(os.environ, JAX_PLATFORMS="cpu")
-  for r in range(args.rounds):
-    for name, (max_new, page) in SETTINGS.items():
-      p = subprocess.run([sys.executable, __file__, "--child", f"{max_new},{page}",
-                          "--repeats", str(args.repeats)], capture_output=True, text=True,
-                         check=False, env=env)
-      if p.returncode:
-        raise SystemExit(f"{name} exited {p.returncode}:\n{p.stderr[-3000:]}")
-      line = next(l for l in p.stdout.splitlines() if l.startswith("@@"))
-      runs[name].append(json.loads(line[3:]))
-      print(f"round {r} {name}: {runs[name][-1]}", flush=True)
+  runs = _in_fresh_processes(
+      {name: ["--child", f"{max_new},{page}", "--repeats", str(args.repeats)]
+       for name, (max_new, page) in SETTINGS.items()}, args.rounds, env)
   med = lambda name, k: sorted(x[k] for x in runs[name])[len(runs[name]) // 2]
   shas = {x["tokens_sha"] for v in runs.values() for x in v}
   print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
