@@ -62,6 +62,17 @@ Scores and softmax are float32; 16-bit pages are multiplied natively (probabilit
 to the values' dtype for p·V), float32 ones at ``jax_default_matmul_precision``: the online
 softmax and its products are the shared-prefix kernels' (``_tiles``).
 
+Why not the kernels JAX ships (``jax.experimental.pallas.ops.tpu`` ``ragged_paged_attention``
+and ``paged_attention``, ``ops.gpu.paged_attention``): none returns the log-sum-exp, so none
+can be merged with the prompt read once per group; each wants its own pool layout (K and V
+interleaved on the head axis, or head-major pages), where this one reads the pool the CPU
+path and the page writes use (keys length-last), so one pool serves every backend; and the
+ragged TPU kernel reads ``jax.devices()`` for its block sizes, which a TPU compile from a
+CPU host (``train/topology.py``) does not have. The cost: a shared page (a fork's, a prompt
+on pages) is read once per sample here, not once per group. On one H200 this kernel reads
+39% of the HBM bandwidth (docs/BENCHMARKS.md, "NVIDIA H200"); on TPU it is compiled, not
+timed.
+
 Reference: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
 with PagedAttention"; Milakov & Gimelshein 2018, "Online normalizer calculation for
 softmax".
